@@ -1,0 +1,1 @@
+"""loka_train.comm."""
