@@ -1,0 +1,100 @@
+"""The callback seam: hooks the Trainer calls, and that the LoKA plugin plugs into.
+
+A callback subclasses `Callback` and overrides the hooks it needs; every hook has a no-op
+default. Its `state_dict()` is saved in every checkpoint under `callback.name` and handed
+back to `load_state_dict()` on resume, before `on_train_start`.
+
+Order within a run:
+    on_before_shard -> (resume) load_state_dict -> on_train_start ->
+    [on_step_start -> forward/backward -> on_after_backward -> optimizer.step ->
+     on_step_end]* -> on_eval_end (whenever an evaluation ran) -> on_train_end
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loka_train.runtime.trainer import Trainer
+
+
+class Callback:
+    """Base class of trainer callbacks.
+
+    Example:
+        >>> class PrintLoss(Callback):
+        ...     def on_step_end(self, trainer, step, metrics):
+        ...         if "train/loss" in metrics:
+        ...             print(step, metrics["train/loss"])
+    """
+
+    @property
+    def name(self) -> str:
+        """Key of this callback's state in checkpoints; unique within a Trainer."""
+        return type(self).__name__
+
+    def on_before_shard(self, trainer: Trainer) -> None:
+        """The unsharded model is built (`trainer.model`), nothing is sharded yet.
+
+        A callback may replace `trainer.model` (e.g. convert dense modules), append to
+        `trainer.sharders`, or set `trainer.data_parallel_wrapper` here.
+        """
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        """The model is sharded, the optimizer built and any checkpoint restored."""
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        """Step `step` (0-based) is about to run."""
+
+    def on_after_backward(self, trainer: Trainer, step: int) -> None:
+        """Gradients of step `step` are ready; the dense optimizer has not stepped yet.
+
+        (Embedding tables use TorchRec's fused optimizer, which updates during backward.)
+        """
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        """Step `step` finished; `metrics` holds what was logged at this step (maybe empty)."""
+
+    def on_eval_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation after step `step` finished with `metrics` (eval/ne, eval/auc, ...)."""
+
+    def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        """Training ended (also when stopped by `stop_after_step`); `summary` is final."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint; must be torch.save-able."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+class CallbackList:
+    """Calls each hook on every callback in order; names must be unique."""
+
+    def __init__(self, callbacks: list[Callback]) -> None:
+        names = [cb.name for cb in callbacks]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"callback names must be unique, got duplicates {dupes}")
+        self.callbacks = list(callbacks)
+
+    def __iter__(self):
+        return iter(self.callbacks)
+
+    def call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(*args)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {cb.name: cb.state_dict() for cb in self.callbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [cb.name for cb in self.callbacks if cb.name not in state]
+        if missing:
+            raise ValueError(
+                f"checkpoint has no state for callbacks {missing}; it was written by a run "
+                "without them. Resume with the same callbacks, or start fresh (trainer.resume=never)."
+            )
+        for cb in self.callbacks:
+            cb.load_state_dict(state[cb.name])

@@ -1,0 +1,222 @@
+"""Checkpoints of a sharded run: one file per rank, written atomically, loaded in place.
+
+Layout under `<out_dir>/checkpoints/`:
+    step_00000100/rank_0.pt ... rank_{W-1}.pt, meta.json
+    latest                      (text file naming the newest complete step directory)
+
+Every rank saves its local view (sharded embedding weights and fused optimizer state as
+its local shards, dense parameters, dense optimizer state, RNG states, data position,
+callback states) into a temporary directory; only when every rank succeeded does rank 0
+rename it into place and then atomically repoint `latest`. A failed save therefore never
+touches the previous checkpoint. Loading copies tensors in place into the live state
+(so fused TorchRec optimizer state and ShardedTensor views are updated where they live)
+and requires the same world size and sharding; a mismatch or a corrupt file raises
+`CheckpointError` naming the file and the fix, on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the fix."""
+
+
+def _sharded_tensor_type() -> type:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return ShardedTensor
+
+
+def to_local(obj: Any) -> Any:
+    """Replace every ShardedTensor by the list of its local shards (detached copies)."""
+    sharded = _sharded_tensor_type()
+    if isinstance(obj, sharded):
+        return {"__local_shards__": [s.tensor.detach().cpu().clone() for s in obj.local_shards()]}
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: to_local(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_local(v) for v in obj)
+    return obj
+
+
+def copy_into(live: Any, saved: Any, path: str) -> None:
+    """Copy `saved` (from `to_local`) into the live state in place; raise on any mismatch."""
+    sharded = _sharded_tensor_type()
+    if isinstance(live, sharded):
+        if not (isinstance(saved, dict) and "__local_shards__" in saved):
+            raise CheckpointError(f"{path}: expected sharded state, found {type(saved).__name__}")
+        shards = live.local_shards()
+        if len(shards) != len(saved["__local_shards__"]):
+            raise CheckpointError(
+                f"{path}: {len(saved['__local_shards__'])} local shards saved, {len(shards)} now; "
+                "the sharding plan changed"
+            )
+        for shard, value in zip(shards, saved["__local_shards__"]):
+            _copy_tensor(shard.tensor, value, path)
+    elif isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor):
+            raise CheckpointError(f"{path}: expected a tensor, found {type(saved).__name__}")
+        _copy_tensor(live, saved, path)
+    elif isinstance(live, dict):
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path}: expected a dict, found {type(saved).__name__}")
+        missing = sorted(set(map(str, live)) - set(map(str, saved)))
+        unexpected = sorted(set(map(str, saved)) - set(map(str, live)))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{path}: keys differ (missing {missing[:5]}, unexpected {unexpected[:5]}); "
+                "the model or optimizer changed since this checkpoint"
+            )
+        for key in live:
+            copy_into(live[key], saved[key], f"{path}.{key}")
+
+
+def _copy_tensor(live: torch.Tensor, saved: torch.Tensor, path: str) -> None:
+    if live.shape != saved.shape:
+        raise CheckpointError(
+            f"{path}: shape {tuple(saved.shape)} in checkpoint, {tuple(live.shape)} in the model; "
+            "the model config or sharding changed"
+        )
+    with torch.no_grad():
+        live.copy_(saved.to(device=live.device, dtype=live.dtype))
+
+
+def _all_ok(ok: bool) -> bool:
+    """True on every rank iff `ok` on every rank (a MIN all-reduce)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class CheckpointManager:
+    """Writes, finds and restores checkpoints under one directory.
+
+    Args:
+        root: the checkpoint directory (created on save).
+        rank: this process's rank.
+        world_size: number of ranks; a checkpoint only loads into the same world size.
+        keep: number of most recent checkpoints to keep.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, rank: int, world_size: int, keep: int) -> None:
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None when there is none."""
+        pointer = self.root / LATEST
+        if not pointer.exists():
+            return None
+        name = pointer.read_text().strip()
+        path = self.root / name
+        if not (path / "meta.json").exists():
+            raise CheckpointError(
+                f"{pointer} names {name!r}, which is missing or incomplete. Delete {pointer} to "
+                "start fresh, or point it at an existing step_* directory."
+            )
+        return path
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Save this rank's `state` for `step`; collective: every rank must call it."""
+        final = self.root / f"step_{step:08d}"
+        # Every rank must write into the same temporary directory: derive it from rank 0.
+        token = [uuid.uuid4().hex[:8]]
+        if dist.is_initialized():
+            dist.broadcast_object_list(token, src=0)
+        tmp = self.root / f".tmp_step_{step:08d}_{token[0]}"
+        error: BaseException | None = None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            torch.save(to_local(state), tmp / f"rank_{self.rank}.pt")
+        except Exception as exc:  # reported collectively below, then re-raised
+            error = exc
+        ok = _all_ok(error is None)
+        if ok and self.rank == 0:
+            try:
+                (tmp / "meta.json").write_text(
+                    json.dumps({**meta, "step": step, "world_size": self.world_size}, indent=2)
+                )
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                pointer_tmp = self.root / f".{LATEST}.{token[0]}"
+                pointer_tmp.write_text(final.name)
+                os.replace(pointer_tmp, self.root / LATEST)
+            except Exception as exc:
+                error = exc
+        ok = _all_ok(error is None) and ok
+        if not ok:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            where = f"rank {self.rank}: {error!r}" if error else "another rank"
+            raise CheckpointError(
+                f"saving checkpoint step {step} to {final} failed ({where}); the previous "
+                f"checkpoint ({self.root / LATEST}) is untouched. Check free disk space and "
+                "permissions of trainer.out_dir."
+            ) from error
+        if self.rank == 0:
+            self._prune()
+        _barrier()
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def _prune(self) -> None:
+        steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        for old in steps[: max(0, len(steps) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Read this rank's state and the meta of checkpoint `path`; collective."""
+        error: str | None = None
+        state: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            if meta.get("world_size") != self.world_size:
+                error = (
+                    f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has "
+                    f"{self.world_size}; resume with the same number of processes or start fresh "
+                    "(trainer.resume=never)"
+                )
+            else:
+                file = path / f"rank_{self.rank}.pt"
+                state = torch.load(file, map_location="cpu", weights_only=False)
+                if not isinstance(state, dict):
+                    error = f"{file} does not hold a checkpoint dict"
+        except Exception as exc:
+            error = (
+                f"checkpoint {path} is unreadable or corrupt ({type(exc).__name__}: {exc}). "
+                "Delete it (and fix 'latest') to resume from an earlier one, or start fresh "
+                "(trainer.resume=never)"
+            )
+        if not _all_ok(error is None):
+            raise CheckpointError(error or f"checkpoint {path} failed to load on another rank")
+        return state, meta

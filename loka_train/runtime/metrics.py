@@ -1,0 +1,63 @@
+"""One small metrics interface: scalars by key (e.g. `train/loss`, `probe/<site>/<gemm>/sqnr_db`)
+written as JSON lines and, when available, TensorBoard events. Only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Append-only metrics sink.
+
+    Args:
+        out_dir: directory of `metrics.jsonl` and `tb/`; None disables writing (other ranks).
+        tensorboard: also write TensorBoard events; if the package is missing this is
+            logged once as a warning and counted in `fallbacks`.
+
+    Example:
+        >>> m = MetricsLogger("runs/x", tensorboard=False)
+        >>> m.log(10, {"train/loss": 0.45})
+    """
+
+    def __init__(self, out_dir: str | Path | None, *, tensorboard: bool) -> None:
+        self.fallbacks: list[str] = []
+        self._file = None
+        self._tb: Any = None
+        if out_dir is None:
+            return
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._file = (out / "metrics.jsonl").open("a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(out / "tb"))
+            except ImportError as exc:
+                msg = f"TensorBoard logging off: {exc} (pip install tensorboard to enable it)"
+                logger.warning(msg)
+                self.fallbacks.append(msg)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._file is None or not metrics:
+            return
+        clean = {k: (float(v) if math.isfinite(float(v)) else str(float(v))) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, float(value), step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,445 @@
+"""The Trainer: shards a DLRM-family model with TorchRec, trains, evaluates, checkpoints.
+
+It is deliberately a thin, explicit loop around TorchRec's public pieces
+(`DistributedModelParallel`, a sharding planner or an explicit plan, fused row-wise
+Adagrad on the tables, `TrainPipelineSparseDist`), with a `Callback` seam that the LoKA
+plugin uses. One code path serves CPU (gloo) and GPU (nccl).
+
+Shape legend: B batch (per rank), G global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from loka_train.data import DataConfig, make_dataset
+from loka_train.data.metrics import auc, normalized_entropy
+from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
+from loka_train.runtime.callbacks import Callback, CallbackList
+from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
+from loka_train.runtime.config import TrainerConfig
+from loka_train.runtime.distributed import DistInfo, init_distributed
+from loka_train.runtime.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+_WARMUP_STEPS = 3
+"""Steps excluded from the steps/s figure (first-step allocations, pipeline fill)."""
+
+
+class _StepHook:
+    """Optimizer facade for the train pipelines: runs `on_after_backward` before stepping.
+
+    TorchRec's pipelines own forward, backward and `optimizer.step()`; this is the one
+    place between backward and the dense update where callbacks can look at gradients.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trainer: Trainer) -> None:
+        self.optimizer = optimizer
+        self.trainer = trainer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        self.trainer.callbacks.call("on_after_backward", self.trainer, self.trainer.step)
+        self.optimizer.step()
+
+
+class Trainer:
+    """Trains a sharded DLRM-family model with callbacks.
+
+    Args:
+        model: which model to build.
+        data: which dataset to read.
+        trainer: how to train (steps, batch, sharding, checkpoints, ...).
+        callbacks: plug-ins called at each hook (the LoKA callback is one).
+
+    Example:
+        >>> summary = Trainer(model=ModelConfig(), data=DataConfig(),
+        ...                   trainer=TrainerConfig(steps=50)).fit()
+        >>> summary["eval/ne"]
+    """
+
+    def __init__(
+        self,
+        *,
+        model: ModelConfig,
+        data: DataConfig,
+        trainer: TrainerConfig,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        self.model_cfg = model
+        self.data_cfg = data
+        self.cfg = trainer
+        self.callbacks = CallbackList(list(callbacks))
+        self.step = 0
+        self.progress_postfix: dict[str, str] = {}
+        """Extra items callbacks want on the progress bar (e.g. FP8 coverage)."""
+        self.fallbacks: list[str] = []
+        """Every fallback taken during the run (logged and reported)."""
+
+        self.dist: DistInfo = init_distributed(trainer.device)
+        self.rank = self.dist.rank
+        self.world_size = self.dist.world_size
+        self.device = self.dist.device
+        self.out_dir = Path(trainer.out_dir)
+
+        self.train_data = make_dataset(
+            data, split="train", rank=self.rank, world_size=self.world_size,
+            batch_size=trainer.batch_size,
+        )
+        self.eval_data = make_dataset(
+            data, split="eval", rank=self.rank, world_size=self.world_size,
+            batch_size=trainer.batch_size,
+        )
+        self.tables = {
+            table_name(f): (rows, model.embedding_dim)
+            for f, rows in zip(
+                self.train_data.feature_names, self.train_data.num_embeddings_per_feature
+            )
+        }
+        self.model: nn.Module = build_model(
+            model,
+            feature_names=self.train_data.feature_names,
+            num_embeddings_per_feature=self.train_data.num_embeddings_per_feature,
+            num_dense=self.train_data.num_dense,
+            seed=trainer.seed,
+        )
+        # Callbacks may change these in on_before_shard (e.g. quantized comm codecs).
+        self.qcomm_codecs_registry: dict[str, Any] | None = None
+        self.data_parallel_wrapper: Any = None
+        self.sharding_plan: ShardingPlan | None = None
+        self.optimizer: CombinedOptimizer | None = None
+        self._checkpoints = CheckpointManager(
+            self.out_dir / "checkpoints",
+            rank=self.rank,
+            world_size=self.world_size,
+            keep=trainer.keep_checkpoints,
+        )
+        self.metrics = MetricsLogger(
+            self.out_dir if self.rank == 0 else None, tensorboard=trainer.tensorboard
+        )
+        self.fallbacks.extend(self.metrics.fallbacks)
+
+    # ----------------------------------------------------------------------------- set-up
+    def _sharder(self) -> EmbeddingBagCollectionSharder:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        fused_params = {
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": self.cfg.sparse_lr,
+            "eps": self.cfg.eps,
+        }
+        return EmbeddingBagCollectionSharder(
+            fused_params=fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry
+        )
+
+    def _plan(self, sharder: EmbeddingBagCollectionSharder) -> ShardingPlan:
+        kind = self.cfg.sharding
+        if kind == "auto":
+            planner = EmbeddingShardingPlanner(
+                topology=Topology(
+                    world_size=self.world_size,
+                    compute_device=self.device.type,
+                    local_world_size=self.dist.local_world_size,
+                )
+            )
+            return planner.collective_plan(self.model, [sharder], dist.GroupMember.WORLD)
+        plans = {}
+        for fqn, module in self.model.named_modules():
+            if not isinstance(module, EmbeddingBagCollection):
+                continue
+            per_param = {}
+            fused = EmbeddingComputeKernel.FUSED.value
+            for i, cfg in enumerate(module.embedding_bag_configs()):
+                if kind == "table_wise":
+                    per_param[cfg.name] = table_wise(rank=i % self.world_size, compute_kernel=fused)
+                elif kind == "column_wise":
+                    per_param[cfg.name] = column_wise(
+                        ranks=list(range(self.world_size)), compute_kernel=fused
+                    )
+                elif kind == "row_wise":
+                    per_param[cfg.name] = row_wise(compute_kernel=fused)
+                else:
+                    # Replicated tables train with the dense kernel and the dense optimizer.
+                    per_param[cfg.name] = data_parallel()
+            plans[fqn] = construct_module_sharding_plan(
+                module,
+                per_param_sharding=per_param,
+                local_size=self.dist.local_world_size,
+                world_size=self.world_size,
+                device_type=self.device.type,
+                sharder=sharder,
+            )
+        return ShardingPlan(plans)
+
+    def _shard(self) -> None:
+        self.callbacks.call("on_before_shard", self)
+        sharder = self._sharder()
+        self.sharding_plan = self._plan(sharder)
+        kwargs: dict[str, Any] = {}
+        if self.data_parallel_wrapper is not None:
+            kwargs["data_parallel_wrapper"] = self.data_parallel_wrapper
+        self.model = DistributedModelParallel(
+            module=self.model,
+            device=self.device,
+            plan=self.sharding_plan,
+            sharders=[sharder],
+            **kwargs,
+        )
+        found = init_embedding_tables(self.model, seed=self.cfg.seed, tables=self.tables)
+        # Each table appears once per weight key; a sharded model may split none of them.
+        assert found >= len(self.tables), f"initialised {found} of {len(self.tables)} tables"
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(self.model.named_parameters())),
+            lambda params: torch.optim.Adagrad(params, lr=self.cfg.dense_lr, eps=self.cfg.eps),
+        )
+        self.optimizer = CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", dense)])
+
+    # ------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        assert self.optimizer is not None
+        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "rng": rng,
+            "callbacks": self.callbacks.state_dict(),
+        }
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "model": self.model_cfg.kind,
+            "sharding": self.cfg.sharding,
+            "batch_size": self.cfg.batch_size,
+            "seed": self.cfg.seed,
+        }
+
+    def save_checkpoint(self) -> Path:
+        """Save the whole run state at the current step (collective)."""
+        return self._checkpoints.save(self.step, self.state_dict(), self._meta())
+
+    def _maybe_resume(self) -> int:
+        if self.cfg.resume == "never":
+            return 0
+        path = self._checkpoints.latest()
+        if path is None:
+            if self.cfg.resume == "must":
+                raise CheckpointError(
+                    f"trainer.resume=must but there is no checkpoint under {self._checkpoints.root}"
+                )
+            return 0
+        saved, meta = self._checkpoints.load(path)
+        error: str | None = None
+        if meta.get("batch_size") != self.cfg.batch_size:
+            error = (
+                f"checkpoint {path} used trainer.batch_size={meta.get('batch_size')}, this run "
+                f"{self.cfg.batch_size}: the data position would not match. Use the same batch size "
+                "or trainer.resume=never"
+            )
+        else:
+            try:
+                assert self.optimizer is not None
+                copy_into(self.model.state_dict(), saved["model"], "model")
+                live_opt = self.optimizer.state_dict()
+                copy_into(live_opt["state"], saved["optimizer"]["state"], "optimizer.state")
+                self.optimizer.load_state_dict(live_opt)
+                self.callbacks.load_state_dict(saved["callbacks"])
+            except (CheckpointError, ValueError, KeyError) as exc:
+                error = f"cannot restore {path}: {exc}"
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=self._coll_device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not ok.item():
+            raise CheckpointError(error or f"cannot restore {path}: it failed on another rank")
+        torch.set_rng_state(saved["rng"]["torch"])
+        if "cuda" in saved["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(saved["rng"]["cuda"], self.device)
+        logger.info("resumed from %s at step %d", path, saved["step"])
+        return int(saved["step"])
+
+    @property
+    def _coll_device(self) -> torch.device:
+        return self.device if self.dist.backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
+        """NE and AUC on `eval_batches` held-out batches per rank, gathered over ranks."""
+        model = self.model if model is None else model
+        was_training = model.training
+        model.eval()
+        logits, labels = [], []
+        try:
+            for batch in self.eval_data.batches(0, self.cfg.eval_batches):
+                _, (_, logits_B, labels_B) = model(batch.to(self.device))
+                logits.append(logits_B.float())
+                labels.append(labels_B.float())
+        finally:
+            model.train(was_training)
+        local = torch.stack([torch.cat(logits), torch.cat(labels)]).to(self._coll_device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        both = torch.cat(gathered, dim=1).cpu()
+        return {
+            "eval/ne": normalized_entropy(both[0], both[1]),
+            "eval/auc": auc(both[0], both[1]),
+            "eval/samples": float(both.shape[1]),
+        }
+
+    # ----------------------------------------------------------------------------- train
+    def _pipeline(self) -> Any:
+        from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+        assert self.optimizer is not None
+        hook = _StepHook(self.optimizer, self)
+        cls = TrainPipelineSparseDist if self.cfg.pipeline == "sparse_dist" else TrainPipelineBase
+        return cls(self.model, hook, self.device)  # type: ignore[arg-type]
+
+    def _eval_with(self, pipeline: Any) -> dict[str, float]:
+        # TrainPipelineSparseDist rewrites the sharded modules' forward; detach it for a
+        # plain forward pass, then re-attach (in-flight training batches are kept).
+        if hasattr(pipeline, "detach"):
+            model = pipeline.detach()
+            try:
+                return self.evaluate(model)
+            finally:
+                pipeline.attach(model)
+        return self.evaluate()
+
+    def fit(self) -> dict[str, Any]:
+        """Run the training loop to `trainer.steps`; returns the run summary."""
+        self._shard()
+        start = self._maybe_resume()
+        self.step = start
+        self.callbacks.call("on_train_start", self)
+        pipeline = self._pipeline()
+        batches: Iterator[Batch] = self.train_data.batches(start, self.cfg.steps - start)
+
+        bar = None
+        if self.rank == 0 and self.cfg.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+
+        loss_sum = torch.zeros((), device=self.device)
+        loss_count = 0
+        last_loss = math.nan
+        eval_metrics: dict[str, float] = {}
+        timed_from: float | None = None
+        timed_steps = 0
+        stopped = False
+        while self.step < self.cfg.steps:
+            step = self.step
+            self.callbacks.call("on_step_start", self, step)
+            loss, _ = pipeline.progress(batches)
+            loss_sum += loss.detach()
+            loss_count += 1
+            self.step = step + 1
+            done = self.step - start
+            if done == _WARMUP_STEPS:
+                timed_from = time.perf_counter()
+            elif done > _WARMUP_STEPS:
+                timed_steps += 1
+
+            metrics: dict[str, float] = {}
+            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
+                last_loss = (loss_sum / loss_count).item()
+                metrics["train/loss"] = last_loss
+                loss_sum.zero_()
+                loss_count = 0
+                if timed_from is not None and timed_steps:
+                    metrics["train/steps_per_s"] = timed_steps / (time.perf_counter() - timed_from)
+            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                eval_metrics = self._eval_with(pipeline)
+                metrics.update(eval_metrics)
+                self.callbacks.call("on_eval_end", self, self.step, eval_metrics)
+            self.callbacks.call("on_step_end", self, step, metrics)
+            self.metrics.log(self.step, metrics)
+            if bar is not None:
+                bar.update(1)
+                if "train/loss" in metrics:
+                    bar.set_postfix({"loss": f"{last_loss:.4f}", **self.progress_postfix})
+
+            is_last = self.step == self.cfg.steps
+            due = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
+            if due or (is_last and self.cfg.checkpoint_at_end):
+                self.save_checkpoint()
+            if self.cfg.stop_after_step is not None and self.step >= self.cfg.stop_after_step:
+                stopped = not is_last
+                break
+        elapsed = time.perf_counter() - timed_from if timed_from is not None else math.nan
+        if bar is not None:
+            bar.close()
+
+        if not stopped and (not eval_metrics or self.step % max(self.cfg.eval_every, 1) != 0):
+            eval_metrics = self._eval_with(pipeline)
+            self.callbacks.call("on_eval_end", self, self.step, eval_metrics)
+        summary: dict[str, Any] = {
+            "steps": self.step,
+            "stopped_early": stopped,
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "model": self.model_cfg.kind,
+            "sharding": self.cfg.sharding,
+            "global_batch": self.cfg.batch_size * self.world_size,
+            "train/loss": last_loss,
+            "train/steps_per_s": timed_steps / elapsed if timed_steps else math.nan,
+            **eval_metrics,
+            "fallbacks": list(self.fallbacks),
+        }
+        self.callbacks.call("on_train_end", self, summary)
+        if self.rank == 0:
+            import json
+
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        self.metrics.close()
+        return summary
+
+    def close(self) -> None:
+        """Destroy the process group if this Trainer created it."""
+        if self.dist.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A short human-readable table of a run summary."""
+    rows = [
+        ("steps", f"{summary['steps']}"),
+        ("ranks x batch", f"{summary['world_size']} x {summary['global_batch'] // summary['world_size']}"),
+        ("steps/s", f"{summary['train/steps_per_s']:.2f}"),
+        ("train loss", f"{summary['train/loss']:.4f}"),
+    ]
+    if "eval/ne" in summary:
+        rows += [("eval NE", f"{summary['eval/ne']:.4f}"), ("eval AUC", f"{summary['eval/auc']:.4f}")]
+    rows.append(("fallbacks", str(len(summary["fallbacks"]))))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
