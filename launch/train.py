@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -23,14 +24,19 @@ ConfigStore.instance().store(name="job_schema", node=JobConfig)
 
 def _configure_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
+    # Our messages at INFO on rank 0; third-party libraries (TorchRec's planner, fbgemm's
+    # TBE set-up) only from WARNING up.
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.WARNING,
+        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
         force=True,
     )
-    # TorchRec's planner and sharding are chatty at INFO.
-    for noisy in ("torchrec", "torch.distributed", "fbgemm_gpu"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("loka_train").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # The planner warns about how a Topology is constructed (not actionable for users).
+    logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+    # Import-time deprecation notices of fbgemm/torchrec say nothing the user can act on.
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -94,6 +94,11 @@ def _uniform(h_X: torch.Tensor) -> torch.Tensor:
     return ((h_X >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def _take(table_X: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
+    """table_X[index_N] for 1-D tensors."""
+    return torch.gather(table_X, 0, index_N)
+
+
 def _generator(seed: int, tag: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(_key(seed, tag) | (_key(seed, tag, 1) << 32) & (2**63 - 1))
@@ -216,6 +221,8 @@ class SyntheticDataset:
             a_list.append(a % r if r > 1 else 0)
             b_list.append(int(torch.randint(0, r, (1,), generator=g)))
         self._rows_F = torch.tensor(rows, dtype=torch.long)
+        # float32 resolves every rank below 2**24; larger tables need float64 for the tail.
+        self._zipf_dtype = torch.float32 if max(rows) < 2**24 else torch.float64
         self._perm_a_F = torch.tensor(a_list, dtype=torch.long)
         self._perm_b_F = torch.tensor(b_list, dtype=torch.long)
         # Hash-stream codes.
@@ -259,6 +266,14 @@ class SyntheticDataset:
         v_RK = torch.randn(int(vrows_P.sum()), _INTERACTION_RANK, generator=g)
         self._v_RK = v_RK * torch.repeat_interleave(v_scale_P, vrows_P)[:, None]
         self._num_interacting = P
+        # Everything the per-id path needs to know about its feature.
+        self._per_feature = (
+            self._rows_F, self._perm_a_F, self._perm_b_F, self._trows_F, self._toff_F,
+            self._pslot_F, self._voff_F,
+        )
+        s = cfg.zipf_exponent
+        rows_f_F = self._rows_F.to(self._zipf_dtype)
+        self._zipf_c_F = torch.log(rows_f_F + 1.0) if s == 1.0 else torch.pow(rows_f_F + 1.0, 1.0 - s) - 1.0
         self._u_D = scale * _SIGMA_DENSE * torch.randn(D, generator=g) / math.sqrt(D)
 
     def _calibrate_bias(self) -> float:
@@ -312,35 +327,45 @@ class SyntheticDataset:
         lengths_FB = self._lengths_from_uniform(u_BF).t().contiguous()
 
         # One entry per id: its segment (f*B + b), feature, sample and slot in the bag.
+        # (_take, a 1-D gather, is several times faster on CPU than advanced indexing.)
         lengths_S = lengths_FB.reshape(-1)
         num_ids = int(lengths_S.sum())
         seg_N = torch.repeat_interleave(torch.arange(F * B), lengths_S, output_size=num_ids)
-        slot_N = torch.arange(num_ids) - (torch.cumsum(lengths_S, 0) - lengths_S)[seg_N]
-        f_N = seg_N // B
+        starts_S = torch.cumsum(lengths_S, 0) - lengths_S
+        slot_N = torch.arange(num_ids) - _take(starts_S, seg_N)
+        f_N = torch.div(seg_N, B, rounding_mode="floor")
         b_N = seg_N - f_N * B
-        u_N = _uniform(_mix32(base_B[b_N] ^ self._code_FL.view(-1)[f_N * L + slot_N])).double()
-        rows_N = self._rows_F[f_N]
+        code_N = _take(self._code_FL.view(-1), f_N * L + slot_N)
+        u_N = _uniform(_mix32(_take(base_B, b_N) ^ code_N))
+        rows_N, perm_a_N, perm_b_N, trows_N, toff_N, pslot_N, voff_N = (
+            _take(t_F, f_N) for t_F in self._per_feature
+        )
+        # Zipf rank by the inverse CDF of a continuous power law on [1, rows + 1).
+        c_N = _take(self._zipf_c_F, f_N)
+        u_N = u_N.to(self._zipf_dtype)
         s = cfg.zipf_exponent
         if s == 1.0:
-            x_N = torch.pow(rows_N + 1.0, u_N)
+            x_N = torch.exp(u_N * c_N)
         else:
-            c_N = torch.pow(rows_N + 1.0, 1.0 - s) - 1.0
-            x_N = torch.pow(1.0 + u_N * c_N, 1.0 / (1.0 - s))
-        rank_N = torch.minimum((torch.floor(x_N).long() - 1).clamp(min=0), rows_N - 1)
-        ids_N = (self._perm_a_F[f_N] * rank_N + self._perm_b_F[f_N]) % rows_N
+            x_N = torch.pow(u_N * c_N + 1.0, 1.0 / (1.0 - s))
+        rank_N = torch.minimum((x_N.long() - 1).clamp_(min=0), rows_N - 1)
+        ids_N = torch.remainder(perm_a_N * rank_N + perm_b_N, rows_N)
 
         # Teacher.
-        trow_N = ids_N % self._trows_F[f_N]
+        trow_N = torch.remainder(ids_N, trows_N)
         logit_B = torch.full((B,), self._bias, dtype=torch.float32)
-        logit_B.index_add_(0, b_N, self._w_R[self._toff_F[f_N] + trow_N])
+        logit_B.index_add_(0, b_N, _take(self._w_R, toff_N + trow_N))
         dense_std_BD = ((dense_BD - self._dense_mean_D) / self._dense_std_D).float()
         logit_B += dense_std_BD @ self._u_D
-        pslot_N = self._pslot_F[f_N]
-        mask_N = pslot_N >= 0
+        keep_n = torch.nonzero(pslot_N >= 0).squeeze(1)
         P = self._num_interacting
-        v_nK = self._v_RK[(self._voff_F[f_N] + trow_N)[mask_N]]
+        vrow_n = _take(voff_N + trow_N, keep_n)
         pooled_BPK = torch.zeros(B * P, _INTERACTION_RANK)
-        pooled_BPK.index_add_(0, b_N[mask_N] * P + pslot_N[mask_N], v_nK)
+        pooled_BPK.index_add_(
+            0,
+            _take(b_N, keep_n) * P + _take(pslot_N, keep_n),
+            self._v_RK.index_select(0, vrow_n),
+        )
         pooled_BPK = pooled_BPK.view(B, P, _INTERACTION_RANK)
         logit_B += 0.5 * (pooled_BPK.sum(1).square().sum(-1) - pooled_BPK.square().sum((1, 2)))
 

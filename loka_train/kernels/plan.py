@@ -46,7 +46,7 @@ class Precision(str, enum.Enum):
 BACKEND_CONSTRAINTS: dict[str, tuple[frozenset[Scaling], frozenset[Fp8Format], bool]] = {
     "emulated": (frozenset(Scaling), frozenset(Fp8Format), True),
     "torch_scaled_mm": (
-        frozenset({Scaling.TENSORWISE, Scaling.ROWWISE}),
+        frozenset({Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCK}),
         frozenset({Fp8Format.E4M3, Fp8Format.E5M2, Fp8Format.E4M3FNUZ}),
         True,
     ),

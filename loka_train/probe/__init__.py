@@ -1,1 +1,19 @@
-"""loka_train.probe."""
+"""loka_train.probe: online per-site FP8 statistics, cross-rank reduction and verdicts.
+
+Example:
+    >>> from loka_train.probe import Probe, ProbeConfig
+    >>> probe = Probe(ProbeConfig(every_k_steps=50))
+"""
+
+from loka_train.probe.config import ROLES, ProbeConfig, default_sqnr_budget_db
+from loka_train.probe.probe import Candidate, Probe, Verdict, VerdictKey
+
+__all__ = [
+    "ROLES",
+    "Candidate",
+    "Probe",
+    "ProbeConfig",
+    "Verdict",
+    "VerdictKey",
+    "default_sqnr_budget_db",
+]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SHARDING_TYPES = ("auto", "table_wise", "column_wise", "row_wise", "data_parallel")
 PIPELINES = ("sparse_dist", "base")
+SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "never", "must")
 
@@ -29,6 +30,12 @@ class TrainerConfig:
 
     sparse_lr: float = 0.05
     """Learning rate of the fused row-wise Adagrad on the embedding tables."""
+
+    sparse_optimizer: str = "rowwise_adagrad"
+    """Fused optimizer of the embedding tables: "rowwise_adagrad" (one accumulator per row,
+    the DLRM standard) or "adagrad" (one per element; the GPU bundle ships only row-wise).
+    Row-wise accumulators are per shard: a column-wise sharded table gets one accumulator
+    per row of each column shard, which is not the same optimizer as the unsharded table's."""
 
     eps: float = 1e-8
     """Adagrad epsilon (dense and sparse)."""
@@ -93,6 +100,7 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 0 (0 = off)")
         for name, allowed in (
             ("sharding", SHARDING_TYPES),
+            ("sparse_optimizer", SPARSE_OPTIMIZERS),
             ("pipeline", PIPELINES),
             ("device", DEVICES),
             ("resume", RESUME_MODES),

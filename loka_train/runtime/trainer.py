@@ -152,7 +152,10 @@ class Trainer:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
         fused_params = {
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "optimizer": {
+                "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                "adagrad": EmbOptimType.EXACT_ADAGRAD,
+            }[self.cfg.sparse_optimizer],
             "learning_rate": self.cfg.sparse_lr,
             "eps": self.cfg.eps,
         }
@@ -360,7 +363,8 @@ class Trainer:
         while self.step < self.cfg.steps:
             step = self.step
             self.callbacks.call("on_step_start", self, step)
-            loss, _ = pipeline.progress(batches)
+            # TorchRec pipelines return the model output's second element.
+            loss, _, _ = pipeline.progress(batches)
             loss_sum += loss.detach()
             loss_count += 1
             self.step = step + 1

@@ -1,0 +1,195 @@
+"""DDP communication hook for dense gradients: FP32 / FP16 / BF16 / FP8 / INT8, switchable.
+
+* FP32, FP16, BF16: the bucket, divided by the world size, is cast and all-reduced in that
+  dtype (like torch's `fp16_compress_hook` / `bf16_compress_hook`).
+* FP8, INT8 (row-wise, `row_dim` values per scale): a scaled payload cannot be summed, so every
+  rank all-gathers the uint8 payloads (plus their scales, inside the payload), decodes them
+  and averages in fp32. This works on gloo (which has no fp8 dtype) and NCCL alike; it moves
+  world_size x payload bytes into each rank instead of a ring all-reduce's 2 x payload, so
+  it pays off for small worlds or where the all-reduce is latency-bound.
+* Error feedback (`CommConfig.dense_error_feedback`): per DDP bucket, the encoding error of
+  this rank's contribution is kept in an fp32 residual and added to the next step's gradient,
+  so what rounding drops is delayed, not lost. Switching to FP32 flushes the residual.
+
+The precision is `comm_state.precision(CommChannel.DENSE_GRAD)`, so `CommPolicy` changes it
+between steps like the embedding channels. Bytes sent are counted in `comm_state.stats`.
+
+Example:
+    >>> ddp = DistributedDataParallel(dense_module)
+    >>> compressors = install_dense_grad_hook(ddp, comm_state)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.nn.parallel import DistributedDataParallel
+
+from loka_train.comm.config import CommChannel, CommPrecision
+from loka_train.comm.state import CommState
+
+logger = logging.getLogger(__name__)
+
+_CHANNEL = CommChannel.DENSE_GRAD
+
+
+class DenseGradCompressor:
+    """State of the dense-gradient comm hook of one DDP module (residuals per bucket).
+
+    Args:
+        comm_state: the process's comm state (precision, statistics, measurements).
+        process_group: group the gradients are averaged over; None: the default group.
+
+    Example:
+        >>> compressor = DenseGradCompressor(comm_state)
+        >>> ddp.register_comm_hook(compressor, dense_grad_comm_hook)
+    """
+
+    def __init__(
+        self, comm_state: CommState, *, process_group: dist.ProcessGroup | None = None
+    ) -> None:
+        self._state = comm_state
+        self._process_group = process_group
+        self._residuals: dict[int, torch.Tensor] = {}
+
+    @property
+    def residuals(self) -> dict[int, torch.Tensor]:
+        """Error-feedback residual (fp32, flat) per bucket index."""
+        return self._residuals
+
+    def reset_residuals(self) -> None:
+        """Drop all error-feedback residuals."""
+        self._residuals.clear()
+
+    def state_dict(self) -> dict[str, object]:
+        """Checkpointable state: the residuals (an unflushed part of past gradients)."""
+        return {"residuals": {k: v.clone() for k, v in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore residuals saved by `state_dict`."""
+        residuals = state["residuals"]
+        assert isinstance(residuals, dict)
+        self._residuals = {int(k): v.clone() for k, v in residuals.items()}
+
+    def _take_residual(self, bucket_index: int, grad_N: torch.Tensor) -> torch.Tensor | None:
+        residual_N = self._residuals.pop(bucket_index, None)
+        if residual_N is not None and residual_N.numel() != grad_N.numel():
+            # DDP rebuilds its buckets once after the first iteration.
+            logger.info(
+                "dense grad hook: bucket %d changed size (%d -> %d values); dropping its "
+                "error-feedback residual",
+                bucket_index,
+                residual_N.numel(),
+                grad_N.numel(),
+            )
+            return None
+        return residual_N
+
+    def reduce(self, grad_N: torch.Tensor, bucket_index: int) -> torch.futures.Future:
+        """Average flat gradient `grad_N` over the group with the current precision.
+
+        Returns a future whose value is `grad_N`, overwritten with the average (DDP's
+        contract for a comm hook).
+        """
+        state = self._state
+        precision = state.precision(_CHANNEL)
+        group = self._process_group
+        world_size = dist.get_world_size(group)
+        fmt = state.wire_format(_CHANNEL, precision)
+        use_feedback = state.config.dense_error_feedback and not precision.is_lossless
+
+        with record_function(f"loka/comm/dense_grad/{precision.value}"):
+            send_N = grad_N.detach().float()
+            residual_N = self._take_residual(bucket_index, grad_N)
+            if residual_N is not None:
+                # Added even at FP32: that step sends it exactly, flushing the residual.
+                send_N = send_N + residual_N
+
+            if precision.is_rowwise:
+                row_dim = state.config.row_dim
+                num_values = send_N.numel()
+                padded_N = torch.nn.functional.pad(send_N, (0, (-num_values) % row_dim))
+                if state.sampling:
+                    state.measure(_CHANNEL, padded_N)
+                payload = fmt.encode_bytes(padded_N)
+                if use_feedback:
+                    sent_N = fmt.decode_bytes(payload)[:num_values]
+                    self._residuals[bucket_index] = send_N - sent_N
+                state.stats.record(_CHANNEL, precision, payload.numel())
+                gathered = [torch.empty_like(payload) for _ in range(world_size)]
+                work = dist.all_gather(gathered, payload, group=group, async_op=True)
+
+                def average_payloads(fut: torch.futures.Future) -> torch.Tensor:
+                    fut.wait()
+                    decoded_WN = fmt.decode_bytes(torch.cat(gathered)).view(world_size, -1)
+                    mean_N = decoded_WN.sum(dim=0)[:num_values] / world_size
+                    grad_N.copy_(mean_N)
+                    return grad_N
+
+                return work.get_future().then(average_payloads)
+
+            if state.sampling and not precision.is_lossless:
+                state.measure(_CHANNEL, send_N)
+            # Divide first (like torch's compress hooks) so the low-precision sum cannot overflow.
+            scaled_N = send_N / world_size
+            payload = fmt.encode_native(scaled_N)
+            if use_feedback:
+                self._residuals[bucket_index] = (scaled_N - payload.float()) * world_size
+            state.stats.record(_CHANNEL, precision, payload.numel() * payload.element_size())
+            work = dist.all_reduce(payload, group=group, async_op=True)
+
+            def copy_back(fut: torch.futures.Future) -> torch.Tensor:
+                grad_N.copy_(fut.value()[0])
+                return grad_N
+
+            return work.get_future().then(copy_back)
+
+
+def dense_grad_comm_hook(
+    state: DenseGradCompressor, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: `ddp.register_comm_hook(compressor, dense_grad_comm_hook)`."""
+    return state.reduce(bucket.buffer(), bucket.index())
+
+
+def install_dense_grad_hook(module: nn.Module, comm_state: CommState) -> list[DenseGradCompressor]:
+    """Register the dense-gradient hook on every DDP module in `module` (itself included).
+
+    With TorchRec's `DistributedModelParallel` the dense part is wrapped in one DDP; pass the
+    DMP module.
+
+    Args:
+        module: a DDP module, or a module containing DDP modules.
+        comm_state: the process's comm state.
+
+    Returns:
+        One compressor per DDP module found (hold it to read or checkpoint residuals).
+
+    Raises:
+        ValueError: no DDP module found (nothing would be compressed).
+
+    Example:
+        >>> install_dense_grad_hook(dmp_model, comm_state)
+    """
+    ddps = [m for m in module.modules() if isinstance(m, DistributedDataParallel)]
+    if not ddps:
+        raise ValueError(
+            f"install_dense_grad_hook: no DistributedDataParallel inside {type(module).__name__}; "
+            "wrap the dense part in DDP (DistributedModelParallel does when world_size > 1)"
+        )
+    compressors = []
+    for ddp in ddps:
+        compressor = DenseGradCompressor(comm_state, process_group=ddp.process_group)
+        ddp.register_comm_hook(compressor, dense_grad_comm_hook)
+        compressors.append(compressor)
+    if comm_state.precision(_CHANNEL) is not CommPrecision.FP32:
+        logger.info(
+            "dense grad hook installed on %d DDP module(s), precision %s",
+            len(ddps),
+            comm_state.precision(_CHANNEL).name,
+        )
+    return compressors

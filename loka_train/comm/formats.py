@@ -1,0 +1,243 @@
+"""Wire formats: how a precision turns an fp32 tensor into a payload and back.
+
+Two payload kinds:
+
+* bytes (uint8): every precision, for collectives that only move data (all-to-all,
+  all-gather). The wire dtype never changes when the precision does.
+* native (fp32 / fp16 / bf16 tensor): for collectives that sum the payload
+  (reduce-scatter, all-reduce); only the unscaled float formats qualify.
+
+Row-wise layouts (one row per `row_dim` consecutive values, `A = row_dim` rounded up to 4):
+
+* FP8 (reference): ``[A bytes of fp8 | fp32 inverse scale]`` (A + 4 bytes per row);
+  value = fp8 / inverse_scale, inverse_scale = fmt_max / amax(row).
+* FP8 (FBGEMM ops, CUDA): FBGEMM's ``FloatToFP8RowwiseQuantized`` layout (A + 8 bytes).
+* INT8: ``[A bytes of uint8 | fp32 scale | fp32 offset]`` (A + 8 bytes, FBGEMM's
+  fused 8-bit row-wise scheme); value = q * scale + offset.
+
+Shape legend: N values (flattened), R rows, C values per row (row_dim), A aligned row bytes,
+P payload bytes per row.
+
+Example:
+    >>> fmt = WireFormat(precision=CommPrecision.FP8, row_dim=32, fp8_format=Fp8Format.E4M3)
+    >>> payload_P = fmt.encode_bytes(torch.randn(4, 64))
+    >>> x_N = fmt.decode_bytes(payload_P)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from loka_train.comm.config import CommPrecision, Fp8Format
+
+logger = logging.getLogger(__name__)
+
+_FP8_DTYPES = {Fp8Format.E4M3: torch.float8_e4m3fn, Fp8Format.E5M2: torch.float8_e5m2}
+_NATIVE_DTYPES = {
+    CommPrecision.FP32: torch.float32,
+    CommPrecision.FP16: torch.float16,
+    CommPrecision.BF16: torch.bfloat16,
+}
+# Keeps inverse scales finite for all-zero rows (FBGEMM uses the same epsilon).
+_AMAX_EPS = 1e-20
+# INT8: FBGEMM's Fused8BitRowwise epsilon on the range.
+_RANGE_EPS = 1e-8
+
+
+def _aligned(num_bytes: int) -> int:
+    return (num_bytes + 3) // 4 * 4
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """SQNR in dB of `approx` against `reference`: 20*log10(|ref| / |ref - approx|).
+
+    Returns inf when they are equal. Host sync: for tests and reports, not the hot path.
+
+    Example:
+        >>> sqnr_db(torch.ones(4), torch.ones(4) * 1.01)  # about 40 dB
+    """
+    reference = reference.double().flatten()
+    noise = (reference - approx.double().flatten()).norm()
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(reference.norm() / noise))
+
+
+def native_dtype(precision: CommPrecision) -> torch.dtype:
+    """The tensor dtype of `precision` as a summable (native) payload; ValueError for FP8/INT8."""
+    if precision not in _NATIVE_DTYPES:
+        raise ValueError(
+            f"{precision.name} has no native (summable) payload: it is row-wise scaled"
+        )
+    return _NATIVE_DTYPES[precision]
+
+
+def _clamped_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Saturate instead of overflowing to inf, like FBGEMM's fp32_to_{fp16,bf16}_with_clamp.
+    if dtype == torch.float32:
+        return x.float()
+    limit = torch.finfo(dtype).max
+    return x.float().clamp(-limit, limit).to(dtype)
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """Encoder/decoder of one precision; pure PyTorch unless `use_fbgemm`.
+
+    Example:
+        >>> WireFormat(precision=CommPrecision.INT8, row_dim=32).encoded_bytes(64)
+        80
+    """
+
+    precision: CommPrecision
+    """What the payload carries."""
+
+    row_dim: int = 32
+    """Values per row (row-wise formats only)."""
+
+    fp8_format: Fp8Format = Fp8Format.E4M3
+    """FP8 element format (FP8 only)."""
+
+    use_fbgemm: bool = False
+    """Use FBGEMM's row-wise quantize ops for FP8/INT8 (FP8 needs CUDA tensors)."""
+
+    @property
+    def row_payload_bytes(self) -> int:
+        """Bytes per row of a row-wise payload."""
+        aligned = _aligned(self.row_dim)
+        if self.precision is CommPrecision.FP8:
+            return aligned + (8 if self.use_fbgemm else 4)
+        if self.precision is CommPrecision.INT8:
+            return aligned + 8
+        raise ValueError(f"{self.precision.name} is not row-wise")
+
+    def _num_rows(self, numel: int) -> int:
+        if numel % self.row_dim != 0:
+            raise ValueError(
+                f"{self.precision.name} row-wise payload: {numel} values are not a multiple of "
+                f"comm.row_dim={self.row_dim}. Choose a row_dim that divides every embedding "
+                "dim (each per-rank slice of the collective is batch x dim values)."
+            )
+        return numel // self.row_dim
+
+    def encoded_bytes(self, numel: int) -> int:
+        """Bytes of the bytes-payload for `numel` values."""
+        if self.precision.is_rowwise:
+            return self._num_rows(numel) * self.row_payload_bytes
+        return numel * torch.finfo(_NATIVE_DTYPES[self.precision]).bits // 8
+
+    # ---------------------------------------------------------------- bytes payload
+    def encode_bytes(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode `x` (any shape, any float dtype) into a flat uint8 payload."""
+        x_N = x.reshape(-1).contiguous()
+        if self.precision is CommPrecision.FP8:
+            payload_RP = self._encode_fp8(x_N)
+        elif self.precision is CommPrecision.INT8:
+            payload_RP = self._encode_int8(x_N)
+        else:
+            return _clamped_cast(x_N, _NATIVE_DTYPES[self.precision]).view(torch.uint8)
+        return payload_RP.reshape(-1)
+
+    def decode_bytes(self, payload: torch.Tensor) -> torch.Tensor:
+        """Decode a flat uint8 payload (or a concatenation of them) into flat fp32 values."""
+        if payload.dtype != torch.uint8:
+            raise ValueError(f"bytes payload must be uint8, got {payload.dtype}")
+        payload = payload.reshape(-1)
+        if self.precision is CommPrecision.FP8:
+            return self._decode_fp8(payload)
+        if self.precision is CommPrecision.INT8:
+            return self._decode_int8(payload)
+        return payload.view(_NATIVE_DTYPES[self.precision]).float()
+
+    # --------------------------------------------------------------- native payload
+    def encode_native(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode `x` into a summable tensor of the precision's dtype (same shape)."""
+        return _clamped_cast(x, native_dtype(self.precision))
+
+    @staticmethod
+    def decode_native(payload: torch.Tensor) -> torch.Tensor:
+        """fp32 values of a native payload (its dtype says how it was encoded)."""
+        return payload.float()
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """decode(encode(x)) as fp32, same shape: what the receiver sees."""
+        if self.precision.is_rowwise:
+            return self.decode_bytes(self.encode_bytes(x)).view(x.shape)
+        return _clamped_cast(x, _NATIVE_DTYPES[self.precision]).float()
+
+    # ------------------------------------------------------------------ row-wise
+    def _rows(self, x_N: torch.Tensor) -> torch.Tensor:
+        num_rows = self._num_rows(x_N.numel())
+        return x_N.float().reshape(num_rows, self.row_dim)
+
+    def _split_payload(self, payload: torch.Tensor) -> torch.Tensor:
+        row_bytes = self.row_payload_bytes
+        if payload.numel() % row_bytes != 0:
+            raise ValueError(
+                f"{self.precision.name} payload of {payload.numel()} bytes is not a whole "
+                f"number of {row_bytes}-byte rows: sender and receiver disagree on the format"
+            )
+        return payload.view(-1, row_bytes)
+
+    def _encode_fp8(self, x_N: torch.Tensor) -> torch.Tensor:
+        x_RC = self._rows(x_N)
+        if self.use_fbgemm:
+            return torch.ops.fbgemm.FloatToFP8RowwiseQuantized(
+                x_RC.contiguous(), self.fp8_format is Fp8Format.E4M3
+            )
+        fp8_dtype = _FP8_DTYPES[self.fp8_format]
+        fmt_max = torch.finfo(fp8_dtype).max
+        amax_R1 = x_RC.abs().amax(dim=1, keepdim=True)
+        inv_scale_R1 = fmt_max / (amax_R1 + _AMAX_EPS)
+        q_RC = (x_RC * inv_scale_R1).clamp(-fmt_max, fmt_max).to(fp8_dtype)
+        num_rows, aligned = x_RC.shape[0], _aligned(self.row_dim)
+        payload_RP = torch.zeros(
+            num_rows, self.row_payload_bytes, dtype=torch.uint8, device=x_RC.device
+        )
+        payload_RP[:, : self.row_dim] = q_RC.view(torch.uint8)
+        payload_RP[:, aligned : aligned + 4] = inv_scale_R1.view(torch.uint8)
+        return payload_RP
+
+    def _decode_fp8(self, payload: torch.Tensor) -> torch.Tensor:
+        payload_RP = self._split_payload(payload)
+        if self.use_fbgemm:
+            return torch.ops.fbgemm.FP8RowwiseQuantizedToFloat(
+                payload_RP.contiguous(), self.fp8_format is Fp8Format.E4M3, 0
+            ).reshape(-1)
+        aligned = _aligned(self.row_dim)
+        q_RC = payload_RP[:, : self.row_dim].view(_FP8_DTYPES[self.fp8_format]).float()
+        inv_scale_R1 = payload_RP[:, aligned : aligned + 4].contiguous().view(torch.float32)
+        return (q_RC / inv_scale_R1).reshape(-1)
+
+    def _encode_int8(self, x_N: torch.Tensor) -> torch.Tensor:
+        x_RC = self._rows(x_N)
+        if self.use_fbgemm:
+            return torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(x_RC.contiguous())
+        min_R1 = x_RC.amin(dim=1, keepdim=True)
+        range_R1 = x_RC.amax(dim=1, keepdim=True) - min_R1
+        scale_R1 = range_R1 / 255.0
+        inv_scale_R1 = 255.0 / (range_R1 + _RANGE_EPS)
+        q_RC = ((x_RC - min_R1) * inv_scale_R1).round().clamp(0, 255).to(torch.uint8)
+        num_rows, aligned = x_RC.shape[0], _aligned(self.row_dim)
+        payload_RP = torch.zeros(
+            num_rows, self.row_payload_bytes, dtype=torch.uint8, device=x_RC.device
+        )
+        payload_RP[:, : self.row_dim] = q_RC
+        payload_RP[:, aligned : aligned + 8] = torch.cat([scale_R1, min_R1], dim=1).view(
+            torch.uint8
+        )
+        return payload_RP
+
+    def _decode_int8(self, payload: torch.Tensor) -> torch.Tensor:
+        payload_RP = self._split_payload(payload)
+        if self.use_fbgemm:
+            return torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(
+                payload_RP.contiguous()
+            ).reshape(-1)
+        aligned = _aligned(self.row_dim)
+        q_RC = payload_RP[:, : self.row_dim].float()
+        scale_offset_R2 = payload_RP[:, aligned : aligned + 8].contiguous().view(torch.float32)
+        return (q_RC * scale_offset_R2[:, :1] + scale_offset_R2[:, 1:]).reshape(-1)

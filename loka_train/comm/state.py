@@ -1,0 +1,512 @@
+"""Runtime state of quantized communication: precision per channel, measurements, counters.
+
+One `CommState` per process is shared by the embedding codecs (`make_qcomm_codecs_registry`),
+the dense-gradient hook (`DenseGradCompressor`) and the policy (`CommPolicy`). It holds:
+
+* the precision each channel uses now (changed only between steps, on all ranks at once);
+* `CommStats`: bytes on the wire per channel per step and in total, calls per precision,
+  fallback events and precision switches (the run report);
+* the SQNR buffer: on sampled steps each encoder measures, on its own tensors, the error of
+  every candidate precision (signal and noise power sums, on device, no host sync).
+
+Example:
+    >>> state = CommState(CommConfig(a2a_forward=CommPrecision.FP8), backend="gloo")
+    >>> state.begin_step(0)
+    >>> ...  # forward/backward: codecs record bytes and measure
+    >>> metrics = state.end_step()  # {"comm/a2a_fwd/bytes": ..., ...}
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cache
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+
+from loka_train.comm.config import CommChannel, CommConfig, CommPrecision
+from loka_train.comm.formats import WireFormat
+
+logger = logging.getLogger(__name__)
+
+_CHANNELS = tuple(CommChannel)
+_PRECISIONS = tuple(CommPrecision)
+_CHANNEL_INDEX = {c: i for i, c in enumerate(_CHANNELS)}
+_PRECISION_INDEX = {p: i for i, p in enumerate(_PRECISIONS)}
+# Rows of the SQNR buffer: summed signal power, summed noise power, number of measurements.
+_SIGNAL, _NOISE, _COUNT = 0, 1, 2
+
+# Collectives that sum their payload: only unscaled float formats can travel.
+_SUMMING_CHANNELS = (CommChannel.RS_FWD, CommChannel.RS_BWD)
+# gloo gained bfloat16 reductions in torch 2.2 (pytorch#113557); stay conservative.
+_GLOO_BF16_MIN_TORCH = Version("2.3")
+
+
+class PrecisionSource(Enum):
+    """Who asked for a precision: decides between raising and a counted fallback."""
+
+    EXPLICIT = "explicit"
+    """Config or user: an unsupported request raises ValueError."""
+
+    POLICY = "policy"
+    """The policy: an unsupported request falls back upward, logged and counted."""
+
+
+@dataclass(frozen=True)
+class FallbackEvent:
+    """A precision that was asked for but could not be used."""
+
+    step: int
+    """Training step (-1: at setup)."""
+    channel: CommChannel
+    """Where."""
+    requested: CommPrecision
+    """What was asked for."""
+    used: CommPrecision
+    """What is used instead."""
+    reason: str
+    """Why the request could not be honoured."""
+
+
+@dataclass(frozen=True)
+class SwitchEvent:
+    """A precision change applied by the policy (same step on every rank)."""
+
+    step: int
+    """Step after which it was applied (the new precision is used from the next step)."""
+    channel: CommChannel
+    """Which channel."""
+    old: CommPrecision
+    """Precision before."""
+    new: CommPrecision
+    """Precision after."""
+    reason: str
+    """Measured SQNRs that motivated it."""
+
+
+@cache
+def _gloo_bf16_supported() -> tuple[bool, str]:
+    torch_version = Version(torch.__version__.split("+")[0])
+    if torch_version >= _GLOO_BF16_MIN_TORCH:
+        return True, ""
+    return False, (
+        f"gloo in torch {torch_version} has no bfloat16 reductions (needs torch >= "
+        f"{_GLOO_BF16_MIN_TORCH}); use FP16"
+    )
+
+
+def channel_supports(
+    channel: CommChannel, precision: CommPrecision, *, backend: str
+) -> tuple[bool, str]:
+    """Whether `precision` can travel on `channel` with `backend`, and why not.
+
+    Example:
+        >>> channel_supports(CommChannel.RS_FWD, CommPrecision.FP8, backend="nccl")
+        (False, 'reduce-scatter sums the encoded payload ...')
+    """
+    if channel in _SUMMING_CHANNELS and precision.is_rowwise:
+        direction = "backward all-gather" if channel is CommChannel.RS_BWD else "forward"
+        return False, (
+            f"{precision.name} on the pooled-embedding reduce-scatter ({direction}): the "
+            "reduce-scatter sums the encoded payload (and TorchRec sizes its buffers by element "
+            "count), so a row-wise scaled format cannot travel; use FP32, FP16 or BF16"
+        )
+    summed_natively = channel in _SUMMING_CHANNELS or (
+        channel is CommChannel.DENSE_GRAD and not precision.is_rowwise
+    )
+    if summed_natively and precision is CommPrecision.BF16 and backend == "gloo":
+        return _gloo_bf16_supported()
+    return True, ""
+
+
+class CommStats:
+    """Counters of what went over the wire: the metrics and the run report.
+
+    Bytes are payload bytes this rank handed to a collective (for an all-to-all this includes
+    the slice it sends to itself), counted in the encoder from the payload's size, so no
+    device sync is needed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.step_bytes: dict[CommChannel, int] = dict.fromkeys(_CHANNELS, 0)
+        """Bytes per channel in the current step (reset by `end_step`)."""
+        self.step_calls: dict[CommChannel, int] = dict.fromkeys(_CHANNELS, 0)
+        """Encoder calls per channel in the current step."""
+        self.total_bytes: dict[CommChannel, int] = dict.fromkeys(_CHANNELS, 0)
+        """Bytes per channel since the start."""
+        self.bytes_by_precision: dict[CommChannel, dict[CommPrecision, int]] = {
+            c: {} for c in _CHANNELS
+        }
+        """Bytes per channel and precision actually used."""
+        self.calls_by_precision: dict[CommChannel, dict[CommPrecision, int]] = {
+            c: {} for c in _CHANNELS
+        }
+        """Encoder calls per channel and precision actually used."""
+        self.fallbacks: list[FallbackEvent] = []
+        """Every fallback, in order."""
+        self.switches: list[SwitchEvent] = []
+        """Every policy switch, in order."""
+
+    def record(self, channel: CommChannel, precision: CommPrecision, num_bytes: int) -> None:
+        """Count one encoded payload of `num_bytes` on `channel`."""
+        with self._lock:
+            self.step_bytes[channel] += num_bytes
+            self.step_calls[channel] += 1
+            self.total_bytes[channel] += num_bytes
+            by_precision = self.bytes_by_precision[channel]
+            by_precision[precision] = by_precision.get(precision, 0) + num_bytes
+            calls = self.calls_by_precision[channel]
+            calls[precision] = calls.get(precision, 0) + 1
+
+    def take_step(self) -> tuple[dict[CommChannel, int], dict[CommChannel, int]]:
+        """Return (bytes, calls) per channel of the step and start a new one."""
+        with self._lock:
+            step_bytes, step_calls = self.step_bytes, self.step_calls
+            self.step_bytes = dict.fromkeys(_CHANNELS, 0)
+            self.step_calls = dict.fromkeys(_CHANNELS, 0)
+        return step_bytes, step_calls
+
+
+@dataclass
+class _ChannelState:
+    precision: CommPrecision
+    ladder: tuple[CommPrecision, ...] = field(default_factory=tuple)
+
+
+class CommState:
+    """Precision per channel, statistics and SQNR measurements of one process.
+
+    Args:
+        config: the comm configuration; its initial precisions are explicit requests, so an
+            unsupported one raises here.
+        backend: "gloo" or "nccl"; None: the default process group's backend if initialized,
+            else "nccl" for a CUDA `device` and "gloo" otherwise.
+        device: where the SQNR buffer lives (the device collectives run on); None: the
+            current CUDA device for nccl, else CPU.
+
+    Example:
+        >>> state = CommState(CommConfig(reduce_scatter_forward=CommPrecision.FP16),
+        ...                   backend="gloo")
+        >>> state.precision(CommChannel.RS_FWD)
+        <CommPrecision.FP16: 'fp16'>
+    """
+
+    def __init__(
+        self,
+        config: CommConfig,
+        *,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if device is not None:
+            device = torch.device(device)
+        if backend is None:
+            if dist.is_available() and dist.is_initialized():
+                backend = str(dist.get_backend())
+            else:
+                backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+        if config.use_fbgemm_ops and device.type != "cuda":
+            raise ValueError(
+                "comm.use_fbgemm_ops=True needs a CUDA device (FBGEMM's FP8 row-wise ops have "
+                f"no CPU kernel); got device={device}. Set use_fbgemm_ops=False to use the "
+                "reference encoder."
+            )
+        self.config = config
+        self.backend = backend
+        self.device = device
+        self.stats = CommStats()
+        self.step = -1
+        self.sampling = False
+        """True during a step whose tensors are measured (set by `begin_step`)."""
+        self.sqnr_sums = torch.zeros(
+            len(_CHANNELS), 3, len(_PRECISIONS), dtype=torch.float64, device=device
+        )
+        """[channel, (signal, noise, count), precision] sums since the last policy update."""
+        self._formats: dict[tuple[CommChannel, CommPrecision], WireFormat] = {}
+        self._warned: set[object] = set()
+        self._channels: dict[CommChannel, _ChannelState] = {}
+        for channel in _CHANNELS:
+            self._channels[channel] = _ChannelState(precision=CommPrecision.FP32)
+            self.set_precision(
+                channel, config.initial_precision(channel), source=PrecisionSource.EXPLICIT
+            )
+            if channel in config.adaptive_channels:
+                self._channels[channel].ladder = self._policy_ladder(channel)
+
+    # ------------------------------------------------------------------ precision
+    def precision(self, channel: CommChannel) -> CommPrecision:
+        """Precision `channel` uses now."""
+        return self._channels[channel].precision
+
+    def precisions(self) -> dict[CommChannel, CommPrecision]:
+        """Precision of every channel now."""
+        return {c: s.precision for c, s in self._channels.items()}
+
+    def ladder(self, channel: CommChannel) -> tuple[CommPrecision, ...]:
+        """Precisions the policy may choose on `channel`, most precise first (empty: static)."""
+        return self._channels[channel].ladder
+
+    def supports(self, channel: CommChannel, precision: CommPrecision) -> tuple[bool, str]:
+        """Whether `precision` can be used on `channel` here, and why not."""
+        return channel_supports(channel, precision, backend=self.backend)
+
+    def set_precision(
+        self,
+        channel: CommChannel,
+        precision: CommPrecision,
+        *,
+        source: PrecisionSource,
+    ) -> CommPrecision:
+        """Use `precision` on `channel` from now on; returns the precision actually used.
+
+        Call only between steps and identically on every rank (the policy does both).
+
+        Raises:
+            ValueError: `precision` is unsupported on `channel` and `source` is EXPLICIT.
+        """
+        ok, reason = self.supports(channel, precision)
+        if not ok:
+            if source is PrecisionSource.EXPLICIT:
+                raise ValueError(
+                    f"comm precision {precision.name} requested for {channel.value} "
+                    f"(backend {self.backend}) is not supported: {reason}"
+                )
+            used = self._nearest_supported_above(channel, precision)
+            self._record_fallback(channel, precision, used, reason)
+            precision = used
+        self._channels[channel].precision = precision
+        return precision
+
+    def _nearest_supported_above(
+        self, channel: CommChannel, precision: CommPrecision
+    ) -> CommPrecision:
+        candidates = sorted(
+            (p for p in _PRECISIONS if p.order > precision.order), key=lambda p: p.order
+        )
+        for candidate in candidates:
+            if self.supports(channel, candidate)[0]:
+                return candidate
+        return CommPrecision.FP32
+
+    def _record_fallback(
+        self, channel: CommChannel, requested: CommPrecision, used: CommPrecision, reason: str
+    ) -> None:
+        event = FallbackEvent(
+            step=self.step, channel=channel, requested=requested, used=used, reason=reason
+        )
+        self.stats.fallbacks.append(event)
+        logger.warning(
+            "comm fallback on %s: %s requested by the policy, %s used instead: %s",
+            channel.value,
+            requested.name,
+            used.name,
+            reason,
+        )
+
+    def _policy_ladder(self, channel: CommChannel) -> tuple[CommPrecision, ...]:
+        cfg = self.config
+        in_range = [
+            p for p in cfg.ladder if cfg.min_precision.order <= p.order <= cfg.max_precision.order
+        ]
+        ladder = []
+        for p in sorted(in_range, key=lambda p: -p.order):
+            ok, reason = self.supports(channel, p)
+            if ok:
+                ladder.append(p)
+            else:
+                # The policy could have chosen it: a counted fallback, once, at setup.
+                self._record_fallback(channel, p, self._nearest_supported_above(channel, p), reason)
+        if not ladder:
+            ladder = [self._nearest_supported_above(channel, cfg.min_precision)]
+        return tuple(ladder)
+
+    def wire_format(self, channel: CommChannel, precision: CommPrecision) -> WireFormat:
+        """The encoder/decoder `channel` uses for `precision` (cached)."""
+        key = (channel, precision)
+        fmt = self._formats.get(key)
+        if fmt is None:
+            fmt = WireFormat(
+                precision=precision,
+                row_dim=self.config.row_dim,
+                fp8_format=self.config.fp8_format(channel),
+                use_fbgemm=self.config.use_fbgemm_ops,
+            )
+            self._formats[key] = fmt
+        return fmt
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, step: int) -> None:
+        """Mark the start of training step `step` (decides whether it is measured)."""
+        self.step = step
+        every = self.config.sample_every
+        self.sampling = every > 0 and step % every == 0
+
+    def end_step(self) -> dict[str, float]:
+        """Close the step; returns its metrics (bytes and calls per channel, fallbacks)."""
+        step_bytes, step_calls = self.stats.take_step()
+        metrics: dict[str, float] = {}
+        for channel in _CHANNELS:
+            metrics[f"comm/{channel.value}/bytes"] = float(step_bytes[channel])
+            metrics[f"comm/{channel.value}/calls"] = float(step_calls[channel])
+        metrics["comm/fallbacks"] = float(len(self.stats.fallbacks))
+        metrics["comm/switches"] = float(len(self.stats.switches))
+        self.sampling = False
+        return metrics
+
+    # ------------------------------------------------------------------ measuring
+    def candidates(self, channel: CommChannel) -> tuple[CommPrecision, ...]:
+        """Lossy precisions measured on `channel`: its policy ladder and its current one."""
+        wanted = set(self.ladder(channel)) | {self.precision(channel)}
+        return tuple(p for p in _PRECISIONS if p in wanted and not p.is_lossless)
+
+    @torch.no_grad()
+    def measure(self, channel: CommChannel, x: torch.Tensor) -> None:
+        """Add the error every candidate precision makes on `x` to the SQNR buffer (on device).
+
+        Row-wise candidates need `x.numel()` to be a multiple of `row_dim` (pad first).
+        """
+        candidates = self.candidates(channel)
+        if not candidates:
+            return
+        x = x.detach().float().reshape(-1)
+        signal = x.double().square().sum()
+        sums = self.sqnr_sums[_CHANNEL_INDEX[channel]]
+        for precision in candidates:
+            idx = _PRECISION_INDEX[precision]
+            if precision.is_rowwise and x.numel() % self.config.row_dim != 0:
+                # This tensor could not travel row-wise at all: rule the precision out.
+                self._warn_once(
+                    (channel, precision),
+                    f"comm: {channel.value} tensor of {x.numel()} values is not a multiple of "
+                    f"row_dim={self.config.row_dim}; {precision.name} is measured as unusable",
+                )
+                sums[_SIGNAL, idx] += signal.to(sums.device)
+                sums[_NOISE, idx] += float("inf")
+                sums[_COUNT, idx] += 1
+                continue
+            approx = self.wire_format(channel, precision).roundtrip(x)
+            noise = (x.double() - approx.double()).square().sum()
+            sums[_SIGNAL, idx] += signal.to(sums.device)
+            sums[_NOISE, idx] += noise.to(sums.device)
+            sums[_COUNT, idx] += 1
+
+    def _warn_once(self, key: object, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    def add_measurement(
+        self,
+        channel: CommChannel,
+        precision: CommPrecision,
+        *,
+        signal_power: torch.Tensor | float,
+        noise_power: torch.Tensor | float,
+    ) -> None:
+        """Feed an external measurement (e.g. from the Probe) into the SQNR buffer."""
+        sums = self.sqnr_sums[_CHANNEL_INDEX[channel]]
+        idx = _PRECISION_INDEX[precision]
+        sums[_SIGNAL, idx] += signal_power
+        sums[_NOISE, idx] += noise_power
+        sums[_COUNT, idx] += 1
+
+    def take_sqnr_sums(self) -> torch.Tensor:
+        """Return a copy of the SQNR buffer and zero it (policy update)."""
+        sums = self.sqnr_sums.clone()
+        self.sqnr_sums.zero_()
+        return sums
+
+    @staticmethod
+    def sqnr_db_from_sums(sums: torch.Tensor) -> dict[CommChannel, dict[CommPrecision, float]]:
+        """SQNR (dB) per channel and measured precision from a (reduced) SQNR buffer.
+
+        Host sync (one `.tolist()`): call on policy updates only.
+        """
+        values = sums.tolist()
+        result: dict[CommChannel, dict[CommPrecision, float]] = {}
+        for channel in _CHANNELS:
+            per_precision: dict[CommPrecision, float] = {}
+            rows = values[_CHANNEL_INDEX[channel]]
+            for precision in _PRECISIONS:
+                idx = _PRECISION_INDEX[precision]
+                if rows[_COUNT][idx] == 0:
+                    continue
+                signal, noise = rows[_SIGNAL][idx], rows[_NOISE][idx]
+                if math.isnan(signal) or math.isnan(noise):
+                    per_precision[precision] = float("nan")
+                elif noise == 0:
+                    per_precision[precision] = float("inf")
+                elif signal == 0:
+                    per_precision[precision] = float("-inf")
+                else:
+                    per_precision[precision] = 10 * math.log10(signal / noise)
+            if per_precision:
+                result[channel] = per_precision
+        return result
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> dict[str, object]:
+        """What each channel used: precision now, bytes and calls per precision, fallbacks."""
+        stats = self.stats
+        return {
+            "backend": self.backend,
+            "channels": {
+                c.value: {
+                    "precision": self.precision(c).name,
+                    "policy_ladder": [p.name for p in self.ladder(c)],
+                    "total_bytes": stats.total_bytes[c],
+                    "bytes_by_precision": {
+                        p.name: n for p, n in stats.bytes_by_precision[c].items()
+                    },
+                    "calls_by_precision": {
+                        p.name: n for p, n in stats.calls_by_precision[c].items()
+                    },
+                }
+                for c in _CHANNELS
+            },
+            "fallbacks": [
+                {
+                    "step": e.step,
+                    "channel": e.channel.value,
+                    "requested": e.requested.name,
+                    "used": e.used.name,
+                    "reason": e.reason,
+                }
+                for e in stats.fallbacks
+            ],
+            "switches": [
+                {
+                    "step": e.step,
+                    "channel": e.channel.value,
+                    "old": e.old.name,
+                    "new": e.new.name,
+                    "reason": e.reason,
+                }
+                for e in stats.switches
+            ],
+        }
+
+    def state_dict(self) -> dict[str, object]:
+        """Checkpointable state: current precision per channel."""
+        return {"precisions": {c.value: p.value for c, p in self.precisions().items()}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore precisions saved by `state_dict` (explicit: unsupported ones raise)."""
+        precisions = state["precisions"]
+        assert isinstance(precisions, dict)
+        for name, value in precisions.items():
+            self.set_precision(
+                CommChannel(name), CommPrecision(value), source=PrecisionSource.EXPLICIT
+            )

@@ -1,0 +1,212 @@
+"""LayerNorm -> Linear -> activation, the block recommendation MLPs are made of, with FP8
+quantization fused into the kernels that produce each GEMM operand.
+
+``layernorm_linear(x, ln_w, ln_b, W, b, plan, activation="relu")`` equals
+``act(F.linear(F.layer_norm(x, ...), W, b))`` with the linear's three GEMMs following
+``plan``. When a GEMM is FP8 on the ``triton`` backend with row-wise scales:
+
+* forward: one kernel computes LayerNorm and quantizes its output per row (also writing the
+  bf16 LayerNorm output that the grad-weight GEMM needs, and mean/rstd for LayerNorm's
+  backward); the FP8 GEMM applies scales, bias and the activation in its epilogue;
+* grad-input: one kernel applies ReLU's backward (``dZ = dY * (Y > 0)``) and quantizes ``dZ``
+  per row (writing ``dZ`` in bf16 too, for the grad-weight GEMM and the bias gradient).
+
+Other plans run the same math unfused (LayerNorm, then :func:`fp8_gemm_planned` or a plain
+matmul); the numerics are those of the plan either way. LayerNorm's backward is
+``aten.native_layer_norm_backward``.
+
+Shape legend: ``M`` rows, ``K`` features in (normalized dim), ``N`` features out.
+
+Example:
+    >>> from loka_train.kernels.plan import LinearPlan
+    >>> x = torch.randn(16, 32, requires_grad=True)
+    >>> ln_w, ln_b = torch.ones(32), torch.zeros(32)
+    >>> w, b = torch.randn(8, 32, requires_grad=True), torch.zeros(8)
+    >>> y = layernorm_linear(x, ln_w, ln_b, w, b, LinearPlan.fp8(), activation="relu")
+    >>> y.sum().backward()
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from loka_train.kernels.formats import QTensor, Scaling
+from loka_train.kernels.linear import _compute_dtype, fp8_gemm_planned, quantize_operand
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["layernorm_linear", "FUSED_ACTIVATIONS"]
+
+FUSED_ACTIVATIONS = ("none", "relu", "silu")
+
+
+def _fusable(plan: GemmPlan) -> bool:
+    return plan.is_fp8 and plan.backend == "triton" and plan.scaling is Scaling.ROWWISE
+
+
+def _act(z: Tensor, activation: str) -> Tensor:
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "silu":
+        return F.silu(z)
+    return z
+
+
+class _LnLinearActFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, plan, activation, eps, out_dtype):
+        from loka_train.kernels import triton_kernels as tk
+
+        dev = x.device.type
+        cdtype = _compute_dtype(x)
+        k = x.shape[-1]
+        with torch.autocast(dev, enabled=False):
+            x_MK = x.reshape(-1, k).to(cdtype)
+            wc = weight.to(cdtype)
+            bc = None if bias is None else bias.to(cdtype)
+            lnw = None if ln_weight is None else ln_weight.to(cdtype)
+            lnb = None if ln_bias is None else ln_bias.to(cdtype)
+            odtype = cdtype if out_dtype is None else out_dtype
+            fwd = plan.forward
+            pre_MN = None
+            if _fusable(fwd):
+                q, s, h_MK, mean, rstd = tk.fused_rowwise_quant(
+                    x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
+                    return_hp=True,
+                )
+                mean, rstd = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+                w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True)
+                h_q = QTensor(data=q, scale=s, fmt=fwd.fmt, scaling=Scaling.ROWWISE, axis=1)
+                y_MN, pre_MN = tk.fp8_gemm(
+                    h_q.data, w_q.data, h_q.scale, w_q.scale, bias_N=bc, activation=activation,
+                    out_dtype=odtype, fast_accum=fwd.fast_accum,
+                    return_preact=activation == "silu",
+                )
+                if activation != "silu":
+                    pre_MN = None
+            else:
+                h_MK, mean, rstd = torch.native_layer_norm(x_MK, [k], lnw, lnb, eps)
+                if fwd.is_fp8:
+                    z_MN = fp8_gemm_planned(
+                        h_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc,
+                        b_is_weight=True,
+                    )
+                else:
+                    z_MN = F.linear(h_MK, wc, bc).to(odtype)
+                y_MN = _act(z_MN, activation)
+                if activation == "silu":
+                    pre_MN = z_MN
+        ctx.save_for_backward(x_MK, h_MK, mean, rstd, lnw, lnb, wc, y_MN, pre_MN)
+        ctx.plan, ctx.activation, ctx.cdtype = plan, activation, cdtype
+        ctx.x_shape = x.shape
+        ctx.dtypes = tuple(
+            None if t is None else t.dtype for t in (x, ln_weight, ln_bias, weight, bias)
+        )
+        return y_MN.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from loka_train.kernels import triton_kernels as tk
+
+        x_MK, h_MK, mean, rstd, lnw, lnb, wc, y_MN, pre_MN = ctx.saved_tensors
+        plan: LinearPlan = ctx.plan
+        cdtype = ctx.cdtype
+        x_dt, lnw_dt, lnb_dt, w_dt, b_dt = ctx.dtypes
+        need = ctx.needs_input_grad
+        with torch.autocast(grad_y.device.type, enabled=False):
+            dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
+            dz_q = None
+            gi = plan.grad_input
+            if ctx.activation == "relu" and _fusable(gi):
+                q, s, dz_MN, _, _ = tk.fused_rowwise_quant(
+                    dy_MN, fmt=gi.fmt, gate=y_MN, return_hp=True
+                )
+                dz_q = QTensor(data=q, scale=s, fmt=gi.fmt, scaling=Scaling.ROWWISE, axis=1)
+            elif ctx.activation == "relu":
+                dz_MN = torch.where(y_MN > 0, dy_MN, torch.zeros_like(dy_MN))
+            elif ctx.activation == "silu":
+                sig = torch.sigmoid(pre_MN.float())
+                dz_MN = (dy_MN.float() * sig * (1 + pre_MN.float() * (1 - sig))).to(cdtype)
+            else:
+                dz_MN = dy_MN
+
+            # grad-input of the linear: dH = dZ W.
+            if gi.is_fp8 and dz_q is not None:
+                w_t = quantize_operand(wc.t(), gi.operand_b_fmt, gi, is_weight=True)
+                dh_MK = tk.fp8_gemm(
+                    dz_q.data, w_t.data, dz_q.scale, w_t.scale, out_dtype=cdtype,
+                    fast_accum=gi.fast_accum,
+                )[0]
+            elif gi.is_fp8:
+                dh_MK = fp8_gemm_planned(
+                    dz_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True
+                )
+            else:
+                dh_MK = dz_MN.mm(wc)
+
+            grad_w = grad_b = None
+            if need[3]:
+                gw = plan.grad_weight
+                if gw.is_fp8:
+                    grad_w = fp8_gemm_planned(
+                        dz_MN.t(), h_MK.t(), gw, out_dtype=torch.float32, role="grad_weight"
+                    ).to(w_dt)
+                else:
+                    grad_w = h_MK.t().mm(dz_MN).t().to(w_dt)
+            if need[4] and b_dt is not None:
+                grad_b = dz_MN.sum(0).to(b_dt)
+
+            k = x_MK.shape[1]
+            dx_MK, dlnw, dlnb = torch.ops.aten.native_layer_norm_backward(
+                dh_MK, x_MK, [k], mean, rstd, lnw, lnb,
+                [need[0], lnw is not None and need[1], lnb is not None and need[2]],
+            )
+        grad_x = None if dx_MK is None else dx_MK.reshape(ctx.x_shape).to(x_dt)
+        dlnw = None if dlnw is None else dlnw.to(lnw_dt)
+        dlnb = None if dlnb is None else dlnb.to(lnb_dt)
+        return grad_x, dlnw, dlnb, grad_w, grad_b, None, None, None, None
+
+
+def layernorm_linear(
+    x: Tensor,
+    ln_weight: Tensor | None,
+    ln_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: LinearPlan,
+    *,
+    activation: str = "relu",
+    eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``act(linear(layer_norm(x)))`` with the linear's GEMMs planned and FP8 quantization
+    fused into the LayerNorm and ReLU-backward kernels where the plan allows (see module doc).
+
+    Args:
+        x: input ``(..., K)``.
+        ln_weight: LayerNorm weight ``(K,)`` or None.
+        ln_bias: LayerNorm bias ``(K,)`` or None.
+        weight: linear weight ``(N, K)``.
+        bias: linear bias ``(N,)`` or None.
+        plan: per-GEMM plans of the linear.
+        activation: "relu", "silu" or "none".
+        eps: LayerNorm epsilon.
+        out_dtype: output dtype; default the compute dtype.
+
+    Returns:
+        ``(..., N)`` tensor.
+    """
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
+    if not isinstance(plan, LinearPlan):
+        raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
+    if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    return _LnLinearActFn.apply(
+        x, ln_weight, ln_bias, weight, bias, plan, activation, eps, out_dtype
+    )

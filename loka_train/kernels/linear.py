@@ -1,0 +1,211 @@
+"""An FP8 linear layer whose three GEMMs each follow their own :class:`GemmPlan`.
+
+``fp8_linear(x, W, b, plan)`` computes ``y = x W^T + b`` with an autograd function whose
+forward (``y = x W^T``), grad-input (``dX = dY W``) and grad-weight (``dW = dY^T X``) GEMMs are
+planned separately. A HIGH GEMM is the plain matmul in the compute dtype, with the same ops
+autograd uses for ``F.linear`` (outputs and gradients are bit-identical to it). An FP8 GEMM
+quantizes both operands along its contraction dim (``plan.fmt`` for ``a``, ``plan.fmt_b`` for
+``b``; weights in 128x128 tiles under block scaling) and calls the plan's backend. The bias is
+always added in high precision.
+
+The compute dtype is ``x.dtype``, or the autocast dtype when autocast is on (bf16 on GPU);
+the high-precision ``x`` and ``W`` (in that dtype) are saved for backward, like ``F.linear``.
+
+An explicit plan that its backend cannot run raises (naming the backend's reason): there is no
+silent fallback.
+
+Shape legend: ``M`` rows (all leading dims of ``x`` flattened), ``K`` in features, ``N`` out
+features.
+
+Example:
+    >>> x = torch.randn(4, 8, 32, requires_grad=True)
+    >>> w = torch.randn(16, 32, requires_grad=True)
+    >>> y = fp8_linear(x, w, None, LinearPlan.fp8(backend="emulated"))
+    >>> y.shape
+    torch.Size([4, 8, 16])
+    >>> y.sum().backward()
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, quantize
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.kernels.registry import GemmProblem, get_backend
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["fp8_linear", "fp8_gemm_planned", "quantize_operand"]
+
+
+def _use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
+    return (
+        plan.backend == "triton"
+        and plan.scaling is Scaling.ROWWISE
+        and fmt in (Fp8Format.E4M3, Fp8Format.E5M2)
+        and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def quantize_operand(t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:
+    """Quantize a 2-D GEMM operand along its last (contraction) dim as ``plan`` asks.
+
+    With the Triton backend and row-wise scaling this uses the fused one-pass quantizer
+    (``loka::rowwise_quant``); otherwise the reference :func:`formats.quantize`. Under block
+    scaling, weights get 128x128 tiles and activations/gradients 1x128 groups.
+    """
+    if _use_fused_quantizer(plan, t_RC, fmt):
+        from loka_train.kernels.triton_kernels import fused_rowwise_quant
+
+        q, scale, _, _, _ = fused_rowwise_quant(t_RC.contiguous(), fmt=fmt)
+        return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.ROWWISE, axis=1)
+    block_2d = is_weight and plan.scaling is Scaling.BLOCK
+    return quantize(t_RC, fmt, plan.scaling, axis=-1, block_2d=block_2d)
+
+
+def fp8_gemm_planned(
+    a_MK: Tensor,
+    b_NK: Tensor,
+    plan: GemmPlan,
+    *,
+    out_dtype: torch.dtype,
+    role: str,
+    bias_N: Tensor | None = None,
+    b_is_weight: bool = False,
+) -> Tensor:
+    """``a @ b^T (+ bias)`` in FP8 as ``plan`` says: quantize both along K, call the backend.
+
+    Raises:
+        RuntimeError: if the plan's backend cannot run this problem (the reason is included).
+    """
+    if not plan.is_fp8:
+        raise ValueError("fp8_gemm_planned needs an FP8 plan")
+    backend = get_backend(plan.backend)
+    a_q = quantize_operand(a_MK, plan.fmt, plan, is_weight=False)
+    b_q = quantize_operand(b_NK, plan.operand_b_fmt, plan, is_weight=b_is_weight)
+    problem = GemmProblem.from_operands(
+        a_q, b_q, out_dtype=out_dtype, role=role, fast_accum=plan.fast_accum
+    )
+    ok, why = backend.supports(problem)
+    if not ok:
+        raise RuntimeError(
+            f"GEMM plan {plan} cannot run {role} {problem.m}x{problem.k}x{problem.n} on "
+            f"{problem.device_type}: {why}. Choose another backend in the plan."
+        )
+    with torch.profiler.record_function(f"loka/gemm/{role}/{plan.backend}"):
+        return backend(a_q, b_q, out_dtype=out_dtype, bias=bias_N, fast_accum=plan.fast_accum)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+class _PlannedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        plan: LinearPlan,
+        out_dtype: torch.dtype | None,
+    ) -> Tensor:
+        dev = x.device.type
+        cdtype = _compute_dtype(x)
+        with torch.autocast(dev, enabled=False):
+            xc = x.to(cdtype)
+            wc = weight.to(cdtype)
+            bc = None if bias is None else bias.to(cdtype)
+            odtype = cdtype if out_dtype is None else out_dtype
+            if plan.forward.is_fp8:
+                x_MK = xc.reshape(-1, xc.shape[-1])
+                y_MN = fp8_gemm_planned(
+                    x_MK, wc, plan.forward, out_dtype=odtype, role="forward", bias_N=bc,
+                    b_is_weight=True,
+                )
+                y = y_MN.reshape(*xc.shape[:-1], wc.shape[0])
+            else:
+                y = F.linear(xc, wc, bc).to(odtype)
+        ctx.save_for_backward(xc, wc)
+        ctx.plan = plan
+        ctx.has_bias = bias is not None
+        ctx.cdtype = cdtype
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        xc, wc = ctx.saved_tensors
+        plan: LinearPlan = ctx.plan
+        cdtype = ctx.cdtype
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(grad_y.device.type, enabled=False):
+            dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
+            x_MK = xc.reshape(-1, xc.shape[-1])
+            if need_x:
+                if plan.grad_input.is_fp8:
+                    # dX = dY W = dY @ (W^T)^T: contraction over N.
+                    dx_MK = fp8_gemm_planned(
+                        dy_MN, wc.t(), plan.grad_input, out_dtype=cdtype, role="grad_input",
+                        b_is_weight=True,
+                    )
+                else:
+                    dx_MK = dy_MN.mm(wc)
+                grad_x = dx_MK.reshape(xc.shape).to(x_dtype)
+            if need_w:
+                if plan.grad_weight.is_fp8:
+                    # dW = dY^T X = (dY^T) @ (X^T)^T: contraction over M.
+                    grad_w = fp8_gemm_planned(
+                        dy_MN.t(), x_MK.t(), plan.grad_weight, out_dtype=torch.float32,
+                        role="grad_weight",
+                    ).to(w_dtype)
+                else:
+                    # Same op order as autograd's addmm/mm backward, so HIGH matches F.linear.
+                    grad_w = x_MK.t().mm(dy_MN).t().to(w_dtype)
+            if need_b and ctx.has_bias:
+                grad_b = dy_MN.sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def fp8_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: LinearPlan,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``y = x W^T + b`` with each of its three GEMMs computed as ``plan`` says.
+
+    Args:
+        x: input ``(..., K)``; leading dims are flattened for the GEMMs.
+        weight: ``(N, K)`` (``nn.Linear`` layout).
+        bias: ``(N,)`` or None; added in high precision.
+        plan: per-GEMM plans (forward, grad_input, grad_weight).
+        out_dtype: output dtype; default the compute dtype (``x.dtype`` or the autocast dtype).
+
+    Returns:
+        ``(..., N)`` tensor.
+
+    Raises:
+        RuntimeError: if an FP8 GEMM's backend cannot run its problem.
+
+    Example:
+        >>> y = fp8_linear(torch.randn(8, 32), torch.randn(16, 32), torch.zeros(16),
+        ...                LinearPlan.high_precision())
+    """
+    if not isinstance(plan, LinearPlan):
+        raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
+    if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    return _PlannedLinearFn.apply(x, weight, bias, plan, out_dtype)

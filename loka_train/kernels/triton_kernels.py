@@ -1,0 +1,717 @@
+"""Triton kernels: a fused row-wise FP8 quantizer and an FP8 GEMM with a fused epilogue.
+
+1. :func:`fused_rowwise_quant` (op ``loka::rowwise_quant``): one pass over each row computes
+   the producer (optional LayerNorm with affine weight/bias, optional ReLU/SiLU), rounds it to
+   the input dtype, and writes its FP8 row-wise quantization (amax -> scale -> saturating cast),
+   optionally also the high-precision output (needed by backward) and the LayerNorm statistics
+   (mean, rstd) for ``aten.native_layer_norm_backward``.
+2. :func:`fp8_gemm` (op ``loka::fp8_gemm``): ``act((a @ b^T) * sa[:, None] * sb[None, :] + bias)``
+   with ``a`` (M, K) and ``b`` (N, K) FP8 (K contiguous in both: the layout Hopper's FP8 wgmma
+   wants), per-row fp32 scales, optional bias, activation none/relu/silu, optionally also the
+   pre-activation. Autotuned over tiles for recommendation shapes (M 1k-64k, K and N 64-4096).
+
+Both have a pure-PyTorch reference (:func:`rowwise_quant_reference`, :func:`fp8_gemm_reference`)
+that is the CPU test oracle, and a fake implementation so torch.compile traces through them.
+On CPU they run only under ``TRITON_INTERPRET=1`` (set before triton is imported); otherwise
+they raise: there is no silent fallback to the reference.
+
+Shape legend: ``M`` rows (batch), ``K`` contraction / normalized dim, ``N`` output features.
+
+Example:
+    >>> x_MK = torch.randn(64, 32)
+    >>> q_MK, scale_M1, ln_MK, mean_M, rstd_M = fused_rowwise_quant(
+    ...     x_MK, layernorm=True, activation="none", fmt=Fp8Format.E4M3, return_hp=True)
+    >>> w_NK = quantize(torch.randn(16, 32), Fp8Format.E4M3, Scaling.ROWWISE)
+    >>> y_MN, _ = fp8_gemm(q_MK, w_NK.data, scale_M1, w_NK.scale, activation="relu")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ACTIVATIONS",
+    "INTERPRETED",
+    "triton_runnable",
+    "fused_rowwise_quant",
+    "rowwise_quant_reference",
+    "fp8_gemm",
+    "fp8_gemm_reference",
+    "GEMM_CONFIGS",
+]
+
+ACTIVATIONS = ("none", "relu", "silu")
+"""Activations the kernels can fuse; index = the kernel's ACT constexpr."""
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Whether the kernels were built for the Triton interpreter (read once, at import)."""
+
+_FP32_TINY = float(torch.finfo(torch.float32).tiny)
+_MAX_QUANT_ROW = 16384
+_TL_FP8 = {Fp8Format.E4M3: tl.float8e4nv, Fp8Format.E5M2: tl.float8e5}
+
+
+def triton_runnable(device: torch.device | str) -> tuple[bool, str]:
+    """Whether these kernels can run on ``device``, and why not."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        if INTERPRETED:
+            return True, ""
+        return False, "Triton kernels on CPU need TRITON_INTERPRET=1 set before triton is imported"
+    if dev.type != "cuda":
+        return False, f"Triton kernels run on CUDA (or CPU via the interpreter), not {dev.type}"
+    if INTERPRETED:
+        return False, "TRITON_INTERPRET=1 is set: kernels were built for the CPU interpreter"
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < (8, 9):
+        return False, f"FP8 tl.dot needs sm_89+, device is sm_{cap[0]}{cap[1]}"
+    return True, ""
+
+
+def _check_runnable(t: Tensor) -> None:
+    ok, why = triton_runnable(t.device)
+    if not ok:
+        raise RuntimeError(f"cannot run the loka Triton kernel here: {why}")
+
+
+def _act_id(activation: str) -> int:
+    try:
+        return ACTIVATIONS.index(activation)
+    except ValueError:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}") from None
+
+
+def _triton_fmt(fmt: Fp8Format | str) -> Fp8Format:
+    fmt = Fp8Format(fmt)
+    if fmt not in _TL_FP8:
+        raise ValueError(f"Triton kernels support e4m3 and e5m2, not {fmt.value}")
+    return fmt
+
+
+# The Triton interpreter (3.8) rounds fp32 -> fp8/bf16 casts wrongly (half-up without carry
+# into the exponent, so e.g. 124.7 -> 64 in e4m3). In interpreted builds the kernels first
+# round to the target grid with round-to-nearest-even here, which makes the cast exact. On GPU
+# the hardware conversion (cvt.rn) is used directly (SW_ROUND_MANT = 0).
+@triton.jit
+def _round_rne(v, MANT: tl.constexpr, SUB_MAGIC: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """Round fp32 ``v`` to MANT mantissa bits (RNE); below MIN_NORMAL to the subnormal step
+    (SUB_MAGIC = 1.5 * 2**23 * step makes ``(v + SUB_MAGIC) - SUB_MAGIC`` round to it)."""
+    SHIFT: tl.constexpr = 23 - MANT
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> SHIFT) & 1
+    bits = (bits + ((1 << (SHIFT - 1)) - 1) + lsb) & ~((1 << SHIFT) - 1)
+    normal = bits.to(tl.float32, bitcast=True)
+    if MIN_NORMAL > 0.0:
+        sub = (v + SUB_MAGIC) - SUB_MAGIC
+        normal = tl.where(tl.abs(v) < MIN_NORMAL, sub, normal)
+    return normal
+
+
+def _sw_round_args(dtype: torch.dtype) -> dict[str, float | int]:
+    """Constexprs for _round_rne targeting ``dtype`` (MANT=0: no software rounding)."""
+    if not INTERPRETED:
+        return {"MANT": 0, "SUB_MAGIC": 0.0, "MIN_NORMAL": 0.0}
+    for f in (Fp8Format.E4M3, Fp8Format.E5M2):
+        if f.dtype == dtype:
+            return {"MANT": f.mantissa_bits, "SUB_MAGIC": 1.5 * 2.0**23 * f.min_subnormal,
+                    "MIN_NORMAL": f.min_normal}
+    if dtype == torch.bfloat16:
+        return {"MANT": 7, "SUB_MAGIC": 0.0, "MIN_NORMAL": 0.0}
+    return {"MANT": 0, "SUB_MAGIC": 0.0, "MIN_NORMAL": 0.0}
+
+
+# --------------------------------------------------------------------------------------------
+# (1) fused producer + row-wise quantizer
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rowwise_quant_kernel(
+    x_ptr,
+    gate_ptr,
+    w_ptr,
+    b_ptr,
+    q_ptr,
+    scale_ptr,
+    hp_ptr,
+    mean_ptr,
+    rstd_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_gm,
+    stride_qm,
+    stride_hm,
+    eps,
+    FP8_MAX: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_LN: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACT: tl.constexpr,
+    STORE_HP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HP_MANT: tl.constexpr,
+    Q_MANT: tl.constexpr,
+    Q_SUB_MAGIC: tl.constexpr,
+    Q_MIN_NORMAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    y = x.to(tl.float32)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + rows64[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
+        y = tl.where(g > 0, y, 0.0)
+    if HAS_LN:
+        mean = tl.sum(y, axis=1) / K
+        yc = tl.where(mask, y - mean[:, None], 0.0)
+        var = tl.sum(yc * yc, axis=1) / K
+        rstd = 1.0 / tl.sqrt(var + eps)
+        y = yc * rstd[:, None]
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            y = y * w[None, :]
+        if HAS_B:
+            b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            y = y + b[None, :]
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    if ACT == 1:
+        y = tl.maximum(y, 0.0)
+    elif ACT == 2:
+        y = y * tl.sigmoid(y)
+    # Quantize exactly what the high-precision consumer sees: the value rounded to x's dtype.
+    if HP_MANT > 0:
+        y = _round_rne(y, HP_MANT, 0.0, 0.0)
+    y_hp = y.to(x.dtype)
+    if STORE_HP:
+        tl.store(hp_ptr + rows64[:, None] * stride_hm + cols[None, :], y_hp, mask=mask)
+    y = tl.where(mask, y_hp.to(tl.float32), 0.0)
+    y_abs = tl.abs(y)
+    amax = tl.max(y_abs, axis=1)
+    # tl.max drops NaN: count non-finite values separately so the scale can carry NaN.
+    num_bad = tl.sum(((y != y) | (y_abs == float("inf"))).to(tl.int32), axis=1)
+    scale = tl.maximum(amax / FP8_MAX, 1.1754943508222875e-38)
+    scale = tl.where(amax == 0.0, 1.0, scale)
+    scale = tl.where(num_bad > 0, float("nan"), scale)
+    q = tl.clamp(y / scale[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if Q_MANT > 0:
+        q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
+    tl.store(
+        q_ptr + rows64[:, None] * stride_qm + cols[None, :],
+        q.to(q_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(scale_ptr + rows, scale, mask=rmask)
+
+
+def _quant_launch_params(k: int) -> tuple[int, int, int]:
+    block_k = triton.next_power_of_2(max(k, 1))
+    block_m = max(1, min(64, 4096 // block_k))
+    num_warps = 4 if block_m * block_k <= 4096 else 8
+    return block_m, block_k, num_warps
+
+
+def _rowwise_quant_impl(
+    x: Tensor,
+    gate: Tensor | None,
+    ln_weight: Tensor | None,
+    ln_bias: Tensor | None,
+    eps: float,
+    layernorm: bool,
+    activation: str,
+    fmt: str,
+    return_hp: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    fmt_ = _triton_fmt(fmt)
+    if x.ndim != 2:
+        raise ValueError(f"rowwise_quant expects a 2-D input, got shape {tuple(x.shape)}")
+    if not layernorm and (ln_weight is not None or ln_bias is not None):
+        raise ValueError("ln_weight / ln_bias given without layernorm=True")
+    act = _act_id(activation)
+    _check_runnable(x)
+    m, k = x.shape
+    if k > _MAX_QUANT_ROW:
+        raise ValueError(f"rowwise_quant keeps a row in registers; K={k} > {_MAX_QUANT_ROW}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if gate is not None:
+        if gate.shape != x.shape:
+            raise ValueError(f"gate shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
+        if gate.stride(-1) != 1:
+            gate = gate.contiguous()
+    q = torch.empty((m, k), device=x.device, dtype=fmt_.dtype)
+    scale = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    hp = torch.empty((m, k) if return_hp else (0,), device=x.device, dtype=x.dtype)
+    stats_shape = (m,) if layernorm else (0,)
+    mean = torch.empty(stats_shape, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(stats_shape, device=x.device, dtype=torch.float32)
+    if m == 0 or k == 0:
+        scale.fill_(1.0)
+        return q, scale, hp, mean, rstd
+    block_m, block_k, num_warps = _quant_launch_params(k)
+    qr = _sw_round_args(q.dtype)
+    dummy = scale  # never read: the constexpr flags switch its use off
+    _rowwise_quant_kernel[(triton.cdiv(m, block_m),)](
+        x,
+        gate if gate is not None else dummy,
+        ln_weight if ln_weight is not None else dummy,
+        ln_bias if ln_bias is not None else dummy,
+        q,
+        scale,
+        hp if return_hp else dummy,
+        mean if layernorm else dummy,
+        rstd if layernorm else dummy,
+        m,
+        k,
+        x.stride(0),
+        gate.stride(0) if gate is not None else 0,
+        q.stride(0),
+        hp.stride(0) if return_hp else 0,
+        float(eps),
+        FP8_MAX=fmt_.max,
+        HAS_GATE=gate is not None,
+        HAS_LN=layernorm,
+        HAS_W=ln_weight is not None,
+        HAS_B=ln_bias is not None,
+        ACT=act,
+        STORE_HP=return_hp,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        HP_MANT=_sw_round_args(x.dtype)["MANT"],
+        Q_MANT=qr["MANT"],
+        Q_SUB_MAGIC=qr["SUB_MAGIC"],
+        Q_MIN_NORMAL=qr["MIN_NORMAL"],
+        num_warps=num_warps,
+    )
+    return q, scale, hp, mean, rstd
+
+
+@torch.library.custom_op("loka::rowwise_quant", mutates_args=())
+def _rowwise_quant_op(
+    x: Tensor,
+    gate: Tensor | None,
+    ln_weight: Tensor | None,
+    ln_bias: Tensor | None,
+    eps: float,
+    layernorm: bool,
+    activation: str,
+    fmt: str,
+    return_hp: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _rowwise_quant_impl(
+        x, gate, ln_weight, ln_bias, eps, layernorm, activation, fmt, return_hp
+    )
+
+
+@_rowwise_quant_op.register_fake
+def _rowwise_quant_fake(x, gate, ln_weight, ln_bias, eps, layernorm, activation, fmt, return_hp):
+    m, k = x.shape
+    q = x.new_empty((m, k), dtype=Fp8Format(fmt).dtype)
+    scale = x.new_empty((m, 1), dtype=torch.float32)
+    hp = x.new_empty((m, k) if return_hp else (0,))
+    stats = (m,) if layernorm else (0,)
+    return q, scale, hp, x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
+
+
+def fused_rowwise_quant(
+    x_MK: Tensor,
+    *,
+    fmt: Fp8Format = Fp8Format.E4M3,
+    gate: Tensor | None = None,
+    layernorm: bool = False,
+    ln_weight: Tensor | None = None,
+    ln_bias: Tensor | None = None,
+    eps: float = 1e-5,
+    activation: str = "none",
+    return_hp: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Producer + row-wise FP8 quantization in one pass (op ``loka::rowwise_quant``).
+
+    Computes ``h = act(layer_norm(x * (gate > 0)) * w + b)`` (each stage optional; the gate
+    is ReLU's backward: ``dZ = dY * (Y > 0)``) in fp32, rounds it to
+    ``x.dtype``, and quantizes each row: ``scale = amax(|h|) / fmt.max`` (1 for all-zero rows,
+    NaN for rows with a non-finite value), ``q = saturate(h / scale)``.
+
+    Args:
+        x_MK: 2-D input, rows contiguous.
+        fmt: e4m3 or e5m2.
+        gate: optional tensor shaped like ``x``; elements where ``gate <= 0`` are zeroed.
+        layernorm: normalize each row over K first.
+        ln_weight: LayerNorm weight (K,), optional.
+        ln_bias: LayerNorm bias (K,), optional.
+        eps: LayerNorm epsilon.
+        activation: "none", "relu" or "silu", applied after the LayerNorm.
+        return_hp: also return ``h`` in ``x.dtype`` (what backward needs).
+
+    Returns:
+        ``(q_MK, scale_M1, h_MK, mean_M, rstd_M)``; ``h`` is empty (shape (0,)) unless
+        ``return_hp``; ``mean``/``rstd`` are empty unless ``layernorm``.
+    """
+    return torch.ops.loka.rowwise_quant(
+        x_MK, gate, ln_weight, ln_bias, eps, layernorm, activation, Fp8Format(fmt).value, return_hp
+    )
+
+
+def rowwise_quant_reference(
+    x_MK: Tensor,
+    *,
+    fmt: Fp8Format = Fp8Format.E4M3,
+    gate: Tensor | None = None,
+    layernorm: bool = False,
+    ln_weight: Tensor | None = None,
+    ln_bias: Tensor | None = None,
+    eps: float = 1e-5,
+    activation: str = "none",
+    return_hp: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Pure-PyTorch reference of :func:`fused_rowwise_quant` (same signature and outputs)."""
+    act = _act_id(activation)
+    h = x_MK.float()
+    if gate is not None:
+        h = torch.where(gate > 0, h, torch.zeros_like(h))
+    m, k = x_MK.shape
+    mean = rstd = h.new_empty((0,))
+    if layernorm:
+        mean = h.mean(dim=1)
+        var = (h - mean[:, None]).square().mean(dim=1)
+        rstd = torch.rsqrt(var + eps)
+        w = None if ln_weight is None else ln_weight.float()
+        b = None if ln_bias is None else ln_bias.float()
+        h = F.layer_norm(h, (k,), w, b, eps)
+    if act == 1:
+        h = torch.relu(h)
+    elif act == 2:
+        h = F.silu(h)
+    h = h.to(x_MK.dtype)
+    qt = quantize(h, fmt, Scaling.ROWWISE, axis=-1)
+    hp = h if return_hp else h.new_empty((0,))
+    return qt.data, qt.scale, hp, mean, rstd
+
+
+# --------------------------------------------------------------------------------------------
+# (2) FP8 GEMM with row-wise scales and a bias/activation epilogue
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    sa_ptr,
+    sb_ptr,
+    bias_ptr,
+    pre_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    M_BUCKET,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    OUT_MANT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped launch order: GROUP_M row-tiles share the B tiles they read while in L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Wrapped row indices keep the main loop free of M/N masks (the store is masked).
+    offs_am = (offs_m % M).to(tl.int64)
+    offs_bn = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_k[:, None] + offs_bn[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kk * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if FAST_ACCUM:
+            acc = tl.dot(a, b, acc)
+        else:
+            # Promote the tensor-core partial sums to fp32 every BLOCK_K elements.
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    sa = tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)
+    sb = tl.load(sb_ptr + offs_n, mask=n_mask, other=0.0)
+    acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    c_offs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if STORE_PRE:
+        pre = acc
+        if OUT_MANT > 0:
+            pre = _round_rne(pre, OUT_MANT, 0.0, 0.0)
+        tl.store(pre_ptr + c_offs, pre.to(pre_ptr.dtype.element_ty), mask=c_mask)
+    if ACT == 1:
+        acc = tl.maximum(acc, 0.0)
+    elif ACT == 2:
+        acc = acc * tl.sigmoid(acc)
+    if OUT_MANT > 0:
+        acc = _round_rne(acc, OUT_MANT, 0.0, 0.0)
+    tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = 8):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+GEMM_CONFIGS = [
+    # Large K/N (1024-4096): big tiles, 2 warpgroups.
+    _gemm_config(128, 256, 128, 8, 3),
+    _gemm_config(256, 128, 128, 8, 3),
+    _gemm_config(128, 128, 128, 8, 4),
+    _gemm_config(128, 128, 128, 4, 4),
+    # Medium (256-1024): smaller tiles keep 132 SMs busy at M = 2k-8k.
+    _gemm_config(128, 64, 128, 4, 4),
+    _gemm_config(64, 128, 128, 4, 4),
+    _gemm_config(64, 64, 128, 4, 4),
+    # Small K (64-128): K fits in one or two steps; parallelism comes from M.
+    _gemm_config(128, 128, 64, 4, 3),
+    _gemm_config(128, 64, 64, 4, 3),
+    _gemm_config(64, 64, 64, 4, 3),
+]
+"""Autotuning space of :func:`fp8_gemm` on GPU (pruned by problem size)."""
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    k, n = named_args["K"], named_args["N"]
+    keep = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_K"] <= max(64, triton.next_power_of_2(k))
+        and c.kwargs["BLOCK_N"] <= max(64, triton.next_power_of_2(n))
+    ]
+    return keep or configs[-1:]
+
+
+_fp8_gemm_tuned = triton.autotune(
+    configs=GEMM_CONFIGS,
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACT", "STORE_PRE", "FAST_ACCUM"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_fp8_gemm_kernel)
+
+_INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+
+
+def _as_row_scale(scale: Tensor, rows: int, name: str) -> Tensor:
+    s = scale.float()
+    if s.numel() == 1:
+        return s.reshape(1).expand(rows).contiguous()
+    if s.numel() != rows:
+        raise ValueError(f"{name} must have 1 or {rows} elements, got shape {tuple(scale.shape)}")
+    return s.reshape(rows).contiguous()
+
+
+def _fp8_gemm_impl(
+    a: Tensor,
+    b: Tensor,
+    a_scale: Tensor,
+    b_scale: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+    return_preact: bool,
+) -> tuple[Tensor, Tensor]:
+    for name, t in (("a", a), ("b", b)):
+        _triton_fmt(_fmt_of(t, name))
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_gemm needs a (M, K) and b (N, K), got {tuple(a.shape)}, {tuple(b.shape)}")
+    act = _act_id(activation)
+    _check_runnable(a)
+    m, k = a.shape
+    n = b.shape[0]
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if b.stride(1) != 1:
+        b = b.contiguous()
+    sa = _as_row_scale(a_scale, m, "a_scale")
+    sb = _as_row_scale(b_scale, n, "b_scale")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"bias must have {n} elements, got {bias.numel()}")
+    c = torch.empty((m, n), device=a.device, dtype=out_dtype)
+    pre = torch.empty((m, n) if return_preact else (0,), device=a.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return c, pre
+    if k == 0:
+        c.zero_()
+        if bias is not None:
+            c += bias.to(out_dtype)
+        if return_preact:
+            pre.copy_(c)
+        c = {0: c, 1: torch.relu(c), 2: F.silu(c)}[act]
+        return c, pre
+    args = (
+        a,
+        b,
+        c,
+        sa,
+        sb,
+        bias if bias is not None else sa,
+        pre if return_preact else c,
+        m,
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        c.stride(0),
+        triton.next_power_of_2(m),
+    )
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        ACT=act,
+        STORE_PRE=return_preact,
+        FAST_ACCUM=fast_accum,
+        OUT_MANT=_sw_round_args(out_dtype)["MANT"],
+    )
+    if a.device.type == "cpu":
+        cfg = _INTERPRETER_CONFIG
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _fp8_gemm_kernel[grid](*args, **flags, **cfg, num_warps=4)
+    else:
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+        _fp8_gemm_tuned[grid](*args, **flags)
+    return c, pre
+
+
+def _fmt_of(t: Tensor, name: str) -> Fp8Format:
+    for f in Fp8Format:
+        if f.dtype == t.dtype:
+            return f
+    raise ValueError(f"{name} must be an FP8 tensor, got {t.dtype}")
+
+
+@torch.library.custom_op("loka::fp8_gemm", mutates_args=())
+def _fp8_gemm_op(
+    a: Tensor,
+    b: Tensor,
+    a_scale: Tensor,
+    b_scale: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+    return_preact: bool,
+) -> tuple[Tensor, Tensor]:
+    return _fp8_gemm_impl(
+        a, b, a_scale, b_scale, bias, activation, out_dtype, fast_accum, return_preact
+    )
+
+
+@_fp8_gemm_op.register_fake
+def _fp8_gemm_fake(a, b, a_scale, b_scale, bias, activation, out_dtype, fast_accum, return_preact):
+    m, n = a.shape[0], b.shape[0]
+    c = a.new_empty((m, n), dtype=out_dtype)
+    pre = a.new_empty((m, n) if return_preact else (0,), dtype=out_dtype)
+    return c, pre
+
+
+def fp8_gemm(
+    a_MK: Tensor,
+    b_NK: Tensor,
+    a_scale: Tensor,
+    b_scale: Tensor,
+    *,
+    bias_N: Tensor | None = None,
+    activation: str = "none",
+    out_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
+    return_preact: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``act((a @ b^T) * a_scale * b_scale^T + bias)`` in one kernel (op ``loka::fp8_gemm``).
+
+    Args:
+        a_MK: FP8 (e4m3/e5m2) left operand, K contiguous.
+        b_NK: FP8 right operand, K contiguous (a weight in ``nn.Linear`` layout).
+        a_scale: fp32 dequantization scales of ``a``: (M, 1), (M,) or one element.
+        b_scale: fp32 dequantization scales of ``b``: (N, 1), (N,) or one element.
+        bias_N: optional bias, added in fp32.
+        activation: "none", "relu" or "silu".
+        out_dtype: output dtype (bf16, fp16 or fp32).
+        fast_accum: let Hopper accumulate FP8 products in its reduced-precision accumulator
+            for the whole K loop (faster); otherwise partial sums are promoted to fp32 every
+            ``BLOCK_K`` elements.
+        return_preact: also return the value before the activation (for SiLU backward).
+
+    Returns:
+        ``(out_MN, preact_MN)``; ``preact`` is empty (shape (0,)) unless ``return_preact``.
+    """
+    return torch.ops.loka.fp8_gemm(
+        a_MK, b_NK, a_scale, b_scale, bias_N, activation, out_dtype, fast_accum, return_preact
+    )
+
+
+def fp8_gemm_reference(
+    a_MK: Tensor,
+    b_NK: Tensor,
+    a_scale: Tensor,
+    b_scale: Tensor,
+    *,
+    bias_N: Tensor | None = None,
+    activation: str = "none",
+    out_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
+    return_preact: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Pure-PyTorch reference of :func:`fp8_gemm` (fp32 math; ``fast_accum`` has no effect)."""
+    act = _act_id(activation)
+    m, n = a_MK.shape[0], b_NK.shape[0]
+    acc = a_MK.float() @ b_NK.float().t()
+    acc = acc * _as_row_scale(a_scale, m, "a_scale")[:, None] * _as_row_scale(b_scale, n, "b_scale")[None, :]
+    if bias_N is not None:
+        acc = acc + bias_N.float()[None, :]
+    pre = acc.to(out_dtype) if return_preact else acc.new_empty((0,), dtype=out_dtype)
+    out = {0: acc, 1: torch.relu(acc), 2: F.silu(acc)}[act]
+    return out.to(out_dtype), pre

@@ -1,0 +1,164 @@
+"""Configuration of the Probe (the ``loka.probe`` group of the hydra config).
+
+Choices made here (and why):
+
+* Candidates are the product ``formats x scalings``. ``fmt`` is the format of operand ``a``
+  (``x`` forward, ``dY`` in both backward GEMMs); operand ``b`` uses the same format in the
+  forward GEMM and ``backward_fmt_b`` in the backward GEMMs, matching the hybrid recipe of
+  :class:`loka_train.kernels.plan.GemmPlan` (``fmt`` / ``fmt_b``).
+* The default sampling (every 100th step, all sites) keeps the amortized overhead small; see
+  ``bench/probe_overhead.py`` for the measured figure.
+* Budgets are SQNR floors in dB of the FP8 GEMM result against the high-precision result,
+  one per GEMM role. Reference points (Gaussian data, K=256, both operands quantized):
+  E4M3 about 28.5 dB, E5M2 about 22.6 dB, E5M2 x E4M3 about 24 dB.
+* The conservative bound is a low quantile (``quantile``) of the per-sample SQNR over the
+  window, taken with ``interpolation="lower"`` so it is always an observed sample. Saturation
+  and underflow fractions use the mirrored upper quantile (``1 - quantile``).
+
+Example:
+    >>> cfg = ProbeConfig(every_k_steps=50, window=32, formats=("e4m3",))
+    >>> cfg.formats
+    (<Fp8Format.E4M3: 'e4m3'>,)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loka_train.kernels.formats import Fp8Format, Scaling
+
+__all__ = ["ROLES", "ProbeConfig", "default_sqnr_budget_db"]
+
+ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
+"""The three GEMMs of a site: forward ``y = x W^T`` (contraction K), grad-input ``dX = dY W``
+(contraction N), grad-weight ``dW = dY^T X`` (contraction M)."""
+
+
+def default_sqnr_budget_db() -> dict[str, float]:
+    """Default SQNR floor per GEMM role, in dB."""
+    return {"forward": 20.0, "grad_input": 16.0, "grad_weight": 16.0}
+
+
+def _coerce_enum(enum_type: type, value: object, field_name: str):
+    """Accept an enum member, its value ("e4m3") or its name ("E4M3")."""
+    if isinstance(value, enum_type):
+        return value
+    if isinstance(value, str):
+        try:
+            return enum_type(value.lower())
+        except ValueError:
+            pass
+        try:
+            return enum_type[value.upper()]
+        except KeyError:
+            pass
+    allowed = [m.value for m in enum_type]
+    raise ValueError(f"probe.{field_name}: {value!r} is not one of {allowed}")
+
+
+@dataclass(kw_only=True)
+class ProbeConfig:
+    """What the Probe measures, how often, and how it turns statistics into verdicts.
+
+    Example:
+        >>> ProbeConfig(every_k_steps=10, sites_per_step=4, interval=200)
+    """
+
+    enabled: bool = True
+    """Measure at all. The Probe never changes numerics; disabling it only stops measuring
+    (and then no site is ever declared safe)."""
+
+    every_k_steps: int = 100
+    """Sample on steps where ``step % every_k_steps == 0``."""
+
+    sites_per_step: int | None = None
+    """None: every site is sampled on a sampled step. An int n: a rotating subset of n sites
+    (in registration order) per sampled step, so the cost per sampled step is bounded."""
+
+    window: int = 16
+    """W: samples kept per (site, GEMM) in the rolling window (a ring buffer on the device)."""
+
+    interval: int = 500
+    """Steps between cross-rank reductions (and verdict updates): ``(step + 1) % interval == 0``."""
+
+    formats: tuple[Fp8Format, ...] = (Fp8Format.E4M3, Fp8Format.E5M2)
+    """Candidate formats of operand ``a`` (accepts "e4m3" or "E4M3")."""
+
+    scalings: tuple[Scaling, ...] = (Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCK)
+    """Candidate scaling granularities (block: 1 x ``block_size`` along the contraction axis
+    for activations and gradients, ``block_size`` square tiles for weights)."""
+
+    backward_fmt_b: Fp8Format | None = Fp8Format.E4M3
+    """Format of operand ``b`` (W for grad-input, X for grad-weight) in the backward GEMMs;
+    None means the candidate's own format."""
+
+    block_size: int = 128
+    """Group length (and weight tile edge) of ``Scaling.BLOCK``."""
+
+    sqnr_budget_db: dict[str, float] = field(default_factory=default_sqnr_budget_db)
+    """Default SQNR floor per GEMM role (keys: forward, grad_input, grad_weight); a site may
+    override it at registration."""
+
+    quantile: float = 0.1
+    """The verdict compares this low quantile of the window's per-sample SQNR to the budget."""
+
+    margin_db: float = 1.0
+    """Hysteresis band: an unsafe verdict turns safe only at ``budget + margin_db``, and the
+    fraction limits shrink by the same ratio (``10**(-margin_db/10)``) for that transition."""
+
+    hysteresis_intervals: int = 2
+    """Consecutive intervals that must clear the (margin-raised) bar before unsafe -> safe.
+    safe -> unsafe is immediate: a failing bound is never waited out."""
+
+    min_samples: int = 4
+    """Fewer valid samples than this in the window: the verdict is unsafe (not enough data)."""
+
+    max_saturation_fraction: float = 1e-3
+    """Largest tolerated fraction of values clipping at the format maximum (either operand)."""
+
+    max_underflow_fraction: float = 1e-3
+    """Largest tolerated fraction of non-zero values flushed below the smallest subnormal
+    (either operand). This catches outlier channels that a whole-output SQNR hides."""
+
+    def __post_init__(self) -> None:
+        for name in ("every_k_steps", "window", "interval", "block_size", "min_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"probe.{name}={value!r} must be a positive int")
+        if self.sites_per_step is not None and (
+            isinstance(self.sites_per_step, bool)
+            or not isinstance(self.sites_per_step, int)
+            or self.sites_per_step <= 0
+        ):
+            raise ValueError(f"probe.sites_per_step={self.sites_per_step!r} must be None or > 0")
+        if self.min_samples > self.window:
+            raise ValueError(
+                f"probe.min_samples={self.min_samples} exceeds probe.window={self.window}: "
+                "no window could ever be judged"
+            )
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"probe.enabled must be a bool, got {self.enabled!r}")
+        self.formats = tuple(_coerce_enum(Fp8Format, f, "formats") for f in self.formats)
+        self.scalings = tuple(_coerce_enum(Scaling, s, "scalings") for s in self.scalings)
+        if not self.formats or not self.scalings:
+            raise ValueError("probe.formats and probe.scalings must each name at least one entry")
+        for name, seq in (("formats", self.formats), ("scalings", self.scalings)):
+            if len(set(seq)) != len(seq):
+                raise ValueError(f"probe.{name} has duplicates: {[s.value for s in seq]}")
+        if self.backward_fmt_b is not None:
+            self.backward_fmt_b = _coerce_enum(Fp8Format, self.backward_fmt_b, "backward_fmt_b")
+        budgets = dict(self.sqnr_budget_db)
+        if set(budgets) != set(ROLES):
+            raise ValueError(
+                f"probe.sqnr_budget_db needs exactly the keys {list(ROLES)}, got {sorted(budgets)}"
+            )
+        self.sqnr_budget_db = {r: float(budgets[r]) for r in ROLES}
+        if not 0.0 <= self.quantile <= 0.5:
+            raise ValueError(f"probe.quantile={self.quantile} must be in [0, 0.5] (a low quantile)")
+        if self.margin_db < 0:
+            raise ValueError(f"probe.margin_db={self.margin_db} must be >= 0")
+        if isinstance(self.hysteresis_intervals, bool) or self.hysteresis_intervals < 1:
+            raise ValueError(f"probe.hysteresis_intervals={self.hysteresis_intervals} must be >= 1")
+        for name in ("max_saturation_fraction", "max_underflow_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"probe.{name}={getattr(self, name)} must be in [0, 1]")

@@ -1,0 +1,64 @@
+"""The hydra config composes into validated dataclasses; bad keys and values are errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+import launch.train  # noqa: F401  (registers the schema in the ConfigStore)
+from loka_train.data import DataConfig, make_dataset
+from loka_train.models import ModelConfig
+from loka_train.runtime.job import JobConfig
+from loka_train.runtime.config import TrainerConfig
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def _compose(*overrides: str) -> JobConfig:
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)
+    return job
+
+
+def test_default_job_composes() -> None:
+    job = _compose()
+    assert isinstance(job.model, ModelConfig) and job.model.kind == "dlrm"
+    assert isinstance(job.trainer, TrainerConfig) and job.trainer.device == "cpu"
+    assert job.loka.enabled is False
+
+
+@pytest.mark.parametrize("preset", ["dlrm", "dcn", "wukong"])
+def test_model_presets(preset: str) -> None:
+    assert _compose(f"model={preset}").model.kind == preset
+
+
+@pytest.mark.parametrize("override", ["model.kindd=dlrm", "trainer.stepz=3", "data.nope=1"])
+def test_misspelled_key_is_an_error(override: str) -> None:
+    with pytest.raises(ConfigCompositionException):
+        _compose(override)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.steps=0", "trainer.steps"),
+        ("trainer.sharding=diagonal", "trainer.sharding"),
+        ("model.kind=transformer", "model.kind"),
+        ("model.embedding_dim=32", "dense_arch_layer_sizes"),
+    ],
+)
+def test_bad_value_names_the_field(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _compose(override)
+
+
+def test_missing_data_path_names_the_key(tmp_path: Path) -> None:
+    cfg = DataConfig(kind="criteo_tsv", path=str(tmp_path / "nowhere.tsv"))
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        make_dataset(cfg, split="train", rank=0, world_size=1, batch_size=8)

@@ -1,0 +1,87 @@
+"""Checkpoint writes are atomic, corrupt or mismatched checkpoints fail with a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into, to_local
+
+
+def _manager(root: Path) -> CheckpointManager:
+    return CheckpointManager(root, rank=0, world_size=1, keep=2)
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path)
+    state = {"w": torch.arange(6.0).view(2, 3), "nested": {"step": 3, "t": torch.ones(2)}}
+    mgr.save(3, state, {"seed": 0})
+    path = mgr.latest()
+    assert path is not None and path.name == "step_00000003"
+    saved, meta = mgr.load(path)
+    assert meta["step"] == 3 and meta["world_size"] == 1
+    live = {"w": torch.zeros(2, 3), "nested": {"step": 0, "t": torch.zeros(2)}}
+    copy_into(live, saved, "state")
+    assert torch.equal(live["w"], state["w"]) and torch.equal(live["nested"]["t"], torch.ones(2))
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = _manager(tmp_path)
+    mgr.save(1, {"w": torch.ones(3)}, {})
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match="previous checkpoint .* is untouched"):
+        mgr.save(2, {"w": torch.full((3,), 2.0)}, {})
+    monkeypatch.undo()
+    path = mgr.latest()
+    assert path is not None and path.name == "step_00000001"
+    saved, _ = mgr.load(path)
+    assert torch.equal(saved["w"], torch.ones(3))
+    assert not list(tmp_path.glob(".tmp_*")), "the failed save's temporary directory is left over"
+
+
+def test_corrupt_checkpoint_names_the_problem(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path)
+    mgr.save(5, {"w": torch.ones(3)}, {})
+    path = mgr.latest()
+    assert path is not None
+    (path / "rank_0.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        mgr.load(path)
+
+
+def test_dangling_latest_pointer(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "latest").write_text("step_00000009")
+    with pytest.raises(CheckpointError, match="missing or incomplete"):
+        mgr.latest()
+
+
+def test_world_size_mismatch(tmp_path: Path) -> None:
+    _manager(tmp_path).save(1, {"w": torch.ones(1)}, {})
+    other = CheckpointManager(tmp_path, rank=0, world_size=1, keep=2)
+    other.world_size = 2
+    path = other.latest()
+    assert path is not None
+    with pytest.raises(CheckpointError, match="written by 1 ranks"):
+        other.load(path)
+
+
+def test_shape_mismatch_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="shape"):
+        copy_into({"w": torch.zeros(4)}, to_local({"w": torch.zeros(3)}), "model")
+    with pytest.raises(CheckpointError, match="keys differ"):
+        copy_into({"w": torch.zeros(4)}, to_local({"v": torch.zeros(4)}), "model")
+
+
+def test_keeps_only_recent(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path)
+    for step in range(1, 5):
+        mgr.save(step, {"w": torch.ones(1) * step}, {})
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000003", "step_00000004"]
