@@ -54,12 +54,13 @@ class DenseGradCompressor:
     ) -> None:
         self._state = comm_state
         self._process_group = process_group
-        self._residuals: dict[int, torch.Tensor] = {}
+        # bucket index -> (ids of the bucket's parameters or None when restored, residual)
+        self._residuals: dict[int, tuple[tuple[int, ...] | None, torch.Tensor]] = {}
 
     @property
     def residuals(self) -> dict[int, torch.Tensor]:
         """Error-feedback residual (fp32, flat) per bucket index."""
-        return self._residuals
+        return {index: residual for index, (_, residual) in self._residuals.items()}
 
     def reset_residuals(self) -> None:
         """Drop all error-feedback residuals."""
@@ -67,21 +68,27 @@ class DenseGradCompressor:
 
     def state_dict(self) -> dict[str, object]:
         """Checkpointable state: the residuals (an unflushed part of past gradients)."""
-        return {"residuals": {k: v.clone() for k, v in self._residuals.items()}}
+        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore residuals saved by `state_dict`."""
+        """Restore residuals saved by `state_dict` (matched to buckets by index and size)."""
         residuals = state["residuals"]
         assert isinstance(residuals, dict)
-        self._residuals = {int(k): v.clone() for k, v in residuals.items()}
+        self._residuals = {int(k): (None, v.clone()) for k, v in residuals.items()}
 
-    def _take_residual(self, bucket_index: int, grad_N: torch.Tensor) -> torch.Tensor | None:
-        residual_N = self._residuals.pop(bucket_index, None)
-        if residual_N is not None and residual_N.numel() != grad_N.numel():
+    def _take_residual(
+        self, bucket_index: int, param_key: tuple[int, ...] | None, grad_N: torch.Tensor
+    ) -> torch.Tensor | None:
+        entry = self._residuals.pop(bucket_index, None)
+        if entry is None:
+            return None
+        owner, residual_N = entry
+        same_params = owner is None or param_key is None or owner == param_key
+        if not same_params or residual_N.numel() != grad_N.numel():
             # DDP rebuilds its buckets once after the first iteration.
             logger.info(
-                "dense grad hook: bucket %d changed size (%d -> %d values); dropping its "
-                "error-feedback residual",
+                "dense grad hook: bucket %d now holds other parameters (%d -> %d values); "
+                "dropping its error-feedback residual",
                 bucket_index,
                 residual_N.numel(),
                 grad_N.numel(),
@@ -89,8 +96,19 @@ class DenseGradCompressor:
             return None
         return residual_N
 
-    def reduce(self, grad_N: torch.Tensor, bucket_index: int) -> torch.futures.Future:
+    def reduce(
+        self,
+        grad_N: torch.Tensor,
+        bucket_index: int,
+        param_key: tuple[int, ...] | None = None,
+    ) -> torch.futures.Future:
         """Average flat gradient `grad_N` over the group with the current precision.
+
+        Args:
+            grad_N: the bucket's flat gradient buffer (overwritten with the average).
+            bucket_index: DDP bucket index (keys the error-feedback residual).
+            param_key: identity of the bucket's parameters; a residual is only reused for
+                the same parameters (DDP re-buckets after the first iteration).
 
         Returns a future whose value is `grad_N`, overwritten with the average (DDP's
         contract for a comm hook).
@@ -104,7 +122,7 @@ class DenseGradCompressor:
 
         with record_function(f"loka/comm/dense_grad/{precision.value}"):
             send_N = grad_N.detach().float()
-            residual_N = self._take_residual(bucket_index, grad_N)
+            residual_N = self._take_residual(bucket_index, param_key, grad_N)
             if residual_N is not None:
                 # Added even at FP32: that step sends it exactly, flushing the residual.
                 send_N = send_N + residual_N
@@ -118,7 +136,7 @@ class DenseGradCompressor:
                 payload = fmt.encode_bytes(padded_N)
                 if use_feedback:
                     sent_N = fmt.decode_bytes(payload)[:num_values]
-                    self._residuals[bucket_index] = send_N - sent_N
+                    self._residuals[bucket_index] = (param_key, send_N - sent_N)
                 state.stats.record(_CHANNEL, precision, payload.numel())
                 gathered = [torch.empty_like(payload) for _ in range(world_size)]
                 work = dist.all_gather(gathered, payload, group=group, async_op=True)
@@ -138,7 +156,10 @@ class DenseGradCompressor:
             scaled_N = send_N / world_size
             payload = fmt.encode_native(scaled_N)
             if use_feedback:
-                self._residuals[bucket_index] = (scaled_N - payload.float()) * world_size
+                self._residuals[bucket_index] = (
+                    param_key,
+                    (scaled_N - payload.float()) * world_size,
+                )
             state.stats.record(_CHANNEL, precision, payload.numel() * payload.element_size())
             work = dist.all_reduce(payload, group=group, async_op=True)
 
@@ -153,7 +174,8 @@ def dense_grad_comm_hook(
     state: DenseGradCompressor, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: `ddp.register_comm_hook(compressor, dense_grad_comm_hook)`."""
-    return state.reduce(bucket.buffer(), bucket.index())
+    param_key = tuple(id(p) for p in bucket.parameters())
+    return state.reduce(bucket.buffer(), bucket.index(), param_key)
 
 
 def install_dense_grad_hook(module: nn.Module, comm_state: CommState) -> list[DenseGradCompressor]:

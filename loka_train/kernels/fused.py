@@ -79,7 +79,10 @@ class _LnLinearActFn(torch.autograd.Function):
                     x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
                     return_hp=True,
                 )
-                mean, rstd = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+                # native_layer_norm keeps its statistics in fp32 on CUDA, in x's dtype on CPU.
+                stat_dtype = torch.float32 if x_MK.is_cuda else cdtype
+                mean = mean.reshape(-1, 1).to(stat_dtype)
+                rstd = rstd.reshape(-1, 1).to(stat_dtype)
                 w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True)
                 h_q = QTensor(data=q, scale=s, fmt=fwd.fmt, scaling=Scaling.ROWWISE, axis=1)
                 y_MN, pre_MN = tk.fp8_gemm(

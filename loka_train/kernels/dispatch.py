@@ -1,0 +1,501 @@
+"""Dispatch: the per-GEMM plan of every site, chosen from Probe verdicts and measured speed.
+
+For each site and each of its GEMM roles (forward, grad_input, grad_weight) Dispatch keeps a
+:class:`GemmPlan`. At every Probe interval it re-plans:
+
+1. Candidates: high precision, plus every FP8 (scaling, backend) pair of the config whose
+   backend ``supports`` the problem on this device (the reason is kept when it does not).
+2. Safety: an FP8 candidate is eligible only if the Probe's verdict for
+   (site, role, format, scaling) is safe, i.e. its conservative SQNR bound fits the site's
+   budget (the Probe holds the budget and its own hysteresis).
+3. Speed: each eligible candidate gets a time for the site's real (M, K, N): measured by an
+   on-device micro-benchmark (quantization of both operands included, cached by shape key)
+   when a GPU is present, otherwise from a cost model of the target GPU (``cost_model``).
+   With ``objective="speed"`` FP8 is chosen only if it beats high precision by ``margin``;
+   ``objective="coverage"`` takes the fastest safe FP8 candidate whatever its speed (useful on
+   CPU, where FP8 is emulated, to exercise the numerics).
+4. Hysteresis: a move to a safer plan (the current plan's verdict turned unsafe) is applied at
+   once; any other change needs the same target for ``hysteresis_intervals`` consecutive
+   intervals, so plans do not flap.
+
+Collective: the inputs are identical on every rank (verdicts come from all-reduced
+statistics, shapes from the same batch size, measured times are all-reduced with MAX), and the
+decision is a pure function of them, so every rank applies the same plan at the same step.
+Every change is a :class:`PlanChange` (logged, counted, kept in the history). The plan is data:
+``state_dict`` / ``load_state_dict`` for checkpoints, ``table()`` to print, ``export()`` for
+inference.
+
+Example:
+    >>> d = Dispatcher(DispatchConfig(objective="coverage"), device="cpu")
+    >>> d.register("over_arch.0", shapes={"forward": (256, 64, 32), ...})
+    >>> changes = d.replan(step=99, verdicts=probe.verdicts())
+    >>> for c in changes: site_modules[c.site].set_plan(d.plans[c.site])
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
+from loka_train.kernels.registry import GemmProblem, get_backend
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("forward", "grad_input", "grad_weight")
+OBJECTIVES = ("speed", "coverage")
+TIMINGS = ("auto", "measure", "cost_model")
+
+Shape = tuple[int, int, int]
+"""(M, K, N) of one GEMM: ``(M, K) x (N, K)^T``."""
+
+
+@dataclass(kw_only=True)
+class DispatchConfig:
+    """How Dispatch picks each GEMM's plan.
+
+    Example:
+        >>> DispatchConfig(objective="speed", margin=0.05, scalings=("rowwise",))
+    """
+
+    enabled: bool = True
+    """Re-plan at Probe intervals. Off: every site keeps its initial plan."""
+
+    objective: str = "speed"
+    """"speed": FP8 only where it is safe AND faster than high precision by `margin`;
+    "coverage": FP8 wherever it is safe (fastest safe candidate)."""
+
+    margin: float = 0.05
+    """Relative speed-up an FP8 candidate must show over high precision (0.05 = 5%)."""
+
+    scalings: tuple[str, ...] = ("rowwise",)
+    """Scaling granularities Dispatch may choose (subset of the Probe's candidates)."""
+
+    backends: tuple[str, ...] = ("triton", "fbgemm_rowwise", "torch_scaled_mm", "emulated")
+    """FP8 backends Dispatch may choose, in order of preference on equal time. "emulated"
+    (quantize, dequantize, fp32 matmul) is what runs on CPU."""
+
+    fmt_forward: str = "e4m3"
+    """Format of the forward GEMM's operands."""
+
+    fmt_backward: str = "e5m2"
+    """Format of the output gradient in the backward GEMMs (the other operand stays e4m3)."""
+
+    fp8_roles: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
+    """GEMM roles that may run in FP8 at all; the others always stay in high precision."""
+
+    hysteresis_intervals: int = 2
+    """Consecutive intervals a new (not safety-driven) target must persist before it is applied."""
+
+    timing: str = "auto"
+    """"measure" (on-device micro-benchmark, needs CUDA), "cost_model", or "auto" (measure
+    when on CUDA, else the cost model)."""
+
+    bench_iters: int = 20
+    """Timed repetitions of each micro-benchmark (after 3 warm-up runs)."""
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"dispatch.objective={self.objective!r}: choose one of {OBJECTIVES}")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"dispatch.timing={self.timing!r}: choose one of {TIMINGS}")
+        if not (0.0 <= self.margin < 10.0):
+            raise ValueError(f"dispatch.margin={self.margin} must be in [0, 10)")
+        if self.hysteresis_intervals < 1 or self.bench_iters < 1:
+            raise ValueError("dispatch.hysteresis_intervals and dispatch.bench_iters must be >= 1")
+        self.scalings = tuple(Scaling(s).value for s in self.scalings)
+        self.fmt_forward = Fp8Format(self.fmt_forward).value
+        self.fmt_backward = Fp8Format(self.fmt_backward).value
+        bad_roles = set(self.fp8_roles) - set(ROLES)
+        if bad_roles:
+            raise ValueError(f"dispatch.fp8_roles has unknown roles {sorted(bad_roles)}; use {ROLES}")
+        if not self.backends:
+            raise ValueError("dispatch.backends must name at least one backend")
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    """One GEMM's plan changed at `step`, and why."""
+
+    step: int
+    site: str
+    role: str
+    old: str
+    new: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"step {self.step} {self.site}/{self.role}: {self.old} -> {self.new} ({self.reason})"
+
+
+# ------------------------------------------------------------------------------ cost model
+@dataclass(frozen=True)
+class GpuCostModel:
+    """Roofline estimate of one GEMM on the target GPU, used where none is present.
+
+    Defaults are fitted to the H100 figures of ../shared/design.md (bf16 8192x4096x4096 in
+    375 us, FP8 GEMM alone 1.1-1.8x, a separate quantization pass erasing the gain below
+    about 2048 wide). Only relative times matter to Dispatch; on a GPU it measures instead.
+    """
+
+    bf16_flops: float = 730e12
+    fp8_flops: float = 1300e12
+    bandwidth: float = 2.8e12
+    launch_s: float = 4e-6
+
+    def high(self, m: int, k: int, n: int) -> float:
+        flops = 2.0 * m * k * n / self.bf16_flops
+        io = 2.0 * (m * k + n * k + m * n) / self.bandwidth
+        return max(flops, io) + self.launch_s
+
+    def fp8(self, m: int, k: int, n: int, scaling: str, backend: str) -> float:
+        flops = 2.0 * m * k * n / self.fp8_flops
+        io = (m * k + n * k + 2.0 * m * n) / self.bandwidth
+        gemm = max(flops, io) + self.launch_s
+        # Quantizing both operands: read high precision, write FP8 (+ scales). The Triton
+        # quantizer is one fused pass; others take an amax pass and a cast pass.
+        passes = 1 if backend == "triton" else 2
+        elems = m * k + n * k
+        quant = passes * (3.0 * elems / self.bandwidth + self.launch_s)
+        return gemm + quant
+
+
+def _plan_for(cfg: DispatchConfig, role: str, scaling: str, backend: str) -> GemmPlan:
+    if role == "forward":
+        return GemmPlan(
+            precision=Precision.FP8, fmt=Fp8Format(cfg.fmt_forward), scaling=Scaling(scaling),
+            backend=backend,
+        )
+    return GemmPlan(
+        precision=Precision.FP8,
+        fmt=Fp8Format(cfg.fmt_backward),
+        fmt_b=Fp8Format(cfg.fmt_forward),
+        scaling=Scaling(scaling),
+        backend=backend,
+    )
+
+
+class Dispatcher:
+    """Holds every site's plan and re-plans it from verdicts and timings.
+
+    Args:
+        config: what may be chosen and how.
+        device: the device the GEMMs run on (CUDA enables measured timing).
+        out_dtype: output dtype of the GEMMs (bf16 on GPU, fp32 on CPU).
+    """
+
+    def __init__(
+        self,
+        config: DispatchConfig,
+        *,
+        device: torch.device | str,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.out_dtype = out_dtype
+        self.cost_model = GpuCostModel()
+        self.plans: dict[str, LinearPlan] = {}
+        self.shapes: dict[str, dict[str, Shape]] = {}
+        self.history: list[PlanChange] = []
+        self.num_changes = 0
+        self.unsupported: dict[str, str] = {}
+        """backend/scaling -> why it cannot run here (reported once)."""
+        self._pending: dict[tuple[str, str], tuple[str, int]] = {}
+        self._timings: dict[str, float] = {}
+        self._reasons: dict[tuple[str, str], str] = {}
+
+    @property
+    def timing_mode(self) -> str:
+        if self.config.timing == "auto":
+            return "measure" if self.device.type == "cuda" else "cost_model"
+        if self.config.timing == "measure" and self.device.type != "cuda":
+            raise ValueError(
+                "dispatch.timing=measure needs a CUDA device; use timing=auto or cost_model on CPU"
+            )
+        return self.config.timing
+
+    def register(self, site: str, *, plan: LinearPlan, shapes: Mapping[str, Shape] | None = None) -> None:
+        """Add a site with its initial plan (and GEMM shapes, if already known)."""
+        self.plans[site] = plan
+        self.shapes[site] = dict(shapes or {})
+
+    def update_shapes(self, site: str, shapes: Mapping[str, Shape]) -> None:
+        """Record the site's latest (M, K, N) per role (M from the last forward)."""
+        self.shapes[site].update({r: tuple(s) for r, s in shapes.items() if min(s) > 0})
+
+    # ------------------------------------------------------------------------ timing
+    def _key(self, role: str, shape: Shape, plan: GemmPlan | None) -> str:
+        return f"{role}:{shape[0]}x{shape[1]}x{shape[2]}:{plan or 'high'}"
+
+    def _estimate(self, role: str, shape: Shape, plan: GemmPlan | None) -> float:
+        key = self._key(role, shape, plan)
+        if key not in self._timings:
+            m, k, n = shape
+            if self.timing_mode == "cost_model":
+                t = (
+                    self.cost_model.high(m, k, n)
+                    if plan is None
+                    else self.cost_model.fp8(m, k, n, plan.scaling.value, plan.backend)
+                )
+            else:
+                t = self._measure(shape, plan)
+            self._timings[key] = t
+        return self._timings[key]
+
+    def _measure(self, shape: Shape, plan: GemmPlan | None) -> float:
+        """Median seconds of quantize(a), quantize(b), GEMM on random data of `shape`."""
+        from loka_train.kernels.linear import fp8_gemm_planned
+
+        m, k, n = shape
+        dtype = torch.bfloat16
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        a = torch.randn(m, k, device=self.device, dtype=dtype, generator=gen)
+        b = torch.randn(n, k, device=self.device, dtype=dtype, generator=gen)
+
+        def run() -> torch.Tensor:
+            if plan is None:
+                return a @ b.t()
+            return fp8_gemm_planned(a, b, plan, out_dtype=dtype, role="forward")
+
+        for _ in range(3):
+            run()
+        times = []
+        for _ in range(self.config.bench_iters):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        times.sort()
+        return times[len(times) // 2]
+
+    def _agree_on_timings(self, keys: list[str]) -> None:
+        """Make measured times identical on every rank (MAX), so decisions agree."""
+        if not keys or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        if self.timing_mode == "cost_model":
+            return  # a pure function of the shapes: already identical
+        # Ranks may have measured different keys (cache hits); agree on the union first.
+        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, keys)
+        union = sorted({k for ks in gathered for k in ks})
+        for key in union:
+            if key not in self._timings:
+                role, dims, plan_s = key.split(":", 2)
+                shape = tuple(int(x) for x in dims.split("x"))
+                self._timings[key] = self._measure(shape, self._parse_plan(role, plan_s))  # type: ignore[arg-type]
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        vec = torch.tensor([self._timings[k] for k in union], dtype=torch.float64, device=device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        for key, value in zip(union, vec.tolist()):
+            self._timings[key] = value
+
+    def _parse_plan(self, role: str, plan_s: str) -> GemmPlan | None:
+        if plan_s == "high":
+            return None
+        for scaling in self.config.scalings:
+            for backend in self.config.backends:
+                plan = _plan_for(self.config, role, scaling, backend)
+                if str(plan) == plan_s:
+                    return plan
+        raise ValueError(f"unknown plan key {plan_s!r}")
+
+    # ----------------------------------------------------------------------- planning
+    def _candidates(self, role: str, shape: Shape) -> list[GemmPlan]:
+        out = []
+        if role not in self.config.fp8_roles:
+            return out
+        for scaling in self.config.scalings:
+            for backend_name in self.config.backends:
+                plan = _plan_for(self.config, role, scaling, backend_name)
+                try:
+                    backend = get_backend(backend_name)
+                except (KeyError, ValueError) as exc:
+                    self.unsupported.setdefault(f"{backend_name}", str(exc))
+                    continue
+                problem = GemmProblem(
+                    m=shape[0], k=shape[1], n=shape[2], fmt=plan.fmt, fmt_b=plan.fmt_b,
+                    scaling=plan.scaling, device_type=self.device.type,
+                    out_dtype=self.out_dtype, role=role,
+                )
+                ok, why = backend.supports(problem)
+                if ok:
+                    out.append(plan)
+                else:
+                    self.unsupported.setdefault(f"{backend_name}/{scaling}", why)
+        return out
+
+    def _target(
+        self, site: str, role: str, verdicts: Mapping[Any, Any]
+    ) -> tuple[GemmPlan, str, bool]:
+        """The plan this GEMM should have now: (plan, reason, current_is_unsafe)."""
+        current = getattr(self.plans[site], role)
+        shape = self.shapes[site].get(role)
+        if shape is None:
+            return current, "shape not seen yet", False
+
+        def verdict_of(plan: GemmPlan) -> Any:
+            return verdicts.get((site, role, plan.fmt, plan.scaling))
+
+        current_unsafe = False
+        unsafe_reason = ""
+        if current.is_fp8:
+            v = verdict_of(current)
+            if v is None or not v.safe:
+                current_unsafe = True
+                unsafe_reason = v.reason if v is not None else "no verdict for the current plan"
+
+        safe: list[tuple[float, int, GemmPlan, Any]] = []
+        rejected = []
+        for i, plan in enumerate(self._candidates(role, shape)):
+            v = verdict_of(plan)
+            if v is None or not v.safe:
+                rejected.append(f"{plan.scaling.value}: {v.reason if v is not None else 'no verdict'}")
+                continue
+            safe.append((self._estimate(role, shape, plan), i, plan, v))
+        t_high = self._estimate(role, shape, None)
+        src = "measured" if self.timing_mode == "measure" else "cost model"
+        if not safe:
+            why = "; ".join(dict.fromkeys(rejected)) or f"no FP8 candidate for {role}"
+            reason = f"unsafe: {unsafe_reason}" if current_unsafe else f"no safe FP8: {why}"
+            return GemmPlan(), reason, current_unsafe
+        t_best, _, best, v = min(safe, key=lambda x: (x[0], x[1]))
+        speedup = t_high / t_best if t_best > 0 else math.inf
+        shape_s = "x".join(map(str, shape))
+        if self.config.objective == "speed" and speedup < 1.0 + self.config.margin:
+            return (
+                GemmPlan(),
+                f"FP8 {speedup:.2f}x of high at {shape_s} ({src}) < 1+margin "
+                f"{1 + self.config.margin:.2f}",
+                current_unsafe,
+            )
+        reason = f"safe (SQNR p-lo {v.sqnr_lo_db:.1f} dB >= {v.budget_db:.1f}); {speedup:.2f}x of high at {shape_s} ({src})"
+        if current_unsafe:
+            reason = f"{unsafe_reason}; moved to {best} which is {reason}"
+        return best, reason, current_unsafe
+
+    def replan(self, *, step: int, verdicts: Mapping[Any, Any]) -> list[PlanChange]:
+        """Re-plan every site; returns the changes applied (identical on every rank)."""
+        if not self.config.enabled:
+            return []
+        targets: dict[tuple[str, str], tuple[GemmPlan, str, bool]] = {}
+        for site in sorted(self.plans):
+            for role in ROLES:
+                targets[(site, role)] = self._target(site, role, verdicts)
+        self._agree_on_timings(sorted(self._timings))
+        # Re-evaluate with agreed timings (cheap: everything is cached now).
+        for key in targets:
+            targets[key] = self._target(key[0], key[1], verdicts)
+
+        changes: list[PlanChange] = []
+        for (site, role), (target, reason, urgent) in targets.items():
+            current = getattr(self.plans[site], role)
+            self._reasons[(site, role)] = reason
+            if target == current:
+                self._pending.pop((site, role), None)
+                continue
+            if not urgent:
+                key_s, count = self._pending.get((site, role), (str(target), 0))
+                count = count + 1 if key_s == str(target) else 1
+                self._pending[(site, role)] = (str(target), count)
+                if count < self.config.hysteresis_intervals:
+                    continue
+                reason = f"{reason} [held {count} intervals]"
+            self._pending.pop((site, role), None)
+            self.plans[site] = LinearPlan(**{**self._roles(self.plans[site]), role: target})
+            change = PlanChange(step, site, role, str(current), str(target), reason)
+            changes.append(change)
+            logger.info("dispatch: %s", change)
+        self.history.extend(changes)
+        self.num_changes += len(changes)
+        return changes
+
+    def force_high(self, *, step: int, reason: str, sites: list[str] | None = None) -> list[PlanChange]:
+        """Move sites (default: all) fully to high precision now (the quality guard's lever)."""
+        changes = []
+        for site in sorted(sites if sites is not None else self.plans):
+            for role in ROLES:
+                current = getattr(self.plans[site], role)
+                if current.is_fp8:
+                    self.plans[site] = LinearPlan(**{**self._roles(self.plans[site]), role: GemmPlan()})
+                    changes.append(PlanChange(step, site, role, str(current), "high", reason))
+                    self._pending.pop((site, role), None)
+        for c in changes:
+            logger.warning("dispatch: %s", c)
+        self.history.extend(changes)
+        self.num_changes += len(changes)
+        return changes
+
+    @staticmethod
+    def _roles(plan: LinearPlan) -> dict[str, GemmPlan]:
+        return {r: getattr(plan, r) for r in ROLES}
+
+    # ------------------------------------------------------------------------ reports
+    def fp8_coverage(self) -> float:
+        """Fraction of (site, role) GEMMs currently planned in FP8."""
+        total = len(self.plans) * len(ROLES)
+        fp8 = sum(getattr(p, r).is_fp8 for p in self.plans.values() for r in ROLES)
+        return fp8 / total if total else 0.0
+
+    def table(self) -> str:
+        """The current plan as a fixed-width text table."""
+        rows = [("site", "role", "M x K x N", "plan", "why")]
+        for site in sorted(self.plans):
+            for role in ROLES:
+                shape = self.shapes[site].get(role)
+                rows.append(
+                    (
+                        site,
+                        role,
+                        "x".join(map(str, shape)) if shape else "-",
+                        str(getattr(self.plans[site], role)),
+                        self._reasons.get((site, role), "initial plan"),
+                    )
+                )
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return "\n".join(
+            "  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows
+        )
+
+    def export(self) -> dict[str, Any]:
+        """The plan for inference: site -> LinearPlan.to_dict() (forward is what inference uses)."""
+        return {site: plan.to_dict() for site, plan in sorted(self.plans.items())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "plans": self.export(),
+            "shapes": {s: {r: list(v) for r, v in d.items()} for s, d in self.shapes.items()},
+            "pending": {f"{s}|{r}": list(v) for (s, r), v in self._pending.items()},
+            "timings": dict(self._timings),
+            "reasons": {f"{s}|{r}": v for (s, r), v in self._reasons.items()},
+            "history": [asdict(c) for c in self.history],
+            "num_changes": self.num_changes,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = set(state["plans"]) ^ set(self.plans)
+        if missing:
+            raise ValueError(
+                f"dispatch state has different sites than the model ({sorted(missing)[:5]}); "
+                "the model or mods config changed since the checkpoint"
+            )
+        self.plans = {s: LinearPlan.from_dict(p) for s, p in state["plans"].items()}
+        self.shapes = {s: {r: tuple(v) for r, v in d.items()} for s, d in state["shapes"].items()}  # type: ignore[misc]
+        self._pending = {tuple(k.split("|")): (v[0], int(v[1])) for k, v in state["pending"].items()}  # type: ignore[misc]
+        self._timings = dict(state["timings"])
+        self._reasons = {tuple(k.split("|")): v for k, v in state["reasons"].items()}  # type: ignore[misc]
+        self.history = [PlanChange(**c) for c in state["history"]]
+        self.num_changes = int(state["num_changes"])
+
+
+__all__ = ["DispatchConfig", "Dispatcher", "GpuCostModel", "PlanChange"]
