@@ -10,7 +10,8 @@ Two payload kinds:
 Row-wise layouts (one row per `row_dim` consecutive values, `A = row_dim` rounded up to 4):
 
 * FP8 (reference): ``[A bytes of fp8 | fp32 inverse scale]`` (A + 4 bytes per row);
-  value = fp8 / inverse_scale, inverse_scale = fmt_max / amax(row).
+  value = fp8 / inverse_scale, inverse_scale = fmt_max / amax(row) (1 for an all-zero row;
+  FBGEMM adds 1e-20 to amax instead, which flushes rows below about 1e-20 to zero).
 * FP8 (FBGEMM ops, CUDA): FBGEMM's ``FloatToFP8RowwiseQuantized`` layout (A + 8 bytes).
 * INT8: ``[A bytes of uint8 | fp32 scale | fp32 offset]`` (A + 8 bytes, FBGEMM's
   fused 8-bit row-wise scheme); value = q * scale + offset.
@@ -41,8 +42,7 @@ _NATIVE_DTYPES = {
     CommPrecision.FP16: torch.float16,
     CommPrecision.BF16: torch.bfloat16,
 }
-# Keeps inverse scales finite for all-zero rows (FBGEMM uses the same epsilon).
-_AMAX_EPS = 1e-20
+_FP32_MAX = torch.finfo(torch.float32).max
 # INT8: FBGEMM's Fused8BitRowwise epsilon on the range.
 _RANGE_EPS = 1e-8
 
@@ -191,7 +191,10 @@ class WireFormat:
         fp8_dtype = _FP8_DTYPES[self.fp8_format]
         fmt_max = torch.finfo(fp8_dtype).max
         amax_R1 = x_RC.abs().amax(dim=1, keepdim=True)
-        inv_scale_R1 = fmt_max / (amax_R1 + _AMAX_EPS)
+        # All-zero rows get scale 1; tiny (even subnormal) rows are scaled up, not flushed.
+        inv_scale_R1 = torch.where(amax_R1 > 0, fmt_max / amax_R1, torch.ones_like(amax_R1)).clamp(
+            max=_FP32_MAX
+        )
         q_RC = (x_RC * inv_scale_R1).clamp(-fmt_max, fmt_max).to(fp8_dtype)
         num_rows, aligned = x_RC.shape[0], _aligned(self.row_dim)
         payload_RP = torch.zeros(

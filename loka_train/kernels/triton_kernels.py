@@ -115,7 +115,8 @@ def _round_rne(v, MANT: tl.constexpr, SUB_MAGIC: tl.constexpr, MIN_NORMAL: tl.co
     bits = (bits + ((1 << (SHIFT - 1)) - 1) + lsb) & ~((1 << SHIFT) - 1)
     normal = bits.to(tl.float32, bitcast=True)
     if MIN_NORMAL > 0.0:
-        sub = (v + SUB_MAGIC) - SUB_MAGIC
+        sub = (tl.abs(v) + SUB_MAGIC) - SUB_MAGIC
+        sub = tl.where(v < 0, -sub, sub)  # keep the sign of values that flush to zero
         normal = tl.where(tl.abs(v) < MIN_NORMAL, sub, normal)
     return normal
 

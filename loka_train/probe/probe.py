@@ -355,13 +355,13 @@ class Probe:
     def should_sample(self, step: int, site: str) -> bool:
         """Whether ``site`` is measured on ``step`` (host-only, identical on every rank)."""
         cfg = self.config
+        i = self._index(site)
         if not cfg.enabled or step % cfg.every_k_steps != 0:
             return False
         num_sites = len(self._sites)
         n = cfg.sites_per_step
         if n is None or n >= num_sites:
-            return site in self._site_index
-        i = self._index(site)
+            return True
         offset = ((step // cfg.every_k_steps) * n) % num_sites
         return (i - offset) % num_sites < n
 

@@ -1,8 +1,43 @@
-"""Configuration of the LoKA plugin (the `loka:` group of the hydra config)."""
+"""Configuration of the LoKA plugin (the `loka:` group of the hydra config).
+
+Presets live in conf/loka/: `off` (the library default: changes no numerics), `safe`
+and `aggressive`. Each sub-config is its component's own dataclass (ProbeConfig,
+ModsConfig, DispatchConfig, CommConfig) plus the quality guard here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from loka_train.comm.config import CommConfig
+from loka_train.kernels.dispatch import DispatchConfig
+from loka_train.mods.config import ModsConfig
+from loka_train.probe.config import ProbeConfig
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """Model-quality guard: held-out NE versus its own trend.
+
+    Example:
+        >>> GuardConfig(ne_tolerance=0.005)
+    """
+
+    enabled: bool = True
+    """Watch every evaluation's NE while LoKA runs sites in FP8."""
+
+    ne_tolerance: float = 0.005
+    """Relative NE regression tolerated against the best NE seen so far (0.005 = 0.5%).
+    Beyond it every FP8 site moves back to high precision (logged, counted)."""
+
+    cooldown_evals: int = 2
+    """Evaluations after a trip during which Dispatch may not move sites back to FP8."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.ne_tolerance < 1.0):
+            raise ValueError(f"loka.guard.ne_tolerance={self.ne_tolerance} must be in (0, 1)")
+        if self.cooldown_evals < 0:
+            raise ValueError(f"loka.guard.cooldown_evals={self.cooldown_evals} must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -10,8 +45,29 @@ class LokaConfig:
     """What the LoKA callback does. The library default (`enabled=False`) changes nothing.
 
     Example:
-        >>> LokaConfig(enabled=True)
+        >>> LokaConfig(enabled=True, dispatch=DispatchConfig(objective="speed"))
     """
 
     enabled: bool = False
     """Attach the LoKA callback to the trainer."""
+
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    """Online statistics: sampling, window, interval, budgets (loka_train.probe)."""
+
+    mods: ModsConfig = field(default_factory=ModsConfig)
+    """Which dense GEMMs become FP8-capable sites, and the adaptations (loka_train.mods)."""
+
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    """How each GEMM's plan is chosen (loka_train.kernels.dispatch)."""
+
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Embedding all-to-all and dense-gradient precision, and its policy (loka_train.comm)."""
+
+    comm_enabled: bool = False
+    """Install the comm codecs and dense-gradient hook (off: TorchRec's default FP32 comms)."""
+
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """Model-quality guard."""
+
+    report_every: int = 0
+    """Steps between on-demand reports (0: only at the end of training)."""

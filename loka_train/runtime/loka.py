@@ -1,0 +1,326 @@
+"""The LoKA callback: Probe, Mods, Dispatch and quantized comms, driven by the trainer's hooks.
+
+One object a user adds to the trainer's callbacks:
+
+* `on_before_shard`: `mods.convert` turns the dense GEMMs into FP8-capable sites (before
+  DistributedModelParallel, which still finds the embedding modules by type); with comms on,
+  the embedding all-to-all codecs are handed to the sharder.
+* `on_train_start`: sites are registered with the Probe and Dispatch; a checkpointed state
+  (probe windows, plans, history) is applied to the sites; the dense-gradient hook is installed.
+* every step: the Probe samples on its schedule (inside the sites, no host sync);
+* every Probe interval (`on_step_end`): statistics are all-reduced, verdicts updated, Dispatch
+  re-plans (collectively, so every rank applies the same plan at the same step), the comm
+  policy moves precisions, metrics are logged and the progress bar shows FP8 coverage;
+* `on_eval_end`: the quality guard compares held-out NE with its best so far and moves every
+  site back to high precision when it regresses beyond the tolerance;
+* `on_train_end`: rank 0 writes the run report (JSON, Markdown, PNG plots).
+
+Using it in your own TorchRec loop (TrainPipelineSparseDist or not) takes the same calls a
+Trainer makes; see `examples/own_loop.py`.
+
+Example:
+    >>> from loka_train.runtime import LokaConfig
+    >>> trainer = Trainer(model=..., data=..., trainer=...,
+    ...                   callbacks=[LokaCallback(LokaConfig(enabled=True))])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loka_train.kernels.dispatch import ROLES, Dispatcher, PlanChange
+from loka_train.mods import convert, sites
+from loka_train.probe import Probe
+from loka_train.runtime.callbacks import Callback
+from loka_train.runtime.loka_config import LokaConfig
+
+if TYPE_CHECKING:
+    from loka_train.runtime.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class LokaCallback(Callback):
+    """Measures, decides and re-decides where FP8 runs, while the job trains.
+
+    Args:
+        config: the plugin configuration (a conf/loka preset).
+    """
+
+    def __init__(self, config: LokaConfig) -> None:
+        self.config = config
+        self.sites: dict[str, Any] = {}
+        self.probe: Probe | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.comm_state: Any = None
+        self.comm_policy: Any = None
+        self.timeline: list[tuple[int, dict[str, str]]] = []
+        """(step, site -> short plan) at every interval, for the plan timeline."""
+        self.guard_trips: list[dict[str, Any]] = []
+        self.best_ne: float | None = None
+        self._cooldown = 0
+        self._pending_state: dict[str, Any] | None = None
+        self._out_dir: Path | None = None
+        self._rank = 0
+
+    # ------------------------------------------------------------------------- set-up
+    def on_before_shard(self, trainer: Trainer) -> None:
+        if self.config.mods.enabled:
+            convert(trainer.model, config=self.config.mods)
+        if self.config.comm_enabled:
+            from loka_train.comm import CommPolicy, CommState, make_qcomm_codecs_registry
+
+            self.comm_state = CommState(self.config.comm, device=trainer._coll_device)
+            self.comm_policy = CommPolicy(self.comm_state)
+            trainer.qcomm_codecs_registry = make_qcomm_codecs_registry(self.comm_state)
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self._out_dir = trainer.out_dir
+        self._rank = trainer.rank
+        self.sites = sites(trainer.model)
+        if not self.sites:
+            logger.warning("LoKA: no FP8-capable site in the model (mods.sites=%s)", self.config.mods.sites)
+        self.probe = Probe(self.config.probe, device=trainer.device)
+        self.dispatcher = Dispatcher(
+            self.config.dispatch,
+            device=trainer.device,
+            out_dtype=torch.bfloat16 if trainer.device.type == "cuda" else torch.float32,
+        )
+        for name, site in self.sites.items():
+            self.probe.register_site(name)
+            site.attach_observer(self.probe)
+            self.dispatcher.register(name, plan=site.plan)
+        if self._pending_state is not None:
+            self.probe.load_state_dict(self._pending_state["probe"])
+            self.dispatcher.load_state_dict(self._pending_state["dispatch"])
+            for name, site in self.sites.items():
+                site.set_plan(self.dispatcher.plans[name])
+            self._pending_state = None
+        if self.comm_state is not None:
+            from loka_train.comm import install_dense_grad_hook
+
+            install_dense_grad_hook(trainer.model, self.comm_state)
+        trainer.progress_postfix["fp8"] = f"{self.dispatcher.fp8_coverage():.0%}"
+        logger.info(
+            "LoKA on: %d sites, probe every %d steps, interval %d, dispatch objective %s",
+            len(self.sites),
+            self.config.probe.every_k_steps,
+            self.config.probe.interval,
+            self.config.dispatch.objective,
+        )
+
+    # ------------------------------------------------------------------------ per step
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        assert self.probe is not None
+        self.probe.begin_step(step)
+        if self.comm_state is not None:
+            self.comm_state.begin_step(step)
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        assert self.probe is not None and self.dispatcher is not None
+        if self.comm_state is not None:
+            metrics.update(self.comm_state.end_step())
+            for event in self.comm_policy.maybe_update(step):
+                logger.info("LoKA comm: %s", event)
+        if not self.probe.should_reduce(step):
+            return
+        with torch.profiler.record_function("loka/interval"):
+            for name, site in self.sites.items():
+                self.dispatcher.update_shapes(name, site.gemm_shapes())
+            verdicts = self.probe.reduce()
+            if self._cooldown > 0:
+                changes: list[PlanChange] = []
+            else:
+                changes = self.dispatcher.replan(step=step, verdicts=verdicts)
+            self._apply(changes)
+        self.timeline.append((step, self._short_plans()))
+        coverage = self.dispatcher.fp8_coverage()
+        metrics.update(self.probe.metrics())
+        metrics["loka/fp8_coverage"] = coverage
+        metrics["loka/plan_changes"] = float(self.dispatcher.num_changes)
+        trainer.progress_postfix["fp8"] = f"{coverage:.0%}"
+        if self.config.report_every and (step + 1) % self.config.report_every == 0:
+            self.write_report(trainer)
+
+    def _apply(self, changes: list[PlanChange]) -> None:
+        assert self.dispatcher is not None
+        for name in sorted({c.site for c in changes}):
+            self.sites[name].set_plan(self.dispatcher.plans[name])
+
+    def _short_plans(self) -> dict[str, str]:
+        assert self.dispatcher is not None
+        return {
+            name: "/".join(
+                getattr(plan, r).scaling.value[:3] if getattr(plan, r).is_fp8 else "hi"
+                for r in ROLES
+            )
+            for name, plan in self.dispatcher.plans.items()
+        }
+
+    # --------------------------------------------------------------------- quality guard
+    def on_eval_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        assert self.dispatcher is not None
+        if self._cooldown > 0:
+            self._cooldown -= 1
+        ne = metrics.get("eval/ne")
+        if ne is None or not self.config.guard.enabled:
+            return
+        if self.best_ne is None or ne < self.best_ne:
+            self.best_ne = ne
+            return
+        limit = self.best_ne * (1.0 + self.config.guard.ne_tolerance)
+        if ne > limit and self.dispatcher.fp8_coverage() > 0:
+            reason = (
+                f"quality guard: eval NE {ne:.5f} > best {self.best_ne:.5f} x "
+                f"(1 + {self.config.guard.ne_tolerance})"
+            )
+            changes = self.dispatcher.force_high(step=step, reason=reason)
+            self._apply(changes)
+            self._cooldown = self.config.guard.cooldown_evals
+            self.guard_trips.append({"step": step, "ne": ne, "best_ne": self.best_ne, "gemms": len(changes)})
+            trainer.fallbacks.append(reason)
+
+    # ------------------------------------------------------------------------ reporting
+    def report(self, trainer: Trainer | None = None) -> dict[str, Any]:
+        """The run report as plain data (rank-independent content)."""
+        assert self.probe is not None and self.dispatcher is not None
+        d = self.dispatcher
+        verdicts = self.probe.verdicts()
+        site_rows = {}
+        for name in sorted(self.sites):
+            roles = {}
+            for role in ROLES:
+                plan = getattr(d.plans[name], role)
+                shape = d.shapes[name].get(role)
+                entry: dict[str, Any] = {"plan": str(plan), "shape": list(shape) if shape else None}
+                if plan.is_fp8:
+                    v = verdicts.get((name, role, plan.fmt, plan.scaling))
+                    if v is not None:
+                        entry["sqnr_lo_db"] = v.sqnr_lo_db
+                        entry["verdict"] = v.reason
+                    if shape:
+                        t_hi = d._estimate(role, shape, None)
+                        entry["est_speedup"] = t_hi / d._estimate(role, shape, plan)
+                entry["why"] = d._reasons.get((name, role), "initial plan")
+                entry["history"] = [str(c) for c in d.history if c.site == name and c.role == role]
+                roles[role] = entry
+            site_rows[name] = roles
+        comm = self.comm_state.report() if self.comm_state is not None else {"enabled": False}
+        fallbacks = [f"backend unavailable: {k}: {v}" for k, v in sorted(d.unsupported.items())]
+        if trainer is not None:
+            fallbacks += list(trainer.fallbacks)
+        return {
+            "fp8_coverage": d.fp8_coverage(),
+            "timing": d.timing_mode,
+            "plan_changes": d.num_changes,
+            "guard_trips": self.guard_trips,
+            "sites": site_rows,
+            "probe": self.probe.report(),
+            "comm": comm,
+            "fallbacks": fallbacks,
+            "plan_export": d.export(),
+        }
+
+    def write_report(self, trainer: Trainer) -> Path | None:
+        """Write loka_report.{json,md} and PNG plots under out_dir/loka (rank 0 only)."""
+        report = self.report(trainer)
+        if trainer.rank != 0:
+            return None
+        out = trainer.out_dir / "loka"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "loka_report.json").write_text(json.dumps(report, indent=2, default=str))
+        (out / "loka_report.md").write_text(self._markdown(report))
+        assert self.probe is not None
+        try:
+            self.probe.plot(out / "sqnr.png")
+            self._plot_timeline(out / "plan_timeline.png")
+        except ImportError as exc:
+            msg = f"report plots skipped: {exc} (pip install matplotlib)"
+            logger.warning(msg)
+            trainer.fallbacks.append(msg)
+        return out
+
+    def _markdown(self, report: dict[str, Any]) -> str:
+        assert self.dispatcher is not None
+        lines = [
+            "# LoKA run report",
+            "",
+            f"FP8 coverage: {report['fp8_coverage']:.0%} of GEMMs; plan changes: "
+            f"{report['plan_changes']}; timing: {report['timing']}; quality-guard trips: "
+            f"{len(report['guard_trips'])}",
+            "",
+            "| site | GEMM | M x K x N | plan | SQNR lo (dB) | est. speed-up | why |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for site, roles in report["sites"].items():
+            for role, e in roles.items():
+                shape = "x".join(map(str, e["shape"])) if e["shape"] else "-"
+                sq = f"{e['sqnr_lo_db']:.1f}" if "sqnr_lo_db" in e else "-"
+                sp = f"{e['est_speedup']:.2f}x" if "est_speedup" in e else "-"
+                lines.append(f"| {site} | {role} | {shape} | {e['plan']} | {sq} | {sp} | {e['why']} |")
+        lines += ["", "## Plan changes", ""]
+        lines += [f"- {c}" for c in self.dispatcher.history] or ["- none"]
+        lines += ["", "## Communication", "", "```", json.dumps(report["comm"], indent=2, default=str), "```"]
+        lines += ["", "## Fallbacks", ""]
+        lines += [f"- {f}" for f in report["fallbacks"]] or ["- none"]
+        return "\n".join(lines) + "\n"
+
+    def _plot_timeline(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = sorted(self.sites)
+        fig, ax = plt.subplots(figsize=(10, 0.35 * max(len(names), 4) + 1.5))
+        for i, name in enumerate(names):
+            xs = [step for step, _ in self.timeline]
+            fp8 = [plans[name].count("hi") for _, plans in self.timeline]
+            ax.scatter(xs, [i] * len(xs), c=[3 - f for f in fp8], cmap="viridis", vmin=0, vmax=3, s=25)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_xlabel("step")
+        ax.set_title("GEMMs in FP8 per site (0-3) at each interval")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        assert self.dispatcher is not None
+        summary["loka/fp8_coverage"] = self.dispatcher.fp8_coverage()
+        summary["loka/plan_changes"] = self.dispatcher.num_changes
+        summary["loka/guard_trips"] = len(self.guard_trips)
+        out = self.write_report(trainer)
+        if out is not None:
+            summary["loka/report"] = str(out / "loka_report.md")
+            print("\nLoKA plan\n" + self.dispatcher.table())
+
+    # ---------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        assert self.probe is not None and self.dispatcher is not None
+        return {
+            "probe": self.probe.state_dict(),
+            "dispatch": self.dispatcher.state_dict(),
+            "comm": self.comm_state.state_dict() if self.comm_state is not None else None,
+            "comm_policy": self.comm_policy.state_dict() if self.comm_policy is not None else None,
+            "timeline": self.timeline,
+            "guard": {"best_ne": self.best_ne, "cooldown": self._cooldown, "trips": self.guard_trips},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Called before on_train_start (sites not registered yet): keep and apply there.
+        self._pending_state = state
+        self.timeline = [tuple(x) for x in state["timeline"]]  # type: ignore[misc]
+        self.best_ne = state["guard"]["best_ne"]
+        self._cooldown = state["guard"]["cooldown"]
+        self.guard_trips = state["guard"]["trips"]
+        if self.comm_state is not None and state["comm"] is not None:
+            self.comm_state.load_state_dict(state["comm"])
+            self.comm_policy.load_state_dict(state["comm_policy"])
+
+
+__all__ = ["LokaCallback"]
