@@ -448,7 +448,7 @@ class CommState:
                     per_precision[precision] = float("nan")
                 elif noise == 0:
                     per_precision[precision] = float("inf")
-                elif signal == 0:
+                elif signal == 0 or math.isinf(noise):
                     per_precision[precision] = float("-inf")
                 else:
                     per_precision[precision] = 10 * math.log10(signal / noise)

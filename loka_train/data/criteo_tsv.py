@@ -63,6 +63,10 @@ def resolve_tsv_files(raw: str | None, key: str) -> list[Path]:
     return [path]
 
 
+def _show(field: bytes) -> str:
+    return repr(field.decode("utf-8", errors="replace"))
+
+
 class _LineIndex:
     """Finds line n of a list of files by counting line breaks, remembering where lines start.
 
@@ -254,7 +258,7 @@ class CriteoTsvDataset:
                     "data.num_dense / data.num_sparse or the file"
                 )
             if fields[0] not in (b"0", b"1"):
-                raise ValueError(f"{self._where(line)}: label {fields[0]!r} is not 0 or 1")
+                raise ValueError(f"{self._where(line)}: label {_show(fields[0])} is not 0 or 1")
             labels.append(fields[0] == b"1")
             row: list[int] = []
             for j in range(D):
@@ -263,7 +267,7 @@ class CriteoTsvDataset:
                     row.append(max(int(text), 0) if text else 0)
                 except ValueError:
                     raise ValueError(
-                        f"{self._where(line)}: dense field I{j + 1} = {text!r} is not an integer"
+                        f"{self._where(line)}: dense field I{j + 1} = {_show(text)} is not an integer"
                     ) from None
             dense.append(row)
             for f in range(F):
@@ -275,7 +279,7 @@ class CriteoTsvDataset:
                     ids_F[f].append(int(text, 16) % rows[f])
                 except ValueError:
                     raise ValueError(
-                        f"{self._where(line)}: categorical field C{f + 1} = {text!r} is not "
+                        f"{self._where(line)}: categorical field C{f + 1} = {_show(text)} is not "
                         "hexadecimal"
                     ) from None
                 lengths_F[f].append(1)

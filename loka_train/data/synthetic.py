@@ -90,8 +90,8 @@ def _key(*parts: int) -> int:
 
 
 def _uniform(h_X: torch.Tensor) -> torch.Tensor:
-    """32-bit hashes -> float32 uniforms strictly inside (0, 1) (24 bits of the hash)."""
-    return ((h_X >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    """32-bit hashes -> float64 uniforms strictly inside (0, 1) (24 bits of the hash, exact)."""
+    return ((h_X >> 8).to(torch.float64) + 0.5) * (1.0 / (1 << 24))
 
 
 def _take(table_X: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ class SyntheticDataset:
             step += 1
 
     def teacher_logits(self, step: int) -> torch.Tensor:
-        """The hidden teacher's logits for the samples of batch(step) (float32, (B,)).
+        """The hidden teacher's logits for the samples of batch(step) (float64, (B,)).
 
         The normalized entropy of these logits is the best any model can reach on this data.
         """
@@ -221,8 +221,6 @@ class SyntheticDataset:
             a_list.append(a % r if r > 1 else 0)
             b_list.append(int(torch.randint(0, r, (1,), generator=g)))
         self._rows_F = torch.tensor(rows, dtype=torch.long)
-        # float32 resolves every rank below 2**24; larger tables need float64 for the tail.
-        self._zipf_dtype = torch.float32 if max(rows) < 2**24 else torch.float64
         self._perm_a_F = torch.tensor(a_list, dtype=torch.long)
         self._perm_b_F = torch.tensor(b_list, dtype=torch.long)
         # Hash-stream codes.
@@ -251,8 +249,8 @@ class SyntheticDataset:
         importance_F = 0.3 + 1.0 * torch.rand(F, generator=g)
         # Sum pooling is what a DLRM computes, so the per-id term is exactly learnable; the
         # 1/sqrt(E[len]) keeps multi-hot features from dominating.
-        feature_scale_F = scale * _SIGMA_ID * importance_F / self._mean_len_F.clamp(min=1e-3).sqrt().float()
-        w_R = torch.randn(int(self._trows_F.sum()), generator=g)
+        feature_scale_F = scale * _SIGMA_ID * importance_F.double() / self._mean_len_F.clamp(min=1e-3).sqrt()
+        w_R = torch.randn(int(self._trows_F.sum()), generator=g).double()
         self._w_R = w_R * torch.repeat_interleave(feature_scale_F, self._trows_F)
         # Pairwise rank-K interaction of P features: sum_{i<j} <pooled_i, pooled_j>.
         P = min(_NUM_INTERACTING, F)
@@ -262,8 +260,8 @@ class SyntheticDataset:
         vrows_P = self._trows_F[inter_P]
         self._voff_F = torch.zeros(F, dtype=torch.long)
         self._voff_F[inter_P] = torch.cumsum(vrows_P, 0) - vrows_P
-        v_scale_P = math.sqrt(scale) * _SIGMA_INTERACTION / self._mean_len_F[inter_P].clamp(min=1e-3).sqrt().float()
-        v_RK = torch.randn(int(vrows_P.sum()), _INTERACTION_RANK, generator=g)
+        v_scale_P = math.sqrt(scale) * _SIGMA_INTERACTION / self._mean_len_F[inter_P].clamp(min=1e-3).sqrt()
+        v_RK = torch.randn(int(vrows_P.sum()), _INTERACTION_RANK, generator=g).double()
         self._v_RK = v_RK * torch.repeat_interleave(v_scale_P, vrows_P)[:, None]
         self._num_interacting = P
         # Everything the per-id path needs to know about its feature.
@@ -272,9 +270,9 @@ class SyntheticDataset:
             self._pslot_F, self._voff_F,
         )
         s = cfg.zipf_exponent
-        rows_f_F = self._rows_F.to(self._zipf_dtype)
+        rows_f_F = self._rows_F.double()
         self._zipf_c_F = torch.log(rows_f_F + 1.0) if s == 1.0 else torch.pow(rows_f_F + 1.0, 1.0 - s) - 1.0
-        self._u_D = scale * _SIGMA_DENSE * torch.randn(D, generator=g) / math.sqrt(D)
+        self._u_D = scale * _SIGMA_DENSE * torch.randn(D, generator=g).double() / math.sqrt(D)
 
     def _calibrate_bias(self) -> float:
         """The bias giving mean sigmoid(logit) = TARGET_CTR on a seed-derived calibration stream."""
@@ -310,7 +308,13 @@ class SyntheticDataset:
         """Global samples [start, start + count) of `split`.
 
         Returns dense_BD (float32 log1p counts), lengths_FB (int32), ids_N (int64, feature-major
-        like a KeyedJaggedTensor), labels_B (float32) and teacher logits_B (float32).
+        like a KeyedJaggedTensor), labels_B (float32) and teacher logits_B (float64).
+
+        Everything past the integer hash is float64 on purpose: a float op may round its last
+        bit differently in the vectorized body and the scalar tail of a CPU kernel, i.e.
+        depending on where a sample sits in the batch. In float64 such a 1-ulp difference
+        changes a floor(), a float32 rounding or a label comparison with probability ~1e-12,
+        so the rank-concatenation contract holds in practice, not only in the tests.
         """
         cfg = self.cfg
         tag = _SPLIT_TAGS[split or self.split]
@@ -321,9 +325,9 @@ class SyntheticDataset:
         key_lo, key_hi = _key(cfg.seed, tag, 0), _key(cfg.seed, tag, 1)
         base_B = _mix32(_mix32((n_B & _M32) ^ key_lo) ^ _mix32((n_B >> 32) ^ key_hi))
 
-        u_BD = _uniform(_mix32(base_B[:, None] ^ self._code_D)).double()
+        u_BD = _uniform(_mix32(base_B[:, None] ^ self._code_D))
         dense_BD = self._dense_from_uniform(u_BD)
-        u_BF = _uniform(_mix32(base_B[:, None] ^ self._code_F)).double()
+        u_BF = _uniform(_mix32(base_B[:, None] ^ self._code_F))
         lengths_FB = self._lengths_from_uniform(u_BF).t().contiguous()
 
         # One entry per id: its segment (f*B + b), feature, sample and slot in the bag.
@@ -342,7 +346,6 @@ class SyntheticDataset:
         )
         # Zipf rank by the inverse CDF of a continuous power law on [1, rows + 1).
         c_N = _take(self._zipf_c_F, f_N)
-        u_N = u_N.to(self._zipf_dtype)
         s = cfg.zipf_exponent
         if s == 1.0:
             x_N = torch.exp(u_N * c_N)
@@ -353,14 +356,14 @@ class SyntheticDataset:
 
         # Teacher.
         trow_N = torch.remainder(ids_N, trows_N)
-        logit_B = torch.full((B,), self._bias, dtype=torch.float32)
+        logit_B = torch.full((B,), self._bias, dtype=torch.float64)
         logit_B.index_add_(0, b_N, _take(self._w_R, toff_N + trow_N))
-        dense_std_BD = ((dense_BD - self._dense_mean_D) / self._dense_std_D).float()
-        logit_B += dense_std_BD @ self._u_D
+        dense_std_BD = (dense_BD - self._dense_mean_D) / self._dense_std_D
+        logit_B += (dense_std_BD * self._u_D).sum(1)
         keep_n = torch.nonzero(pslot_N >= 0).squeeze(1)
         P = self._num_interacting
         vrow_n = _take(voff_N + trow_N, keep_n)
-        pooled_BPK = torch.zeros(B * P, _INTERACTION_RANK)
+        pooled_BPK = torch.zeros(B * P, _INTERACTION_RANK, dtype=torch.float64)
         pooled_BPK.index_add_(
             0,
             _take(b_N, keep_n) * P + _take(pslot_N, keep_n),

@@ -79,7 +79,7 @@ _E8M0_MIN_EXP = -127
 _E8M0_MAX_EXP = 127
 
 
-class Fp8Format(str, enum.Enum):
+class Fp8Format(enum.StrEnum):
     """An 8-bit floating-point element format.
 
     ``E4M3`` (OCP ``float8_e4m3fn``, max 448) has more precision, ``E5M2`` (max 57344) more
@@ -124,7 +124,7 @@ _DTYPES = {
 _MANTISSA_BITS = {Fp8Format.E4M3: 3, Fp8Format.E5M2: 2, Fp8Format.E4M3FNUZ: 3}
 
 
-class Scaling(str, enum.Enum):
+class Scaling(enum.StrEnum):
     """Granularity of the scales of a quantized tensor."""
 
     TENSORWISE = "tensorwise"

@@ -32,7 +32,7 @@ from loka_train.kernels.formats import Fp8Format, Scaling
 __all__ = ["Precision", "GemmPlan", "LinearPlan", "BACKEND_CONSTRAINTS"]
 
 
-class Precision(str, enum.Enum):
+class Precision(enum.StrEnum):
     """Precision of a GEMM."""
 
     HIGH = "high"

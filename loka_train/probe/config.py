@@ -61,7 +61,9 @@ class ProbeConfig:
     """What the Probe measures, how often, and how it turns statistics into verdicts.
 
     Example:
-        >>> ProbeConfig(every_k_steps=10, sites_per_step=4, interval=200)
+        >>> cfg = ProbeConfig(every_k_steps=10, sites_per_step=4, interval=200)
+        >>> cfg.sqnr_budget_db["forward"]
+        20.0
     """
 
     enabled: bool = True

@@ -242,6 +242,9 @@ class Probe:
     def __init__(self, config: ProbeConfig, *, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Tensors report their index; compare against the concrete device.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.candidates: tuple[Candidate, ...] = tuple(
             Candidate(fmt, scaling) for fmt in config.formats for scaling in config.scalings
         )
@@ -522,26 +525,30 @@ class Probe:
             sums[L.nonfinite[o]] = nf.float()
             maxes[L.amax[o]] = row_amax_G.amax()
             maxes[L.neg_row_min[o]] = -torch.where(row_amax_G > 0, row_amax_G, math.inf).amin()
+        # Quantized operands and their counts, shared by candidates with the same (format,
+        # scaling) for an operand (operand b of the backward GEMMs has one format).
+        cache: dict[tuple[str, Fp8Format, Scaling], tuple[Tensor, Tensor, Tensor]] = {}
+
+        def quantized(o: str, fmt: Fp8Format, scaling: Scaling) -> tuple[Tensor, Tensor, Tensor]:
+            hit = cache.get((o, fmt, scaling))
+            if hit is not None:
+                return hit
+            x, _, axis = operands[o]
+            kw: dict[str, Any] = {}
+            if scaling is Scaling.BLOCK:
+                kw = {"block_size": cfg.block_size, "block_2d": o == "b" and _B_IS_WEIGHT[role]}
+            q = quantize(x, fmt, scaling, axis=axis, **kw)
+            sat = saturation_fraction(x, fmt, scaling, axis=axis, scale=q.scale, **kw)
+            und = underflow_fraction(x, fmt, scaling, axis=axis, scale=q.scale, **kw)
+            cache[(o, fmt, scaling)] = out = (dequantize(q), sat * x.numel(), und * nnz[o])
+            return out
+
         for c, cand in enumerate(self.candidates):
-            fmt_a = cand.fmt
-            fmt_b = self._fmt_b(role, cand.fmt)
-            kw_a: dict[str, Any] = {}
-            kw_b: dict[str, Any] = {}
-            if cand.scaling is Scaling.BLOCK:
-                kw_a = {"block_size": cfg.block_size}
-                kw_b = {"block_size": cfg.block_size, "block_2d": _B_IS_WEIGHT[role]}
-            qa = quantize(a_c, fmt_a, cand.scaling, axis=ax_a, **kw_a)
-            qb = quantize(b_c, fmt_b, cand.scaling, axis=ax_b, **kw_b)
-            out = _gemm(role, dequantize(qa), dequantize(qb))
-            sums[L.error + c] = (ref - out).square().sum()
-            for o, x, q, fmt, axis, kw in (
-                ("a", a_c, qa, fmt_a, ax_a, kw_a),
-                ("b", b_c, qb, fmt_b, ax_b, kw_b),
-            ):
-                sat = saturation_fraction(x, fmt, cand.scaling, axis=axis, scale=q.scale, **kw)
-                und = underflow_fraction(x, fmt, cand.scaling, axis=axis, scale=q.scale, **kw)
-                sums[L.saturated[o] + c] = sat * x.numel()
-                sums[L.underflow[o] + c] = und * nnz[o]
+            deq_a, sat_a, und_a = quantized("a", cand.fmt, cand.scaling)
+            deq_b, sat_b, und_b = quantized("b", self._fmt_b(role, cand.fmt), cand.scaling)
+            sums[L.error + c] = (ref - _gemm(role, deq_a, deq_b)).square().sum()
+            sums[L.saturated["a"] + c], sums[L.underflow["a"] + c] = sat_a, und_a
+            sums[L.saturated["b"] + c], sums[L.underflow["b"] + c] = sat_b, und_b
         assert all(t is not None for t in sums) and all(t is not None for t in maxes)
         vec_sum = torch.stack([t.float() for t in sums])  # type: ignore[union-attr]
         vec_max = torch.stack([t.float() for t in maxes])  # type: ignore[union-attr]

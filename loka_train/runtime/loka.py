@@ -40,7 +40,7 @@ from loka_train.runtime.callbacks import Callback
 from loka_train.runtime.loka_config import LokaConfig
 
 if TYPE_CHECKING:
-    from loka_train.runtime.trainer import Trainer
+    from loka_train.runtime.context import RunContext as Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,10 @@ class LokaCallback(Callback):
         if self.config.comm_enabled:
             from loka_train.comm import CommPolicy, CommState, make_qcomm_codecs_registry
 
-            self.comm_state = CommState(self.config.comm, device=trainer._coll_device)
+            nccl = trainer.device.type == "cuda"
+            self.comm_state = CommState(
+                self.config.comm, device=trainer.device if nccl else torch.device("cpu")
+            )
             self.comm_policy = CommPolicy(self.comm_state)
             trainer.qcomm_codecs_registry = make_qcomm_codecs_registry(self.comm_state)
 

@@ -103,6 +103,8 @@ def _gemm_operands(fmt_a, fmt_b, m=45, k=70, n=38, tensorwise=False):
     return a, b
 
 
+# The interpreter's sigmoid overflows exp() for large negative inputs (harmless: 1/inf = 0).
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize(
     ("fmt_a", "fmt_b"),
     [(Fp8Format.E4M3, Fp8Format.E4M3), (Fp8Format.E5M2, Fp8Format.E4M3)],

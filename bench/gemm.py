@@ -1,0 +1,485 @@
+#!/usr/bin/env python3
+"""FP8 GEMM benchmark for recommendation-model shapes (issue 3).
+
+Measures, for M in {2048, 8192, 32768} and (K, N) in {(256,256), (512,512), (1024,1024),
+(2048,2048), (4096,4096), (1024,256), (512,2048)}:
+
+  (a) each GEMM role of a linear layer (forward y = x W^T, grad-input dX = dY W, grad-weight
+      dW = dY^T X) in bf16 (cuBLAS) and with every FP8 backend, operands pre-quantized;
+  (b) each quantizer alone (eager reference, fused Triton, FBGEMM), and the fused
+      LayerNorm + quantize kernel next to a plain bf16 LayerNorm;
+  (c) the block LayerNorm -> Linear -> ReLU, forward + backward, in bf16 and in FP8 with
+      quantization fused into the LayerNorm / ReLU-backward kernels and the bias + ReLU in the
+      FP8 GEMM epilogue.
+
+Writes ``gemm.json`` (every measurement, device, versions, command) and ``gemm.md`` (tables) to
+``--out``. Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between
+repetitions), in microseconds.
+
+Usage:
+    python bench/gemm.py --out bench/results/h100            # full run (~5-8 min on an H100)
+    python bench/gemm.py --out /tmp/b --quick                # M = 8192, 3 shapes
+    python bench/gemm.py --out /tmp/b --dry-run              # CPU, tiny shapes, interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger("bench.gemm")
+
+# `python bench/gemm.py` puts bench/ on sys.path, not the repository root.
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+FULL_MS = (2048, 8192, 32768)
+FULL_KN = ((256, 256), (512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 256), (512, 2048))
+QUICK_MS = (8192,)
+QUICK_KN = ((512, 512), (1024, 1024), (4096, 4096))
+DRY_MS = (64,)
+DRY_KN = ((32, 32), (64, 32))
+ROLES = ("forward", "grad_input", "grad_weight")
+# Issue 3's acceptance targets for (c): (M, K, N) -> minimum FP8/bf16 speedup of the block.
+TARGETS = {(8192, 1024, 1024): 1.2, (8192, 4096, 4096): 1.5}
+
+
+@dataclass
+class Row:
+    """One measurement."""
+
+    part: str
+    name: str
+    m: int
+    k: int
+    n: int
+    role: str = ""
+    us: float | None = None
+    skipped: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="directory for gemm.json and gemm.md")
+    p.add_argument("--quick", action="store_true", help="M=8192 and 3 (K, N) shapes")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter: checks the script")
+    p.add_argument("--parts", default="abc", help="which parts to run, subset of 'abc'")
+    p.add_argument("--ms", type=str, default=None, help="comma-separated M values (overrides)")
+    p.add_argument("--rep-ms", type=int, default=100, help="do_bench rep time per measurement (ms)")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+class Timer:
+    """do_bench on CUDA; a plain wall clock on CPU (dry runs only)."""
+
+    def __init__(self, device: str, rep_ms: int):
+        self.device = device
+        self.rep_ms = rep_ms
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        fn()  # compile / autotune outside the timed region
+        if self.device == "cuda":
+            import torch
+            import triton.testing
+
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=self.rep_ms, return_mode="median")
+            return 1000.0 * ms
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+
+
+def _measure(rows: list[Row], timer: Timer, row: Row, fn: Callable[[], object]) -> None:
+    try:
+        row.us = timer(fn)
+    except Exception as e:  # record and continue: one broken variant must not lose the run
+        logger.exception("failed: %s", row)
+        row.skipped = f"error: {type(e).__name__}: {e}"[:300]
+    rows.append(row)
+
+
+# ------------------------------------------------------------------------------------ (a)
+
+GEMM_VARIANTS = (
+    # (label, backend, scaling, fast_accum)
+    ("scaled_mm/tensorwise+fast", "torch_scaled_mm", "tensorwise", True),
+    ("scaled_mm/rowwise", "torch_scaled_mm", "rowwise", False),
+    ("scaled_mm/rowwise+fast", "torch_scaled_mm", "rowwise", True),
+    ("scaled_mm/block", "torch_scaled_mm", "block", False),
+    ("fbgemm/rowwise+fast", "fbgemm_rowwise", "rowwise", True),
+    ("triton/rowwise", "triton", "rowwise", False),
+    ("triton/rowwise+fast", "triton", "rowwise", True),
+)
+
+
+def _bench_gemm_role(rows, timer, m, k, n, role, a_hp, b_hp, bf16_fn):
+    """One role at one shape: the bf16 baseline and every FP8 variant (``a @ b^T``)."""
+    import torch
+
+    from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+    from loka_train.kernels.registry import GemmProblem, get_backend
+
+    bf16 = torch.bfloat16
+    gemm = [a_hp.shape[0], a_hp.shape[1], b_hp.shape[0]]
+    _measure(rows, timer, Row("a", "bf16", m, k, n, role, extra={"gemm": gemm}), bf16_fn)
+    a_hp, b_hp = a_hp.contiguous(), b_hp.contiguous()
+    for label, backend_name, scaling_name, fast in GEMM_VARIANTS:
+        scaling = Scaling(scaling_name)
+        # Hybrid recipe: gradients in e5m2; FBGEMM takes e4m3 only.
+        fmt_a = Fp8Format.E4M3
+        if role != "forward" and backend_name != "fbgemm_rowwise":
+            fmt_a = Fp8Format.E5M2
+        row = Row("a", label, m, k, n, role, extra={"fmt": f"{fmt_a.value}xe4m3", "gemm": gemm})
+        a_q = quantize(a_hp, fmt_a, scaling)
+        # Weights (forward, grad-input) in 128x128 tiles under block scaling.
+        b_q = quantize(b_hp, Fp8Format.E4M3, scaling,
+                       block_2d=scaling is Scaling.BLOCK and role != "grad_weight")
+        backend = get_backend(backend_name)
+        prob = GemmProblem.from_operands(a_q, b_q, out_dtype=bf16, role=role, fast_accum=fast)
+        ok, why = backend.supports(prob)
+        if not ok:
+            row.skipped = why
+            rows.append(row)
+            continue
+
+        def run(backend=backend, a_q=a_q, b_q=b_q, fast=fast):
+            return backend(a_q, b_q, out_dtype=bf16, fast_accum=fast)
+
+        _measure(rows, timer, row, run)
+
+
+def _bench_gemm_shape(rows, timer, device, m, k, n):
+    import torch
+
+    bf16 = torch.bfloat16
+    x = torch.randn(m, k, device=device, dtype=bf16)
+    w = torch.randn(n, k, device=device, dtype=bf16) / k**0.5
+    dy = torch.randn(m, n, device=device, dtype=bf16)
+    _bench_gemm_role(rows, timer, m, k, n, "forward", x, w, lambda: torch.mm(x, w.t()))
+    _bench_gemm_role(rows, timer, m, k, n, "grad_input", dy, w.t(), lambda: torch.mm(dy, w))
+    _bench_gemm_role(rows, timer, m, k, n, "grad_weight", dy.t(), x.t(), lambda: torch.mm(dy.t(), x))
+
+
+def bench_gemms(ms, kns, device, timer, rows):
+    for m in ms:
+        for k, n in kns:
+            _bench_gemm_shape(rows, timer, device, m, k, n)
+
+
+# ------------------------------------------------------------------------------------ (b)
+
+
+def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
+    import torch
+    import torch.nn.functional as F
+
+    from loka_train.kernels import triton_kernels as tk
+    from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+
+    e4m3 = Fp8Format.E4M3
+    fbgemm_ok, fbgemm_why = fbgemm
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    lnw = torch.ones(k, device=device, dtype=torch.bfloat16)
+    lnb = torch.zeros(k, device=device, dtype=torch.bfloat16)
+    nbytes = {"read": x.numel() * 2, "write_fp8": x.numel()}
+    cases: list[tuple[str, Callable[[], object] | None, str | None]] = [
+        ("eager/tensorwise", lambda: quantize(x, e4m3, Scaling.TENSORWISE), None),
+        ("eager/rowwise", lambda: quantize(x, e4m3, Scaling.ROWWISE), None),
+        ("eager/block1x128", lambda: quantize(x, e4m3, Scaling.BLOCK), None),
+        ("eager/mx", lambda: quantize(x, e4m3, Scaling.MX), None),
+        ("triton/rowwise", lambda: tk.fused_rowwise_quant(x, fmt=e4m3), None),
+        ("fbgemm/rowwise",
+         (lambda: torch.ops.fbgemm.quantize_fp8_per_row(x)) if fbgemm_ok else None,
+         None if fbgemm_ok else fbgemm_why),
+        ("bf16 layernorm (reference)", lambda: F.layer_norm(x, (k,), lnw, lnb), None),
+        ("triton/layernorm+rowwise (+bf16 out)",
+         lambda: tk.fused_rowwise_quant(x, fmt=e4m3, layernorm=True, ln_weight=lnw, ln_bias=lnb,
+                                        return_hp=True), None),
+        ("eager layernorm then rowwise",
+         lambda: quantize(F.layer_norm(x, (k,), lnw, lnb), e4m3, Scaling.ROWWISE), None),
+    ]
+    for name, fn, why in cases:
+        row = Row("b", name, m, k, 0, extra=dict(nbytes))
+        if fn is None:
+            row.skipped = why
+            rows.append(row)
+            continue
+        _measure(rows, timer, row, fn)
+
+
+def bench_quantizers(ms, kns, device, timer, rows):
+    from loka_train.kernels.backends import _fbgemm_genai_ops
+
+    fbgemm = (False, "CUDA only") if device != "cuda" else _fbgemm_genai_ops()
+    for m in ms:
+        for k in sorted({k for k, _ in kns}):
+            _bench_quant_shape(rows, timer, device, m, k, fbgemm)
+
+
+# ------------------------------------------------------------------------------------ (c)
+
+
+def block_plans() -> dict:
+    """The FP8 plans benchmarked for the block (all on the Triton backend)."""
+    from loka_train.kernels.formats import Fp8Format
+    from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
+
+    e4m3, e5m2 = Fp8Format.E4M3, Fp8Format.E5M2
+
+    def fp8(fmt, fmt_b=None, fast=False):
+        return GemmPlan(precision=Precision.FP8, fmt=fmt, fmt_b=fmt_b, backend="triton", fast_accum=fast)
+
+    return {
+        # Forward and grad-input in FP8 (fused quantization), grad-weight in bf16.
+        "fp8": LinearPlan(forward=fp8(e4m3, fast=True), grad_input=fp8(e5m2, e4m3), grad_weight=GemmPlan()),
+        "fp8 (precise acc.)": LinearPlan(forward=fp8(e4m3), grad_input=fp8(e5m2, e4m3), grad_weight=GemmPlan()),
+        # All three in FP8: grad-weight needs column-wise scales (quantized from transposes).
+        "fp8 (+ grad_weight fp8)": LinearPlan(
+            forward=fp8(e4m3, fast=True), grad_input=fp8(e5m2, e4m3), grad_weight=fp8(e5m2, e4m3)
+        ),
+    }
+
+
+def _bench_block_shape(rows, timer, device, m, k, n, plans):
+    import torch
+    import torch.nn.functional as F
+
+    from loka_train.kernels.fused import layernorm_linear
+
+    bf16 = torch.bfloat16
+    x = torch.randn(m, k, device=device, dtype=bf16, requires_grad=True)
+    lnw = torch.ones(k, device=device, dtype=bf16, requires_grad=True)
+    lnb = torch.zeros(k, device=device, dtype=bf16, requires_grad=True)
+    w = (torch.randn(n, k, device=device, dtype=bf16) / k**0.5).requires_grad_(True)
+    b = torch.zeros(n, device=device, dtype=bf16, requires_grad=True)
+    g = torch.randn(m, n, device=device, dtype=bf16)
+    leaves = [x, lnw, lnb, w, b]
+
+    def bf16_fwd():
+        return F.relu(F.linear(F.layer_norm(x, (k,), lnw, lnb), w, b))
+
+    def bf16_step():
+        return torch.autograd.grad(bf16_fwd(), leaves, g)
+
+    with torch.no_grad():
+        _measure(rows, timer, Row("c", "bf16", m, k, n, "forward"), bf16_fwd)
+    _measure(rows, timer, Row("c", "bf16", m, k, n, "fwd+bwd"), bf16_step)
+    for name, plan in plans.items():
+
+        def fwd(plan=plan):
+            return layernorm_linear(x, lnw, lnb, w, b, plan, activation="relu")
+
+        def step(fwd=fwd):
+            return torch.autograd.grad(fwd(), leaves, g)
+
+        with torch.no_grad():
+            _measure(rows, timer, Row("c", name, m, k, n, "forward", extra={"plan": plan.to_dict()}), fwd)
+        _measure(rows, timer, Row("c", name, m, k, n, "fwd+bwd", extra={"plan": plan.to_dict()}), step)
+
+
+def bench_block(ms, kns, device, timer, rows):
+    plans = block_plans()
+    for m in ms:
+        for k, n in kns:
+            _bench_block_shape(rows, timer, device, m, k, n, plans)
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def environment(device: str) -> dict:
+    import torch
+    import triton
+
+    env = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+    }
+    try:
+        from importlib.metadata import version
+
+        for pkg in ("fbgemm-gpu", "fbgemm-gpu-genai", "fbgemm-gpu-cpu"):
+            try:
+                env[pkg] = version(pkg)
+            except Exception:
+                pass
+    except ImportError:
+        pass
+    if device == "cuda":
+        cap = torch.cuda.get_device_capability()
+        env["capability"] = f"sm_{cap[0]}{cap[1]}"
+    return env
+
+
+def _lookup(rows, part, name, m, k, n, role=""):
+    for r in rows:
+        if (r.part, r.name, r.m, r.k, r.n, r.role) == (part, name, m, k, n, role):
+            return r
+    return None
+
+
+def _fmt_us(r: Row | None) -> str:
+    if r is None:
+        return "-"
+    if r.us is None:
+        return "n/a"
+    return f"{r.us:.1f}"
+
+
+def _speedup(base: Row | None, r: Row | None) -> str:
+    if base is None or r is None or base.us is None or r.us is None:
+        return "n/a"
+    return f"{base.us / r.us:.2f}x"
+
+
+def block_analysis(rows, m, k, n) -> tuple[float | None, str]:
+    """Speedup of the FP8 block and, when it is below 1, why (from parts a and b)."""
+    base = _lookup(rows, "c", "bf16", m, k, n, "fwd+bwd")
+    fp8 = _lookup(rows, "c", "fp8", m, k, n, "fwd+bwd")
+    if base is None or fp8 is None or base.us is None or fp8.us is None:
+        return None, "not measured"
+    speed = base.us / fp8.us
+    if speed >= 1.0:
+        return speed, ""
+    # Compare the GEMMs alone: forward + grad-input in FP8 (triton) vs bf16.
+    g_bf16 = [_lookup(rows, "a", "bf16", m, k, n, r) for r in ("forward", "grad_input")]
+    g_fp8 = [_lookup(rows, "a", "triton/rowwise+fast", m, k, n, "forward"),
+             _lookup(rows, "a", "triton/rowwise", m, k, n, "grad_input")]
+    if all(r is not None and r.us is not None for r in g_bf16 + g_fp8):
+        saved = sum(r.us for r in g_bf16) - sum(r.us for r in g_fp8)
+        extra = fp8.us - base.us + saved
+        if saved <= 0:
+            return speed, (f"the FP8 GEMMs alone are not faster here ({-saved:.1f} us slower than bf16 "
+                           "for forward + grad-input)")
+        return speed, (f"the FP8 GEMMs save {saved:.1f} us but quantization (W, W^T, fused LN/ReLU-bwd "
+                       f"writes) and launches cost {extra:.1f} us")
+    return speed, "GEMM timings missing for a breakdown"
+
+
+def write_report(rows, args, env, ms, kns, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = "python bench/gemm.py " + " ".join(sys.argv[1:])
+    data = {"environment": env, "command": cmd, "ms": list(ms), "kn": [list(s) for s in kns],
+            "rows": [asdict(r) for r in rows]}
+    (out / "gemm.json").write_text(json.dumps(data, indent=1))
+
+    lines = ["# FP8 GEMM benchmark (issue 3)", ""]
+    lines += [f"- device: **{env['device']}**" + (f" ({env['capability']})" if "capability" in env else "")]
+    lines += [f"- {k}: {v}" for k, v in env.items() if k not in ("device", "capability")]
+    lines += [f"- rerun: `{cmd}`", "- times: median microseconds (triton.testing.do_bench, L2 flushed); "
+              "speedup = bf16 time / variant time", ""]
+
+    if "a" in args.parts:
+        labels = sorted({r.name for r in rows if r.part == "a" and r.name != "bf16"})
+        lines += ["## (a) GEMMs, operands pre-quantized (bf16 output)", ""]
+        lines += ["FP8 formats: forward e4m3 x e4m3; grad roles e5m2 x e4m3 (fbgemm: e4m3 x e4m3). "
+                  "Cells: speedup over bf16; n/a = unsupported (reason in the JSON).", ""]
+        for role in ROLES:
+            lines += [f"### {role}", "", "| M | K | N | bf16 us | " + " | ".join(labels) + " |",
+                      "|---|---|---|---|" + "---|" * len(labels)]
+            for m in ms:
+                for k, n in kns:
+                    base = _lookup(rows, "a", "bf16", m, k, n, role)
+                    cells = [_speedup(base, _lookup(rows, "a", lab, m, k, n, role)) for lab in labels]
+                    lines.append(f"| {m} | {k} | {n} | {_fmt_us(base)} | " + " | ".join(cells) + " |")
+            lines.append("")
+
+    if "b" in args.parts:
+        names = list(dict.fromkeys(r.name for r in rows if r.part == "b"))
+        lines += ["## (b) Quantizers alone (bf16 input (M, K) -> e4m3), microseconds", "",
+                  "| M | K | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for m in ms:
+            for k in sorted({k for k, _ in kns}):
+                cells = [_fmt_us(_lookup(rows, "b", nm, m, k, 0)) for nm in names]
+                lines.append(f"| {m} | {k} | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    if "c" in args.parts:
+        names = list(dict.fromkeys(r.name for r in rows if r.part == "c"))
+        lines += ["## (c) LayerNorm -> Linear -> ReLU block, bf16 activations", "",
+                  "`fp8`: forward e4m3 (fast acc.) with LayerNorm+quantize fused and bias+ReLU in the GEMM "
+                  "epilogue; grad-input e5m2 x e4m3 with ReLU-backward+quantize fused; grad-weight bf16.", "",
+                  "| M | K | N | " + " | ".join(f"{nm} fwd+bwd" for nm in names)
+                  + " | fp8 speedup fwd+bwd | fp8 speedup fwd | target |",
+                  "|---|---|---|" + "---|" * (len(names) + 3)]
+        slower = []
+        for m in ms:
+            for k, n in kns:
+                cells = [_fmt_us(_lookup(rows, "c", nm, m, k, n, "fwd+bwd")) for nm in names]
+                sp, why = block_analysis(rows, m, k, n)
+                fsp = _speedup(_lookup(rows, "c", "bf16", m, k, n, "forward"), _lookup(rows, "c", "fp8", m, k, n, "forward"))
+                tgt = TARGETS.get((m, k, n))
+                tcell = "" if tgt is None else (f">= {tgt}x: " + ("met" if sp is not None and sp >= tgt else "**missed**"))
+                lines.append(f"| {m} | {k} | {n} | " + " | ".join(cells)
+                             + f" | {'n/a' if sp is None else f'{sp:.2f}x'} | {fsp} | {tcell} |")
+                if sp is not None and sp < 1.0:
+                    slower.append(f"- M={m} K={k} N={n}: {sp:.2f}x: {why}")
+        lines += ["", "### Shapes where the FP8 block is slower than bf16 (Dispatch keeps these in bf16)", ""]
+        lines += slower or ["- none"]
+        lines.append("")
+
+    skipped = [r for r in rows if r.skipped and r.skipped.startswith("error")]
+    if skipped:
+        lines += ["## Errors", ""] + [f"- {r.part} {r.name} {r.role} {r.m}x{r.k}x{r.n}: {r.skipped}" for r in skipped]
+    (out / "gemm.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.dry_run:
+        # Must be set before triton is imported (by loka_train.kernels.triton_kernels).
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if args.dry_run:
+        device, ms, kns = "cpu", DRY_MS, DRY_KN
+    else:
+        if not torch.cuda.is_available():
+            logger.error("no CUDA device: use --dry-run to check the script on CPU")
+            return 2
+        device = "cuda"
+        ms, kns = (QUICK_MS, QUICK_KN) if args.quick else (FULL_MS, FULL_KN)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    if args.ms:
+        ms = tuple(int(v) for v in args.ms.split(","))
+    env = environment(device)
+    logger.info("environment: %s", env)
+    timer = Timer(device, args.rep_ms)
+    rows: list[Row] = []
+    t0 = time.time()
+    if "a" in args.parts:
+        bench_gemms(ms, kns, device, timer, rows)
+        logger.info("(a) done after %.0f s", time.time() - t0)
+    if "b" in args.parts:
+        bench_quantizers(ms, kns, device, timer, rows)
+        logger.info("(b) done after %.0f s", time.time() - t0)
+    if "c" in args.parts:
+        bench_block(ms, kns, device, timer, rows)
+        logger.info("(c) done after %.0f s", time.time() - t0)
+    write_report(rows, args, env, ms, kns, args.out)
+    errors = [r for r in rows if r.skipped and r.skipped.startswith("error")]
+    logger.info("wrote %s (%d rows, %d errors) in %.0f s", args.out, len(rows), len(errors), time.time() - t0)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Probe overhead on a DLRM-like MLP stack: step time with and without the Probe.
+
+The model is the dense part of MLPerf DLRM (Criteo 1TB): bottom MLP 13-512-256-128, top MLP
+479-1024-1024-512-256-1 (479 = 128 + 351 dot-interaction features, fed here as random
+inputs), bf16 autocast on CUDA, Adagrad. Every Linear is a probe site (9 sites, 27 GEMMs).
+Embeddings and the all-to-all are left out, so the step is *shorter* than a full DLRM step and
+the overhead percentage here is an upper bound of the one on the full model.
+
+Measured, in alternating repeats (median of each):
+* ``base``: plain training steps;
+* ``probe``: the same steps with the Probe attached at the given sampling (default: the
+  ProbeConfig defaults), including ``begin_step`` on every step and ``reduce()`` every
+  ``interval`` steps;
+* the cost of one sampled step and of one ``reduce()`` in isolation;
+* on CUDA, whether a sampled step runs without any host sync
+  (``torch.cuda.set_sync_debug_mode("error")`` around the hooks' work).
+
+Writes a JSON with the figures (``--out``) and prints it.
+
+Usage:
+    python bench/probe_overhead.py                  # GPU, defaults
+    python bench/probe_overhead.py --dry-run        # CPU, tiny, a few seconds
+    python bench/probe_overhead.py --every-k 50 --sites-per-step 3 --out $OUT/probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from loka_train.probe import Probe, ProbeConfig  # noqa: E402
+
+DLRM_BOTTOM = (13, 512, 256, 128)
+DLRM_TOP = (479, 1024, 1024, 512, 256, 1)
+TINY_BOTTOM = (13, 32, 16)
+TINY_TOP = (48, 32, 16, 1)
+
+
+class MlpStack(nn.Module):
+    """Bottom MLP on dense features, top MLP on [bottom output, interaction features]."""
+
+    def __init__(self, bottom: tuple[int, ...], top: tuple[int, ...]) -> None:
+        super().__init__()
+        self.bottom = self._mlp(bottom, last_relu=True)
+        self.top = self._mlp(top, last_relu=False)
+        self.num_interaction = top[0] - bottom[-1]
+
+    @staticmethod
+    def _mlp(sizes: tuple[int, ...], *, last_relu: bool) -> nn.Sequential:
+        layers: list[nn.Module] = []
+        for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            layers.append(nn.Linear(d_in, d_out))
+            if last_relu or i < len(sizes) - 2:
+                layers.append(nn.ReLU())
+        return nn.Sequential(*layers)
+
+    def forward(self, dense_BD: torch.Tensor, interaction_BI: torch.Tensor) -> torch.Tensor:
+        return self.top(torch.cat([self.bottom(dense_BD), interaction_BI], dim=1)).squeeze(1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _make_step(model: MlpStack, opt: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, ...]], device: torch.device):
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    loss_fn = nn.BCEWithLogitsLoss()
+
+    def step(i: int) -> None:
+        dense, inter, labels = batches[i % len(batches)]
+        with autocast:
+            logits = model(dense, inter)
+        loss = loss_fn(logits.float(), labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def _timed(step, steps: range, device: torch.device, before=None, after=None) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in steps:
+        if before is not None:
+            before(i)
+        step(i)
+        if after is not None:
+            after(i)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cpu" if args.dry_run else args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("CUDA is not available; use --dry-run (CPU, tiny) or --device cpu")
+    torch.manual_seed(0)
+    bottom, top = (TINY_BOTTOM, TINY_TOP) if args.dry_run else (DLRM_BOTTOM, DLRM_TOP)
+    batch = 64 if args.dry_run else args.batch
+    overrides: dict[str, Any] = {}
+    if args.every_k is not None:
+        overrides["every_k_steps"] = args.every_k
+    if args.interval is not None:
+        overrides["interval"] = args.interval
+    if args.sites_per_step is not None:
+        overrides["sites_per_step"] = args.sites_per_step
+    if args.dry_run:
+        overrides.setdefault("every_k_steps", 5)
+        overrides.setdefault("interval", 10)
+        overrides["min_samples"] = 1
+    cfg = ProbeConfig(**overrides)
+    steps = args.steps or (20 if args.dry_run else max(2 * cfg.interval, 10 * cfg.every_k_steps))
+
+    model = MlpStack(bottom, top).to(device)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.01)
+    batches = [
+        (
+            torch.randn(batch, bottom[0], device=device),
+            torch.randn(batch, model.num_interaction, device=device),
+            torch.randint(0, 2, (batch,), device=device).float(),
+        )
+        for _ in range(4)
+    ]
+    step = _make_step(model, opt, batches, device)
+    probe = Probe(cfg, device=device)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+    def attach() -> list:
+        return [probe.attach(m, name) for name, m in linears]
+
+    def before(i: int) -> None:
+        probe.begin_step(i)
+
+    def after(i: int) -> None:
+        if probe.should_reduce(i):
+            probe.reduce()
+
+    # Warm up both paths (allocator, cuBLAS handles, autotuning).
+    _timed(step, range(args.warmup), device)
+    handles = attach()
+    _timed(step, range(args.warmup), device, lambda i: probe.begin_step(0), None)  # sampled
+    probe.reduce()
+    for h in handles:
+        h.remove()
+
+    base_times, probe_times = [], []
+    for _ in range(args.repeats):
+        base_times.append(_timed(step, range(steps), device))
+        handles = attach()
+        probe_times.append(_timed(step, range(steps), device, before, after))
+        for h in handles:
+            h.remove()
+    base_s, probe_s = statistics.median(base_times), statistics.median(probe_times)
+
+    # Isolated costs: a sampled step (all scheduled sites) and one reduce().
+    handles = attach()
+    n_iso = 5 if args.dry_run else 20
+    unsampled_s = _timed(step, range(n_iso), device, lambda i: probe.begin_step(1), None) / n_iso
+    sampled_s = _timed(step, range(n_iso), device, lambda i: probe.begin_step(0), None) / n_iso
+    _sync(device)
+    t0 = time.perf_counter()
+    probe.reduce()
+    _sync(device)
+    reduce_s = time.perf_counter() - t0
+
+    sync_free: dict[str, bool | str] | None = None
+    if device.type == "cuda":
+        # Whole sampled training step (model + optimizer + probe hooks), then the probe's
+        # hot path alone on device tensors, each under "error" sync-debug mode.
+        name0, lin0 = linears[0]
+        x_check = batches[0][0]
+        dy_check = torch.randn(batch, lin0.out_features, device=device)
+        checks = {
+            "sampled_train_step": lambda: step(0),
+            "probe_observe_only": lambda: (
+                probe.observe_forward(name0, x_check, lin0.weight.detach()),
+                probe.observe_backward(name0, dy_check, x_check, lin0.weight.detach()),
+            ),
+        }
+        sync_free = {}
+        for label, fn in checks.items():
+            probe.begin_step(0)
+            _sync(device)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                fn()
+                sync_free[label] = True
+            except RuntimeError as exc:  # the message names the syncing call
+                sync_free[label] = str(exc).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    for h in handles:
+        h.remove()
+
+    sampled_per_run = sum(1 for i in range(steps) if i % cfg.every_k_steps == 0)
+    reduces_per_run = sum(1 for i in range(steps) if probe.should_reduce(i))
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "dry_run": args.dry_run,
+        "batch": batch,
+        "mlp_bottom": list(bottom),
+        "mlp_top": list(top),
+        "num_sites": len(linears),
+        "probe_config": {
+            "every_k_steps": cfg.every_k_steps,
+            "sites_per_step": cfg.sites_per_step,
+            "interval": cfg.interval,
+            "window": cfg.window,
+            "candidates": [c.name for c in probe.candidates],
+        },
+        "steps_per_run": steps,
+        "repeats": args.repeats,
+        "sampled_steps_per_run": sampled_per_run,
+        "reduces_per_run": reduces_per_run,
+        "base_step_ms": 1e3 * base_s / steps,
+        "probe_step_ms": 1e3 * probe_s / steps,
+        "overhead_pct": 100.0 * (probe_s - base_s) / base_s,
+        "base_runs_s": base_times,
+        "probe_runs_s": probe_times,
+        "unsampled_step_with_hooks_ms": 1e3 * unsampled_s,
+        "sampled_step_ms": 1e3 * sampled_s,
+        "reduce_ms": 1e3 * reduce_s,
+        # Amortized model: extra per sampled step and per reduce, spread over the run.
+        "modelled_overhead_pct": 100.0
+        * (sampled_per_run * (sampled_s - unsampled_s) + reduces_per_run * reduce_s + steps * (unsampled_s - base_s / steps))
+        / base_s,
+        "hot_path_sync_free": sync_free,
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU, a few steps")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, default=8192, help="samples per step")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed run")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--every-k", type=int, default=None, help="ProbeConfig.every_k_steps")
+    parser.add_argument("--interval", type=int, default=None, help="ProbeConfig.interval")
+    parser.add_argument("--sites-per-step", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "probe_overhead.json")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.warmup = min(args.warmup, 2)
+        args.repeats = min(args.repeats, 2)
+        torch.set_num_threads(1)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if not args.dry_run or args.out != parser.get_default("out"):
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""Configuration of the model adaptations (the ``loka.mods`` group of the hydra config).
+
+Example:
+    >>> cfg = ModsConfig(sites=["mlp", "dcn"], initial_plan="fp8_rowwise")
+    >>> cfg.pad_to_multiple
+    16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loka_train.kernels.formats import Scaling
+from loka_train.kernels.plan import LinearPlan
+
+__all__ = ["SITE_FAMILIES", "INITIAL_PLANS", "ModsConfig"]
+
+SITE_FAMILIES: tuple[str, ...] = ("mlp", "interaction", "dcn", "wukong")
+"""Site families ``convert`` knows: ``mlp`` (every ``nn.Linear`` outside an interaction block:
+bottom/top MLPs), ``interaction`` (DLRM dot interaction ``bmm``), ``dcn`` (TorchRec
+``LowRankCrossNet`` layers), ``wukong`` (FM block projection, ``bmm`` and MLP, LCB, residual)."""
+
+INITIAL_PLANS: tuple[str, ...] = ("high", "fp8_rowwise", "fp8_tensorwise")
+"""Plans a site can start with (Dispatch changes them later)."""
+
+
+def _default_sites() -> list[str]:
+    return list(SITE_FAMILIES)
+
+
+@dataclass(kw_only=True)
+class ModsConfig:
+    """Which dense GEMMs ``convert`` turns into FP8-capable sites, and which adaptations it uses.
+
+    Example:
+        >>> ModsConfig(horizontal_fusion=False).initial_linear_plan().forward.is_fp8
+        False
+    """
+
+    enabled: bool = True
+    """Whether ``convert`` changes the model at all (False: it logs and returns it unchanged)."""
+
+    sites: list[str] = field(default_factory=_default_sites)
+    """Site families to convert, a subset of ``SITE_FAMILIES``."""
+
+    keep_last_layer_high: bool = True
+    """Leave the final logit ``nn.Linear`` (the last one registered in the model) unconverted:
+    it always runs in high precision and is not a site."""
+
+    pad_to_multiple: int = 16
+    """Zero-pad the dims of every FP8 GEMM to a multiple of this (FP8 tensor cores and
+    ``torch._scaled_mm`` need 16); 0 or 1 turns padding off. High-precision GEMMs are never
+    padded."""
+
+    fused_norm_quant: bool = True
+    """LayerNorm -> Linear -> ReLU runs as one fused op (``kernels.fused.layernorm_linear``):
+    with an FP8 plan on the ``triton`` backend the LayerNorm kernel emits the GEMM's FP8 input
+    and scales directly (no separate quantization pass)."""
+
+    drop_unstable_bias: bool = False
+    """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias
+    feeds a DC offset into the next GEMM's FP8 input, so its per-row amax, and with it the
+    quantization step, is set by the bias instead of the signal. The bias ``Parameter`` stays
+    registered (state dict, optimizer and checkpoints do not change shape) but is zeroed and
+    frozen, so the model computes what its state says."""
+
+    horizontal_fusion: bool = True
+    """GEMMs that read the same input run as one wider GEMM site: the Wukong FM projection,
+    LCB mix and residual projection (all read ``X^T``)."""
+
+    dcn_epilogue_fusion: bool = True
+    """DCN cross layer ``x0 * (W (V x) + b) + x``: the bias is added in the second GEMM's
+    epilogue and ``x0 * z + x`` is one ``addcmul`` (one elementwise kernel instead of three)."""
+
+    initial_plan: str = "high"
+    """Plan every site starts with: ``high`` (no numerics change), ``fp8_rowwise`` or
+    ``fp8_tensorwise`` (e4m3 forward, e5m2 gradients, on ``backend``)."""
+
+    backend: str = "emulated"
+    """GEMM backend of the initial FP8 plan (a name in ``kernels.registry``). Batched
+    (``bmm``) sites run FP8 only on ``emulated``; with another backend they start in high
+    precision (logged)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"mods.enabled must be a bool, got {self.enabled!r}")
+        sites = list(self.sites)
+        unknown = [s for s in sites if s not in SITE_FAMILIES]
+        if unknown:
+            raise ValueError(f"mods.sites has unknown families {unknown}; choose from {SITE_FAMILIES}")
+        if len(set(sites)) != len(sites):
+            raise ValueError(f"mods.sites has duplicates: {sites}")
+        self.sites = sites
+        if isinstance(self.pad_to_multiple, bool) or not isinstance(self.pad_to_multiple, int):
+            raise ValueError(f"mods.pad_to_multiple must be an int, got {self.pad_to_multiple!r}")
+        if self.pad_to_multiple < 0:
+            raise ValueError(f"mods.pad_to_multiple={self.pad_to_multiple} must be >= 0")
+        for name in (
+            "keep_last_layer_high",
+            "fused_norm_quant",
+            "drop_unstable_bias",
+            "horizontal_fusion",
+            "dcn_epilogue_fusion",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"mods.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.initial_plan not in INITIAL_PLANS:
+            raise ValueError(
+                f"mods.initial_plan={self.initial_plan!r}: choose one of {INITIAL_PLANS}"
+            )
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"mods.backend must be a backend name, got {self.backend!r}")
+        # Builds the plan once so an unsupported backend/scaling pair fails here, not in convert.
+        self.initial_linear_plan()
+
+    @property
+    def padding(self) -> int:
+        """Effective pad multiple (1 when padding is off)."""
+        return max(1, self.pad_to_multiple)
+
+    def initial_linear_plan(self) -> LinearPlan:
+        """The :class:`LinearPlan` of ``initial_plan`` on ``backend``.
+
+        Raises:
+            ValueError: if the backend cannot take the plan's scaling or formats.
+        """
+        if self.initial_plan == "high":
+            return LinearPlan.high_precision()
+        scaling = Scaling.ROWWISE if self.initial_plan == "fp8_rowwise" else Scaling.TENSORWISE
+        return LinearPlan.fp8(scaling=scaling, backend=self.backend)

@@ -1,0 +1,174 @@
+"""The DLRM dot interaction and the DCN low-rank cross network, with their GEMMs as sites.
+
+* :class:`DotInteraction` replaces TorchRec's ``InteractionArch``: the batched ``E E^T`` of the
+  combined embeddings is a :class:`~loka_train.mods.site.BmmSite` (child ``bmm``).
+* :class:`CrossNet` replaces TorchRec's ``LowRankCrossNet``, which computes its layers with
+  ``F.linear`` on ``ParameterList`` entries (no module swap reaches them). It keeps the same
+  ``W_kernels`` / ``V_kernels`` / ``bias`` ParameterLists (state dict unchanged) and makes each
+  layer's two GEMMs separate sites, children ``layer<i>.V`` (``x V^T``: ``N`` in, rank out) and
+  ``layer<i>.W`` (``(x V^T) W^T``: rank in, ``N`` out), so site names read
+  ``...crossnet.layer0.V`` and ``...crossnet.layer0.W``.
+
+DCN epilogue fusion (``epilogue_fusion=True``): layer ``l`` computes
+``x_{l+1} = x0 * (W (V x_l) + b) + x_l`` as the second GEMM with the bias in its epilogue,
+then one ``torch.addcmul(x_l, x0, z)``: one elementwise kernel instead of three (bias add,
+multiply, residual add), and its backward needs no separate bias reduction over ``x0 * ...``.
+Numerics: identical math, but ``addcmul`` may use a fused multiply-add and a GEMM with bias may
+round ``acc + b`` once, so results can differ from the unfused formula in the last bit (the
+tests bound it; on exactly representable data they are equal). Under bf16 autocast the bias is
+added in the GEMM's bf16 output instead of in fp32. A single kernel that also applies
+``x0 * z + x`` inside the GEMM epilogue would need a Triton epilogue in ``kernels/`` (not there
+yet).
+
+Shape legend: ``B`` batch, ``F`` sparse features, ``D`` embedding dim, ``N`` = (F + 1) * D the
+cross-net width, ``R`` the low rank.
+
+Example:
+    >>> from torchrec.modules.crossnet import LowRankCrossNet
+    >>> cn = CrossNet.from_crossnet(LowRankCrossNet(in_features=24, num_layers=2, low_rank=4))
+    >>> sorted(n for n, _ in cn.named_modules() if n)
+    ['layer0', 'layer0.V', 'layer0.W', 'layer1', 'layer1.V', 'layer1.W']
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+from torchrec.models.dlrm import InteractionArch
+from torchrec.modules.crossnet import LowRankCrossNet
+
+from loka_train.kernels.plan import LinearPlan
+from loka_train.mods.site import BmmSite, GemmSite
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DotInteraction", "CrossNet", "CrossLayerSites"]
+
+
+class DotInteraction(InteractionArch):
+    """TorchRec's ``InteractionArch`` with its ``bmm`` as a site (child ``bmm``).
+
+    Example:
+        >>> inter = DotInteraction.from_interaction(InteractionArch(num_sparse_features=3))
+        >>> inter(torch.randn(4, 8), torch.randn(4, 3, 8)).shape
+        torch.Size([4, 14])
+    """
+
+    def __init__(self, num_sparse_features: int, *, plan: LinearPlan | None = None) -> None:
+        super().__init__(num_sparse_features)
+        self.bmm = BmmSite(plan=plan)
+
+    @classmethod
+    def from_interaction(
+        cls, arch: InteractionArch, *, plan: LinearPlan | None = None
+    ) -> DotInteraction:
+        """A converted copy of ``arch`` (it has no parameters; its index buffer is reused)."""
+        new = cls(arch.F, plan=plan)
+        new.triu_indices = arch.triu_indices
+        return new
+
+    def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
+        # Same ops as InteractionArch.forward, with torch.bmm replaced by the site.
+        if self.F <= 0:
+            return dense_features
+        combined_values = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        interactions = self.bmm(combined_values, torch.transpose(combined_values, 1, 2))
+        interactions_flat = interactions[:, self.triu_indices[0], self.triu_indices[1]]
+        return torch.cat((dense_features, interactions_flat), dim=1)
+
+
+class CrossLayerSites(nn.Module):
+    """The two GEMM sites of one cross layer (no parameters of its own)."""
+
+    def __init__(self, *, in_features: int, low_rank: int, plan: LinearPlan | None, pad_to_multiple: int) -> None:
+        super().__init__()
+        self.V = GemmSite(weight_shape=(low_rank, in_features), plan=plan, pad_to_multiple=pad_to_multiple)
+        self.W = GemmSite(weight_shape=(in_features, low_rank), plan=plan, pad_to_multiple=pad_to_multiple)
+
+
+class CrossNet(LowRankCrossNet):
+    """``LowRankCrossNet`` with each layer's two GEMMs as sites and an optional fused epilogue.
+
+    Args:
+        W_kernels: the original ``W_kernels`` ParameterList (``(N, R)`` each); reused, not copied.
+        V_kernels: the original ``V_kernels`` (``(R, N)`` each).
+        bias: the original ``bias`` (``(N,)`` each).
+        epilogue_fusion: compute ``x0 * (z + b) + x`` as bias-in-GEMM plus one ``addcmul``.
+        plan: initial plan of every site.
+        pad_to_multiple: pad multiple for FP8 GEMMs.
+    """
+
+    def __init__(
+        self,
+        *,
+        W_kernels: nn.ParameterList,
+        V_kernels: nn.ParameterList,
+        bias: nn.ParameterList,
+        epilogue_fusion: bool = True,
+        plan: LinearPlan | None = None,
+        pad_to_multiple: int = 1,
+    ) -> None:
+        nn.Module.__init__(self)
+        if not (len(W_kernels) == len(V_kernels) == len(bias)):
+            raise ValueError("W_kernels, V_kernels and bias must have one entry per layer")
+        self._num_layers = len(W_kernels)
+        self._low_rank = int(V_kernels[0].shape[0]) if self._num_layers else 0
+        self.W_kernels = W_kernels
+        self.V_kernels = V_kernels
+        self.bias = bias
+        self.epilogue_fusion = bool(epilogue_fusion)
+        in_features = int(V_kernels[0].shape[1]) if self._num_layers else 0
+        for i in range(self._num_layers):
+            self.add_module(
+                f"layer{i}",
+                CrossLayerSites(
+                    in_features=in_features, low_rank=self._low_rank, plan=plan,
+                    pad_to_multiple=pad_to_multiple,
+                ),
+            )
+
+    @classmethod
+    def from_crossnet(
+        cls,
+        crossnet: LowRankCrossNet,
+        *,
+        epilogue_fusion: bool = True,
+        plan: LinearPlan | None = None,
+        pad_to_multiple: int = 1,
+    ) -> CrossNet:
+        """Take over ``crossnet``'s ParameterLists (``new.W_kernels is crossnet.W_kernels``)."""
+        return cls(
+            W_kernels=crossnet.W_kernels,
+            V_kernels=crossnet.V_kernels,
+            bias=crossnet.bias,
+            epilogue_fusion=epilogue_fusion,
+            plan=plan,
+            pad_to_multiple=pad_to_multiple,
+        )
+
+    def layer_sites(self, i: int) -> CrossLayerSites:
+        """The sites of layer ``i``."""
+        sites = getattr(self, f"layer{i}")
+        assert isinstance(sites, CrossLayerSites)
+        return sites
+
+    def forward(self, input: Tensor) -> Tensor:
+        x0_BN = input
+        x_BN = x0_BN
+        for i in range(self._num_layers):
+            sites = self.layer_sites(i)
+            xv_BR = sites.V.linear(x_BN, self.V_kernels[i])
+            if self.epilogue_fusion:
+                with torch.profiler.record_function("loka/mods/dcn_epilogue"):
+                    z_BN = sites.W.linear(xv_BR, self.W_kernels[i], self.bias[i])
+                    x_BN = torch.addcmul(x_BN, x0_BN, z_BN)
+            else:
+                # The unfused formula, op for op as LowRankCrossNet.forward.
+                xw_BN = sites.W.linear(xv_BR, self.W_kernels[i])
+                x_BN = x0_BN * (xw_BN + self.bias[i]) + x_BN
+        return x_BN
+
+    def extra_repr(self) -> str:
+        return f"num_layers={self._num_layers}, low_rank={self._low_rank}, epilogue_fusion={self.epilogue_fusion}"

@@ -1,0 +1,653 @@
+"""Sites: the FP8-capable modules that :func:`loka_train.mods.convert` installs.
+
+A *site* is one dense GEMM of the model with its three GEMMs (roles): forward, grad-input and
+grad-weight. Every site is an :class:`nn.Module` deriving from :class:`Site` and carries:
+
+* ``site_name``: its fully qualified name in the model given to ``convert`` (wrappers such as
+  ``DistributedModelParallel`` do not change it; :func:`loka_train.mods.sites` finds it);
+* ``plan``: a :class:`~loka_train.kernels.plan.LinearPlan`, one ``GemmPlan`` per role, that
+  Dispatch replaces between steps with :meth:`Site.set_plan` (validated, nothing reallocated);
+* ``observer``: an optional :class:`~loka_train.probe.Probe`. When set and
+  ``observer.should_sample(observer.step, site_name)`` holds, the site reports its GEMM
+  operands as ``observer.observe(site_name, role, a, b)`` for all three roles, the gradient
+  roles from a hook on the output's gradient, in the Probe's operand convention:
+  ``forward (x_MK, w_NK)``, ``grad_input (dy_MN, w_NK)``, ``grad_weight (dy_MN, x_MK)``.
+  Operands are the logical (unpadded) ones.
+
+Registering sites with a Probe (what the LoKA callback does)::
+
+    for name, site in mods.sites(model).items():
+        probe.register_site(name, **site.probe_spec())
+        site.attach_observer(probe)
+
+``probe_spec()`` returns the keyword arguments of ``Probe.register_site`` (``weight_shape``:
+the ``(N, K)`` of the weight the forward and grad-input GEMMs see, or None for batched sites
+whose second operand is an activation).
+
+Kinds of sites (``Site.kind``):
+
+* ``"linear"`` (:class:`GemmSite` and its subclasses): ``y = x W^T (+ b)``; every backend that
+  supports the problem can run its FP8 GEMMs. All-HIGH plans call ``F.linear`` itself, so a
+  high-precision site is bit-identical to the module it replaced.
+* ``"bmm"`` (:class:`BmmSite`): a batched GEMM ``torch.bmm(a, b)`` of two activations (DLRM dot
+  interaction, Wukong FM). FP8 runs only on the ``emulated`` backend (no registered backend
+  has a batched FP8 GEMM); :meth:`Site.supports_plan` says so and ``set_plan`` refuses others.
+
+GEMM shapes (:meth:`Site.gemm_shapes`) use the backends' ``a @ b^T`` convention, i.e. the
+``(m, k, n)`` of :class:`~loka_train.kernels.registry.GemmProblem`, per role: forward
+``(M, K, N)``, grad-input ``(M, N, K)``, grad-weight ``(N, M, K)``, where the layer computes
+``(M, K) x (K, N)``. ``M`` is 0 until the first forward. For batched sites ``M`` counts the rows
+of all batches together (``B * rows``) while ``K`` and ``N`` are per batch.
+
+Padding (``pad_to_multiple > 1``): an FP8 linear GEMM whose ``K`` or ``N`` (or ``M`` when the
+grad-weight GEMM, which contracts over ``M``, is FP8) is not a multiple is zero-padded at
+call time (``F.pad`` of the input, weight and bias: one copy of each per step) and its output
+sliced back. Zero rows and columns change neither the amax of any scaling group nor any dot
+product, so the result equals the unpadded FP8 GEMM up to fp32 summation order (bit-equal
+when the arithmetic is exact, see the tests). High-precision GEMMs are never padded.
+
+Shape legend: ``B`` batches, ``M`` rows, ``K`` contraction (in features), ``N`` out features.
+
+Example:
+    >>> lin = torch.nn.Linear(13, 7)
+    >>> site = Fp8Linear.from_linear(lin, plan=LinearPlan.fp8(), pad_to_multiple=16)
+    >>> site.weight is lin.weight
+    True
+    >>> site(torch.randn(4, 13)).shape
+    torch.Size([4, 7])
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from loka_train.kernels.formats import dequantize, quantize
+from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
+from loka_train.kernels.linear import _compute_dtype, fp8_linear
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.kernels.registry import get_backend
+
+if TYPE_CHECKING:
+    from loka_train.probe.probe import Probe
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ROLES",
+    "OBSERVED_BATCHES",
+    "Site",
+    "GemmSite",
+    "Fp8Linear",
+    "FusedLinearSite",
+    "BmmSite",
+    "planned_linear",
+    "planned_bmm",
+]
+
+ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
+"""The three GEMMs of a site."""
+
+OBSERVED_BATCHES = 8
+"""Batches of a batched (bmm) site that are reported to the observer on a sampled step."""
+
+
+def _any_fp8(plan: LinearPlan) -> bool:
+    return plan.forward.is_fp8 or plan.grad_input.is_fp8 or plan.grad_weight.is_fp8
+
+
+def _gemm_plans(plan: LinearPlan) -> dict[str, GemmPlan]:
+    return {"forward": plan.forward, "grad_input": plan.grad_input, "grad_weight": plan.grad_weight}
+
+
+# --------------------------------------------------------------------------------- linear
+
+
+def _pad_to(n: int, multiple: int) -> int:
+    return (-n) % multiple if multiple > 1 else 0
+
+
+def planned_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: LinearPlan,
+    *,
+    pad_to_multiple: int = 1,
+) -> Tensor:
+    """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded.
+
+    An all-HIGH plan calls ``F.linear`` (bit-identical to ``nn.Linear``, also in its
+    gradients); otherwise :func:`loka_train.kernels.fp8_linear` runs, on zero-padded operands
+    when ``pad_to_multiple > 1`` and a GEMM dim is not a multiple (see the module docstring).
+
+    Args:
+        x: ``(..., K)``.
+        weight: ``(N, K)``.
+        bias: ``(N,)`` or None (added in high precision).
+        plan: per-GEMM plans.
+        pad_to_multiple: pad multiple for FP8 GEMMs (1: no padding).
+
+    Returns:
+        ``(..., N)``.
+    """
+    if not _any_fp8(plan):
+        return F.linear(x, weight, bias)
+    k, n = weight.shape[1], weight.shape[0]
+    x_MK = x.reshape(-1, k)
+    m = x_MK.shape[0]
+    pad_m = _pad_to(m, pad_to_multiple) if plan.grad_weight.is_fp8 else 0
+    pad_k, pad_n = _pad_to(k, pad_to_multiple), _pad_to(n, pad_to_multiple)
+    if not (pad_m or pad_k or pad_n):
+        return fp8_linear(x, weight, bias, plan)
+    with torch.profiler.record_function("loka/mods/pad"):
+        xp = F.pad(x_MK, (0, pad_k, 0, pad_m))
+        wp = F.pad(weight, (0, pad_k, 0, pad_n))
+        bp = None if bias is None else F.pad(bias, (0, pad_n))
+    y_MN = fp8_linear(xp, wp, bp, plan)[:m, :n]
+    return y_MN.reshape(*x.shape[:-1], n)
+
+
+# ------------------------------------------------------------------------------------ bmm
+
+
+def _fp8_bmm(a_BMK: Tensor, b_BNK: Tensor, plan: GemmPlan, axes: tuple[int, int]) -> Tensor:
+    """``a @ b^T`` per batch with both operands quantized along ``axes`` (emulated backend)."""
+    qa = quantize(a_BMK, plan.fmt, plan.scaling, axis=axes[0])
+    qb = quantize(b_BNK, plan.operand_b_fmt, plan.scaling, axis=axes[1])
+    return torch.bmm(dequantize(qa), dequantize(qb).transpose(1, 2))
+
+
+class _PlannedBmmFn(torch.autograd.Function):
+    """``torch.bmm(a, bt)`` whose three GEMMs follow a LinearPlan (roles as for a linear layer
+    with ``x = a`` and ``W = bt^T`` per batch)."""
+
+    @staticmethod
+    def forward(ctx, a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan) -> Tensor:
+        dev = a_BMK.device.type
+        cdtype = _compute_dtype(a_BMK)
+        with torch.autocast(dev, enabled=False):
+            a = a_BMK.to(cdtype)
+            bt = bt_BKN.to(cdtype)
+            if plan.forward.is_fp8:
+                # Both operands along K: a is (B, M, K), b = bt^T is (B, N, K).
+                y = _fp8_bmm(a, bt.transpose(1, 2), plan.forward, (-1, -1)).to(cdtype)
+            else:
+                y = torch.bmm(a, bt)
+        ctx.save_for_backward(a, bt)
+        ctx.plan = plan
+        ctx.dtypes = (a_BMK.dtype, bt_BKN.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        a, bt = ctx.saved_tensors
+        plan: LinearPlan = ctx.plan
+        need_a, need_b = ctx.needs_input_grad[:2]
+        grad_a = grad_bt = None
+        with torch.autocast(grad_y.device.type, enabled=False):
+            g_BMN = grad_y.to(a.dtype)
+            if need_a:
+                # dA = dY @ b: contraction over N (dY along its last dim, b = bt^T along dim 1).
+                if plan.grad_input.is_fp8:
+                    grad_a = _fp8_bmm(g_BMN, bt, plan.grad_input, (-1, -1))
+                else:
+                    grad_a = g_BMN.bmm(bt.transpose(1, 2))
+                grad_a = grad_a.to(ctx.dtypes[0])
+            if need_b:
+                # d(bt) = a^T @ dY: contraction over M.
+                if plan.grad_weight.is_fp8:
+                    grad_b_BNK = _fp8_bmm(
+                        g_BMN.transpose(1, 2), a.transpose(1, 2), plan.grad_weight, (-1, -1)
+                    )
+                    grad_bt = grad_b_BNK.transpose(1, 2)
+                else:
+                    grad_bt = a.transpose(1, 2).bmm(g_BMN)
+                grad_bt = grad_bt.to(ctx.dtypes[1])
+        return grad_a, grad_bt, None
+
+
+def planned_bmm(a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan) -> Tensor:
+    """``torch.bmm(a, bt)`` with its three GEMMs as ``plan`` says (FP8 emulated).
+
+    The roles are those of a linear layer with input ``a`` and weight ``bt^T`` per batch:
+    forward ``a @ bt``, grad-input ``dY @ bt^T``, grad-weight ``a^T @ dY`` (the gradient of
+    ``bt``). An all-HIGH plan calls ``torch.bmm`` itself.
+
+    Example:
+        >>> y = planned_bmm(torch.randn(2, 5, 8), torch.randn(2, 8, 5), LinearPlan.fp8())
+    """
+    if not _any_fp8(plan):
+        return torch.bmm(a_BMK, bt_BKN)
+    return _PlannedBmmFn.apply(a_BMK, bt_BKN, plan)
+
+
+# ----------------------------------------------------------------------------------- sites
+
+
+class Site(nn.Module):
+    """Base of every converted module: a plan, an optional observer, GEMM shapes.
+
+    Subclasses call ``nn.Module.__init__`` (directly or through another base) and then
+    :meth:`_init_site`; this lets :class:`Fp8Linear` also be an ``nn.Linear`` without
+    allocating a second weight.
+    """
+
+    kind: ClassVar[str] = "linear"
+    """``"linear"`` or ``"bmm"`` (see the module docstring)."""
+
+    site_name: str
+    plan: LinearPlan
+    observer: Probe | None
+    pad_to_multiple: int
+
+    def __init__(self, *, plan: LinearPlan | None = None, pad_to_multiple: int = 1) -> None:
+        super().__init__()
+        self._init_site(plan=plan, pad_to_multiple=pad_to_multiple)
+
+    def _init_site(self, *, plan: LinearPlan | None, pad_to_multiple: int) -> None:
+        if pad_to_multiple < 1:
+            raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+        self.site_name = ""
+        self.pad_to_multiple = int(pad_to_multiple)
+        self.observer = None
+        self._mkn = (0, 0, 0)
+        self.num_fallbacks = 0
+        """Times this site took a logged fallback (e.g. an unfusable padded shape)."""
+        self._logged_fallbacks: set[str] = set()
+        self.plan = LinearPlan.high_precision()
+        if plan is not None:
+            self.set_plan(plan)
+
+    # -------------------------------------------------------------------------- plans
+    def supports_plan(self, plan: LinearPlan) -> tuple[bool, str]:
+        """Whether this site can run ``plan``, and why not (backend not registered, ...)."""
+        if not isinstance(plan, LinearPlan):
+            return False, f"plan must be a LinearPlan, got {type(plan).__name__}"
+        for role, gp in _gemm_plans(plan).items():
+            if not gp.is_fp8:
+                continue
+            try:
+                get_backend(gp.backend)
+            except KeyError as e:
+                return False, f"{role}: {e.args[0]}"
+        return True, ""
+
+    def set_plan(self, plan: LinearPlan) -> None:
+        """Replace the plan (Dispatch calls this between steps; nothing is reallocated).
+
+        Raises:
+            ValueError: if the site cannot run ``plan`` (the reason is included).
+        """
+        ok, why = self.supports_plan(plan)
+        if not ok:
+            raise ValueError(f"site {self.site_name or type(self).__name__!r} cannot take plan: {why}")
+        self.plan = plan
+
+    def gemm_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """role -> ``(m, k, n)`` of that GEMM as last run (see the module docstring)."""
+        m, k, n = self._mkn
+        return {"forward": (m, k, n), "grad_input": (m, n, k), "grad_weight": (n, m, k)}
+
+    def weight_shape(self) -> tuple[int, int] | None:
+        """``(N, K)`` of the weight operand, or None when it is an activation."""
+        return None
+
+    def probe_spec(self) -> dict[str, Any]:
+        """Keyword arguments of ``Probe.register_site`` for this site."""
+        return {"weight_shape": self.weight_shape()}
+
+    # ----------------------------------------------------------------------- observer
+    def attach_observer(self, probe: Probe) -> None:
+        """Report operands to ``probe`` on its sampled steps (the site must be registered)."""
+        self.observer = probe
+
+    def detach_observer(self) -> None:
+        """Stop reporting."""
+        self.observer = None
+
+    def _sampling(self) -> bool:
+        obs = self.observer
+        return obs is not None and obs.should_sample(obs.step, self.site_name)
+
+    def _fallback(self, key: str, message: str) -> None:
+        """Count a fallback and log it once per site and kind."""
+        self.num_fallbacks += 1
+        if key not in self._logged_fallbacks:
+            self._logged_fallbacks.add(key)
+            logger.warning("mods: site %s: %s", self.site_name or type(self).__name__, message)
+
+    def extra_repr(self) -> str:
+        return f"site={self.site_name!r}, plan=({self.plan})"
+
+
+class GemmSite(Site):
+    """A linear GEMM site whose weight lives elsewhere (a DCN ``ParameterList`` entry, or the
+    concatenation of a horizontal fusion): ``site.linear(x, weight, bias)``.
+
+    Args:
+        weight_shape: ``(N, K)`` of the weights it will be called with.
+        plan: initial plan (default: high precision).
+        pad_to_multiple: pad multiple for FP8 GEMMs.
+
+    Example:
+        >>> site = GemmSite(weight_shape=(4, 8))
+        >>> site.linear(torch.randn(2, 8), torch.randn(4, 8)).shape
+        torch.Size([2, 4])
+    """
+
+    def __init__(
+        self,
+        *,
+        weight_shape: tuple[int, int],
+        plan: LinearPlan | None = None,
+        pad_to_multiple: int = 1,
+    ) -> None:
+        super().__init__(plan=plan, pad_to_multiple=pad_to_multiple)
+        self._weight_shape = (int(weight_shape[0]), int(weight_shape[1]))
+        self._mkn = (0, self._weight_shape[1], self._weight_shape[0])
+
+    def weight_shape(self) -> tuple[int, int] | None:
+        return self._weight_shape
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``y = x W^T + b`` as the plan says; reports to the observer on sampled steps."""
+        n, k = weight.shape
+        self._mkn = (x.numel() // k if k else 0, k, n)
+        y = planned_linear(x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple)
+        if self._sampling():
+            self._observe(x.detach().reshape(-1, k), weight.detach(), y, None)
+        return y
+
+    def _observe(
+        self,
+        x_MK: Tensor,
+        w_NK: Tensor,
+        y: Tensor,
+        grad_fn: Callable[[Tensor], Tensor] | None,
+    ) -> None:
+        """Forward now, both gradient roles from a hook on ``y``'s gradient. ``grad_fn`` maps
+        the output gradient to the GEMM's ``dY`` (e.g. through a fused activation)."""
+        obs, name = self.observer, self.site_name
+        assert obs is not None
+        obs.observe(name, "forward", x_MK, w_NK)
+        if not y.requires_grad:
+            return
+
+        def hook(grad: Tensor) -> None:
+            dy = grad if grad_fn is None else grad_fn(grad)
+            dy_MN = dy.detach().reshape(-1, dy.shape[-1])
+            obs.observe(name, "grad_input", dy_MN, w_NK)
+            obs.observe(name, "grad_weight", dy_MN, x_MK)
+
+        y.register_hook(hook)
+
+
+class Fp8Linear(GemmSite, nn.Linear):
+    """An ``nn.Linear`` whose three GEMMs follow a plan; owns the original Parameters.
+
+    Built with :meth:`from_linear`, which takes over ``weight`` and ``bias`` (no copies).
+    :meth:`forward_layernorm` runs ``act(self(layer_norm(x)))`` as one fused op
+    (``kernels.fused.layernorm_linear``).
+
+    Example:
+        >>> site = Fp8Linear.from_linear(torch.nn.Linear(32, 16), plan=LinearPlan.fp8())
+        >>> site(torch.randn(8, 32)).shape
+        torch.Size([8, 16])
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        *,
+        plan: LinearPlan | None = None,
+        pad_to_multiple: int = 1,
+        bias_dropped: bool = False,
+    ) -> None:
+        nn.Module.__init__(self)
+        self._init_site(plan=plan, pad_to_multiple=pad_to_multiple)
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self._weight_shape = (self.out_features, self.in_features)
+        self._mkn = (0, self.in_features, self.out_features)
+        self.weight = weight
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = bias
+        self.bias_dropped = bool(bias_dropped)
+        if self.bias_dropped and bias is not None:
+            with torch.no_grad():
+                bias.zero_()
+            bias.requires_grad_(False)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        plan: LinearPlan | None = None,
+        pad_to_multiple: int = 1,
+        drop_bias: bool = False,
+    ) -> Fp8Linear:
+        """Take over ``linear``'s Parameters (the site's ``weight is linear.weight``).
+
+        Args:
+            linear: the module to replace.
+            plan: initial plan (default: high precision).
+            pad_to_multiple: pad multiple for FP8 GEMMs.
+            drop_bias: zero and freeze the bias and skip it (see ``ModsConfig.drop_unstable_bias``).
+        """
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
+        return cls(
+            linear.weight,
+            linear.bias,
+            plan=plan,
+            pad_to_multiple=pad_to_multiple,
+            bias_dropped=drop_bias,
+        )
+
+    def _active_bias(self) -> Tensor | None:
+        return None if self.bias_dropped else self.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x, self.weight, self._active_bias())
+
+    def forward_layernorm(self, x: Tensor, norm: nn.LayerNorm, *, activation: str = "relu") -> Tensor:
+        """``act(self(norm(x)))`` as one fused op: with an FP8 forward on the ``triton``
+        backend (row-wise), the LayerNorm kernel emits the GEMM's FP8 input and scales.
+
+        A high-precision plan is bit-identical to the separate modules. With FP8 and padding,
+        ``N`` is padded; a ``K`` (the normalized dim) or ``M`` that would need padding cannot
+        be padded inside the fused op, so the call falls back to the separate (padded) path,
+        logged once and counted in ``num_fallbacks``.
+
+        Args:
+            x: input ``(..., K)``.
+            norm: the LayerNorm over ``K`` that precedes this Linear.
+            activation: ``"none"``, ``"relu"`` or ``"silu"``.
+        """
+        if activation not in FUSED_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
+        k = self.in_features
+        if tuple(norm.normalized_shape) != (k,):
+            raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
+        plan, p = self.plan, self.pad_to_multiple
+        fp8 = _any_fp8(plan)
+        m = x.numel() // k if k else 0
+        if fp8 and (_pad_to(k, p) or (plan.grad_weight.is_fp8 and _pad_to(m, p))):
+            self._fallback(
+                "fused_norm_pad",
+                f"fused LayerNorm+Linear cannot pad K={k} or M={m} to a multiple of {p}; "
+                "running LayerNorm and the padded FP8 Linear separately",
+            )
+            return _act(self(norm(x)), activation)
+        self._mkn = (m, k, self.out_features)
+        weight, bias = self.weight, self._active_bias()
+        n = self.out_features
+        pad_n = _pad_to(n, p) if fp8 else 0
+        if pad_n:
+            y = layernorm_linear(
+                x, norm.weight, norm.bias, F.pad(weight, (0, 0, 0, pad_n)),
+                None if bias is None else F.pad(bias, (0, pad_n)), plan,
+                activation=activation, eps=norm.eps,
+            )[..., :n]
+        else:
+            y = layernorm_linear(
+                x, norm.weight, norm.bias, weight, bias, plan, activation=activation, eps=norm.eps
+            )
+        if self._sampling():
+            with torch.no_grad():
+                h_MK = F.layer_norm(x.detach(), (k,), norm.weight, norm.bias, norm.eps).reshape(-1, k)
+                z_MN = F.linear(h_MK, weight.detach(), None if bias is None else bias.detach())
+            self._observe(h_MK, weight.detach(), y, _activation_grad(z_MN, activation))
+        return y
+
+    def extra_repr(self) -> str:
+        bias = "dropped" if self.bias_dropped else self.bias is not None
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, "
+            f"pad_to_multiple={self.pad_to_multiple}, {Site.extra_repr(self)}"
+        )
+
+
+def _act(z: Tensor, activation: str) -> Tensor:
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "silu":
+        return F.silu(z)
+    return z
+
+
+def _activation_grad(z_MN: Tensor, activation: str) -> Callable[[Tensor], Tensor]:
+    """Maps the gradient of ``act(z)`` to the gradient of ``z`` (for the observer)."""
+
+    def fn(grad: Tensor) -> Tensor:
+        g_MN = grad.reshape(-1, grad.shape[-1])
+        if activation == "relu":
+            return torch.where(z_MN > 0, g_MN, torch.zeros_like(g_MN))
+        if activation == "silu":
+            sig = torch.sigmoid(z_MN)
+            return g_MN * sig * (1 + z_MN * (1 - sig))
+        return g_MN
+
+    return fn
+
+
+class FusedLinearSite(GemmSite):
+    """Horizontal fusion: Linears that read the same input run as ONE wider GEMM site.
+
+    The member modules keep their Parameters (state dict unchanged) and are not sites
+    themselves; each call concatenates their weights (and biases) along ``N`` and splits the
+    output. Cost: one copy of the (small) member weights per step forward and one split of
+    their gradients backward, against the saved launches and a wider ``N`` for FP8.
+
+    Args:
+        members: the ``nn.Linear`` modules (same ``in_features``), in output order.
+        plan: initial plan.
+        pad_to_multiple: pad multiple for FP8 GEMMs.
+
+    Example:
+        >>> a, b = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 3, bias=False)
+        >>> site = FusedLinearSite([a, b])
+        >>> [t.shape[-1] for t in site(torch.randn(5, 8))]
+        [4, 3]
+    """
+
+    def __init__(
+        self,
+        members: list[nn.Linear],
+        *,
+        plan: LinearPlan | None = None,
+        pad_to_multiple: int = 1,
+    ) -> None:
+        if not members:
+            raise ValueError("FusedLinearSite needs at least one member")
+        k = members[0].in_features
+        if any(m.in_features != k for m in members):
+            raise ValueError(f"fused members must share in_features, got {[m.in_features for m in members]}")
+        sizes = [m.out_features for m in members]
+        super().__init__(weight_shape=(sum(sizes), k), plan=plan, pad_to_multiple=pad_to_multiple)
+        # A plain list: the members stay registered where they are, not under this site.
+        self._members: list[nn.Linear] = list(members)
+        self.split_sizes = sizes
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        weight = torch.cat([m.weight for m in self._members])
+        bias = None
+        if any(m.bias is not None for m in self._members):
+            bias = torch.cat(
+                [
+                    m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                    for m in self._members
+                ]
+            )
+        y = self.linear(x, weight, bias)
+        return torch.split(y, self.split_sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"split_sizes={self.split_sizes}, {super().extra_repr()}"
+
+
+class BmmSite(Site):
+    """A batched GEMM of two activations, ``site(a, bt) == torch.bmm(a, bt)`` in high precision.
+
+    Roles as for a linear layer with input ``a`` (B, M, K) and weight ``bt^T`` (B, N, K) per
+    batch. FP8 runs on the ``emulated`` backend only. On a sampled step the observer gets
+    the first ``OBSERVED_BATCHES`` batches as 2-D GEMMs: forward ``(a_rows, b_rows)`` stacked
+    over those batches (the cross-batch products it adds have the same per-element error as
+    the per-batch ones under row-wise scaling), and for the gradient roles ``dY`` as a
+    block-diagonal matrix, so their products are exactly the per-batch ones; per-column
+    scales of the second operand then span those batches.
+
+    Example:
+        >>> site = BmmSite()
+        >>> site(torch.randn(2, 5, 8), torch.randn(2, 8, 5)).shape
+        torch.Size([2, 5, 5])
+    """
+
+    kind: ClassVar[str] = "bmm"
+
+    def supports_plan(self, plan: LinearPlan) -> tuple[bool, str]:
+        ok, why = super().supports_plan(plan)
+        if not ok:
+            return ok, why
+        for role, gp in _gemm_plans(plan).items():
+            if gp.is_fp8 and gp.backend != "emulated":
+                return False, (
+                    f"{role}: backend {gp.backend!r} has no batched FP8 GEMM; bmm sites run FP8 "
+                    "only on 'emulated' (or keep them in high precision)"
+                )
+        return True, ""
+
+    def forward(self, a_BMK: Tensor, bt_BKN: Tensor) -> Tensor:
+        b, m, k = a_BMK.shape
+        self._mkn = (b * m, k, bt_BKN.shape[-1])
+        y = planned_bmm(a_BMK, bt_BKN, self.plan)
+        if self._sampling():
+            self._observe(a_BMK, bt_BKN, y)
+        return y
+
+    def _observe(self, a_BMK: Tensor, bt_BKN: Tensor, y: Tensor) -> None:
+        obs, name = self.observer, self.site_name
+        assert obs is not None
+        s = min(a_BMK.shape[0], OBSERVED_BATCHES)
+        k = a_BMK.shape[-1]
+        x_MK = a_BMK[:s].detach().reshape(-1, k)
+        w_NK = bt_BKN[:s].detach().transpose(1, 2).reshape(-1, k)
+        obs.observe(name, "forward", x_MK, w_NK)
+        if not y.requires_grad:
+            return
+
+        def hook(grad: Tensor) -> None:
+            dy_MN = torch.block_diag(*grad[:s].detach())
+            obs.observe(name, "grad_input", dy_MN, w_NK)
+            obs.observe(name, "grad_weight", dy_MN, x_MK)
+
+        y.register_hook(hook)

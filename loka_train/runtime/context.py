@@ -1,0 +1,54 @@
+"""What a callback may read and set on the loop that runs it.
+
+`Trainer` has all of these attributes; a user's own TorchRec loop builds a `RunContext`
+and passes it to the LoKA callback's hooks (see examples/own_loop.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    """The minimal loop state the LoKA callback uses.
+
+    Example:
+        >>> ctx = RunContext(model=model, device=torch.device("cuda", 0), rank=rank,
+        ...                  world_size=world, out_dir=Path("runs/x"))
+        >>> loka.on_before_shard(ctx)       # converts ctx.model in place, may set codecs
+        >>> ctx.model = DistributedModelParallel(ctx.model, ...)
+        >>> loka.on_train_start(ctx)
+    """
+
+    model: nn.Module
+    """The model: unsharded before `on_before_shard`, the DMP-wrapped one afterwards."""
+
+    device: torch.device
+    """Device of the dense computation."""
+
+    rank: int = 0
+    """Global rank of this process."""
+
+    world_size: int = 1
+    """Number of processes."""
+
+    out_dir: Path = Path("runs/latest")
+    """Where reports are written (rank 0)."""
+
+    qcomm_codecs_registry: dict[str, Any] | None = None
+    """Set by a callback in `on_before_shard`: pass it to EmbeddingBagCollectionSharder."""
+
+    data_parallel_wrapper: Any = None
+    """Set by a callback in `on_before_shard`: pass it to DistributedModelParallel."""
+
+    progress_postfix: dict[str, str] = field(default_factory=dict)
+    """Items a callback wants shown on the progress bar."""
+
+    fallbacks: list[str] = field(default_factory=list)
+    """Every fallback taken during the run."""

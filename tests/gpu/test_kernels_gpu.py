@@ -1,0 +1,231 @@
+"""GPU tests of loka_train.kernels: every backend against the emulated oracle on the same
+quantized inputs, torch.compile of the FP8 linear, the Triton kernels against their
+references, and opcheck of the custom ops on CUDA.
+
+Tolerances (dB) against ``emulated`` (dequantize + fp32 matmul, TF32 off):
+    fp32 output, fp32 accumulation:      > 70   (summation order only)
+    bf16 output:                         > 45   (one bf16 rounding, ~2^-9 relative -> ~52)
+    fast accumulation (Hopper FP8 acc.):  > 35   (reduced-precision accumulator)
+Triton quantizer: scales equal ``formats.quantize`` of the kernel's own high-precision output
+to 1 ulp of fp32, and at most 0.1 % of FP8 codes differ, by one step (GPU division rounding).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loka_train.kernels.formats import Fp8Format, Scaling, quantize, sqnr_db
+from loka_train.kernels.fused import layernorm_linear
+from loka_train.kernels.linear import fp8_linear
+from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.registry import (
+    GemmProblem,
+    fp8_available,
+    get_backend,
+    registered_backends,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+# Backends that must run on an H100 with the GPU stack (fbgemm only if its GenAI ops import).
+REQUIRED_ON_HOPPER = {"emulated", "bf16", "torch_scaled_mm", "triton"}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _gauss(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=DEV).to(dtype)
+
+
+def _require_fp8():
+    ok, why = fp8_available(DEV)
+    if not ok:
+        pytest.skip(f"no FP8 tensor cores: {why}")
+
+
+CASES = [
+    # (scaling, fmt_a, fmt_b, b_block_2d)
+    (Scaling.TENSORWISE, Fp8Format.E4M3, Fp8Format.E4M3, False),
+    (Scaling.ROWWISE, Fp8Format.E4M3, Fp8Format.E4M3, False),
+    (Scaling.ROWWISE, Fp8Format.E5M2, Fp8Format.E4M3, False),
+    (Scaling.BLOCK, Fp8Format.E4M3, Fp8Format.E4M3, True),
+    (Scaling.BLOCK, Fp8Format.E4M3, Fp8Format.E4M3, False),
+]
+CASE_IDS = ["tensorwise", "rowwise", "rowwise_e5m2xe4m3", "block_1x128_128x128", "block_1x128_1x128"]
+
+
+@pytest.mark.parametrize("backend_name", sorted(REQUIRED_ON_HOPPER | {"fbgemm_rowwise"}))
+@pytest.mark.parametrize(("scaling", "fmt_a", "fmt_b", "b_2d"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["precise", "fast"])
+@pytest.mark.parametrize(("m", "k", "n"), [(256, 512, 384), (1024, 256, 1024)], ids=["256x512x384", "1024x256x1024"])
+def test_backend_matches_emulated(backend_name, scaling, fmt_a, fmt_b, b_2d, out_dtype, fast_accum, m, k, n):
+    _require_fp8()
+    a = _gauss(m, k) * torch.linspace(0.05, 5, m, device=DEV)[:, None]
+    b = _gauss(n, k, seed=1)
+    a_q = quantize(a, fmt_a, scaling)
+    b_q = quantize(b, fmt_b, scaling, block_2d=b_2d)
+    bias = _gauss(n, seed=2)
+    problem = GemmProblem.from_operands(a_q, b_q, out_dtype=out_dtype, fast_accum=fast_accum)
+    backend = get_backend(backend_name)
+    ok, why = backend.supports(problem)
+    if not ok:
+        expected_unsupported = (
+            backend_name == "fbgemm_rowwise"
+            or (backend_name == "triton" and scaling is Scaling.BLOCK)
+            or (backend_name == "torch_scaled_mm" and scaling is Scaling.BLOCK and out_dtype != torch.bfloat16)
+        )
+        assert expected_unsupported, f"{backend_name} should run {problem}: {why}"
+        pytest.skip(f"{backend_name}: {why}")
+    ref = get_backend("emulated")(a_q, b_q, out_dtype=torch.float32, bias=bias)
+    out = backend(a_q, b_q, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    if backend_name == "bf16":
+        threshold = 40.0  # bf16 operands: dequantized e4m3 x fp32 scale is not exact in bf16
+    elif fast_accum:
+        threshold = 35.0
+    elif out_dtype == torch.float32:
+        threshold = 70.0
+    else:
+        threshold = 45.0
+    db = float(sqnr_db(ref, out))
+    assert db > threshold, f"{backend_name} {db:.1f} dB"
+
+
+def test_registry_on_hopper_offers_required_backends():
+    _require_fp8()
+    p = GemmProblem(m=8192, k=1024, n=1024, fmt=Fp8Format.E4M3, scaling=Scaling.ROWWISE,
+                    device_type="cuda", out_dtype=torch.bfloat16)
+    from loka_train.kernels.registry import available_backends
+
+    avail = available_backends(p)
+    for name in REQUIRED_ON_HOPPER:
+        assert avail[name] is None, f"{name}: {avail[name]}"
+    assert set(registered_backends()) >= REQUIRED_ON_HOPPER | {"fbgemm_rowwise"}
+
+
+@pytest.mark.parametrize("backend", ["emulated", "torch_scaled_mm", "triton"])
+def test_torch_compile_fp8_linear(backend):
+    _require_fp8()
+    plan = LinearPlan.fp8(backend=backend)
+    x = _gauss(4, 256, 512, dtype=torch.bfloat16)
+    w = _gauss(256, 512, seed=1, dtype=torch.bfloat16)
+    b = _gauss(256, seed=2, dtype=torch.bfloat16)
+    g = _gauss(4, 256, 256, seed=3, dtype=torch.bfloat16)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        y = fn(*leaves)
+        y.backward(g)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, b: fp8_linear(x, w, b, plan))
+    eager = run(lambda x, w, b: fp8_linear(x, w, b, plan))
+    got = run(compiled)
+    for i, (r, o) in enumerate(zip(eager, got)):
+        assert o.dtype == r.dtype
+        assert float(sqnr_db(r, o)) > 40, i
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+@pytest.mark.parametrize(("layernorm", "activation"), [(False, "none"), (True, "relu"), (True, "silu")])
+@pytest.mark.parametrize(("m", "k"), [(1000, 64), (4096, 1024), (513, 4096)])
+def test_triton_quantizer_vs_reference(fmt, layernorm, activation, m, k):
+    from loka_train.kernels import triton_kernels as tk
+
+    _require_fp8()
+    x = (3 * _gauss(m, k)).bfloat16()
+    kw = dict(fmt=fmt, layernorm=layernorm, activation=activation, return_hp=True)
+    if layernorm:
+        kw.update(ln_weight=(1 + _gauss(k, seed=1)).bfloat16(), ln_bias=_gauss(k, seed=2).bfloat16())
+    q, s, h, _, _ = tk.fused_rowwise_quant(x, **kw)
+    _, _, rh, _, _ = tk.rowwise_quant_reference(x, **kw)
+    assert float(sqnr_db(rh, h)) > 45  # bf16 LayerNorm, different reduction order
+    own = quantize(h, fmt, Scaling.ROWWISE)
+    torch.testing.assert_close(s, own.scale, rtol=2e-7, atol=0)
+    diff = q.float() != own.data.float()
+    assert float(diff.float().mean()) <= 1e-3
+    # Where codes differ, they are neighbours.
+    if diff.any():
+        qi = q.view(torch.uint8)[diff].int()
+        ri = own.data.view(torch.uint8)[diff].int()
+        assert int((qi - ri).abs().max()) <= 1
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(2048, 256, 256), (8192, 1024, 1024), (1000, 4096, 64), (4096, 512, 2048)])
+@pytest.mark.parametrize("activation", ["none", "relu"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["precise", "fast"])
+def test_triton_gemm_vs_reference(m, k, n, activation, fast_accum):
+    from loka_train.kernels import triton_kernels as tk
+
+    _require_fp8()
+    a = quantize(_gauss(m, k), Fp8Format.E4M3, Scaling.ROWWISE)
+    b = quantize(_gauss(n, k, seed=1), Fp8Format.E4M3, Scaling.ROWWISE)
+    bias = _gauss(n, seed=2)
+    out, _ = tk.fp8_gemm(a.data, b.data, a.scale, b.scale, bias_N=bias, activation=activation,
+                         out_dtype=torch.bfloat16, fast_accum=fast_accum)
+    ref, _ = tk.fp8_gemm_reference(a.data, b.data, a.scale, b.scale, bias_N=bias,
+                                   activation=activation, out_dtype=torch.float32)
+    assert float(sqnr_db(ref, out)) > (35 if fast_accum else 45)
+
+
+def test_opcheck_on_cuda():
+    from loka_train.kernels import triton_kernels as tk  # noqa: F401  (registers the ops)
+
+    _require_fp8()
+    x = _gauss(64, 128, dtype=torch.bfloat16)
+    torch.library.opcheck(
+        torch.ops.loka.rowwise_quant.default,
+        (x, None, torch.ones(128, device=DEV, dtype=torch.bfloat16), None, 1e-5, True, "relu", "e4m3", True),
+    )
+    a = quantize(_gauss(64, 128), Fp8Format.E4M3, Scaling.ROWWISE)
+    b = quantize(_gauss(32, 128, seed=1), Fp8Format.E4M3, Scaling.ROWWISE)
+    torch.library.opcheck(
+        torch.ops.loka.fp8_gemm.default,
+        (a.data, b.data, a.scale, b.scale, torch.ones(32, device=DEV), "relu", torch.bfloat16, False, True),
+    )
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_fused_block_matches_unfused_on_gpu(activation):
+    _require_fp8()
+    m, k, n = 2048, 512, 256
+    params = [
+        _gauss(m, k, dtype=torch.bfloat16),
+        (1 + 0.1 * _gauss(k, seed=1)).bfloat16(),
+        (0.1 * _gauss(k, seed=2)).bfloat16(),
+        (_gauss(n, k, seed=3) / 16).bfloat16(),
+        _gauss(n, seed=4).bfloat16(),
+    ]
+    g = _gauss(m, n, seed=5, dtype=torch.bfloat16)
+
+    def run(plan):
+        leaves = [p.clone().requires_grad_(True) for p in params]
+        y = layernorm_linear(*leaves, plan, activation=activation)
+        y.backward(g)
+        return [y.detach()] + [p.grad for p in leaves]
+
+    fused = run(LinearPlan.fp8(backend="triton"))
+    unfused = run(LinearPlan.fp8(backend="emulated"))
+    for i, (r, o) in enumerate(zip(unfused, fused)):
+        assert float(sqnr_db(r, o)) > 30, i
+    # And close to the bf16 block.
+    hp = run(LinearPlan.high_precision())
+    assert float(sqnr_db(hp[0], fused[0])) > 20
+    ref = F.relu if activation == "relu" else F.silu
+    z = ref(F.linear(F.layer_norm(params[0], (k,), params[1], params[2]), params[3], params[4]))
+    assert float(sqnr_db(z, hp[0])) > 60
