@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default="abc", help="which parts to run, subset of 'abc'")
     p.add_argument("--ms", type=str, default=None, help="comma-separated M values (overrides)")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench rep time per measurement (ms)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing, profile the (c) block variants (torch.profiler) into profile.txt")
     return p.parse_args(argv)
 
 
@@ -298,6 +300,69 @@ def bench_block(ms, kns, device, timer, rows):
             _bench_block_shape(rows, timer, device, m, k, n, plans)
 
 
+# ------------------------------------------------------------------------------------ profile
+
+
+def _block_step_fns(device, m, k, n):
+    """name -> fwd+bwd callable for the bf16 block and each FP8 plan, at one shape."""
+    import torch
+    import torch.nn.functional as F
+
+    from loka_train.kernels.fused import layernorm_linear
+
+    bf16 = torch.bfloat16
+    x = torch.randn(m, k, device=device, dtype=bf16, requires_grad=True)
+    lnw = torch.ones(k, device=device, dtype=bf16, requires_grad=True)
+    lnb = torch.zeros(k, device=device, dtype=bf16, requires_grad=True)
+    w = (torch.randn(n, k, device=device, dtype=bf16) / k**0.5).requires_grad_(True)
+    b = torch.zeros(n, device=device, dtype=bf16, requires_grad=True)
+    g = torch.randn(m, n, device=device, dtype=bf16)
+    leaves = [x, lnw, lnb, w, b]
+    fns = {"bf16": lambda: torch.autograd.grad(F.relu(F.linear(F.layer_norm(x, (k,), lnw, lnb), w, b)), leaves, g)}
+    for name, plan in block_plans().items():
+        fns[name] = lambda plan=plan: torch.autograd.grad(
+            layernorm_linear(x, lnw, lnb, w, b, plan, activation="relu"), leaves, g)
+    return fns
+
+
+def profile_blocks(ms, kns, device, out: Path) -> None:
+    """Per variant: wall time per back-to-back step, GPU kernel time per step, top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for m in ms:
+        for k, n in kns:
+            for name, fn in _block_step_fns(device, m, k, n).items():
+                for _ in range(3):
+                    fn()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                iters = 20
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                wall_us = 1e6 * (time.perf_counter() - t0) / iters
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    for _ in range(5):
+                        fn()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                ka = prof.key_averages()
+                dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+                gpu_us = sum(getattr(e, dev_attr) for e in ka) / 5
+                lines.append(f"=== M={m} K={k} N={n} {name}: wall {wall_us:.1f} us/step back-to-back, "
+                             f"GPU kernels {gpu_us:.1f} us/step")
+                sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+                lines.append(ka.table(sort_by=sort, row_limit=25, max_name_column_width=70))
+                logger.info(lines[-2])
+    (out / "profile.txt").write_text("\n".join(lines) + "\n")
+
+
 # ------------------------------------------------------------------------------------ report
 
 
@@ -463,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         ms = tuple(int(v) for v in args.ms.split(","))
     env = environment(device)
     logger.info("environment: %s", env)
+    if args.profile:
+        profile_blocks(ms, kns, device, args.out)
+        return 0
     timer = Timer(device, args.rep_ms)
     rows: list[Row] = []
     t0 = time.time()

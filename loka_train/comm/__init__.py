@@ -18,9 +18,9 @@ Example:
 """
 
 from loka_train.comm.codec import CommContext, SwitchableCodec, make_qcomm_codecs_registry
-from loka_train.comm.config import CommChannel, CommConfig, CommPrecision, Fp8Format
+from loka_train.comm.config import CommChannel, CommConfig, CommPrecision
 from loka_train.comm.dense import DenseGradCompressor, dense_grad_comm_hook, install_dense_grad_hook
-from loka_train.comm.formats import WireFormat, sqnr_db
+from loka_train.comm.formats import WireFormat
 from loka_train.comm.policy import Action, CommPolicy, Proposal
 from loka_train.comm.state import (
     CommState,
@@ -42,7 +42,6 @@ __all__ = [
     "CommStats",
     "DenseGradCompressor",
     "FallbackEvent",
-    "Fp8Format",
     "PrecisionSource",
     "Proposal",
     "SwitchEvent",
@@ -52,5 +51,4 @@ __all__ = [
     "dense_grad_comm_hook",
     "install_dense_grad_hook",
     "make_qcomm_codecs_registry",
-    "sqnr_db",
 ]

@@ -23,6 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
+
+from loka_train.kernels.formats import Fp8Format
+
+# FP8 element formats a comm payload may use (OCP e4m3fn / e5m2).
+COMM_FP8_FORMATS = (Fp8Format.E4M3, Fp8Format.E5M2)
 
 
 class CommPrecision(Enum):
@@ -84,17 +90,10 @@ class CommChannel(Enum):
         return self in (CommChannel.A2A_BWD, CommChannel.RS_BWD, CommChannel.DENSE_GRAD)
 
 
-class Fp8Format(Enum):
-    """OCP FP8 element format used for a row-wise FP8 payload."""
-
-    E4M3 = "e4m3"
-    """float8_e4m3fn: 3 mantissa bits, max 448 (more precision, less range)."""
-
-    E5M2 = "e5m2"
-    """float8_e5m2: 2 mantissa bits, max 57344 (more range, for gradients)."""
+_E = TypeVar("_E", bound=Enum)
 
 
-def _coerce_enum(enum_type: type[Enum], value: object, field_name: str) -> Enum:
+def _coerce_enum(enum_type: type[_E], value: object, field_name: str) -> _E:
     """Accept an enum member, its value ("bf16") or its name ("BF16"); ValueError otherwise."""
     if isinstance(value, enum_type):
         return value
@@ -184,7 +183,8 @@ class CommConfig:
     mismatch raises with the sizes involved."""
 
     forward_fp8_format: Fp8Format = Fp8Format.E4M3
-    """FP8 element format of forward channels."""
+    """FP8 element format of forward channels: E4M3 (float8_e4m3fn, max 448, 3 mantissa
+    bits) or E5M2 (float8_e5m2, max 57344, 2 mantissa bits)."""
 
     backward_fp8_format: Fp8Format = Fp8Format.E5M2
     """FP8 element format of the embedding-gradient channels (a2a_bwd)."""
@@ -214,7 +214,12 @@ class CommConfig:
         ):
             setattr(self, name, _coerce_enum(CommPrecision, getattr(self, name), name))
         for name in ("forward_fp8_format", "backward_fp8_format", "dense_fp8_format"):
-            setattr(self, name, _coerce_enum(Fp8Format, getattr(self, name), name))
+            fmt = _coerce_enum(Fp8Format, getattr(self, name), name)
+            if fmt not in COMM_FP8_FORMATS:
+                raise ValueError(
+                    f"comm.{name}={fmt.name}: choose one of {[f.name for f in COMM_FP8_FORMATS]}"
+                )
+            setattr(self, name, fmt)
         self.adaptive_channels = tuple(
             _coerce_enum(CommChannel, c, "adaptive_channels") for c in self.adaptive_channels
         )

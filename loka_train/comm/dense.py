@@ -19,8 +19,8 @@ Example:
     >>> compressors = install_dense_grad_hook(ddp, comm_state)
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: DDP's register_comm_hook inspects the hook's
+# annotations and needs the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 import logging
 
 import torch

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from loka_train.comm.config import CommPrecision, Fp8Format
+from loka_train.comm.config import CommPrecision
+from loka_train.kernels.formats import Fp8Format
 
 logger = logging.getLogger(__name__)
 
-_FP8_DTYPES = {Fp8Format.E4M3: torch.float8_e4m3fn, Fp8Format.E5M2: torch.float8_e5m2}
 _NATIVE_DTYPES = {
     CommPrecision.FP32: torch.float32,
     CommPrecision.FP16: torch.float16,
@@ -49,21 +49,6 @@ _RANGE_EPS = 1e-8
 
 def _aligned(num_bytes: int) -> int:
     return (num_bytes + 3) // 4 * 4
-
-
-def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """SQNR in dB of `approx` against `reference`: 20*log10(|ref| / |ref - approx|).
-
-    Returns inf when they are equal. Host sync: for tests and reports, not the hot path.
-
-    Example:
-        >>> sqnr_db(torch.ones(4), torch.ones(4) * 1.01)  # about 40 dB
-    """
-    reference = reference.double().flatten()
-    noise = (reference - approx.double().flatten()).norm()
-    if noise == 0:
-        return float("inf")
-    return float(20 * torch.log10(reference.norm() / noise))
 
 
 def native_dtype(precision: CommPrecision) -> torch.dtype:
@@ -188,7 +173,7 @@ class WireFormat:
             return torch.ops.fbgemm.FloatToFP8RowwiseQuantized(
                 x_RC.contiguous(), self.fp8_format is Fp8Format.E4M3
             )
-        fp8_dtype = _FP8_DTYPES[self.fp8_format]
+        fp8_dtype = self.fp8_format.dtype
         fmt_max = torch.finfo(fp8_dtype).max
         amax_R1 = x_RC.abs().amax(dim=1, keepdim=True)
         # All-zero rows get scale 1; tiny (even subnormal) rows are scaled up, not flushed.
@@ -211,7 +196,7 @@ class WireFormat:
                 payload_RP.contiguous(), self.fp8_format is Fp8Format.E4M3, 0
             ).reshape(-1)
         aligned = _aligned(self.row_dim)
-        q_RC = payload_RP[:, : self.row_dim].view(_FP8_DTYPES[self.fp8_format]).float()
+        q_RC = payload_RP[:, : self.row_dim].view(self.fp8_format.dtype).float()
         inv_scale_R1 = payload_RP[:, aligned : aligned + 4].contiguous().view(torch.float32)
         return (q_RC / inv_scale_R1).reshape(-1)
 

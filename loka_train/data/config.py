@@ -88,8 +88,10 @@ class DataConfig:
                     "every entry must be a positive integer"
                 )
             self.num_embeddings_per_feature = rows
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
-            0 <= self.seed < 2**63
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not (0 <= self.seed < 2**63)
         ):
             raise ValueError(f"data.seed={self.seed!r} must be an integer in [0, 2**63)")
         if not self.zipf_exponent > 0:

@@ -215,7 +215,9 @@ class CriteoTsvDataset:
                 f"step {step} is past the end of {self.key} ({total} lines = "
                 f"{total // self.global_batch_size} full global batches of {self.global_batch_size})"
             )
-        lines = list(islice(self._index.iter_lines(first + self.rank * self.batch_size), self.batch_size))
+        lines = list(
+            islice(self._index.iter_lines(first + self.rank * self.batch_size), self.batch_size)
+        )
         return self._parse(lines)
 
     def batches(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
@@ -232,7 +234,11 @@ class CriteoTsvDataset:
                 if lines:
                     logger.info(
                         "%s: end of data at step %d; dropping the last %d lines (a partial "
-                        "global batch of %d)", self.key, step, len(lines), G,
+                        "global batch of %d)",
+                        self.key,
+                        step,
+                        len(lines),
+                        G,
                     )
                 return
             yield self._parse(lines[r * B : (r + 1) * B])

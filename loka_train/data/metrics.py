@@ -81,7 +81,9 @@ def auc(logits: torch.Tensor, labels: torch.Tensor) -> float:
         raise ValueError(
             "AUC is undefined with a single class: evaluate on more samples (both classes must occur)"
         )
-    _, inverse_N, counts_U = torch.unique(logits_N, sorted=True, return_inverse=True, return_counts=True)
+    _, inverse_N, counts_U = torch.unique(
+        logits_N, sorted=True, return_inverse=True, return_counts=True
+    )
     # 1-based rank of a group of tied values: the mean of the ranks it spans.
     counts_U = counts_U.to(torch.float64)
     avg_rank_U = torch.cumsum(counts_U, 0) - (counts_U - 1.0) / 2.0

@@ -153,6 +153,16 @@ class TorchScaledMMBackend:
                 return False, f"block-wise _scaled_mm needs torch >= 2.9, have {torch.__version__}"
             if problem.out_dtype is not torch.bfloat16:
                 return False, "block-wise _scaled_mm outputs bf16 only"
+            if problem.fast_accum:
+                return False, "cuBLASLt has no fast-accumulation mode for block-scaled FP8"
+            if problem.k % 512 or problem.m % 4:
+                # 128x128 weight tiles with K/128 not a multiple of 4 (K = 256) gave wrong
+                # results on an H100 (torch 2.11, CUDA 13.0): the scale rows are then not
+                # 16-byte aligned, and torch's stride checks forbid padding them.
+                return False, (
+                    f"block-wise _scaled_mm needs K % 512 == 0 and M % 4 == 0 here "
+                    f"(M={problem.m}, K={problem.k}): unaligned scale rows read wrong scales"
+                )
         return True, ""
 
     def __call__(

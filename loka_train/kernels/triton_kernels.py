@@ -10,7 +10,9 @@
    wants), per-row fp32 scales, optional bias, activation none/relu/silu, optionally also the
    pre-activation. Autotuned over tiles for recommendation shapes (M 1k-64k, K and N 64-4096).
 
-Both have a pure-PyTorch reference (:func:`rowwise_quant_reference`, :func:`fp8_gemm_reference`)
+Under torch.compile the wrappers call the custom ops (so the graph holds one opaque node with a
+fake implementation); in eager mode they call the same implementation directly, skipping the
+dispatcher's per-call overhead. Both have a pure-PyTorch reference (:func:`rowwise_quant_reference`, :func:`fp8_gemm_reference`)
 that is the CPU test oracle, and a fake implementation so torch.compile traces through them.
 On CPU they run only under ``TRITON_INTERPRET=1`` (set before triton is imported); otherwise
 they raise: there is no silent fallback to the reference.
@@ -369,9 +371,11 @@ def fused_rowwise_quant(
         ``(q_MK, scale_M1, h_MK, mean_M, rstd_M)``; ``h`` is empty (shape (0,)) unless
         ``return_hp``; ``mean``/``rstd`` are empty unless ``layernorm``.
     """
-    return torch.ops.loka.rowwise_quant(
-        x_MK, gate, ln_weight, ln_bias, eps, layernorm, activation, Fp8Format(fmt).value, return_hp
-    )
+    args = (x_MK, gate, ln_weight, ln_bias, eps, layernorm, activation, Fp8Format(fmt).value, return_hp)
+    if torch.compiler.is_compiling():
+        return torch.ops.loka.rowwise_quant(*args)
+    # Eager: skip the custom-op dispatcher (tens of microseconds per call on the hot path).
+    return _rowwise_quant_impl(*args)
 
 
 def rowwise_quant_reference(
@@ -689,9 +693,11 @@ def fp8_gemm(
     Returns:
         ``(out_MN, preact_MN)``; ``preact`` is empty (shape (0,)) unless ``return_preact``.
     """
-    return torch.ops.loka.fp8_gemm(
-        a_MK, b_NK, a_scale, b_scale, bias_N, activation, out_dtype, fast_accum, return_preact
-    )
+    args = (a_MK, b_NK, a_scale, b_scale, bias_N, activation, out_dtype, fast_accum, return_preact)
+    if torch.compiler.is_compiling():
+        return torch.ops.loka.fp8_gemm(*args)
+    # Eager: skip the custom-op dispatcher (tens of microseconds per call on the hot path).
+    return _fp8_gemm_impl(*args)
 
 
 def fp8_gemm_reference(

@@ -1,1 +1,60 @@
-"""loka_train.mods."""
+"""loka_train.mods: FP8 model adaptations, installed by ``convert``.
+
+Modules:
+    config: ``ModsConfig`` (which site families, which adaptations, the initial plan).
+    site: ``Site`` (the base of every converted module: plan, observer, GEMM shapes),
+        ``Fp8Linear``, ``GemmSite``, ``FusedLinearSite`` (horizontal fusion), ``BmmSite``.
+    interaction: ``DotInteraction`` (DLRM dot ``bmm``), ``CrossNet`` (DCN low-rank cross net
+        with per-layer ``V``/``W`` sites and the fused epilogue).
+    wukong: ``Fp8FMBlock``, ``Fp8WukongLayer`` (FM block, LCB, residual; horizontal fusion).
+    convert: ``convert`` and ``sites``.
+
+Registering the sites with a Probe (the LoKA callback)::
+
+    for name, site in sites(model).items():
+        probe.register_site(name, **site.probe_spec())
+        site.attach_observer(probe)
+
+Example:
+    >>> from loka_train.mods import ModsConfig, convert, sites
+    >>> convert(model, config=ModsConfig(initial_plan="fp8_rowwise"))
+    >>> for name, site in sites(model).items():
+    ...     print(name, site.plan)
+"""
+
+from loka_train.mods.config import INITIAL_PLANS, SITE_FAMILIES, ModsConfig
+from loka_train.mods.convert import ConvertReport, convert, sites, strip_wrapper_prefixes
+from loka_train.mods.interaction import CrossNet, DotInteraction
+from loka_train.mods.site import (
+    ROLES,
+    BmmSite,
+    Fp8Linear,
+    FusedLinearSite,
+    GemmSite,
+    Site,
+    planned_bmm,
+    planned_linear,
+)
+from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
+
+__all__ = [
+    "INITIAL_PLANS",
+    "ROLES",
+    "SITE_FAMILIES",
+    "BmmSite",
+    "ConvertReport",
+    "CrossNet",
+    "DotInteraction",
+    "Fp8FMBlock",
+    "Fp8Linear",
+    "Fp8WukongLayer",
+    "FusedLinearSite",
+    "GemmSite",
+    "ModsConfig",
+    "Site",
+    "convert",
+    "planned_bmm",
+    "planned_linear",
+    "sites",
+    "strip_wrapper_prefixes",
+]

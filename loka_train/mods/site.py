@@ -39,12 +39,15 @@ GEMM shapes (:meth:`Site.gemm_shapes`) use the backends' ``a @ b^T`` convention,
 ``(M, K) x (K, N)``. ``M`` is 0 until the first forward. For batched sites ``M`` counts the rows
 of all batches together (``B * rows``) while ``K`` and ``N`` are per batch.
 
-Padding (``pad_to_multiple > 1``): an FP8 linear GEMM whose ``K`` or ``N`` (or ``M`` when the
-grad-weight GEMM, which contracts over ``M``, is FP8) is not a multiple is zero-padded at
-call time (``F.pad`` of the input, weight and bias: one copy of each per step) and its output
-sliced back. Zero rows and columns change neither the amax of any scaling group nor any dot
-product, so the result equals the unpadded FP8 GEMM up to fp32 summation order (bit-equal
-when the arithmetic is exact, see the tests). High-precision GEMMs are never padded.
+Padding (``pad_to_multiple > 1``): when a backend of an FP8 plan refuses the unpadded shape
+(``torch._scaled_mm`` on CUDA needs ``K`` and ``N`` divisible by 16), the GEMM dims ``K``, ``N``
+and, when the grad-weight GEMM (which contracts over ``M``) is FP8, ``M`` are zero-padded to the
+multiple at call time (``F.pad`` of the input, weight and bias: one copy of each per step) and
+the output is sliced back. Backends that take ragged shapes (``emulated``, ``triton``) run
+unpadded; the answer is cached per (plan, shape). Zero rows and columns change neither the
+amax of any scaling group nor any dot product, so the result equals the unpadded FP8 GEMM up
+to fp32 summation order (bit-equal when the arithmetic is exact, see the tests).
+High-precision GEMMs are never padded.
 
 Shape legend: ``B`` batches, ``M`` rows, ``K`` contraction (in features), ``N`` out features.
 
@@ -59,6 +62,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -71,7 +75,7 @@ from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
 from loka_train.kernels.linear import _compute_dtype, fp8_linear
 from loka_train.kernels.plan import GemmPlan, LinearPlan
-from loka_train.kernels.registry import get_backend
+from loka_train.kernels.registry import GemmProblem, get_backend
 
 if TYPE_CHECKING:
     from loka_train.probe.probe import Probe
@@ -112,6 +116,42 @@ def _pad_to(n: int, multiple: int) -> int:
     return (-n) % multiple if multiple > 1 else 0
 
 
+def _role_problem(role: str, gp: GemmPlan, m: int, k: int, n: int, device_type: str, cdtype: torch.dtype) -> GemmProblem:
+    """The backend problem of one role of a ``(M, K) x (K, N)`` linear layer."""
+    dims = {"forward": (m, k, n), "grad_input": (m, n, k), "grad_weight": (n, m, k)}[role]
+    out_dtype = torch.float32 if role == "grad_weight" else cdtype
+    return GemmProblem(
+        m=dims[0], k=dims[1], n=dims[2], fmt=gp.fmt, fmt_b=gp.operand_b_fmt, scaling=gp.scaling,
+        device_type=device_type, out_dtype=out_dtype, role=role, fast_accum=gp.fast_accum,
+    )
+
+
+def _backends_accept(plan: LinearPlan, m: int, k: int, n: int, device_type: str, cdtype: torch.dtype) -> bool:
+    for role, gp in _gemm_plans(plan).items():
+        if gp.is_fp8 and not get_backend(gp.backend).supports(
+            _role_problem(role, gp, m, k, n, device_type, cdtype)
+        )[0]:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _padding(
+    plan: LinearPlan, m: int, k: int, n: int, multiple: int, device_type: str, cdtype: torch.dtype,
+    n_only: bool,
+) -> tuple[int, int, int] | None:
+    """Zero rows/cols ``(pad_m, pad_k, pad_n)`` the plan's FP8 backends need: ``(0, 0, 0)`` when
+    they take the shape as it is, None when padding (only ``N`` with ``n_only``) does not help."""
+    if multiple <= 1 or _backends_accept(plan, m, k, n, device_type, cdtype):
+        return (0, 0, 0)
+    pad_m = _pad_to(m, multiple) if plan.grad_weight.is_fp8 and not n_only else 0
+    pad_k = 0 if n_only else _pad_to(k, multiple)
+    pad = (pad_m, pad_k, _pad_to(n, multiple))
+    if pad != (0, 0, 0) and _backends_accept(plan, m + pad[0], k + pad[1], n + pad[2], device_type, cdtype):
+        return pad
+    return None
+
+
 def planned_linear(
     x: Tensor,
     weight: Tensor,
@@ -120,11 +160,12 @@ def planned_linear(
     *,
     pad_to_multiple: int = 1,
 ) -> Tensor:
-    """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded.
+    """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded where needed.
 
     An all-HIGH plan calls ``F.linear`` (bit-identical to ``nn.Linear``, also in its
     gradients); otherwise :func:`loka_train.kernels.fp8_linear` runs, on zero-padded operands
-    when ``pad_to_multiple > 1`` and a GEMM dim is not a multiple (see the module docstring).
+    when ``pad_to_multiple > 1`` and a backend of the plan refuses the unpadded shape (see the
+    module docstring).
 
     Args:
         x: ``(..., K)``.
@@ -138,13 +179,14 @@ def planned_linear(
     """
     if not _any_fp8(plan):
         return F.linear(x, weight, bias)
-    k, n = weight.shape[1], weight.shape[0]
+    n, k = weight.shape
     x_MK = x.reshape(-1, k)
     m = x_MK.shape[0]
-    pad_m = _pad_to(m, pad_to_multiple) if plan.grad_weight.is_fp8 else 0
-    pad_k, pad_n = _pad_to(k, pad_to_multiple), _pad_to(n, pad_to_multiple)
-    if not (pad_m or pad_k or pad_n):
+    pad = _padding(plan, m, k, n, pad_to_multiple, x.device.type, _compute_dtype(x), False)
+    if pad is None or pad == (0, 0, 0):
+        # None: padding cannot help; fp8_linear raises with the backend's reason.
         return fp8_linear(x, weight, bias, plan)
+    pad_m, pad_k, pad_n = pad
     with torch.profiler.record_function("loka/mods/pad"):
         xp = F.pad(x_MK, (0, pad_k, 0, pad_m))
         wp = F.pad(weight, (0, pad_k, 0, pad_n))
@@ -463,10 +505,10 @@ class Fp8Linear(GemmSite, nn.Linear):
         """``act(self(norm(x)))`` as one fused op: with an FP8 forward on the ``triton``
         backend (row-wise), the LayerNorm kernel emits the GEMM's FP8 input and scales.
 
-        A high-precision plan is bit-identical to the separate modules. With FP8 and padding,
-        ``N`` is padded; a ``K`` (the normalized dim) or ``M`` that would need padding cannot
-        be padded inside the fused op, so the call falls back to the separate (padded) path,
-        logged once and counted in ``num_fallbacks``.
+        A high-precision plan is bit-identical to the separate modules. When the FP8 backend
+        needs padding (see the module docstring), ``N`` is padded; a ``K`` (the normalized dim)
+        or ``M`` that needs padding cannot be padded inside the fused op, so the call falls
+        back to the separate (padded) path, logged once and counted in ``num_fallbacks``.
 
         Args:
             x: input ``(..., K)``.
@@ -478,20 +520,22 @@ class Fp8Linear(GemmSite, nn.Linear):
         k = self.in_features
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
-        plan, p = self.plan, self.pad_to_multiple
-        fp8 = _any_fp8(plan)
+        plan = self.plan
         m = x.numel() // k if k else 0
-        if fp8 and (_pad_to(k, p) or (plan.grad_weight.is_fp8 and _pad_to(m, p))):
-            self._fallback(
-                "fused_norm_pad",
-                f"fused LayerNorm+Linear cannot pad K={k} or M={m} to a multiple of {p}; "
-                "running LayerNorm and the padded FP8 Linear separately",
-            )
-            return _act(self(norm(x)), activation)
-        self._mkn = (m, k, self.out_features)
-        weight, bias = self.weight, self._active_bias()
         n = self.out_features
-        pad_n = _pad_to(n, p) if fp8 else 0
+        pad_n = 0
+        if _any_fp8(plan):
+            pad = _padding(plan, m, k, n, self.pad_to_multiple, x.device.type, _compute_dtype(x), True)
+            if pad is None:
+                self._fallback(
+                    "fused_norm_pad",
+                    f"the backend needs K={k} or M={m} padded, which the fused LayerNorm op cannot do; "
+                    "running LayerNorm and the padded FP8 Linear separately",
+                )
+                return _act(self(norm(x)), activation)
+            pad_n = pad[2]
+        self._mkn = (m, k, n)
+        weight, bias = self.weight, self._active_bias()
         if pad_n:
             y = layernorm_linear(
                 x, norm.weight, norm.bias, F.pad(weight, (0, 0, 0, pad_n)),

@@ -86,9 +86,16 @@ class ProbeConfig:
     formats: tuple[Fp8Format, ...] = (Fp8Format.E4M3, Fp8Format.E5M2)
     """Candidate formats of operand ``a`` (accepts "e4m3" or "E4M3")."""
 
-    scalings: tuple[Scaling, ...] = (Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCK)
-    """Candidate scaling granularities (block: 1 x ``block_size`` along the contraction axis
-    for activations and gradients, ``block_size`` square tiles for weights)."""
+    scalings: tuple[Scaling, ...] = (Scaling.TENSORWISE, Scaling.ROWWISE)
+    """Candidate scaling granularities. The default holds those with H100 GEMM backends;
+    add "block" (1 x ``block_size`` along the contraction axis for activations and gradients,
+    ``block_size`` square tiles for weights) or "mx" to measure them too."""
+
+    max_rows: int | None = 1024
+    """Measure on at most this many rows (M) of each activation / gradient: evenly strided
+    rows plus the row holding the largest |value| (so the tensor-wise scale is the full
+    tensor's). None measures every row. Non-finite values are always counted on the full
+    tensor. Subsampling bounds the cost of a sample independently of the batch size."""
 
     backward_fmt_b: Fp8Format | None = Fp8Format.E4M3
     """Format of operand ``b`` (W for grad-input, X for grad-weight) in the backward GEMMs;
@@ -123,6 +130,10 @@ class ProbeConfig:
     (either operand). This catches outlier channels that a whole-output SQNR hides."""
 
     def __post_init__(self) -> None:
+        if self.max_rows is not None and (
+            isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 4
+        ):
+            raise ValueError(f"probe.max_rows={self.max_rows!r} must be None or an int >= 4")
         for name in ("every_k_steps", "window", "interval", "block_size", "min_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

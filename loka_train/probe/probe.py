@@ -14,6 +14,9 @@ grad_weight     ``dy_MN`` (axis 0)      ``x_MK`` (axis 0)      ``dw_NK = dy.T @ 
 Leading dims of activations and gradients are flattened into ``M``. The ``axis`` is the
 contraction axis handed to :func:`~loka_train.kernels.formats.quantize`.
 
+Shape legend: ``M`` rows (batch), ``K`` input features, ``N`` output features, ``G`` scaling
+groups, ``S`` sites, ``R`` roles (3), ``W`` window slots, ``C`` candidates.
+
 Design choices:
 
 * **Sampling.** :meth:`Probe.should_sample` is a pure function of the step and the site
@@ -24,6 +27,10 @@ Design choices:
   site and role, one row of fields per slot). Constants are written with fill kernels; there
   is no ``.item()``, no host-to-device copy and no host sync. Non-finite inputs are counted and
   zeroed before the statistics are computed, so they never poison the buffers and never raise.
+* **Row subsample.** A sample measures at most ``max_rows`` rows of an activation or
+  gradient (evenly strided, plus the row holding the largest finite |value| so the
+  tensor-wise scale is the full tensor's); non-finite values are counted on the full tensors.
+  The cost of a sample is then bounded whatever the batch size.
 * **Shadow SQNR.** For each candidate (format, scaling) both operands are quantized and
   dequantized with the reference quantizers and multiplied in fp32; the error energy
   ``sum((ref - fp8)**2)`` and the signal energy ``sum(ref**2)`` are stored, not the dB value.
@@ -32,8 +39,8 @@ Design choices:
   identical on every rank without gathering anything. Saturation and underflow are stored as
   counts (fraction times the element / non-zero count) for the same reason.
 * **Reduction.** :meth:`Probe.reduce` packs all sums (every site, role, slot and the cumulative
-  non-finite counters) into one tensor for one ``all_reduce(SUM)`` and all maxima (amax, row
-  amax max, negated row amax min, observation counts) into one for one ``all_reduce(MAX)``:
+  non-finite counters) into one tensor for one ``all_reduce(SUM)`` and all maxima (amax,
+  negated minimum row amax, observation counts) into one for one ``all_reduce(MAX)``:
   two collectives per interval, whatever the number of sites. All ranks then evaluate the
   verdicts from bit-identical reduced tensors with the same code, so they agree.
 * **Exactness.** The reduced statistics equal a single process observing the rows of all ranks
@@ -41,6 +48,7 @@ Design choices:
   with row-wise, block or MX scaling (their groups lie along K or N, within one rank's rows).
   Tensor-wise scales and the grad-weight GEMM (contraction over the rows themselves) are
   measured per rank, as each rank's FP8 kernel would compute them, and pooled by energy.
+  With a row subsample (``M > max_rows``) the statistics are estimates from those rows.
 * **Verdicts.** Per (site, role, format, scaling): unsafe when the window has non-finite
   values, fewer than ``min_samples`` samples, a low quantile of SQNR below the budget, or a
   saturation / underflow fraction above its limit (either operand). safe -> unsafe is immediate;
@@ -214,6 +222,29 @@ def _clean(x: Tensor) -> tuple[Tensor, Tensor]:
     finite = torch.isfinite(x32)
     num_nonfinite = finite.numel() - finite.sum()
     return torch.where(finite, x32, 0.0), num_nonfinite
+
+
+def _row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Tensor | None:
+    """Indices of at most ``max_rows`` rows (M) to measure on, or None for all rows.
+
+    Evenly strided rows plus the row holding the largest |value| of ``a`` (and of ``b`` for
+    grad-weight, whose operands share M), so the tensor-wise amax, and with it the tensor-wise
+    scale, is the full tensor's. Device ops only (argmax stays on the device).
+    """
+    num_rows = a.shape[0]
+    if max_rows is None or num_rows <= max_rows:
+        return None
+    extra = [a]
+    if role == "grad_weight":
+        extra.append(b)
+    stride = -(-num_rows // (max_rows - len(extra)))
+    strided = torch.arange(0, num_rows, stride, device=a.device)
+    # The peak among finite values (non-finite ones are counted on the full tensor anyway).
+    peaks = [
+        torch.nan_to_num(x.detach().abs(), nan=0.0, posinf=0.0).amax(dim=1).argmax().reshape(1)
+        for x in extra
+    ]
+    return torch.cat([strided, *peaks])
 
 
 def _gemm(role: str, a: Tensor, b: Tensor) -> Tensor:
@@ -502,8 +533,20 @@ class Probe:
         """All statistics of one GEMM as (SUM vector, MAX vector), on the device."""
         L, cfg = self._layout, self.config
         ax_a, ax_b = _ROLE_AXES[role]
-        a_c, nf_a = _clean(a)
-        b_c, nf_b = _clean(b)
+        # Non-finite values are counted on the full operands: none may slip past a subsample.
+        nf_a = torch.isfinite(a).logical_not().sum()
+        nf_b = torch.isfinite(b).logical_not().sum()
+        rows = _row_subsample(role, a, b, cfg.max_rows)
+        if rows is not None:
+            a = a.index_select(0, rows)
+            if role == "grad_weight":
+                b = b.index_select(0, rows)
+            if out_ref is not None and role != "grad_weight":
+                out_ref = out_ref.reshape(-1, out_ref.shape[-1]).index_select(0, rows)
+            else:
+                out_ref = None
+        a_c, _ = _clean(a)
+        b_c, _ = _clean(b)
         if out_ref is None:
             ref = _gemm(role, a_c, b_c)
         else:
@@ -644,33 +687,35 @@ class Probe:
         if self._global_sum is None or self._global_max is None:
             raise ValueError("no reduced window yet: call reduce() first")
         s, r = self._index(site), _ROLE_INDEX[role]
-        return self._derive(self._global_sum[s, r], self._global_max[s, r], s, r)
+        out = self._derive(self._global_sum[s, r], self._global_max[s, r])
+        out["step"] = torch.tensor(self._slot_steps[s][r], dtype=torch.int64)
+        return out
 
-    def _derive(self, gs: Tensor, gm: Tensor, s: int, r: int) -> dict[str, Tensor]:
+    def _derive(self, gs: Tensor, gm: Tensor) -> dict[str, Tensor]:
+        """Per-slot statistics from reduced slots ``gs`` [..., W, num_sum], ``gm`` [..., W, num_max]."""
         L = self._layout
         C = len(self.candidates)
         out: dict[str, Tensor] = {}
-        out["count"] = gs[:, L.count]
-        out["valid"] = gs[:, L.count] > 0
-        out["step"] = torch.tensor(self._slot_steps[s][r], dtype=torch.int64)
-        signal = gs[:, L.signal : L.signal + 1]
-        error = gs[:, L.error : L.error + C]
+        out["count"] = gs[..., L.count]
+        out["valid"] = gs[..., L.count] > 0
+        signal = gs[..., L.signal : L.signal + 1]
+        error = gs[..., L.error : L.error + C]
         sqnr = 10.0 * (torch.log10(signal) - torch.log10(error))
         sqnr = sqnr.clamp(-SQNR_CAP_DB, SQNR_CAP_DB)
         out["sqnr_db"] = torch.where(error == 0, torch.full_like(sqnr, SQNR_CAP_DB), sqnr)
         for o in _OPERANDS:
-            numel = gs[:, L.numel[o]].clamp_min(1.0)
-            nnz = gs[:, L.nnz[o]].clamp_min(1.0)
-            out[f"saturation_{o}"] = gs[:, L.saturated[o] : L.saturated[o] + C] / numel[:, None]
-            out[f"underflow_{o}"] = gs[:, L.underflow[o] : L.underflow[o] + C] / nnz[:, None]
-            amax = gm[:, L.amax[o]]
-            rms = (gs[:, L.sumsq[o]] / numel).sqrt()
+            numel = gs[..., L.numel[o]].clamp_min(1.0)
+            nnz = gs[..., L.nnz[o]].clamp_min(1.0)
+            out[f"saturation_{o}"] = gs[..., L.saturated[o] : L.saturated[o] + C] / numel[..., None]
+            out[f"underflow_{o}"] = gs[..., L.underflow[o] : L.underflow[o] + C] / nnz[..., None]
+            amax = gm[..., L.amax[o]]
+            rms = (gs[..., L.sumsq[o]] / numel).sqrt()
             out[f"amax_{o}"] = amax
             out[f"outlier_ratio_{o}"] = torch.where(rms > 0, amax / rms, torch.ones_like(amax))
-            row_max, row_min = amax, -gm[:, L.neg_row_min[o]]
+            row_max, row_min = amax, -gm[..., L.neg_row_min[o]]
             ok = torch.isfinite(row_min) & (row_min > 0)
             out[f"row_spread_{o}"] = torch.where(ok, row_max / torch.where(ok, row_min, 1.0), 1.0)
-            out[f"nonfinite_{o}"] = gs[:, L.nonfinite[o]]
+            out[f"nonfinite_{o}"] = gs[..., L.nonfinite[o]]
         return out
 
     # ------------------------------------------------------------------ verdicts
@@ -680,18 +725,35 @@ class Probe:
         assert self._global_sum is not None and self._global_max is not None
         relax = 10.0 ** (-cfg.margin_db / 10.0)
         q = cfg.quantile
+        # All sites and roles at once on the host copies ([S, R, W, ...]), then one .tolist()
+        # per statistic: the Python loop below only compares numbers and formats strings.
+        d = self._derive(self._global_sum, self._global_max)
+        valid = d["valid"]
+        num_samples_all = valid.sum(-1).tolist()
+        lo_all = _masked_quantile(d["sqnr_db"], valid, q, higher=False).tolist()
+        med_all = _masked_quantile(d["sqnr_db"], valid, 0.5, higher=False).tolist()
+        sat_all = {
+            o: _masked_quantile(d[f"saturation_{o}"], valid, 1 - q, higher=True).tolist() for o in _OPERANDS
+        }
+        und_all = {
+            o: _masked_quantile(d[f"underflow_{o}"], valid, 1 - q, higher=True).tolist() for o in _OPERANDS
+        }
+        outlier_all = {o: _masked_max(d[f"outlier_ratio_{o}"], valid).tolist() for o in _OPERANDS}
+        spread_all = {o: _masked_max(d[f"row_spread_{o}"], valid).tolist() for o in _OPERANDS}
+        amax_all = {o: _masked_max(d[f"amax_{o}"], valid).tolist() for o in _OPERANDS}
+        nonfinite_all = {
+            o: torch.where(valid, d[f"nonfinite_{o}"], 0.0).sum(-1).tolist() for o in _OPERANDS
+        }
         for s, site in enumerate(self._sites):
             for r, role in enumerate(ROLES):
-                stats = self._derive(self._global_sum[s, r], self._global_max[s, r], s, r)
-                valid = stats["valid"]
-                num_samples = int(valid.sum())
+                num_samples = int(num_samples_all[s][r])
                 new_data = self._num_obs[s][r] != self._num_obs_at_last_reduce[s][r]
                 self._num_obs_at_last_reduce[s][r] = self._num_obs[s][r]
                 budget = self._budgets[site][role]
-
-                outlier = {o: _wmax(stats[f"outlier_ratio_{o}"], valid) for o in _OPERANDS}
-                spread = {o: _wmax(stats[f"row_spread_{o}"], valid) for o in _OPERANDS}
-                nonfinite = {o: int(stats[f"nonfinite_{o}"][valid].sum()) for o in _OPERANDS}
+                outlier = {o: outlier_all[o][s][r] for o in _OPERANDS}
+                spread = {o: spread_all[o][s][r] for o in _OPERANDS}
+                nonfinite = {o: int(nonfinite_all[o][s][r]) for o in _OPERANDS}
+                amax = _nan_max(amax_all["a"][s][r], amax_all["b"][s][r])
                 context = (
                     f"outlier ratio (max/rms) a {outlier['a']:.3g}, b {outlier['b']:.3g}; "
                     f"row amax spread a {spread['a']:.3g}, b {spread['b']:.3g}"
@@ -700,16 +762,9 @@ class Probe:
                     key: VerdictKey = (site, role, cand.fmt, cand.scaling)
                     fmt_b = self._fmt_b(role, cand.fmt)
                     where = f"{cand.scaling.value} {cand.fmt.value}x{fmt_b.value}"
-                    if num_samples:
-                        sq = stats["sqnr_db"][valid, c]
-                        lo = float(torch.quantile(sq, q, interpolation="lower"))
-                        med = float(torch.quantile(sq, 0.5, interpolation="lower"))
-                        sat_o = {o: _upper(stats[f"saturation_{o}"][valid, c], 1 - q) for o in _OPERANDS}
-                        und_o = {o: _upper(stats[f"underflow_{o}"][valid, c], 1 - q) for o in _OPERANDS}
-                    else:
-                        lo = med = math.nan
-                        sat_o = {o: math.nan for o in _OPERANDS}
-                        und_o = {o: math.nan for o in _OPERANDS}
+                    lo, med = lo_all[s][r][c], med_all[s][r][c]
+                    sat_o = {o: sat_all[o][s][r][c] for o in _OPERANDS}
+                    und_o = {o: und_all[o][s][r][c] for o in _OPERANDS}
                     sat_worst = max(_OPERANDS, key=lambda o, d=sat_o: _nan_low(d[o]))
                     und_worst = max(_OPERANDS, key=lambda o, d=und_o: _nan_low(d[o]))
                     sat, und = sat_o[sat_worst], und_o[und_worst]
@@ -784,7 +839,7 @@ class Probe:
                         underflow=und,
                         outlier_ratio=max(outlier.values(), key=_nan_low),
                         row_spread=max(spread.values(), key=_nan_low),
-                        amax=_nan_max(_wmax(stats["amax_a"], valid), _wmax(stats["amax_b"], valid)),
+                        amax=amax,
                         num_samples=num_samples,
                         num_nonfinite=nonfinite["a"] + nonfinite["b"],
                         step=self._step,
@@ -1042,10 +1097,23 @@ def _nan_max(*vals: float) -> float:
     return max(finite) if finite else math.nan
 
 
-def _wmax(values: Tensor, valid: Tensor) -> float:
-    v = values[valid]
-    return float(v.max()) if v.numel() else math.nan
+def _masked_quantile(values: Tensor, valid: Tensor, q: float, *, higher: bool) -> Tensor:
+    """Quantile over the window of ``values`` [S, R, W, C] where ``valid`` [S, R, W].
+
+    Same as ``torch.quantile`` on the valid entries with ``interpolation="lower"`` (or
+    ``"higher"``): always an observed sample. NaN where no slot is valid. Returns [S, R, C].
+    """
+    v = values.movedim(-2, -1)
+    mask = valid.unsqueeze(-2).expand_as(v)
+    ordered = torch.where(mask, v, math.inf).sort(dim=-1).values
+    n = mask.sum(dim=-1, keepdim=True).to(values.dtype)
+    pos = q * (n - 1).clamp_min(0)
+    idx = (pos.ceil() if higher else pos.floor()).long()
+    out = ordered.gather(-1, idx).squeeze(-1)
+    return torch.where(n.squeeze(-1) > 0, out, math.nan)
 
 
-def _upper(values: Tensor, q: float) -> float:
-    return float(torch.quantile(values, q, interpolation="higher")) if values.numel() else math.nan
+def _masked_max(values: Tensor, valid: Tensor) -> Tensor:
+    """Max over the window (last dim) of the valid slots; NaN where none is valid."""
+    out = torch.where(valid, values, -math.inf).amax(dim=-1)
+    return torch.where(valid.any(dim=-1), out, math.nan)

@@ -50,6 +50,9 @@ class TrainerConfig:
     """Train loop driver: "sparse_dist" (TorchRec TrainPipelineSparseDist, overlaps the
     sparse input dist with compute) or "base" (plain forward/backward/step)."""
 
+    prefetch: int = 4
+    """Batches generated ahead in a background thread (0: generate inline)."""
+
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
 
@@ -95,7 +98,7 @@ class TrainerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be positive")
-        for name in ("eval_every", "checkpoint_every"):
+        for name in ("eval_every", "checkpoint_every", "prefetch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 0 (0 = off)")
         for name, allowed in (

@@ -39,6 +39,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from loka_train.data import DataConfig, make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
+from loka_train.data.prefetch import Prefetcher
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
@@ -346,6 +347,10 @@ class Trainer:
         self.callbacks.call("on_train_start", self)
         pipeline = self._pipeline()
         batches: Iterator[Batch] = self.train_data.batches(start, self.cfg.steps - start)
+        prefetcher = None
+        if self.cfg.prefetch:
+            prefetcher = Prefetcher(batches, depth=self.cfg.prefetch)
+            batches = prefetcher
 
         bar = None
         if self.rank == 0 and self.cfg.progress_bar:
@@ -401,6 +406,8 @@ class Trainer:
                 stopped = not is_last
                 break
         elapsed = time.perf_counter() - timed_from if timed_from is not None else math.nan
+        if prefetcher is not None:
+            prefetcher.close()
         if bar is not None:
             bar.close()
 

@@ -25,13 +25,13 @@ from loka_train.comm import (
     PrecisionSource,
     SwitchableCodec,
     make_qcomm_codecs_registry,
-    sqnr_db,
 )
 from loka_train.comm import state as state_module
+from loka_train.kernels.formats import SQNR_CAP_DB, sqnr_db
 
 # Pooled-embedding SQNR floors (dB) through the codec, N(0, 1) data, row_dim=8.
 A2A_SQNR_FLOOR_DB = {
-    CommPrecision.FP32: float("inf"),
+    CommPrecision.FP32: SQNR_CAP_DB,  # exact
     CommPrecision.FP16: 65.0,
     CommPrecision.BF16: 48.0,
     CommPrecision.INT8: 40.0,
@@ -300,3 +300,23 @@ def test_config_accepts_names_and_values() -> None:
     assert cfg.a2a_forward is CommPrecision.FP8
     assert cfg.a2a_backward is CommPrecision.BF16
     assert cfg.adaptive_channels == (CommChannel.A2A_FWD,)
+
+
+def test_planner_accepts_the_registry() -> None:
+    """TorchRec's planner reads quantized_dtype once, for its cost model."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"]
+        )
+        for i in range(3)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    state = _state(a2a_forward=CommPrecision.FP8, reduce_scatter_forward=CommPrecision.FP16)
+    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=make_qcomm_codecs_registry(state))
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"))
+    plan = planner.plan(ebc, [sharder])
+    assert set(plan.plan[""]) == {"t0", "t1", "t2"}  # type: ignore[index]

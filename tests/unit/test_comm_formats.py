@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loka_train.comm import CommPrecision, Fp8Format, WireFormat, sqnr_db
+from loka_train.comm import CommPrecision, WireFormat
+from loka_train.kernels.formats import Fp8Format, sqnr_db
 
 # Round-trip SQNR floors (dB) on N(0, 1) data, row_dim=32. Measured on this data: FP16 73.7,
 # BF16 55.6, INT8 46.8, FP8 e4m3 32.4, FP8 e5m2 26.4; the floors leave 3-4 dB of margin. An

@@ -26,7 +26,10 @@ def test_defaults() -> None:
         ({"chunk_size": 0}, "data.chunk_size"),
         ({"max_pooling": 0}, "data.max_pooling"),
         ({"num_embeddings_per_feature": [10] * 3}, "data.num_embeddings_per_feature has 3 entries"),
-        ({"num_embeddings_per_feature": [10] * 25 + [0]}, "data.num_embeddings_per_feature has invalid"),
+        (
+            {"num_embeddings_per_feature": [10] * 25 + [0]},
+            "data.num_embeddings_per_feature has invalid",
+        ),
         ({"seed": -1}, "data.seed"),
         ({"zipf_exponent": 0.0}, "data.zipf_exponent"),
         ({"teacher_scale": -0.5}, "data.teacher_scale"),

@@ -24,12 +24,20 @@ def _random_line(rng: random.Random) -> str:
     dense = []
     for _ in range(NUM_DENSE):
         r = rng.random()
-        dense.append("" if r < 0.2 else str(rng.randint(-3, -1)) if r < 0.25 else str(int(rng.paretovariate(1.0))))
+        dense.append(
+            ""
+            if r < 0.2
+            else str(rng.randint(-3, -1))
+            if r < 0.25
+            else str(int(rng.paretovariate(1.0)))
+        )
     cats = ["" if rng.random() < 0.15 else f"{rng.getrandbits(32):08x}" for _ in range(NUM_SPARSE)]
     return "\t".join([label, *dense, *cats])
 
 
-def _write_fixture(directory: Path, sizes: tuple[int, ...] = (150, 100), seed: int = 0) -> list[str]:
+def _write_fixture(
+    directory: Path, sizes: tuple[int, ...] = (150, 100), seed: int = 0
+) -> list[str]:
     """Files part_0.tsv, part_1.tsv, ... with the given line counts; the last one has no final
     line break. Returns all lines in stream order."""
     rng = random.Random(seed)
@@ -43,7 +51,9 @@ def _write_fixture(directory: Path, sizes: tuple[int, ...] = (150, 100), seed: i
     return all_lines
 
 
-def _expected(lines: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[list[int]]]:
+def _expected(
+    lines: list[str],
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[list[int]]]:
     """Reference parse, written independently of the reader: dense_BD, labels_B, ids and lengths per feature."""
     dense, labels = [], []
     ids: list[list[int]] = [[] for _ in range(NUM_SPARSE)]
@@ -72,12 +82,21 @@ def _assert_matches(batch: Batch, lines: list[str]) -> None:
 
 def _cfg(path: Path, eval_path: Path | None = None) -> DataConfig:
     return DataConfig(
-        kind="criteo_tsv", path=str(path), eval_path=str(eval_path) if eval_path else None,
+        kind="criteo_tsv",
+        path=str(path),
+        eval_path=str(eval_path) if eval_path else None,
         num_embeddings=ROWS,
     )
 
 
-def _ds(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, batch_size: int = 16, split: str = "train"):
+def _ds(
+    cfg: DataConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int = 16,
+    split: str = "train",
+):
     return make_dataset(cfg, split=split, rank=rank, world_size=world_size, batch_size=batch_size)
 
 
@@ -112,7 +131,9 @@ def test_per_feature_rows_and_crlf(tmp_path: Path) -> None:
     cats = [f"{0xABCDEF + f:x}" for f in range(NUM_SPARSE)]
     line = "\t".join(["1", *(["3"] * NUM_DENSE), *cats])
     (tmp_path / "d.tsv").write_bytes((line + "\r\n").encode() * 2)
-    cfg = DataConfig(kind="criteo_tsv", path=str(tmp_path / "d.tsv"), num_embeddings_per_feature=rows)
+    cfg = DataConfig(
+        kind="criteo_tsv", path=str(tmp_path / "d.tsv"), num_embeddings_per_feature=rows
+    )
     batch = _ds(cfg, batch_size=2).batch(0)
     d = batch.sparse_features.to_dict()
     for f in range(NUM_SPARSE):
@@ -139,12 +160,17 @@ def test_ranks_concatenate_to_the_single_process_batch(tmp_path: Path, world_siz
             # Random access agrees with the sequential stream.
             random_access = ranks[r].batch(step)
             assert torch.equal(random_access.dense_features, rank_batches[r][step].dense_features)
-            assert torch.equal(random_access.sparse_features.values(), rank_batches[r][step].sparse_features.values())
+            assert torch.equal(
+                random_access.sparse_features.values(),
+                rank_batches[r][step].sparse_features.values(),
+            )
 
 
 def test_batches_cross_file_boundaries(tmp_path: Path) -> None:
     lines = _write_fixture(tmp_path / "train", sizes=(10, 7, 12))
-    ds = _ds(_cfg(tmp_path / "train"), batch_size=6)  # step 1 spans part_0/part_1, step 2 part_1/part_2
+    ds = _ds(
+        _cfg(tmp_path / "train"), batch_size=6
+    )  # step 1 spans part_0/part_1, step 2 part_1/part_2
     got = list(ds.batches())
     assert len(got) == len(lines) // 6 == 4
     for step, batch in enumerate(got):
@@ -171,7 +197,9 @@ def test_resume_and_end_of_data(tmp_path: Path) -> None:
         _ds(_cfg(tmp_path / "train"), rank=0, world_size=2, batch_size=16).batch(7)
 
 
-def test_line_index_random_access_with_tiny_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_line_index_random_access_with_tiny_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Seek logic at block boundaries: every line found by random access equals the file's line."""
     monkeypatch.setattr(criteo_tsv_module, "_BLOCK_BYTES", 37)
     files = []

@@ -31,13 +31,17 @@ def _auc_reference(scores: list[float], labels: list[int]) -> float:
 
 def test_ne_hand_computed() -> None:
     # Predicting p = 0.5 on balanced labels: BCE = ln 2 = entropy of the mean label.
-    assert normalized_entropy(torch.zeros(4), torch.tensor([0.0, 1.0, 1.0, 0.0])) == pytest.approx(1.0)
+    assert normalized_entropy(torch.zeros(4), torch.tensor([0.0, 1.0, 1.0, 0.0])) == pytest.approx(
+        1.0
+    )
     # Predicting the base rate 1/4 exactly gives NE = 1 for any batch with that rate.
     labels = torch.tensor([1.0, 0.0, 0.0, 0.0])
     assert normalized_entropy(torch.full((4,), math.log(1 / 3)), labels) == pytest.approx(1.0)
     # logits (2, -1) on labels (1, 0): BCE = ln(1 + e^-2) and ln(1 + e^-1); entropy ln 2.
     want = (math.log1p(math.exp(-2)) + math.log1p(math.exp(-1))) / 2 / math.log(2)
-    assert normalized_entropy(torch.tensor([2.0, -1.0]), torch.tensor([1, 0])) == pytest.approx(want)
+    assert normalized_entropy(torch.tensor([2.0, -1.0]), torch.tensor([1, 0])) == pytest.approx(
+        want
+    )
     # Confident and right is far below 1; confident and wrong far above.
     assert normalized_entropy(torch.tensor([8.0, -8.0]), torch.tensor([1.0, 0.0])) < 0.01
     assert normalized_entropy(torch.tensor([-8.0, 8.0]), torch.tensor([1.0, 0.0])) > 10
@@ -54,7 +58,9 @@ def test_ne_matches_reference_on_random_data() -> None:
 
 
 def test_auc_hand_computed() -> None:
-    assert auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == pytest.approx(0.75)
+    assert auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == pytest.approx(
+        0.75
+    )
     # Ties: (pos 1 vs neg 1) counts 1/2, (pos 2 vs neg 1) counts 1 -> 0.75.
     assert auc(torch.tensor([1.0, 1.0, 2.0]), torch.tensor([0, 1, 1])) == pytest.approx(0.75)
     assert auc(torch.tensor([3.0, 3.0, 3.0, 3.0]), torch.tensor([0, 1, 1, 0])) == pytest.approx(0.5)

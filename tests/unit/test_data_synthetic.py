@@ -14,7 +14,14 @@ from loka_train.data import DataConfig, RecDataset, auc, make_dataset, normalize
 from loka_train.data.synthetic import _mix32
 
 
-def _ds(cfg: DataConfig, *, split: str = "train", rank: int = 0, world_size: int = 1, batch_size: int = 64):
+def _ds(
+    cfg: DataConfig,
+    *,
+    split: str = "train",
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int = 64,
+):
     return make_dataset(cfg, split=split, rank=rank, world_size=world_size, batch_size=batch_size)
 
 
@@ -26,14 +33,19 @@ def _assert_batches_equal(a: Batch, b: Batch) -> None:
     assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
 
 
-def _concat(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def _concat(
+    batches: list[Batch],
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Concatenate local batches along the batch dim, feature by feature."""
     dense_BD = torch.cat([b.dense_features for b in batches])
     labels_B = torch.cat([b.labels for b in batches])
     sparse = {}
     for key in batches[0].sparse_features.keys():
         jts = [b.sparse_features[key] for b in batches]
-        sparse[key] = (torch.cat([jt.lengths() for jt in jts]), torch.cat([jt.values() for jt in jts]))
+        sparse[key] = (
+            torch.cat([jt.lengths() for jt in jts]),
+            torch.cat([jt.values() for jt in jts]),
+        )
     return dense_BD, labels_B, sparse
 
 
@@ -68,7 +80,21 @@ def test_ranks_concatenate_to_the_single_process_batch(world_size: int) -> None:
         for key, (lengths, values) in want_sparse.items():
             assert torch.equal(sparse[key][0], lengths) and torch.equal(sparse[key][1], values)
         teacher = torch.cat([ds.teacher_logits(step) for ds in ranks])
-        assert torch.equal(teacher, single.teacher_logits(step))
+        torch.testing.assert_close(teacher, single.teacher_logits(step), rtol=1e-12, atol=1e-12)
+
+
+def test_batch_does_not_depend_on_the_thread_count() -> None:
+    """Kernels split work differently with more threads (vector body vs scalar tail)."""
+    ds = _ds(DataConfig(seed=6, num_embeddings=1_000_000), batch_size=4096)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ds.batch(2)
+        torch.set_num_threads(2)
+        two = ds.batch(2)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_batches_equal(one, two)
 
 
 def test_chunk_depends_only_on_its_index() -> None:
@@ -91,7 +117,9 @@ def _slice(b: Batch, lo: int, hi: int) -> Batch:
         lengths.append(jt.lengths()[lo:hi])
         values.append(jt.values()[offsets[lo] : offsets[hi]])
     kjt = KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
-    return Batch(dense_features=b.dense_features[lo:hi], sparse_features=kjt, labels=b.labels[lo:hi])
+    return Batch(
+        dense_features=b.dense_features[lo:hi], sparse_features=kjt, labels=b.labels[lo:hi]
+    )
 
 
 def test_same_inputs_same_batch_and_differences() -> None:
@@ -100,7 +128,9 @@ def test_same_inputs_same_batch_and_differences() -> None:
     b = _ds(DataConfig(seed=7, num_embeddings=1000), rank=1, world_size=2)
     _assert_batches_equal(a.batch(3), b.batch(3))
     assert not torch.equal(a.batch(3).dense_features, a.batch(4).dense_features)
-    assert not torch.equal(a.batch(3).dense_features, _ds(cfg, rank=0, world_size=2).batch(3).dense_features)
+    assert not torch.equal(
+        a.batch(3).dense_features, _ds(cfg, rank=0, world_size=2).batch(3).dense_features
+    )
     other_seed = _ds(DataConfig(seed=8, num_embeddings=1000), rank=1, world_size=2)
     assert not torch.equal(a.batch(3).dense_features, other_seed.batch(3).dense_features)
     ev = _ds(cfg, split="eval", rank=1, world_size=2)
@@ -243,7 +273,10 @@ def test_logistic_regression_learns_the_teacher() -> None:
 def test_chunk_size_must_divide_the_batch() -> None:
     with pytest.raises(ValueError, match="data.chunk_size"):
         _ds(DataConfig(chunk_size=64), batch_size=96)
-    assert _ds(DataConfig(chunk_size=32, num_embeddings=100), batch_size=96).batch(0).labels.numel() == 96
+    assert (
+        _ds(DataConfig(chunk_size=32, num_embeddings=100), batch_size=96).batch(0).labels.numel()
+        == 96
+    )
 
 
 def test_negative_step_is_rejected() -> None:

@@ -247,3 +247,42 @@ def test_input_validation() -> None:
     # 3-D activations are flattened into rows.
     probe.observe("a", "forward", torch.randn(4, 8, K), w_NK)
     assert probe.report()["sites"]["a"]["num_observations"]["forward"] == 1
+
+
+def test_masked_quantile_matches_torch_quantile() -> None:
+    from loka_train.probe.probe import _masked_quantile
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 2, 7, 4, generator=gen, dtype=torch.float64)
+    valid = torch.rand(3, 2, 7, generator=gen) > 0.4
+    valid[0, 0] = False  # no valid slot -> NaN
+    for q, higher in ((0.1, False), (0.5, False), (0.9, True)):
+        got = _masked_quantile(values, valid, q, higher=higher)
+        for s in range(3):
+            for r in range(2):
+                for c in range(4):
+                    sel = values[s, r, valid[s, r], c]
+                    if sel.numel() == 0:
+                        assert torch.isnan(got[s, r, c])
+                        continue
+                    mode = "higher" if higher else "lower"
+                    assert got[s, r, c] == torch.quantile(sel, q, interpolation=mode)
+
+
+def test_row_subsample_keeps_the_peak_row_and_counts_every_nonfinite() -> None:
+    probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
+    probe.register_site("s", weight_shape=(N, K))
+    x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(1))
+    x_MK[201, 5] = 1e4  # a single outlier row, not on the stride
+    x_MK[77, 3] = float("nan")
+    w_NK = torch.randn(N, K)
+    probe.observe_forward("s", x_MK, w_NK)
+    probe.observe_backward("s", torch.randn(256, N), x_MK, w_NK)
+    probe.reduce()
+    fwd = probe.window_stats("s", "forward")
+    assert float(fwd["amax_a"][0]) == 1e4  # the tensor-wise scale is the full tensor's
+    assert float(fwd["nonfinite_a"][0]) == 1.0
+    assert float(probe.window_stats("s", "grad_weight")["amax_b"][0]) == 1e4
+    # Subsampled: 8 of 256 rows were quantized.
+    L = probe._layout
+    assert float(probe._global_sum[0, 0, 0, L.numel["a"]]) == 8 * K

@@ -11,7 +11,8 @@ from loka_train.probe import ProbeConfig
 def test_defaults_are_valid_and_typed() -> None:
     cfg = ProbeConfig()
     assert cfg.formats == (Fp8Format.E4M3, Fp8Format.E5M2)
-    assert cfg.scalings == (Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCK)
+    assert cfg.scalings == (Scaling.TENSORWISE, Scaling.ROWWISE)
+    assert cfg.max_rows == 1024
     assert set(cfg.sqnr_budget_db) == {"forward", "grad_input", "grad_weight"}
     assert cfg.min_samples <= cfg.window
 
@@ -42,6 +43,7 @@ def test_strings_and_names_are_coerced_to_enums() -> None:
         ({"hysteresis_intervals": 0}, "hysteresis_intervals"),
         ({"max_underflow_fraction": 2.0}, "max_underflow_fraction"),
         ({"enabled": "yes"}, "enabled"),
+        ({"max_rows": 2}, "max_rows"),
     ],
 )
 def test_bad_values_raise_value_error(kwargs: dict, match: str) -> None:

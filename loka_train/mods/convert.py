@@ -1,0 +1,272 @@
+"""``convert``: install FP8-capable sites in a DLRM-family model; ``sites``: find them again.
+
+``convert(model, config=..., module_filter_fn=...)`` walks the model once, in place:
+
+=============================  ==========  ===============================================
+module                         family      becomes
+=============================  ==========  ===============================================
+``nn.Linear`` (MLPs)           mlp         :class:`Fp8Linear` (takes over weight and bias)
+TorchRec ``InteractionArch``   interaction :class:`DotInteraction` (site ``<fqn>.bmm``)
+TorchRec ``LowRankCrossNet``   dcn         :class:`CrossNet` (sites ``<fqn>.layer<i>.V/W``)
+``WukongLayer``                wukong      :class:`Fp8WukongLayer` (see ``mods.wukong``)
+embedding modules              -           untouched (``DistributedModelParallel`` shards
+                                           them by type)
+=============================  ==========  ===============================================
+
+Every replacement reuses the original ``Parameter`` objects, so the state dict keeps its keys
+and tensors, and an optimizer built afterwards sees the same parameters. ``module_filter_fn
+(module, fqn) -> bool`` is asked about every candidate (each Linear, and each interaction,
+cross-net and Wukong layer as a whole); False leaves it alone. With ``keep_last_layer_high``
+the last ``nn.Linear`` registered in the model (the logit layer of the DLRM family's over
+arch) is left alone. Every conversion and every skip is logged once with its reason; a summary
+:class:`ConvertReport` is stored on the model as ``model.loka_mods_report``.
+
+Site names are the fully qualified names in the model given to ``convert``;
+:func:`sites` returns them also through ``DistributedModelParallel`` / DDP wrappers.
+
+Example:
+    >>> model = build_model(ModelConfig(kind="dcn"), feature_names=["f0"],
+    ...                     num_embeddings_per_feature=[10], num_dense=13, seed=0)
+    >>> convert(model, config=ModsConfig(initial_plan="fp8_rowwise"))
+    >>> sorted(sites(model))[:2]
+    ['model.dense_arch.model._mlp.0._linear', 'model.dense_arch.model._mlp.1._linear']
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+from torchrec.models.dlrm import InteractionArch
+from torchrec.modules.crossnet import LowRankCrossNet
+
+from loka_train.kernels.plan import LinearPlan
+from loka_train.mods.config import ModsConfig
+from loka_train.mods.interaction import CrossNet, DotInteraction
+from loka_train.mods.site import Fp8Linear, Site
+from loka_train.mods.wukong import Fp8WukongLayer
+from loka_train.models.wukong import WukongLayer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ConvertReport", "convert", "sites", "strip_wrapper_prefixes"]
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+_WRAPPER_PREFIXES = ("_dmp_wrapped_module.", "module.")
+
+
+@dataclass
+class ConvertReport:
+    """What one ``convert`` call did (stored as ``model.loka_mods_report``)."""
+
+    converted: dict[str, str] = field(default_factory=dict)
+    """Site name -> family."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Module fqn -> why it was left alone."""
+    fallbacks: list[str] = field(default_factory=list)
+    """Sites that could not take the initial plan and start in high precision, with why."""
+
+
+def strip_wrapper_prefixes(fqn: str) -> str:
+    """``fqn`` without leading ``_dmp_wrapped_module.`` / ``module.`` (DMP / DDP wrappers)."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if fqn.startswith(prefix):
+                fqn = fqn[len(prefix) :]
+                changed = True
+    return fqn
+
+
+def _is_embedding(module: nn.Module) -> bool:
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+        return True
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    return isinstance(module, EmbeddingBagCollection | EmbeddingCollection)
+
+
+def _last_linear_fqn(model: nn.Module) -> str | None:
+    last = None
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, Site):
+            last = fqn
+    return last
+
+
+class _Converter:
+    def __init__(self, config: ModsConfig, module_filter_fn: ModuleFilter | None, last_linear: str | None) -> None:
+        self.cfg = config
+        self.filter = module_filter_fn
+        self.last_linear = last_linear
+        self.plan = config.initial_linear_plan()
+        self.pad = config.padding
+        self.report = ConvertReport()
+
+    # -------------------------------------------------------------------- decisions
+    def _skip(self, fqn: str, reason: str) -> None:
+        self.report.skipped[fqn] = reason
+        logger.info("mods: left %s alone: %s", fqn or "<root>", reason)
+
+    def _wanted(self, module: nn.Module, fqn: str, family: str) -> bool:
+        if family not in self.cfg.sites:
+            self._skip(fqn, f"site family {family!r} is not in mods.sites={self.cfg.sites}")
+            return False
+        if self.filter is not None and not self.filter(module, fqn):
+            self._skip(fqn, "module_filter_fn returned False")
+            return False
+        return True
+
+    def _register(self, site: Site, name: str, family: str) -> None:
+        site.site_name = name
+        ok, why = site.supports_plan(self.plan)
+        if not ok:
+            site.set_plan(LinearPlan.high_precision())
+            msg = f"{name}: initial plan not supported ({why}); starts in high precision"
+            self.report.fallbacks.append(msg)
+            logger.warning("mods: %s", msg)
+        elif site.plan != self.plan:
+            site.set_plan(self.plan)
+        self.report.converted[name] = family
+        logger.info("mods: converted %s (%s) -> %s [%s]", name, family, type(site).__name__, site.plan)
+
+    def _name_sites(self, module: nn.Module, fqn: str, family: str) -> None:
+        for sub, m in module.named_modules():
+            if isinstance(m, Site) and not m.site_name:
+                self._register(m, f"{fqn}.{sub}" if sub else fqn, family)
+
+    # ------------------------------------------------------------------------- walk
+    def walk(self, module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            fqn = f"{prefix}.{name}" if prefix else name
+            new = self.convert_one(child, fqn)
+            if new is not child:
+                setattr(module, name, new)
+
+    def convert_one(self, child: nn.Module, fqn: str) -> nn.Module:
+        if isinstance(child, Site) or isinstance(child, DotInteraction | CrossNet | Fp8WukongLayer):
+            self._skip(fqn, "already converted")
+            return child
+        if _is_embedding(child):
+            self._skip(fqn, "embedding module: left to DistributedModelParallel")
+            return child
+        if type(child) is InteractionArch:
+            if not self._wanted(child, fqn, "interaction"):
+                return child
+            new = DotInteraction.from_interaction(child, plan=None)
+            self._name_sites(new, fqn, "interaction")
+            return new
+        if isinstance(child, InteractionArch):
+            self._skip(fqn, f"{type(child).__name__} is not the dot interaction; its children are searched")
+            self.walk(child, fqn)
+            return child
+        if isinstance(child, LowRankCrossNet):
+            if not self._wanted(child, fqn, "dcn"):
+                return child
+            new = CrossNet.from_crossnet(
+                child, epilogue_fusion=self.cfg.dcn_epilogue_fusion, pad_to_multiple=self.pad
+            )
+            self._name_sites(new, fqn, "dcn")
+            return new
+        if isinstance(child, WukongLayer):
+            return self._convert_wukong(child, fqn)
+        if isinstance(child, nn.Linear):
+            return self._convert_linear(child, fqn, "mlp")
+        self.walk(child, fqn)
+        return child
+
+    def _convert_linear(self, lin: nn.Linear, fqn: str, family: str) -> nn.Module:
+        if self.cfg.keep_last_layer_high and fqn == self.last_linear:
+            self._skip(fqn, "final logit layer kept in high precision (keep_last_layer_high)")
+            return lin
+        if not self._wanted(lin, fqn, family):
+            return lin
+        site = Fp8Linear.from_linear(lin, pad_to_multiple=self.pad, drop_bias=self.cfg.drop_unstable_bias)
+        if site.bias_dropped and lin.bias is not None:
+            logger.info("mods: %s: bias dropped (zeroed and frozen; drop_unstable_bias)", fqn)
+        self._register(site, fqn, family)
+        return site
+
+    def _convert_wukong(self, layer: WukongLayer, fqn: str) -> nn.Module:
+        if not self._wanted(layer, fqn, "wukong"):
+            return layer
+        for idx in (0, 2):
+            lin = layer.fmb.mlp[idx]
+            if isinstance(lin, nn.Linear) and not isinstance(lin, Fp8Linear):
+                layer.fmb.mlp[idx] = self._convert_linear(lin, f"{fqn}.fmb.mlp.{idx}", "wukong")
+        new = Fp8WukongLayer.from_layer(
+            layer,
+            horizontal_fusion=self.cfg.horizontal_fusion,
+            fused_norm_quant=self.cfg.fused_norm_quant,
+            pad_to_multiple=self.pad,
+            convert_linear=False,
+        )
+        self._name_sites(new, fqn, "wukong")
+        return new
+
+
+def convert(
+    model: nn.Module,
+    *,
+    config: ModsConfig,
+    module_filter_fn: ModuleFilter | None = None,
+) -> nn.Module:
+    """Replace the dense GEMMs of ``model`` by FP8-capable sites, in place (see module doc).
+
+    Call it before ``DistributedModelParallel`` (on the unsharded model, e.g. in a callback's
+    ``on_before_shard``).
+
+    Args:
+        model: the model (e.g. a ``RecTrainModel``); changed in place.
+        config: which site families, adaptations and initial plan.
+        module_filter_fn: ``(module, fqn) -> bool``; False leaves that candidate alone.
+
+    Returns:
+        ``model`` itself.
+
+    Example:
+        >>> convert(model, config=ModsConfig(sites=["mlp"]),
+        ...         module_filter_fn=lambda m, fqn: "over_arch" not in fqn)
+    """
+    if not isinstance(config, ModsConfig):
+        raise ValueError(f"config must be a ModsConfig, got {type(config).__name__}")
+    if not config.enabled:
+        logger.info("mods: disabled (mods.enabled=False); model left unchanged")
+        model.loka_mods_report = ConvertReport()
+        return model
+    converter = _Converter(
+        config, module_filter_fn, _last_linear_fqn(model) if config.keep_last_layer_high else None
+    )
+    if isinstance(model, Site):
+        raise ValueError("convert needs a model that contains the sites, not a site itself")
+    converter.walk(model, "")
+    report = converter.report
+    model.loka_mods_report = report
+    logger.info(
+        "mods: %d sites converted, %d modules left alone, %d initial-plan fallbacks",
+        len(report.converted), len(report.skipped), len(report.fallbacks),
+    )
+    return model
+
+
+def sites(model: nn.Module) -> dict[str, Site]:
+    """Every :class:`Site` in ``model`` by ``site_name`` (also through DMP / DDP wrappers).
+
+    A site that ``convert`` did not name gets its fqn without wrapper prefixes.
+
+    Raises:
+        ValueError: if two different sites have the same name.
+    """
+    out: dict[str, Site] = {}
+    for fqn, module in model.named_modules():
+        if not isinstance(module, Site):
+            continue
+        name = module.site_name or strip_wrapper_prefixes(fqn)
+        if name in out and out[name] is not module:
+            raise ValueError(f"two sites are named {name!r}")
+        out[name] = module
+    return out

@@ -1,0 +1,538 @@
+"""Sites and adaptations of loka_train.mods, one module at a time (CPU, emulated backend).
+
+Exactness tests use "exact data": small integers whose every row and column reaches +-7 (or
+values in {-1, 0, 1} for high precision). With amax 7 every row-wise FP8 scale is a power of
+two (7 / 448 = 2**-6 for e4m3, 7 / 57344 = 2**-13 for e5m2), integers up to 7 are exact in both
+formats, and all sums stay far below 2**24, so every result is exact whatever the summation
+order: equality is then a property of the algorithm, not of the BLAS blocking.
+
+FP8 SQNR floors (rowwise e4m3 forward, e5m2 x e4m3 backward, Gaussian data): one quantized
+GEMM gives about 27 dB forward and 21-24 dB backward; the floors below leave a few dB margin.
+
+Shape legend: M rows, K in features, N out features, B batch, F features, D embedding dim.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.models.dlrm import InteractionArch
+from torchrec.modules.crossnet import LowRankCrossNet
+
+from loka_train.kernels import Fp8Format, GemmPlan, LinearPlan, Precision, Scaling, quantize, sqnr_db
+from loka_train.mods import (
+    BmmSite,
+    CrossNet,
+    DotInteraction,
+    Fp8Linear,
+    Fp8WukongLayer,
+    FusedLinearSite,
+    GemmSite,
+    ModsConfig,
+    planned_linear,
+)
+from loka_train.models.wukong import WukongLayer
+
+FP8 = LinearPlan.fp8(backend="emulated")
+HIGH = LinearPlan.high_precision()
+FWD_DB = 22.0
+BWD_DB = 17.0
+
+
+def exact_int(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    """Integers in [-7, 7] with +-7 in every row and every column of each trailing 2-D slice."""
+    t = torch.randint(-6, 7, shape, generator=gen).float()
+    r, c = shape[-2], shape[-1]
+    sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0)
+    idx_r = torch.arange(max(r, c)) % r
+    idx_c = torch.arange(max(r, c)) % c
+    t[..., idx_r, idx_c] = 7.0 * sign[..., idx_r, idx_c]
+    return t
+
+
+def ternary(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(-1, 2, shape, generator=gen).float()
+
+
+def grads(*ts: torch.Tensor) -> list[torch.Tensor]:
+    out = [t.grad.clone() for t in ts]
+    for t in ts:
+        t.grad = None
+    return out
+
+
+# ------------------------------------------------------------------------------- config
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="unknown families"):
+        ModsConfig(sites=["mlp", "attention"])
+    with pytest.raises(ValueError, match="initial_plan"):
+        ModsConfig(initial_plan="fp8")
+    with pytest.raises(ValueError, match="pad_to_multiple"):
+        ModsConfig(pad_to_multiple=-1)
+    with pytest.raises(ValueError, match="does not support"):
+        ModsConfig(initial_plan="fp8_tensorwise", backend="fbgemm_rowwise")
+    assert ModsConfig().initial_linear_plan() == HIGH
+    assert ModsConfig(initial_plan="fp8_tensorwise").initial_linear_plan().forward.scaling is Scaling.TENSORWISE
+    assert ModsConfig(pad_to_multiple=0).padding == 1
+
+
+# ------------------------------------------------------------------------------- linear
+
+
+def test_fp8_linear_takes_over_parameters_and_is_exact_in_high_precision() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(13, 7)
+    site = Fp8Linear.from_linear(lin, pad_to_multiple=16)
+    assert site.weight is lin.weight and site.bias is lin.bias
+    assert isinstance(site, nn.Linear)
+    assert [n for n, _ in site.named_parameters()] == ["weight", "bias"]
+    x = torch.randn(2, 9, 13, requires_grad=True)
+    y_ref = lin(x)
+    g = torch.randn_like(y_ref)
+    y_ref.backward(g)
+    ref = grads(x, lin.weight, lin.bias)
+    y = site(x)
+    y.backward(g)
+    assert torch.equal(y, y_ref)
+    for a, b in zip(grads(x, lin.weight, lin.bias), ref, strict=True):
+        assert torch.equal(a, b)
+    assert "plan=(fwd=high dgrad=high wgrad=high)" in repr(site)
+    site.set_plan(FP8)
+    assert "fp8:e4m3/rowwise@emulated" in repr(site)
+    assert site.gemm_shapes() == {"forward": (18, 13, 7), "grad_input": (18, 7, 13), "grad_weight": (7, 18, 13)}
+
+
+def test_fp8_linear_sqnr() -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(64, 48)
+    site = Fp8Linear.from_linear(lin, plan=FP8)
+    x = torch.randn(128, 64, requires_grad=True)
+    y_ref = lin(x)
+    g = torch.randn_like(y_ref)
+    y_ref.backward(g)
+    dx_ref, dw_ref, db_ref = grads(x, lin.weight, lin.bias)
+    y = site(x)
+    y.backward(g)
+    dx, dw, db = grads(x, lin.weight, lin.bias)
+    assert sqnr_db(y_ref, y) > FWD_DB
+    assert sqnr_db(dx_ref, dx) > BWD_DB
+    assert sqnr_db(dw_ref, dw) > BWD_DB
+    assert torch.equal(db, db_ref)  # the bias gradient stays in high precision
+    assert sqnr_db(y_ref, y) < 60  # FP8 really ran
+
+
+class _Strict16:
+    """The emulated backend, refusing K or N not divisible by 16 (like _scaled_mm on CUDA)."""
+
+    name = "test_strict16"
+
+    def __init__(self) -> None:
+        from loka_train.kernels.backends import EmulatedBackend
+
+        self._inner = EmulatedBackend()
+
+    def supports(self, problem):  # type: ignore[no-untyped-def]
+        if problem.k % 16 or problem.n % 16:
+            return False, "K and N must be multiples of 16"
+        return True, ""
+
+    def __call__(self, a_q, b_q, **kw):  # type: ignore[no-untyped-def]
+        assert a_q.shape[1] % 16 == 0 and b_q.shape[0] % 16 == 0
+        return self._inner(a_q, b_q, **kw)
+
+
+@pytest.fixture(scope="module")
+def strict16() -> Iterator[LinearPlan]:
+    """Registers the strict backend for this module only (the registry has no unregister)."""
+    from loka_train.kernels import registry
+
+    registry.registered_backends()  # loads the built-ins first
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(registry._REGISTRY, _Strict16.name, _Strict16())
+        yield LinearPlan.fp8(backend=_Strict16.name)
+
+
+def test_padding_is_exact_and_transparent(strict16: LinearPlan) -> None:
+    gen = torch.Generator().manual_seed(2)
+    m, k, n = 21, 13, 7
+    x = exact_int(m, k, gen=gen).requires_grad_()
+    w = nn.Parameter(exact_int(n, k, gen=gen))
+    b = nn.Parameter(exact_int(1, n, gen=gen)[0])
+    g = exact_int(m, n, gen=gen)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        planned_linear(x, w, b, strict16, pad_to_multiple=1)
+    out = {}
+    for name, plan, pad in (("unpadded", FP8, 16), ("padded", strict16, 16)):
+        y = planned_linear(x, w, b, plan, pad_to_multiple=pad)
+        assert y.shape == (m, n)
+        y.backward(g)
+        out[name] = [y.detach(), *grads(x, w, b)]
+    for a, c in zip(out["unpadded"], out["padded"], strict=True):
+        assert torch.equal(a, c)
+    # The padded operands quantize to the padded quantization of the originals.
+    q = quantize(x.detach(), Fp8Format.E4M3, Scaling.ROWWISE)
+    qp = quantize(F.pad(x.detach(), (0, 3, 0, 11)), Fp8Format.E4M3, Scaling.ROWWISE)
+    assert torch.equal(qp.data[:m, :k].float(), q.data.float()) and torch.equal(qp.scale[:m], q.scale)
+    # Gaussian data: equal up to fp32 summation order.
+    torch.manual_seed(3)
+    xr = torch.randn(m, k)
+    ya = planned_linear(xr, w.detach(), b.detach(), FP8)
+    yb = planned_linear(xr, w.detach(), b.detach(), strict16, pad_to_multiple=16)
+    assert sqnr_db(ya, yb) > 120
+
+
+def test_site_pads_only_where_the_backend_needs_it(strict16: LinearPlan) -> None:
+    torch.manual_seed(15)
+    lin = nn.Linear(13, 7)
+    site = Fp8Linear.from_linear(lin, plan=strict16, pad_to_multiple=16)
+    x = torch.randn(20, 13, requires_grad=True)
+    y = site(x)
+    y.sum().backward()
+    assert y.shape == (20, 7) and x.grad.shape == x.shape and lin.weight.grad.shape == (7, 13)
+    assert site.gemm_shapes()["forward"] == (20, 13, 7)  # logical shapes
+    assert sqnr_db(planned_linear(x.detach(), lin.weight.detach(), lin.bias.detach(), FP8), y) > 120
+    # Padding off: the strict backend refuses, and says why.
+    site.pad_to_multiple = 1
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        site(x)
+
+
+def test_bias_drop() -> None:
+    lin = nn.Linear(8, 4)
+    bias = lin.bias
+    site = Fp8Linear.from_linear(lin, drop_bias=True, plan=FP8)
+    assert site.bias is bias and not bias.requires_grad and torch.count_nonzero(bias) == 0
+    x = torch.randn(5, 8)
+    assert torch.equal(site(x), planned_linear(x, lin.weight, None, FP8))
+    site(x).sum().backward()
+    assert bias.grad is None and lin.weight.grad is not None
+    assert "bias=dropped" in repr(site)
+    # Kept bias: added in high precision after the FP8 GEMM.
+    lin2 = nn.Linear(8, 4)
+    with torch.no_grad():
+        lin2.bias.fill_(3.0)
+    with torch.no_grad():
+        y = Fp8Linear.from_linear(lin2, plan=FP8)(x)
+        assert torch.equal(y, planned_linear(x, lin2.weight, None, FP8) + 3.0)
+
+
+def test_set_plan_validation() -> None:
+    site = GemmSite(weight_shape=(4, 8))
+    with pytest.raises(ValueError, match="LinearPlan"):
+        site.set_plan("fp8")  # type: ignore[arg-type]
+    bogus = LinearPlan(forward=GemmPlan(precision=Precision.FP8, backend="no_such_backend"))
+    with pytest.raises(ValueError, match="unknown GEMM backend"):
+        site.set_plan(bogus)
+    assert site.plan == HIGH
+    bmm = BmmSite()
+    with pytest.raises(ValueError, match="no batched FP8 GEMM"):
+        bmm.set_plan(LinearPlan.fp8(backend="triton"))
+    bmm.set_plan(FP8)
+    assert bmm.plan is FP8
+
+
+# ----------------------------------------------------------------------- fused norm-quant
+
+
+def _ln_pair(k: int, n: int) -> tuple[nn.LayerNorm, nn.Linear]:
+    norm, lin = nn.LayerNorm(k), nn.Linear(k, n)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    return norm, lin
+
+
+@pytest.mark.parametrize("backend", ["emulated", "triton", "high"])
+def test_fused_norm_quant_equals_separate_quantization(backend: str) -> None:
+    torch.manual_seed(4)
+    norm, lin = _ln_pair(32, 16)
+    plan = HIGH if backend == "high" else LinearPlan.fp8(backend=backend)
+    site = Fp8Linear.from_linear(lin, plan=plan)
+    x = torch.randn(24, 32, requires_grad=True)
+    params = (x, lin.weight, lin.bias, norm.weight, norm.bias)
+    y_sep = torch.relu(site(norm(x)))
+    g = torch.randn_like(y_sep)
+    y_sep.backward(g)
+    sep = [y_sep.detach(), *grads(*params)]
+    y_fused = site.forward_layernorm(x, norm, activation="relu")
+    y_fused.backward(g)
+    fused = [y_fused.detach(), *grads(*params)]
+    if backend == "triton":
+        # The Triton LayerNorm reduces in another order than aten: the FP8 inputs are equal up
+        # to an occasional one-step rounding flip.
+        for a, b in zip(sep, fused, strict=True):
+            assert sqnr_db(a, b) > 100
+    else:
+        for a, b in zip(sep, fused, strict=True):
+            assert torch.equal(a, b)
+    assert site.num_fallbacks == 0
+
+
+def test_fused_norm_quant_pads_n_and_falls_back_for_k(strict16: LinearPlan) -> None:
+    torch.manual_seed(5)
+    norm, lin = _ln_pair(32, 13)  # N = 13 padded inside the fused op
+    site = Fp8Linear.from_linear(lin, plan=strict16, pad_to_multiple=16)
+    x = torch.randn(32, 32)
+    y = site.forward_layernorm(x, norm)
+    assert y.shape == (32, 13) and site.num_fallbacks == 0
+    assert sqnr_db(torch.relu(site(norm(x))), y) > 120
+    norm2, lin2 = _ln_pair(12, 16)  # K = 12 cannot be padded inside LayerNorm
+    site2 = Fp8Linear.from_linear(lin2, plan=strict16, pad_to_multiple=16)
+    y2 = site2.forward_layernorm(torch.randn(32, 12), norm2)
+    y2 = site2.forward_layernorm(torch.randn(32, 12), norm2)
+    assert y2.shape == (32, 16) and site2.num_fallbacks == 2
+    # A backend that takes ragged shapes needs no padding, hence no fallback.
+    site2.set_plan(FP8)
+    site2.forward_layernorm(torch.randn(32, 12), norm2)
+    assert site2.num_fallbacks == 2
+
+
+# --------------------------------------------------------------------- horizontal fusion
+
+
+def test_horizontal_fusion_equals_separate_gemms() -> None:
+    gen = torch.Generator().manual_seed(6)
+    members = [nn.Linear(5, n, bias=False) for n in (4, 3, 6)]
+    for mem in members:
+        with torch.no_grad():
+            mem.weight.copy_(ternary(*mem.weight.shape, gen=gen))
+    site = FusedLinearSite(members)
+    assert site.weight_shape() == (13, 5) and list(site.parameters()) == []
+    x = ternary(2, 8, 5, gen=gen).requires_grad_()
+    gs = [ternary(2, 8, m.out_features, gen=gen) for m in members]
+    ws = [m.weight for m in members]
+    sum(((m(x) * g).sum() for m, g in zip(members, gs, strict=True)), torch.zeros(())).backward()
+    ref = grads(x, *ws)
+    outs = site(x)
+    sum(((o * g).sum() for o, g in zip(outs, gs, strict=True)), torch.zeros(())).backward()
+    for o, m in zip(outs, members, strict=True):
+        assert torch.equal(o, m(x))
+    for a, b in zip(grads(x, *ws), ref, strict=True):
+        assert torch.equal(a, b)
+    # FP8: the forward is the separate FP8 GEMMs (same row and channel scales); the gradient
+    # GEMMs share one dY row scale across the members, so they are within the FP8 floors.
+    torch.manual_seed(7)
+    x = torch.randn(64, 5, requires_grad=True)
+    site.set_plan(FP8)
+    outs = site(x)
+    for o, m in zip(outs, members, strict=True):
+        sep = planned_linear(x.detach(), m.weight.detach(), None, FP8)
+        assert sqnr_db(sep, o) > 120
+    gs = [torch.randn_like(o) for o in outs]
+    sum(((o * g).sum() for o, g in zip(outs, gs, strict=True)), torch.zeros(())).backward()
+    fp8 = grads(x, *ws)
+    sum(((m(x) * g).sum() for m, g in zip(members, gs, strict=True)), torch.zeros(())).backward()
+    for a, b in zip(fp8, grads(x, *ws), strict=True):
+        assert sqnr_db(b, a) > BWD_DB
+
+
+def _wukong_layer(seed: int, num_in: int = 5, residual: bool = True) -> WukongLayer:
+    torch.manual_seed(seed)
+    out = 3 + 3 if residual else num_in
+    layer = WukongLayer(num_in=num_in, dim=8, rank=4, num_fm_out=out - 3, num_lcb_out=3, hidden=16)
+    with torch.no_grad():
+        layer.fmb.norm.weight.uniform_(0.5, 1.5)
+        layer.norm.bias.uniform_(-0.5, 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_wukong_layer_high_precision(residual: bool) -> None:
+    """Fusions off: bit-identical. Horizontal fusion: forward identical up to the fused GEMM's
+    summation, gradients within fp32 reassociation (the gradient of X sums the members'
+    contributions inside one GEMM)."""
+    import copy
+
+    ref_layer = _wukong_layer(8, num_in=5 if residual else 6, residual=residual)
+    x = torch.randn(4, ref_layer.fmb.proj.in_features, 8, requires_grad=True)
+    y_ref = ref_layer(x)
+    g = torch.randn_like(y_ref)
+    y_ref.backward(g)
+    ref = [y_ref.detach(), x.grad.clone(), *[p.grad.clone() for p in ref_layer.parameters()]]
+    for fusion, norm_quant in [(False, False), (False, True), (True, True)]:
+        layer = copy.deepcopy(ref_layer)
+        layer.zero_grad()
+        x.grad = None
+        params = list(layer.parameters())
+        conv = Fp8WukongLayer.from_layer(layer, horizontal_fusion=fusion, fused_norm_quant=norm_quant)
+        assert all(a is b for a, b in zip(conv.parameters(), params, strict=True))
+        assert [k for k in conv.state_dict()] == [k for k in ref_layer.state_dict()]
+        y = conv(x)
+        y.backward(g)
+        got = [y.detach(), x.grad.clone(), *[p.grad.clone() for p in conv.parameters()]]
+        for a, b in zip(ref, got, strict=True):
+            if fusion:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(a, b)
+
+
+def test_wukong_layer_fp8_sqnr() -> None:
+    import copy
+
+    ref_layer = _wukong_layer(9)
+    x = torch.randn(16, 5, 8, requires_grad=True)
+    y_ref = ref_layer(x)
+    g = torch.randn_like(y_ref)
+    y_ref.backward(g)
+    ref = [x.grad.clone(), *[p.grad.clone() for p in ref_layer.parameters()]]
+    for fusion in (False, True):
+        layer = copy.deepcopy(ref_layer)
+        layer.zero_grad()
+        x.grad = None
+        conv = Fp8WukongLayer.from_layer(layer, horizontal_fusion=fusion, plan=FP8, pad_to_multiple=16)
+        y = conv(x)
+        y.backward(g)
+        assert sqnr_db(y_ref, y) > FWD_DB - 4
+        got = [x.grad.clone(), *[p.grad.clone() for p in conv.parameters()]]
+        for (name, _), a, b in zip(conv.named_parameters(), ref[1:], got[1:], strict=True):
+            assert sqnr_db(a, b) > BWD_DB - 6, name
+        assert sqnr_db(ref[0], got[0]) > BWD_DB - 6
+
+
+# ------------------------------------------------------------------------ DCN epilogue
+
+
+def _crossnet(seed: int, gen: torch.Generator | None = None) -> LowRankCrossNet:
+    torch.manual_seed(seed)
+    cn = LowRankCrossNet(in_features=24, num_layers=2, low_rank=4)
+    with torch.no_grad():
+        for p in cn.parameters():
+            if gen is not None:
+                p.copy_(ternary(*p.shape, gen=gen))
+            else:
+                p.normal_(0, 0.2)
+    return cn
+
+
+def test_dcn_epilogue_fusion_equals_unfused_formula() -> None:
+    gen = torch.Generator().manual_seed(10)
+    cn = _crossnet(10, gen)
+    x = ternary(6, 24, gen=gen).requires_grad_()
+    y_ref = cn(x)
+    g = ternary(6, 24, gen=gen)
+    y_ref.backward(g)
+    ref = [y_ref.detach(), *grads(x, *cn.parameters())]
+    for fusion in (False, True):
+        conv = CrossNet.from_crossnet(cn, epilogue_fusion=fusion)
+        assert conv.W_kernels is cn.W_kernels and conv.V_kernels is cn.V_kernels and conv.bias is cn.bias
+        assert list(conv.state_dict()) == list(cn.state_dict())
+        y = conv(x)
+        y.backward(g)
+        for a, b in zip(ref, [y.detach(), *grads(x, *cn.parameters())], strict=True):
+            assert torch.equal(a, b)
+    # Gaussian data: the fused epilogue (FMA, bias rounded with the GEMM) is within fp32 rounding.
+    cn = _crossnet(11)
+    x = torch.randn(32, 24, requires_grad=True)
+    y_ref = cn(x)
+    y_ref.sum().backward()
+    ref = [y_ref.detach(), *grads(x, *cn.parameters())]
+    unfused = CrossNet.from_crossnet(cn, epilogue_fusion=False)
+    y = unfused(x)
+    y.sum().backward()
+    for a, b in zip(ref, [y.detach(), *grads(x, *cn.parameters())], strict=True):
+        assert torch.equal(a, b)
+    fused = CrossNet.from_crossnet(cn, epilogue_fusion=True)
+    y = fused(x)
+    y.sum().backward()
+    for a, b in zip(ref, [y.detach(), *grads(x, *cn.parameters())], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # FP8: fused and unfused run the same FP8 GEMMs; only the epilogue's rounding differs.
+    for site in (s for s in fused.modules() if isinstance(s, GemmSite)):
+        site.set_plan(FP8)
+    for site in (s for s in unfused.modules() if isinstance(s, GemmSite)):
+        site.set_plan(FP8)
+    assert sqnr_db(unfused(x), fused(x)) > 100
+    assert sqnr_db(ref[0], fused(x)) > FWD_DB
+
+
+def test_dcn_sites_sqnr() -> None:
+    cn = _crossnet(12)
+    x = torch.randn(64, 24, requires_grad=True)
+    y_ref = cn(x)
+    g = torch.randn_like(y_ref)
+    y_ref.backward(g)
+    ref = grads(x, *cn.parameters())
+    conv = CrossNet.from_crossnet(cn, pad_to_multiple=16)
+    names = sorted(n for n, m in conv.named_modules() if isinstance(m, GemmSite))
+    assert names == ["layer0.V", "layer0.W", "layer1.V", "layer1.W"]
+    for m in conv.modules():
+        if isinstance(m, GemmSite):
+            m.set_plan(FP8)
+    y = conv(x)
+    y.backward(g)
+    assert sqnr_db(y_ref, y) > FWD_DB
+    for (name, _), a, b in zip([("x", x), *cn.named_parameters()], ref, grads(x, *cn.parameters()), strict=True):
+        assert sqnr_db(a, b) > BWD_DB - 3, name
+
+
+# ------------------------------------------------------------------------- interaction
+
+
+def test_dot_interaction() -> None:
+    torch.manual_seed(13)
+    arch = InteractionArch(num_sparse_features=5)
+    conv = DotInteraction.from_interaction(arch)
+    dense = torch.randn(16, 8, requires_grad=True)
+    sparse = torch.randn(16, 5, 8, requires_grad=True)
+    y_ref = arch(dense, sparse)
+    g = torch.randn_like(y_ref)
+    y_ref.backward(g)
+    ref = [y_ref.detach(), *grads(dense, sparse)]
+    y = conv(dense, sparse)
+    y.backward(g)
+    for a, b in zip(ref, [y.detach(), *grads(dense, sparse)], strict=True):
+        assert torch.equal(a, b)
+    conv.bmm.set_plan(FP8)
+    y = conv(dense, sparse)
+    y.backward(g)
+    got = [y.detach(), *grads(dense, sparse)]
+    assert sqnr_db(ref[0], got[0]) > FWD_DB
+    assert sqnr_db(ref[1], got[1]) > BWD_DB - 3 and sqnr_db(ref[2], got[2]) > BWD_DB - 3
+    assert conv.bmm.gemm_shapes()["forward"] == (16 * 6, 8, 6)
+
+
+def test_bmm_site_exact_fp8() -> None:
+    """On exact data every role of the FP8 bmm equals the high-precision bmm."""
+    gen = torch.Generator().manual_seed(14)
+    a = exact_int(3, 6, 8, gen=gen).requires_grad_()
+    bt = exact_int(3, 8, 5, gen=gen)
+    # Columns of bt (its contraction in grad-input) and rows of a (grad-weight) also hit 7.
+    bt = bt.detach().requires_grad_()
+    g = exact_int(3, 6, 5, gen=gen)
+    site = BmmSite(plan=FP8)
+    y = site(a, bt)
+    y.backward(g)
+    ref_y = torch.bmm(a.detach(), bt.detach())
+    assert torch.equal(y, ref_y)
+    assert torch.equal(a.grad, torch.bmm(g, bt.detach().transpose(1, 2)))
+    assert torch.equal(bt.grad, torch.bmm(a.detach().transpose(1, 2), g))
+
+
+def test_emulated_only_backend_for_bmm_logged(caplog: pytest.LogCaptureFixture) -> None:
+    from loka_train.mods import convert, sites
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inter = InteractionArch(num_sparse_features=2)
+            self.top = nn.Linear(8, 4)
+            self.out = nn.Linear(4, 1)
+
+    net = Net()
+    with caplog.at_level(logging.INFO, logger="loka_train.mods"):
+        convert(net, config=ModsConfig(initial_plan="fp8_rowwise", backend="triton"))
+    found = sites(net)
+    assert set(found) == {"inter.bmm", "top"}
+    assert found["inter.bmm"].plan == HIGH and found["top"].plan.forward.backend == "triton"
+    assert len(net.loka_mods_report.fallbacks) == 1
+    assert "inter.bmm" in net.loka_mods_report.fallbacks[0]
+    assert "starts in high precision" in caplog.text
+    assert "left out alone: final logit layer" in caplog.text
