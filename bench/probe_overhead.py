@@ -150,10 +150,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if probe.should_reduce(i):
             probe.reduce()
 
-    # Warm up both paths (allocator, cuBLAS handles, autotuning).
+    # Warm up both paths (allocator, cuBLAS handles, CUDA graph captures for every site).
     _timed(step, range(args.warmup), device)
     handles = attach()
-    _timed(step, range(args.warmup), device, lambda i: probe.begin_step(0), None)  # sampled
+    _timed(step, range(args.warmup), device, lambda i: probe.begin_step(i * cfg.every_k_steps), None)
     probe.reduce()
     for h in handles:
         h.remove()
@@ -204,6 +204,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sync_free[label] = str(exc).splitlines()[0]
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+        # Graph replays and eager measurement give the same statistics.
+        eager = Probe(ProbeConfig(**{**overrides, "cuda_graphs": False}), device=device)
+        graphed = Probe(cfg, device=device)
+        w_check = lin0.weight.detach()
+        for p in (eager, graphed):
+            p.register_site(name0)
+            for i in range(3):  # the first graphed call captures, later ones replay
+                p.begin_step(i * cfg.every_k_steps)
+                xi = torch.randn(batch, lin0.in_features, device=device, generator=torch.Generator(device).manual_seed(i))
+                p.observe_backward(name0, dy_check, xi, w_check)
+                p.observe_forward(name0, xi, w_check)
+            p.reduce()
+        graph_vs_eager = {}
+        for role in ("forward", "grad_input", "grad_weight"):
+            ge, gg = eager.window_stats(name0, role), graphed.window_stats(name0, role)
+            graph_vs_eager[role] = max(
+                float((ge[k] - gg[k]).abs().max()) for k in ("sqnr_db", "underflow_a", "amax_a", "outlier_ratio_a")
+            )
+        sync_free["graph_vs_eager_max_abs_diff"] = graph_vs_eager  # type: ignore[assignment]
     for h in handles:
         h.remove()
 
@@ -241,6 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         * (sampled_per_run * (sampled_s - unsampled_s) + reduces_per_run * reduce_s + steps * (unsampled_s - base_s / steps))
         / base_s,
         "hot_path_sync_free": sync_free,
+        "probe_cuda_graphs": probe.report()["cuda_graphs"],
     }
     return result
 
@@ -252,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8192, help="samples per step")
     parser.add_argument("--steps", type=int, default=None, help="steps per timed run")
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--every-k", type=int, default=None, help="ProbeConfig.every_k_steps")
     parser.add_argument("--interval", type=int, default=None, help="ProbeConfig.interval")
     parser.add_argument("--sites-per-step", type=int, default=None)

@@ -91,6 +91,15 @@ class SwitchableCodec:
         return self._state.precision(self._channel)
 
     def _precision(self, ctx: QuantizationContext | None) -> CommPrecision:
+        if ctx is None and self._bytes_payload:
+            # A uint8 payload has another element count than its values; a collective that
+            # does not create a context does not size its buffers with calc_quantized_size.
+            raise ValueError(
+                f"SwitchableCodec({self._channel.value}) was called without a "
+                "QuantizationContext: this TorchRec collective does not size its buffers with "
+                "calc_quantized_size, so a byte payload cannot travel on it. Register the codec "
+                "only for POOLED/SEQUENCE_EMBEDDINGS_ALL_TO_ALL."
+            )
         if isinstance(ctx, CommContext):
             if ctx.precision is None:
                 ctx.precision = self.precision
@@ -129,7 +138,9 @@ class SwitchableCodec:
         dim_sum = input_tensor.shape[0] if input_tensor.dim() == 1 else input_tensor.shape[1]
         return dim_sum, 0
 
-    def encode(self, input_tensor: torch.Tensor, ctx: QuantizationContext | None = None):
+    def encode(
+        self, input_tensor: torch.Tensor, ctx: QuantizationContext | None = None
+    ) -> torch.Tensor:
         """Encode fp32 values; counts the payload bytes; measures SQNR on sampled steps."""
         precision = self._precision(ctx)
         fmt = self._state.wire_format(self._channel, precision)

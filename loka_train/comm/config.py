@@ -175,7 +175,8 @@ class CommConfig:
     decode, compare on the real tensors, kept on device); 0 disables measuring."""
 
     policy_interval: int = 100
-    """Steps between policy updates (`CommPolicy.maybe_update`); each is one all-reduce."""
+    """Steps between policy updates: `CommPolicy.maybe_update(step)` updates after steps
+    interval-1, 2*interval-1, ...; each update is one small all-reduce."""
 
     row_dim: int = 32
     """Values per scale for row-wise FP8/INT8: consecutive runs of the flattened tensor. Must

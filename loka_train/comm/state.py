@@ -43,7 +43,8 @@ _SIGNAL, _NOISE, _COUNT = 0, 1, 2
 
 # Collectives that sum their payload: only unscaled float formats can travel.
 _SUMMING_CHANNELS = (CommChannel.RS_FWD, CommChannel.RS_BWD)
-# gloo gained bfloat16 reductions in torch 2.2 (pytorch#113557); stay conservative.
+# gloo gained bfloat16 (pytorch#113557, late 2023); bf16 reduce-scatter / all-reduce on gloo
+# measured working on torch 2.11 and 2.13. Older versions are treated as unsupported.
 _GLOO_BF16_MIN_TORCH = Version("2.3")
 
 

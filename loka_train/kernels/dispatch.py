@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -55,6 +55,9 @@ TIMINGS = ("auto", "measure", "cost_model")
 
 Shape = tuple[int, int, int]
 """(M, K, N) of one GEMM: ``(M, K) x (N, K)^T``."""
+
+SiteSupports = Callable[[LinearPlan], tuple[bool, str]]
+"""A site's own check of a whole plan: (ok, why not)."""
 
 
 @dataclass(kw_only=True)
@@ -81,6 +84,10 @@ class DispatchConfig:
     backends: tuple[str, ...] = ("triton", "fbgemm_rowwise", "torch_scaled_mm", "emulated")
     """FP8 backends Dispatch may choose, in order of preference on equal time. "emulated"
     (quantize, dequantize, fp32 matmul) is what runs on CPU."""
+
+    cpu_backends: tuple[str, ...] = ("emulated",)
+    """Backends Dispatch may choose when the job runs on CPU, where FP8 only serves the
+    numerics (the Triton interpreter would run but is far too slow to train with)."""
 
     fmt_forward: str = "e4m3"
     """Format of the forward GEMM's operands."""
@@ -110,14 +117,15 @@ class DispatchConfig:
             raise ValueError(f"dispatch.margin={self.margin} must be in [0, 10)")
         if self.hysteresis_intervals < 1 or self.bench_iters < 1:
             raise ValueError("dispatch.hysteresis_intervals and dispatch.bench_iters must be >= 1")
-        self.scalings = tuple(Scaling(s).value for s in self.scalings)
+        # Accept "rowwise", "ROWWISE" or the enum, like the Probe config.
+        self.scalings = tuple(Scaling(str(getattr(s, "value", s)).lower()).value for s in self.scalings)
         self.fmt_forward = Fp8Format(self.fmt_forward).value
         self.fmt_backward = Fp8Format(self.fmt_backward).value
         bad_roles = set(self.fp8_roles) - set(ROLES)
         if bad_roles:
             raise ValueError(f"dispatch.fp8_roles has unknown roles {sorted(bad_roles)}; use {ROLES}")
-        if not self.backends:
-            raise ValueError("dispatch.backends must name at least one backend")
+        if not self.backends or not self.cpu_backends:
+            raise ValueError("dispatch.backends and dispatch.cpu_backends must each name a backend")
 
 
 @dataclass(frozen=True)
@@ -204,6 +212,7 @@ class Dispatcher:
         self.cost_model = GpuCostModel()
         self.plans: dict[str, LinearPlan] = {}
         self.shapes: dict[str, dict[str, Shape]] = {}
+        self._site_supports: dict[str, SiteSupports] = {}
         self.history: list[PlanChange] = []
         self.num_changes = 0
         self.unsupported: dict[str, str] = {}
@@ -222,10 +231,27 @@ class Dispatcher:
             )
         return self.config.timing
 
-    def register(self, site: str, *, plan: LinearPlan, shapes: Mapping[str, Shape] | None = None) -> None:
-        """Add a site with its initial plan (and GEMM shapes, if already known)."""
+    def register(
+        self,
+        site: str,
+        *,
+        plan: LinearPlan,
+        shapes: Mapping[str, Shape] | None = None,
+        supports: SiteSupports | None = None,
+    ) -> None:
+        """Add a site with its initial plan (and GEMM shapes, if already known).
+
+        Args:
+            site: the site's name.
+            plan: its current plan.
+            shapes: (M, K, N) per role, if known.
+            supports: the site's own check of a plan (e.g. a batched GEMM that only the
+                emulated backend runs); candidates it rejects are never chosen.
+        """
         self.plans[site] = plan
         self.shapes[site] = dict(shapes or {})
+        if supports is not None:
+            self._site_supports[site] = supports
 
     def update_shapes(self, site: str, shapes: Mapping[str, Shape]) -> None:
         """Record the site's latest (M, K, N) per role (M from the last forward)."""
@@ -305,23 +331,28 @@ class Dispatcher:
             return None
         for scaling in self.config.scalings:
             for backend in self.config.backends:
-                plan = _plan_for(self.config, role, scaling, backend)
+                try:
+                    plan = _plan_for(self.config, role, scaling, backend)
+                except ValueError:
+                    continue
                 if str(plan) == plan_s:
                     return plan
         raise ValueError(f"unknown plan key {plan_s!r}")
 
     # ----------------------------------------------------------------------- planning
-    def _candidates(self, role: str, shape: Shape) -> list[GemmPlan]:
-        out = []
+    def _candidates(self, site: str, role: str, shape: Shape) -> list[GemmPlan]:
+        out: list[GemmPlan] = []
         if role not in self.config.fp8_roles:
             return out
+        backends = self.config.cpu_backends if self.device.type == "cpu" else self.config.backends
+        site_ok = self._site_supports.get(site)
         for scaling in self.config.scalings:
-            for backend_name in self.config.backends:
-                plan = _plan_for(self.config, role, scaling, backend_name)
+            for backend_name in backends:
                 try:
+                    plan = _plan_for(self.config, role, scaling, backend_name)
                     backend = get_backend(backend_name)
                 except (KeyError, ValueError) as exc:
-                    self.unsupported.setdefault(f"{backend_name}", str(exc))
+                    self.unsupported.setdefault(f"{backend_name}/{scaling}", str(exc))
                     continue
                 problem = GemmProblem(
                     m=shape[0], k=shape[1], n=shape[2], fmt=plan.fmt, fmt_b=plan.fmt_b,
@@ -329,6 +360,10 @@ class Dispatcher:
                     out_dtype=self.out_dtype, role=role,
                 )
                 ok, why = backend.supports(problem)
+                if ok and site_ok is not None:
+                    ok, why = site_ok(LinearPlan(**{**self._roles(self.plans[site]), role: plan}))
+                    if not ok:
+                        continue  # a property of the site, not a fallback
                 if ok:
                     out.append(plan)
                 else:
@@ -357,7 +392,7 @@ class Dispatcher:
 
         safe: list[tuple[float, int, GemmPlan, Any]] = []
         rejected = []
-        for i, plan in enumerate(self._candidates(role, shape)):
+        for i, plan in enumerate(self._candidates(site, role, shape)):
             v = verdict_of(plan)
             if v is None or not v.safe:
                 rejected.append(f"{plan.scaling.value}: {v.reason if v is not None else 'no verdict'}")

@@ -97,6 +97,14 @@ class ProbeConfig:
     tensor's). None measures every row. Non-finite values are always counted on the full
     tensor. Subsampling bounds the cost of a sample independently of the batch size."""
 
+    cuda_graphs: bool = True
+    """On CUDA, capture each (GEMM role, operand shapes) measurement once as a CUDA graph and
+    replay it: one launch instead of hundreds of small ones. The capture synchronizes the
+    device once per shape; a failed capture is logged, counted and measured eagerly."""
+
+    max_cuda_graphs: int = 64
+    """Most graphs kept; further shapes are measured eagerly (logged once, counted)."""
+
     backward_fmt_b: Fp8Format | None = Fp8Format.E4M3
     """Format of operand ``b`` (W for grad-input, X for grad-weight) in the backward GEMMs;
     None means the candidate's own format."""
@@ -134,7 +142,7 @@ class ProbeConfig:
             isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 4
         ):
             raise ValueError(f"probe.max_rows={self.max_rows!r} must be None or an int >= 4")
-        for name in ("every_k_steps", "window", "interval", "block_size", "min_samples"):
+        for name in ("every_k_steps", "window", "interval", "block_size", "min_samples", "max_cuda_graphs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"probe.{name}={value!r} must be a positive int")
@@ -149,8 +157,9 @@ class ProbeConfig:
                 f"probe.min_samples={self.min_samples} exceeds probe.window={self.window}: "
                 "no window could ever be judged"
             )
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"probe.enabled must be a bool, got {self.enabled!r}")
+        for name in ("enabled", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"probe.{name} must be a bool, got {getattr(self, name)!r}")
         self.formats = tuple(_coerce_enum(Fp8Format, f, "formats") for f in self.formats)
         self.scalings = tuple(_coerce_enum(Scaling, s, "scalings") for s in self.scalings)
         if not self.formats or not self.scalings:

@@ -224,6 +224,84 @@ def _clean(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(finite, x32, 0.0), num_nonfinite
 
 
+class _CudaGraphs:
+    """Replays the measurement of each (role, operand shapes and dtypes) as one CUDA graph.
+
+    A sample is a few hundred small kernels; launched eagerly, their CPU cost dominates
+    the probe's overhead. Captured once, a replay is one launch. Inputs are copied into static
+    buffers (two device-to-device copies), outputs are copied out of static buffers by the
+    caller. All graphs share one memory pool: every tensor allocated during a capture is dead
+    at its end (outputs are written into buffers allocated outside the pool), so replays in
+    any order cannot clobber each other's live memory.
+
+    Costs and fallbacks: a capture synchronizes the device once (``torch.cuda.graph``), on the
+    first sample of each shape. Beyond ``max_graphs`` shapes, or if a capture fails, the
+    measurement runs eagerly (same numbers); both are logged and counted (``num_eager``).
+    """
+
+    def __init__(self, measure, *, max_graphs: int) -> None:
+        self._measure = measure
+        self._max_graphs = max_graphs
+        self._entries: dict[tuple, tuple[Tensor, Tensor, Any, Tensor, Tensor]] = {}
+        self._pool: Any = None
+        self.disabled_reason: str | None = None
+        self.num_captures = 0
+        self.num_eager = 0
+        self._warned_full = False
+
+    def run(self, role: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        key = (role, tuple(a.shape), a.dtype, tuple(b.shape), b.dtype, a.device)
+        entry = self._entries.get(key)
+        if entry is None:
+            if self.disabled_reason is not None or len(self._entries) >= self._max_graphs:
+                self.num_eager += 1
+                if self.disabled_reason is None and not self._warned_full:
+                    self._warned_full = True
+                    logger.warning(
+                        "probe: %d CUDA graphs cached (max_cuda_graphs); new shapes such as "
+                        "%s/%s x %s are measured eagerly (slower, same numbers)",
+                        self._max_graphs, role, tuple(a.shape), tuple(b.shape),
+                    )
+                return self._measure(role, a, b, None)
+            try:
+                entry = self._capture(role, a, b)
+            except RuntimeError as exc:
+                self.disabled_reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                self.num_eager += 1
+                logger.warning(
+                    "probe: CUDA graph capture failed (%s); measuring eagerly from now on "
+                    "(slower, same numbers)", self.disabled_reason,
+                )
+                return self._measure(role, a, b, None)
+            self._entries[key] = entry
+        a_static, b_static, graph, out_sum, out_max = entry
+        a_static.copy_(a)
+        b_static.copy_(b)
+        graph.replay()
+        return out_sum, out_max
+
+    def _capture(self, role: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Any, Tensor, Tensor]:
+        a_static = a.detach().clone(memory_format=torch.contiguous_format)
+        b_static = b.detach().clone(memory_format=torch.contiguous_format)
+        side = torch.cuda.Stream(device=a.device)
+        side.wait_stream(torch.cuda.current_stream(a.device))
+        with torch.cuda.stream(side):
+            # Warm-up outside the capture (lazy inits, cuBLAS workspaces); also this sample.
+            vec_sum, vec_max = self._measure(role, a_static, b_static, None)
+            out_sum, out_max = vec_sum.clone(), vec_max.clone()
+        torch.cuda.current_stream(a.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            vec_sum, vec_max = self._measure(role, a_static, b_static, None)
+            out_sum.copy_(vec_sum)
+            out_max.copy_(vec_max)
+        self.num_captures += 1
+        logger.debug("probe: captured a CUDA graph for %s %s x %s", role, tuple(a.shape), tuple(b.shape))
+        return a_static, b_static, graph, out_sum, out_max
+
+
 def _row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Tensor | None:
     """Indices of at most ``max_rows`` rows (M) to measure on, or None for all rows.
 
@@ -310,6 +388,9 @@ class Probe:
         """Per ``site/role/candidate``: (step, SQNR low quantile) at every reduction."""
         self.num_nonfinite_events = 0
         self.num_misaligned_events = 0
+        self._graphs: _CudaGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self._graphs = _CudaGraphs(self._measure, max_graphs=config.max_cuda_graphs)
         self.num_reduces = 0
         self.num_verdict_changes = 0
 
@@ -514,7 +595,10 @@ class Probe:
             logger.debug("probe: %s/%s step %d has an empty operand; nothing recorded", site, role, step)
             return
         with torch.no_grad(), record_function("loka/probe/observe"):
-            vec_sum, vec_max = self._measure(role, a2, b2, out_ref)
+            if self._graphs is not None and out_ref is None:
+                vec_sum, vec_max = self._graphs.run(role, a2, b2)
+            else:
+                vec_sum, vec_max = self._measure(role, a2, b2, out_ref)
             r = _ROLE_INDEX[role]
             n = self._num_obs[idx][r]
             slot = n % self.config.window
@@ -531,6 +615,13 @@ class Probe:
 
     def _measure(self, role: str, a: Tensor, b: Tensor, out_ref: Tensor | None) -> tuple[Tensor, Tensor]:
         """All statistics of one GEMM as (SUM vector, MAX vector), on the device."""
+        # Hooks run inside the model's autocast region: the shadow GEMMs must stay in fp32.
+        with torch.autocast(device_type=a.device.type, enabled=False):
+            return self._measure_fp32(role, a, b, out_ref)
+
+    def _measure_fp32(
+        self, role: str, a: Tensor, b: Tensor, out_ref: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         L, cfg = self._layout, self.config
         ax_a, ax_b = _ROLE_AXES[role]
         # Non-finite values are counted on the full operands: none may slip past a subsample.
@@ -955,6 +1046,13 @@ class Probe:
                 "misaligned": self.num_misaligned_events,
                 "verdict_changes": self.num_verdict_changes,
                 "log": [{k: _jsonable(v) for k, v in e.items()} for e in self.events],
+            },
+            "cuda_graphs": None
+            if self._graphs is None
+            else {
+                "captures": self._graphs.num_captures,
+                "eager_measurements": self._graphs.num_eager,
+                "disabled_reason": self._graphs.disabled_reason,
             },
             "history": list(self.history),
             "series": {k: [[s, _jsonable(v)] for s, v in pts] for k, pts in self.series.items()},

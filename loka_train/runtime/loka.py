@@ -95,9 +95,9 @@ class LokaCallback(Callback):
             out_dtype=torch.bfloat16 if trainer.device.type == "cuda" else torch.float32,
         )
         for name, site in self.sites.items():
-            self.probe.register_site(name)
+            self.probe.register_site(name, **site.probe_spec())
             site.attach_observer(self.probe)
-            self.dispatcher.register(name, plan=site.plan)
+            self.dispatcher.register(name, plan=site.plan, supports=site.supports_plan)
         if self._pending_state is not None:
             self.probe.load_state_dict(self._pending_state["probe"])
             self.dispatcher.load_state_dict(self._pending_state["dispatch"])
@@ -215,6 +215,11 @@ class LokaCallback(Callback):
             site_rows[name] = roles
         comm = self.comm_state.report() if self.comm_state is not None else {"enabled": False}
         fallbacks = [f"backend unavailable: {k}: {v}" for k, v in sorted(d.unsupported.items())]
+        fallbacks += [
+            f"site {name}: {site.num_fallbacks} GEMMs ran in high precision instead of their plan"
+            for name, site in sorted(self.sites.items())
+            if getattr(site, "num_fallbacks", 0)
+        ]
         if trainer is not None:
             fallbacks += list(trainer.fallbacks)
         return {

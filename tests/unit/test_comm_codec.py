@@ -320,3 +320,12 @@ def test_planner_accepts_the_registry() -> None:
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"))
     plan = planner.plan(ebc, [sharder])
     assert set(plan.plan[""]) == {"t0", "t1", "t2"}  # type: ignore[index]
+
+
+def test_byte_payload_without_context_raises() -> None:
+    codec = SwitchableCodec(_state(), CommChannel.A2A_FWD)
+    with pytest.raises(ValueError, match="without a QuantizationContext"):
+        codec.encode(torch.randn(8))
+    # Reduce-scatter channels keep the element count: no context needed.
+    rs = SwitchableCodec(_state(), CommChannel.RS_FWD)
+    assert rs.encode(torch.randn(8)).numel() == 8
