@@ -43,11 +43,11 @@ from torchrec.models.dlrm import InteractionArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
 from loka_train.kernels.plan import LinearPlan
+from loka_train.models.wukong import WukongLayer
 from loka_train.mods.config import ModsConfig
 from loka_train.mods.interaction import CrossNet, DotInteraction
 from loka_train.mods.site import Fp8Linear, Site
 from loka_train.mods.wukong import Fp8WukongLayer
-from loka_train.models.wukong import WukongLayer
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from loka_train.kernels.plan import LinearPlan
-from loka_train.mods.site import BmmSite, Fp8Linear, FusedLinearSite
 from loka_train.models.wukong import FactorizationMachineBlock, WukongLayer
+from loka_train.mods.site import BmmSite, Fp8Linear, FusedLinearSite
 
 logger = logging.getLogger(__name__)
 

@@ -65,6 +65,8 @@ class LokaCallback(Callback):
         self.best_ne: float | None = None
         self._cooldown = 0
         self._pending_state: dict[str, Any] | None = None
+        self._pending_comp: list[dict[str, Any]] | None = None
+        self.compressors: list[Any] = []
         self._out_dir: Path | None = None
         self._rank = 0
 
@@ -107,7 +109,11 @@ class LokaCallback(Callback):
         if self.comm_state is not None:
             from loka_train.comm import install_dense_grad_hook
 
-            install_dense_grad_hook(trainer.model, self.comm_state)
+            self.compressors = install_dense_grad_hook(trainer.model, self.comm_state)
+            if self._pending_comp is not None:
+                for comp, st in zip(self.compressors, self._pending_comp):
+                    comp.load_state_dict(st)
+                self._pending_comp = None
         trainer.progress_postfix["fp8"] = f"{self.dispatcher.fp8_coverage():.0%}"
         logger.info(
             "LoKA on: %d sites, probe every %d steps, interval %d, dispatch objective %s",
@@ -130,6 +136,7 @@ class LokaCallback(Callback):
             metrics.update(self.comm_state.end_step())
             for event in self.comm_policy.maybe_update(step):
                 logger.info("LoKA comm: %s", event)
+            metrics.update(self.comm_policy.metrics())
         if not self.probe.should_reduce(step):
             return
         with torch.profiler.record_function("loka/interval"):
@@ -315,6 +322,7 @@ class LokaCallback(Callback):
             "dispatch": self.dispatcher.state_dict(),
             "comm": self.comm_state.state_dict() if self.comm_state is not None else None,
             "comm_policy": self.comm_policy.state_dict() if self.comm_policy is not None else None,
+            "compressors": [c.state_dict() for c in self.compressors],
             "timeline": self.timeline,
             "guard": {"best_ne": self.best_ne, "cooldown": self._cooldown, "trips": self.guard_trips},
         }
@@ -329,6 +337,7 @@ class LokaCallback(Callback):
         if self.comm_state is not None and state["comm"] is not None:
             self.comm_state.load_state_dict(state["comm"])
             self.comm_policy.load_state_dict(state["comm_policy"])
+            self._pending_comp = state["compressors"]
 
 
 __all__ = ["LokaCallback"]

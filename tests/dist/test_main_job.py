@@ -37,6 +37,10 @@ def test_main_job_learns(tmp_path: Path) -> None:
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert any("train/loss" in json.loads(line) for line in lines)
     assert (tmp_path / "checkpoints" / "latest").exists()
+    # The main job runs with LoKA on: it put GEMMs in FP8 and wrote its report.
+    assert summary["loka/fp8_coverage"] > 0.5, summary
+    assert (tmp_path / "loka" / "loka_report.md").exists()
+    assert "LoKA plan" in proc.stdout
 
 
 def test_bad_config_value_fails_clearly(tmp_path: Path) -> None:

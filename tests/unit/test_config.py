@@ -30,7 +30,13 @@ def test_default_job_composes() -> None:
     job = _compose()
     assert isinstance(job.model, ModelConfig) and job.model.kind == "dlrm"
     assert isinstance(job.trainer, TrainerConfig) and job.trainer.device == "cpu"
-    assert job.loka.enabled is False
+    assert job.loka.enabled is True and job.loka.dispatch.objective == "coverage"
+
+
+@pytest.mark.parametrize("preset", ["off", "safe", "aggressive"])
+def test_loka_presets(preset: str) -> None:
+    loka = _compose(f"loka={preset}").loka
+    assert loka.enabled is (preset != "off")
 
 
 @pytest.mark.parametrize("preset", ["dlrm", "dcn", "wukong"])

@@ -24,8 +24,8 @@ from torch import nn
 
 from loka_train.data import DataConfig, make_dataset
 from loka_train.kernels import LinearPlan, sqnr_db
-from loka_train.mods import BmmSite, Fp8Linear, ModsConfig, Site, convert, sites
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
+from loka_train.mods import BmmSite, Fp8Linear, ModsConfig, Site, convert, sites
 from loka_train.probe import Probe, ProbeConfig
 
 FP8 = LinearPlan.fp8(backend="emulated")

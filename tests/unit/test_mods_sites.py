@@ -24,7 +24,16 @@ from torch import nn
 from torchrec.models.dlrm import InteractionArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
-from loka_train.kernels import Fp8Format, GemmPlan, LinearPlan, Precision, Scaling, quantize, sqnr_db
+from loka_train.kernels import (
+    Fp8Format,
+    GemmPlan,
+    LinearPlan,
+    Precision,
+    Scaling,
+    quantize,
+    sqnr_db,
+)
+from loka_train.models.wukong import WukongLayer
 from loka_train.mods import (
     BmmSite,
     CrossNet,
@@ -36,7 +45,6 @@ from loka_train.mods import (
     ModsConfig,
     planned_linear,
 )
-from loka_train.models.wukong import WukongLayer
 
 FP8 = LinearPlan.fp8(backend="emulated")
 HIGH = LinearPlan.high_precision()

@@ -1,0 +1,59 @@
+"""One job of the multi-GPU integration tests, launched by torchrun (nccl).
+
+Usage: torchrun --nproc_per_node=N tests/gpu/_multigpu_job.py OUT SHARDING STEPS GLOBAL_BATCH [STOP]
+Writes OUT/rank{r}.pt with the plans at every LoKA interval, the losses and the summary.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loka_train.data import DataConfig  # noqa: E402
+from loka_train.models import ModelConfig  # noqa: E402
+from loka_train.runtime import TrainerConfig  # noqa: E402
+from loka_train.runtime.loka import LokaCallback  # noqa: E402
+from loka_train.runtime.trainer import Trainer  # noqa: E402
+from tests.dist._loka import PlanRecorder, preset  # noqa: E402
+
+
+def main() -> None:
+    out, sharding, steps, global_batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    stop = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    loka = LokaCallback(
+        preset(
+            "aggressive",
+            "loka.probe.every_k_steps=2", "loka.probe.interval=20", "loka.probe.window=8",
+            "loka.comm.policy_interval=20", "loka.comm.sample_every=2",
+        )
+    )
+    recorder = PlanRecorder(loka)
+    trainer = Trainer(
+        model=ModelConfig(kind="dcn", embedding_dim=64, dense_arch_layer_sizes=[256, 64],
+                          over_arch_layer_sizes=[512, 256, 1], dcn_num_layers=3, dcn_low_rank_dim=64),
+        data=DataConfig(num_embeddings=100_000),
+        trainer=TrainerConfig(
+            steps=steps, batch_size=global_batch // world, device="cuda", sharding=sharding,
+            log_every=1, eval_every=0, eval_batches=4, out_dir=out, tensorboard=False,
+            progress_bar=False, checkpoint_every=20, resume="auto", stop_after_step=stop,
+        ),
+        callbacks=[loka, recorder],
+    )
+    summary = trainer.fit()
+    torch.save(
+        {"plans": recorder.plans, "losses": recorder.losses, "summary": summary,
+         "comm": loka.comm_state.report() if loka.comm_state is not None else None},
+        Path(out) / f"rank{dist.get_rank()}_{'part' if stop else 'full'}.pt",
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
