@@ -148,11 +148,15 @@ def build_dense(kind: str, sizes: dict[str, Any], device: str):
     inner = rec.model
 
     class DenseTower(nn.Module):
+        dense_arch: nn.Module
+        inter_arch: nn.Module
+        over_arch: nn.Module
+
         def __init__(self) -> None:
             super().__init__()
-            self.dense_arch = inner.dense_arch
-            self.inter_arch = inner.inter_arch
-            self.over_arch = inner.over_arch
+            self.dense_arch = inner.get_submodule("dense_arch")
+            self.inter_arch = inner.get_submodule("inter_arch")
+            self.over_arch = inner.get_submodule("over_arch")
 
         def forward(self, dense_BI: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
             dense_BD = self.dense_arch(dense_BI)
@@ -168,8 +172,9 @@ def build_dense(kind: str, sizes: dict[str, Any], device: str):
             if isinstance(m, nn.LayerNorm):
                 m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
                 m.bias.copy_(torch.rand(m.bias.shape, generator=gen) * 0.2 - 0.1)
-            if isinstance(getattr(m, "bias", None), nn.ParameterList):
-                for b in m.bias:
+            biases = getattr(m, "bias", None)
+            if isinstance(biases, nn.ParameterList):
+                for b in biases:
                     b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
     return tower
 
@@ -343,27 +348,26 @@ def _speedups(rows: list[Row]) -> None:
     for kind in {r.model for r in rows}:
         base = next((r for r in rows if r.model == kind and r.variant == "bf16" and r.us), None)
         for r in rows:
-            if r.model == kind and base is not None and r.us:
+            if r.model == kind and base is not None and base.us and r.us:
                 r.extra["speedup_vs_bf16"] = base.us / r.us
 
 
 def _pairs(rows: list[Row]) -> list[tuple[str, str, str, float]]:
     """(model, adaptation, 'with vs without', time ratio without/with) for each switch."""
-    by = {(r.model, r.variant): r for r in rows if r.us}
+    by = {(r.model, r.variant): r.us for r in rows if r.us}
     out = []
-    for (model, variant), r in by.items():
+    for (model, variant), us in by.items():
         for suffix, label in ((" -fused_norm", "fused LayerNorm quantization"),
                               (" -hfusion", "horizontal fusion"),
                               (" -epilogue", "DCN epilogue fusion"),
                               (" pad off", "padding (ragged sites FP8 vs bf16)"),
                               (" +drop_bias", "bias drop (inverse: with / without)")):
             if variant.endswith(suffix):
-                on = by.get((model, variant[: -len(suffix)]))
+                base = variant[: -len(suffix)]
+                on = by.get((model, base))
                 if on is not None:
-                    if suffix == " +drop_bias":
-                        out.append((model, label, f"{on.variant} vs {variant}", on.us / r.us))
-                    else:
-                        out.append((model, label, f"{on.variant} vs {variant}", r.us / on.us))
+                    ratio = on / us if suffix == " +drop_bias" else us / on
+                    out.append((model, label, f"{base} vs {variant}", ratio))
     return out
 
 

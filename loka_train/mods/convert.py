@@ -236,7 +236,7 @@ def convert(
         raise ValueError(f"config must be a ModsConfig, got {type(config).__name__}")
     if not config.enabled:
         logger.info("mods: disabled (mods.enabled=False); model left unchanged")
-        model.loka_mods_report = ConvertReport()
+        setattr(model, "loka_mods_report", ConvertReport())  # noqa: B010 - a plain attribute
         return model
     converter = _Converter(
         config, module_filter_fn, _last_linear_fqn(model) if config.keep_last_layer_high else None
@@ -245,7 +245,7 @@ def convert(
         raise ValueError("convert needs a model that contains the sites, not a site itself")
     converter.walk(model, "")
     report = converter.report
-    model.loka_mods_report = report
+    setattr(model, "loka_mods_report", report)  # noqa: B010 - a plain attribute
     logger.info(
         "mods: %d sites converted, %d modules left alone, %d initial-plan fallbacks",
         len(report.converted), len(report.skipped), len(report.fallbacks),

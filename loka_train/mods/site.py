@@ -445,13 +445,15 @@ class Fp8Linear(GemmSite, nn.Linear):
 
     def __init__(
         self,
-        weight: nn.Parameter,
-        bias: nn.Parameter | None,
+        weight: Tensor,
+        bias: Tensor | None,
         *,
         plan: LinearPlan | None = None,
         pad_to_multiple: int = 1,
         bias_dropped: bool = False,
     ) -> None:
+        if not isinstance(weight, nn.Parameter) or not (bias is None or isinstance(bias, nn.Parameter)):
+            raise ValueError("Fp8Linear takes over nn.Parameters: weight and bias must be Parameters")
         nn.Module.__init__(self)
         self._init_site(plan=plan, pad_to_multiple=pad_to_multiple)
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])

@@ -90,9 +90,10 @@ class Fp8FMBlock(FactorizationMachineBlock):
         """The block after its projection (horizontal fusion computes the projection)."""
         fm_BNK = self.bmm(x_BND, proj_BDK)
         flat = fm_BNK.flatten(1)
-        if self._fusable():
+        first = self.mlp[0]
+        if self._fusable() and isinstance(first, Fp8Linear):
             with torch.profiler.record_function("loka/mods/fused_norm_linear"):
-                h = self.mlp[0].forward_layernorm(flat, self.norm, activation="relu")
+                h = first.forward_layernorm(flat, self.norm, activation="relu")
             out = self.mlp[2](h)
         else:
             out = self.mlp(self.norm(flat))
@@ -109,6 +110,9 @@ class Fp8WukongLayer(WukongLayer):
     names. With ``xt_proj`` set (horizontal fusion), the FM projection, LCB mix and residual
     projection are computed by it in one GEMM.
     """
+
+    fmb: Fp8FMBlock
+    xt_proj: FusedLinearSite | None
 
     def __init__(
         self,
