@@ -255,7 +255,7 @@ class Dispatcher:
 
     def update_shapes(self, site: str, shapes: Mapping[str, Shape]) -> None:
         """Record the site's latest (M, K, N) per role (M from the last forward)."""
-        self.shapes[site].update({r: tuple(s) for r, s in shapes.items() if min(s) > 0})
+        self.shapes[site].update({r: (s[0], s[1], s[2]) for r, s in shapes.items() if min(s) > 0})
 
     # ------------------------------------------------------------------------ timing
     def _key(self, role: str, shape: Shape, plan: GemmPlan | None) -> str:

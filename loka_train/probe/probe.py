@@ -540,6 +540,7 @@ class Probe:
                 return
             x = args[0]
             w = mod.weight
+            assert isinstance(w, Tensor)
             self._record(site, "forward", x, w, None, step)
             if isinstance(output, Tensor) and output.requires_grad:
                 x_saved = x.detach()
@@ -856,8 +857,8 @@ class Probe:
                     lo, med = lo_all[s][r][c], med_all[s][r][c]
                     sat_o = {o: sat_all[o][s][r][c] for o in _OPERANDS}
                     und_o = {o: und_all[o][s][r][c] for o in _OPERANDS}
-                    sat_worst = max(_OPERANDS, key=lambda o, d=sat_o: _nan_low(d[o]))
-                    und_worst = max(_OPERANDS, key=lambda o, d=und_o: _nan_low(d[o]))
+                    sat_worst = _worst_operand(sat_o)
+                    und_worst = _worst_operand(und_o)
                     sat, und = sat_o[sat_worst], und_o[und_worst]
                     qname = f"p{100 * q:g}"
                     failures: list[str] = []
@@ -1168,9 +1169,11 @@ class Probe:
         }
         self._verdicts = {}
         for d in state["verdicts"]:
-            fields = {k: (float(v) if isinstance(v, str) and k not in _STR_FIELDS else v) for k, v in d.items()}
-            fields["fmt"], fields["fmt_b"] = Fp8Format(fields["fmt"]), Fp8Format(fields["fmt_b"])
-            fields["scaling"] = Scaling(fields["scaling"])
+            fields: dict[str, Any] = {
+                k: (float(v) if isinstance(v, str) and k not in _STR_FIELDS else v) for k, v in d.items()
+            }
+            fields["fmt"], fields["fmt_b"] = Fp8Format(d["fmt"]), Fp8Format(d["fmt_b"])
+            fields["scaling"] = Scaling(d["scaling"])
             v = Verdict(**fields)
             self._verdicts[(v.site, v.role, v.fmt, v.scaling)] = v
         self.history = [dict(h) for h in state["history"]]
@@ -1184,6 +1187,11 @@ class Probe:
 
 
 _STR_FIELDS = frozenset({"site", "role", "fmt", "fmt_b", "scaling", "reason"})
+
+
+def _worst_operand(values: dict[str, float]) -> str:
+    """The operand with the largest value (NaN counts as smallest)."""
+    return max(_OPERANDS, key=lambda o: _nan_low(values[o]))
 
 
 def _nan_low(v: float) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from loka_train.runtime.trainer import Trainer
+    from loka_train.runtime.context import LoopState as Trainer
 
 
 class Callback:
@@ -35,6 +35,8 @@ class Callback:
 
     def on_before_shard(self, trainer: Trainer) -> None:
         """The unsharded model is built (`trainer.model`), nothing is sharded yet.
+
+        `trainer` is the `Trainer`, or a `RunContext` in a user's own loop (same attributes).
 
         A callback may replace `trainer.model` (e.g. convert dense modules), append to
         `trainer.sharders`, or set `trainer.data_parallel_wrapper` here.

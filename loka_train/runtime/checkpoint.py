@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +37,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the fix."""
 
 
-def _sharded_tensor_type() -> type:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return ShardedTensor
-
-
 def to_local(obj: Any) -> Any:
     """Replace every ShardedTensor by the list of its local shards (detached copies)."""
-    sharded = _sharded_tensor_type()
-    if isinstance(obj, sharded):
+    if isinstance(obj, ShardedTensor):
         return {"__local_shards__": [s.tensor.detach().cpu().clone() for s in obj.local_shards()]}
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu().clone()
@@ -58,8 +52,7 @@ def to_local(obj: Any) -> Any:
 
 def copy_into(live: Any, saved: Any, path: str) -> None:
     """Copy `saved` (from `to_local`) into the live state in place; raise on any mismatch."""
-    sharded = _sharded_tensor_type()
-    if isinstance(live, sharded):
+    if isinstance(live, ShardedTensor):
         if not (isinstance(saved, dict) and "__local_shards__" in saved):
             raise CheckpointError(f"{path}: expected sharded state, found {type(saved).__name__}")
         shards = live.local_shards()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -52,3 +52,17 @@ class RunContext:
 
     fallbacks: list[str] = field(default_factory=list)
     """Every fallback taken during the run."""
+
+
+class LoopState(Protocol):
+    """What every callback hook receives: a `Trainer` or a `RunContext` (same attributes)."""
+
+    model: nn.Module
+    device: torch.device
+    rank: int
+    world_size: int
+    out_dir: Path
+    qcomm_codecs_registry: dict[str, Any] | None
+    data_parallel_wrapper: Any
+    progress_postfix: dict[str, str]
+    fallbacks: list[str]

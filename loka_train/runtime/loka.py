@@ -40,7 +40,7 @@ from loka_train.runtime.callbacks import Callback
 from loka_train.runtime.loka_config import LokaConfig
 
 if TYPE_CHECKING:
-    from loka_train.runtime.context import RunContext as Trainer
+    from loka_train.runtime.context import LoopState as Trainer
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ M, K, N = 16, 64, 32
 STEPS = 8
 CFG = dict(
     every_k_steps=1,
+    sites_per_step=None,
     interval=4,
     window=4,
     min_samples=4,

@@ -326,7 +326,7 @@ def test_observer_gets_three_roles_on_sampled_steps(kind: str, originals: dict) 
 def test_real_probe_registers_and_measures_every_site(originals: dict) -> None:
     original, _ = originals["wukong"]
     model, _ = convert_copy(original)
-    probe = Probe(ProbeConfig(every_k_steps=1, interval=2, window=2, min_samples=1))
+    probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, interval=2, window=2, min_samples=1))
     for name, site in sites(model).items():
         probe.register_site(name, **site.probe_spec())
         site.attach_observer(probe)

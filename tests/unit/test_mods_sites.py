@@ -524,6 +524,28 @@ def test_bmm_site_exact_fp8() -> None:
     assert torch.equal(bt.grad, torch.bmm(a.detach().transpose(1, 2), g))
 
 
+def test_bmm_site_matches_per_batch_fp8_linear() -> None:
+    """Row-wise scales never span batches, so the FP8 bmm is the 2-D FP8 linear of each batch
+    (input a[b], weight bt[b]^T), role for role (same quantization axes and formats)."""
+    torch.manual_seed(16)
+    a = torch.randn(3, 6, 8).mul_(torch.rand(3, 6, 1) * 4).requires_grad_()
+    bt = torch.randn(3, 8, 5).mul_(torch.rand(3, 1, 5) * 4).requires_grad_()
+    g = torch.randn(3, 6, 5) * torch.rand(3, 6, 1) * 4
+    y = BmmSite(plan=FP8)(a, bt)
+    y.backward(g)
+    got = [y.detach(), *grads(a, bt)]
+    parts: list[list[torch.Tensor]] = [[], [], []]
+    for i in range(3):
+        ai = a[i].detach().clone().requires_grad_()
+        wi = bt[i].detach().t().clone().requires_grad_()
+        yi = planned_linear(ai, wi, None, FP8)
+        yi.backward(g[i])
+        for part, t in zip(parts, (yi.detach(), ai.grad, wi.grad.t()), strict=True):
+            part.append(t)
+    for t, part in zip(got, parts, strict=True):
+        torch.testing.assert_close(t, torch.stack(part), rtol=1e-6, atol=1e-6)
+
+
 def test_emulated_only_backend_for_bmm_logged(caplog: pytest.LogCaptureFixture) -> None:
     from loka_train.mods import convert, sites
 

@@ -35,6 +35,7 @@ def _one_thread() -> Iterator[None]:
 def _cfg(**overrides) -> ProbeConfig:
     base = dict(
         every_k_steps=1,
+        sites_per_step=None,
         interval=2,
         window=4,
         min_samples=4,

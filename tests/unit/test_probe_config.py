@@ -13,6 +13,7 @@ def test_defaults_are_valid_and_typed() -> None:
     assert cfg.formats == (Fp8Format.E4M3, Fp8Format.E5M2)
     assert cfg.scalings == (Scaling.TENSORWISE, Scaling.ROWWISE)
     assert cfg.max_rows == 1024
+    assert cfg.sites_per_step == 2 and cfg.every_k_steps == 100
     assert set(cfg.sqnr_budget_db) == {"forward", "grad_input", "grad_weight"}
     assert cfg.min_samples <= cfg.window
 

@@ -56,6 +56,7 @@ def _with_outliers(x_MK: torch.Tensor, factor: float = 1e3) -> torch.Tensor:
 def _cfg(**overrides) -> ProbeConfig:
     base = dict(
         every_k_steps=1,
+        sites_per_step=None,
         interval=4,
         window=4,
         min_samples=4,
