@@ -694,8 +694,10 @@ class Probe:
     def reduce(self, process_group: dist.ProcessGroup | None = None) -> dict[VerdictKey, Verdict]:
         """Reduce the windows across ranks and update the verdicts (one interval).
 
-        Two collectives (one SUM, one MAX) for all sites together, then one device-to-host
-        copy; call it every ``interval`` steps (see :meth:`should_reduce`), on every rank.
+        Two collectives (one SUM, one MAX) for all sites together, then two small
+        device-to-host copies; call it every ``interval`` steps (see :meth:`should_reduce`) on
+        every rank, with the same sites registered in the same order everywhere (the packed
+        tensors must have the same layout on all ranks).
 
         Args:
             process_group: the group to reduce over; None = the default group when
@@ -954,7 +956,8 @@ class Probe:
                 "reason": verdict.reason,
             }
         )
-        logger.info(
+        # Every flip is in `history` and the report; Dispatch logs the plan changes it causes.
+        logger.debug(
             "probe: %s/%s %s/%s -> %s at step %d: %s",
             verdict.site, verdict.role, verdict.fmt.value, verdict.scaling.value,
             "safe" if verdict.safe else "unsafe", verdict.step, verdict.reason,
