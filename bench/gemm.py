@@ -236,24 +236,46 @@ def bench_quantizers(ms, kns, device, timer, rows):
 
 
 def block_plans() -> dict:
-    """The FP8 plans benchmarked for the block (all on the Triton backend)."""
+    """The FP8 plans benchmarked for the block. Quantization is fused in all of them."""
     from loka_train.kernels.formats import Fp8Format
     from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 
     e4m3, e5m2 = Fp8Format.E4M3, Fp8Format.E5M2
 
-    def fp8(fmt, fmt_b=None, fast=False):
-        return GemmPlan(precision=Precision.FP8, fmt=fmt, fmt_b=fmt_b, backend="triton", fast_accum=fast)
+    def fp8(backend, fmt, fmt_b=None, fast=False):
+        return GemmPlan(precision=Precision.FP8, fmt=fmt, fmt_b=fmt_b, backend=backend, fast_accum=fast)
 
+    hp = GemmPlan()
     return {
-        # Forward and grad-input in FP8 (fused quantization), grad-weight in bf16.
-        "fp8": LinearPlan(forward=fp8(e4m3, fast=True), grad_input=fp8(e5m2, e4m3), grad_weight=GemmPlan()),
-        "fp8 (precise acc.)": LinearPlan(forward=fp8(e4m3), grad_input=fp8(e5m2, e4m3), grad_weight=GemmPlan()),
+        # Forward: Triton GEMM (fast acc.) with bias+ReLU epilogue; grad-input: cuBLAS row-wise
+        # (the faster precise-accumulation GEMM in part a); grad-weight: bf16.
+        "fp8": LinearPlan(forward=fp8("triton", e4m3, fast=True),
+                          grad_input=fp8("torch_scaled_mm", e5m2, e4m3), grad_weight=hp),
+        "fp8 triton": LinearPlan(forward=fp8("triton", e4m3, fast=True),
+                                 grad_input=fp8("triton", e5m2, e4m3), grad_weight=hp),
+        "fp8 cublas": LinearPlan(forward=fp8("torch_scaled_mm", e4m3, fast=True),
+                                 grad_input=fp8("torch_scaled_mm", e5m2, e4m3), grad_weight=hp),
         # All three in FP8: grad-weight needs column-wise scales (quantized from transposes).
-        "fp8 (+ grad_weight fp8)": LinearPlan(
-            forward=fp8(e4m3, fast=True), grad_input=fp8(e5m2, e4m3), grad_weight=fp8(e5m2, e4m3)
-        ),
+        "fp8 +wgrad": LinearPlan(forward=fp8("triton", e4m3, fast=True),
+                                 grad_input=fp8("torch_scaled_mm", e5m2, e4m3),
+                                 grad_weight=fp8("torch_scaled_mm", e5m2, e4m3, fast=True)),
     }
+
+
+def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """Capture ``fn`` (already warmed up: autotuned) in a CUDA graph; return its replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _bench_block_shape(rows, timer, device, m, k, n, plans):
@@ -277,9 +299,24 @@ def _bench_block_shape(rows, timer, device, m, k, n, plans):
     def bf16_step():
         return torch.autograd.grad(bf16_fwd(), leaves, g)
 
-    with torch.no_grad():
-        _measure(rows, timer, Row("c", "bf16", m, k, n, "forward"), bf16_fwd)
-    _measure(rows, timer, Row("c", "bf16", m, k, n, "fwd+bwd"), bf16_step)
+    def measure_all(name, fwd, step, extra):
+        with torch.no_grad():
+            _measure(rows, timer, Row("c", name, m, k, n, "forward", extra=extra), fwd)
+        _measure(rows, timer, Row("c", name, m, k, n, "fwd+bwd", extra=extra), step)
+        if device == "cuda":
+            # Eager timings include the host's launch overhead (large on the lent VMs); the CUDA
+            # graph replay shows the GPU time a compiled / graphed training step would see.
+            row = Row("c", name, m, k, n, "fwd+bwd graph", extra=extra)
+            try:
+                replay = _graphed(step)
+            except Exception as e:
+                logger.exception("graph capture failed: %s", name)
+                row.skipped = f"error: graph capture: {type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                return
+            _measure(rows, timer, row, replay)
+
+    measure_all("bf16", bf16_fwd, bf16_step, {})
     for name, plan in plans.items():
 
         def fwd(plan=plan):
@@ -288,9 +325,7 @@ def _bench_block_shape(rows, timer, device, m, k, n, plans):
         def step(fwd=fwd):
             return torch.autograd.grad(fwd(), leaves, g)
 
-        with torch.no_grad():
-            _measure(rows, timer, Row("c", name, m, k, n, "forward", extra={"plan": plan.to_dict()}), fwd)
-        _measure(rows, timer, Row("c", name, m, k, n, "fwd+bwd", extra={"plan": plan.to_dict()}), step)
+        measure_all(name, fwd, step, {"plan": plan.to_dict()})
 
 
 def bench_block(ms, kns, device, timer, rows):
@@ -353,8 +388,11 @@ def profile_blocks(ms, kns, device, out: Path) -> None:
                     if device == "cuda":
                         torch.cuda.synchronize()
                 ka = prof.key_averages()
-                dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-                gpu_us = sum(getattr(e, dev_attr) for e in ka) / 5
+                # Kernels (device-side events) only; op rows would count them twice.
+                gpu_us = sum(
+                    e.time_range.elapsed_us() for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA
+                ) / 5
                 lines.append(f"=== M={m} K={k} N={n} {name}: wall {wall_us:.1f} us/step back-to-back, "
                              f"GPU kernels {gpu_us:.1f} us/step")
                 sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
@@ -415,28 +453,28 @@ def _speedup(base: Row | None, r: Row | None) -> str:
     return f"{base.us / r.us:.2f}x"
 
 
-def block_analysis(rows, m, k, n) -> tuple[float | None, str]:
-    """Speedup of the FP8 block and, when it is below 1, why (from parts a and b)."""
-    base = _lookup(rows, "c", "bf16", m, k, n, "fwd+bwd")
-    fp8 = _lookup(rows, "c", "fp8", m, k, n, "fwd+bwd")
+def block_speedup(rows, m, k, n, role) -> tuple[float | None, str]:
+    """Speedup of the `fp8` block over bf16 and, when below 1, why (from parts a and b)."""
+    base = _lookup(rows, "c", "bf16", m, k, n, role)
+    fp8 = _lookup(rows, "c", "fp8", m, k, n, role)
     if base is None or fp8 is None or base.us is None or fp8.us is None:
         return None, "not measured"
     speed = base.us / fp8.us
     if speed >= 1.0:
         return speed, ""
-    # Compare the GEMMs alone: forward + grad-input in FP8 (triton) vs bf16.
+    # The GEMMs alone, as the `fp8` plan runs them (forward Triton+fast, grad-input cuBLAS).
     g_bf16 = [_lookup(rows, "a", "bf16", m, k, n, r) for r in ("forward", "grad_input")]
     g_fp8 = [_lookup(rows, "a", "triton/rowwise+fast", m, k, n, "forward"),
-             _lookup(rows, "a", "triton/rowwise", m, k, n, "grad_input")]
+             _lookup(rows, "a", "scaled_mm/rowwise", m, k, n, "grad_input")]
     if all(r is not None and r.us is not None for r in g_bf16 + g_fp8):
         saved = sum(r.us for r in g_bf16) - sum(r.us for r in g_fp8)
         extra = fp8.us - base.us + saved
         if saved <= 0:
             return speed, (f"the FP8 GEMMs alone are not faster here ({-saved:.1f} us slower than bf16 "
                            "for forward + grad-input)")
-        return speed, (f"the FP8 GEMMs save {saved:.1f} us but quantization (W, W^T, fused LN/ReLU-bwd "
-                       f"writes) and launches cost {extra:.1f} us")
-    return speed, "GEMM timings missing for a breakdown"
+        return speed, (f"the FP8 GEMMs save {saved:.1f} us but quantization (W, W^T, the extra FP8 "
+                       f"writes of the fused LN / ReLU-backward kernels) and launches cost {extra:.1f} us")
+    return speed, "GEMM timings (part a) missing for a breakdown"
 
 
 def write_report(rows, args, env, ms, kns, out: Path) -> None:
@@ -479,25 +517,37 @@ def write_report(rows, args, env, ms, kns, out: Path) -> None:
 
     if "c" in args.parts:
         names = list(dict.fromkeys(r.name for r in rows if r.part == "c"))
-        lines += ["## (c) LayerNorm -> Linear -> ReLU block, bf16 activations", "",
-                  "`fp8`: forward e4m3 (fast acc.) with LayerNorm+quantize fused and bias+ReLU in the GEMM "
-                  "epilogue; grad-input e5m2 x e4m3 with ReLU-backward+quantize fused; grad-weight bf16.", "",
-                  "| M | K | N | " + " | ".join(f"{nm} fwd+bwd" for nm in names)
-                  + " | fp8 speedup fwd+bwd | fp8 speedup fwd | target |",
-                  "|---|---|---|" + "---|" * (len(names) + 3)]
+        fp8_names = [nm for nm in names if nm != "bf16"]
+        lines += ["## (c) LayerNorm -> Linear -> ReLU block, bf16 activations, forward + backward", "",
+                  "All FP8 variants fuse LayerNorm+quantize (forward) and ReLU-backward+quantize (grad-input) "
+                  "into one Triton kernel each. `fp8`: forward Triton GEMM e4m3 (fast acc.) with bias+ReLU "
+                  "epilogue, grad-input cuBLAS row-wise e5m2 x e4m3, grad-weight bf16; `fp8 triton`: both on "
+                  "the Triton GEMM; `fp8 cublas`: both on torch._scaled_mm (ReLU separate); `fp8 +wgrad`: "
+                  "`fp8` plus grad-weight FP8 (column-wise scales from transposed copies).", "",
+                  "Eager times include host launch overhead; `graph` = the same step replayed as a CUDA graph "
+                  "(the GPU time a compiled/graphed step sees).", ""]
+        for mode, role in (("eager", "fwd+bwd"), ("graph", "fwd+bwd graph")):
+            lines += [f"### {mode}", "", "| M | K | N | bf16 us | " + " | ".join(f"{nm}" for nm in fp8_names)
+                      + " | target (`fp8`) |", "|---|---|---|---|" + "---|" * (len(fp8_names) + 1)]
+            for m in ms:
+                for k, n in kns:
+                    base = _lookup(rows, "c", "bf16", m, k, n, role)
+                    cells = [f"{_fmt_us(r)} ({_speedup(base, r)})"
+                             for r in (_lookup(rows, "c", nm, m, k, n, role) for nm in fp8_names)]
+                    sp, _ = block_speedup(rows, m, k, n, role)
+                    tgt = TARGETS.get((m, k, n))
+                    tcell = "" if tgt is None else (f">= {tgt}x: " + ("met" if sp is not None and sp >= tgt else "**missed**"))
+                    lines.append(f"| {m} | {k} | {n} | {_fmt_us(base)} | " + " | ".join(cells) + f" | {tcell} |")
+            lines.append("")
         slower = []
         for m in ms:
             for k, n in kns:
-                cells = [_fmt_us(_lookup(rows, "c", nm, m, k, n, "fwd+bwd")) for nm in names]
-                sp, why = block_analysis(rows, m, k, n)
-                fsp = _speedup(_lookup(rows, "c", "bf16", m, k, n, "forward"), _lookup(rows, "c", "fp8", m, k, n, "forward"))
-                tgt = TARGETS.get((m, k, n))
-                tcell = "" if tgt is None else (f">= {tgt}x: " + ("met" if sp is not None and sp >= tgt else "**missed**"))
-                lines.append(f"| {m} | {k} | {n} | " + " | ".join(cells)
-                             + f" | {'n/a' if sp is None else f'{sp:.2f}x'} | {fsp} | {tcell} |")
+                sp, why = block_speedup(rows, m, k, n, "fwd+bwd graph")
+                if sp is None:
+                    sp, why = block_speedup(rows, m, k, n, "fwd+bwd")
                 if sp is not None and sp < 1.0:
                     slower.append(f"- M={m} K={k} N={n}: {sp:.2f}x: {why}")
-        lines += ["", "### Shapes where the FP8 block is slower than bf16 (Dispatch keeps these in bf16)", ""]
+        lines += ["### Shapes where the `fp8` block is slower than bf16 (graph timing where measured)", ""]
         lines += slower or ["- none"]
         lines.append("")
 

@@ -145,6 +145,7 @@ class SyntheticDataset:
         self._build_teacher()
         self._bias = 0.0
         self._bias = self._calibrate_bias()
+        self._cache: dict[int, Batch] = {}
         logger.debug(
             "synthetic %s data: seed=%d teacher bias %.3f (target CTR %.2f)",
             split,
@@ -155,7 +156,22 @@ class SyntheticDataset:
 
     # ---------------------------------------------------------------- public API
     def batch(self, step: int) -> Batch:
-        """The local batch of `step` (global samples [(step*W + rank)*B, (step*W + rank + 1)*B))."""
+        """The local batch of `step` (global samples [(step*W + rank)*B, (step*W + rank + 1)*B)).
+
+        With ``cfg.cache_batches = K > 0`` (train split) it is the batch of step ``step % K``,
+        generated once and then served from memory.
+        """
+        k = self.cfg.cache_batches
+        if k and self.split == "train":
+            self._start(step)  # raises on a negative step
+            step %= k
+            cached = self._cache.get(step)
+            if cached is None:
+                cached = self._cache[step] = self._batch_uncached(step)
+            return cached
+        return self._batch_uncached(step)
+
+    def _batch_uncached(self, step: int) -> Batch:
         dense_BD, lengths_FB, ids_N, labels_B, _ = self._generate(
             self._start(step), self.batch_size
         )

@@ -198,7 +198,7 @@ class TorchScaledMMBackend:
             b.t(),
             sa,
             sb,
-            bias=bias.to(out_dtype) if fuse_bias else None,
+            bias=bias.to(out_dtype) if fuse_bias and bias is not None else None,
             out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )
@@ -272,13 +272,21 @@ class FbgemmRowwiseBackend:
         return out.to(out_dtype)
 
 
+def _triton_installed() -> bool:
+    return _TRITON_INSTALLED
+
+
+# Whether triton is importable; looked up once (no import, no hardware) when this module loads.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 class TritonBackend:
     """Our Triton FP8 GEMM (``loka::fp8_gemm``): row-wise or tensorwise scales, fused epilogue."""
 
     name = "triton"
 
     def supports(self, problem: GemmProblem) -> tuple[bool, str]:
-        if importlib.util.find_spec("triton") is None:
+        if not _triton_installed():
             return False, "triton is not installed"
         if problem.scaling not in (Scaling.ROWWISE, Scaling.TENSORWISE):
             return False, f"the Triton GEMM takes row-wise/tensorwise scales, not {problem.scaling.value}"

@@ -3,11 +3,13 @@ quantization fused into the kernels that produce each GEMM operand.
 
 ``layernorm_linear(x, ln_w, ln_b, W, b, plan, activation="relu")`` equals
 ``act(F.linear(F.layer_norm(x, ...), W, b))`` with the linear's three GEMMs following
-``plan``. When a GEMM is FP8 on the ``triton`` backend with row-wise scales:
+``plan``. When a GEMM is FP8 with row-wise scales on a backend that takes the fused quantizer
+(triton, torch_scaled_mm, fbgemm_rowwise; see ``linear.use_fused_quantizer``):
 
 * forward: one kernel computes LayerNorm and quantizes its output per row (also writing the
   bf16 LayerNorm output that the grad-weight GEMM needs, and mean/rstd for LayerNorm's
-  backward); the FP8 GEMM applies scales, bias and the activation in its epilogue;
+  backward); the Triton FP8 GEMM applies scales, bias and the activation in its epilogue
+  (other backends: bias in their epilogue, the activation as a separate op);
 * grad-input: one kernel applies ReLU's backward (``dZ = dY * (Y > 0)``) and quantizes ``dZ``
   per row (writing ``dZ`` in bf16 too, for the grad-weight GEMM and the bias gradient).
 
@@ -35,7 +37,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loka_train.kernels.formats import QTensor, Scaling
-from loka_train.kernels.linear import _compute_dtype, fp8_gemm_planned, quantize_operand
+from loka_train.kernels.linear import (
+    _compute_dtype,
+    fp8_gemm_planned,
+    quantize_operand,
+    run_backend,
+    use_fused_quantizer,
+)
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 
 logger = logging.getLogger(__name__)
@@ -45,8 +53,25 @@ __all__ = ["layernorm_linear", "FUSED_ACTIVATIONS"]
 FUSED_ACTIVATIONS = ("none", "relu", "silu")
 
 
-def _fusable(plan: GemmPlan) -> bool:
-    return plan.is_fp8 and plan.backend == "triton" and plan.scaling is Scaling.ROWWISE
+def _fusable(plan: GemmPlan, t: Tensor) -> bool:
+    return plan.is_fp8 and use_fused_quantizer(plan, t, plan.fmt)
+
+
+def _gemm_act(plan, a_q, b_q, *, bias, activation, out_dtype, role):
+    """``act(a @ b^T + bias)``: in the Triton GEMM's epilogue, or the backend then ``act``.
+
+    Returns ``(out, preact)``; ``preact`` is None unless SiLU needs it for backward.
+    """
+    from loka_train.kernels import triton_kernels as tk
+
+    if plan.backend == "triton":
+        out, pre = tk.fp8_gemm(
+            a_q.data, b_q.data, a_q.scale, b_q.scale, bias_N=bias, activation=activation,
+            out_dtype=out_dtype, fast_accum=plan.fast_accum, return_preact=activation == "silu",
+        )
+        return out, (pre if activation == "silu" else None)
+    z = run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias)
+    return _act(z, activation), (z if activation == "silu" else None)
 
 
 def _act(z: Tensor, activation: str) -> Tensor:
@@ -74,7 +99,7 @@ class _LnLinearActFn(torch.autograd.Function):
             odtype = cdtype if out_dtype is None else out_dtype
             fwd = plan.forward
             pre_MN = None
-            if _fusable(fwd):
+            if _fusable(fwd, x_MK):
                 q, s, h_MK, mean, rstd = tk.fused_rowwise_quant(
                     x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
                     return_hp=True,
@@ -85,13 +110,9 @@ class _LnLinearActFn(torch.autograd.Function):
                 rstd = rstd.reshape(-1, 1).to(stat_dtype)
                 w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True)
                 h_q = QTensor(data=q, scale=s, fmt=fwd.fmt, scaling=Scaling.ROWWISE, axis=1)
-                y_MN, pre_MN = tk.fp8_gemm(
-                    h_q.data, w_q.data, h_q.scale, w_q.scale, bias_N=bc, activation=activation,
-                    out_dtype=odtype, fast_accum=fwd.fast_accum,
-                    return_preact=activation == "silu",
+                y_MN, pre_MN = _gemm_act(
+                    fwd, h_q, w_q, bias=bc, activation=activation, out_dtype=odtype, role="forward"
                 )
-                if activation != "silu":
-                    pre_MN = None
             else:
                 h_MK, mean, rstd = torch.native_layer_norm(x_MK, [k], lnw, lnb, eps)
                 if fwd.is_fp8:
@@ -125,7 +146,7 @@ class _LnLinearActFn(torch.autograd.Function):
             dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
             dz_q = None
             gi = plan.grad_input
-            if ctx.activation == "relu" and _fusable(gi):
+            if ctx.activation == "relu" and _fusable(gi, dy_MN):
                 q, s, dz_MN, _, _ = tk.fused_rowwise_quant(
                     dy_MN, fmt=gi.fmt, gate=y_MN, return_hp=True
                 )
@@ -141,10 +162,7 @@ class _LnLinearActFn(torch.autograd.Function):
             # grad-input of the linear: dH = dZ W.
             if gi.is_fp8 and dz_q is not None:
                 w_t = quantize_operand(wc.t(), gi.operand_b_fmt, gi, is_weight=True)
-                dh_MK = tk.fp8_gemm(
-                    dz_q.data, w_t.data, dz_q.scale, w_t.scale, out_dtype=cdtype,
-                    fast_accum=gi.fast_accum,
-                )[0]
+                dh_MK = run_backend(gi, dz_q, w_t, out_dtype=cdtype, role="grad_input")
             elif gi.is_fp8:
                 dh_MK = fp8_gemm_planned(
                     dz_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True

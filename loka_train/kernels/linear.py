@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -40,32 +41,94 @@ from loka_train.kernels.registry import GemmProblem, get_backend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fp8_linear", "fp8_gemm_planned", "quantize_operand"]
+__all__ = ["fp8_linear", "fp8_gemm_planned", "quantize_operand", "run_backend", "use_fused_quantizer"]
 
 
-def _use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
-    return (
-        plan.backend == "triton"
+# Backends whose operands may come from the fused Triton quantizer. The emulated and bf16
+# backends keep the reference quantizer: they are the oracle the fused one is tested against.
+_FUSED_QUANT_BACKENDS = frozenset({"triton", "torch_scaled_mm", "fbgemm_rowwise"})
+
+
+def triton_installed() -> bool:
+    """Whether triton can be imported (looked up once, when this module loads)."""
+    from loka_train.kernels.backends import _triton_installed
+
+    return _triton_installed()
+
+
+@functools.lru_cache(maxsize=4096)
+def _supports(backend_name: str, problem: GemmProblem) -> tuple[bool, str]:
+    # Backend capabilities do not change within a process; problems repeat every step.
+    return get_backend(backend_name).supports(problem)
+
+
+def use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
+    """Whether :func:`quantize_operand` takes the one-pass Triton quantizer for ``t``."""
+    if not (
+        plan.backend in _FUSED_QUANT_BACKENDS
         and plan.scaling is Scaling.ROWWISE
         and fmt in (Fp8Format.E4M3, Fp8Format.E5M2)
         and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    )
+    ):
+        return False
+    if plan.backend != "triton" and not triton_installed():
+        return False
+    from loka_train.kernels.triton_kernels import MAX_QUANT_ROW, triton_runnable
+
+    if t.shape[-1] > MAX_QUANT_ROW:
+        # The fused quantizer holds a row in registers; longer rows (the grad-weight GEMM's
+        # operands, whose rows run over the batch) take the reference quantizer instead.
+        return False
+    if plan.backend == "triton":
+        return True  # the triton backend's supports() has checked that Triton runs here
+    return triton_runnable(t.device)[0]
 
 
 def quantize_operand(t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:
     """Quantize a 2-D GEMM operand along its last (contraction) dim as ``plan`` asks.
 
-    With the Triton backend and row-wise scaling this uses the fused one-pass quantizer
-    (``loka::rowwise_quant``); otherwise the reference :func:`formats.quantize`. Under block
-    scaling, weights get 128x128 tiles and activations/gradients 1x128 groups.
+    Row-wise operands of the triton, torch_scaled_mm and fbgemm_rowwise backends go through the
+    fused one-pass quantizer (``loka::rowwise_quant``) where Triton runs; everything else through
+    the reference :func:`formats.quantize`. Under block scaling, weights get 128x128 tiles and
+    activations/gradients 1x128 groups.
     """
-    if _use_fused_quantizer(plan, t_RC, fmt):
+    if use_fused_quantizer(plan, t_RC, fmt):
         from loka_train.kernels.triton_kernels import fused_rowwise_quant
 
         q, scale, _, _, _ = fused_rowwise_quant(t_RC.contiguous(), fmt=fmt)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.ROWWISE, axis=1)
     block_2d = is_weight and plan.scaling is Scaling.BLOCK
     return quantize(t_RC, fmt, plan.scaling, axis=-1, block_2d=block_2d)
+
+
+def run_backend(
+    plan: GemmPlan,
+    a_q: QTensor,
+    b_q: QTensor,
+    *,
+    out_dtype: torch.dtype,
+    role: str,
+    bias_N: Tensor | None = None,
+) -> Tensor:
+    """Call ``plan.backend`` on quantized operands after checking it supports the problem.
+
+    Raises:
+        RuntimeError: if the backend cannot run this problem (the reason is included).
+    """
+    backend = get_backend(plan.backend)
+    problem = GemmProblem.from_operands(
+        a_q, b_q, out_dtype=out_dtype, role=role, fast_accum=plan.fast_accum
+    )
+    # Under torch.compile the check runs once at trace time; dynamo does not trace lru_caches.
+    compiling = torch.compiler.is_compiling()
+    ok, why = backend.supports(problem) if compiling else _supports(plan.backend, problem)
+    if not ok:
+        raise RuntimeError(
+            f"GEMM plan {plan} cannot run {role} {problem.m}x{problem.k}x{problem.n} on "
+            f"{problem.device_type}: {why}. Choose another backend in the plan."
+        )
+    with torch.profiler.record_function(f"loka/gemm/{role}/{plan.backend}"):
+        return backend(a_q, b_q, out_dtype=out_dtype, bias=bias_N, fast_accum=plan.fast_accum)
 
 
 def fp8_gemm_planned(
@@ -85,20 +148,10 @@ def fp8_gemm_planned(
     """
     if not plan.is_fp8:
         raise ValueError("fp8_gemm_planned needs an FP8 plan")
-    backend = get_backend(plan.backend)
+    get_backend(plan.backend)  # unknown names fail before any work
     a_q = quantize_operand(a_MK, plan.fmt, plan, is_weight=False)
     b_q = quantize_operand(b_NK, plan.operand_b_fmt, plan, is_weight=b_is_weight)
-    problem = GemmProblem.from_operands(
-        a_q, b_q, out_dtype=out_dtype, role=role, fast_accum=plan.fast_accum
-    )
-    ok, why = backend.supports(problem)
-    if not ok:
-        raise RuntimeError(
-            f"GEMM plan {plan} cannot run {role} {problem.m}x{problem.k}x{problem.n} on "
-            f"{problem.device_type}: {why}. Choose another backend in the plan."
-        )
-    with torch.profiler.record_function(f"loka/gemm/{role}/{plan.backend}"):
-        return backend(a_q, b_q, out_dtype=out_dtype, bias=bias_N, fast_accum=plan.fast_accum)
+    return run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias_N)
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

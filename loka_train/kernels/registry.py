@@ -256,4 +256,6 @@ def fp8_available(device: torch.device | str | None = None) -> tuple[bool, str]:
         >>> fp8_available("cpu")[0]
         False
     """
+    if torch.compiler.is_compiling():  # dynamo does not trace through functools caches
+        return _fp8_available.__wrapped__(*_device_key(device))
     return _fp8_available(*_device_key(device))

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -60,7 +61,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Whether the kernels were built for the Triton interpreter (read once, at import)."""
 
 _FP32_TINY = float(torch.finfo(torch.float32).tiny)
-_MAX_QUANT_ROW = 16384
+MAX_QUANT_ROW = 16384
+"""Longest row the fused quantizer takes (a row is held in registers)."""
 _TL_FP8 = {Fp8Format.E4M3: tl.float8e4nv, Fp8Format.E5M2: tl.float8e5}
 
 
@@ -123,6 +125,7 @@ def _round_rne(v, MANT: tl.constexpr, SUB_MAGIC: tl.constexpr, MIN_NORMAL: tl.co
     return normal
 
 
+@functools.cache
 def _sw_round_args(dtype: torch.dtype) -> dict[str, float | int]:
     """Constexprs for _round_rne targeting ``dtype`` (MANT=0: no software rounding)."""
     if not INTERPRETED:
@@ -228,8 +231,18 @@ def _rowwise_quant_kernel(
     tl.store(scale_ptr + rows, scale, mask=rmask)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Plain Python: triton.cdiv / next_power_of_2 are constexpr functions, slow on the host.
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
 def _quant_launch_params(k: int) -> tuple[int, int, int]:
-    block_k = triton.next_power_of_2(max(k, 1))
+    block_k = _next_pow2(max(k, 1))
     block_m = max(1, min(64, 4096 // block_k))
     num_warps = 4 if block_m * block_k <= 4096 else 8
     return block_m, block_k, num_warps
@@ -254,8 +267,8 @@ def _rowwise_quant_impl(
     act = _act_id(activation)
     _check_runnable(x)
     m, k = x.shape
-    if k > _MAX_QUANT_ROW:
-        raise ValueError(f"rowwise_quant keeps a row in registers; K={k} > {_MAX_QUANT_ROW}")
+    if k > MAX_QUANT_ROW:
+        raise ValueError(f"rowwise_quant keeps a row in registers; K={k} > {MAX_QUANT_ROW}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if gate is not None:
@@ -275,7 +288,7 @@ def _rowwise_quant_impl(
     block_m, block_k, num_warps = _quant_launch_params(k)
     qr = _sw_round_args(q.dtype)
     dummy = scale  # never read: the constexpr flags switch its use off
-    _rowwise_quant_kernel[(triton.cdiv(m, block_m),)](
+    _rowwise_quant_kernel[(_cdiv(m, block_m),)](
         x,
         gate if gate is not None else dummy,
         ln_weight if ln_weight is not None else dummy,
@@ -532,8 +545,8 @@ def _prune_configs(configs, named_args, **kwargs):
     keep = [
         c
         for c in configs
-        if c.kwargs["BLOCK_K"] <= max(64, triton.next_power_of_2(k))
-        and c.kwargs["BLOCK_N"] <= max(64, triton.next_power_of_2(n))
+        if c.kwargs["BLOCK_K"] <= max(64, _next_pow2(k))
+        and c.kwargs["BLOCK_N"] <= max(64, _next_pow2(n))
     ]
     return keep or configs[-1:]
 
@@ -543,6 +556,10 @@ _fp8_gemm_tuned = triton.autotune(
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACT", "STORE_PRE", "FAST_ACCUM"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_fp8_gemm_kernel)
+
+# Tuned config per problem key (M bucket, N, K, dtypes, epilogue flags): filled by the
+# autotuner's first run, then used to launch the kernel without the autotuner in between.
+_BEST_GEMM_CONFIG: dict[tuple, triton.Config] = {}
 
 _INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 
@@ -609,7 +626,7 @@ def _fp8_gemm_impl(
         a.stride(0),
         b.stride(0),
         c.stride(0),
-        triton.next_power_of_2(m),
+        _next_pow2(m),
     )
     flags = dict(
         HAS_BIAS=bias is not None,
@@ -620,14 +637,26 @@ def _fp8_gemm_impl(
     )
     if a.device.type == "cpu":
         cfg = _INTERPRETER_CONFIG
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _fp8_gemm_kernel[grid](*args, **flags, **cfg, num_warps=4)
+        cpu_grid = (_cdiv(m, cfg["BLOCK_M"]) * _cdiv(n, cfg["BLOCK_N"]),)
+        _fp8_gemm_kernel[cpu_grid](*args, **flags, **cfg, num_warps=4)
     else:
+        key = (args[-1], n, k, a.dtype, b.dtype, c.dtype, bias is not None, act, return_preact, fast_accum)
+        best = _BEST_GEMM_CONFIG.get(key)
+        if best is None:
 
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+            def grid(meta):
+                return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]),)
 
-        _fp8_gemm_tuned[grid](*args, **flags)
+            _fp8_gemm_tuned[grid](*args, **flags)
+            _BEST_GEMM_CONFIG[key] = _fp8_gemm_tuned.best_config
+            logger.debug("fp8_gemm %s: tuned %s", key, _fp8_gemm_tuned.best_config)
+        else:
+            # Launch the tuned config directly: the autotuner's per-call bookkeeping is pure
+            # host overhead once the choice is known.
+            tuned_grid = (_cdiv(m, best.kwargs["BLOCK_M"]) * _cdiv(n, best.kwargs["BLOCK_N"]),)
+            _fp8_gemm_kernel[tuned_grid](
+                *args, **flags, **best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages
+            )
     return c, pre
 
 

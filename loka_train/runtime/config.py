@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SHARDING_TYPES = ("auto", "table_wise", "column_wise", "row_wise", "data_parallel")
 PIPELINES = ("sparse_dist", "base")
+DENSE_DTYPES = ("fp32", "bf16")
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "never", "must")
@@ -55,6 +56,11 @@ class TrainerConfig:
 
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
+
+    dense_dtype: str = "fp32"
+    """Compute dtype of the dense towers: "fp32", or "bf16" (torch.autocast around forward and
+    backward, in training and eval; parameters, optimizer state and embedding tables stay
+    fp32). FP8 sites take their high-precision GEMMs in this dtype."""
 
     seed: int = 0
     """Seed of the dense initialisation, the embedding tables and the RNG state."""
@@ -106,6 +112,7 @@ class TrainerConfig:
             ("sparse_optimizer", SPARSE_OPTIMIZERS),
             ("pipeline", PIPELINES),
             ("device", DEVICES),
+            ("dense_dtype", DENSE_DTYPES),
             ("resume", RESUME_MODES),
         ):
             if getattr(self, name) not in allowed:

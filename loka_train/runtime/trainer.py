@@ -304,7 +304,8 @@ class Trainer:
         logits, labels = [], []
         try:
             for batch in self.eval_data.batches(0, self.cfg.eval_batches):
-                _, (_, logits_B, labels_B) = model(batch.to(self.device))
+                with self._autocast():
+                    _, (_, logits_B, labels_B) = model(batch.to(self.device))
                 logits.append(logits_B.float())
                 labels.append(labels_B.float())
         finally:
@@ -320,6 +321,12 @@ class Trainer:
         }
 
     # ----------------------------------------------------------------------------- train
+    def _autocast(self) -> torch.autocast:
+        """bf16 autocast when ``trainer.dense_dtype="bf16"``, else a disabled one."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dense_dtype == "bf16"
+        )
+
     def _pipeline(self) -> Any:
         from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
@@ -369,7 +376,8 @@ class Trainer:
             step = self.step
             self.callbacks.call("on_step_start", self, step)
             # TorchRec pipelines return the model output's second element.
-            loss, _, _ = pipeline.progress(batches)
+            with self._autocast():
+                loss, _, _ = pipeline.progress(batches)
             loss_sum += loss.detach()
             loss_count += 1
             self.step = step + 1
@@ -419,6 +427,7 @@ class Trainer:
             "stopped_early": stopped,
             "world_size": self.world_size,
             "device": str(self.device),
+            "dense_dtype": self.cfg.dense_dtype,
             "model": self.model_cfg.kind,
             "sharding": self.cfg.sharding,
             "global_batch": self.cfg.batch_size * self.world_size,

@@ -28,14 +28,24 @@ def _sparse_optimizer(sharding: str) -> str:
 
 
 def _train(
-    rank: int, world_size: int, out: str, sharding: str, batch_size: int, sparse_opt: str
+    rank: int,
+    world_size: int,
+    out: str,
+    sharding: str,
+    batch_size: int,
+    sparse_opt: str,
+    dense_dtype: str = "fp32",
 ) -> None:
     recorder = LossRecorder()
     trainer = Trainer(
         model=tiny_model(),
         data=tiny_data(),
         trainer=tiny_trainer(
-            Path(out) / "run", sharding=sharding, batch_size=batch_size, sparse_optimizer=sparse_opt
+            Path(out) / "run",
+            sharding=sharding,
+            batch_size=batch_size,
+            sparse_optimizer=sparse_opt,
+            dense_dtype=dense_dtype,
         ),
         callbacks=[recorder],
     )
@@ -74,6 +84,18 @@ def test_sharded_matches_unsharded(
     assert sharded["dense"].keys() == unsharded["dense"].keys()
     for name, value in sharded["dense"].items():
         torch.testing.assert_close(value, unsharded["dense"][name], atol=PARAM_ATOL, rtol=0, msg=name)
+
+
+def test_bf16_dense_tracks_fp32(unsharded: dict[str, dict], tmp_path: Path) -> None:
+    # bf16 autocast of the dense towers: the losses move off the fp32 ones (so autocast is
+    # really on) but stay within bf16's ~3 significant digits of them.
+    run_multiprocess(_train, world_size=1, args=(str(tmp_path), "table_wise", 64, "rowwise_adagrad", "bf16"))
+    bf16 = torch.load(tmp_path / "result.pt", weights_only=False)
+    fp32 = unsharded["rowwise_adagrad"]
+    assert bf16["summary"]["dense_dtype"] == "bf16"
+    assert bf16["losses"] != fp32["losses"]
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), rtol=2e-2, atol=0)
+    assert bf16["losses"][-1] < bf16["losses"][0]
 
 
 def _run_for_resume(rank: int, world_size: int, out: str, stop_after: int | None) -> None:

@@ -1,7 +1,8 @@
 """One job of the multi-GPU integration tests, launched by torchrun (nccl).
 
 Usage: torchrun --nproc_per_node=N tests/gpu/_multigpu_job.py OUT SHARDING STEPS GLOBAL_BATCH [STOP]
-Writes OUT/rank{r}.pt with the plans at every LoKA interval, the losses and the summary.
+Writes OUT/rank{r}_{full|part}.pt with the plans at every LoKA interval, the losses and the
+summary. Without CUDA it runs on CPU with gloo (a local dry run of the same code path).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from tests.dist._loka import PlanRecorder, preset  # noqa: E402
 def main() -> None:
     out, sharding, steps, global_batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     stop = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    dist.init_process_group("nccl")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
     loka = LokaCallback(
         preset(
@@ -40,7 +42,7 @@ def main() -> None:
                           over_arch_layer_sizes=[512, 256, 1], dcn_num_layers=3, dcn_low_rank_dim=64),
         data=DataConfig(num_embeddings=100_000),
         trainer=TrainerConfig(
-            steps=steps, batch_size=global_batch // world, device="cuda", sharding=sharding,
+            steps=steps, batch_size=global_batch // world, device="cuda" if cuda else "cpu", sharding=sharding,
             log_every=1, eval_every=0, eval_batches=4, out_dir=out, tensorboard=False,
             progress_bar=False, checkpoint_every=20, resume="auto", stop_after_step=stop,
         ),

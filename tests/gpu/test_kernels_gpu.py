@@ -188,7 +188,7 @@ def test_triton_gemm_vs_reference(m, k, n, activation, fast_accum):
     assert float(sqnr_db(ref, out)) > (35 if fast_accum else 45)
 
 
-def test_opcheck_on_cuda():
+def test_opcheck_rowwise_quant_on_cuda():
     from loka_train.kernels import triton_kernels as tk  # noqa: F401  (registers the ops)
 
     _require_fp8()
@@ -197,16 +197,25 @@ def test_opcheck_on_cuda():
         torch.ops.loka.rowwise_quant.default,
         (x, None, torch.ones(128, device=DEV, dtype=torch.bfloat16), None, 1e-5, True, "relu", "e4m3", True),
     )
+
+
+def test_opcheck_fp8_gemm_on_cuda():
+    from loka_train.kernels import triton_kernels as tk  # noqa: F401  (registers the ops)
+
+    _require_fp8()
     a = quantize(_gauss(64, 128), Fp8Format.E4M3, Scaling.ROWWISE)
     b = quantize(_gauss(32, 128, seed=1), Fp8Format.E4M3, Scaling.ROWWISE)
+    # test_schema does arithmetic on the (FP8) inputs, which torch does not implement.
     torch.library.opcheck(
         torch.ops.loka.fp8_gemm.default,
         (a.data, b.data, a.scale, b.scale, torch.ones(32, device=DEV), "relu", torch.bfloat16, False, True),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 
 
 @pytest.mark.parametrize("activation", ["relu", "silu"])
-def test_fused_block_matches_unfused_on_gpu(activation):
+@pytest.mark.parametrize("backend", ["triton", "torch_scaled_mm"])
+def test_fused_block_matches_unfused_on_gpu(activation, backend):
     _require_fp8()
     m, k, n = 2048, 512, 256
     params = [
@@ -224,7 +233,7 @@ def test_fused_block_matches_unfused_on_gpu(activation):
         y.backward(g)
         return [y.detach()] + [p.grad for p in leaves]
 
-    fused = run(LinearPlan.fp8(backend="triton"))
+    fused = run(LinearPlan.fp8(backend=backend))
     unfused = run(LinearPlan.fp8(backend="emulated"))
     for i, (r, o) in enumerate(zip(unfused, fused)):
         assert float(sqnr_db(r, o)) > 30, i

@@ -33,6 +33,7 @@ def test_defaults() -> None:
         ({"seed": -1}, "data.seed"),
         ({"zipf_exponent": 0.0}, "data.zipf_exponent"),
         ({"teacher_scale": -0.5}, "data.teacher_scale"),
+        ({"cache_batches": -1}, "data.cache_batches=-1 must be an integer >= 0"),
         ({"teacher_scale": float("nan")}, "data.teacher_scale"),
     ],
 )

@@ -67,6 +67,19 @@ def test_batch_format() -> None:
     assert set(b.labels.unique().tolist()) <= {0.0, 1.0}
 
 
+def test_cache_batches_cycles_the_first_batches_and_leaves_eval_alone() -> None:
+    cfg = DataConfig(num_sparse=3, num_embeddings=100)
+    fresh, cached = _ds(cfg), _ds(DataConfig(num_sparse=3, num_embeddings=100, cache_batches=2))
+    for step in range(5):
+        _assert_batches_equal(cached.batch(step), fresh.batch(step % 2))
+    assert not torch.equal(fresh.batch(2).labels, fresh.batch(0).labels)
+    assert cached.batch(4) is cached.batch(0)  # served from memory, not regenerated
+    ev = _ds(DataConfig(num_sparse=3, num_embeddings=100, cache_batches=2), split="eval")
+    _assert_batches_equal(ev.batch(3), _ds(cfg, split="eval").batch(3))
+    with pytest.raises(ValueError, match="step=-1"):
+        cached.batch(-1)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_concatenate_to_the_single_process_batch(world_size: int) -> None:
     cfg = DataConfig(seed=3, num_embeddings=500)

@@ -191,22 +191,27 @@ def test_layernorm_linear_high_matches_composition(activation):
         assert float(sqnr_db(r, o)) > 120, i
 
 
+def _mixed_plan():
+    # Forward on the Triton GEMM (epilogue), grad-input on torch._scaled_mm, grad-weight HIGH.
+    fwd = GemmPlan(precision=Precision.FP8, backend="triton", fast_accum=True)
+    gi = GemmPlan(precision=Precision.FP8, fmt=Fp8Format.E5M2, fmt_b=Fp8Format.E4M3, backend="torch_scaled_mm")
+    return LinearPlan(forward=fwd, grad_input=gi, grad_weight=GemmPlan())
+
+
 @pytest.mark.parametrize("activation", ["relu", "silu", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_layernorm_linear_fused_triton_matches_emulated(activation, dtype):
-    # The triton plan takes the fused path (LN+quant kernel, GEMM epilogue, ReLU-backward+quant);
-    # the emulated plan runs the same numerics unfused.
+@pytest.mark.parametrize("plan_name", ["triton", "torch_scaled_mm", "mixed"])
+def test_layernorm_linear_fused_matches_emulated(activation, dtype, plan_name):
+    # Triton / torch_scaled_mm plans take the fused path (LN+quant kernel, GEMM epilogue or
+    # backend + activation, ReLU-backward+quant); the emulated plan runs the same numerics
+    # unfused with the reference quantizer.
     params, g = _block_inputs(dtype)
-    fused = _run_block(
-        lambda *p: layernorm_linear(*p, LinearPlan.fp8(backend="triton"), activation=activation),
-        params,
-        g,
-    )
-    unfused = _run_block(
-        lambda *p: layernorm_linear(*p, LinearPlan.fp8(backend="emulated"), activation=activation),
-        params,
-        g,
-    )
+    if plan_name == "mixed":
+        plan, ref_plan = _mixed_plan(), LinearPlan.fp8(backend="emulated", grad_weight_fp8=False)
+    else:
+        plan, ref_plan = LinearPlan.fp8(backend=plan_name), LinearPlan.fp8(backend="emulated")
+    fused = _run_block(lambda *p: layernorm_linear(*p, plan, activation=activation), params, g)
+    unfused = _run_block(lambda *p: layernorm_linear(*p, ref_plan, activation=activation), params, g)
     # Measured: fp32 133-138 dB (LayerNorm summation order); bf16 exact except SiLU's output,
     # 50 dB (the epilogue applies SiLU to the fp32 accumulator, the unfused path to the
     # bf16-rounded pre-activation).
@@ -214,3 +219,19 @@ def test_layernorm_linear_fused_triton_matches_emulated(activation, dtype):
     for i, (r, o) in enumerate(zip(unfused, fused)):
         assert o.dtype == r.dtype
         assert float(sqnr_db(r, o)) > threshold, i
+
+
+def test_rows_longer_than_the_fused_quantizer_takes_use_the_reference_quantizer():
+    # The grad-weight GEMM contracts over the batch, so its operand rows can exceed the fused
+    # quantizer's register limit; quantize_operand must still quantize them (reference path).
+    from loka_train.kernels.linear import quantize_operand, use_fused_quantizer
+    from loka_train.kernels.triton_kernels import MAX_QUANT_ROW
+
+    plan = GemmPlan(precision=Precision.FP8, fmt=Fp8Format.E4M3, scaling=Scaling.ROWWISE, backend="triton")
+    long_rows = _gauss(3, MAX_QUANT_ROW + 16)
+    assert not use_fused_quantizer(plan, long_rows, Fp8Format.E4M3)
+    q = quantize_operand(long_rows, Fp8Format.E4M3, plan, is_weight=False)
+    ref = quantize(long_rows, Fp8Format.E4M3, Scaling.ROWWISE, axis=-1)
+    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(q.scale, ref.scale)
+    assert use_fused_quantizer(plan, _gauss(3, 64), Fp8Format.E4M3)
