@@ -52,6 +52,7 @@ def job(out: str, precision: str, steps: int, batch: int, tables: int, dim: int,
         data=DataConfig(num_sparse=tables, num_embeddings=rows, cache_batches=16),
         trainer=TrainerConfig(
             steps=steps, batch_size=batch, device="cuda" if cuda else "cpu", sharding="table_wise",
+            dense_dtype="bf16" if cuda else "fp32",
             log_every=max(1, steps // 4), eval_batches=4, out_dir=out, tensorboard=False,
             progress_bar=False, checkpoint_at_end=False, resume="never",
         ),
@@ -109,7 +110,7 @@ def main() -> int:
               f"a2a fwd {r['a2a_bytes_per_step_rank0']['a2a_fwd'] / 1e6:.2f} MB/step", flush=True)
     base = results[0]
     lines = [f"# Embedding all-to-all precision, 2 GPUs ({base['gpu']}, torch {base['torch']})", "",
-             f"Command: `python bench/comm.py --out {args.out}` ({args.tables} tables x {args.dim}, "
+             f"Command: `python {' '.join(sys.argv)}` ({args.tables} tables x {args.dim}, "
              f"{args.rows} rows, batch {args.batch}/GPU, {args.steps} steps, table-wise).", "",
              "| precision | samples/s | vs FP32 | eval NE | NE vs FP32 | a2a fwd MB/step | a2a bwd MB/step |",
              "|---|---|---|---|---|---|---|"]

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist._loka import num_fp8
+
 pytestmark = [
     pytest.mark.multigpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
@@ -66,7 +68,9 @@ def test_two_gpus_agree_and_track_one_gpu(sharding: str, single_gpu: dict, two_g
     two = sum(r0["losses"][-10:]) / 10
     one = sum(single_gpu["losses"][-10:]) / 10
     assert abs(two - one) / one < LOSS_RTOL, (two, one)
-    print(f"{sharding}: 2-GPU loss {two:.5f} vs 1-GPU {one:.5f}; plans {r0['plans'][-1]}; comm {r0['comm']}")
+    comm = {c: (v["precision"], v["total_bytes"]) for c, v in r0["comm"]["channels"].items()}
+    print(f"{sharding}: 2-GPU loss {two:.5f} vs 1-GPU {one:.5f}; FP8 GEMMs at the end "
+          f"{num_fp8(r0['plans'][-1][1])}; comm (precision, bytes) {comm}; fallbacks {r0['comm']['fallbacks']}")
 
 
 def test_checkpoint_on_two_gpus_resumes(two_gpu_dirs: dict, tmp_path: Path) -> None:
