@@ -148,7 +148,10 @@ def main() -> int:
                 device=device,
                 out_dtype=torch.bfloat16,
             )
-            dispatcher.register(name, plan=site.plan, shapes=site.gemm_shapes(), supports=site.supports_plan)
+            dispatcher.register(
+                name, plan=site.plan, shapes=site.gemm_shapes(), supports=site.supports_plan,
+                pad_to_multiple=site.pad_to_multiple,
+            )
             dispatcher.replan(step=0, verdicts=_AllSafe())
             chosen_plan = dispatcher.plans[name]
             site.set_plan(chosen_plan)

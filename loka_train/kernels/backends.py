@@ -245,6 +245,9 @@ class FbgemmRowwiseBackend:
             return False, f"f8f8bf16_rowwise takes row-wise scales, not {problem.scaling.value}"
         if problem.fmt is not Fp8Format.E4M3 or problem.operand_b_fmt is not Fp8Format.E4M3:
             return False, "f8f8bf16_rowwise takes e4m3 x e4m3 only"
+        if problem.k % 16 or problem.n % 16:
+            # CUTLASS's TMA loads need 16-byte aligned rows ("cutlass cannot implement").
+            return False, f"f8f8bf16_rowwise needs K and N divisible by 16 (K={problem.k}, N={problem.n})"
         if problem.out_dtype not in _OUT_DTYPES:
             return False, f"out_dtype {problem.out_dtype} not in {_OUT_DTYPES}"
         return _fbgemm_genai_ops()

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -175,6 +176,12 @@ class GpuCostModel:
         return gemm + quant
 
 
+def _padded(shape: Shape, multiple: int) -> Shape:
+    """``shape`` with every dim rounded up to ``multiple`` (what a padding site runs)."""
+    m, k, n = (d + (-d) % multiple for d in shape)
+    return (m, k, n)
+
+
 def _plan_for(cfg: DispatchConfig, role: str, scaling: str, backend: str) -> GemmPlan:
     if role == "forward":
         return GemmPlan(
@@ -215,6 +222,9 @@ class Dispatcher:
         self._site_supports: dict[str, SiteSupports] = {}
         self.history: list[PlanChange] = []
         self.num_changes = 0
+        self._pad: dict[str, int] = {}
+        self.measure_failures: dict[str, str] = {}
+        """Timing key -> error of a candidate whose micro-benchmark raised (excluded, logged)."""
         self.unsupported: dict[str, str] = {}
         """backend/scaling -> why it cannot run here (reported once)."""
         self._pending: dict[tuple[str, str], tuple[str, int]] = {}
@@ -238,6 +248,7 @@ class Dispatcher:
         plan: LinearPlan,
         shapes: Mapping[str, Shape] | None = None,
         supports: SiteSupports | None = None,
+        pad_to_multiple: int = 1,
     ) -> None:
         """Add a site with its initial plan (and GEMM shapes, if already known).
 
@@ -247,9 +258,13 @@ class Dispatcher:
             shapes: (M, K, N) per role, if known.
             supports: the site's own check of a plan (e.g. a batched GEMM that only the
                 emulated backend runs); candidates it rejects are never chosen.
+            pad_to_multiple: the site zero-pads FP8 GEMM dims to this multiple when a backend
+                refuses the unpadded shape (``Fp8Linear.pad_to_multiple``); such a backend is
+                then a candidate, timed on the padded shape.
         """
         self.plans[site] = plan
         self.shapes[site] = dict(shapes or {})
+        self._pad[site] = max(1, int(pad_to_multiple))
         if supports is not None:
             self._site_supports[site] = supports
 
@@ -272,15 +287,36 @@ class Dispatcher:
                     else self.cost_model.fp8(m, k, n, plan.scaling.value, plan.backend)
                 )
             else:
-                t = self._measure(shape, plan)
+                t = self._measure(shape, plan, role)
             self._timings[key] = t
         return self._timings[key]
 
-    def _measure(self, shape: Shape, plan: GemmPlan | None) -> float:
-        """Median seconds of quantize(a), quantize(b), GEMM on random data of `shape`."""
+    def _measure(self, shape: Shape, plan: GemmPlan | None, role: str = "forward") -> float:
+        """Median seconds of quantize(a), quantize(b), GEMM on random data of `shape`.
+
+        A backend that refuses `shape` is timed on it zero-padded to multiples of 16 (what a
+        padding site runs). A candidate whose benchmark raises gets ``inf`` (never chosen); the
+        error is logged and kept in ``measure_failures``.
+        """
+        key = self._key(role, shape, plan)
+        try:
+            return self._measure_once(shape, plan)
+        except Exception as exc:  # a backend bug must not end the training run
+            self.measure_failures[key] = f"{type(exc).__name__}: {exc}"
+            logger.warning("dispatch: timing %s failed (%s); the candidate is excluded", key, exc)
+            return math.inf
+
+    def _measure_once(self, shape: Shape, plan: GemmPlan | None) -> float:
         from loka_train.kernels.linear import fp8_gemm_planned
 
         m, k, n = shape
+        if plan is not None:
+            problem = GemmProblem(
+                m=m, k=k, n=n, fmt=plan.fmt, fmt_b=plan.fmt_b, scaling=plan.scaling,
+                device_type=self.device.type, out_dtype=torch.bfloat16, role="forward",
+            )
+            if not get_backend(plan.backend).supports(problem)[0]:
+                m, k, n = _padded(shape, 16)
         dtype = torch.bfloat16
         gen = torch.Generator(device=self.device).manual_seed(0)
         a = torch.randn(m, k, device=self.device, dtype=dtype, generator=gen)
@@ -319,7 +355,7 @@ class Dispatcher:
             if key not in self._timings:
                 role, dims, plan_s = key.split(":", 2)
                 shape = tuple(int(x) for x in dims.split("x"))
-                self._timings[key] = self._measure(shape, self._parse_plan(role, plan_s))  # type: ignore[arg-type]
+                self._timings[key] = self._measure(shape, self._parse_plan(role, plan_s), role)  # type: ignore[arg-type]
         device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         vec = torch.tensor([self._timings[k] for k in union], dtype=torch.float64, device=device)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
@@ -360,6 +396,10 @@ class Dispatcher:
                     out_dtype=self.out_dtype, role=role,
                 )
                 ok, why = backend.supports(problem)
+                pad = self._pad.get(site, 1)
+                if not ok and pad > 1:
+                    padded = _padded(shape, pad)
+                    ok = backend.supports(dataclasses.replace(problem, m=padded[0], k=padded[1], n=padded[2]))[0]
                 if ok and site_ok is not None:
                     ok, why = site_ok(LinearPlan(**{**self._roles(self.plans[site]), role: plan}))
                     if not ok:
@@ -397,7 +437,11 @@ class Dispatcher:
             if v is None or not v.safe:
                 rejected.append(f"{plan.scaling.value}: {v.reason if v is not None else 'no verdict'}")
                 continue
-            safe.append((self._estimate(role, shape, plan), i, plan, v))
+            t = self._estimate(role, shape, plan)
+            if not math.isfinite(t):
+                rejected.append(f"{plan}: its benchmark failed ({self.measure_failures.get(self._key(role, shape, plan), 'no time')})")
+                continue
+            safe.append((t, i, plan, v))
         t_high = self._estimate(role, shape, None)
         src = "measured" if self.timing_mode == "measure" else "cost model"
         if not safe:

@@ -99,7 +99,10 @@ class LokaCallback(Callback):
         for name, site in self.sites.items():
             self.probe.register_site(name, **site.probe_spec())
             site.attach_observer(self.probe)
-            self.dispatcher.register(name, plan=site.plan, supports=site.supports_plan)
+            self.dispatcher.register(
+                name, plan=site.plan, supports=site.supports_plan,
+                pad_to_multiple=getattr(site, "pad_to_multiple", 1),
+            )
         if self._pending_state is not None:
             self.probe.load_state_dict(self._pending_state["probe"])
             self.dispatcher.load_state_dict(self._pending_state["dispatch"])

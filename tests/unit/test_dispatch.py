@@ -130,3 +130,72 @@ def test_bad_config_is_rejected() -> None:
         DispatchConfig(objective="fastest")
     with pytest.raises(ValueError, match="fp8_roles"):
         DispatchConfig(fp8_roles=("sideways",))
+
+
+class _AllSafe(dict):
+    """Verdicts that call every candidate safe (these tests are about the speed side)."""
+
+    class _V:
+        safe, reason, sqnr_lo_db, budget_db = True, "safe", 40.0, 20.0
+
+    def get(self, key, default=None):  # type: ignore[no-untyped-def, override]
+        return self._V()
+
+
+class _Aligned16:
+    """A CPU backend that, like CUTLASS, refuses K or N not divisible by 16."""
+
+    name = "aligned16"
+
+    def supports(self, problem):  # type: ignore[no-untyped-def]
+        ok = problem.device_type == "cpu" and problem.k % 16 == 0 and problem.n % 16 == 0
+        return ok, "" if ok else "K and N must be multiples of 16"
+
+    def __call__(self, a_q, b_q, *, out_dtype, bias=None, fast_accum=False):  # type: ignore[no-untyped-def]
+        from loka_train.kernels.registry import get_backend
+
+        return get_backend("emulated")(a_q, b_q, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
+
+
+def _one_site_dispatcher(backend: str, pad: int, shape: tuple[int, int, int]) -> Dispatcher:
+    d = Dispatcher(
+        DispatchConfig(
+            objective="coverage", scalings=("rowwise",), cpu_backends=(backend,), fp8_roles=("forward",),
+            hysteresis_intervals=1,
+        ),
+        device="cpu",
+    )
+    d.register("s", plan=LinearPlan.high_precision(), shapes={"forward": shape}, pad_to_multiple=pad)
+    return d
+
+
+def test_padding_site_takes_a_backend_that_refuses_its_unpadded_shape() -> None:
+    from loka_train.kernels.registry import register_backend
+
+    register_backend(_Aligned16(), replace=True)
+    unpadded = (256, 13, 32)  # K = 13, the DLRM bottom MLP's input width
+    plain = _one_site_dispatcher("aligned16", 1, unpadded)
+    plain.replan(step=0, verdicts=_AllSafe())
+    assert not plain.plans["s"].forward.is_fp8
+    assert "multiples of 16" in plain.unsupported["aligned16/rowwise"]
+    padding = _one_site_dispatcher("aligned16", 16, unpadded)
+    padding.replan(step=0, verdicts=_AllSafe())
+    assert padding.plans["s"].forward.is_fp8 and padding.plans["s"].forward.backend == "aligned16"
+
+
+def test_a_candidate_whose_benchmark_raises_is_excluded_and_logged(caplog, monkeypatch) -> None:
+    d = _one_site_dispatcher("emulated", 1, (M, K, N))
+    monkeypatch.setattr(Dispatcher, "timing_mode", "measure")  # the CUDA micro-benchmark...
+
+    def measure_once(shape, plan):  # type: ignore[no-untyped-def]
+        if plan is not None:
+            raise RuntimeError("cutlass cannot implement")
+        return 1e-3
+
+    monkeypatch.setattr(d, "_measure_once", measure_once)  # ...replaced by a failing one
+    with caplog.at_level("WARNING"):
+        d.replan(step=0, verdicts=_AllSafe())
+    assert not d.plans["s"].forward.is_fp8  # the run goes on in high precision
+    assert any("cutlass cannot implement" in v for v in d.measure_failures.values())
+    assert "benchmark failed" in d.table()
+    assert "timing" in caplog.text and "excluded" in caplog.text
