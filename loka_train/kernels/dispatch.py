@@ -454,11 +454,11 @@ class Dispatcher:
         if self.config.objective == "speed" and speedup < 1.0 + self.config.margin:
             return (
                 GemmPlan(),
-                f"FP8 {speedup:.2f}x of high at {shape_s} ({src}) < 1+margin "
+                f"FP8 speed-up {speedup:.2f}x over high at {shape_s} ({src}) < 1+margin "
                 f"{1 + self.config.margin:.2f}",
                 current_unsafe,
             )
-        reason = f"safe (SQNR p-lo {v.sqnr_lo_db:.1f} dB >= {v.budget_db:.1f}); {speedup:.2f}x of high at {shape_s} ({src})"
+        reason = f"safe (SQNR p-lo {v.sqnr_lo_db:.1f} dB >= {v.budget_db:.1f}); speed-up {speedup:.2f}x over high at {shape_s} ({src})"
         if current_unsafe:
             reason = f"{unsafe_reason}; moved to {best} which is {reason}"
         return best, reason, current_unsafe

@@ -22,6 +22,11 @@ from loka_train.runtime.loka import LokaCallback  # noqa: E402
 from loka_train.runtime.trainer import Trainer  # noqa: E402
 from tests.dist._loka import PlanRecorder, preset  # noqa: E402
 
+DENSE_LR = 0.005
+"""Adagrad's first step moves every weight by about the learning rate (g / sqrt(g^2)); with
+the default 0.05 this DCN's 1728-wide layers blow the loss up to ~1e5 at step 2 (seen on the
+2 x H200 run and on CPU), and the chaotic recovery amplifies every rounding difference."""
+
 
 def main() -> None:
     out, sharding, steps, global_batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -48,6 +53,7 @@ def main() -> None:
             steps=steps, batch_size=global_batch // world, device="cuda" if cuda else "cpu", sharding=sharding,
             log_every=1, eval_every=0, eval_batches=4, out_dir=out, tensorboard=False,
             progress_bar=False, checkpoint_every=20, resume="auto", stop_after_step=stop,
+            dense_lr=DENSE_LR,
         ),
         callbacks=[loka, recorder],
     )
