@@ -35,23 +35,29 @@ class Prefetcher(Generic[T]):
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(source,), daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(source,), daemon=True, name="loka-prefetch"
+        )
         self._thread.start()
+
+    def _put(self, item: object) -> bool:
+        """Queue ``item`` unless closed meanwhile; False when closed."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def _run(self, source: Iterator[T]) -> None:
         try:
             for item in source:
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(item):
                     return
-            self._queue.put(_END)
+            self._put(_END)
         except BaseException as exc:  # handed to the consumer, which re-raises it
-            self._queue.put(exc)
+            self._put(exc)
 
     def __iter__(self) -> Iterator[T]:
         return self
@@ -66,5 +72,6 @@ class Prefetcher(Generic[T]):
         return item
 
     def close(self) -> None:
-        """Stop the producer thread (it exits within 0.1 s)."""
+        """Stop the producer thread and wait for it (it exits within 0.1 s of its current item)."""
         self._stop.set()
+        self._thread.join(timeout=10.0)

@@ -62,6 +62,16 @@ class TrainerConfig:
     backward, in training and eval; parameters, optimizer state and embedding tables stay
     fp32). FP8 sites take their high-precision GEMMs in this dtype."""
 
+    compile_dense: bool = False
+    """After sharding, compile the dense submodules in place with ``nn.Module.compile``: the
+    bottom MLP (``dense_arch``), the interaction (``inter_arch``) and the top MLP
+    (``over_arch``) of the DLRM family. The sharded embedding collection stays eager (TorchRec's
+    train pipeline traces around it). Parameter names and checkpoints are unchanged."""
+
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend used by ``compile_dense``: "inductor" (generated kernels, the
+    fast one on GPU), or a cheaper one for checks on CPU ("aot_eager", "eager")."""
+
     seed: int = 0
     """Seed of the dense initialisation, the embedding tables and the RNG state."""
 
@@ -117,5 +127,12 @@ class TrainerConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"trainer.{name}={getattr(self, name)!r}: choose one of {allowed}")
+        if not isinstance(self.compile_dense, bool):
+            raise ValueError(f"trainer.compile_dense must be a bool, got {self.compile_dense!r}")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(
+                f"trainer.compile_backend must name a torch.compile backend (e.g. \"inductor\"), "
+                f"got {self.compile_backend!r}"
+            )
         if self.dense_lr <= 0 or self.sparse_lr <= 0:
             raise ValueError("trainer.dense_lr and trainer.sparse_lr must be positive")

@@ -41,6 +41,7 @@ from loka_train.data import DataConfig, make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.data.prefetch import Prefetcher
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
+from loka_train.mods.convert import strip_wrapper_prefixes
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
 from loka_train.runtime.config import TrainerConfig
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 _WARMUP_STEPS = 3
 """Steps excluded from the steps/s figure (first-step allocations, pipeline fill)."""
+
+_DENSE_SUBMODULES = ("dense_arch", "inter_arch", "over_arch")
+"""Attribute names of the dense parts of the DLRM family (TorchRec DLRM, DLRM_DCN, Wukong)
+that ``trainer.compile_dense`` compiles."""
 
 
 class _StepHook:
@@ -104,6 +109,8 @@ class Trainer:
         """Extra items callbacks want on the progress bar (e.g. FP8 coverage)."""
         self.fallbacks: list[str] = []
         """Every fallback taken during the run (logged and reported)."""
+        self.compiled_modules: list[str] = []
+        """Dense submodules compiled by ``trainer.compile_dense`` (names without wrappers)."""
 
         self.dist: DistInfo = init_distributed(trainer.device)
         self.rank = self.dist.rank
@@ -225,6 +232,41 @@ class Trainer:
             lambda params: torch.optim.Adagrad(params, lr=self.cfg.dense_lr, eps=self.cfg.eps),
         )
         self.optimizer = CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", dense)])
+        if self.cfg.compile_dense:
+            self._compile_dense()
+
+    def _compile_dense(self) -> None:
+        """Compile the dense submodules in place (``nn.Module.compile``), after sharding.
+
+        In place, so parameter names, the optimizer and checkpoints are unchanged. TorchRec's
+        train pipeline treats modules without a sharded child as FX leaves, so its tracing
+        calls these modules without entering them.
+        """
+        from torchrec.distributed.types import ShardedModule
+
+        for fqn, module in self.model.named_modules():
+            name = strip_wrapper_prefixes(fqn)
+            if fqn.rsplit(".", 1)[-1] not in _DENSE_SUBMODULES:
+                continue
+            if any(name.startswith(done + ".") for done in self.compiled_modules):
+                continue
+            if any(isinstance(m, ShardedModule) for m in module.modules()):
+                raise ValueError(
+                    f"trainer.compile_dense: {name} holds a sharded module; only dense "
+                    f"submodules ({', '.join(_DENSE_SUBMODULES)}) can be compiled"
+                )
+            module.compile(backend=self.cfg.compile_backend)
+            self.compiled_modules.append(name)
+        if not self.compiled_modules:
+            raise ValueError(
+                f"trainer.compile_dense=true but the {self.model_cfg.kind!r} model has no "
+                f"submodule named {' / '.join(_DENSE_SUBMODULES)} to compile"
+            )
+        logger.info(
+            "compiled %s with torch.compile(backend=%r)",
+            ", ".join(self.compiled_modules),
+            self.cfg.compile_backend,
+        )
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -372,47 +414,55 @@ class Trainer:
         timed_from: float | None = None
         timed_steps = 0
         stopped = False
-        while self.step < self.cfg.steps:
-            step = self.step
-            self.callbacks.call("on_step_start", self, step)
-            # TorchRec pipelines return the model output's second element.
-            with self._autocast():
-                loss, _, _ = pipeline.progress(batches)
-            loss_sum += loss.detach()
-            loss_count += 1
-            self.step = step + 1
-            done = self.step - start
-            if done == _WARMUP_STEPS:
-                timed_from = time.perf_counter()
-            elif done > _WARMUP_STEPS:
-                timed_steps += 1
+        try:
+            while self.step < self.cfg.steps:
+                step = self.step
+                self.callbacks.call("on_step_start", self, step)
+                # TorchRec pipelines return the model output's second element.
+                with self._autocast():
+                    loss, _, _ = pipeline.progress(batches)
+                loss_sum += loss.detach()
+                loss_count += 1
+                self.step = step + 1
+                done = self.step - start
+                if done == _WARMUP_STEPS:
+                    timed_from = time.perf_counter()
+                elif done > _WARMUP_STEPS:
+                    timed_steps += 1
 
-            metrics: dict[str, float] = {}
-            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
-                last_loss = (loss_sum / loss_count).item()
-                metrics["train/loss"] = last_loss
-                loss_sum.zero_()
-                loss_count = 0
-                if timed_from is not None and timed_steps:
-                    metrics["train/steps_per_s"] = timed_steps / (time.perf_counter() - timed_from)
-            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
-                eval_metrics = self._eval_with(pipeline)
-                metrics.update(eval_metrics)
-                self.callbacks.call("on_eval_end", self, self.step, eval_metrics)
-            self.callbacks.call("on_step_end", self, step, metrics)
-            self.metrics.log(self.step, metrics)
+                metrics: dict[str, float] = {}
+                if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
+                    last_loss = (loss_sum / loss_count).item()
+                    metrics["train/loss"] = last_loss
+                    loss_sum.zero_()
+                    loss_count = 0
+                    if timed_from is not None and timed_steps:
+                        metrics["train/steps_per_s"] = timed_steps / (time.perf_counter() - timed_from)
+                if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                    eval_metrics = self._eval_with(pipeline)
+                    metrics.update(eval_metrics)
+                    self.callbacks.call("on_eval_end", self, self.step, eval_metrics)
+                self.callbacks.call("on_step_end", self, step, metrics)
+                self.metrics.log(self.step, metrics)
+                if bar is not None:
+                    bar.update(1)
+                    if "train/loss" in metrics:
+                        bar.set_postfix({"loss": f"{last_loss:.4f}", **self.progress_postfix})
+
+                is_last = self.step == self.cfg.steps
+                due = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
+                if due or (is_last and self.cfg.checkpoint_at_end):
+                    self.save_checkpoint()
+                if self.cfg.stop_after_step is not None and self.step >= self.cfg.stop_after_step:
+                    stopped = not is_last
+                    break
+        except BaseException:
+            # Stop the input thread and the bar before the error propagates (no leaked thread).
+            if prefetcher is not None:
+                prefetcher.close()
             if bar is not None:
-                bar.update(1)
-                if "train/loss" in metrics:
-                    bar.set_postfix({"loss": f"{last_loss:.4f}", **self.progress_postfix})
-
-            is_last = self.step == self.cfg.steps
-            due = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
-            if due or (is_last and self.cfg.checkpoint_at_end):
-                self.save_checkpoint()
-            if self.cfg.stop_after_step is not None and self.step >= self.cfg.stop_after_step:
-                stopped = not is_last
-                break
+                bar.close()
+            raise
         elapsed = time.perf_counter() - timed_from if timed_from is not None else math.nan
         if prefetcher is not None:
             prefetcher.close()
@@ -435,6 +485,7 @@ class Trainer:
             "train/steps_per_s": timed_steps / elapsed if timed_steps else math.nan,
             **eval_metrics,
             "fallbacks": list(self.fallbacks),
+            "compiled": list(self.compiled_modules),
         }
         self.callbacks.call("on_train_end", self, summary)
         if self.rank == 0:

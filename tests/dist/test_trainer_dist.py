@@ -98,6 +98,31 @@ def test_bf16_dense_tracks_fp32(unsharded: dict[str, dict], tmp_path: Path) -> N
     assert bf16["losses"][-1] < bf16["losses"][0]
 
 
+class _FailAt(LossRecorder):
+    def on_step_end(self, trainer, step, metrics):  # type: ignore[no-untyped-def]
+        if step == 2:
+            raise RuntimeError("callback failed at step 2")
+
+
+def _fail_mid_run(rank: int, world_size: int, out: str) -> None:
+    import threading
+
+    trainer = Trainer(
+        model=tiny_model(), data=tiny_data(), trainer=tiny_trainer(Path(out), prefetch=2),
+        callbacks=[_FailAt()],
+    )
+    with pytest.raises(RuntimeError, match="callback failed at step 2"):
+        trainer.fit()
+    alive = [t.name for t in threading.enumerate() if t.name == "loka-prefetch" and t.is_alive()]
+    assert not alive, f"input thread leaked after a failed step: {alive}"
+    Path(out, "checked").write_text("ok")
+
+
+def test_a_failing_step_stops_the_input_thread(tmp_path: Path) -> None:
+    run_multiprocess(_fail_mid_run, world_size=1, args=(str(tmp_path),))
+    assert (tmp_path / "checked").read_text() == "ok"
+
+
 def _run_for_resume(rank: int, world_size: int, out: str, stop_after: int | None) -> None:
     trainer = Trainer(
         model=tiny_model("dcn"),

@@ -26,3 +26,12 @@ def test_error_is_reraised_at_its_position() -> None:
 def test_bad_depth() -> None:
     with pytest.raises(ValueError, match="depth"):
         Prefetcher(iter([]), depth=0)
+
+
+def test_close_stops_the_producer_of_an_endless_source() -> None:
+    import itertools
+
+    it = Prefetcher(itertools.count(), depth=2)
+    assert next(it) == 0
+    it.close()
+    assert not it._thread.is_alive()

@@ -1,0 +1,1172 @@
+#!/usr/bin/env python3
+"""End-to-end training benchmark against BF16, FP8 everywhere, torchao and LoKA (issue 9).
+
+Every run is a real ``Trainer`` job (TorchRec ``DistributedModelParallel``, fused row-wise
+Adagrad tables, ``TrainPipelineSparseDist``, bf16 autocast of the dense towers), world size 1,
+all in this one process, one after another, with the same data and seeds. Jobs are composed
+from ``conf/`` with hydra overrides, exactly as ``launch/train.py`` composes them, so the LoKA
+variants measure the real ``conf/loka/{safe,aggressive}.yaml`` presets.
+
+Model configs (``--configs``):
+  * ``dlrm``: small DLRM, the sizes of ``conf/model/dlrm.yaml``;
+  * ``dcn``: DLRM-DCN with MLPerf DLRM-DCNv2 dense sizes (bottom 512-256-128, top
+    1024-1024-512-256-1, 3 low-rank (512) cross layers, 26 tables x 128);
+  * ``wukong``: dense-heavy Wukong-style model (2 layers, FM MLP hidden 4096, top
+    4096-2048-1024-1, 26 tables x 128).
+
+Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of the others):
+  * ``bf16``: LoKA off (the reference of every ratio); ``bf16+compile``;
+  * ``fp8_everywhere``: every site FP8 tensor-wise from step 0 on ``torch._scaled_mm``, probe,
+    dispatch, guard and comm off. By design the final logit layer stays high precision, and
+    batched (``bmm``) sites have no FP8 backend but ``emulated``: they stay bf16 on GPU; the
+    results list every GEMM that is not FP8 and why;
+  * ``torchao_tensorwise`` / ``torchao_rowwise``: torchao ``convert_to_float8_training``
+    (Linear layers whose dims are multiples of 16, the logit layer excluded), compiled;
+    recorded as "not run" where ``import torchao`` fails;
+  * ``loka_safe`` / ``loka_aggressive``: the presets. Their first re-plan comes after hundreds
+    of steps (probe interval 500 / 200), far beyond a short benchmark, so each LoKA variant
+    first runs a *decision run* (``--decide-steps`` steps, the preset with every site sampled
+    every step and an interval of ``--decide-interval``), then the timed run starts from fresh
+    weights with the decided Probe / Dispatch state (the checkpoint-resume path) and the
+    preset's own sparse sampling schedule, whose sampled steps fall in the timed window.
+    ``loka_*+compile`` runs, but the LoKA sites are not compile-friendly yet (on CPU dynamo
+    recompiles them every step up to its recompile limit): not a fair figure yet.
+
+Measurement: ``--warmup`` steps, then ``--steps`` timed steps (wall time per step, with
+``torch.cuda.synchronize()`` at every step end, or CUDA events with ``--timing events``):
+median, p10, p90; then ``--profile-steps`` more steps (every variant trains the same number
+of steps), profiled with torch.profiler for ``--profile-variants``: GPU kernel time split into
+GEMM / FP8 quantization / embedding / copies / other (elementwise, norms, reductions), and the
+GPU busy fraction (merged kernel time per step / median step time). Eval NE on
+``--eval-batches`` held-out batches at the end. The train data cycles ``--cache-batches``
+pre-generated batches so the CPU generator does not bound the step time.
+
+Writes ``e2e.json`` (everything) and ``e2e.md`` (tables, command, GPU, versions, and each
+target of issue 9 as met / missed with its figures) under ``--out``. A variant that fails is
+recorded with its error and the benchmark goes on; the exit status is then 1.
+
+Usage (GPU: the packages of ../shared/device/make-bundle, carried as .device):
+    source .device/activate.sh && python3 bench/e2e.py --out $OUT/e2e   # H100, ~3-4 min
+    python bench/e2e.py --out /tmp/e2e --dry-run                         # CPU, tiny, < 1 min
+    python bench/e2e.py --out /tmp/e2e --configs dcn --variants bf16,loka_safe --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from loka_train.runtime.callbacks import Callback  # noqa: E402
+
+logger = logging.getLogger("bench.e2e")
+
+CONF_DIR = _REPO_ROOT / "conf"
+
+# ---------------------------------------------------------------------------- the grid
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "dlrm": ("model=dlrm",),
+    "dcn": (
+        "model=dcn",
+        "model.embedding_dim=128",
+        "model.dense_arch_layer_sizes=[512,256,128]",
+        "model.over_arch_layer_sizes=[1024,1024,512,256,1]",
+        "model.dcn_num_layers=3",
+        "model.dcn_low_rank_dim=512",
+    ),
+    "wukong": (
+        "model=wukong",
+        "model.embedding_dim=128",
+        "model.dense_arch_layer_sizes=[512,256,128]",
+        "model.over_arch_layer_sizes=[4096,2048,1024,1]",
+        "model.wukong_num_layers=2",
+        "model.wukong_num_fm_out=16",
+        "model.wukong_fm_rank=16",
+        "model.wukong_num_lcb_out=16",
+        "model.wukong_mlp_hidden=4096",
+    ),
+}
+DATA: tuple[str, ...] = ("data=synthetic",)
+"""26 Criteo-like sparse features of 10k rows, 13 dense (conf/data/synthetic.yaml)."""
+
+# Tiny, but with some dims that are multiples of 16 (torchao converts only those).
+DRY_CONFIGS: dict[str, tuple[str, ...]] = {
+    "dlrm": (
+        "model=dlrm",
+        "model.embedding_dim=16",
+        "model.dense_arch_layer_sizes=[32,16]",
+        "model.over_arch_layer_sizes=[32,1]",
+    ),
+    "dcn": (
+        "model=dcn",
+        "model.embedding_dim=16",
+        "model.dense_arch_layer_sizes=[32,16]",
+        "model.over_arch_layer_sizes=[32,1]",
+        "model.dcn_num_layers=2",
+        "model.dcn_low_rank_dim=4",
+    ),
+    "wukong": (
+        "model=wukong",
+        "model.embedding_dim=16",
+        "model.dense_arch_layer_sizes=[32,16]",
+        "model.over_arch_layer_sizes=[32,1]",
+        "model.wukong_num_layers=1",
+        "model.wukong_num_fm_out=4",
+        "model.wukong_fm_rank=4",
+        "model.wukong_num_lcb_out=4",
+        "model.wukong_mlp_hidden=16",
+    ),
+}
+DRY_DATA: tuple[str, ...] = (
+    "data=synthetic",
+    "data.num_sparse=4",
+    "data.num_embeddings=200",
+    "data.chunk_size=16",
+    "data.max_pooling=3",
+)
+
+DEFAULT_VARIANTS = (
+    "bf16",
+    "bf16+compile",
+    "fp8_everywhere",
+    "torchao_tensorwise",
+    "torchao_rowwise",
+    "loka_safe",
+    "loka_aggressive",
+)
+REFERENCE = "bf16"
+LOKA_VARIANTS = ("loka_safe", "loka_aggressive")
+TORCHAO_VARIANTS = ("torchao_tensorwise", "torchao_rowwise")
+NE_TOLERANCE = 0.001
+"""Issue 9: NE within 0.1% relative of BF16 (also the "equal NE" band against torchao)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of training the same job."""
+
+    name: str
+    description: str
+    loka: str = "off"
+    """conf/loka preset."""
+    loka_overrides: tuple[str, ...] = ()
+    """Hydra overrides of the preset (``loka.*``)."""
+    compile: bool = False
+    """``trainer.compile_dense``."""
+    torchao: str | None = None
+    """torchao float8 recipe name, or None."""
+    decide: bool = False
+    """LoKA: a decision run before the timed run (see the module docstring)."""
+
+
+def base_variants(fp8_backend: str) -> dict[str, Variant]:
+    everywhere = (
+        "loka.enabled=true",
+        "loka.mods.initial_plan=fp8_tensorwise",
+        f"loka.mods.backend={fp8_backend}",
+        "loka.probe.enabled=false",
+        "loka.dispatch.enabled=false",
+        "loka.guard.enabled=false",
+        "loka.comm_enabled=false",
+    )
+    return {
+        "bf16": Variant(name="bf16", description="bf16 autocast, eager, LoKA off"),
+        "fp8_everywhere": Variant(
+            name="fp8_everywhere",
+            description=f"every site FP8 tensor-wise on {fp8_backend}, no probe/dispatch/guard/comm",
+            loka_overrides=everywhere,
+        ),
+        "torchao_tensorwise": Variant(
+            name="torchao_tensorwise",
+            description="torchao convert_to_float8_training, tensorwise recipe, compiled",
+            compile=True,
+            torchao="tensorwise",
+        ),
+        "torchao_rowwise": Variant(
+            name="torchao_rowwise",
+            description="torchao convert_to_float8_training, rowwise recipe, compiled",
+            compile=True,
+            torchao="rowwise",
+        ),
+        "loka_safe": Variant(
+            name="loka_safe", description="LoKA, conf/loka/safe.yaml", loka="safe", decide=True
+        ),
+        "loka_aggressive": Variant(
+            name="loka_aggressive",
+            description="LoKA, conf/loka/aggressive.yaml",
+            loka="aggressive",
+            decide=True,
+        ),
+    }
+
+
+def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
+    base = base_variants(fp8_backend)
+    out = []
+    for name in names:
+        stem, plus, suffix = name.partition("+")
+        if stem not in base or (plus and suffix != "compile"):
+            allowed = sorted(base) + [f"{b}+compile" for b in sorted(base) if b not in TORCHAO_VARIANTS]
+            raise SystemExit(f"--variants: unknown variant {name!r}; choose from {allowed}")
+        v = base[stem]
+        if plus:
+            if v.compile:
+                raise SystemExit(f"--variants: {stem} is always compiled; drop '+compile'")
+            v = replace(v, name=name, description=v.description + ", dense submodules compiled", compile=True)
+        out.append(v)
+    if len({v.name for v in out}) != len(out):
+        raise SystemExit(f"--variants: duplicates in {names}")
+    return out
+
+
+# ------------------------------------------------------------------------- arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="directory for e2e.json and e2e.md")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes and steps, emulated FP8")
+    p.add_argument("--configs", default="dlrm,dcn,wukong", help="comma-separated subset of dlrm,dcn,wukong")
+    p.add_argument("--batches", default=None, help="per-GPU batch sizes, comma-separated (default 8192; dry run 64)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated variants")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 15; dry run 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 40; dry run 4)")
+    p.add_argument("--profile-steps", type=int, default=None, help="profiled steps after the timed ones (default 5; dry run 2)")
+    p.add_argument("--no-profile", action="store_true", help="no profiler window (and no extra steps)")
+    p.add_argument("--profile-variants", default="bf16,loka_aggressive", help="variants whose steps are profiled")
+    p.add_argument("--eval-batches", type=int, default=None, help="held-out batches for NE (default 8; dry run 2)")
+    p.add_argument("--decide-steps", type=int, default=None, help="LoKA decision run length (default 30; dry run 8)")
+    p.add_argument("--decide-interval", type=int, default=None, help="probe interval of the decision run (default 5; dry run 2)")
+    p.add_argument("--cache-batches", type=int, default=16, help="distinct train batches, cycled (data.cache_batches)")
+    p.add_argument("--fp8-backend", default=None, help="backend of fp8_everywhere (default torch_scaled_mm; dry run emulated)")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; dry run aot_eager)")
+    p.add_argument("--timing", choices=("sync", "events"), default="sync",
+                   help="sync: wall clock with torch.cuda.synchronize() at each step end; events: CUDA "
+                        "events at step ends, no host sync (keeps the CPU/GPU overlap across steps)")
+    args = p.parse_args(argv)
+    dry = args.dry_run
+    defaults = {
+        "batches": "64" if dry else "8192",
+        "warmup": 2 if dry else 15,
+        "steps": 4 if dry else 40,
+        "profile_steps": 2 if dry else 5,
+        "eval_batches": 2 if dry else 8,
+        "decide_steps": 8 if dry else 30,
+        "decide_interval": 2 if dry else 5,
+        "fp8_backend": "emulated" if dry else "torch_scaled_mm",
+        "compile_backend": "aot_eager" if dry else "inductor",
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.no_profile:
+        args.profile_steps = 0
+    for name in ("warmup", "steps", "eval_batches", "decide_steps", "decide_interval", "cache_batches"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.profile_steps < 0:
+        raise SystemExit("--profile-steps must be >= 0")
+    args.config_names = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.config_names if c not in CONFIGS]
+    if unknown or not args.config_names:
+        raise SystemExit(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    args.batch_sizes = [int(b) for b in args.batches.split(",") if b]
+    args.variant_names = [v for v in args.variants.split(",") if v]
+    args.profile_names = {v for v in args.profile_variants.split(",") if v}
+    return args
+
+
+# ----------------------------------------------------------------------- composition
+class Composer:
+    """Composes JobConfigs from conf/ (validated by the schema), like launch/train.py."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        from hydra import initialize_config_dir
+
+        import launch.train  # noqa: F401  (registers the JobConfig schema)
+
+        stack.enter_context(initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"))
+
+    def job(self, overrides: list[str]) -> Any:
+        from hydra import compose
+        from omegaconf import OmegaConf
+
+        from loka_train.runtime.job import JobConfig
+
+        job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+        assert isinstance(job, JobConfig)
+        return job
+
+
+def job_overrides(
+    args: argparse.Namespace,
+    config: str,
+    batch: int,
+    variant: Variant,
+    out_dir: str,
+    *,
+    steps: int,
+    eval_batches: int,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """Hydra overrides of one run (also valid for ``launch/train.py``)."""
+    configs, data = (DRY_CONFIGS, DRY_DATA) if args.dry_run else (CONFIGS, DATA)
+    return [
+        *configs[config],
+        *data,
+        f"data.cache_batches={args.cache_batches}",
+        "trainer=gpu",
+        f"trainer.device={'cpu' if args.dry_run else 'cuda'}",
+        f"trainer.batch_size={batch}",
+        f"trainer.steps={steps}",
+        "trainer.dense_dtype=bf16",
+        "trainer.sharding=table_wise",
+        "trainer.pipeline=sparse_dist",
+        "trainer.eval_every=0",
+        f"trainer.eval_batches={eval_batches}",
+        f"trainer.log_every={steps}",
+        f"trainer.out_dir={out_dir}",
+        "trainer.resume=never",
+        "trainer.tensorboard=false",
+        "trainer.progress_bar=false",
+        "trainer.checkpoint_at_end=false",
+        f"trainer.compile_dense={str(variant.compile).lower()}",
+        f"trainer.compile_backend={args.compile_backend}",
+        f"loka={variant.loka}",
+        *variant.loka_overrides,
+        *extra,
+    ]
+
+
+# --------------------------------------------------------------------------- the data
+class _MemoSplit:
+    """A dataset whose batches are generated once and then served from memory."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.feature_names = source.feature_names
+        self.num_embeddings_per_feature = source.num_embeddings_per_feature
+        self.num_dense = source.num_dense
+        self._memo: dict[int, Any] = {}
+
+    def batch(self, step: int) -> Any:
+        if step not in self._memo:
+            self._memo[step] = self.source.batch(step)
+        return self._memo[step]
+
+    def batches(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[Any]:
+        step = start_step
+        while num_steps is None or step < start_step + num_steps:
+            yield self.batch(step)
+            step += 1
+
+
+@contextlib.contextmanager
+def shared_datasets() -> Iterator[Any]:
+    """Trainers built inside share one dataset object per (data config, split, batch size).
+
+    Building the synthetic data (schema, teacher, bias calibration) takes seconds per split,
+    and every variant would also regenerate the same cached train batches and eval batches.
+    The data is a pure function of these keys, so sharing the objects changes nothing the
+    runs see; it only takes the set-up out of the benchmark's wall time. Yields the factory.
+    """
+    import loka_train.runtime.trainer as trainer_module
+
+    original = trainer_module.make_dataset
+    memo: dict[tuple[Any, ...], Any] = {}
+
+    def make(cfg: Any, *, split: str, rank: int, world_size: int, batch_size: int) -> Any:
+        key = (repr(cfg), split, rank, world_size, batch_size)
+        if key not in memo:
+            ds = original(cfg, split=split, rank=rank, world_size=world_size, batch_size=batch_size)
+            # The train split caches its batches itself (data.cache_batches).
+            memo[key] = ds if split == "train" and cfg.cache_batches else _MemoSplit(ds)
+        return memo[key]
+
+    trainer_module.make_dataset = make  # type: ignore[assignment]
+    try:
+        yield make
+    finally:
+        trainer_module.make_dataset = original
+
+
+# ------------------------------------------------------------------------ the clock
+class StepClock(Callback):
+    """Times every step after the warm-up; profiles a window of steps after the timed ones.
+
+    Add it last, so the other callbacks' step work falls inside the step it measures.
+    """
+
+    def __init__(
+        self, *, warmup: int, timed: int, profile_steps: int, device: torch.device, timing: str
+    ) -> None:
+        self.warmup = warmup
+        self.timed = timed
+        self.profile_steps = profile_steps
+        self.cuda = device.type == "cuda"
+        self.timing = timing if self.cuda else "sync"
+        self.ends: list[float] = []
+        self.events: list[Any] = []
+        self.profiler: Any = None
+        self.profile: Any = None
+        self.profile_wall_s = math.nan
+        self._profile_t0 = 0.0
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if self.timing == "events":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+        else:
+            self._sync()
+            self.ends.append(time.perf_counter())
+        last_timed = self.warmup + self.timed - 1
+        if self.profile_steps and step == last_timed:
+            self._start_profiler()
+        elif self.profiler is not None and step == last_timed + self.profile_steps:
+            self.close()
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._sync()
+        self.profiler = profile(activities=activities)
+        self.profiler.__enter__()
+        self._profile_t0 = time.perf_counter()
+
+    def close(self) -> None:
+        """Stop the profiler if it runs (also after a failed run)."""
+        if self.profiler is None:
+            return
+        self._sync()
+        self.profile_wall_s = time.perf_counter() - self._profile_t0
+        prof, self.profiler = self.profiler, None
+        prof.__exit__(None, None, None)
+        self.profile = prof
+
+    def step_ms(self) -> list[float]:
+        """Milliseconds of each timed step (from the previous step's end to its own)."""
+        if self.timing == "events":
+            self._sync()
+            marks = self.events
+            return [
+                marks[i - 1].elapsed_time(marks[i])
+                for i in range(self.warmup, min(self.warmup + self.timed, len(marks)))
+            ]
+        ends = self.ends
+        return [
+            1000.0 * (ends[i] - ends[i - 1])
+            for i in range(self.warmup, min(self.warmup + self.timed, len(ends)))
+        ]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+# ----------------------------------------------------------------------- the profile
+_CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("memcpy", re.compile(r"memcpy|memset", re.I)),
+    ("gemm", re.compile(
+        r"gemm|sm90|cutlass|matmul|scaled_mm|f8f8|wgmma|xmma|nvjet|cublas|(^|[_:])b?mm([_:]|$)|addmm|"
+        r"aten::(mm|bmm|addmm|_scaled_mm|baddbmm)$", re.I)),
+    ("quantize", re.compile(r"quant|amax|fp8|float8|e4m3|e5m2|scale", re.I)),
+    ("embedding", re.compile(r"embedding|tbe|bounds_check|jagged|permute_|segment|index_select|fbgemm", re.I)),
+)
+CATEGORY_NAMES = ("gemm", "quantize", "embedding", "memcpy", "other")
+
+
+def kernel_category(name: str) -> str:
+    for category, pattern in _CATEGORIES:
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def _merged_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
+    """GPU kernel time per step by category, top kernels, and the busy fraction."""
+    prof, steps = clock.profile, clock.profile_steps
+    per_name: dict[str, float] = {}
+    intervals: list[tuple[float, float]] = []
+    if clock.cuda:
+        from torch.autograd import DeviceType
+
+        for evt in prof.events():
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            start, end = float(evt.time_range.start), float(evt.time_range.end)
+            per_name[evt.name] = per_name.get(evt.name, 0.0) + (end - start)
+            intervals.append((start, end))
+        if not intervals:
+            raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI unavailable?)")
+        source = "CUDA kernels (time on the GPU)"
+    else:
+        # CPU (dry run): self time of each operator, no device.
+        for avg in prof.key_averages():
+            if avg.key.startswith("aten::") and avg.self_cpu_time_total > 0:
+                per_name[avg.key] = per_name.get(avg.key, 0.0) + float(avg.self_cpu_time_total)
+        source = "CPU operators' self time (dry run)"
+    total_us = sum(per_name.values())
+    categories = {c: 0.0 for c in CATEGORY_NAMES}
+    for name, us in per_name.items():
+        categories[kernel_category(name)] += us
+    busy_us = _merged_us(intervals) if intervals else total_us
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "source": source,
+        "steps": steps,
+        "wall_ms_per_step_profiled": 1000.0 * clock.profile_wall_s / steps,
+        "kernel_ms_per_step": total_us / 1000.0 / steps,
+        "busy_ms_per_step": busy_us / 1000.0 / steps,
+        "busy_fraction": (busy_us / 1000.0 / steps) / median_ms if median_ms > 0 else math.nan,
+        "categories": {
+            c: {"ms_per_step": us / 1000.0 / steps, "share": us / total_us if total_us else math.nan}
+            for c, us in categories.items()
+        },
+        "top_kernels": [
+            {"name": name[:120], "category": kernel_category(name), "ms_per_step": us / 1000.0 / steps}
+            for name, us in top
+        ],
+    }
+
+
+# ------------------------------------------------------------------------ torchao
+def torchao_status() -> str | None:
+    """None when torchao's float8 training imports, else why not."""
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as exc:  # any import failure means: not run, with the reason
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class TorchaoFloat8(Callback):
+    """Converts the dense Linear layers with torchao ``convert_to_float8_training``."""
+
+    def __init__(self, recipe: str) -> None:
+        self.recipe = recipe
+        self.converted: list[str] = []
+        self.skipped: dict[str, str] = {}
+
+    def on_before_shard(self, trainer: Any) -> None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        linears = [fqn for fqn, m in trainer.model.named_modules() if isinstance(m, nn.Linear)]
+        last = linears[-1] if linears else None
+
+        def keep(module: nn.Module, fqn: str) -> bool:
+            if not isinstance(module, nn.Linear):
+                return True
+            if fqn == last:
+                self.skipped[fqn] = "final logit layer (high precision, like LoKA)"
+                return False
+            if module.in_features % 16 or module.out_features % 16:
+                self.skipped[fqn] = f"{module.in_features}x{module.out_features}: not multiples of 16"
+                return False
+            self.converted.append(fqn)
+            return True
+
+        config = Float8LinearConfig.from_recipe_name(self.recipe)
+        trainer.model = convert_to_float8_training(trainer.model, config=config, module_filter_fn=keep)
+
+
+# ------------------------------------------------------------------------- the runs
+def _loka_summary(cb: Any, trainer: Any) -> dict[str, Any]:
+    """FP8 coverage and the GEMMs left in high precision (with why) of a LoKA callback."""
+    report = cb.report(trainer)
+    high = []
+    num_gemms = 0
+    for site, roles in report["sites"].items():
+        for role, entry in roles.items():
+            num_gemms += 1
+            if not entry["plan"].lower().startswith("fp8"):
+                high.append(f"{site}/{role}: {entry['why']}")
+    mods_report = next(
+        (m.loka_mods_report for m in trainer.model.modules() if hasattr(m, "loka_mods_report")), None
+    )
+    not_sites = dict(mods_report.skipped) if mods_report is not None else {}
+    return {
+        "fp8_coverage": report["fp8_coverage"],
+        "num_sites": len(report["sites"]),
+        "num_gemms": num_gemms,
+        "num_fp8_gemms": num_gemms - len(high),
+        "high_gemms": high,
+        "not_sites": {k: v for k, v in not_sites.items() if "embedding" not in v},
+        "mods_fallbacks": list(mods_report.fallbacks) if mods_report is not None else [],
+        "plan_changes": report["plan_changes"],
+        "guard_trips": len(report["guard_trips"]),
+        "fallbacks": report["fallbacks"],
+        "plans": {
+            site: {role: e["plan"] for role, e in roles.items()} for site, roles in report["sites"].items()
+        },
+    }
+
+
+def cleanup(device_type: str) -> None:
+    """Free what a run left: its compiled graphs and the GPU memory it cached."""
+    gc.collect()
+    import torch._dynamo
+
+    # The next run's modules share these code objects: without a reset their recompilations
+    # would pile up against dynamo's recompile limit, then run eagerly.
+    torch._dynamo.reset()
+    if device_type == "cuda":
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except RuntimeError as exc:  # a sticky CUDA error: later runs will fail and say so
+            logger.error("GPU clean-up failed: %s", exc)
+
+
+def progress(t0: float, msg: str) -> None:
+    print(f"[e2e {time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+
+def run_one(
+    args: argparse.Namespace,
+    composer: Composer,
+    config: str,
+    batch: int,
+    variant: Variant,
+    t0: float,
+    torchao_missing: str | None,
+) -> dict[str, Any]:
+    """Decision run (LoKA), then the timed run; every figure of one (config, batch, variant)."""
+    from loka_train.runtime.loka import LokaCallback
+    from loka_train.runtime.trainer import Trainer
+
+    rec: dict[str, Any] = {
+        "config": config,
+        "batch": batch,
+        "variant": variant.name,
+        "description": variant.description,
+        "status": "ok",
+    }
+    if variant.torchao and torchao_missing:
+        rec["status"] = "not run"
+        rec["error"] = f"not run: {torchao_missing}"
+        return rec
+    profile_steps = args.profile_steps if variant.name in args.profile_names else 0
+    total_steps = args.warmup + args.steps + args.profile_steps
+    device_type = "cpu" if args.dry_run else "cuda"
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"e2e_{config}_{variant.name}_".replace("+", "_")) as tmp:
+        try:
+            state = None
+            if variant.decide:
+                decide_extra = (
+                    "loka.probe.every_k_steps=1",
+                    "loka.probe.sites_per_step=null",
+                    f"loka.probe.interval={args.decide_interval}",
+                )
+                # The plans do not depend on compilation: decide eagerly.
+                job = composer.job(
+                    job_overrides(
+                        args, config, batch, replace(variant, compile=False), f"{tmp}/decide",
+                        steps=args.decide_steps, eval_batches=1, extra=decide_extra,
+                    )
+                )
+                rec["decide_overrides"] = list(decide_extra) + [f"trainer.steps={args.decide_steps}"]
+                decider = LokaCallback(job.loka)
+                trainer = Trainer(model=job.model, data=job.data, trainer=job.trainer, callbacks=[decider])
+                with contextlib.redirect_stdout(io.StringIO()):  # the plan table: in the JSON
+                    trainer.fit()
+                state = decider.state_dict()
+                assert decider.dispatcher is not None
+                rec["decide"] = {
+                    "steps": args.decide_steps,
+                    "fp8_coverage": decider.dispatcher.fp8_coverage(),
+                    "plan_changes": decider.dispatcher.num_changes,
+                    "s": time.perf_counter() - started,
+                }
+                progress(
+                    t0,
+                    f"{config} b{batch} {variant.name}: decision run {args.decide_steps} steps -> "
+                    f"FP8 {rec['decide']['fp8_coverage']:.0%} of GEMMs, "
+                    f"{rec['decide']['plan_changes']} plan changes ({rec['decide']['s']:.1f}s)",
+                )
+                del trainer, decider
+                cleanup(device_type)
+                # The timed run starts from fresh weights; only the decisions carry over.
+                state["guard"] = {"best_ne": None, "cooldown": 0, "trips": []}
+                state["timeline"] = []
+
+            overrides = job_overrides(
+                args, config, batch, variant, f"{tmp}/run",
+                steps=total_steps, eval_batches=args.eval_batches,
+            )
+            rec["overrides"] = overrides
+            job = composer.job(overrides)
+            callbacks: list[Callback] = []
+            loka_cb = None
+            torchao_cb = None
+            if job.loka.enabled:
+                loka_cb = LokaCallback(job.loka)
+                if state is not None:
+                    loka_cb.load_state_dict(state)
+                callbacks.append(loka_cb)
+            if variant.torchao:
+                torchao_cb = TorchaoFloat8(variant.torchao)
+                callbacks.append(torchao_cb)
+            clock = StepClock(
+                warmup=args.warmup,
+                timed=args.steps,
+                profile_steps=profile_steps,
+                device=torch.device(device_type),
+                timing=args.timing,
+            )
+            setup_t = time.perf_counter()
+            trainer = Trainer(
+                model=job.model, data=job.data, trainer=job.trainer, callbacks=[*callbacks, clock]
+            )
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):  # the plan table: in the JSON
+                    summary = trainer.fit()
+            finally:
+                clock.close()
+            run_s = time.perf_counter() - setup_t
+            times = clock.step_ms()
+            if len(times) != args.steps:
+                raise RuntimeError(f"timed {len(times)} steps, expected {args.steps}")
+            median = statistics.median(times)
+            rec.update(
+                step_ms_median=median,
+                step_ms_p10=percentile(times, 0.1),
+                step_ms_p90=percentile(times, 0.9),
+                step_ms_mean=statistics.fmean(times),
+                step_ms=times,
+                samples_per_s=batch * 1000.0 / median,
+                eval_ne=summary["eval/ne"],
+                eval_auc=summary["eval/auc"],
+                train_loss=summary["train/loss"],
+                steps=summary["steps"],
+                compiled=summary.get("compiled", []),
+                fallbacks=summary["fallbacks"],
+                run_s=run_s,
+            )
+            if loka_cb is not None:
+                rec["loka"] = _loka_summary(loka_cb, trainer)
+            if torchao_cb is not None:
+                rec["torchao"] = {"converted": torchao_cb.converted, "skipped": torchao_cb.skipped}
+            if clock.profile is not None:
+                try:
+                    rec["profile"] = summarize_profile(clock, median)
+                except Exception as exc:  # the timings stand without the breakdown
+                    rec["profile_error"] = f"{type(exc).__name__}: {exc}"
+                    logger.error("%s b%d %s: profile not summarized: %s", config, batch, variant.name, exc)
+            del trainer, clock, callbacks, loka_cb, torchao_cb
+        except Exception as exc:  # recorded, reported, and the benchmark goes on
+            rec["status"] = "error"
+            rec["error"] = f"error: {type(exc).__name__}: {exc}"[:2000]
+            rec["traceback"] = traceback.format_exc()[-6000:]
+            logger.error("%s b%d %s failed:\n%s", config, batch, variant.name, rec["traceback"])
+        finally:
+            cleanup(device_type)
+    rec["wall_s"] = time.perf_counter() - started
+    return rec
+
+
+# ---------------------------------------------------------------------- comparisons
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """Speed ratio and NE delta of each run against bf16 (and bf16+compile) of the same grid."""
+    by = {(r["config"], r["batch"], r["variant"]): r for r in results if r["status"] == "ok"}
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        for ref, key in ((REFERENCE, "vs_bf16"), ("bf16+compile", "vs_bf16_compile")):
+            base = by.get((r["config"], r["batch"], ref))
+            if base is None:
+                continue
+            r[f"speedup_{key}"] = base["step_ms_median"] / r["step_ms_median"]
+            r[f"ne_delta_rel_{key}"] = (r["eval_ne"] - base["eval_ne"]) / base["eval_ne"]
+
+
+def _fmt_x(v: float | None) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{v:.2f}x"
+
+
+def _fmt_pct(v: float | None, digits: int = 2) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{100 * v:+.{digits}f}%"
+
+
+def evaluate_targets(results: list[dict[str, Any]], configs: list[str], batch: int) -> list[dict[str, Any]]:
+    """Each target of issue 9, per LoKA preset run: met / missed / not evaluated, with figures."""
+    runs = {(r["config"], r["variant"]): r for r in results if r["batch"] == batch}
+    lokas = sorted({v for (_, v) in runs if v.split("+")[0] in LOKA_VARIANTS})
+    out: list[dict[str, Any]] = []
+
+    def why_not(config: str, r: dict[str, Any] | None) -> str:
+        if r is None:
+            return f"{config}: not run"
+        if r["status"] != "ok":
+            return f"{config}: {r.get('error', r['status'])}"
+        return f"{config}: no bf16 run to compare with"
+
+    def add(target: str, loka: str, status: str, detail: str) -> None:
+        out.append({"batch": batch, "target": target, "variant": loka, "status": status, "detail": detail})
+
+    def fig(r: dict[str, Any]) -> str:
+        extra = ""
+        if "speedup_vs_bf16_compile" in r:
+            extra = f", {_fmt_x(r['speedup_vs_bf16_compile'])} vs bf16+compile"
+        return (f"{r['config']}: {_fmt_x(r.get('speedup_vs_bf16'))} vs bf16{extra}, "
+                f"NE {_fmt_pct(r.get('ne_delta_rel_vs_bf16'), 3)}")
+
+    if not lokas:
+        add("all", "-", "not evaluated", "no LoKA variant in --variants")
+        return out
+    for loka in lokas:
+        rows = [runs.get((c, loka)) for c in configs]
+        bad = [why_not(c, r) for c, r in zip(configs, rows)
+               if r is None or r["status"] != "ok" or "speedup_vs_bf16" not in r]
+        ok_rows = [r for r in rows if r is not None and r["status"] == "ok" and "speedup_vs_bf16" in r]
+        # 1. never slower than bf16 (>= 0.98x) on any config.
+        target = "LoKA is never slower than BF16 (>= 0.98x) on any config"
+        if bad:
+            add(target, loka, "missed", "; ".join(bad + [fig(r) for r in ok_rows]))
+        else:
+            met = all(r["speedup_vs_bf16"] >= 0.98 for r in ok_rows)
+            add(target, loka, "met" if met else "missed", "; ".join(fig(r) for r in ok_rows))
+        # 2./3. the dense-heavy and DCN speed-ups at NE within 0.1%.
+        for config, need, label in (("wukong", 1.3, "dense-heavy (wukong)"), ("dcn", 1.15, "DCN")):
+            target = f"{label}: >= {need}x BF16 with NE within {100 * NE_TOLERANCE:.1f}% relative"
+            r = runs.get((config, loka))
+            if config not in configs:
+                add(target, loka, "not evaluated", f"{config} not in --configs")
+            elif r is None or r["status"] != "ok" or "speedup_vs_bf16" not in r:
+                add(target, loka, "missed", why_not(config, r))
+            else:
+                met = r["speedup_vs_bf16"] >= need and abs(r["ne_delta_rel_vs_bf16"]) <= NE_TOLERANCE
+                add(target, loka, "met" if met else "missed", fig(r))
+        # 4. faster than both torchao recipes at equal (within 0.1%) or better NE.
+        target = "LoKA faster than both torchao recipes on every config at equal or better NE"
+        details, status = [], "met"
+        for config in configs:
+            r = runs.get((config, loka))
+            for ao in TORCHAO_VARIANTS:
+                a = runs.get((config, ao))
+                if a is None or a["status"] != "ok":
+                    status = "not evaluated" if status != "missed" else status
+                    details.append(f"{config}/{ao}: {a.get('error', a['status']) if a else 'not in --variants'}")
+                    continue
+                if r is None or r["status"] != "ok":
+                    status = "missed"
+                    details.append(f"{config}: {loka} {r['status'] if r else 'missing'}")
+                    continue
+                faster = a["step_ms_median"] / r["step_ms_median"]
+                ne_ok = r["eval_ne"] <= a["eval_ne"] * (1 + NE_TOLERANCE)
+                if faster <= 1.0 or not ne_ok:
+                    status = "missed"
+                details.append(
+                    f"{config}/{ao}: {_fmt_x(faster)} faster, NE {r['eval_ne']:.5f} vs {a['eval_ne']:.5f}"
+                )
+        add(target, loka, status, "; ".join(details))
+    return out
+
+
+# --------------------------------------------------------------------------- report
+def _version(module: str, dist_names: tuple[str, ...]) -> str | None:
+    from importlib import metadata
+
+    for name in dist_names:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(name)
+    with contextlib.suppress(Exception):
+        mod = __import__(module)
+        return str(getattr(mod, "__version__", "?"))
+    return None
+
+
+def environment(dry_run: bool) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "torchrec": _version("torchrec", ("torchrec",)),
+        "fbgemm_gpu": _version("fbgemm_gpu", ("fbgemm-gpu", "fbgemm_gpu", "fbgemm-gpu-cpu", "fbgemm_gpu_cpu")),
+        "fbgemm_gpu_genai": _version("fbgemm_gpu", ("fbgemm-gpu-genai", "fbgemm_gpu_genai")),
+        "triton": _version("triton", ("triton",)),
+        "torchao": _version("torchao", ("torchao",)),
+        "hydra": _version("hydra", ("hydra-core",)),
+        "host": platform.node(),
+    }
+    if not dry_run and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability())
+    else:
+        env["gpu"] = "none (CPU dry run)"
+    return env
+
+
+def _fp8_cell(r: dict[str, Any]) -> str:
+    if "loka" in r:
+        lk = r["loka"]
+        return f"{lk['fp8_coverage']:.0%} ({lk['num_fp8_gemms']}/{lk['num_gemms']} GEMMs)"
+    if "torchao" in r:
+        t = r["torchao"]
+        return f"{len(t['converted'])}/{len(t['converted']) + len(t['skipped'])} Linear"
+    return "-"
+
+
+def write_report(out: Path, data: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(data, indent=1, default=str))
+    env, args = data["environment"], data["args"]
+    lines = [
+        "# End-to-end training step time and quality (issue 9)",
+        "",
+        f"- command: `{data['command']}`",
+        f"- GPU: **{env['gpu']}**" + (f" ({env['capability']})" if "capability" in env else ""),
+        f"- torch {env['torch']} (CUDA {env['cuda']}), torchrec {env['torchrec']}, fbgemm_gpu "
+        f"{env['fbgemm_gpu']} (genai {env['fbgemm_gpu_genai']}), triton {env['triton']}, "
+        f"torchao {env['torchao'] or 'not installed'}, python {env['python']}",
+        f"- 1 rank, TorchRec DMP (table-wise, fused row-wise Adagrad), TrainPipelineSparseDist, bf16 "
+        f"autocast; {args['warmup']} warm-up + {args['steps']} timed steps "
+        f"({'wall clock, synchronize at each step end' if args['timing'] == 'sync' else 'CUDA events at step ends'}), "
+        f"then {args['profile_steps']} profile steps; eval NE on {args['eval_batches']} held-out "
+        f"batches after {args['warmup'] + args['steps'] + args['profile_steps']} steps; train data "
+        f"cycles {args['cache_batches']} batches; same data and seeds for every variant",
+        f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
+        f"every step, probe interval {args['decide_interval']}), then the timed run from fresh "
+        "weights with the decided plans and the preset's own sampling schedule",
+        f"- wall time of the whole benchmark: {data['wall_s']:.0f} s",
+        "",
+        "## Configs",
+        "",
+    ]
+    for name, overrides in data["configs"].items():
+        lines.append(f"- **{name}**: `{' '.join(overrides)}`")
+    for batch in args["batch_sizes"]:
+        rows = [r for r in data["results"] if r["batch"] == batch]
+        lines += [
+            "",
+            f"## Batch {batch} per GPU",
+            "",
+            "| config | variant | step ms median [p10, p90] | samples/s | vs bf16 | eval NE | NE vs bf16 | FP8 | notes |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if r["status"] != "ok":
+                err = r.get("error", r["status"]).replace("|", "/").replace("\n", " ")
+                lines.append(f"| {r['config']} | {r['variant']} | {r['status']} | | | | | | {err[:200]} |")
+                continue
+            notes = []
+            if "decide" in r:
+                notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
+            if r.get("loka", {}).get("guard_trips"):
+                notes.append(f"guard trips {r['loka']['guard_trips']}")
+            if r.get("fallbacks"):
+                notes.append(f"{len(r['fallbacks'])} fallbacks")
+            lines.append(
+                f"| {r['config']} | {r['variant']} | {r['step_ms_median']:.2f} [{r['step_ms_p10']:.2f}, "
+                f"{r['step_ms_p90']:.2f}] | {r['samples_per_s']:,.0f} | {_fmt_x(r.get('speedup_vs_bf16'))} | "
+                f"{r['eval_ne']:.5f} | {_fmt_pct(r.get('ne_delta_rel_vs_bf16'), 3)} | {_fp8_cell(r)} | "
+                f"{'; '.join(notes)} |"
+            )
+        noise = [r for r in rows if r["variant"] == "bf16+compile" and "ne_delta_rel_vs_bf16" in r]
+        if noise:
+            lines += ["", "NE noise floor (bf16+compile vs bf16, same numerics up to kernel order): "
+                      + ", ".join(f"{r['config']} {_fmt_pct(r['ne_delta_rel_vs_bf16'], 3)}" for r in noise)]
+        profiled = [r for r in rows if "profile" in r]
+        if profiled:
+            lines += [
+                "",
+                "### Where the GPU time goes (profiled steps)",
+                "",
+                "| config | variant | kernel ms/step | busy | GEMM | FP8 quant | embedding | copies | other (elementwise, norm, ...) | top kernels |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in profiled:
+                p = r["profile"]
+                cats = p["categories"]
+                top = "; ".join(f"{k['name'][:48]} ({k['category']}, {k['ms_per_step']:.2f})" for k in p["top_kernels"][:3])
+                lines.append(
+                    f"| {r['config']} | {r['variant']} | {p['kernel_ms_per_step']:.2f} | {p['busy_fraction']:.0%} | "
+                    + " | ".join(f"{cats[c]['share']:.0%}" for c in ("gemm", "quantize", "embedding", "memcpy", "other"))
+                    + f" | {top.replace('|', '/')} |"
+                )
+            lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
+                      "steps; shares are of the summed kernel time."]
+        everywhere = [r for r in rows if r["variant"].startswith("fp8_everywhere") and "loka" in r]
+        for r in everywhere:
+            lk = r["loka"]
+            lines += ["", f"FP8 everywhere, {r['config']}: {lk['num_fp8_gemms']}/{lk['num_gemms']} site GEMMs in FP8."]
+            lines += [f"- not FP8: {h}" for h in lk["high_gemms"]]
+            lines += [f"- at conversion: {f}" for f in lk["mods_fallbacks"]]
+            lines += [f"- not a site: {k}: {v}" for k, v in lk["not_sites"].items()]
+        targets = [t for t in data["targets"] if t["batch"] == batch]
+        if targets:
+            lines += ["", "### Targets of issue 9", ""]
+            for t in targets:
+                lines.append(f"- **{t['status']}** [{t['variant']}] {t['target']}: {t['detail']}")
+    errors = [r for r in data["results"] if r["status"] == "error"]
+    if errors:
+        lines += ["", "## Errors", ""]
+        for r in errors:
+            lines += [f"### {r['config']} b{r['batch']} {r['variant']}", "", "```", r.get("traceback", r["error"]).rstrip(), "```"]
+    (out / "e2e.md").write_text("\n".join(lines) + "\n")
+
+
+# ----------------------------------------------------------------------------- main
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
+    logger.setLevel(logging.INFO)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _init_process_group(device_type: str) -> None:
+    """One 1-rank group for every run (each Trainer reuses it instead of creating its own)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if device_type == "cuda":
+        torch.cuda.set_device(0)
+    fd, store = tempfile.mkstemp(prefix="e2e_pg_")
+    os.close(fd)
+    os.unlink(store)  # the FileStore creates it
+    dist.init_process_group(
+        backend="nccl" if device_type == "cuda" else "gloo",
+        init_method=f"file://{store}",
+        rank=0,
+        world_size=1,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _configure_logging()
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # One thread: dev machines are small and shared, and a dry run checks the plumbing.
+        torch.set_num_threads(1)
+        device_type = "cpu"
+    else:
+        if not torch.cuda.is_available():
+            logger.error("no CUDA device: use --dry-run to check the benchmark on CPU")
+            return 2
+        device_type = "cuda"
+    variants = resolve_variants(args.variant_names, args.fp8_backend)
+    env = environment(args.dry_run)
+    missing = torchao_status()
+    t0 = time.perf_counter()
+    progress(t0, f"{env['gpu']}; torch {env['torch']}, torchrec {env['torchrec']}, torchao {env['torchao']}")
+    if missing and any(v.torchao for v in variants):
+        progress(t0, f"torchao variants not run: {missing}")
+    configs = DRY_CONFIGS if args.dry_run else CONFIGS
+    data = DRY_DATA if args.dry_run else DATA
+    results: list[dict[str, Any]] = []
+    command = "python bench/e2e.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+    def finish() -> dict[str, Any]:
+        """Ratios, targets and both files from the runs so far (rewritten after every run, so
+        a benchmark cut short by a time limit still leaves its results)."""
+        add_ratios(results)
+        report = {
+            "command": command,
+            "environment": env,
+            "args": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items() if k != "out"},
+            "configs": {c: list(configs[c]) + list(data) for c in args.config_names},
+            "variants": {v.name: {"description": v.description, "loka": v.loka,
+                                  "loka_overrides": list(v.loka_overrides), "compile": v.compile,
+                                  "torchao": v.torchao, "decide": v.decide} for v in variants},
+            "results": results,
+            "targets": [t for b in args.batch_sizes for t in evaluate_targets(results, args.config_names, b)],
+            "wall_s": time.perf_counter() - t0,
+        }
+        write_report(args.out, report)
+        return report
+
+    _init_process_group(device_type)
+    try:
+        with contextlib.ExitStack() as stack:
+            composer = Composer(stack)
+            make = stack.enter_context(shared_datasets())
+            for config in args.config_names:
+                for batch in args.batch_sizes:
+                    # Generate the shared batches once, outside every measurement.
+                    job = composer.job(job_overrides(args, config, batch, variants[0], "unused", steps=1,
+                                                     eval_batches=args.eval_batches))
+                    for split, n in (("train", args.cache_batches), ("eval", args.eval_batches)):
+                        for _ in make(job.data, split=split, rank=0, world_size=1, batch_size=batch).batches(0, n):
+                            pass
+                    progress(t0, f"{config} b{batch}: data ready")
+                    for variant in variants:
+                        rec = run_one(args, composer, config, batch, variant, t0, missing)
+                        results.append(rec)
+                        if rec["status"] == "ok":
+                            base = next((r for r in results if r["config"] == config and r["batch"] == batch
+                                         and r["variant"] == REFERENCE and r["status"] == "ok"), None)
+                            ratio = base["step_ms_median"] / rec["step_ms_median"] if base else math.nan
+                            ne = (rec["eval_ne"] - base["eval_ne"]) / base["eval_ne"] if base else math.nan
+                            cov = f", FP8 {rec['loka']['fp8_coverage']:.0%}" if "loka" in rec else ""
+                            progress(
+                                t0,
+                                f"{config} b{batch} {variant.name}: {rec['step_ms_median']:.2f} ms/step "
+                                f"(p10 {rec['step_ms_p10']:.2f}, p90 {rec['step_ms_p90']:.2f}), "
+                                f"{_fmt_x(ratio)} vs bf16, NE {rec['eval_ne']:.5f} ({_fmt_pct(ne, 3)}){cov} "
+                                f"[{rec['wall_s']:.1f}s]",
+                            )
+                        else:
+                            progress(t0, f"{config} b{batch} {variant.name}: {rec['error'][:300]}")
+                        finish()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    report = finish()
+    errors = [r for r in results if r["status"] == "error"]
+    progress(t0, f"wrote {args.out}/e2e.md and e2e.json: {len(results)} runs, {len(errors)} errors")
+    for t in report["targets"]:
+        print(f"  {t['status']:>13}  [{t['variant']}] {t['target']}: {t['detail']}", flush=True)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
