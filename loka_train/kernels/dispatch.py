@@ -76,6 +76,10 @@ class DispatchConfig:
     """"speed": FP8 only where it is safe AND faster than high precision by `margin`;
     "coverage": FP8 wherever it is safe (fastest safe candidate)."""
 
+    cpu_objective: str | None = None
+    """Objective when the job runs on CPU, where FP8 is emulated and only its numerics matter
+    (the speed side is the H100 cost model's guess); None: the same as ``objective``."""
+
     margin: float = 0.05
     """Relative speed-up an FP8 candidate must show over high precision (0.05 = 5%)."""
 
@@ -112,6 +116,10 @@ class DispatchConfig:
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"dispatch.objective={self.objective!r}: choose one of {OBJECTIVES}")
+        if self.cpu_objective is not None and self.cpu_objective not in OBJECTIVES:
+            raise ValueError(
+                f"dispatch.cpu_objective={self.cpu_objective!r}: choose one of {OBJECTIVES} or null"
+            )
         if self.timing not in TIMINGS:
             raise ValueError(f"dispatch.timing={self.timing!r}: choose one of {TIMINGS}")
         if not (0.0 <= self.margin < 10.0):
@@ -230,6 +238,13 @@ class Dispatcher:
         self._pending: dict[tuple[str, str], tuple[str, int]] = {}
         self._timings: dict[str, float] = {}
         self._reasons: dict[tuple[str, str], str] = {}
+
+    @property
+    def objective(self) -> str:
+        """The objective in force on this device (``cpu_objective`` on CPU when set)."""
+        if self.device.type == "cpu" and self.config.cpu_objective is not None:
+            return self.config.cpu_objective
+        return self.config.objective
 
     @property
     def timing_mode(self) -> str:
@@ -451,7 +466,7 @@ class Dispatcher:
         t_best, _, best, v = min(safe, key=lambda x: (x[0], x[1]))
         speedup = t_high / t_best if t_best > 0 else math.inf
         shape_s = "x".join(map(str, shape))
-        if self.config.objective == "speed" and speedup < 1.0 + self.config.margin:
+        if self.objective == "speed" and speedup < 1.0 + self.config.margin:
             return (
                 GemmPlan(),
                 f"FP8 speed-up {speedup:.2f}x over high at {shape_s} ({src}) < 1+margin "

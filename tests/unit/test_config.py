@@ -30,7 +30,8 @@ def test_default_job_composes() -> None:
     job = _compose()
     assert isinstance(job.model, ModelConfig) and job.model.kind == "dlrm"
     assert isinstance(job.trainer, TrainerConfig) and job.trainer.device == "cpu"
-    assert job.loka.enabled is True and job.loka.dispatch.objective == "coverage"
+    assert job.loka.enabled is True and job.loka.dispatch.objective == "speed"
+    assert job.loka.dispatch.cpu_objective == "coverage"  # the CPU main job exercises FP8
 
 
 @pytest.mark.parametrize("preset", ["off", "safe", "aggressive"])

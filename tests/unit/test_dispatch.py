@@ -102,6 +102,23 @@ def test_speed_objective_keeps_small_gemms_high() -> None:
     assert "margin" in d.table()
 
 
+def test_cpu_objective_applies_on_cpu_only() -> None:
+    """aggressive: speed on the GPU, coverage on CPU (where FP8 only serves the numerics)."""
+    cfg = DispatchConfig(
+        objective="speed", cpu_objective="coverage", margin=0.0, scalings=("rowwise",),
+        backends=("emulated",), hysteresis_intervals=1, fp8_roles=("forward",),
+    )
+    probe = _probe()
+    d = Dispatcher(cfg, device="cpu")
+    for site in SITES:
+        d.register(site, plan=LinearPlan.high_precision(), shapes={"forward": (M, K, N)})
+    _run(probe, d, range(0, 16), False, [])
+    assert d.objective == "coverage" and d.plans["a"].forward.is_fp8
+    assert Dispatcher(cfg, device="meta").objective == "speed"
+    with pytest.raises(ValueError, match="cpu_objective"):
+        DispatchConfig(cpu_objective="fastest")
+
+
 def test_cost_model_reproduces_measured_pattern() -> None:
     """design.md: FP8 GEMM alone gains 1.1-1.9x; separate quantization erases it when small."""
     cm = GpuCostModel()
