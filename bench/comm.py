@@ -52,7 +52,7 @@ def job(out: str, precision: str, steps: int, batch: int, tables: int, dim: int,
         data=DataConfig(num_sparse=tables, num_embeddings=rows, cache_batches=16),
         trainer=TrainerConfig(
             steps=steps, batch_size=batch, device="cuda" if cuda else "cpu", sharding="table_wise",
-            dense_dtype="bf16" if cuda else "fp32",
+            dense_dtype="bf16" if cuda else "fp32", dense_lr=0.01, dense_warmup_steps=min(20, steps),
             log_every=max(1, steps // 4), eval_batches=4, out_dir=out, tensorboard=False,
             progress_bar=False, checkpoint_at_end=False, resume="never",
         ),

@@ -108,6 +108,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    parser.add_argument("--backends", default="triton,fbgemm_rowwise,torch_scaled_mm",
+                        help="FP8 backends of the fixed plans and of Dispatch's candidates (GPU)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     batch = 64 if args.dry_run else args.batch
@@ -116,7 +119,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, misses, failures = [], [], []
     plans = fixed_plans(device.type)
-    for config, layers in CONFIGS.items():
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        parser.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
+    backends = tuple(args.backends.split(","))
+    plans = {name: plan for name, plan in plans.items() if name == "high" or device.type != "cuda"
+             or plan.forward.backend in backends}
+    for config, layers in ((c, CONFIGS[c]) for c in args.configs.split(",")):
         for i, (k, n) in enumerate(layers):
             if args.dry_run:
                 k, n = min(k, 64), min(n, 64)
@@ -143,6 +152,7 @@ def main() -> int:
                 DispatchConfig(
                     objective="speed", margin=0.0, hysteresis_intervals=1,
                     scalings=("rowwise", "tensorwise"), timing="measure" if device.type == "cuda" else "cost_model",
+                    backends=backends,
                     cpu_backends=("emulated",),
                 ),
                 device=device,

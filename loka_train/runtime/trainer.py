@@ -231,6 +231,7 @@ class Trainer:
             dict(in_backward_optimizer_filter(self.model.named_parameters())),
             lambda params: torch.optim.Adagrad(params, lr=self.cfg.dense_lr, eps=self.cfg.eps),
         )
+        self._dense_optimizer = dense
         self.optimizer = CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", dense)])
         if self.cfg.compile_dense:
             self._compile_dense()
@@ -369,6 +370,13 @@ class Trainer:
             self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dense_dtype == "bf16"
         )
 
+    def _set_dense_lr(self, step: int) -> None:
+        # A function of the step alone, so a resumed run continues the same schedule.
+        if self.cfg.dense_warmup_steps and step <= self.cfg.dense_warmup_steps:
+            lr = self.cfg.dense_lr_at(step)
+            for group in self._dense_optimizer.param_groups:
+                group["lr"] = lr
+
     def _pipeline(self) -> Any:
         from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
@@ -417,6 +425,7 @@ class Trainer:
         try:
             while self.step < self.cfg.steps:
                 step = self.step
+                self._set_dense_lr(step)
                 self.callbacks.call("on_step_start", self, step)
                 # TorchRec pipelines return the model output's second element.
                 with self._autocast():

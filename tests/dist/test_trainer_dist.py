@@ -131,6 +131,7 @@ def _run_for_resume(rank: int, world_size: int, out: str, stop_after: int | None
             Path(out),
             steps=8,
             sharding="row_wise",
+            dense_warmup_steps=6,  # the resumed run must continue the same lr schedule
             checkpoint_every=4,
             checkpoint_at_end=True,
             stop_after_step=stop_after,

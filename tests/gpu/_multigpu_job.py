@@ -53,7 +53,7 @@ def main() -> None:
             steps=steps, batch_size=global_batch // world, device="cuda" if cuda else "cpu", sharding=sharding,
             log_every=1, eval_every=0, eval_batches=4, out_dir=out, tensorboard=False,
             progress_bar=False, checkpoint_every=20, resume="auto", stop_after_step=stop,
-            dense_lr=DENSE_LR,
+            dense_lr=DENSE_LR, dense_warmup_steps=10,
         ),
         callbacks=[loka, recorder],
     )

@@ -56,6 +56,7 @@ def test_misspelled_key_is_an_error(override: str) -> None:
     [
         ("trainer.steps=0", "trainer.steps"),
         ("trainer.sharding=diagonal", "trainer.sharding"),
+        ("trainer.dense_dtype=fp16", "trainer.dense_dtype"),
         ("model.kind=transformer", "model.kind"),
         ("model.embedding_dim=32", "dense_arch_layer_sizes"),
     ],
@@ -69,3 +70,13 @@ def test_missing_data_path_names_the_key(tmp_path: Path) -> None:
     cfg = DataConfig(kind="criteo_tsv", path=str(tmp_path / "nowhere.tsv"))
     with pytest.raises(FileNotFoundError, match="data.path"):
         make_dataset(cfg, split="train", rank=0, world_size=1, batch_size=8)
+
+
+def test_dense_lr_warms_up_linearly_then_holds() -> None:
+    cfg = TrainerConfig(dense_lr=0.01, dense_warmup_steps=4)
+    assert [cfg.dense_lr_at(s) for s in range(6)] == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01])
+    assert TrainerConfig(dense_lr=0.01).dense_lr_at(0) == 0.01  # no warm-up by default
+    with pytest.raises(ValueError, match="dense_warmup_steps"):
+        TrainerConfig(dense_warmup_steps=-1)
+    gpu = _compose("trainer=gpu").trainer
+    assert gpu.dense_warmup_steps > 0 and gpu.dense_lr <= 0.01
