@@ -353,6 +353,10 @@ class Site(nn.Module):
         """Stop reporting."""
         self.observer = None
 
+    # The Probe's bookkeeping (step counters, window slots) is host state that changes every
+    # step: under torch.compile it runs eagerly (a graph break) so that dynamo neither guards
+    # on it (a recompile per step) nor traces the statistics into the model's graph.
+    @torch.compiler.disable
     def _sampling(self) -> bool:
         obs = self.observer
         return obs is not None and obs.should_sample(obs.step, self.site_name)
@@ -406,6 +410,7 @@ class GemmSite(Site):
             self._observe(x.detach().reshape(-1, k), weight.detach(), y, None)
         return y
 
+    @torch.compiler.disable
     def _observe(
         self,
         x_MK: Tensor,
@@ -680,6 +685,7 @@ class BmmSite(Site):
             self._observe(a_BMK, bt_BKN, y)
         return y
 
+    @torch.compiler.disable
     def _observe(self, a_BMK: Tensor, bt_BKN: Tensor, y: Tensor) -> None:
         obs, name = self.observer, self.site_name
         assert obs is not None

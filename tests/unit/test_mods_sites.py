@@ -566,3 +566,47 @@ def test_emulated_only_backend_for_bmm_logged(caplog: pytest.LogCaptureFixture) 
     assert "inter.bmm" in net.loka_mods_report.fallbacks[0]
     assert "starts in high precision" in caplog.text
     assert "left out alone: final logit layer" in caplog.text
+
+
+def test_compiled_sites_with_a_probe_do_not_recompile_per_step() -> None:
+    """The Probe's per-step host state stays out of dynamo's guards: a compiled model with
+    observed sites compiles a bounded number of graphs however many steps run, and the
+    Probe still collects the same statistics as in eager mode."""
+    import torch._dynamo
+
+    from loka_train.kernels.formats import Fp8Format, Scaling
+    from loka_train.mods import Fp8Linear
+    from loka_train.probe import Probe, ProbeConfig
+
+    def run(compiled: bool, steps: int) -> tuple[Probe, int]:
+        torch.manual_seed(0)
+        a = Fp8Linear.from_linear(nn.Linear(32, 32), pad_to_multiple=16)
+        b = Fp8Linear.from_linear(nn.Linear(32, 16), pad_to_multiple=16)
+        probe = Probe(ProbeConfig(every_k_steps=2, interval=4, window=4, min_samples=1))
+        for name, site in (("a", a), ("b", b)):
+            site.site_name = name
+            site.set_plan(LinearPlan.fp8(Fp8Format.E4M3, Fp8Format.E5M2, scaling=Scaling.ROWWISE, backend="emulated"))
+            probe.register_site(name, **site.probe_spec())
+            site.attach_observer(probe)
+        net = nn.Sequential(a, nn.ReLU(), b)
+        if compiled:
+            net.compile(backend="aot_eager")
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+        for step in range(steps):
+            probe.begin_step(step)
+            net(x).sum().backward()
+            if probe.should_reduce(step):
+                probe.reduce()
+        return probe, int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+    _, graphs_short = run(True, 4)
+    compiled, graphs_long = run(True, 12)
+    assert graphs_long == graphs_short <= 6, (graphs_short, graphs_long)
+    eager, _ = run(False, 12)
+    for site in ("a", "b"):
+        for role in ("forward", "grad_input", "grad_weight"):
+            got, want = compiled.window_stats(site, role), eager.window_stats(site, role)
+            assert got["valid"].any()
+            torch.testing.assert_close(got["sqnr_db"], want["sqnr_db"], rtol=1e-4, atol=1e-3)
