@@ -258,6 +258,16 @@ class Trainer:
                 )
             module.compile(backend=self.cfg.compile_backend)
             self.compiled_modules.append(name)
+        # Each FP8 site graph-breaks around the Probe's eager bookkeeping, so dynamo keeps one
+        # cache entry per site instance (and input dtype) for the site's code: allow that many.
+        from loka_train.mods import Site
+
+        num_sites = sum(isinstance(m, Site) for m in self.model.modules())
+        limit = max(torch._dynamo.config.recompile_limit, 4 * num_sites)
+        if limit != torch._dynamo.config.recompile_limit:
+            logger.info("compile_dense: dynamo recompile_limit %d -> %d (%d FP8 sites)",
+                        torch._dynamo.config.recompile_limit, limit, num_sites)
+            torch._dynamo.config.recompile_limit = limit
         if not self.compiled_modules:
             raise ValueError(
                 f"trainer.compile_dense=true but the {self.model_cfg.kind!r} model has no "
