@@ -13,6 +13,9 @@ DCN epilogue fusion (``epilogue_fusion=True``): layer ``l`` computes
 ``x_{l+1} = x0 * (W (V x_l) + b) + x_l`` as the second GEMM with the bias in its epilogue,
 then one ``torch.addcmul(x_l, x0, z)``: one elementwise kernel instead of three (bias add,
 multiply, residual add), and its backward needs no separate bias reduction over ``x0 * ...``.
+It applies to layers whose ``W`` GEMM runs an FP8 plan; a layer in high precision keeps
+TorchRec's formula op for op, so a converted model without FP8 is bit-identical to the
+original, also under bf16 autocast.
 Numerics: identical math, but ``addcmul`` may use a fused multiply-add and a GEMM with bias may
 round ``acc + b`` once, so results can differ from the unfused formula in the last bit (the
 tests bound it; on exactly representable data they are equal). Under bf16 autocast the bias is
@@ -160,7 +163,7 @@ class CrossNet(LowRankCrossNet):
         for i in range(self._num_layers):
             sites = self.layer_sites(i)
             xv_BR = sites.V.linear(x_BN, self.V_kernels[i])
-            if self.epilogue_fusion:
+            if self.epilogue_fusion and sites.W.has_fp8():
                 with torch.profiler.record_function("loka/mods/dcn_epilogue"):
                     z_BN = sites.W.linear(xv_BR, self.W_kernels[i], self.bias[i])
                     x_BN = torch.addcmul(x_BN, x0_BN, z_BN)

@@ -320,6 +320,10 @@ class Site(nn.Module):
                 return False, f"{role}: {e.args[0]}"
         return True, ""
 
+    def has_fp8(self) -> bool:
+        """Whether any of this site's GEMMs runs in FP8 under its current plan."""
+        return _any_fp8(self.plan)
+
     def set_plan(self, plan: LinearPlan) -> None:
         """Replace the plan (Dispatch calls this between steps; nothing is reallocated).
 
@@ -528,6 +532,10 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
+        if not _any_fp8(plan):
+            # No FP8 GEMM: the original composition, op for op (bit-identical also under bf16
+            # autocast, where the fused op's LayerNorm/bias rounding would differ).
+            return _act(self(norm(x)), activation)
         m = x.numel() // k if k else 0
         n = self.out_features
         pad_n = 0
