@@ -474,6 +474,8 @@ class Dispatcher:
                 current_unsafe,
             )
         reason = f"safe (SQNR p-lo {v.sqnr_lo_db:.1f} dB >= {v.budget_db:.1f}); speed-up {speedup:.2f}x over high at {shape_s} ({src})"
+        if self.objective == "coverage" and speedup < 1.0:
+            reason += "; taken for coverage although slower"
         if current_unsafe:
             reason = f"{unsafe_reason}; moved to {best} which is {reason}"
         return best, reason, current_unsafe

@@ -114,6 +114,7 @@ def test_cpu_objective_applies_on_cpu_only() -> None:
         d.register(site, plan=LinearPlan.high_precision(), shapes={"forward": (M, K, N)})
     _run(probe, d, range(0, 16), False, [])
     assert d.objective == "coverage" and d.plans["a"].forward.is_fp8
+    assert "taken for coverage although slower" in d.table()  # the H100 cost model: small GEMM
     assert Dispatcher(cfg, device="meta").objective == "speed"
     with pytest.raises(ValueError, match="cpu_objective"):
         DispatchConfig(cpu_objective="fastest")
