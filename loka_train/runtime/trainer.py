@@ -531,5 +531,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "eval/ne" in summary:
         rows += [("eval NE", f"{summary['eval/ne']:.4f}"), ("eval AUC", f"{summary['eval/auc']:.4f}")]
     rows.append(("fallbacks", str(len(summary["fallbacks"]))))
+    if "loka/fp8_coverage" in summary:
+        rows.append(("LoKA FP8", f"{summary['loka/fp8_coverage']:.0%} of GEMMs, "
+                                 f"{summary['loka/plan_changes']} plan changes"))
+    if "loka/report" in summary:
+        rows.append(("LoKA report", str(summary["loka/report"])))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

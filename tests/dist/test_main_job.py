@@ -41,6 +41,8 @@ def test_main_job_learns(tmp_path: Path) -> None:
     assert summary["loka/fp8_coverage"] > 0.5, summary
     assert (tmp_path / "loka" / "loka_report.md").exists()
     assert "LoKA plan" in proc.stdout
+    report_line = next(line for line in proc.stdout.splitlines() if "LoKA report" in line)
+    assert report_line.split()[-1] == str(tmp_path / "loka" / "loka_report.md")
 
 
 def test_bad_config_value_fails_clearly(tmp_path: Path) -> None:
