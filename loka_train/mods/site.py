@@ -357,6 +357,11 @@ class Site(nn.Module):
         """Stop reporting."""
         self.observer = None
 
+    def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
+        # nn.Module.__setattr__ costs microseconds on every call; shapes rarely change.
+        if mkn != self._mkn:
+            self._mkn = mkn
+
     # The Probe's bookkeeping (step counters, window slots) is host state that changes every
     # step: under torch.compile it runs eagerly (a graph break) so that dynamo neither guards
     # on it (a recompile per step) nor traces the statistics into the model's graph.
@@ -408,9 +413,9 @@ class GemmSite(Site):
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``y = x W^T + b`` as the plan says; reports to the observer on sampled steps."""
         n, k = weight.shape
-        self._mkn = (x.numel() // k if k else 0, k, n)
+        self._set_mkn((x.numel() // k if k else 0, k, n))
         y = planned_linear(x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple)
-        if self._sampling():
+        if self.observer is not None and self._sampling():
             self._observe(x.detach().reshape(-1, k), weight.detach(), y, None)
         return y
 
@@ -549,7 +554,7 @@ class Fp8Linear(GemmSite, nn.Linear):
                 )
                 return _act(self(norm(x)), activation)
             pad_n = pad[2]
-        self._mkn = (m, k, n)
+        self._set_mkn((m, k, n))
         weight, bias = self.weight, self._active_bias()
         if pad_n:
             y = layernorm_linear(
@@ -561,7 +566,7 @@ class Fp8Linear(GemmSite, nn.Linear):
             y = layernorm_linear(
                 x, norm.weight, norm.bias, weight, bias, plan, activation=activation, eps=norm.eps
             )
-        if self._sampling():
+        if self.observer is not None and self._sampling():
             with torch.no_grad():
                 h_MK = F.layer_norm(x.detach(), (k,), norm.weight, norm.bias, norm.eps).reshape(-1, k)
                 z_MN = F.linear(h_MK, weight.detach(), None if bias is None else bias.detach())
@@ -687,9 +692,9 @@ class BmmSite(Site):
 
     def forward(self, a_BMK: Tensor, bt_BKN: Tensor) -> Tensor:
         b, m, k = a_BMK.shape
-        self._mkn = (b * m, k, bt_BKN.shape[-1])
+        self._set_mkn((b * m, k, bt_BKN.shape[-1]))
         y = planned_bmm(a_BMK, bt_BKN, self.plan)
-        if self._sampling():
+        if self.observer is not None and self._sampling():
             self._observe(a_BMK, bt_BKN, y)
         return y
 
