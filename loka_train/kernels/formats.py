@@ -238,8 +238,9 @@ def _amax_to_scale(amax: Tensor, fmt: Fp8Format, power_of_two: bool) -> Tensor:
     else:
         # clamp_min keeps tiny-but-non-zero groups finite after x / scale.
         scale = (amax / fmt.max).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-    return torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    # Python scalars, not ones_like / full_like: two kernels fewer per quantization.
+    scale = torch.where(amax == 0, 1.0, scale)
+    return torch.where(finite, scale, float("nan"))
 
 
 def compute_scale(
