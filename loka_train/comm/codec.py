@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 from fbgemm_gpu.quantize_comm import QuantizationContext
-from torch.autograd.profiler import record_function
 from torchrec.distributed.types import CommOp, QuantizedCommCodecs
 
 from loka_train.comm.config import CommChannel, CommPrecision
 from loka_train.comm.formats import WireFormat, native_dtype
 from loka_train.comm.state import CommState
+from loka_train.kernels.profiling import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class SwitchableCodec:
         """Encode fp32 values; counts the payload bytes; measures SQNR on sampled steps."""
         precision = self._precision(ctx)
         fmt = self._state.wire_format(self._channel, precision)
-        with record_function(f"loka/comm/encode/{self._channel.value}/{precision.value}"):
+        with profiled(f"loka/comm/encode/{self._channel.value}/{precision.value}"):
             if self._bytes_payload:
                 payload = fmt.encode_bytes(input_tensor)
             else:
@@ -163,7 +163,7 @@ class SwitchableCodec:
         if not self._bytes_payload:
             return WireFormat.decode_native(input_grad)
         precision = self._precision(ctx)
-        with record_function(f"loka/comm/decode/{self._channel.value}/{precision.value}"):
+        with profiled(f"loka/comm/decode/{self._channel.value}/{precision.value}"):
             return self._state.wire_format(self._channel, precision).decode_bytes(input_grad)
 
 

@@ -26,11 +26,11 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.nn.parallel import DistributedDataParallel
 
 from loka_train.comm.config import CommChannel, CommPrecision
 from loka_train.comm.state import CommState
+from loka_train.kernels.profiling import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class DenseGradCompressor:
         fmt = state.wire_format(_CHANNEL, precision)
         use_feedback = state.config.dense_error_feedback and not precision.is_lossless
 
-        with record_function(f"loka/comm/dense_grad/{precision.value}"):
+        with profiled(f"loka/comm/dense_grad/{precision.value}"):
             send_N = grad_N.detach().float()
             residual_N = self._take_residual(bucket_index, param_key, grad_N)
             if residual_N is not None:

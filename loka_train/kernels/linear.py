@@ -37,6 +37,7 @@ from torch import Tensor
 
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, quantize
 from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.kernels.profiling import profiled
 from loka_train.kernels.registry import GemmProblem, get_backend
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def run_backend(
             f"GEMM plan {plan} cannot run {role} {problem.m}x{problem.k}x{problem.n} on "
             f"{problem.device_type}: {why}. Choose another backend in the plan."
         )
-    with torch.profiler.record_function(f"loka/gemm/{role}/{plan.backend}"):
+    with profiled(f"loka/gemm/{role}/{plan.backend}"):
         return backend(a_q, b_q, out_dtype=out_dtype, bias=bias_N, fast_accum=plan.fast_accum)
 
 

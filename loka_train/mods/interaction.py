@@ -43,6 +43,7 @@ from torchrec.models.dlrm import InteractionArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
 from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.profiling import profiled
 from loka_train.mods.site import BmmSite, GemmSite
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class CrossNet(LowRankCrossNet):
             sites = self.layer_sites(i)
             xv_BR = sites.V.linear(x_BN, self.V_kernels[i])
             if self.epilogue_fusion and sites.W.has_fp8():
-                with torch.profiler.record_function("loka/mods/dcn_epilogue"):
+                with profiled("loka/mods/dcn_epilogue"):
                     z_BN = sites.W.linear(xv_BR, self.W_kernels[i], self.bias[i])
                     x_BN = torch.addcmul(x_BN, x0_BN, z_BN)
             else:

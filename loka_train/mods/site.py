@@ -75,6 +75,7 @@ from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
 from loka_train.kernels.linear import _compute_dtype, fp8_linear
 from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.kernels.profiling import profiled
 from loka_train.kernels.registry import GemmProblem, get_backend
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ def planned_linear(
         # None: padding cannot help; fp8_linear raises with the backend's reason.
         return fp8_linear(x, weight, bias, plan)
     pad_m, pad_k, pad_n = pad
-    with torch.profiler.record_function("loka/mods/pad"):
+    with profiled("loka/mods/pad"):
         xp = F.pad(x_MK, (0, pad_k, 0, pad_m))
         wp = F.pad(weight, (0, pad_k, 0, pad_n))
         bp = None if bias is None else F.pad(bias, (0, pad_n))

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.profiling import profiled
 from loka_train.models.wukong import FactorizationMachineBlock, WukongLayer
 from loka_train.mods.site import BmmSite, Fp8Linear, FusedLinearSite
 
@@ -92,7 +93,7 @@ class Fp8FMBlock(FactorizationMachineBlock):
         flat = fm_BNK.flatten(1)
         first = self.mlp[0]
         if self._fusable() and isinstance(first, Fp8Linear):
-            with torch.profiler.record_function("loka/mods/fused_norm_linear"):
+            with profiled("loka/mods/fused_norm_linear"):
                 h = first.forward_layernorm(flat, self.norm, activation="relu")
             out = self.mlp[2](h)
         else:
