@@ -3,7 +3,8 @@
 Small shapes (default 32 x 64 -> 64) so that the kernels cost next to nothing and the time is
 the Python and launch overhead that a launch-bound DLRM step pays per site. Measured: forward
 under ``no_grad`` and forward + backward, median of repeated timed loops, for ``nn.Linear``,
-the site in high precision and the site with each FP8 plan the device runs.
+the site in high precision and the site with each FP8 plan the device runs; and the cost of
+a ``record_function`` range with no profiler running (why ``kernels.profiling.profiled``).
 
 Usage:
     python bench/site_overhead.py                 # CPU or the current CUDA device
@@ -74,8 +75,14 @@ def main() -> int:
                 print(f"site fp8 {backend}/{scaling.value}: not run ({exc})")
                 continue
             modules[f"site fp8 {backend}/{scaling.value}"] = fp8
+    def plain_range() -> None:
+        with torch.profiler.record_function("loka/bench"):
+            pass
+
+    rf = _timed(plain_range, torch.device("cpu"), args.calls * 10, args.repeats)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread)"
     print(f"{name}, torch {torch.__version__}, x {args.m}x{args.k} -> {args.n}, {dtype}")
+    print(f"torch.profiler.record_function with no profiler running: {rf:.2f} us per range")
     print(f"{'module':34s} {'fwd no_grad us':>15s} {'fwd+bwd us':>12s}")
     base = None
     for label, mod in modules.items():
