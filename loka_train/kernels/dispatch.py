@@ -576,6 +576,7 @@ class Dispatcher:
             "reasons": {f"{s}|{r}": v for (s, r), v in self._reasons.items()},
             "history": [asdict(c) for c in self.history],
             "num_changes": self.num_changes,
+            "measure_failures": dict(self.measure_failures),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -592,6 +593,7 @@ class Dispatcher:
         self._reasons = {tuple(k.split("|")): v for k, v in state["reasons"].items()}  # type: ignore[misc]
         self.history = [PlanChange(**c) for c in state["history"]]
         self.num_changes = int(state["num_changes"])
+        self.measure_failures = dict(state.get("measure_failures", {}))
 
 
 __all__ = ["DispatchConfig", "Dispatcher", "GpuCostModel", "PlanChange"]

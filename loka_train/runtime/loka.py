@@ -226,6 +226,9 @@ class LokaCallback(Callback):
         comm = self.comm_state.report() if self.comm_state is not None else {"enabled": False}
         fallbacks = [f"backend unavailable: {k}: {v}" for k, v in sorted(d.unsupported.items())]
         fallbacks += [
+            f"candidate excluded, its benchmark failed: {k}: {v}" for k, v in sorted(d.measure_failures.items())
+        ]
+        fallbacks += [
             f"site {name}: {site.num_fallbacks} GEMMs ran in high precision instead of their plan"
             for name, site in sorted(self.sites.items())
             if getattr(site, "num_fallbacks", 0)

@@ -217,3 +217,6 @@ def test_a_candidate_whose_benchmark_raises_is_excluded_and_logged(caplog, monke
     assert any("cutlass cannot implement" in v for v in d.measure_failures.values())
     assert "benchmark failed" in d.table()
     assert "timing" in caplog.text and "excluded" in caplog.text
+    restored = _one_site_dispatcher("emulated", 1, (M, K, N))
+    restored.load_state_dict(d.state_dict())  # the failure survives a checkpoint (for the report)
+    assert restored.measure_failures == d.measure_failures
