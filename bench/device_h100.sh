@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The one-GPU device run, in one call: the GPU tests, then the end-to-end, Dispatch, Mods and
-# GEMM benchmarks, each under its own time limit so that one slow part cannot eat the rest.
+# The one-GPU device runs: the GPU tests, then the end-to-end, Dispatch, Mods and GEMM
+# benchmarks, each under its own time limit so that one slow part cannot eat the rest.
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
-# PARTS: tests e2e dispatch mods gemm (default: tests e2e, which fill one 600 s call; run
-# dispatch mods gemm in a second call).
+# PARTS: tests e2e dispatch mods gemm_a gemm_bc. One 600 s call each for: `tests e2e` (the
+# default), `dispatch mods`, `gemm_a`, `gemm_bc` (gemm_bc appends to gemm_a's report, so run
+# them on the same warm machine). Each benchmark runs in pieces that save as they go, so a
+# time limit loses at most the piece running.
 set -u
 out=$1
 shift
@@ -20,13 +22,24 @@ if has e2e; then
   (timeout 400 python bench/e2e.py --configs wukong,dcn,dlrm --out /tmp/h100/e2e; echo "rc=$?") > /tmp/h100/e2e.txt 2>&1
 fi
 if has dispatch; then
-  (timeout 200 python bench/dispatch.py --iters 20 --out /tmp/h100/dispatch; echo "rc=$?") \
-      > /tmp/h100/dispatch.txt 2>&1
+  for cfg in dlrm dcn wukong; do
+    (timeout 110 python bench/dispatch.py --iters 20 --configs $cfg --out /tmp/h100/dispatch_$cfg; \
+        echo "rc=$?") > /tmp/h100/dispatch_$cfg.txt 2>&1
+  done
 fi
 if has mods; then
-  (timeout 150 python bench/mods.py --out /tmp/h100/mods; echo "rc=$?") > /tmp/h100/mods.txt 2>&1
+  for model in wukong dcn; do
+    (timeout 130 python bench/mods.py --models $model --out /tmp/h100/mods_$model; echo "rc=$?") \
+        > /tmp/h100/mods_$model.txt 2>&1
+  done
 fi
-if has gemm; then
-  (timeout 200 python bench/gemm.py --out /tmp/h100/gemm; echo "rc=$?") > /tmp/h100/gemm.txt 2>&1
-fi
+gemm_pieces() {
+  for piece in "$@"; do
+    append=$([ -e /tmp/h100/gemm/gemm.json ] && echo --append)
+    (timeout 170 python bench/gemm.py $piece $append --out /tmp/h100/gemm; echo "rc=$?") \
+        >> /tmp/h100/gemm.txt 2>&1
+  done
+}
+if has gemm_a; then gemm_pieces "--parts a --ms 2048" "--parts a --ms 8192" "--parts a --ms 32768"; fi
+if has gemm_bc; then gemm_pieces "--parts b" "--parts c"; fi
 tar czf "$out/h100.tgz" -C /tmp h100

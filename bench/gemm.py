@@ -17,9 +17,21 @@ Writes ``gemm.json`` (every measurement, device, versions, command) and ``gemm.m
 repetitions), in microseconds.
 
 Usage:
-    python bench/gemm.py --out bench/results/h100            # full run (~5-8 min on an H100)
+    python bench/gemm.py --out bench/results/h100            # full run (~7-8 min on an H100)
     python bench/gemm.py --out /tmp/b --quick                # M = 8192, 3 shapes
     python bench/gemm.py --out /tmp/b --dry-run              # CPU, tiny shapes, interpreter
+
+The full grid autotunes the Triton GEMM for ~170 shape keys (10 configs each, ~0.13 s per
+config), compiles ~60 kernel variants and takes ~950 timed measurements (~0.13 s each): too
+long for one ~3 min device call. Run it in parts into one ``--out`` with ``--append`` (each call
+merges its rows into the existing gemm.json and rewrites gemm.md; results are also rewritten
+after every (part, M), so a call stopped by a time limit keeps what it measured). Each of
+these takes ~1.5-2.5 min on an H100 (the first one compiles most kernels):
+    python bench/gemm.py --out R --parts a --ms 2048
+    python bench/gemm.py --out R --parts a --ms 8192 --append
+    python bench/gemm.py --out R --parts a --ms 32768 --append
+    python bench/gemm.py --out R --parts b --append
+    python bench/gemm.py --out R --parts c --append
 """
 
 from __future__ import annotations
@@ -76,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default="abc", help="which parts to run, subset of 'abc'")
     p.add_argument("--ms", type=str, default=None, help="comma-separated M values (overrides)")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench rep time per measurement (ms)")
+    p.add_argument("--append", action="store_true",
+                   help="merge into the gemm.json already in --out (rows of other parts / M values are "
+                        "kept, re-measured ones replaced): runs the full grid in several calls")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing, profile the (c) block variants (torch.profiler) into profile.txt")
     return p.parse_args(argv)
@@ -388,10 +403,13 @@ def profile_blocks(ms, kns, device, out: Path) -> None:
                     if device == "cuda":
                         torch.cuda.synchronize()
                 ka = prof.key_averages()
-                # Kernels (device-side events) only; op rows would count them twice.
+                # Kernels (device-side events) only; op rows would count them twice. The
+                # record_function ranges of the FP8 path (`profiled`, active while profiling)
+                # are mirrored on the GPU timeline as CUDA events too: not kernel time.
                 gpu_us = sum(
                     e.time_range.elapsed_us() for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA
+                    and not getattr(e, "is_user_annotation", False)
                 ) / 5
                 lines.append(f"=== M={m} K={k} N={n} {name}: wall {wall_us:.1f} us/step back-to-back, "
                              f"GPU kernels {gpu_us:.1f} us/step")
@@ -448,7 +466,7 @@ def _fmt_us(r: Row | None) -> str:
 
 
 def _speedup(base: Row | None, r: Row | None) -> str:
-    if base is None or r is None or base.us is None or r.us is None:
+    if base is None or r is None or not base.us or not r.us:
         return "n/a"
     return f"{base.us / r.us:.2f}x"
 
@@ -457,7 +475,7 @@ def block_speedup(rows, m, k, n, role) -> tuple[float | None, str]:
     """Speedup of the `fp8` block over bf16 and, when below 1, why (from parts a and b)."""
     base = _lookup(rows, "c", "bf16", m, k, n, role)
     fp8 = _lookup(rows, "c", "fp8", m, k, n, role)
-    if base is None or fp8 is None or base.us is None or fp8.us is None:
+    if base is None or fp8 is None or not base.us or not fp8.us:
         return None, "not measured"
     speed = base.us / fp8.us
     if speed >= 1.0:
@@ -477,11 +495,38 @@ def block_speedup(rows, m, k, n, role) -> tuple[float | None, str]:
     return speed, "GEMM timings (part a) missing for a breakdown"
 
 
-def write_report(rows, args, env, ms, kns, out: Path) -> None:
+def _row_key(r: Row) -> tuple:
+    return (r.part, r.name, r.m, r.k, r.n, r.role)
+
+
+def load_previous(out: Path) -> dict | None:
+    """The gemm.json of an earlier call into ``out`` (for ``--append``), or None."""
+    f = out / "gemm.json"
+    if not f.exists():
+        return None
+    data = json.loads(f.read_text())
+    data["rows"] = [Row(**r) for r in data["rows"]]
+    return data
+
+
+def merge_previous(prev: dict | None, rows, parts: str, ms, kns, cmd: str):
+    """Rows, parts, M values, shapes and commands of ``prev`` and this call together."""
+    if prev is None:
+        return rows, parts, tuple(ms), tuple(kns), [cmd]
+    new = {_row_key(r) for r in rows}
+    rows = [r for r in prev["rows"] if _row_key(r) not in new] + list(rows)
+    parts = "".join(p for p in "abc" if p in parts or p in prev.get("parts", ""))
+    ms = tuple(sorted(set(ms) | set(prev["ms"])))
+    kns = tuple(dict.fromkeys([tuple(s) for s in prev["kn"]] + [tuple(s) for s in kns]))
+    commands = list(prev.get("commands", [prev.get("command", "?")])) + [cmd]
+    return rows, parts, ms, kns, commands
+
+
+def write_report(rows, parts: str, env, ms, kns, out: Path, commands: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = "python bench/gemm.py " + " ".join(sys.argv[1:])
-    data = {"environment": env, "command": cmd, "ms": list(ms), "kn": [list(s) for s in kns],
-            "rows": [asdict(r) for r in rows]}
+    cmd = "; ".join(commands)
+    data = {"environment": env, "command": cmd, "commands": commands, "parts": parts, "ms": list(ms),
+            "kn": [list(s) for s in kns], "rows": [asdict(r) for r in rows]}
     (out / "gemm.json").write_text(json.dumps(data, indent=1))
 
     lines = ["# FP8 GEMM benchmark (issue 3)", ""]
@@ -490,7 +535,7 @@ def write_report(rows, args, env, ms, kns, out: Path) -> None:
     lines += [f"- rerun: `{cmd}`", "- times: median microseconds (triton.testing.do_bench, L2 flushed); "
               "speedup = bf16 time / variant time", ""]
 
-    if "a" in args.parts:
+    if "a" in parts:
         labels = sorted({r.name for r in rows if r.part == "a" and r.name != "bf16"})
         lines += ["## (a) GEMMs, operands pre-quantized (bf16 output)", ""]
         lines += ["FP8 formats: forward e4m3 x e4m3; grad roles e5m2 x e4m3 (fbgemm: e4m3 x e4m3). "
@@ -505,7 +550,7 @@ def write_report(rows, args, env, ms, kns, out: Path) -> None:
                     lines.append(f"| {m} | {k} | {n} | {_fmt_us(base)} | " + " | ".join(cells) + " |")
             lines.append("")
 
-    if "b" in args.parts:
+    if "b" in parts:
         names = list(dict.fromkeys(r.name for r in rows if r.part == "b"))
         lines += ["## (b) Quantizers alone (bf16 input (M, K) -> e4m3), microseconds", "",
                   "| M | K | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
@@ -515,7 +560,7 @@ def write_report(rows, args, env, ms, kns, out: Path) -> None:
                 lines.append(f"| {m} | {k} | " + " | ".join(cells) + " |")
         lines.append("")
 
-    if "c" in args.parts:
+    if "c" in parts:
         names = list(dict.fromkeys(r.name for r in rows if r.part == "c"))
         fp8_names = [nm for nm in names if nm != "bf16"]
         lines += ["## (c) LayerNorm -> Linear -> ReLU block, bf16 activations, forward + backward", "",
@@ -584,16 +629,24 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device, args.rep_ms)
     rows: list[Row] = []
     t0 = time.time()
-    if "a" in args.parts:
-        bench_gemms(ms, kns, device, timer, rows)
-        logger.info("(a) done after %.0f s", time.time() - t0)
-    if "b" in args.parts:
-        bench_quantizers(ms, kns, device, timer, rows)
-        logger.info("(b) done after %.0f s", time.time() - t0)
-    if "c" in args.parts:
-        bench_block(ms, kns, device, timer, rows)
-        logger.info("(c) done after %.0f s", time.time() - t0)
-    write_report(rows, args, env, ms, kns, args.out)
+    cmd = "python bench/gemm.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    prev = load_previous(args.out) if args.append else None
+    done = ""
+
+    def save() -> None:
+        # After every (part, M): a run stopped by a time limit keeps what it measured.
+        all_rows, parts, all_ms, all_kns, commands = merge_previous(prev, rows, done, ms, kns, cmd)
+        write_report(all_rows, parts, env, all_ms, all_kns, args.out, commands)
+
+    for part, bench in (("a", bench_gemms), ("b", bench_quantizers), ("c", bench_block)):
+        if part in args.parts:
+            done += part
+            for m in ms:  # each bench loops over M outermost: same order as one call with all
+                bench((m,), kns, device, timer, rows)
+                logger.info("(%s) M=%d done after %.0f s", part, m, time.time() - t0)
+                save()
+    if not done:
+        save()
     errors = [r for r in rows if r.skipped and r.skipped.startswith("error")]
     logger.info("wrote %s (%d rows, %d errors) in %.0f s", args.out, len(rows), len(errors), time.time() - t0)
     return 1 if errors else 0
