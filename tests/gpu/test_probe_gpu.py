@@ -1,0 +1,42 @@
+"""The Probe's CUDA-graph replays give the same window statistics as eager measurement.
+
+Runs on the GPU machine (skipped without CUDA): `pytest tests/gpu/test_probe_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loka_train.probe import Probe, ProbeConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _observe(cuda_graphs: bool) -> Probe:
+    probe = Probe(
+        ProbeConfig(every_k_steps=1, interval=4, window=4, min_samples=1, cuda_graphs=cuda_graphs),
+        device=torch.device("cuda"),
+    )
+    probe.register_site("s", weight_shape=(256, 512))
+    gen = torch.Generator("cuda").manual_seed(0)
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for step in range(4):  # the first graphed call captures, later ones replay
+        probe.begin_step(step)
+        x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x[:, :4] *= 100.0 * (step + 1)  # outlier columns that change every step
+        dy = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+        probe.observe_forward("s", x, w)
+        probe.observe_backward("s", dy, x, w)
+    probe.reduce()
+    return probe
+
+
+def test_graph_replays_match_eager_statistics() -> None:
+    eager, graphed = _observe(False), _observe(True)
+    for role in ("forward", "grad_input", "grad_weight"):
+        e, g = eager.window_stats("s", role), graphed.window_stats("s", role)
+        assert torch.equal(e["valid"], g["valid"]) and bool(e["valid"].all()), role
+        valid = e["valid"]
+        for key in ("sqnr_db", "underflow_a", "saturation_a", "amax_a", "outlier_ratio_a", "amax_b"):
+            torch.testing.assert_close(g[key][valid], e[key][valid], rtol=1e-5, atol=1e-6, msg=f"{role} {key}")
