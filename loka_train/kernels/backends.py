@@ -275,12 +275,8 @@ class FbgemmRowwiseBackend:
         return out.to(out_dtype)
 
 
-def _triton_installed() -> bool:
-    return _TRITON_INSTALLED
-
-
-# Whether triton is importable; looked up once (no import, no hardware) when this module loads.
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+"""Whether triton is importable; looked up once (no import, no hardware) when this module loads."""
 
 
 class TritonBackend:
@@ -289,7 +285,7 @@ class TritonBackend:
     name = "triton"
 
     def supports(self, problem: GemmProblem) -> tuple[bool, str]:
-        if not _triton_installed():
+        if not TRITON_INSTALLED:
             return False, "triton is not installed"
         if problem.scaling not in (Scaling.ROWWISE, Scaling.TENSORWISE):
             return False, f"the Triton GEMM takes row-wise/tensorwise scales, not {problem.scaling.value}"

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from loka_train.kernels.backends import TRITON_INSTALLED
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, quantize
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.profiling import profiled
@@ -50,17 +52,11 @@ __all__ = ["fp8_linear", "fp8_gemm_planned", "quantize_operand", "run_backend", 
 _FUSED_QUANT_BACKENDS = frozenset({"triton", "torch_scaled_mm", "fbgemm_rowwise"})
 
 
-def triton_installed() -> bool:
-    """Whether triton can be imported (looked up once, when this module loads)."""
-    from loka_train.kernels.backends import _triton_installed
-
-    return _triton_installed()
-
-
 @functools.lru_cache(maxsize=4096)
-def _supports(backend_name: str, problem: GemmProblem) -> tuple[bool, str]:
-    # Backend capabilities do not change within a process; problems repeat every step.
-    return get_backend(backend_name).supports(problem)
+def _supports(backend: Any, problem: GemmProblem) -> tuple[bool, str]:
+    # Keyed by the backend object (not its name), so a backend registered anew under the same
+    # name is asked again. Capabilities do not change within a process; problems repeat.
+    return backend.supports(problem)
 
 
 def use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
@@ -72,7 +68,7 @@ def use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
         and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
     ):
         return False
-    if plan.backend != "triton" and not triton_installed():
+    if plan.backend != "triton" and not TRITON_INSTALLED:
         return False
     from loka_train.kernels.triton_kernels import MAX_QUANT_ROW, triton_runnable
 
@@ -116,13 +112,13 @@ def run_backend(
     Raises:
         RuntimeError: if the backend cannot run this problem (the reason is included).
     """
-    backend = get_backend(plan.backend)
+    backend: Any = get_backend(plan.backend)  # hashed by identity in _supports
     problem = GemmProblem.from_operands(
         a_q, b_q, out_dtype=out_dtype, role=role, fast_accum=plan.fast_accum
     )
     # Under torch.compile the check runs once at trace time; dynamo does not trace lru_caches.
     compiling = torch.compiler.is_compiling()
-    ok, why = backend.supports(problem) if compiling else _supports(plan.backend, problem)
+    ok, why = backend.supports(problem) if compiling else _supports(backend, problem)
     if not ok:
         raise RuntimeError(
             f"GEMM plan {plan} cannot run {role} {problem.m}x{problem.k}x{problem.n} on "

@@ -235,3 +235,31 @@ def test_rows_longer_than_the_fused_quantizer_takes_use_the_reference_quantizer(
     assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(q.scale, ref.scale)
     assert use_fused_quantizer(plan, _gauss(3, 64), Fp8Format.E4M3)
+
+
+def test_support_answer_follows_a_re_registered_backend() -> None:
+    # The per-problem support cache is keyed by the backend object: replacing a backend under
+    # the same name must not keep serving the old backend's answer.
+    from loka_train.kernels.linear import run_backend
+    from loka_train.kernels.registry import get_backend, register_backend
+
+    class Refusing:
+        name = "refuse_then_accept"
+
+        def __init__(self, ok: bool) -> None:
+            self.ok = ok
+
+        def supports(self, problem):  # type: ignore[no-untyped-def]
+            return self.ok, "" if self.ok else "refused on purpose"
+
+        def __call__(self, a_q, b_q, *, out_dtype, bias=None, fast_accum=False):  # type: ignore[no-untyped-def]
+            return get_backend("emulated")(a_q, b_q, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
+
+    plan = GemmPlan(precision=Precision.FP8, fmt=Fp8Format.E4M3, scaling=Scaling.ROWWISE, backend="refuse_then_accept")
+    a = quantize(_gauss(8, 32), Fp8Format.E4M3, Scaling.ROWWISE)
+    b = quantize(_gauss(16, 32, seed=1), Fp8Format.E4M3, Scaling.ROWWISE)
+    register_backend(Refusing(False), replace=True)
+    with pytest.raises(RuntimeError, match="refused on purpose"):
+        run_backend(plan, a, b, out_dtype=torch.float32, role="forward")
+    register_backend(Refusing(True), replace=True)
+    assert run_backend(plan, a, b, out_dtype=torch.float32, role="forward").shape == (8, 16)
