@@ -17,14 +17,17 @@ import torch
 
 from tests.dist._loka import num_fp8
 
+# LOKA_MULTIGPU_ON_CPU=1 runs the same tests on CPU (gloo, emulated FP8, global batch 1024):
+# a local rehearsal of the GPU run, minutes long, so not part of the CPU suite.
+ON_CPU = os.environ.get("LOKA_MULTIGPU_ON_CPU") == "1"
 pytestmark = [
     pytest.mark.multigpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+    pytest.mark.skipif(torch.cuda.device_count() < 2 and not ON_CPU, reason="needs 2 CUDA devices"),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = str(ROOT / "tests" / "gpu" / "_multigpu_job.py")
-STEPS, GLOBAL_BATCH = 60, 8192
+STEPS, GLOBAL_BATCH = 60, (1024 if ON_CPU else 8192)
 # FP8 (emulated numerics differ from real kernels in rounding), FP8 all-to-all and a
 # different summation order make the 2-GPU loss differ from 1 GPU; 2% relative on the mean
 # of the last 10 steps is far below the loss's own movement over the run.
