@@ -12,34 +12,34 @@ out=$1
 shift
 parts=${*:-tests e2e}
 has() { [[ " $parts " == *" $1 "* ]]; }
-mkdir -p "$out" /tmp/h100
+w=$out/h100  # straight under $OUT: what a killed call leaves still comes back
+mkdir -p "$w"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
 if has tests; then
   (timeout 150 python -m pytest tests/gpu -m "not multigpu" -q -p no:cacheprovider -x; echo "rc=$?") \
       > "$out/gpu_tests.txt" 2>&1
 fi
 if has e2e; then
-  (timeout 400 python bench/e2e.py --configs wukong,dcn,dlrm --out /tmp/h100/e2e; echo "rc=$?") > /tmp/h100/e2e.txt 2>&1
+  (timeout 400 python bench/e2e.py --configs wukong,dcn,dlrm --out $w/e2e; echo "rc=$?") > $w/e2e.txt 2>&1
 fi
 if has dispatch; then
   for cfg in dlrm dcn wukong; do
-    (timeout 110 python bench/dispatch.py --iters 20 --configs $cfg --out /tmp/h100/dispatch_$cfg; \
-        echo "rc=$?") > /tmp/h100/dispatch_$cfg.txt 2>&1
+    (timeout 110 python bench/dispatch.py --iters 20 --configs $cfg --out $w/dispatch_$cfg; \
+        echo "rc=$?") > $w/dispatch_$cfg.txt 2>&1
   done
 fi
 if has mods; then
   for model in wukong dcn; do
-    (timeout 130 python bench/mods.py --models $model --out /tmp/h100/mods_$model; echo "rc=$?") \
-        > /tmp/h100/mods_$model.txt 2>&1
+    (timeout 130 python bench/mods.py --models $model --out $w/mods_$model; echo "rc=$?") \
+        > $w/mods_$model.txt 2>&1
   done
 fi
 gemm_pieces() {
   for piece in "$@"; do
-    append=$([ -e /tmp/h100/gemm/gemm.json ] && echo --append)
-    (timeout 170 python bench/gemm.py $piece $append --out /tmp/h100/gemm; echo "rc=$?") \
-        >> /tmp/h100/gemm.txt 2>&1
+    append=$([ -e $w/gemm/gemm.json ] && echo --append)
+    (timeout 170 python bench/gemm.py $piece $append --out $w/gemm; echo "rc=$?") \
+        >> $w/gemm.txt 2>&1
   done
 }
 if has gemm_a; then gemm_pieces "--parts a --ms 2048" "--parts a --ms 8192" "--parts a --ms 32768"; fi
 if has gemm_bc; then gemm_pieces "--parts b" "--parts c"; fi
-tar czf "$out/h100.tgz" -C /tmp h100
