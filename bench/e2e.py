@@ -553,6 +553,15 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
             if avg.key.startswith("aten::") and avg.self_cpu_time_total > 0:
                 per_name[avg.key] = per_name.get(avg.key, 0.0) + float(avg.self_cpu_time_total)
         source = "CPU operators' self time (dry run)"
+    # Host side: which operators the CPU spends its time on, and how many it launches per step
+    # (a launch-bound step is paid in host time, not GPU time).
+    host: dict[str, tuple[float, int]] = {}
+    for avg in prof.key_averages():
+        if avg.self_cpu_time_total > 0:
+            us, n = host.get(avg.key, (0.0, 0))
+            host[avg.key] = (us + float(avg.self_cpu_time_total), n + int(avg.count))
+    host_aten_calls = sum(n for k, (_, n) in host.items() if k.startswith("aten::"))
+    host_top = sorted(host.items(), key=lambda kv: -kv[1][0])[:15]
     total_us = sum(per_name.values())
     categories = {c: 0.0 for c in CATEGORY_NAMES}
     for name, us in per_name.items():
@@ -570,6 +579,12 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
             c: {"ms_per_step": us / 1000.0 / steps, "share": us / total_us if total_us else math.nan}
             for c, us in categories.items()
         },
+        "host_aten_calls_per_step": host_aten_calls / steps,
+        "host_self_cpu_ms_per_step": sum(us for us, _ in host.values()) / 1000.0 / steps,
+        "top_host_ops": [
+            {"name": k[:120], "self_cpu_ms_per_step": us / 1000.0 / steps, "calls_per_step": n / steps}
+            for k, (us, n) in host_top
+        ],
         "top_kernels": [
             {"name": name[:120], "category": kernel_category(name), "ms_per_step": us / 1000.0 / steps}
             for name, us in top
@@ -1051,7 +1066,18 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                     + f" | {top.replace('|', '/')} |"
                 )
             lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
-                      "steps; shares are of the summed kernel time."]
+                      "steps; shares are of the summed kernel time.", "",
+                      "### Where the host time goes (profiled steps)", "",
+                      "| config | variant | aten calls/step | self CPU ms/step | top host ops (self CPU ms/step, calls/step) |",
+                      "|---|---|---|---|---|"]
+            for r in profiled:
+                p = r["profile"]
+                if "top_host_ops" not in p:
+                    continue
+                top = "; ".join(f"{o['name'][:40]} ({o['self_cpu_ms_per_step']:.2f}, {o['calls_per_step']:.0f})"
+                                for o in p["top_host_ops"][:6])
+                lines.append(f"| {r['config']} | {r['variant']} | {p['host_aten_calls_per_step']:.0f} | "
+                             f"{p['host_self_cpu_ms_per_step']:.2f} | {top.replace('|', '/')} |")
         everywhere = [r for r in rows if r["variant"].startswith("fp8_everywhere") and "loka" in r]
         for r in everywhere:
             lk = r["loka"]

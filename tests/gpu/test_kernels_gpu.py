@@ -102,9 +102,11 @@ def test_backend_matches_emulated(backend_name, scaling, fmt_a, fmt_b, b_2d, out
         threshold = 40.0  # bf16 operands: dequantized e4m3 x fp32 scale is not exact in bf16
     elif fast_accum:
         threshold = 35.0
-    elif out_dtype == torch.float32:
+    elif out_dtype == torch.float32 and backend_name != "fbgemm_rowwise":
         threshold = 70.0
     else:
+        # bf16 outputs; also fbgemm's f8f8bf16_rowwise with out_dtype fp32, which is its bf16
+        # result upcast (55.6 dB measured on an H100).
         threshold = 45.0
     db = float(sqnr_db(ref, out))
     assert db > threshold, f"{backend_name} {db:.1f} dB"
