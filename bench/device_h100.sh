@@ -13,28 +13,36 @@ shift
 parts=${*:-tests e2e}
 DISPATCH_BACKENDS=${DISPATCH_BACKENDS:-fbgemm_rowwise,torch_scaled_mm}
 has() { [[ " $parts " == *" $1 "* ]]; }
-w=$out/h100  # straight under $OUT: what a killed call leaves still comes back
+w=/tmp/h100
 mkdir -p "$w"
+# $OUT returns at most a handful of files: everything goes into one archive, rewritten after
+# every part, so a call killed by its time limit still returns the parts it finished.
+save() { tar czf "$out/h100.tgz.tmp" -C /tmp h100 && mv "$out/h100.tgz.tmp" "$out/h100.tgz"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
 if has tests; then
   (timeout 150 python -m pytest tests/gpu -m "not multigpu" -q -p no:cacheprovider -rfs; echo "rc=$?") \
       > "$w/gpu_tests.txt" 2>&1
+  save
 fi
 if has e2e; then
-  (timeout 400 python bench/e2e.py --configs wukong,dcn,dlrm --out $w/e2e; echo "rc=$?") > $w/e2e.txt 2>&1
+  (timeout ${E2E_TIMEOUT:-400} python bench/e2e.py --configs ${E2E_CONFIGS:-wukong,dcn,dlrm} \
+      ${E2E_ARGS:-} --out $w/e2e; echo "rc=$?") > $w/e2e.txt 2>&1
+  save
 fi
 if has dispatch; then
   for cfg in dlrm dcn wukong; do
     # cuBLAS/CUTLASS/FBGEMM candidates: the Triton GEMM's autotuning alone outlasts the call.
-    (timeout 90 python bench/dispatch.py --iters 20 --configs $cfg --backends "$DISPATCH_BACKENDS" \
+    (timeout ${DISPATCH_TIMEOUT:-90} python bench/dispatch.py --iters 20 --configs $cfg --backends "$DISPATCH_BACKENDS" \
         --out $w/dispatch_$cfg; \
         echo "rc=$?") > $w/dispatch_$cfg.txt 2>&1
+    save
   done
 fi
 if has mods; then
   for model in ${MODS_MODELS:-wukong dcn}; do
-    (timeout 150 python bench/mods.py --models $model --out $w/mods_$model; echo "rc=$?") \
+    (timeout ${MODS_TIMEOUT:-150} python bench/mods.py --models $model --out $w/mods_$model; echo "rc=$?") \
         > $w/mods_$model.txt 2>&1
+    save
   done
 fi
 gemm_pieces() {
@@ -42,6 +50,7 @@ gemm_pieces() {
     append=$([ -e $w/gemm/gemm.json ] && echo --append)
     (timeout 170 python bench/gemm.py $piece $append --out $w/gemm; echo "rc=$?") \
         >> $w/gemm.txt 2>&1
+    save
   done
 }
 if has gemm_a; then gemm_pieces "--parts a --ms 2048" "--parts a --ms 8192" "--parts a --ms 32768"; fi

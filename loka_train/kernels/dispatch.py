@@ -37,12 +37,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
@@ -184,6 +186,10 @@ class GpuCostModel:
         return gemm + quant
 
 
+_GRAD_WEIGHT_OUT_DTYPE = torch.float32
+"""``kernels.linear`` computes FP8 weight gradients in fp32 (then casts to the weight's dtype)."""
+
+
 def _padded(shape: Shape, multiple: int) -> Shape:
     """``shape`` with every dim rounded up to ``multiple`` (what a padding site runs)."""
     m, k, n = (d + (-d) % multiple for d in shape)
@@ -307,7 +313,9 @@ class Dispatcher:
         return self._timings[key]
 
     def _measure(self, shape: Shape, plan: GemmPlan | None, role: str = "forward") -> float:
-        """Median seconds of quantize(a), quantize(b), GEMM on random data of `shape`.
+        """Seconds of one GEMM of `role` as the site's autograd function runs it: for FP8,
+        quantize both operands (from the role's real layouts) and call the backend; for high
+        precision, the matmul on the same layouts.
 
         A backend that refuses `shape` is timed on it zero-padded to multiples of 16 (what a
         padding site runs). A candidate whose benchmark raises gets ``inf`` (never chosen); the
@@ -315,46 +323,78 @@ class Dispatcher:
         """
         key = self._key(role, shape, plan)
         try:
-            return self._measure_once(shape, plan)
+            return self._measure_once(shape, plan, role)
         except Exception as exc:  # a backend bug must not end the training run
             self.measure_failures[key] = f"{type(exc).__name__}: {exc}"
             logger.warning("dispatch: timing %s failed (%s); the candidate is excluded", key, exc)
             return math.inf
 
-    def _measure_once(self, shape: Shape, plan: GemmPlan | None) -> float:
+    def _role_operands(self, role: str, m: int, k: int, n: int) -> tuple[Tensor, Tensor, bool, torch.dtype]:
+        """``(a_MK, b_NK, b_is_weight, out_dtype)`` laid out as ``kernels.linear`` passes them.
+
+        forward: ``x`` (M, K) and the weight (N, K), both contiguous; grad-input: ``dY``
+        (M, K=N_out) and ``W^T`` (a transposed view of the (K, N) weight); grad-weight: ``dY^T``
+        and ``X^T``, transposed views of the (K=batch, M) and (K=batch, N) activations, with an
+        fp32 output. The views matter: their quantization needs transposed copies, and the
+        grad-weight rows (the batch) are too long for the fused quantizer.
+        """
+        dtype = torch.bfloat16  # the compute dtype of the sites under bf16 autocast
+        gen = torch.Generator(device=self.device).manual_seed(0)
+
+        def randn(*size: int) -> Tensor:
+            return torch.randn(*size, device=self.device, dtype=dtype, generator=gen)
+
+        if role == "grad_input":
+            return randn(m, k), randn(k, n).t(), True, dtype
+        if role == "grad_weight":
+            return randn(k, m).t(), randn(k, n).t(), False, _GRAD_WEIGHT_OUT_DTYPE
+        return randn(m, k), randn(n, k), True, dtype
+
+    def _measure_once(self, shape: Shape, plan: GemmPlan | None, role: str = "forward") -> float:
         from loka_train.kernels.linear import fp8_gemm_planned
 
         m, k, n = shape
         if plan is not None:
             problem = GemmProblem(
                 m=m, k=k, n=n, fmt=plan.fmt, fmt_b=plan.fmt_b, scaling=plan.scaling,
-                device_type=self.device.type, out_dtype=torch.bfloat16, role="forward",
+                device_type=self.device.type, role=role,
+                out_dtype=_GRAD_WEIGHT_OUT_DTYPE if role == "grad_weight" else torch.bfloat16,
             )
             if not get_backend(plan.backend).supports(problem)[0]:
                 m, k, n = _padded(shape, 16)
-        dtype = torch.bfloat16
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        a = torch.randn(m, k, device=self.device, dtype=dtype, generator=gen)
-        b = torch.randn(n, k, device=self.device, dtype=dtype, generator=gen)
+        a, b, b_is_weight, out_dtype = self._role_operands(role, m, k, n)
 
         def run() -> torch.Tensor:
             if plan is None:
                 return a @ b.t()
-            return fp8_gemm_planned(a, b, plan, out_dtype=dtype, role="forward")
+            return fp8_gemm_planned(a, b, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight)
 
         for _ in range(3):
             run()
-        times = []
-        for _ in range(self.config.bench_iters):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+        # Rounds of back-to-back runs; the fastest round's median. An eager step is launch-
+        # bound, so single runs jitter by tens of microseconds with the host; the minimum over
+        # rounds of the median drops rounds that a host hiccup slowed down.
+        rounds = 3 if self.config.bench_iters >= 6 else 1
+        per_round = max(1, self.config.bench_iters // rounds)
+        best = math.inf
+        for _ in range(rounds):
+            times = sorted(self._time_one(run) for _ in range(per_round))
+            best = min(best, times[len(times) // 2])
+        return best
+
+    def _time_one(self, run: Callable[[], Tensor]) -> float:
+        """Seconds of one ``run()``: CUDA events on a GPU, the host clock elsewhere (tests)."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
             run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        times.sort()
-        return times[len(times) // 2]
+            return time.perf_counter() - t0
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
 
     def _agree_on_timings(self, keys: list[str]) -> None:
         """Make measured times identical on every rank (MAX), so decisions agree."""

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from loka_train.kernels.dispatch import DispatchConfig, Dispatcher, GpuCostModel
-from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.probe import Probe, ProbeConfig
 
 M, K, N = 256, 64, 32
@@ -205,7 +206,7 @@ def test_a_candidate_whose_benchmark_raises_is_excluded_and_logged(caplog, monke
     d = _one_site_dispatcher("emulated", 1, (M, K, N))
     monkeypatch.setattr(Dispatcher, "timing_mode", "measure")  # the CUDA micro-benchmark...
 
-    def measure_once(shape, plan):  # type: ignore[no-untyped-def]
+    def measure_once(shape, plan, role="forward"):  # type: ignore[no-untyped-def]
         if plan is not None:
             raise RuntimeError("cutlass cannot implement")
         return 1e-3
@@ -220,3 +221,33 @@ def test_a_candidate_whose_benchmark_raises_is_excluded_and_logged(caplog, monke
     restored = _one_site_dispatcher("emulated", 1, (M, K, N))
     restored.load_state_dict(d.state_dict())  # the failure survives a checkpoint (for the report)
     assert restored.measure_failures == d.measure_failures
+
+
+@pytest.mark.parametrize("role", ["forward", "grad_input", "grad_weight"])
+def test_timing_quantizes_the_operands_each_role_really_has(monkeypatch, role) -> None:
+    """The micro-benchmark times what the backward runs: grad-weight quantizes transposed
+    views of the activations (copies, rows as long as the batch) and writes fp32; timing it
+    on contiguous forward-like operands made FP8 grad-weight look cheap on the GPU."""
+    import loka_train.kernels.linear as linear
+
+    seen = []
+    real = linear.fp8_gemm_planned
+
+    def recording(a, b, plan, **kw):  # type: ignore[no-untyped-def]
+        seen.append((tuple(a.shape), a.is_contiguous(), tuple(b.shape), b.is_contiguous(), kw))
+        return real(a, b, plan, **kw)
+
+    monkeypatch.setattr(linear, "fp8_gemm_planned", recording)
+    d = _one_site_dispatcher("emulated", 1, (M, K, N))
+    plan = GemmPlan(precision=Precision.FP8, fmt=Fp8Format.E5M2, fmt_b=Fp8Format.E4M3,
+                    scaling=Scaling.ROWWISE, backend="emulated")
+    assert d._measure_once((64, 96, 32), plan, role) > 0
+    a_shape, a_contig, b_shape, b_contig, kw = seen[-1]
+    assert (a_shape, b_shape) == ((64, 96), (32, 96))
+    assert kw["role"] == role
+    expected = {
+        "forward": (True, True, True, torch.bfloat16),
+        "grad_input": (True, False, True, torch.bfloat16),
+        "grad_weight": (False, False, False, torch.float32),
+    }[role]
+    assert (a_contig, b_contig, kw["b_is_weight"], kw["out_dtype"]) == expected
