@@ -557,6 +557,14 @@ _fp8_gemm_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_fp8_gemm_kernel)
 
+AUTOTUNE = os.environ.get("LOKA_TRITON_AUTOTUNE", "1") != "0"
+"""``LOKA_TRITON_AUTOTUNE=0`` launches every GEMM with one fixed config instead of tuning each
+new problem (~9 compiles and timings per shape): for correctness tests on a GPU, which need
+the right answer, not the fastest config."""
+
+_UNTUNED_GEMM_CONFIG = GEMM_CONFIGS[-1]
+"""The smallest tiles (64x64x64): valid for every shape, fast for none."""
+
 # Tuned config per problem key (M bucket, N, K, dtypes, epilogue flags): filled by the
 # autotuner's first run, then used to launch the kernel without the autotuner in between.
 _BEST_GEMM_CONFIG: dict[tuple, triton.Config] = {}
@@ -642,7 +650,14 @@ def _fp8_gemm_impl(
     else:
         key = (args[-1], n, k, a.dtype, b.dtype, c.dtype, bias is not None, act, return_preact, fast_accum)
         best = _BEST_GEMM_CONFIG.get(key)
-        if best is None:
+        if best is None and not AUTOTUNE:
+            best = _UNTUNED_GEMM_CONFIG
+            _BEST_GEMM_CONFIG[key] = best
+            tuned_grid = (_cdiv(m, best.kwargs["BLOCK_M"]) * _cdiv(n, best.kwargs["BLOCK_N"]),)
+            _fp8_gemm_kernel[tuned_grid](
+                *args, **flags, **best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages
+            )
+        elif best is None:
 
             def grid(meta):
                 return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]),)
