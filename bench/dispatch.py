@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 import platform
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -258,6 +258,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps after the timed ones (default 5; dry run 2)")
     p.add_argument("--no-profile", action="store_true", help="no profiler window (and no extra steps)")
     p.add_argument("--profile-variants", default="bf16,loka_aggressive", help="variants whose steps are profiled")
+    p.add_argument("--ne-steps", type=int, default=0,
+                   help="train this many steps in all before the eval NE (untimed after the timed and "
+                        "profiled ones; default: no more than those), so NE is compared past the "
+                        "first, chaotic steps")
     p.add_argument("--eval-batches", type=int, default=None, help="held-out batches for NE (default 8; dry run 2)")
     p.add_argument("--decide-steps", type=int, default=None, help="LoKA decision run length (default 30; dry run 8)")
     p.add_argument("--decide-interval", type=int, default=None, help="probe interval of the decision run (default 5; dry run 2)")
@@ -291,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # Cycling a few batches let the 10k-row tables memorize them: on an H100 (16 batches of
         # 8192, 60 steps) eval NE came out 1.0-1.5 and moved 6-8% between bf16 and
         # bf16+compile, so no NE delta meant anything.
-        args.cache_batches = max(args.warmup + args.steps + args.profile_steps, args.decide_steps)
+        args.cache_batches = max(train_steps(args), args.decide_steps)
     for name in ("warmup", "steps", "eval_batches", "decide_steps", "decide_interval", "cache_batches"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -327,6 +331,11 @@ class Composer:
         job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
         assert isinstance(job, JobConfig)
         return job
+
+
+def train_steps(args: argparse.Namespace) -> int:
+    """Steps every variant trains before its eval NE: the timed window, or ``--ne-steps``."""
+    return max(args.warmup + args.steps + args.profile_steps, args.ne_steps)
 
 
 def job_overrides(
@@ -719,7 +728,7 @@ def run_one(
         rec["error"] = f"not run: {torchao_missing}"
         return rec
     profile_steps = args.profile_steps if variant.name in args.profile_names else 0
-    total_steps = args.warmup + args.steps + args.profile_steps
+    total_steps = train_steps(args)
     device_type = "cpu" if args.dry_run else "cuda"
     started = time.perf_counter()
     # Everything that holds the model (and so GPU memory) is named here, so the clean-up below
@@ -1010,7 +1019,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         f"autocast; {args['warmup']} warm-up + {args['steps']} timed steps "
         f"({'wall clock, synchronize at each step end' if args['timing'] == 'sync' else 'CUDA events at step ends'}), "
         f"then {args['profile_steps']} profile steps; eval NE on {args['eval_batches']} held-out "
-        f"batches after {args['warmup'] + args['steps'] + args['profile_steps']} steps; train data "
+        f"batches after {max(args['warmup'] + args['steps'] + args['profile_steps'], args.get('ne_steps', 0))} steps; train data "
         f"cycles {args['cache_batches']} batches; same data and seeds for every variant",
         f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
         f"every step, probe interval {args['decide_interval']}), then the timed run from fresh "
