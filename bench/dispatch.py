@@ -1,7 +1,8 @@
 """Dispatch versus fixed kernel choices, per site, on the GPU (issue: Dispatch acceptance).
 
-For the dense Linear sites of the DLRM, DCN and Wukong-style configs at MLPerf-like sizes
-(batch 8192, bf16 autocast), every site is timed forward + backward in isolation with
+For the GEMM sites of the DLRM, DCN and Wukong-style configs of ``bench/e2e.py`` (batch 8192,
+bf16 autocast; the DCN cross layers' low-rank V/W and the Wukong LCB projections timed as the
+Linear GEMMs they are, with their real row counts), every site is timed forward + backward in isolation with
 (a) each fixed plan applied to all three of its GEMMs (high precision, FP8 row-wise on each
 backend, FP8 tensor-wise on each backend that has it), and (b) the plan Dispatch picks from
 its own on-device micro-benchmarks (all verdicts taken as safe here: this measures the
@@ -14,8 +15,8 @@ On an H100 the default run takes ~3-4 min, mostly compiling and autotuning the T
 (~35 shape keys, ~9 configs each); the JSON/Markdown are rewritten after every site, so a run
 stopped by a time limit keeps the sites it finished. In ~3 min calls, one config per call:
 ``--configs dlrm --out R/dlrm``, ``--configs dcn --out R/dcn``, ``--configs wukong --out R/wukong``.
-Sites that are batched GEMMs (DLRM dot, Wukong FM bmm) or cross-layer GEMMs are not
-timed here (not nn.Linear sites); the table lists only what was measured.
+Sites that are batched GEMMs (DLRM dot, Wukong FM bmm) are not timed here: their only FP8
+backend is ``emulated``, so on a GPU Dispatch has nothing to choose for them.
 """
 
 from __future__ import annotations
@@ -39,11 +40,21 @@ from loka_train.kernels.formats import Fp8Format, Scaling  # noqa: E402
 from loka_train.kernels.plan import LinearPlan  # noqa: E402
 from loka_train.mods import Fp8Linear  # noqa: E402
 
-CONFIGS = {
-    # (name, list of (in, out) Linear layers of the dense towers)
-    "dlrm": [(13, 512), (512, 256), (256, 128), (479, 1024), (1024, 1024), (1024, 512), (512, 256)],
-    "dcn": [(13, 512), (512, 256), (256, 128), (3456, 1024), (1024, 1024), (1024, 512), (512, 256)],
-    "wukong": [(13, 512), (512, 128), (2048, 4096), (4096, 2048), (2048, 1024), (1024, 1024)],
+CONFIGS: dict[str, list[tuple[str, int, int, int]]] = {
+    # (site, K, N, rows per sample): the Linear sites of bench/e2e.py's configs at MLPerf-like
+    # sizes, with their real shapes (one entry per distinct shape). Batched-GEMM sites (the
+    # DLRM dot, the Wukong FM bmm) are left out: their only FP8 backend is `emulated`.
+    "dlrm": [("bottom.0", 13, 512, 1), ("bottom.1", 512, 256, 1), ("bottom.2", 256, 128, 1),
+             ("top.0", 479, 1024, 1), ("top.1", 1024, 1024, 1), ("top.2", 1024, 512, 1),
+             ("top.3", 512, 256, 1)],
+    "dcn": [("bottom.0", 13, 512, 1), ("bottom.1", 512, 256, 1), ("bottom.2", 256, 128, 1),
+            ("cross.V", 3456, 512, 1), ("cross.W", 512, 3456, 1),
+            ("top.0", 3456, 1024, 1), ("top.1", 1024, 1024, 1), ("top.2", 1024, 512, 1),
+            ("top.3", 512, 256, 1)],
+    "wukong": [("bottom.0", 13, 512, 1), ("bottom.1", 512, 256, 1), ("bottom.2", 256, 128, 1),
+               ("fmb0.mlp.0", 432, 4096, 1), ("fmb1.mlp.0", 512, 4096, 1), ("fmb.mlp.2", 4096, 2048, 1),
+               ("lcb0.xt_proj", 27, 64, 128), ("lcb1.xt_proj", 32, 32, 128),
+               ("top.0", 4096, 4096, 1), ("top.1", 4096, 2048, 1), ("top.2", 2048, 1024, 1)],
 }
 TOLERANCE = 1.03
 
@@ -160,14 +171,14 @@ def main() -> int:
     plans = {name: plan for name, plan in plans.items() if name == "high" or device.type != "cuda"
              or plan.forward.backend in backends}
     for config, layers in ((c, CONFIGS[c]) for c in args.configs.split(",")):
-        for i, (k, n) in enumerate(layers):
+        for i, (label, k, n, rows_per_sample) in enumerate(layers):
             if args.dry_run:
-                k, n = min(k, 64), min(n, 64)
-            name = f"{config}.l{i}"
+                k, n, rows_per_sample = min(k, 64), min(n, 64), min(rows_per_sample, 2)
+            name = f"{config}.{label}"
             torch.manual_seed(i)
             linear = nn.Linear(k, n, device=device)
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            x = torch.randn(batch, k, device=device, dtype=dtype, requires_grad=True)
+            x = torch.randn(batch * rows_per_sample, k, device=device, dtype=dtype, requires_grad=True)
             site = Fp8Linear.from_linear(linear, pad_to_multiple=16)
             site.site_name = name
             runnable = {p: plan for p, plan in plans.items() if site.supports_plan(plan)[0]}
@@ -205,7 +216,7 @@ def main() -> int:
             best_name = min(fixed, key=fixed.get)  # type: ignore[arg-type]
             ratio = chosen / fixed[best_name]
             row = {
-                "site": name, "M": batch, "K": k, "N": n,
+                "site": name, "M": x.shape[0], "K": k, "N": n,
                 "chosen": {r: str(getattr(chosen_plan, r)) for r in ROLES},
                 "chosen_us": chosen * 1e6, "best_fixed": best_name, "best_fixed_us": fixed[best_name] * 1e6,
                 "fixed_us": {p: t * 1e6 for p, t in fixed.items()}, "chosen_over_best": ratio,
@@ -213,7 +224,7 @@ def main() -> int:
             rows.append(row)
             if ratio > TOLERANCE:
                 misses.append(row)
-            print(f"{name:10s} {batch}x{k}x{n}: chosen {chosen * 1e6:8.1f} us, best fixed {best_name} "
+            print(f"{name:18s} {x.shape[0]}x{k}x{n}: chosen {chosen * 1e6:8.1f} us, best fixed {best_name} "
                   f"{fixed[best_name] * 1e6:8.1f} us, ratio {ratio:.3f}", flush=True)
             # After every site: a run stopped by a time limit keeps what it measured.
             write_results(out, rows, misses, failures, meta(), iters)
