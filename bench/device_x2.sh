@@ -4,29 +4,35 @@
 # benchmark. Usage on the device machine, from the repo root:
 #   source .device/activate.sh && bash bench/device_x2.sh "$OUT" [PART...]
 # PARTS: multigpu comm dispatch probe (default: all; dispatch and probe run side by side, one per GPU).
+# $OUT returns at most 8 files: everything goes into x2.tgz, rewritten after every part, so a
+# call killed by its time limit still returns the parts it finished.
 set -u
 out=$1
 shift
 parts=${*:-multigpu comm dispatch probe}
 has() { [[ " $parts " == *" $1 "* ]]; }
-mkdir -p "$out" /tmp/single
+w=/tmp/x2
+mkdir -p "$out" "$w/single"
+save() { tar czf "$out/x2.tgz.tmp" -C /tmp x2 && mv "$out/x2.tgz.tmp" "$out/x2.tgz"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
 if has multigpu; then
   (timeout 260 python -m pytest -m multigpu tests/gpu/test_multigpu.py -q -s -p no:cacheprovider \
-      --basetemp=/tmp/mg; echo "rc=$?") > "$out/multigpu.txt" 2>&1
-  (cd /tmp/mg && tar czf "$out/multigpu_reports.tgz" --exclude='*.pt' --exclude='checkpoints' .) 2>/dev/null
+      --basetemp=/tmp/mg; echo "rc=$?") > "$w/multigpu.txt" 2>&1
+  mkdir -p "$w/multigpu_reports"
+  (cd /tmp/mg && tar cf - --exclude='*.pt' --exclude='checkpoints' .) 2>/dev/null | tar xf - -C "$w/multigpu_reports"
+  save
 fi
 if has comm; then
-  (timeout 130 python bench/comm.py --steps 60 --out /tmp/comm; echo "rc=$?") > "$out/comm.txt" 2>&1
-  cp /tmp/comm/comm.md /tmp/comm/comm.json "$out/" 2>/dev/null
+  (timeout 130 python bench/comm.py --steps 60 --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
+  save
 fi
 if has dispatch; then
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/dispatch.py --iters 30 --out /tmp/single/dispatch \
-      > /tmp/single/dispatch.txt 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/dispatch.py --iters 20 \
+      --backends fbgemm_rowwise,torch_scaled_mm --out "$w/single/dispatch" > "$w/single/dispatch.txt" 2>&1 &
 fi
 if has probe; then
-  CUDA_VISIBLE_DEVICES=1 timeout 150 python bench/probe_overhead.py --out /tmp/single/probe.json \
-      > /tmp/single/probe.txt 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 150 python bench/probe_overhead.py --out "$w/single/probe.json" \
+      > "$w/single/probe.txt" 2>&1 &
 fi
 wait
-tar czf "$out/single.tgz" -C /tmp single
+save
