@@ -331,10 +331,13 @@ def bench_model(kind: str, sizes: dict[str, Any], device: str, timer: Timer, bac
     # variant order once gave fused LayerNorm quantization a 0.85x "effect" and the next run 1.16x.
     for r in range(rounds):
         for row, step in steps:
+            if row.skipped:
+                continue
             try:
                 us = timer(step)
-            except Exception as e:  # recorded, not hidden
+            except Exception as e:  # recorded, not hidden: the variant has no time at all
                 row.skipped = f"error: {type(e).__name__}: {e}"
+                row.us = None
                 logger.warning("%s %s: %s", kind, row.variant, row.skipped)
                 continue
             row.us = us if row.us is None else min(row.us, us)
