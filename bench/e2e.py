@@ -47,7 +47,7 @@ target of issue 9 as met / missed with its figures) under ``--out``. A variant t
 recorded with its error and the benchmark goes on; the exit status is then 1.
 
 Usage (GPU: the packages of ../shared/device/make-bundle, carried as .device):
-    source .device/activate.sh && python3 bench/e2e.py --out $OUT/e2e   # H100, ~3-4 min
+    source .device/activate.sh && python3 bench/e2e.py --configs dcn --out $OUT/e2e  # H100: a few min per config
     python bench/e2e.py --out /tmp/e2e --dry-run                         # CPU, tiny, < 1 min
     python bench/e2e.py --out /tmp/e2e --configs dcn --variants bf16,loka_safe --steps 100
 """
@@ -258,10 +258,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps after the timed ones (default 5; dry run 2)")
     p.add_argument("--no-profile", action="store_true", help="no profiler window (and no extra steps)")
     p.add_argument("--profile-variants", default="bf16,loka_aggressive", help="variants whose steps are profiled")
-    p.add_argument("--ne-steps", type=int, default=0,
+    p.add_argument("--ne-steps", type=int, default=None,
                    help="train this many steps in all before the eval NE (untimed after the timed and "
-                        "profiled ones; default: no more than those), so NE is compared past the "
-                        "first, chaotic steps")
+                        "profiled ones; default 200, dry run 0: no more than those), so NE is compared "
+                        "past the first, chaotic steps")
     p.add_argument("--eval-batches", type=int, default=None, help="held-out batches for NE (default 8; dry run 2)")
     p.add_argument("--decide-steps", type=int, default=None, help="LoKA decision run length (default 30; dry run 8)")
     p.add_argument("--decide-interval", type=int, default=None, help="probe interval of the decision run (default 5; dry run 2)")
@@ -277,8 +277,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     dry = args.dry_run
     defaults = {
         "batches": "64" if dry else "8192",
-        "warmup": 2 if dry else 15,
-        "steps": 4 if dry else 40,
+        # 40 timed steps of one run could not resolve a few percent on an H100 (p10-p90 of bf16
+        # Wukong 16.9-23.9 ms on 2026-11-23); NE after 60 steps was still chaotic (Wukong NE
+        # moved 4% between bf16 and bf16+compile).
+        "warmup": 2 if dry else 20,
+        "steps": 4 if dry else 100,
+        "ne_steps": 0 if dry else 200,
         "profile_steps": 2 if dry else 5,
         "eval_batches": 2 if dry else 8,
         "decide_steps": 8 if dry else 30,
@@ -299,8 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("warmup", "steps", "eval_batches", "decide_steps", "decide_interval", "cache_batches"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.profile_steps < 0:
-        raise SystemExit("--profile-steps must be >= 0")
+    if args.profile_steps < 0 or args.ne_steps < 0:
+        raise SystemExit("--profile-steps and --ne-steps must be >= 0")
     args.config_names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in args.config_names if c not in CONFIGS]
     if unknown or not args.config_names:
