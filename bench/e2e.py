@@ -20,6 +20,8 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
     dispatch, guard and comm off. By design the final logit layer stays high precision, and
     batched (``bmm``) sites have no FP8 backend but ``emulated``: they stay bf16 on GPU; the
     results list every GEMM that is not FP8 and why;
+  * ``loka_high`` (not in the default list): the converted sites in high precision with the
+    Probe, Dispatch, guard and comm off, to separate the conversion from the Probe;
   * ``torchao_tensorwise`` / ``torchao_rowwise``: torchao ``convert_to_float8_training``
     (Linear layers whose dims are multiples of 16, the logit layer excluded), compiled;
     recorded as "not run" where ``import torchao`` fails;
@@ -201,6 +203,19 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
             name="fp8_everywhere",
             description=f"every site FP8 tensor-wise on {fp8_backend}, no probe/dispatch/guard/comm",
             loka_overrides=everywhere,
+        ),
+        "loka_high": Variant(
+            name="loka_high",
+            description="LoKA's converted sites, all in high precision; probe, dispatch, guard and comm "
+            "off (what the conversion alone costs and changes)",
+            loka_overrides=(
+                "loka.enabled=true",
+                "loka.mods.initial_plan=high",
+                "loka.probe.enabled=false",
+                "loka.dispatch.enabled=false",
+                "loka.guard.enabled=false",
+                "loka.comm_enabled=false",
+            ),
         ),
         "torchao_tensorwise": Variant(
             name="torchao_tensorwise",
