@@ -17,7 +17,8 @@ parts=${*:-tests}
 DISPATCH_BACKENDS=${DISPATCH_BACKENDS:-fbgemm_rowwise,torch_scaled_mm}
 has() { [[ " $parts " == *" $1 "* ]]; }
 w=/tmp/h100
-mkdir -p "$w"
+rm -rf "$w"  # a warm machine still holds the last call's files
+mkdir -p "$out" "$w"
 # $OUT returns at most a handful of files: everything goes into one archive, rewritten after
 # every part, so a call killed by its time limit still returns the parts it finished.
 save() { tar czf "$out/h100.tgz.tmp" -C /tmp h100 && mv "$out/h100.tgz.tmp" "$out/h100.tgz"; }

@@ -12,6 +12,7 @@ shift
 parts=${*:-multigpu comm dispatch probe}
 has() { [[ " $parts " == *" $1 "* ]]; }
 w=/tmp/x2
+rm -rf "$w" /tmp/mg  # a warm machine still holds the last call's files
 mkdir -p "$out" "$w/single"
 save() { tar czf "$out/x2.tgz.tmp" -C /tmp x2 && mv "$out/x2.tgz.tmp" "$out/x2.tgz"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"

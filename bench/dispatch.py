@@ -128,11 +128,10 @@ def time_plans(site: nn.Module, x: torch.Tensor, plans: dict[str, LinearPlan], i
                 continue
             try:
                 site.set_plan(plan)
-                t = time_site(site, x, iters)
-            except Exception as exc:  # recorded, reported, and the script exits 1
+                best[pname] = min(best.get(pname, math.inf), time_site(site, x, iters))
+            except Exception as exc:  # recorded, reported, and the script exits 1; no time
                 failures.append(f"{name} {pname}: {type(exc).__name__}: {exc}")
-                t = math.inf
-            best[pname] = min(best.get(pname, math.inf), t)
+                best[pname] = math.inf
     return {p: t for p, t in best.items() if math.isfinite(t)}
 
 
@@ -205,14 +204,12 @@ def main() -> int:
             same = next((p for p, plan in runnable.items() if plan == chosen_plan), None)
             timed = dict(runnable) if same else {**runnable, "chosen": chosen_plan}
             times = time_plans(site, x, timed, iters, args.rounds, failures, name)
-            chosen = times.pop(same or "chosen", None)
+            chosen = times.get(same or "chosen")
             fixed = {p: t for p, t in times.items() if p != "chosen"}
             if not fixed or chosen is None:
                 failures.append(f"{name}: chosen plan {chosen_plan} or every fixed plan could not be timed")
                 write_results(out, rows, misses, failures, meta(), iters)
                 continue
-            if same:
-                fixed[same] = chosen
             best_name = min(fixed, key=fixed.get)  # type: ignore[arg-type]
             ratio = chosen / fixed[best_name]
             row = {

@@ -546,6 +546,9 @@ _CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
 CATEGORY_NAMES = ("gemm", "quantize", "embedding", "memcpy", "other")
 
 
+_SYNC_WAIT = re.compile(r"^cuda(Device|Stream|Event)Synchronize$")
+
+
 def kernel_category(name: str) -> str:
     for category, pattern in _CATEGORIES:
         if pattern.search(name):
@@ -592,8 +595,12 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
     # Host side: which operators the CPU spends its time on, and how many it launches per step
     # (a launch-bound step is paid in host time, not GPU time).
     host: dict[str, tuple[float, int]] = {}
+    sync_us = 0.0
     for avg in prof.key_averages():
-        if avg.self_cpu_time_total > 0:
+        if _SYNC_WAIT.search(avg.key):
+            # Waiting for the GPU (the step clock's own synchronize): not host work.
+            sync_us += float(avg.self_cpu_time_total)
+        elif avg.self_cpu_time_total > 0:
             us, n = host.get(avg.key, (0.0, 0))
             host[avg.key] = (us + float(avg.self_cpu_time_total), n + int(avg.count))
     host_aten_calls = sum(n for k, (_, n) in host.items() if k.startswith("aten::"))
@@ -617,6 +624,7 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
         },
         "host_aten_calls_per_step": host_aten_calls / steps,
         "host_self_cpu_ms_per_step": sum(us for us, _ in host.values()) / 1000.0 / steps,
+        "host_sync_wait_ms_per_step": sync_us / 1000.0 / steps,
         "top_host_ops": [
             {"name": k[:120], "self_cpu_ms_per_step": us / 1000.0 / steps, "calls_per_step": n / steps}
             for k, (us, n) in host_top
@@ -1104,8 +1112,8 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
                       "steps; shares are of the summed kernel time.", "",
                       "### Where the host time goes (profiled steps)", "",
-                      "| config | variant | aten calls/step | self CPU ms/step | top host ops (self CPU ms/step, calls/step) |",
-                      "|---|---|---|---|---|"]
+                      "| config | variant | aten calls/step | self CPU ms/step | GPU sync wait ms/step | top host ops (self CPU ms/step, calls/step) |",
+                      "|---|---|---|---|---|---|"]
             for r in profiled:
                 p = r["profile"]
                 if "top_host_ops" not in p:
@@ -1113,7 +1121,8 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 top = "; ".join(f"{o['name'][:40]} ({o['self_cpu_ms_per_step']:.2f}, {o['calls_per_step']:.0f})"
                                 for o in p["top_host_ops"][:6])
                 lines.append(f"| {r['config']} | {r['variant']} | {p['host_aten_calls_per_step']:.0f} | "
-                             f"{p['host_self_cpu_ms_per_step']:.2f} | {top.replace('|', '/')} |")
+                             f"{p['host_self_cpu_ms_per_step']:.2f} | {p.get('host_sync_wait_ms_per_step', 0.0):.2f} | "
+                             f"{top.replace('|', '/')} |")
         everywhere = [r for r in rows if r["variant"].startswith("fp8_everywhere") and "loka" in r]
         for r in everywhere:
             lk = r["loka"]
@@ -1253,4 +1262,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit now: on the H100 the process stayed alive after its last line (both runs of
+    # 2026-11-23 sat idle until their time limit, likely a lingering non-daemon thread of
+    # torch.compile's workers), and device time is scarce. Everything is written by now.
+    os._exit(rc)

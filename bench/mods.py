@@ -326,6 +326,8 @@ def bench_model(kind: str, sizes: dict[str, Any], device: str, timer: Timer, bac
         except Exception as e:  # a backend that cannot run here: recorded, not hidden
             row.skipped = f"error: {type(e).__name__}: {e}"
             logger.warning("%s %s: %s", kind, name, row.skipped)
+        if on_row is not None:
+            on_row()  # a run stopped during the set-up still reports its SQNRs and errors
     # Interleaved rounds (every variant once per round) and the fastest round kept: the step is
     # launch-bound, and a slow phase of the host must hit all variants alike. A single pass in
     # variant order once gave fused LayerNorm quantization a 0.85x "effect" and the next run 1.16x.

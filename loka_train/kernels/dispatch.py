@@ -329,6 +329,15 @@ class Dispatcher:
             logger.warning("dispatch: timing %s failed (%s); the candidate is excluded", key, exc)
             return math.inf
 
+    def _problem(self, role: str, shape: Shape, plan: GemmPlan) -> GemmProblem:
+        """The GEMM a site runs for `role` under `plan` (grad-weight writes fp32, see
+        ``kernels.linear``), as backends' ``supports`` see it."""
+        return GemmProblem(
+            m=shape[0], k=shape[1], n=shape[2], fmt=plan.fmt, fmt_b=plan.fmt_b, scaling=plan.scaling,
+            device_type=self.device.type, role=role, fast_accum=plan.fast_accum,
+            out_dtype=_GRAD_WEIGHT_OUT_DTYPE if role == "grad_weight" else self.out_dtype,
+        )
+
     def _role_operands(self, role: str, m: int, k: int, n: int) -> tuple[Tensor, Tensor, bool, torch.dtype]:
         """``(a_MK, b_NK, b_is_weight, out_dtype)`` laid out as ``kernels.linear`` passes them.
 
@@ -354,14 +363,8 @@ class Dispatcher:
         from loka_train.kernels.linear import fp8_gemm_planned
 
         m, k, n = shape
-        if plan is not None:
-            problem = GemmProblem(
-                m=m, k=k, n=n, fmt=plan.fmt, fmt_b=plan.fmt_b, scaling=plan.scaling,
-                device_type=self.device.type, role=role,
-                out_dtype=_GRAD_WEIGHT_OUT_DTYPE if role == "grad_weight" else torch.bfloat16,
-            )
-            if not get_backend(plan.backend).supports(problem)[0]:
-                m, k, n = _padded(shape, 16)
+        if plan is not None and not get_backend(plan.backend).supports(self._problem(role, shape, plan))[0]:
+            m, k, n = _padded(shape, 16)
         a, b, b_is_weight, out_dtype = self._role_operands(role, m, k, n)
 
         def run() -> torch.Tensor:
@@ -445,11 +448,7 @@ class Dispatcher:
                 except (KeyError, ValueError) as exc:
                     self.unsupported.setdefault(f"{backend_name}/{scaling}", str(exc))
                     continue
-                problem = GemmProblem(
-                    m=shape[0], k=shape[1], n=shape[2], fmt=plan.fmt, fmt_b=plan.fmt_b,
-                    scaling=plan.scaling, device_type=self.device.type,
-                    out_dtype=self.out_dtype, role=role,
-                )
+                problem = self._problem(role, shape, plan)
                 ok, why = backend.supports(problem)
                 pad = self._pad.get(site, 1)
                 if not ok and pad > 1:

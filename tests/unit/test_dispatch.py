@@ -251,3 +251,34 @@ def test_timing_quantizes_the_operands_each_role_really_has(monkeypatch, role) -
         "grad_weight": (False, False, False, torch.float32),
     }[role]
     assert (a_contig, b_contig, kw["b_is_weight"], kw["out_dtype"]) == expected
+
+
+class _NoFp32Out(_Aligned16):
+    """A CPU backend that, like block-scaled ``_scaled_mm``, writes bf16 only."""
+
+    name = "no_fp32_out"
+
+    def supports(self, problem):  # type: ignore[no-untyped-def]
+        ok = problem.out_dtype is not torch.float32
+        return ok, "" if ok else "outputs bf16 only"
+
+
+def test_grad_weight_candidates_are_checked_with_its_fp32_output() -> None:
+    """The backward computes FP8 weight gradients in fp32: a backend that cannot write fp32
+    must not be offered for grad-weight (it would raise in the backward), only elsewhere."""
+    from loka_train.kernels.registry import register_backend
+
+    register_backend(_NoFp32Out(), replace=True)
+    d = Dispatcher(
+        DispatchConfig(objective="coverage", scalings=("rowwise",), cpu_backends=("no_fp32_out",),
+                       hysteresis_intervals=1),
+        device="cpu", out_dtype=torch.bfloat16,
+    )
+    shape = (64, 32, 48)
+    d.register("s", plan=LinearPlan.high_precision(),
+               shapes={"forward": shape, "grad_input": shape, "grad_weight": shape})
+    d.replan(step=0, verdicts=_AllSafe())
+    plan = d.plans["s"]
+    assert plan.forward.is_fp8 and plan.grad_input.is_fp8
+    assert not plan.grad_weight.is_fp8
+    assert "bf16 only" in d.unsupported["no_fp32_out/rowwise"]
