@@ -31,8 +31,11 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
     every step and an interval of ``--decide-interval``), then the timed run starts from fresh
     weights with the decided Probe / Dispatch state (the checkpoint-resume path) and the
     preset's own sparse sampling schedule, whose sampled steps fall in the timed window.
-    ``loka_*+compile`` runs, but the LoKA sites are not compile-friendly yet (on CPU dynamo
-    recompiles them every step up to its recompile limit): not a fair figure yet.
+    ``loka_*+compile`` runs: dynamo compiles the site code once per distinct site shape and
+    dtype (all sites share one code object, hence ``compile_dense`` raises the recompile
+    limit) and for eval's no-grad mode, and breaks the graph around the Probe on sampled
+    steps (CPU dry run, ``TORCH_LOGS=recompiles``: 39 recompiles in the whole DCN run, none
+    per step). Not yet measured on a GPU.
 
 Measurement: ``--warmup`` steps, then ``--steps`` timed steps (wall time per step, with
 ``torch.cuda.synchronize()`` at every step end, or CUDA events with ``--timing events``):
