@@ -257,13 +257,16 @@ def compute_scale(
     fmt = Fp8Format(fmt)
     ax = _normalize_axis(axis, x.ndim)
     bs = _resolve_block_size(scaling, block_size, block_2d)
+    # max |x| as one reduction (the inf-norm; NaN and inf propagate like abs().amax()),
+    # without a full-size |x| temporary: a launch and a pass over x fewer on the hot path.
     if scaling is Scaling.TENSORWISE or x.ndim == 0:
-        amax = x.abs().amax() if x.numel() else x.new_zeros(())
+        amax = torch.linalg.vector_norm(x, ord=math.inf) if x.numel() else x.new_zeros(())
         return _amax_to_scale(amax.reshape(()), fmt, power_of_two=False)
     if scaling is Scaling.ROWWISE:
         if x.shape[ax] == 0:
             return torch.ones(*x.shape[:ax], 1, *x.shape[ax + 1 :], device=x.device)
-        return _amax_to_scale(x.abs().amax(dim=ax, keepdim=True), fmt, power_of_two=False)
+        amax = torch.linalg.vector_norm(x, ord=math.inf, dim=ax, keepdim=True)
+        return _amax_to_scale(amax, fmt, power_of_two=False)
     assert bs is not None
     if block_2d:
         if x.ndim != 2:
@@ -333,7 +336,10 @@ def quantize(
     bs = _resolve_block_size(scaling, block_size, block_2d)
     scale = compute_scale(x, fmt, scaling, axis=ax, block_size=bs, block_2d=block_2d)
     full = expand_scale(scale, x.shape, scaling, axis=ax, block_size=bs, block_2d=block_2d)
-    data = (x.float() / full).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    if full.ndim == 0 and x.ndim:
+        full = full.reshape((1,) * x.ndim)  # a 0-dim fp32 divisor would not promote x to fp32
+    # fp32 division by type promotion (x is cast inside the kernel: no fp32 copy of x).
+    data = torch.div(x, full).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
     return QTensor(
         data=data, scale=scale, fmt=fmt, scaling=scaling, axis=ax, block_size=bs, block_2d=block_2d
     )
