@@ -283,3 +283,27 @@ def test_qtensor_is_frozen_and_bf16_input_ok():
         q.axis = 0  # type: ignore[misc]
     assert q.axis == 1
     assert dequantize(q, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE], ids=lambda s: s.value)
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+def test_quantize_is_bit_identical_to_the_plain_formula(dtype, scaling, fmt) -> None:
+    """The hot-path quantizer (inf-norm amax, fp32 division by promotion) gives exactly what
+    ``scale = amax(|x|) / max; data = saturate(x.float() / scale)`` gives, also on zero rows,
+    NaN, inf and strided input."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(40, 70, generator=gen) * 10 ** torch.randn(40, 1, generator=gen)).to(dtype)
+    x[3] = 0
+    x[5, 7] = float("nan")
+    x[6, 1] = float("inf")
+    for t in (x, x[8:], x.t()):
+        amax = t.abs().amax() if scaling is Scaling.TENSORWISE else t.abs().amax(dim=-1, keepdim=True)
+        scale = (amax.float() / fmt.max).clamp_min(torch.finfo(torch.float32).tiny)
+        scale = torch.where(amax == 0, 1.0, scale)
+        scale = torch.where(torch.isfinite(amax), scale, float("nan"))
+        data = (t.float() / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+        q = quantize(t, fmt, scaling, axis=-1)
+        assert torch.equal(q.scale.isnan(), scale.isnan())
+        assert torch.equal(torch.nan_to_num(q.scale), torch.nan_to_num(scale))
+        assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
