@@ -420,7 +420,7 @@ def write_report(rows: list[Row], env: dict[str, Any], sizes: dict[str, Any], ou
               "|---|---|---|---|---|---|"]
     for r in rows:
         if r.us is None:
-            why = str(r.skipped).replace("\n", " ").replace("|", "/")[:300]  # one table cell
+            why = str(r.skipped or "not timed (run stopped)").replace("\n", " ").replace("|", "/")[:300]  # one table cell
             lines.append(f"| {r.model} | {r.variant} | n/a | | | {why} |")
             continue
         sp = r.extra.get("speedup_vs_bf16")
