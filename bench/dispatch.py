@@ -155,6 +155,8 @@ def main() -> int:
     misses: list[dict] = []
     failures: list[str] = []
     plans = fixed_plans(device.type)
+    if args.rounds < 1 or args.iters < 1:
+        parser.error("--rounds and --iters must be >= 1")
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         parser.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")

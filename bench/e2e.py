@@ -313,11 +313,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.no_profile:
         args.profile_steps = 0
+    # Steps every variant trains before its eval NE: the timed window, or --ne-steps.
+    args.train_steps = max(args.warmup + args.steps + args.profile_steps, args.ne_steps)
     if args.cache_batches is None:
         # Cycling a few batches let the 10k-row tables memorize them: on an H100 (16 batches of
         # 8192, 60 steps) eval NE came out 1.0-1.5 and moved 6-8% between bf16 and
         # bf16+compile, so no NE delta meant anything.
-        args.cache_batches = max(train_steps(args), args.decide_steps)
+        args.cache_batches = max(args.train_steps, args.decide_steps)
     for name in ("warmup", "steps", "eval_batches", "decide_steps", "decide_interval", "cache_batches"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -353,11 +355,6 @@ class Composer:
         job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
         assert isinstance(job, JobConfig)
         return job
-
-
-def train_steps(args: argparse.Namespace) -> int:
-    """Steps every variant trains before its eval NE: the timed window, or ``--ne-steps``."""
-    return max(args.warmup + args.steps + args.profile_steps, args.ne_steps)
 
 
 def job_overrides(
@@ -758,7 +755,7 @@ def run_one(
         rec["error"] = f"not run: {torchao_missing}"
         return rec
     profile_steps = args.profile_steps if variant.name in args.profile_names else 0
-    total_steps = train_steps(args)
+    total_steps = args.train_steps
     device_type = "cpu" if args.dry_run else "cuda"
     started = time.perf_counter()
     # Everything that holds the model (and so GPU memory) is named here, so the clean-up below
@@ -1049,7 +1046,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         f"autocast; {args['warmup']} warm-up + {args['steps']} timed steps "
         f"({'wall clock, synchronize at each step end' if args['timing'] == 'sync' else 'CUDA events at step ends'}), "
         f"then {args['profile_steps']} profile steps; eval NE on {args['eval_batches']} held-out "
-        f"batches after {max(args['warmup'] + args['steps'] + args['profile_steps'], args.get('ne_steps', 0))} steps; train data "
+        f"batches after {args['train_steps']} steps; train data "
         f"cycles {args['cache_batches']} batches; same data and seeds for every variant",
         f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
         f"every step, probe interval {args['decide_interval']}), then the timed run from fresh "

@@ -98,7 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="triton,torch_scaled_mm", help="FP8 backends to measure")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench rep time per variant and round (ms)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the variants (fastest kept)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.rep_ms < 1:
+        p.error("--rounds and --rep-ms must be >= 1")
+    return args
 
 
 # ------------------------------------------------------------------------------ timing
@@ -466,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind not in ("wukong", "dcn"):
             raise SystemExit(f"--models takes wukong and/or dcn, got {kind!r}")
         bench_model(kind, sizes, device, timer, backends, rows,
-                    on_row=lambda: write_report(rows, env, sizes, args.out), rounds=max(1, args.rounds))
+                    on_row=lambda: write_report(rows, env, sizes, args.out), rounds=args.rounds)
     write_report(rows, env, sizes, args.out)
     errors = [r for r in rows if r.skipped]
     logger.info("wrote %s (%d rows, %d errors) in %.0f s", args.out, len(rows), len(errors), time.time() - t0)
