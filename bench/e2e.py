@@ -268,6 +268,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="directory for e2e.json and e2e.md")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes and steps, emulated FP8")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda (default), or cpu: the real model configs on the CPU with emulated FP8, "
+                        "for NE questions without a GPU (slow: use small --batches); the dry run is cpu")
     p.add_argument("--configs", default="dlrm,dcn,wukong", help="comma-separated subset of dlrm,dcn,wukong")
     p.add_argument("--batches", default=None, help="per-GPU batch sizes, comma-separated (default 8192; dry run 64)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated variants")
@@ -293,6 +296,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "events at step ends, no host sync (keeps the CPU/GPU overlap across steps)")
     args = p.parse_args(argv)
     dry = args.dry_run
+    if args.device is None:
+        args.device = "cpu" if dry else "cuda"
+    elif dry and args.device != "cpu":
+        raise SystemExit("--dry-run runs on the CPU: drop --device cuda")
+    on_cpu = args.device == "cpu"
+    if on_cpu and args.timing == "events":
+        raise SystemExit("--timing events needs CUDA: use --timing sync on the CPU")
     defaults = {
         "batches": "64" if dry else "8192",
         # 40 timed steps of one run could not resolve a few percent on an H100 (p10-p90 of bf16
@@ -305,8 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "eval_batches": 2 if dry else 8,
         "decide_steps": 8 if dry else 30,
         "decide_interval": 2 if dry else 5,
-        "fp8_backend": "emulated" if dry else "torch_scaled_mm",
-        "compile_backend": "aot_eager" if dry else "inductor",
+        "fp8_backend": "emulated" if on_cpu else "torch_scaled_mm",
+        "compile_backend": "aot_eager" if on_cpu else "inductor",
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -375,7 +385,7 @@ def job_overrides(
         *data,
         f"data.cache_batches={args.cache_batches}",
         "trainer=gpu",
-        f"trainer.device={'cpu' if args.dry_run else 'cuda'}",
+        f"trainer.device={args.device}",
         f"trainer.batch_size={batch}",
         f"trainer.steps={steps}",
         "trainer.dense_dtype=bf16",
@@ -587,11 +597,11 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
             raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI unavailable?)")
         source = "CUDA kernels (time on the GPU)"
     else:
-        # CPU (dry run): self time of each operator, no device.
+        # CPU: self time of each operator, no device.
         for avg in prof.key_averages():
             if avg.key.startswith("aten::") and avg.self_cpu_time_total > 0:
                 per_name[avg.key] = per_name.get(avg.key, 0.0) + float(avg.self_cpu_time_total)
-        source = "CPU operators' self time (dry run)"
+        source = "CPU operators' self time"
     # Host side: which operators the CPU spends its time on, and how many it launches per step
     # (a launch-bound step is paid in host time, not GPU time).
     host: dict[str, tuple[float, int]] = {}
@@ -756,7 +766,7 @@ def run_one(
         return rec
     profile_steps = args.profile_steps if variant.name in args.profile_names else 0
     total_steps = args.train_steps
-    device_type = "cpu" if args.dry_run else "cuda"
+    device_type = args.device
     started = time.perf_counter()
     # Everything that holds the model (and so GPU memory) is named here, so the clean-up below
     # can drop it also when the run failed: a failed run (e.g. out of memory) must not keep its
@@ -999,7 +1009,7 @@ def _version(module: str, dist_names: tuple[str, ...]) -> str | None:
     return None
 
 
-def environment(dry_run: bool) -> dict[str, Any]:
+def environment(device: str) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -1012,11 +1022,11 @@ def environment(dry_run: bool) -> dict[str, Any]:
         "hydra": _version("hydra", ("hydra-core",)),
         "host": platform.node(),
     }
-    if not dry_run and torch.cuda.is_available():
+    if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
         env["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability())
     else:
-        env["gpu"] = "none (CPU dry run)"
+        env["gpu"] = f"none (CPU, {torch.get_num_threads()} threads)"
     return env
 
 
@@ -1174,18 +1184,16 @@ def _init_process_group(device_type: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _configure_logging()
-    if args.dry_run:
+    if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.dry_run:
         # One thread: dev machines are small and shared, and a dry run checks the plumbing.
         torch.set_num_threads(1)
-        device_type = "cpu"
-    else:
-        if not torch.cuda.is_available():
-            logger.error("no CUDA device: use --dry-run to check the benchmark on CPU")
-            return 2
-        device_type = "cuda"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        logger.error("no CUDA device: use --dry-run (tiny) or --device cpu (real configs) on a CPU")
+        return 2
     variants = resolve_variants(args.variant_names, args.fp8_backend)
-    env = environment(args.dry_run)
+    env = environment(args.device)
     missing = torchao_status()
     t0 = time.perf_counter()
     progress(t0, f"{env['gpu']}; torch {env['torch']}, torchrec {env['torchrec']}, torchao {env['torchao']}")
@@ -1215,7 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args.out, report)
         return report
 
-    _init_process_group(device_type)
+    _init_process_group(args.device)
     try:
         with contextlib.ExitStack() as stack:
             composer = Composer(stack)

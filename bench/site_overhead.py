@@ -60,7 +60,7 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(args.m, args.k, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(args.m, args.n, device=device, dtype=dtype)
-    backends = ("torch_scaled_mm", "triton", "fbgemm_rowwise") if device.type == "cuda" else ("emulated",)
+    backends = ("torch_scaled_mm", "triton", "fbgemm_rowwise") if device.type == "cuda" else ("emulated", "torch_scaled_mm")
     modules: dict[str, nn.Module] = {"nn.Linear": nn.Linear(args.k, args.n, device=device, dtype=dtype)}
     site = Fp8Linear.from_linear(nn.Linear(args.k, args.n, device=device, dtype=dtype), pad_to_multiple=16)
     modules["site high"] = site

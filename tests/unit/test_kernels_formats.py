@@ -21,6 +21,7 @@ from loka_train.kernels.formats import (
     Scaling,
     compute_scale,
     dequantize,
+    expand_scale,
     quantize,
     saturation_fraction,
     sqnr_db,
@@ -307,3 +308,31 @@ def test_quantize_is_bit_identical_to_the_plain_formula(dtype, scaling, fmt) -> 
         assert torch.equal(q.scale.isnan(), scale.isnan())
         assert torch.equal(torch.nan_to_num(q.scale), torch.nan_to_num(scale))
         assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scaling", list(Scaling), ids=lambda s: s.value)
+@pytest.mark.parametrize("fmt", list(Fp8Format), ids=lambda f: f.value)
+def test_group_amax_lands_on_max_without_a_clamp(dtype, scaling, fmt) -> None:
+    """``quantize`` casts ``x / scale`` without clamping: the element equal to its group's amax
+    must still land exactly on ``fmt.max`` (never NaN or inf), for every format and scaling,
+    also where ``fl(amax / max)`` rounds down and the quotient rounds just above ``max``."""
+    gen = torch.Generator().manual_seed(1)
+    # 4096 random magnitudes over many binades: the quotient rounds above max for many rows.
+    x = (torch.rand(4096, 64, generator=gen) + 0.5) * torch.exp2(torch.randint(-60, 60, (4096, 1), generator=gen))
+    x = x.to(dtype)
+    x[:, 0] = -x.abs().amax(dim=1)  # a negative element at the amax of every row and group
+    q = quantize(x, fmt, scaling, axis=-1)
+    # The quotient the cast sees: at most one fp32 rounding above max (the CPU cast saturates,
+    # so this is what shows a scale that is too small; a GPU cast would give NaN/inf).
+    full = expand_scale(q.scale, x.shape, scaling, axis=1, block_size=q.block_size)
+    quotient = x.float() / full
+    assert quotient.abs().max() <= fmt.max * (1 + 2**-20)
+    lead = q.data[:, 0].float()
+    assert torch.isfinite(q.data.float()).all()
+    if scaling is Scaling.MX:  # power-of-two scales round up: the amax lands in (max/2, max]
+        assert ((lead <= -fmt.max / 2) & (lead >= -fmt.max)).all()
+    elif scaling is Scaling.TENSORWISE:  # one amax for the whole tensor
+        assert lead.min() == -fmt.max
+    else:  # one group per row (rowwise, and 1 x 128 blocks over 64 columns)
+        assert torch.equal(lead, torch.full_like(lead, -fmt.max))
