@@ -336,3 +336,36 @@ def test_group_amax_lands_on_max_without_a_clamp(dtype, scaling, fmt) -> None:
         assert lead.min() == -fmt.max
     else:  # one group per row (rowwise, and 1 x 128 blocks over 64 columns)
         assert torch.equal(lead, torch.full_like(lead, -fmt.max))
+
+
+@pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE], ids=lambda s: s.value)
+def test_reference_quantizer_kernel_budget(scaling) -> None:
+    """Each aten op is a kernel launch on a GPU, and an eager step is launch-bound: the
+    reference quantizer of a bf16 operand (what the torch_scaled_mm backend runs where the
+    fused Triton quantizer does not) stays at 9 ops, 2 of them full-tensor passes over x (amax,
+    scale-and-cast) plus the fp32 quotient's cast. Fails if a pass or a launch creeps back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # Views launch nothing; scalar_tensor wraps where()'s Python scalar on the host.
+            skip = ("aten::view", "aten::reshape", "aten::_unsafe_view", "aten::scalar_tensor")
+            if not func._schema.name.startswith(skip):
+                self.ops.append(func._schema.name.removeprefix("aten::"))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(64, 128).bfloat16()
+    with Record() as rec:
+        q = quantize(x, Fp8Format.E4M3, scaling, axis=-1)
+    assert q.data.dtype == torch.float8_e4m3fn
+    assert rec.ops == [
+        "linalg_vector_norm",  # amax: one pass over x
+        "_to_copy",  # amax to fp32 (a (M, 1) or 0-dim tensor)
+        "eq", "div", "clamp_min", "where", "nan_to_num",  # the scale, on the small amax tensor
+        "div",  # x / scale in fp32: the second pass over x
+        "_to_copy",  # the FP8 cast
+    ], str(rec.ops)
