@@ -44,7 +44,14 @@ from loka_train.kernels.registry import GemmProblem, get_backend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fp8_linear", "fp8_gemm_planned", "quantize_operand", "run_backend", "use_fused_quantizer"]
+__all__ = [
+    "fp8_linear",
+    "fp8_gemm_planned",
+    "quantize_operand",
+    "run_backend",
+    "transposed_reuse",
+    "use_fused_quantizer",
+]
 
 
 # Backends whose operands may come from the fused Triton quantizer. The emulated and bf16
@@ -130,15 +137,20 @@ def run_backend(
 
 def fp8_gemm_planned(
     a_MK: Tensor,
-    b_NK: Tensor,
+    b_NK: Tensor | None,
     plan: GemmPlan,
     *,
     out_dtype: torch.dtype,
     role: str,
     bias_N: Tensor | None = None,
     b_is_weight: bool = False,
+    a_q: QTensor | None = None,
+    b_q: QTensor | None = None,
 ) -> Tensor:
     """``a @ b^T (+ bias)`` in FP8 as ``plan`` says: quantize both along K, call the backend.
+
+    ``a_q`` / ``b_q``, when given, are the operands already quantized exactly as ``plan``
+    would quantize them (see :func:`transposed_reuse`); they are used instead.
 
     Raises:
         RuntimeError: if the plan's backend cannot run this problem (the reason is included).
@@ -146,9 +158,34 @@ def fp8_gemm_planned(
     if not plan.is_fp8:
         raise ValueError("fp8_gemm_planned needs an FP8 plan")
     get_backend(plan.backend)  # unknown names fail before any work
-    a_q = quantize_operand(a_MK, plan.fmt, plan, is_weight=False)
-    b_q = quantize_operand(b_NK, plan.operand_b_fmt, plan, is_weight=b_is_weight)
+    if a_q is None:
+        a_q = quantize_operand(a_MK, plan.fmt, plan, is_weight=False)
+    if b_q is None:
+        if b_NK is None:
+            raise ValueError("fp8_gemm_planned needs b_NK or its quantized b_q")
+        b_q = quantize_operand(b_NK, plan.operand_b_fmt, plan, is_weight=b_is_weight)
     return run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias_N)
+
+
+def transposed_reuse(q: QTensor | None, fmt: Fp8Format, plan: GemmPlan) -> QTensor | None:
+    """``q`` transposed, as the operand of another GEMM that ``plan`` runs, when that is exactly
+    what quantizing the transposed tensor would give; else None.
+
+    A tensor-wise scale is one amax over the whole tensor, whatever its layout, so the FP8
+    payload of ``t.T`` is ``q.data.T`` element for element: a linear layer whose GEMMs are
+    all tensor-wise quantizes ``x``, ``W`` and ``dY`` once each instead of twice (as torchao's
+    tensor-wise recipe does). Row-wise and block scales follow the contraction axis and differ.
+    """
+    if (
+        q is None
+        or not plan.is_fp8
+        or plan.scaling is not Scaling.TENSORWISE
+        or q.scaling is not Scaling.TENSORWISE
+        or q.fmt is not fmt
+        or q.data.ndim != 2
+    ):
+        return None
+    return QTensor(data=q.data.t(), scale=q.scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -170,6 +207,9 @@ class _PlannedLinearFn(torch.autograd.Function):
     ) -> Tensor:
         dev = x.device.type
         cdtype = _compute_dtype(x)
+        # Tensor-wise FP8 operands of the forward that a backward GEMM takes as they are
+        # (transposed): then it need not quantize them again, nor keep the high-precision x.
+        x_q_t = w_q_t = None
         with torch.autocast(dev, enabled=False):
             xc = x.to(cdtype)
             wc = weight.to(cdtype)
@@ -177,15 +217,25 @@ class _PlannedLinearFn(torch.autograd.Function):
             odtype = cdtype if out_dtype is None else out_dtype
             if plan.forward.is_fp8:
                 x_MK = xc.reshape(-1, xc.shape[-1])
+                fwd = plan.forward
+                x_q = quantize_operand(x_MK, fwd.fmt, fwd, is_weight=False)
+                w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True)
                 y_MN = fp8_gemm_planned(
-                    x_MK, wc, plan.forward, out_dtype=odtype, role="forward", bias_N=bc,
-                    b_is_weight=True,
+                    x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q
                 )
                 y = y_MN.reshape(*xc.shape[:-1], wc.shape[0])
+                x_q_t = transposed_reuse(x_q, plan.grad_weight.operand_b_fmt, plan.grad_weight)
+                w_q_t = transposed_reuse(w_q, plan.grad_input.operand_b_fmt, plan.grad_input)
             else:
                 y = F.linear(xc, wc, bc).to(odtype)
-        ctx.save_for_backward(xc, wc)
+        ctx.save_for_backward(
+            xc if x_q_t is None else None,
+            wc,
+            *((None, None) if x_q_t is None else (x_q_t.data, x_q_t.scale)),
+            *((None, None) if w_q_t is None else (w_q_t.data, w_q_t.scale)),
+        )
         ctx.plan = plan
+        ctx.x_shape = xc.shape
         ctx.has_bias = bias is not None
         ctx.cdtype = cdtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -193,35 +243,47 @@ class _PlannedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        xc, wc = ctx.saved_tensors
+        xc, wc, xq_data, xq_scale, wq_data, wq_scale = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         cdtype = ctx.cdtype
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
+
+        def reused(data: Tensor | None, scale: Tensor | None, fmt: Fp8Format) -> QTensor | None:
+            if data is None or scale is None:
+                return None
+            return QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
+
         with torch.autocast(grad_y.device.type, enabled=False):
             dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
-            x_MK = xc.reshape(-1, xc.shape[-1])
+            dy_q_t = None
             if need_x:
-                if plan.grad_input.is_fp8:
+                gi = plan.grad_input
+                if gi.is_fp8:
                     # dX = dY W = dY @ (W^T)^T: contraction over N.
+                    dy_q = quantize_operand(dy_MN, gi.fmt, gi, is_weight=False)
                     dx_MK = fp8_gemm_planned(
-                        dy_MN, wc.t(), plan.grad_input, out_dtype=cdtype, role="grad_input",
-                        b_is_weight=True,
+                        dy_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
+                        a_q=dy_q, b_q=reused(wq_data, wq_scale, gi.operand_b_fmt),
                     )
+                    dy_q_t = transposed_reuse(dy_q, plan.grad_weight.fmt, plan.grad_weight)
                 else:
                     dx_MK = dy_MN.mm(wc)
-                grad_x = dx_MK.reshape(xc.shape).to(x_dtype)
+                grad_x = dx_MK.reshape(ctx.x_shape).to(x_dtype)
             if need_w:
-                if plan.grad_weight.is_fp8:
+                gw = plan.grad_weight
+                if gw.is_fp8:
                     # dW = dY^T X = (dY^T) @ (X^T)^T: contraction over M.
+                    x_q_t = reused(xq_data, xq_scale, gw.operand_b_fmt)
+                    x_KM = None if xc is None else xc.reshape(-1, xc.shape[-1]).t()
                     grad_w = fp8_gemm_planned(
-                        dy_MN.t(), x_MK.t(), plan.grad_weight, out_dtype=torch.float32,
-                        role="grad_weight",
+                        dy_MN.t(), x_KM, gw, out_dtype=torch.float32, role="grad_weight",
+                        a_q=dy_q_t, b_q=x_q_t,
                     ).to(w_dtype)
                 else:
                     # Same op order as autograd's addmm/mm backward, so HIGH matches F.linear.
-                    grad_w = x_MK.t().mm(dy_MN).t().to(w_dtype)
+                    grad_w = xc.reshape(-1, xc.shape[-1]).t().mm(dy_MN).t().to(w_dtype)
             if need_b and ctx.has_bias:
                 grad_b = dy_MN.sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None

@@ -263,3 +263,87 @@ def test_support_answer_follows_a_re_registered_backend() -> None:
         run_backend(plan, a, b, out_dtype=torch.float32, role="forward")
     register_backend(Refusing(True), replace=True)
     assert run_backend(plan, a, b, out_dtype=torch.float32, role="forward").shape == (8, 16)
+
+
+def _per_role_reference(x, w, b, g, plan: LinearPlan):
+    """The three GEMMs each quantizing its own operands (no reuse across roles)."""
+    from loka_train.kernels.linear import fp8_gemm_planned
+
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    f, gi, gw = plan.forward, plan.grad_input, plan.grad_weight
+    y = fp8_gemm_planned(x2, w, f, out_dtype=x.dtype, role="forward", bias_N=b, b_is_weight=True)
+    dx = fp8_gemm_planned(g2, w.t(), gi, out_dtype=x.dtype, role="grad_input", b_is_weight=True)
+    dw = fp8_gemm_planned(g2.t(), x2.t(), gw, out_dtype=torch.float32, role="grad_weight")
+    return [y.reshape(*x.shape[:-1], -1), dx.reshape(x.shape), dw, g2.sum(0)]
+
+
+def _tensorwise_fwd_rowwise_bwd() -> LinearPlan:
+    tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="torch_scaled_mm")
+    return LinearPlan(forward=tw.forward, grad_input=rw.grad_input, grad_weight=tw.grad_weight)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm"),
+        LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated"),
+        LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="torch_scaled_mm"),
+        _tensorwise_fwd_rowwise_bwd(),
+    ],
+    ids=["tensorwise-scaled_mm", "tensorwise-emulated", "rowwise-scaled_mm", "mixed"],
+)
+def test_reused_tensorwise_operands_are_bit_identical_to_per_role_quantization(plan):
+    """x, W and dY quantized once and transposed for the other GEMMs give exactly what each GEMM
+    quantizing its own operands gives (a tensor-wise scale does not depend on the layout)."""
+    x, w, b = _gauss(3, 32, 64), _gauss(48, 64, seed=1), _gauss(48, seed=2)
+    x[0, 0, :4] = 30.0  # an outlier row, so row-wise and tensor-wise scales differ
+    g = _gauss(3, 32, 48, seed=3)
+    got = _run(lambda x, w, b: fp8_linear(x, w, b, plan), x, w, b, g)
+    ref = _per_role_reference(x, w, b, g, plan)
+    for name, r, o in zip(["y", "dx", "dw", "db"], ref, got):
+        assert torch.equal(r, o), name
+
+
+def _amax_passes(plan: LinearPlan, *, need_x_grad: bool = True) -> tuple[int, list[tuple[int, ...]]]:
+    """(amax reductions in one forward + backward, shapes of the floating tensors saved for
+    backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        num = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name == "aten::linalg_vector_norm":
+                Count.num += 1
+            return func(*args, **(kwargs or {}))
+
+    x = _gauss(64, 32).requires_grad_(need_x_grad)
+    w = _gauss(16, 32, seed=1).requires_grad_(True)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t):
+        if t.is_floating_point() and t.element_size() > 1:
+            saved.append(tuple(t.shape))
+        return t
+
+    with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fp8_linear(x, w, None, plan)
+    with Count():
+        y.backward(_gauss(64, 16, seed=2))
+    return Count.num, saved
+
+
+def test_tensorwise_linear_quantizes_each_tensor_once_and_keeps_no_high_precision_x():
+    tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    num, saved = _amax_passes(tw)
+    assert num == 3  # x, W, dY: one amax pass each (6 when every GEMM quantizes its own)
+    assert (64, 32) not in saved  # backward holds FP8 x, not x in high precision
+    # Without grad-input there is no quantized dY to reuse: the grad-weight GEMM makes its own.
+    assert _amax_passes(tw, need_x_grad=False)[0] == 3  # x, W, dY^T (W^T is not needed)
+    # Row-wise scales follow the contraction axis: nothing is reused. (The emulated backend, so
+    # that all six go through the reference quantizer, not the fused Triton one.)
+    rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
+    num, saved = _amax_passes(rw)
+    assert num == 6
+    assert (64, 32) in saved
