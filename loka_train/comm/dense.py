@@ -22,6 +22,7 @@ Example:
 # No `from __future__ import annotations` here: DDP's register_comm_hook inspects the hook's
 # annotations and needs the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 import logging
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -43,19 +44,32 @@ class DenseGradCompressor:
     Args:
         comm_state: the process's comm state (precision, statistics, measurements).
         process_group: group the gradients are averaged over; None: the default group.
+        param_names: ``id(parameter) -> name`` of the DDP module's parameters. Checkpoints keep
+            the error-feedback residuals per parameter name, because DDP lays its buckets out
+            differently on the first iteration (registration order) and after it (gradient
+            order): a residual kept per bucket would land on other parameters after a resume.
 
     Example:
-        >>> compressor = DenseGradCompressor(comm_state)
+        >>> compressor = DenseGradCompressor(comm_state, param_names=names)
         >>> ddp.register_comm_hook(compressor, dense_grad_comm_hook)
     """
 
     def __init__(
-        self, comm_state: CommState, *, process_group: dist.ProcessGroup | None = None
+        self,
+        comm_state: CommState,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        param_names: Mapping[int, str] | None = None,
     ) -> None:
         self._state = comm_state
         self._process_group = process_group
-        # bucket index -> (ids of the bucket's parameters or None when restored, residual)
+        self._param_names = dict(param_names or {})
+        # bucket index -> (ids of the bucket's parameters or None, residual)
         self._residuals: dict[int, tuple[tuple[int, ...] | None, torch.Tensor]] = {}
+        # bucket index -> numel of each parameter, in bucket order (to split a residual)
+        self._numels: dict[int, tuple[int, ...]] = {}
+        # parameter name -> residual restored from a checkpoint, not yet taken by a bucket
+        self._restored: dict[str, torch.Tensor] = {}
 
     @property
     def residuals(self) -> dict[int, torch.Tensor]:
@@ -65,20 +79,67 @@ class DenseGradCompressor:
     def reset_residuals(self) -> None:
         """Drop all error-feedback residuals."""
         self._residuals.clear()
+        self._restored.clear()
 
     def state_dict(self) -> dict[str, object]:
-        """Checkpointable state: the residuals (an unflushed part of past gradients)."""
-        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
+        """Checkpointable state: the residuals (an unflushed part of past gradients), per
+        parameter name.
+
+        Raises:
+            ValueError: a residual exists but the compressor does not know its parameters'
+                names (construct it with ``param_names``, as ``install_dense_grad_hook`` does).
+        """
+        by_param = {name: r.clone() for name, r in self._restored.items()}
+        for index, (owner, residual_N) in self._residuals.items():
+            numels = self._numels.get(index)
+            names = None if owner is None else [self._param_names.get(i) for i in owner]
+            if names is None or numels is None or None in names or sum(numels) != residual_N.numel():
+                raise ValueError(
+                    f"dense grad hook: cannot checkpoint the residual of bucket {index}: its "
+                    "parameters' names are unknown; build DenseGradCompressor with param_names "
+                    "(install_dense_grad_hook does)"
+                )
+            for name, part in zip(names, residual_N.split(list(numels))):
+                by_param[str(name)] = part.clone()
+        return {"residuals_by_param": by_param}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore residuals saved by `state_dict` (matched to buckets by index and size)."""
-        residuals = state["residuals"]
-        assert isinstance(residuals, dict)
-        self._residuals = {int(k): (None, v.clone()) for k, v in residuals.items()}
+        """Restore residuals saved by `state_dict`; each bucket takes its parameters' parts
+        (on its gradients' device) the first time it reduces."""
+        self._residuals.clear()
+        if "residuals_by_param" not in state:
+            residuals = state["residuals"] if "residuals" in state else {}  # older checkpoints
+            assert isinstance(residuals, dict)
+            if residuals:
+                logger.warning(
+                    "dense grad hook: the checkpoint keeps error-feedback residuals per DDP "
+                    "bucket (older format), whose layout changes after DDP's first iteration; "
+                    "dropping %d residual(s): up to one step of rounding error is not fed back",
+                    len(residuals),
+                )
+            self._restored = {}
+            return
+        by_param = state["residuals_by_param"]
+        assert isinstance(by_param, dict)
+        self._restored = {str(k): v.detach().clone() for k, v in by_param.items()}
 
     def _take_residual(
-        self, bucket_index: int, param_key: tuple[int, ...] | None, grad_N: torch.Tensor
+        self,
+        bucket_index: int,
+        param_key: tuple[int, ...] | None,
+        grad_N: torch.Tensor,
+        param_numels: tuple[int, ...] | None,
     ) -> torch.Tensor | None:
+        if self._restored and param_key is not None and param_numels is not None:
+            names = [self._param_names.get(i) for i in param_key]
+            if any(n in self._restored for n in names):
+                parts = []
+                for name, numel in zip(names, param_numels):
+                    part = self._restored.pop(name, None) if name is not None else None
+                    if part is None or part.numel() != numel:
+                        part = grad_N.new_zeros(numel, dtype=torch.float32)
+                    parts.append(part.to(device=grad_N.device, dtype=torch.float32).reshape(-1))
+                return torch.cat(parts)
         entry = self._residuals.pop(bucket_index, None)
         if entry is None:
             return None
@@ -101,6 +162,7 @@ class DenseGradCompressor:
         grad_N: torch.Tensor,
         bucket_index: int,
         param_key: tuple[int, ...] | None = None,
+        param_numels: tuple[int, ...] | None = None,
     ) -> torch.futures.Future:
         """Average flat gradient `grad_N` over the group with the current precision.
 
@@ -109,6 +171,8 @@ class DenseGradCompressor:
             bucket_index: DDP bucket index (keys the error-feedback residual).
             param_key: identity of the bucket's parameters; a residual is only reused for
                 the same parameters (DDP re-buckets after the first iteration).
+            param_numels: numel of each of those parameters, in bucket order (to split the
+                residual per parameter for checkpoints).
 
         Returns a future whose value is `grad_N`, overwritten with the average (DDP's
         contract for a comm hook).
@@ -122,17 +186,25 @@ class DenseGradCompressor:
 
         with profiled(f"loka/comm/dense_grad/{precision.value}"):
             send_N = grad_N.detach().float()
-            residual_N = self._take_residual(bucket_index, param_key, grad_N)
+            if param_numels is not None:
+                self._numels[bucket_index] = param_numels
+            residual_N = self._take_residual(bucket_index, param_key, grad_N, param_numels)
             if residual_N is not None:
                 # Added even at FP32: that step sends it exactly, flushing the residual.
                 send_N = send_N + residual_N
 
-            if precision.is_rowwise:
-                row_dim = state.config.row_dim
-                num_values = send_N.numel()
+            row_dim = state.config.row_dim
+            num_values = send_N.numel()
+            padded_N = None
+            if precision.is_rowwise or state.sampling:
                 padded_N = torch.nn.functional.pad(send_N, (0, (-num_values) % row_dim))
-                if state.sampling:
-                    state.measure(_CHANNEL, padded_N)
+            if padded_N is not None and state.sampling:
+                # Every candidate of the ladder, whatever this step sends (also at FP32, or the
+                # policy could never lower the channel), on the bucket zero-padded to whole
+                # rows as the row-wise path sends it (zeros add neither signal nor noise).
+                state.measure(_CHANNEL, padded_N)
+            if precision.is_rowwise:
+                assert padded_N is not None
                 payload = fmt.encode_bytes(padded_N)
                 if use_feedback:
                     sent_N = fmt.decode_bytes(payload)[:num_values]
@@ -150,8 +222,6 @@ class DenseGradCompressor:
 
                 return work.get_future().then(average_payloads)
 
-            if state.sampling and not precision.is_lossless:
-                state.measure(_CHANNEL, send_N)
             # Divide first (like torch's compress hooks) so the low-precision sum cannot overflow.
             scaled_N = send_N / world_size
             payload = fmt.encode_native(scaled_N)
@@ -174,8 +244,13 @@ def dense_grad_comm_hook(
     state: DenseGradCompressor, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: `ddp.register_comm_hook(compressor, dense_grad_comm_hook)`."""
-    param_key = tuple(id(p) for p in bucket.parameters())
-    return state.reduce(bucket.buffer(), bucket.index(), param_key)
+    params = bucket.parameters()
+    return state.reduce(
+        bucket.buffer(),
+        bucket.index(),
+        tuple(id(p) for p in params),
+        tuple(p.numel() for p in params),
+    )
 
 
 def install_dense_grad_hook(module: nn.Module, comm_state: CommState) -> list[DenseGradCompressor]:
@@ -205,7 +280,10 @@ def install_dense_grad_hook(module: nn.Module, comm_state: CommState) -> list[De
         )
     compressors = []
     for ddp in ddps:
-        compressor = DenseGradCompressor(comm_state, process_group=ddp.process_group)
+        names = {id(p): name for name, p in ddp.module.named_parameters()}
+        compressor = DenseGradCompressor(
+            comm_state, process_group=ddp.process_group, param_names=names
+        )
         ddp.register_comm_hook(compressor, dense_grad_comm_hook)
         compressors.append(compressor)
     if comm_state.precision(_CHANNEL) is not CommPrecision.FP32:

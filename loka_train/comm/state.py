@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -164,6 +165,52 @@ class CommStats:
             by_precision[precision] = by_precision.get(precision, 0) + num_bytes
             calls = self.calls_by_precision[channel]
             calls[precision] = calls.get(precision, 0) + 1
+
+    def state_dict(self) -> dict[str, object]:
+        """Totals and events since the start (the current step's counters are not kept)."""
+        with self._lock:
+            return {
+                "total_bytes": {c.value: n for c, n in self.total_bytes.items()},
+                "bytes_by_precision": {
+                    c.value: {p.value: n for p, n in d.items()} for c, d in self.bytes_by_precision.items()
+                },
+                "calls_by_precision": {
+                    c.value: {p.value: n for p, n in d.items()} for c, d in self.calls_by_precision.items()
+                },
+                "fallbacks": [
+                    [e.step, e.channel.value, e.requested.value, e.used.value, e.reason]
+                    for e in self.fallbacks
+                ],
+                "switches": [
+                    [e.step, e.channel.value, e.old.value, e.new.value, e.reason] for e in self.switches
+                ],
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved (the run report of a resumed run covers it all)."""
+        with self._lock:
+            for name, n in state["total_bytes"].items():
+                self.total_bytes[CommChannel(name)] = int(n)
+            for key, target in (
+                ("bytes_by_precision", self.bytes_by_precision),
+                ("calls_by_precision", self.calls_by_precision),
+            ):
+                for name, per in state[key].items():
+                    target[CommChannel(name)] = {CommPrecision(p): int(n) for p, n in per.items()}
+            self.fallbacks = [
+                FallbackEvent(
+                    step=int(st), channel=CommChannel(c), requested=CommPrecision(r),
+                    used=CommPrecision(u), reason=str(why),
+                )
+                for st, c, r, u, why in state["fallbacks"]
+            ]
+            self.switches = [
+                SwitchEvent(
+                    step=int(st), channel=CommChannel(c), old=CommPrecision(o),
+                    new=CommPrecision(n), reason=str(why),
+                )
+                for st, c, o, n, why in state["switches"]
+            ]
 
     def take_step(self) -> tuple[dict[CommChannel, int], dict[CommChannel, int]]:
         """Return (bytes, calls) per channel of the step and start a new one."""
@@ -500,14 +547,46 @@ class CommState:
         }
 
     def state_dict(self) -> dict[str, object]:
-        """Checkpointable state: current precision per channel."""
-        return {"precisions": {c.value: p.value for c, p in self.precisions().items()}}
+        """Checkpointable state: precision per channel, the SQNR sums of the policy interval in
+        progress (a resumed run then decides on the same samples as an uninterrupted one) and
+        the statistics (bytes, calls, fallbacks, switches) for the run report."""
+        return {
+            "precisions": {c.value: p.value for c, p in self.precisions().items()},
+            "sqnr_sums": self.sqnr_sums.detach().cpu().clone(),
+            "stats": self.stats.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore precisions saved by `state_dict` (explicit: unsupported ones raise)."""
+        """Restore what `state_dict` saved.
+
+        Adaptive channels take the saved precision (the policy's decision so far); a static
+        channel keeps its configured precision: the config of the resumed run is the user's
+        explicit request, and a change against the checkpoint is logged. Older checkpoints
+        without SQNR sums or statistics restore the precisions only.
+        """
         precisions = state["precisions"]
         assert isinstance(precisions, dict)
         for name, value in precisions.items():
-            self.set_precision(
-                CommChannel(name), CommPrecision(value), source=PrecisionSource.EXPLICIT
-            )
+            channel, saved = CommChannel(name), CommPrecision(value)
+            if channel in self.config.adaptive_channels:
+                self.set_precision(channel, saved, source=PrecisionSource.EXPLICIT)
+            elif saved is not self.precision(channel):
+                logger.warning(
+                    "comm: %s ran at %s in the checkpoint; the config asks for %s (static "
+                    "channel), which is used from now on",
+                    channel.value, saved.name, self.precision(channel).name,
+                )
+        if "sqnr_sums" in state:
+            sums = state["sqnr_sums"]
+            assert isinstance(sums, torch.Tensor)
+            if sums.shape != self.sqnr_sums.shape:
+                raise ValueError(
+                    f"comm: checkpoint SQNR buffer has shape {tuple(sums.shape)}, this version "
+                    f"uses {tuple(self.sqnr_sums.shape)}; resume with the loka_train version that "
+                    "wrote it, or set trainer.resume=never"
+                )
+            self.sqnr_sums.copy_(sums.to(self.sqnr_sums.device, self.sqnr_sums.dtype))
+        if "stats" in state:
+            stats = state["stats"]
+            assert isinstance(stats, dict)
+            self.stats.load_state_dict(stats)

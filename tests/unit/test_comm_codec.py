@@ -271,11 +271,14 @@ def test_use_fbgemm_ops_needs_cuda() -> None:
 
 
 def test_state_dict_roundtrip() -> None:
-    state = _state(a2a_forward=CommPrecision.FP8)
+    # An adaptive channel resumes at the precision its policy had reached (static channels
+    # keep their configured precision: tests/unit/test_comm_state.py).
+    state = _state(a2a_forward=CommPrecision.FP8, adaptive_channels=(CommChannel.A2A_FWD,))
     saved = state.state_dict()
-    other = _state()
+    other = _state(adaptive_channels=(CommChannel.A2A_FWD,))
     other.load_state_dict(saved)
     assert other.precisions() == state.precisions()
+    assert other.precision(CommChannel.A2A_FWD) is CommPrecision.FP8
 
 
 @pytest.mark.parametrize(
