@@ -12,6 +12,9 @@ touches the previous checkpoint. Loading copies tensors in place into the live s
 (so fused TorchRec optimizer state and ShardedTensor views are updated where they live)
 and requires the same world size and sharding; a mismatch or a corrupt file raises
 `CheckpointError` naming the file and the fix, on every rank.
+
+Pruning after a save deletes only checkpoints of older steps than the one just saved (keeping
+`keep` in all), never the one just saved nor the one `latest` names.
 """
 
 from __future__ import annotations
@@ -102,6 +105,12 @@ def _all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def _step_of(path: Path) -> int | None:
+    """The step of a `step_<n>` directory, or None for a name that is not one."""
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else None
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -176,15 +185,42 @@ class CheckpointManager:
                 "permissions of trainer.out_dir."
             ) from error
         if self.rank == 0:
-            self._prune()
+            self._prune(step)
         _barrier()
         logger.info("saved checkpoint %s", final)
         return final
 
-    def _prune(self) -> None:
-        steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-        for old in steps[: max(0, len(steps) - self.keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+    def existing(self) -> list[Path]:
+        """The `latest` pointer and step directories already under the root (sorted by name)."""
+        found = [p for p in self.root.glob("step_*") if p.is_dir()]
+        if (self.root / LATEST).exists():
+            found.append(self.root / LATEST)
+        return sorted(found)
+
+    def _prune(self, saved_step: int) -> None:
+        """Delete all but the `keep - 1` newest checkpoints older than `saved_step`.
+
+        Only steps below the one just saved are candidates: a directory of a higher step is
+        not one this run wrote after it, and the one just saved (and whatever `latest` names)
+        must survive whatever else lies in the directory.
+        """
+        pointer = self.root / LATEST
+        protected = {f"step_{saved_step:08d}"}
+        if pointer.exists():
+            protected.add(pointer.read_text().strip())
+        older = sorted(
+            (step, path)
+            for path in self.root.glob("step_*")
+            if path.is_dir()
+            and path.name not in protected
+            and (step := _step_of(path)) is not None
+            and step < saved_step
+        )
+        for _, old in older[: max(0, len(older) - (self.keep - 1))]:
+            try:
+                shutil.rmtree(old)
+            except OSError as exc:
+                logger.warning("could not delete old checkpoint %s (%s); delete it by hand", old, exc)
 
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """Read this rank's state and the meta of checkpoint `path`; collective."""

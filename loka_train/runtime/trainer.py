@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,19 @@ _WARMUP_STEPS = 3
 _DENSE_SUBMODULES = ("dense_arch", "inter_arch", "over_arch")
 """Attribute names of the dense parts of the DLRM family (TorchRec DLRM, DLRM_DCN, Wukong)
 that ``trainer.compile_dense`` compiles."""
+
+
+@runtime_checkable
+class _FiniteData(Protocol):
+    """A dataset that ends (Criteo files); synthetic data is endless and has no `num_steps`."""
+
+    def num_steps(self) -> int:
+        """Full global batches in the data."""
+        ...
+
+    def batch(self, step: int) -> Batch:
+        """The local batch of `step`; raises IndexError when the data ends before it."""
+        ...
 
 
 class _StepHook:
@@ -305,6 +318,87 @@ class Trainer:
         """Save the whole run state at the current step (collective)."""
         return self._checkpoints.save(self.step, self.state_dict(), self._meta())
 
+    def _raise_on_all_ranks(self, error: Exception | None) -> None:
+        """Collective: when `error` is set on any rank, every rank raises.
+
+        The rank (or ranks) that failed raise their own exception; the others raise a
+        `CheckpointError` or `ValueError` (as the first failing rank's) with the first failing
+        rank's message, so no rank is left waiting in the next collective.
+        """
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=self._coll_device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item():
+            return
+        reports: list[tuple[str, str] | None] = [None] * self.world_size
+        local = None if error is None else (type(error).__name__, str(error))
+        dist.all_gather_object(reports, local)
+        if error is not None:
+            raise error
+        rank, (kind, message) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+        cls = CheckpointError if kind == CheckpointError.__name__ else ValueError
+        raise cls(f"rank {rank} failed: {message}")
+
+    def _preflight(self) -> None:
+        """Refuse, before anything is trained or written, a run that cannot go as configured."""
+        error: Exception | None = None
+        try:
+            self._set_aside_earlier_checkpoints()
+            self._check_data_length()
+        except Exception as exc:  # raised below on every rank
+            error = exc
+        self._raise_on_all_ranks(error)
+
+    def _set_aside_earlier_checkpoints(self) -> None:
+        """``resume=never`` in an out_dir that holds an earlier run's checkpoints: move them to
+        ``checkpoints.before-<time>`` (rank 0; logged), so this run neither mixes with nor
+        prunes them and nothing is lost. The main job can be run again in the same out_dir."""
+        if self.cfg.resume != "never" or self.rank != 0:
+            return
+        root = self._checkpoints.root
+        found = self._checkpoints.existing()
+        if not found:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = root.with_name(f"{root.name}.before-{stamp}")
+        suffix = 1
+        while target.exists():
+            target = root.with_name(f"{root.name}.before-{stamp}-{suffix}")
+            suffix += 1
+        root.rename(target)
+        logger.warning(
+            "trainer.resume=never: %s held checkpoints of an earlier run (%s%s); moved them to %s "
+            "(delete it if unneeded; trainer.resume=auto continues a run instead)",
+            root, ", ".join(p.name for p in found[:4]), ", ..." if len(found) > 4 else "", target,
+        )
+
+    def _check_data_length(self) -> None:
+        """Finite data must hold `trainer.steps` train and `trainer.eval_batches` eval batches."""
+        global_batch = self.cfg.batch_size * self.world_size
+        for data, needed, needed_key, source_key, source in (
+            (self.train_data, self.cfg.steps, "trainer.steps", "data.path", self.data_cfg.path),
+            (
+                self.eval_data,
+                self.cfg.eval_batches,
+                "trainer.eval_batches",
+                "data.eval_path",
+                self.data_cfg.eval_path,
+            ),
+        ):
+            if not isinstance(data, _FiniteData):
+                continue  # endless (synthetic) data
+            try:
+                # Reads up to the last line the run needs, not the whole (maybe huge) data.
+                data.batch(needed - 1)
+            except IndexError:
+                have = data.num_steps()
+                lower = f"lower {needed_key} to {have} or less, " if have else ""
+                raise ValueError(
+                    f"{needed_key}={needed} needs {needed} full global batches of {global_batch} "
+                    f"samples ({self.world_size} ranks x trainer.batch_size={self.cfg.batch_size}), "
+                    f"but {source_key}={source!r} holds only {have}: {lower}lower "
+                    f"trainer.batch_size, or point {source_key} at more data"
+                ) from None
+
     def _maybe_resume(self) -> int:
         if self.cfg.resume == "never":
             return 0
@@ -316,32 +410,47 @@ class Trainer:
                 )
             return 0
         saved, meta = self._checkpoints.load(path)
-        error: str | None = None
-        if meta.get("batch_size") != self.cfg.batch_size:
-            error = (
-                f"checkpoint {path} used trainer.batch_size={meta.get('batch_size')}, this run "
-                f"{self.cfg.batch_size}: the data position would not match. Use the same batch size "
-                "or trainer.resume=never"
-            )
-        else:
-            try:
-                assert self.optimizer is not None
-                copy_into(self.model.state_dict(), saved["model"], "model")
-                live_opt = self.optimizer.state_dict()
-                copy_into(live_opt["state"], saved["optimizer"]["state"], "optimizer.state")
-                self.optimizer.load_state_dict(live_opt)
-                self.callbacks.load_state_dict(saved["callbacks"])
-            except (CheckpointError, ValueError, KeyError) as exc:
-                error = f"cannot restore {path}: {exc}"
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=self._coll_device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if not ok.item():
-            raise CheckpointError(error or f"cannot restore {path}: it failed on another rank")
-        torch.set_rng_state(saved["rng"]["torch"])
-        if "cuda" in saved["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(saved["rng"]["cuda"], self.device)
-        logger.info("resumed from %s at step %d", path, saved["step"])
-        return int(saved["step"])
+        error: CheckpointError | None = None
+        step = -1
+        try:
+            step = int(saved["step"])
+            if meta.get("batch_size") != self.cfg.batch_size:
+                raise CheckpointError(
+                    f"checkpoint {path} used trainer.batch_size={meta.get('batch_size')}, this run "
+                    f"{self.cfg.batch_size}: the data position would not match. Use the same batch "
+                    "size or trainer.resume=never"
+                )
+            if step > self.cfg.steps:
+                raise CheckpointError(
+                    f"checkpoint {path} is at step {step}, past trainer.steps={self.cfg.steps}: "
+                    "this run has nothing to train and would report steps it did not run. Set "
+                    f"trainer.steps to {step} or more to continue that run, or start fresh with "
+                    "trainer.resume=never and another trainer.out_dir"
+                )
+            assert self.optimizer is not None
+            copy_into(self.model.state_dict(), saved["model"], "model")
+            live_opt = self.optimizer.state_dict()
+            copy_into(live_opt["state"], saved["optimizer"]["state"], "optimizer.state")
+            self.optimizer.load_state_dict(live_opt)
+            self.callbacks.load_state_dict(saved["callbacks"])
+            torch.set_rng_state(saved["rng"]["torch"])
+            if "cuda" in saved["rng"] and self.device.type == "cuda":
+                torch.cuda.set_rng_state(saved["rng"]["cuda"], self.device)
+        except CheckpointError as exc:
+            error = exc
+        except Exception as exc:  # any failure, so no rank waits alone in the agreement below
+            error = CheckpointError(f"cannot restore {path}: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+        self._raise_on_all_ranks(error)
+        logger.info("resumed from %s at step %d", path, step)
+        return step
+
+    def _clock(self) -> float:
+        """`time.perf_counter()` once the device has run the work queued so far, so a timed
+        region is not billed for GPU work launched before it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     @property
     def _coll_device(self) -> torch.device:
@@ -408,6 +517,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Run the training loop to `trainer.steps`; returns the run summary."""
+        self._preflight()
         self._shard()
         start = self._maybe_resume()
         self.step = start
@@ -431,6 +541,7 @@ class Trainer:
         eval_metrics: dict[str, float] = {}
         timed_from: float | None = None
         timed_steps = 0
+        paused_s = 0.0  # eval and checkpoint wall time since timed_from: not in steps/s
         stopped = False
         try:
             while self.step < self.cfg.steps:
@@ -445,7 +556,7 @@ class Trainer:
                 self.step = step + 1
                 done = self.step - start
                 if done == _WARMUP_STEPS:
-                    timed_from = time.perf_counter()
+                    timed_from = self._clock()
                 elif done > _WARMUP_STEPS:
                     timed_steps += 1
 
@@ -456,11 +567,15 @@ class Trainer:
                     loss_sum.zero_()
                     loss_count = 0
                     if timed_from is not None and timed_steps:
-                        metrics["train/steps_per_s"] = timed_steps / (time.perf_counter() - timed_from)
+                        train_s = time.perf_counter() - timed_from - paused_s
+                        metrics["train/steps_per_s"] = timed_steps / train_s
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                    paused_from = self._clock()
                     eval_metrics = self._eval_with(pipeline)
                     metrics.update(eval_metrics)
                     self.callbacks.call("on_eval_end", self, self.step, eval_metrics)
+                    if timed_from is not None:
+                        paused_s += self._clock() - paused_from
                 self.callbacks.call("on_step_end", self, step, metrics)
                 self.metrics.log(self.step, metrics)
                 if bar is not None:
@@ -471,7 +586,10 @@ class Trainer:
                 is_last = self.step == self.cfg.steps
                 due = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
                 if due or (is_last and self.cfg.checkpoint_at_end):
+                    paused_from = self._clock()
                     self.save_checkpoint()
+                    if timed_from is not None:
+                        paused_s += self._clock() - paused_from
                 if self.cfg.stop_after_step is not None and self.step >= self.cfg.stop_after_step:
                     stopped = not is_last
                     break
@@ -482,7 +600,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             raise
-        elapsed = time.perf_counter() - timed_from if timed_from is not None else math.nan
+        train_s = self._clock() - timed_from - paused_s if timed_from is not None else math.nan
         if prefetcher is not None:
             prefetcher.close()
         if bar is not None:
@@ -501,12 +619,14 @@ class Trainer:
             "sharding": self.cfg.sharding,
             "global_batch": self.cfg.batch_size * self.world_size,
             "train/loss": last_loss,
-            "train/steps_per_s": timed_steps / elapsed if timed_steps else math.nan,
+            "train/steps_per_s": timed_steps / train_s if timed_steps else math.nan,
             **eval_metrics,
             "fallbacks": list(self.fallbacks),
             "compiled": list(self.compiled_modules),
         }
         self.callbacks.call("on_train_end", self, summary)
+        # Again after on_train_end: callbacks may record fallbacks there (e.g. in their report).
+        summary["fallbacks"] = list(self.fallbacks)
         if self.rank == 0:
             import json
 

@@ -1,13 +1,23 @@
 """The sharded DLRM on 2 gloo ranks trains like the unsharded model in 1 process, and a
-killed run resumed from its checkpoint ends where an uninterrupted one does."""
+killed run resumed from its checkpoint ends where an uninterrupted one does. A run that
+cannot go as configured (earlier checkpoints with resume=never, a checkpoint past
+trainer.steps, too little data) is refused before it trains, on every rank."""
 
 from __future__ import annotations
 
+import json
+import random
+import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from loka_train.data import DataConfig
+from loka_train.runtime import Callback
+from loka_train.runtime.checkpoint import CheckpointError
 from loka_train.runtime.trainer import Trainer
 from tests.dist._multiprocess import run_multiprocess
 from tests.dist._tiny import LossRecorder, dense_params, tiny_data, tiny_model, tiny_trainer
@@ -163,3 +173,230 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
             if isinstance(va, dict):
                 va, vb = torch.cat(va["__local_shards__"]), torch.cat(vb["__local_shards__"])
             torch.testing.assert_close(va, vb, atol=1e-6, rtol=0, msg=key)
+
+
+# ------------------------------------------------------------ runs refused before training
+def _finish_run(rank: int, world_size: int, out: str) -> None:
+    # With the callback _refused uses, so its checkpoint restores cleanly but for the guards.
+    Trainer(
+        model=tiny_model(), data=tiny_data(), trainer=tiny_trainer(Path(out), checkpoint_at_end=True),
+        callbacks=[LossRecorder()],
+    ).fit()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The out_dir of a finished 6-step run with its checkpoint (step 6)."""
+    out = tmp_path_factory.mktemp("finished")
+    run_multiprocess(_finish_run, world_size=1, args=(str(out),))
+    return out
+
+
+def _refused(out: Path, **overrides: Any) -> str:
+    """fit() of a tiny run must raise CheckpointError before any step; returns the message."""
+    recorder = LossRecorder()
+    trainer = Trainer(
+        model=tiny_model(), data=tiny_data(), trainer=tiny_trainer(out, **overrides),
+        callbacks=[recorder],
+    )
+    with pytest.raises(CheckpointError) as info:
+        trainer.fit()
+    assert recorder.losses == [], "the run trained before it was refused"
+    return str(info.value)
+
+
+def _rerun_fresh(rank: int, world_size: int, out: str) -> list[float]:
+    recorder = LossRecorder()
+    Trainer(
+        model=tiny_model(), data=tiny_data(),
+        trainer=tiny_trainer(Path(out), resume="never", checkpoint_at_end=True),
+        callbacks=[recorder],
+    ).fit()
+    return recorder.losses
+
+
+def test_resume_never_sets_an_earlier_runs_checkpoints_aside(finished_run: Path, tmp_path: Path) -> None:
+    """A fresh run in an out_dir with checkpoints trains from step 0, writes its own, and keeps
+    the earlier ones intact in checkpoints.before-<time> (neither mixed, pruned nor lost)."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    [losses] = run_multiprocess(_rerun_fresh, world_size=1, args=(str(out),), timeout=120)
+    assert len(losses) == 6  # all 6 steps trained, none resumed
+    [aside] = list(out.glob("checkpoints.before-*"))
+    assert sorted(p.name for p in aside.iterdir()) == before
+    assert (aside / "latest").read_text() == "step_00000006"
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000006"  # this run's own
+
+
+def _resume_past_steps(rank: int, world_size: int, out: str) -> str:
+    return _refused(Path(out), steps=3, resume="auto")
+
+
+def test_checkpoint_past_trainer_steps_is_refused(finished_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    [message] = run_multiprocess(_resume_past_steps, world_size=1, args=(str(out),), timeout=60)
+    assert "at step 6, past trainer.steps=3" in message
+    assert "trainer.resume=never" in message
+
+
+def _write_criteo(path: Path, num_lines: int, seed: int) -> None:
+    rng = random.Random(seed)
+    rows = [
+        "\t".join(
+            [str(rng.randint(0, 1))]
+            + [str(rng.randint(0, 9)) for _ in range(13)]
+            + [f"{rng.getrandbits(32):08x}" for _ in range(26)]
+        )
+        for _ in range(num_lines)
+    ]
+    path.write_text("\n".join(rows) + "\n")
+
+
+_SHORT_DATA_CASES = {
+    # name: (train lines, eval lines, trainer.steps, trainer.eval_batches), global batch 16
+    "train_short": (16 * 5, 16 * 2, 10, 1),
+    "eval_empty": (16 * 5, 8, 3, 1),
+    "eval_short": (16 * 5, 16 * 2, 3, 3),
+    "exactly_enough": (16 * 5 + 7, 16 * 2, 5, 2),
+}
+
+
+def _short_data(rank: int, world_size: int, out: str) -> dict[str, str]:
+    messages = {}
+    for name, (train_lines, eval_lines, steps, eval_batches) in _SHORT_DATA_CASES.items():
+        root = Path(out) / name
+        root.mkdir()
+        _write_criteo(root / "train.tsv", train_lines, seed=0)
+        _write_criteo(root / "eval.tsv", eval_lines, seed=1)
+        data = DataConfig(
+            kind="criteo_tsv", path=str(root / "train.tsv"), eval_path=str(root / "eval.tsv"),
+            num_embeddings=100,
+        )
+        recorder = LossRecorder()
+        trainer = Trainer(
+            model=tiny_model(), data=data,
+            trainer=tiny_trainer(root / "run", batch_size=16, steps=steps, eval_batches=eval_batches),
+            callbacks=[recorder],
+        )
+        if name == "exactly_enough":
+            trainer._preflight()  # the boundary passes (fitting would only add run time)
+            messages[name] = "accepted"
+            continue
+        with pytest.raises(ValueError) as info:
+            trainer.fit()
+        assert recorder.losses == [], f"{name}: the run trained before it was refused"
+        messages[name] = str(info.value)
+    return messages
+
+
+def test_too_little_data_is_refused_before_training(tmp_path: Path) -> None:
+    [messages] = run_multiprocess(_short_data, world_size=1, args=(str(tmp_path),), timeout=90)
+    train = messages["train_short"]
+    assert "trainer.steps=10" in train and "holds only 5" in train, train
+    assert f"data.path='{tmp_path / 'train_short' / 'train.tsv'}'" in train, train
+    empty = messages["eval_empty"]
+    assert "trainer.eval_batches=1" in empty and "holds only 0" in empty, empty
+    assert "data.eval_path=" in empty, empty
+    short = messages["eval_short"]
+    assert "trainer.eval_batches=3" in short and "holds only 2" in short, short
+    assert messages["exactly_enough"] == "accepted"
+
+
+# ----------------------------------------------------------------------- the run summary
+_PAUSE_S = 0.5
+"""Sleep added to each evaluation and checkpoint from step 3 on (inside the timed window)."""
+
+
+class _SlowEvalLateFallback(Callback):
+    def on_eval_end(self, trainer, step, metrics):  # type: ignore[no-untyped-def]
+        if step >= 3:
+            time.sleep(_PAUSE_S)
+
+    def on_train_end(self, trainer, summary):  # type: ignore[no-untyped-def]
+        trainer.fallbacks.append("late fallback recorded in on_train_end")
+
+
+def _timed_run(rank: int, world_size: int, out: str) -> tuple[dict[str, Any], list[dict]]:
+    trainer = Trainer(
+        model=tiny_model(), data=tiny_data(),
+        trainer=tiny_trainer(Path(out), steps=6, eval_every=1, checkpoint_every=1),
+        callbacks=[_SlowEvalLateFallback()],
+    )
+    save = trainer._checkpoints.save
+
+    def slow_save(step: int, *args: Any) -> Path:
+        path = save(step, *args)
+        if step >= 3:
+            time.sleep(_PAUSE_S)
+        return path
+
+    trainer._checkpoints.save = slow_save  # type: ignore[method-assign]
+    summary = trainer.fit()
+    logged = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return summary, logged
+
+
+@pytest.fixture(scope="module")
+def timed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict], Path]:
+    out = tmp_path_factory.mktemp("timed")
+    [(summary, logged)] = run_multiprocess(_timed_run, world_size=1, args=(str(out),))
+    return summary, logged, out
+
+
+def test_steps_per_s_excludes_eval_and_checkpoint_time(timed_run: tuple) -> None:
+    # The 3 timed steps (4..6) share the window with 4 evaluations and 4 checkpoints of
+    # >= 0.5 s each: counting them would give <= 3 / 4 s = 0.75 steps/s. A tiny CPU step
+    # takes well under 0.5 s, so training alone runs at > 2 steps/s.
+    summary, logged, _ = timed_run
+    last = [m["train/steps_per_s"] for m in logged if "train/steps_per_s" in m][-1]
+    assert summary["train/steps_per_s"] > 2.0, summary
+    assert last > 2.0, logged
+
+
+def test_fallbacks_from_on_train_end_reach_the_summary(timed_run: tuple) -> None:
+    summary, _, out = timed_run
+    assert "late fallback recorded in on_train_end" in summary["fallbacks"]
+    written = json.loads((out / "summary.json").read_text())
+    assert "late fallback recorded in on_train_end" in written["fallbacks"]
+
+
+# ----------------------------------------------- a resume that fails on one rank only
+class _FailsToLoad(Callback):
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.fail:
+            raise RuntimeError("disk gremlin on rank 1")
+
+
+def _resume_fails_on_rank_1(rank: int, world_size: int, out: str) -> str:
+    Trainer(
+        model=tiny_model(), data=tiny_data(),
+        trainer=tiny_trainer(Path(out), steps=2, checkpoint_at_end=True),
+        callbacks=[_FailsToLoad(False)],
+    ).fit()
+    resumed = Trainer(
+        model=tiny_model(), data=tiny_data(),
+        trainer=tiny_trainer(Path(out), steps=4, resume="auto"),
+        callbacks=[_FailsToLoad(rank == 1)],
+    )
+    with pytest.raises(CheckpointError) as info:
+        resumed.fit()
+    return str(info.value)
+
+
+def test_a_resume_failure_of_any_type_stops_every_rank(tmp_path: Path) -> None:
+    # A RuntimeError on rank 1 alone used to escape before the ranks agreed, leaving rank 0
+    # in the all-reduce; now every rank raises CheckpointError with rank 1's message.
+    messages = run_multiprocess(
+        _resume_fails_on_rank_1, world_size=2, args=(str(tmp_path),), timeout=90
+    )
+    for message in messages:
+        assert "RuntimeError: disk gremlin on rank 1" in message, messages
+    assert messages[0].startswith("rank 1 failed: cannot restore"), messages

@@ -85,3 +85,31 @@ def test_keeps_only_recent(tmp_path: Path) -> None:
     for step in range(1, 5):
         mgr.save(step, {"w": torch.ones(1) * step}, {})
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000003", "step_00000004"]
+
+
+def test_rerun_stopping_at_a_lower_step_keeps_what_it_saved(tmp_path: Path) -> None:
+    # An earlier run left steps 100..300; a later run in the same directory saves 50, 100, 150.
+    # Pruning by "highest step numbers" deleted each new checkpoint right after writing it and
+    # left `latest` dangling; only steps below the one just saved may go.
+    for step in (100, 200, 300):
+        _manager(tmp_path).save(step, {"w": torch.zeros(1)}, {})
+    rerun = _manager(tmp_path)
+    for step in (50, 100, 150):
+        saved = rerun.save(step, {"w": torch.full((1,), float(step))}, {})
+        assert saved.is_dir(), f"the checkpoint of step {step} was pruned right after its save"
+        assert rerun.latest() == saved
+    state, _ = rerun.load(saved)
+    assert torch.equal(state["w"], torch.full((1,), 150.0))
+    names = sorted(p.name for p in tmp_path.glob("step_*"))
+    # keep=2 of this run's steps below 150: step 100 stays, step 50 goes; higher steps are
+    # not pruned (the Trainer refuses such a mixed directory before training, resume=never).
+    assert names == ["step_00000100", "step_00000150", "step_00000200", "step_00000300"]
+
+
+def test_existing_lists_step_dirs_and_latest(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path / "none")
+    assert mgr.existing() == []
+    mgr = _manager(tmp_path)
+    mgr.save(7, {"w": torch.ones(1)}, {})
+    (tmp_path / ".tmp_step_00000008_abcd").mkdir()  # a crashed save is no checkpoint
+    assert [p.name for p in mgr.existing()] == ["latest", "step_00000007"]
