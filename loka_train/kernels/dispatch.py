@@ -72,7 +72,8 @@ class DispatchConfig:
     """
 
     enabled: bool = True
-    """Re-plan at Probe intervals. Off: every site keeps its initial plan."""
+    """Re-plan at Probe intervals. Off: every site keeps its initial plan (on resume, a
+    checkpointed plan other than that or high precision is reset to it, see ``load_state_dict``)."""
 
     objective: str = "speed"
     """"speed": FP8 only where it is safe AND faster than high precision by `margin`;
@@ -618,13 +619,32 @@ class Dispatcher:
             "measure_failures": dict(self.measure_failures),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int = 0) -> list[PlanChange]:
+        """Restore :meth:`state_dict` into a dispatcher whose sites are registered.
+
+        Restored plans are checked against the current config (a run may resume with another
+        ``loka.dispatch``): a GEMM whose plan the config does not allow is reset, to the site's
+        initial plan when dispatch is disabled, else to high precision (role not in
+        ``fp8_roles``, scaling not in ``scalings``, backend not among this device's backends,
+        formats not the configured ones, or a plan the site cannot run). Each reset is a
+        :class:`PlanChange` at ``step`` (logged, counted, in the history). The site's initial
+        plan and high precision are always allowed: an uninterrupted run starts from the first
+        and every fallback goes to the second, so a resume with the same config changes nothing.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+            step: the step the resets are recorded at (the checkpoint's step).
+
+        Returns:
+            The resets (apply them to the sites like :meth:`replan`'s changes).
+        """
         missing = set(state["plans"]) ^ set(self.plans)
         if missing:
             raise ValueError(
                 f"dispatch state has different sites than the model ({sorted(missing)[:5]}); "
                 "the model or mods config changed since the checkpoint"
             )
+        initial = dict(self.plans)
         self.plans = {s: LinearPlan.from_dict(p) for s, p in state["plans"].items()}
         self.shapes = {s: {r: tuple(v) for r, v in d.items()} for s, d in state["shapes"].items()}  # type: ignore[misc]
         self._pending = {tuple(k.split("|")): (v[0], int(v[1])) for k, v in state["pending"].items()}  # type: ignore[misc]
@@ -633,6 +653,76 @@ class Dispatcher:
         self.history = [PlanChange(**c) for c in state["history"]]
         self.num_changes = int(state["num_changes"])
         self.measure_failures = dict(state.get("measure_failures", {}))
+        resets: list[PlanChange] = []
+        for site in sorted(self.plans):
+            resets += self._reset_disallowed(site, initial[site], step)
+        for c in resets:
+            logger.warning("dispatch: %s", c)
+        self.history.extend(resets)
+        self.num_changes += len(resets)
+        return resets
+
+    def _reset_disallowed(self, site: str, initial: LinearPlan, step: int) -> list[PlanChange]:
+        """Reset the GEMMs of ``site`` whose restored plan the config does not allow."""
+        restored = self._roles(self.plans[site])
+        # Start from the plans that are always allowed, then add the others one by one, so the
+        # site's whole-plan check of one role never sees another role's disallowed plan.
+        kept = {
+            r: p if (not p.is_fp8 or p == getattr(initial, r)) else GemmPlan()
+            for r, p in restored.items()
+        }
+        changes = []
+        for role in ROLES:
+            plan = restored[role]
+            if kept[role] == plan:
+                continue
+            target, why = self._disallowed(site, role, plan, kept, getattr(initial, role))
+            if not why:
+                kept[role] = plan
+                continue
+            kept[role] = target
+            reason = f"restored from a checkpoint but not allowed by the current config: {why}"
+            changes.append(PlanChange(step, site, role, str(plan), str(target), reason))
+            self._reasons[(site, role)] = reason
+            self._pending.pop((site, role), None)
+        self.plans[site] = LinearPlan(**kept)
+        return changes
+
+    def _disallowed(
+        self, site: str, role: str, plan: GemmPlan, others: dict[str, GemmPlan], initial: GemmPlan
+    ) -> tuple[GemmPlan, str]:
+        """(reset target, why) for an FP8 ``plan`` that is not the site's initial one; ``why``
+        is empty when the config allows it."""
+        cfg = self.config
+        if not cfg.enabled:
+            return initial, "dispatch.enabled=false keeps every site on its initial plan"
+        if role not in cfg.fp8_roles:
+            return GemmPlan(), f"{role} is not in dispatch.fp8_roles={list(cfg.fp8_roles)}"
+        if plan.scaling.value not in cfg.scalings:
+            return GemmPlan(), (
+                f"{plan.scaling.value} scaling is not in dispatch.scalings={list(cfg.scalings)}"
+            )
+        on_cpu = self.device.type == "cpu"
+        backends = cfg.cpu_backends if on_cpu else cfg.backends
+        if plan.backend not in backends:
+            name = "cpu_backends" if on_cpu else "backends"
+            return GemmPlan(), (
+                f"backend {plan.backend!r} is not in dispatch.{name}={list(backends)} "
+                f"(device {self.device.type})"
+            )
+        fmts = f"dispatch.fmt_forward={cfg.fmt_forward}, fmt_backward={cfg.fmt_backward}"
+        try:
+            expected = _plan_for(cfg, role, plan.scaling.value, plan.backend)
+        except ValueError as exc:
+            return GemmPlan(), f"the configured formats ({fmts}) do not fit it: {exc}"
+        if plan != expected:
+            return GemmPlan(), f"dispatch chooses {expected} there ({fmts}), not {plan}"
+        site_ok = self._site_supports.get(site)
+        if site_ok is not None:
+            ok, why = site_ok(LinearPlan(**{**others, role: plan}))
+            if not ok:
+                return GemmPlan(), f"the site cannot run it: {why}"
+        return GemmPlan(), ""
 
 
 __all__ = ["DispatchConfig", "Dispatcher", "GpuCostModel", "PlanChange"]

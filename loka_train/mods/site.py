@@ -7,8 +7,9 @@ grad-weight. Every site is an :class:`nn.Module` deriving from :class:`Site` and
   ``DistributedModelParallel`` do not change it; :func:`loka_train.mods.sites` finds it);
 * ``plan``: a :class:`~loka_train.kernels.plan.LinearPlan`, one ``GemmPlan`` per role, that
   Dispatch replaces between steps with :meth:`Site.set_plan` (validated, nothing reallocated);
-* ``observer``: an optional :class:`~loka_train.probe.Probe`. When set and
-  ``observer.should_sample(observer.step, site_name)`` holds, the site reports its GEMM
+* ``observer``: an optional :class:`~loka_train.probe.Probe`. When set, the forward is a
+  training one (module in training mode, autograd on: evaluation forwards never take window
+  slots) and ``observer.should_sample(observer.step, site_name)`` holds, the site reports its GEMM
   operands as ``observer.observe(site_name, role, a, b)`` for all three roles, the gradient
   roles from a hook on the output's gradient, in the Probe's operand convention:
   ``forward (x_MK, w_NK)``, ``grad_input (dy_MN, w_NK)``, ``grad_weight (dy_MN, x_MK)``.
@@ -363,6 +364,22 @@ class Site(nn.Module):
         if mkn != self._mkn:
             self._mkn = mkn
 
+    def _should_observe(self) -> bool:
+        """Whether this forward reports to the observer: only training forwards do.
+
+        Evaluation runs between steps (``Trainer.evaluate`` puts the model in eval mode under
+        ``no_grad`` after step ``s``, while the Probe's step is still ``s``); its batches must
+        not take the window slots of a sampled training step. Both checks are plain attribute
+        and grad-mode reads, which dynamo guards on like any module flag, so an eval-mode or
+        no-grad forward skips the eager ``_sampling`` call (and its graph break) entirely.
+        """
+        return (
+            self.observer is not None
+            and self.training
+            and torch.is_grad_enabled()
+            and self._sampling()
+        )
+
     # The Probe's bookkeeping (step counters, window slots) is host state that changes every
     # step: under torch.compile it runs eagerly (a graph break) so that dynamo neither guards
     # on it (a recompile per step) nor traces the statistics into the model's graph.
@@ -416,7 +433,7 @@ class GemmSite(Site):
         n, k = weight.shape
         self._set_mkn((x.numel() // k if k else 0, k, n))
         y = planned_linear(x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple)
-        if self.observer is not None and self._sampling():
+        if self._should_observe():
             self._observe(x.detach().reshape(-1, k), weight.detach(), y, None)
         return y
 
@@ -567,7 +584,7 @@ class Fp8Linear(GemmSite, nn.Linear):
             y = layernorm_linear(
                 x, norm.weight, norm.bias, weight, bias, plan, activation=activation, eps=norm.eps
             )
-        if self.observer is not None and self._sampling():
+        if self._should_observe():
             with torch.no_grad():
                 h_MK = F.layer_norm(x.detach(), (k,), norm.weight, norm.bias, norm.eps).reshape(-1, k)
                 z_MN = F.linear(h_MK, weight.detach(), None if bias is None else bias.detach())
@@ -695,7 +712,7 @@ class BmmSite(Site):
         b, m, k = a_BMK.shape
         self._set_mkn((b * m, k, bt_BKN.shape[-1]))
         y = planned_bmm(a_BMK, bt_BKN, self.plan)
-        if self.observer is not None and self._sampling():
+        if self._should_observe():
             self._observe(a_BMK, bt_BKN, y)
         return y
 

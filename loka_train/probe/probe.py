@@ -112,6 +112,8 @@ _ROLE_AXES = {"forward": (1, 1), "grad_input": (1, 0), "grad_weight": (0, 0)}
 _B_IS_WEIGHT = {"forward": True, "grad_input": True, "grad_weight": False}
 _OPERANDS = ("a", "b")
 _STATE_VERSION = 1
+_RESUME_FIX = "resume with the same loka config, or set trainer.resume=never"
+"""How to fix a checkpointed Probe state that does not fit this run (load_state_dict errors)."""
 
 
 @dataclass(frozen=True)
@@ -519,7 +521,8 @@ class Probe:
 
         Registers the site if needed. On sampled steps the forward hook records the forward
         GEMM and puts a hook on the output's gradient that records both backward GEMMs (at the
-        step of the forward). On other steps the hook costs one host-side check.
+        step of the forward). On other steps, and for forwards that do not train (module in
+        eval mode or autograd off, as in evaluation), the hook costs one host-side check.
 
         Returns:
             The forward hook's handle (``.remove()`` detaches the probe).
@@ -536,7 +539,14 @@ class Probe:
 
         def forward_hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             step = self._step
-            if not args or not self.should_sample(step, site):
+            # Evaluation forwards (eval mode or no autograd) run between steps with the
+            # Probe's step unchanged; they must not take the slots of a sampled step.
+            if (
+                not args
+                or not mod.training
+                or not torch.is_grad_enabled()
+                or not self.should_sample(step, site)
+            ):
                 return
             x = args[0]
             w = mod.weight
@@ -1143,18 +1153,30 @@ class Probe:
         """Restore :meth:`state_dict`. A probe with no sites registers the saved ones;
         otherwise the registered sites (names and order), window and candidates must match."""
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"probe state version {state.get('version')} != {_STATE_VERSION}")
+            raise ValueError(
+                f"probe state version {state.get('version')} != {_STATE_VERSION}: the checkpoint "
+                f"comes from another loka_train version; {_RESUME_FIX}"
+            )
         if state["window"] != self.config.window:
-            raise ValueError(f"probe state has window {state['window']} but config.window={self.config.window}")
+            raise ValueError(
+                f"probe state has window {state['window']} but loka.probe.window="
+                f"{self.config.window}; {_RESUME_FIX}"
+            )
         mine = [(c.fmt.value, c.scaling.value) for c in self.candidates]
         if [tuple(c) for c in state["candidates"]] != mine:
-            raise ValueError(f"probe state candidates {state['candidates']} != configured {mine}")
+            raise ValueError(
+                f"probe state candidates {state['candidates']} != configured {mine} "
+                f"(loka.probe.formats / loka.probe.scalings); {_RESUME_FIX}"
+            )
         names = [s["name"] for s in state["sites"]]
         if not self._sites:
             for s in state["sites"]:
                 self.register_site(s["name"], weight_shape=s["weight_shape"], sqnr_budget_db=s["sqnr_budget_db"])
         elif names != self._sites:
-            raise ValueError(f"probe state sites {names} != registered sites {self._sites}")
+            raise ValueError(
+                f"probe state sites {names} != registered sites {self._sites} (the model or "
+                f"loka.mods changed); {_RESUME_FIX}"
+            )
         self._step = int(state["step"])
         self._local_sum = state["local_sum"].to(self.device, torch.float64).clone()
         self._local_max = state["local_max"].to(self.device, torch.float64).clone()

@@ -105,7 +105,9 @@ class LokaCallback(Callback):
             )
         if self._pending_state is not None:
             self.probe.load_state_dict(self._pending_state["probe"])
-            self.dispatcher.load_state_dict(self._pending_state["dispatch"])
+            # Plans the current dispatch config does not allow are reset (logged, counted in
+            # the history); every site then takes the restored plan.
+            self.dispatcher.load_state_dict(self._pending_state["dispatch"], step=self.probe.step)
             for name, site in self.sites.items():
                 site.set_plan(self.dispatcher.plans[name])
             self._pending_state = None
@@ -140,8 +142,15 @@ class LokaCallback(Callback):
             for event in self.comm_policy.maybe_update(step):
                 logger.info("LoKA comm: %s", event)
             metrics.update(self.comm_policy.metrics())
-        if not self.probe.should_reduce(step):
-            return
+        if self.probe.should_reduce(step):
+            self._interval(trainer, step, metrics)
+        # Independent of the Probe interval: a report every `report_every` steps.
+        if self.config.report_every and (step + 1) % self.config.report_every == 0:
+            self.write_report(trainer)
+
+    def _interval(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        """Reduce the window, re-plan, apply the changes, log the interval's metrics."""
+        assert self.probe is not None and self.dispatcher is not None
         with torch.profiler.record_function("loka/interval"):
             for name, site in self.sites.items():
                 self.dispatcher.update_shapes(name, site.gemm_shapes())
@@ -157,8 +166,6 @@ class LokaCallback(Callback):
         metrics["loka/fp8_coverage"] = coverage
         metrics["loka/plan_changes"] = float(self.dispatcher.num_changes)
         trainer.progress_postfix["fp8"] = f"{coverage:.0%}"
-        if self.config.report_every and (step + 1) % self.config.report_every == 0:
-            self.write_report(trainer)
 
     def _apply(self, changes: list[PlanChange]) -> None:
         assert self.dispatcher is not None

@@ -70,4 +70,11 @@ class LokaConfig:
     """Model-quality guard."""
 
     report_every: int = 0
-    """Steps between on-demand reports (0: only at the end of training)."""
+    """Steps between on-demand reports, independent of the Probe interval (0: only at the end
+    of training)."""
+
+    def __post_init__(self) -> None:
+        if self.report_every < 0:
+            raise ValueError(
+                f"loka.report_every={self.report_every} must be >= 0 (0: report only at the end)"
+            )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loka_train.kernels.dispatch import DispatchConfig, Dispatcher, GpuCostModel
+from loka_train.kernels.dispatch import ROLES, DispatchConfig, Dispatcher, GpuCostModel
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.probe import Probe, ProbeConfig
@@ -282,3 +282,90 @@ def test_grad_weight_candidates_are_checked_with_its_fp32_output() -> None:
     assert plan.forward.is_fp8 and plan.grad_input.is_fp8
     assert not plan.grad_weight.is_fp8
     assert "bf16 only" in d.unsupported["no_fp32_out/rowwise"]
+
+
+# ------------------------------------------------------------- restoring under another config
+
+_TENSORWISE = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated")
+
+
+def _saved_fp8_state() -> dict:
+    """The state of a run that planned every GEMM of site "s" in tensor-wise FP8."""
+    d = Dispatcher(DispatchConfig(scalings=("tensorwise",)), device="cpu")
+    d.register("s", plan=LinearPlan.high_precision(), shapes={"forward": (M, K, N)})
+    d.plans["s"] = _TENSORWISE
+    d.num_changes = 3
+    return d.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("config", "reset_roles", "why"),
+    [
+        (DispatchConfig(enabled=False), ROLES, "enabled=false"),
+        (DispatchConfig(scalings=("tensorwise",), fp8_roles=("forward",)), ("grad_input", "grad_weight"), "fp8_roles"),
+        (DispatchConfig(scalings=("rowwise",)), ROLES, "dispatch.scalings"),
+        (DispatchConfig(scalings=("tensorwise",), cpu_backends=("triton",)), ROLES, "cpu_backends"),
+        (DispatchConfig(scalings=("tensorwise",), fmt_backward="e4m3"), ("grad_input", "grad_weight"), "fmt_backward"),
+        (DispatchConfig(scalings=("tensorwise",)), (), ""),
+    ],
+    ids=["disabled", "fp8_roles", "scalings", "backends", "formats", "same_config"],
+)
+def test_restored_plans_the_config_does_not_allow_are_reset(
+    config: DispatchConfig, reset_roles: tuple[str, ...], why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = Dispatcher(config, device="cpu")
+    d.register("s", plan=LinearPlan.high_precision(), shapes={"forward": (M, K, N)})
+    with caplog.at_level("WARNING", logger="loka_train.kernels.dispatch"):
+        resets = d.load_state_dict(_saved_fp8_state(), step=41)
+    assert [(c.step, c.site, c.role) for c in resets] == [(41, "s", r) for r in reset_roles]
+    for role in ROLES:
+        plan = getattr(d.plans["s"], role)
+        assert plan == (GemmPlan() if role in reset_roles else getattr(_TENSORWISE, role)), role
+    assert all(why in c.reason and c.new == "high" for c in resets)
+    # Logged once each, counted, in the history and in the plan table's "why".
+    assert len([r for r in caplog.records if "checkpoint" in r.getMessage()]) == len(reset_roles)
+    assert d.history == resets and d.num_changes == 3 + len(reset_roles)
+    if reset_roles:
+        assert why in d.table()
+    # Dispatch off: nothing moves the sites back to FP8 afterwards.
+    d.replan(step=43, verdicts=_AllSafe())
+    if not config.enabled:
+        assert d.fp8_coverage() == 0.0
+
+
+def test_disabled_dispatch_restores_the_initial_plan_and_keeps_high_precision() -> None:
+    """Off keeps every site on its initial plan; a GEMM the run had moved to high precision
+    (e.g. by the quality guard) stays there, since high precision is always allowed."""
+    initial = LinearPlan.fp8(backend="emulated")  # row-wise
+    saved = Dispatcher(DispatchConfig(scalings=("tensorwise", "rowwise")), device="cpu")
+    saved.register("s", plan=initial)
+    saved.plans["s"] = LinearPlan(
+        forward=_TENSORWISE.forward, grad_input=GemmPlan(), grad_weight=initial.grad_weight
+    )
+    d = Dispatcher(DispatchConfig(enabled=False), device="cpu")
+    d.register("s", plan=initial)
+    resets = d.load_state_dict(saved.state_dict())
+    assert [(c.role, c.new) for c in resets] == [("forward", str(initial.forward))]
+    assert d.plans["s"] == LinearPlan(
+        forward=initial.forward, grad_input=GemmPlan(), grad_weight=initial.grad_weight
+    )
+
+
+def test_restored_plan_the_site_cannot_run_is_reset() -> None:
+    def emulated_only(plan: LinearPlan) -> tuple[bool, str]:
+        for role in ROLES:
+            gp = getattr(plan, role)
+            if gp.is_fp8 and gp.backend != "emulated":
+                return False, f"{role}: no batched FP8 GEMM on {gp.backend}"
+        return True, ""
+
+    cfg = DispatchConfig(scalings=("tensorwise",), backends=("triton", "emulated"))
+    triton = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
+    saved = Dispatcher(cfg, device="cuda")
+    saved.register("s", plan=LinearPlan.high_precision())
+    saved.plans["s"] = LinearPlan(forward=triton.forward, grad_input=_TENSORWISE.grad_input)
+    d = Dispatcher(cfg, device="cuda")  # nothing here touches the device
+    d.register("s", plan=LinearPlan.high_precision(), supports=emulated_only)
+    resets = d.load_state_dict(saved.state_dict())
+    assert [c.role for c in resets] == ["forward"] and "site cannot run it" in resets[0].reason
+    assert d.plans["s"] == LinearPlan(grad_input=_TENSORWISE.grad_input)

@@ -45,6 +45,7 @@ from loka_train.mods import (
     ModsConfig,
     planned_linear,
 )
+from loka_train.probe import Probe, ProbeConfig
 
 FP8 = LinearPlan.fp8(backend="emulated")
 HIGH = LinearPlan.high_precision()
@@ -610,3 +611,79 @@ def test_compiled_sites_with_a_probe_do_not_recompile_per_step() -> None:
             got, want = compiled.window_stats(site, role), eager.window_stats(site, role)
             assert got["valid"].any()
             torch.testing.assert_close(got["sqnr_db"], want["sqnr_db"], rtol=1e-4, atol=1e-3)
+
+
+# ------------------------------------------------------------------ evaluation and the Probe
+
+
+class _ObservedNet(nn.Module):
+    """The three observed paths of a site: fused LayerNorm-Linear, plain Linear, bmm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.a = Fp8Linear.from_linear(nn.Linear(16, 16), plan=FP8)
+        self.b = Fp8Linear.from_linear(nn.Linear(16, 8))
+        self.inter = BmmSite(plan=FP8)
+
+    def forward(self, x_BMK: torch.Tensor) -> torch.Tensor:
+        h = self.b(self.a.forward_layernorm(x_BMK, self.norm))
+        return self.inter(h, h.transpose(1, 2))
+
+
+def _observed_net() -> tuple[_ObservedNet, Probe]:
+    torch.manual_seed(0)
+    net = _ObservedNet()
+    probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, window=16, interval=50))
+    for name in ("a", "b", "inter"):
+        site = getattr(net, name)
+        site.site_name = name
+        probe.register_site(name, **site.probe_spec())
+        site.attach_observer(probe)
+    return net, probe
+
+
+def _window(probe: Probe) -> tuple[list, list]:
+    """(num_obs, slot_steps) of the Probe's window, per site and role."""
+    state = probe.state_dict()
+    return state["num_obs"], state["slot_steps"]
+
+
+@pytest.mark.parametrize("mode", ["eval_no_grad", "eval", "no_grad"])
+def test_evaluation_forwards_do_not_take_probe_slots(mode: str) -> None:
+    """Trainer.evaluate runs after step s while the Probe's step is still s (a sampled step):
+    its forwards (eval mode under no_grad, or either alone) leave the window untouched."""
+    net, probe = _observed_net()
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
+    probe.begin_step(99)
+    net(x).sum().backward()
+    after_train = _window(probe)
+    assert after_train[0] == [[1, 1, 1]] * 3  # every site observed all three roles
+    if mode != "no_grad":
+        net.eval()
+    with torch.set_grad_enabled(mode == "eval"):
+        for _ in range(5):
+            net(x)
+    assert _window(probe) == after_train
+    # Training forwards at the same step are still observed.
+    net.train()
+    net(x).sum().backward()
+    assert _window(probe)[0] == [[2, 2, 2]] * 3
+
+
+def test_compiled_evaluation_does_not_take_probe_slots() -> None:
+    import torch._dynamo
+
+    net, probe = _observed_net()
+    net.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
+    probe.begin_step(99)
+    net(x).sum().backward()
+    after_train = _window(probe)
+    assert after_train[0] == [[1, 1, 1]] * 3
+    net.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            net(x)
+    assert _window(probe) == after_train

@@ -131,6 +131,28 @@ def test_attach_records_all_three_gemms_on_sampled_steps_only() -> None:
     assert probe.report()["sites"]["lin"]["num_observations"]["forward"] == 2
 
 
+@pytest.mark.parametrize("mode", ["eval_no_grad", "eval", "no_grad"])
+def test_attach_ignores_evaluation_forwards(mode: str) -> None:
+    """Evaluation runs after a sampled step s with the Probe's step still s: its forwards
+    (eval mode, no autograd, or both as in Trainer.evaluate) take no window slot."""
+    probe = Probe(_cfg(window=16))
+    lin = torch.nn.Linear(K, N)
+    probe.attach(lin, "lin")
+    x_MK = torch.randn(M, K, generator=torch.Generator().manual_seed(0))
+    probe.begin_step(9)
+    lin(x_MK).sum().backward()
+    before = probe.state_dict()
+    assert before["num_obs"] == [[1, 1, 1]]
+    if mode != "no_grad":
+        lin.eval()
+    with torch.set_grad_enabled(mode == "eval"):
+        for _ in range(4):
+            lin(x_MK)
+    after = probe.state_dict()
+    assert after["num_obs"] == before["num_obs"]
+    assert after["slot_steps"] == before["slot_steps"]
+
+
 def _run(probe: Probe, steps: range, seed: int = 0) -> list[dict]:
     """Feed identical data per step whatever the probe; return verdict snapshots."""
     w_NK = torch.randn(N, K, generator=torch.Generator().manual_seed(99)) / 8
@@ -186,14 +208,17 @@ def test_load_state_dict_rejects_mismatches() -> None:
     probe = Probe(_cfg())
     probe.register_site("a")
     state = probe.state_dict()
-    with pytest.raises(ValueError, match="window"):
+    fix = r"resume with the same loka config, or set trainer\.resume=never"
+    with pytest.raises(ValueError, match=f"window.*{fix}"):
         Probe(_cfg(window=8)).load_state_dict(state)
-    with pytest.raises(ValueError, match="candidates"):
+    with pytest.raises(ValueError, match=f"candidates.*{fix}"):
         Probe(_cfg(scalings=("rowwise",))).load_state_dict(state)
     other = Probe(_cfg())
     other.register_site("b")
-    with pytest.raises(ValueError, match="sites"):
+    with pytest.raises(ValueError, match=f"sites.*{fix}"):
         other.load_state_dict(state)
+    with pytest.raises(ValueError, match=f"version.*{fix}"):
+        Probe(_cfg()).load_state_dict({**state, "version": 0})
 
 
 def test_report_is_json_and_plot_writes_png(tmp_path: Path) -> None:
