@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,16 @@ class MetricsLogger:
         out_dir: directory of `metrics.jsonl` and `tb/`; None disables writing (other ranks).
         tensorboard: also write TensorBoard events; if the package is missing this is
             logged once as a warning and counted in `fallbacks`.
+        fresh: a run that starts from step 0 (``trainer.resume=never``): an existing
+            `metrics.jsonl` of an earlier run is moved to `metrics.before-<time>.jsonl` (logged)
+            instead of being appended to. Otherwise a resumed run appends.
 
     Example:
         >>> m = MetricsLogger("runs/x", tensorboard=False)
         >>> m.log(10, {"train/loss": 0.45})
     """
 
-    def __init__(self, out_dir: str | Path | None, *, tensorboard: bool) -> None:
+    def __init__(self, out_dir: str | Path | None, *, tensorboard: bool, fresh: bool = False) -> None:
         self.fallbacks: list[str] = []
         self._file = None
         self._tb: Any = None
@@ -33,7 +37,12 @@ class MetricsLogger:
             return
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self._file = (out / "metrics.jsonl").open("a")
+        path = out / "metrics.jsonl"
+        if fresh and path.exists() and path.stat().st_size > 0:
+            aside = out / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+            path.rename(aside)
+            logger.warning("metrics: a fresh run; the earlier run's %s moved to %s", path, aside)
+        self._file = path.open("a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

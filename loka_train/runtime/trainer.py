@@ -164,7 +164,9 @@ class Trainer:
             keep=trainer.keep_checkpoints,
         )
         self.metrics = MetricsLogger(
-            self.out_dir if self.rank == 0 else None, tensorboard=trainer.tensorboard
+            self.out_dir if self.rank == 0 else None,
+            tensorboard=trainer.tensorboard,
+            fresh=trainer.resume == "never",
         )
         self.fallbacks.extend(self.metrics.fallbacks)
 

@@ -113,3 +113,23 @@ def test_existing_lists_step_dirs_and_latest(tmp_path: Path) -> None:
     mgr.save(7, {"w": torch.ones(1)}, {})
     (tmp_path / ".tmp_step_00000008_abcd").mkdir()  # a crashed save is no checkpoint
     assert [p.name for p in mgr.existing()] == ["latest", "step_00000007"]
+
+
+def test_fresh_metrics_log_sets_the_earlier_runs_lines_aside(tmp_path) -> None:
+    import json
+
+    from loka_train.runtime.metrics import MetricsLogger
+
+    first = MetricsLogger(tmp_path, tensorboard=False)
+    first.log(1, {"train/loss": 0.5})
+    first.close()
+    resumed = MetricsLogger(tmp_path, tensorboard=False)  # a resumed run appends
+    resumed.log(2, {"train/loss": 0.4})
+    resumed.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [1, 2]
+    fresh = MetricsLogger(tmp_path, tensorboard=False, fresh=True)
+    fresh.log(1, {"train/loss": 0.7})
+    fresh.close()
+    assert [json.loads(line)["train/loss"] for line in (tmp_path / "metrics.jsonl").open()] == [0.7]
+    [aside] = list(tmp_path.glob("metrics.before-*.jsonl"))
+    assert [json.loads(line)["step"] for line in aside.open()] == [1, 2]
