@@ -150,6 +150,10 @@ class CommStats:
             c: {} for c in _CHANNELS
         }
         """Encoder calls per channel and precision actually used."""
+        self.eval_bytes: dict[CommChannel, int] = dict.fromkeys(_CHANNELS, 0)
+        """Bytes per channel moved by evaluation forwards (kept out of the training counters)."""
+        self.evaluating = False
+        """True while an evaluation runs: `record` counts into `eval_bytes` only."""
         self.fallbacks: list[FallbackEvent] = []
         """Every fallback, in order."""
         self.switches: list[SwitchEvent] = []
@@ -158,6 +162,9 @@ class CommStats:
     def record(self, channel: CommChannel, precision: CommPrecision, num_bytes: int) -> None:
         """Count one encoded payload of `num_bytes` on `channel`."""
         with self._lock:
+            if self.evaluating:
+                self.eval_bytes[channel] += num_bytes
+                return
             self.step_bytes[channel] += num_bytes
             self.step_calls[channel] += 1
             self.total_bytes[channel] += num_bytes
@@ -171,6 +178,7 @@ class CommStats:
         with self._lock:
             return {
                 "total_bytes": {c.value: n for c, n in self.total_bytes.items()},
+                "eval_bytes": {c.value: n for c, n in self.eval_bytes.items()},
                 "bytes_by_precision": {
                     c.value: {p.value: n for p, n in d.items()} for c, d in self.bytes_by_precision.items()
                 },
@@ -191,6 +199,8 @@ class CommStats:
         with self._lock:
             for name, n in state["total_bytes"].items():
                 self.total_bytes[CommChannel(name)] = int(n)
+            for name, n in (state["eval_bytes"] if "eval_bytes" in state else {}).items():
+                self.eval_bytes[CommChannel(name)] = int(n)
             for key, target in (
                 ("bytes_by_precision", self.bytes_by_precision),
                 ("calls_by_precision", self.calls_by_precision),
@@ -278,6 +288,7 @@ class CommState:
         self.step = -1
         self.sampling = False
         """True during a step whose tensors are measured (set by `begin_step`)."""
+        self._sampling_before_eval = False
         self.sqnr_sums = torch.zeros(
             len(_CHANNELS), 3, len(_PRECISIONS), dtype=torch.float64, device=device
         )
@@ -401,6 +412,18 @@ class CommState:
         every = self.config.sample_every
         self.sampling = every > 0 and step % every == 0
 
+    def begin_eval(self) -> None:
+        """An evaluation starts: its collectives are counted apart (`CommStats.eval_bytes`)
+        and not measured, so the step's bytes and the policy's SQNR describe training only."""
+        self._sampling_before_eval = self.sampling
+        self.sampling = False
+        self.stats.evaluating = True
+
+    def end_eval(self) -> None:
+        """The evaluation ended: training counters and sampling resume."""
+        self.stats.evaluating = False
+        self.sampling = self._sampling_before_eval
+
     def end_step(self) -> dict[str, float]:
         """Close the step; returns its metrics (bytes and calls per channel, fallbacks)."""
         step_bytes, step_calls = self.stats.take_step()
@@ -515,6 +538,7 @@ class CommState:
                     "precision": self.precision(c).name,
                     "policy_ladder": [p.name for p in self.ladder(c)],
                     "total_bytes": stats.total_bytes[c],
+                    "eval_bytes": stats.eval_bytes[c],
                     "bytes_by_precision": {
                         p.name: n for p, n in stats.bytes_by_precision[c].items()
                     },

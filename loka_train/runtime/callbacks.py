@@ -57,6 +57,9 @@ class Callback:
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         """Step `step` finished; `metrics` holds what was logged at this step (maybe empty)."""
 
+    def on_eval_start(self, trainer: Trainer, step: int) -> None:
+        """An evaluation after step `step` is about to run (its forwards are not training)."""
+
     def on_eval_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         """An evaluation after step `step` finished with `metrics` (eval/ne, eval/auc, ...)."""
 

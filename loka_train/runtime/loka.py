@@ -183,7 +183,13 @@ class LokaCallback(Callback):
         }
 
     # --------------------------------------------------------------------- quality guard
+    def on_eval_start(self, trainer: Trainer, step: int) -> None:
+        if self.comm_state is not None:
+            self.comm_state.begin_eval()
+
     def on_eval_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        if self.comm_state is not None:
+            self.comm_state.end_eval()
         assert self.dispatcher is not None
         if self._cooldown > 0:
             self._cooldown -= 1

@@ -400,3 +400,33 @@ def test_a_resume_failure_of_any_type_stops_every_rank(tmp_path: Path) -> None:
     for message in messages:
         assert "RuntimeError: disk gremlin on rank 1" in message, messages
     assert messages[0].startswith("rank 1 failed: cannot restore"), messages
+
+
+class _EvalOrder(Callback):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_step_end(self, trainer, step, metrics):  # type: ignore[no-untyped-def]
+        self.events.append(f"step_end {step}")
+
+    def on_eval_start(self, trainer, step):  # type: ignore[no-untyped-def]
+        self.events.append(f"eval_start {step} grad={torch.is_grad_enabled()}")
+
+    def on_eval_end(self, trainer, step, metrics):  # type: ignore[no-untyped-def]
+        self.events.append(f"eval_end {step}")
+
+
+def _eval_order(rank: int, world_size: int, out: str) -> list[str]:
+    recorder = _EvalOrder()
+    Trainer(
+        model=tiny_model(), data=tiny_data(), trainer=tiny_trainer(Path(out), steps=4, eval_every=2),
+        callbacks=[recorder],
+    ).fit()
+    return recorder.events
+
+
+def test_every_evaluation_is_bracketed_by_eval_start_and_eval_end(tmp_path: Path) -> None:
+    """Callbacks (LoKA counts eval collectives apart) see on_eval_start before each eval."""
+    [events] = run_multiprocess(_eval_order, world_size=1, args=(str(tmp_path),), timeout=120)
+    evals = [e for e in events if e.startswith("eval")]
+    assert evals == ["eval_start 2 grad=True", "eval_end 2", "eval_start 4 grad=True", "eval_end 4"]

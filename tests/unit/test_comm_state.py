@@ -59,3 +59,20 @@ def test_precision_only_checkpoints_still_load() -> None:
     resumed = CommState(cfg, backend="gloo")
     resumed.load_state_dict(saved)
     assert resumed.precision(CommChannel.A2A_FWD) is CommPrecision.FP16
+
+
+def test_evaluation_collectives_are_counted_apart_and_not_measured() -> None:
+    cfg = CommConfig(adaptive_channels=(CommChannel.A2A_FWD,), sample_every=1)
+    state = CommState(cfg, backend="gloo")
+    state.begin_step(0)  # a sampled step
+    state.stats.record(CommChannel.A2A_FWD, CommPrecision.FP32, 1000)
+    state.begin_eval()
+    assert not state.sampling
+    state.stats.record(CommChannel.A2A_FWD, CommPrecision.FP32, 500)
+    state.end_eval()
+    assert state.sampling  # the rest of the training step is still sampled
+    metrics = state.end_step()
+    assert metrics["comm/a2a_fwd/bytes"] == 1000.0
+    assert metrics["comm/a2a_fwd/calls"] == 1.0
+    channel = state.report()["channels"]["a2a_fwd"]
+    assert (channel["total_bytes"], channel["eval_bytes"]) == (1000, 500)
