@@ -116,8 +116,16 @@ class LokaCallback(Callback):
 
             self.compressors = install_dense_grad_hook(trainer.model, self.comm_state)
             if self._pending_comp is not None:
-                for comp, st in zip(self.compressors, self._pending_comp):
-                    comp.load_state_dict(st)
+                if len(self._pending_comp) == len(self.compressors):
+                    for comp, st in zip(self.compressors, self._pending_comp):
+                        comp.load_state_dict(st)
+                elif self._pending_comp:
+                    logger.warning(
+                        "LoKA comm: the checkpoint holds %d dense-gradient hook state(s), this run "
+                        "has %d DDP module(s); their error-feedback residuals are dropped (up to "
+                        "one step of rounding error is not fed back)",
+                        len(self._pending_comp), len(self.compressors),
+                    )
                 self._pending_comp = None
         trainer.progress_postfix["fp8"] = f"{self.dispatcher.fp8_coverage():.0%}"
         logger.info(
