@@ -67,8 +67,18 @@ _TL_FP8 = {Fp8Format.E4M3: tl.float8e4nv, Fp8Format.E5M2: tl.float8e5}
 
 
 def triton_runnable(device: torch.device | str) -> tuple[bool, str]:
-    """Whether these kernels can run on ``device``, and why not."""
+    """Whether these kernels can run on ``device``, and why not (checked once per device: it
+    is asked for every operand on the hot path)."""
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if torch.compiler.is_compiling():  # dynamo does not trace through functools caches
+        return _triton_runnable.__wrapped__(dev)
+    return _triton_runnable(dev)
+
+
+@functools.cache
+def _triton_runnable(dev: torch.device) -> tuple[bool, str]:
     if dev.type == "cpu":
         if INTERPRETED:
             return True, ""
