@@ -48,7 +48,7 @@ from torch import Tensor
 
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
-from loka_train.kernels.registry import GemmProblem, get_backend
+from loka_train.kernels.registry import GemmProblem, get_backend, registered_backends
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,15 @@ class Dispatcher:
         device: torch.device | str,
         out_dtype: torch.dtype = torch.float32,
     ) -> None:
+        # A misspelled backend would only ever be "unsupported": FP8 quietly never chosen.
+        known = set(registered_backends())
+        for key in ("backends", "cpu_backends"):
+            unknown = [b for b in getattr(config, key) if b not in known]
+            if unknown:
+                raise ValueError(
+                    f"dispatch.{key} names unknown GEMM backends {unknown}; registered: "
+                    f"{sorted(known)}"
+                )
         self.config = config
         self.device = torch.device(device)
         self.out_dtype = out_dtype
@@ -262,6 +271,20 @@ class Dispatcher:
                 "dispatch.timing=measure needs a CUDA device; use timing=auto or cost_model on CPU"
             )
         return self.config.timing
+
+    @property
+    def timing_source(self) -> str:
+        """Where this dispatcher's GEMM times come from: timing mode, device and output dtype.
+        Cached timings are only reused (e.g. from a checkpoint) by a dispatcher of the same
+        source."""
+        mode = self.timing_mode
+        if mode == "measure":
+            on_gpu = self.device.type == "cuda" and torch.cuda.is_available()
+            where = torch.cuda.get_device_name(self.device) if on_gpu else self.device.type
+        else:
+            model = self.cost_model
+            where = f"cost model {model.bf16_flops:g}/{model.fp8_flops:g} flops, {model.bandwidth:g} B/s"
+        return f"{mode}: {where}, out {str(self.out_dtype).removeprefix('torch.')}"
 
     def register(
         self,
@@ -474,23 +497,35 @@ class Dispatcher:
         if shape is None:
             return current, "shape not seen yet", False
 
-        def verdict_of(plan: GemmPlan) -> Any:
-            return verdicts.get((site, role, plan.fmt, plan.scaling))
+        def verdict_of(plan: GemmPlan) -> tuple[Any, str]:
+            """(the Probe's verdict for exactly this plan's operand formats, or None; why not)."""
+            v = verdicts.get((site, role, plan.fmt, plan.scaling))
+            if v is None:
+                return None, "no verdict"
+            fmt_b = getattr(v, "fmt_b", plan.operand_b_fmt)
+            if fmt_b is not plan.operand_b_fmt:
+                # The SQNR was measured with another operand-b format: it says nothing of this
+                # plan (align probe.backward_fmt_b with dispatch.fmt_forward).
+                return None, (
+                    f"no verdict for operand b in {plan.operand_b_fmt.value} (the Probe measured "
+                    f"{fmt_b.value}: align loka.probe.backward_fmt_b and loka.dispatch.fmt_forward)"
+                )
+            return v, ""
 
         current_unsafe = False
         unsafe_reason = ""
         if current.is_fp8:
-            v = verdict_of(current)
+            v, why_none = verdict_of(current)
             if v is None or not v.safe:
                 current_unsafe = True
-                unsafe_reason = v.reason if v is not None else "no verdict for the current plan"
+                unsafe_reason = v.reason if v is not None else f"{why_none} for the current plan"
 
         safe: list[tuple[float, int, GemmPlan, Any]] = []
         rejected = []
         for i, plan in enumerate(self._candidates(site, role, shape)):
-            v = verdict_of(plan)
+            v, why_none = verdict_of(plan)
             if v is None or not v.safe:
-                rejected.append(f"{plan.scaling.value}: {v.reason if v is not None else 'no verdict'}")
+                rejected.append(f"{plan.scaling.value}: {v.reason if v is not None else why_none}")
                 continue
             t = self._estimate(role, shape, plan)
             if not math.isfinite(t):
@@ -613,6 +648,7 @@ class Dispatcher:
             "shapes": {s: {r: list(v) for r, v in d.items()} for s, d in self.shapes.items()},
             "pending": {f"{s}|{r}": list(v) for (s, r), v in self._pending.items()},
             "timings": dict(self._timings),
+            "timing_source": self.timing_source,
             "reasons": {f"{s}|{r}": v for (s, r), v in self._reasons.items()},
             "history": [asdict(c) for c in self.history],
             "num_changes": self.num_changes,
@@ -648,7 +684,18 @@ class Dispatcher:
         self.plans = {s: LinearPlan.from_dict(p) for s, p in state["plans"].items()}
         self.shapes = {s: {r: tuple(v) for r, v in d.items()} for s, d in state["shapes"].items()}  # type: ignore[misc]
         self._pending = {tuple(k.split("|")): (v[0], int(v[1])) for k, v in state["pending"].items()}  # type: ignore[misc]
-        self._timings = dict(state["timings"])
+        saved_source = state["timing_source"] if "timing_source" in state else None
+        if saved_source == self.timing_source:
+            self._timings = dict(state["timings"])
+        else:
+            # Times of another GPU, dtype or of the cost model would pass for this machine's.
+            self._timings = {}
+            if state["timings"]:
+                logger.info(
+                    "dispatch: the checkpoint's %d GEMM timings come from %s, this run times on "
+                    "%s: they are measured again", len(state["timings"]), saved_source or "an older "
+                    "version", self.timing_source,
+                )
         self._reasons = {tuple(k.split("|")): v for k, v in state["reasons"].items()}  # type: ignore[misc]
         self.history = [PlanChange(**c) for c in state["history"]]
         self.num_changes = int(state["num_changes"])

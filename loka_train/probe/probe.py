@@ -734,7 +734,7 @@ class Probe:
         self.num_reduces += 1
         self._check_alignment(obs_max, obs_min)
         self._count_nonfinite_events()
-        self._update_verdicts()
+        self._update_verdicts([[int(n) for n in row] for row in obs_max.tolist()])
         return self.verdicts()
 
     def _check_alignment(self, obs_max: Tensor, obs_min: Tensor) -> None:
@@ -824,7 +824,11 @@ class Probe:
 
     # ------------------------------------------------------------------ verdicts
 
-    def _update_verdicts(self) -> None:
+    def _update_verdicts(self, num_obs_reduced: list[list[int]]) -> None:
+        """Verdicts from the reduced windows. ``num_obs_reduced``: observations per (site,
+        role), the MAX over ranks: whether an interval brought new data is decided from it,
+        not from this rank's own count, so a rank that sampled nothing in an interval (an empty
+        operand) still advances every hysteresis streak in step with the others."""
         cfg = self.config
         assert self._global_sum is not None and self._global_max is not None
         relax = 10.0 ** (-cfg.margin_db / 10.0)
@@ -851,8 +855,8 @@ class Probe:
         for s, site in enumerate(self._sites):
             for r, role in enumerate(ROLES):
                 num_samples = int(num_samples_all[s][r])
-                new_data = self._num_obs[s][r] != self._num_obs_at_last_reduce[s][r]
-                self._num_obs_at_last_reduce[s][r] = self._num_obs[s][r]
+                new_data = num_obs_reduced[s][r] != self._num_obs_at_last_reduce[s][r]
+                self._num_obs_at_last_reduce[s][r] = num_obs_reduced[s][r]
                 budget = self._budgets[site][role]
                 outlier = {o: outlier_all[o][s][r] for o in _OPERANDS}
                 spread = {o: spread_all[o][s][r] for o in _OPERANDS}

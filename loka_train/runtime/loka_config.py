@@ -74,6 +74,28 @@ class LokaConfig:
     of training)."""
 
     def __post_init__(self) -> None:
+        # Dispatch may only pick formats the Probe measures, with the same operand-b format in
+        # the backward GEMMs, or its "safe" would rest on another GEMM's SQNR.
+        measured = {f.value for f in self.probe.formats}
+        for key, fmt in (("fmt_forward", self.dispatch.fmt_forward), ("fmt_backward", self.dispatch.fmt_backward)):
+            if fmt not in measured:
+                raise ValueError(
+                    f"loka.dispatch.{key}={fmt!r} is not among loka.probe.formats "
+                    f"{sorted(measured)}: add it there, or choose one of those"
+                )
+        fmt_b = self.probe.backward_fmt_b
+        if fmt_b is None and self.dispatch.fmt_backward != self.dispatch.fmt_forward:
+            raise ValueError(
+                "loka.probe.backward_fmt_b=null measures the backward GEMMs with operand b in "
+                f"dY's format, but Dispatch runs it in loka.dispatch.fmt_forward="
+                f"{self.dispatch.fmt_forward!r}: set backward_fmt_b to that format"
+            )
+        if fmt_b is not None and fmt_b.value != self.dispatch.fmt_forward:
+            raise ValueError(
+                f"loka.probe.backward_fmt_b={fmt_b.value!r} but loka.dispatch.fmt_forward="
+                f"{self.dispatch.fmt_forward!r}: backward GEMMs keep operand b in fmt_forward, so "
+                "the Probe must measure them that way; set both to the same format"
+            )
         if self.report_every < 0:
             raise ValueError(
                 f"loka.report_every={self.report_every} must be >= 0 (0: report only at the end)"

@@ -137,3 +137,32 @@ def test_identical_verdicts_on_all_ranks_with_different_data() -> None:
     }
     assert not second[("site", "tensorwise", "e4m3")]["safe"]
     assert "non-finite" not in second[("site", "tensorwise", "e4m3")]["reason"]
+
+
+def _empty_batch_body(rank: int, world_size: int) -> list[tuple[int, bool, str]]:
+    """Rank 1 gets an empty batch at steps 2-3 (nothing recorded in that interval)."""
+    torch.set_num_threads(1)
+    probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, interval=2, window=8, min_samples=1,
+                              hysteresis_intervals=2, formats=("e4m3",), scalings=("rowwise",)))
+    probe.register_site("s", weight_shape=(16, 32))
+    gen = torch.Generator().manual_seed(0)
+    w_NK = torch.randn(16, 32, generator=gen)
+    out = []
+    for step in range(6):
+        probe.begin_step(step)
+        x_MK = torch.randn(64, 32, generator=gen)
+        if rank == 1 and step in (2, 3):
+            x_MK = x_MK[:0]
+        probe.observe("s", "forward", x_MK, w_NK)
+        if probe.should_reduce(step):
+            v = probe.reduce()[("s", "forward", probe.candidates[0].fmt, probe.candidates[0].scaling)]
+            out.append((step, v.safe, v.reason.split(":")[0]))
+    return out
+
+
+def test_a_rank_without_data_in_an_interval_reaches_the_same_verdicts() -> None:
+    """Whether an interval brought new data (hysteresis) is decided from the reduced counts:
+    a rank that recorded nothing must not fall a streak behind the others."""
+    per_rank = run_multiprocess(_empty_batch_body, world_size=2)
+    assert per_rank[0] == per_rank[1], per_rank
+    assert [safe for _, safe, _ in per_rank[0]] == [False, True, True]

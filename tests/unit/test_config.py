@@ -59,6 +59,10 @@ def test_misspelled_key_is_an_error(override: str) -> None:
         ("trainer.dense_dtype=fp16", "trainer.dense_dtype"),
         ("model.kind=transformer", "model.kind"),
         ("model.embedding_dim=32", "dense_arch_layer_sizes"),
+        # Dispatch may only rely on verdicts measured with its own operand formats.
+        ("loka.dispatch.fmt_forward=e5m2", "loka.probe.backward_fmt_b='e4m3'"),
+        ("loka.probe.formats=[E4M3]", "loka.dispatch.fmt_backward='e5m2' is not among"),
+        ("loka.probe.backward_fmt_b=null", "backward_fmt_b=null"),
     ],
 )
 def test_bad_value_names_the_field(override: str, message: str) -> None:

@@ -369,3 +369,59 @@ def test_restored_plan_the_site_cannot_run_is_reset() -> None:
     resets = d.load_state_dict(saved.state_dict())
     assert [c.role for c in resets] == ["forward"] and "site cannot run it" in resets[0].reason
     assert d.plans["s"] == LinearPlan(grad_input=_TENSORWISE.grad_input)
+
+
+@pytest.mark.parametrize("backward_fmt_b", ["e4m3", None], ids=["fmt_b_e4m3", "fmt_b_own"])
+def test_a_verdict_measured_with_another_operand_b_format_is_not_used(backward_fmt_b) -> None:
+    """grad_input plans run dY (e5m2) x W (dispatch.fmt_forward). A verdict whose SQNR was
+    measured with W in another format says nothing about that GEMM: Dispatch must not take it."""
+    probe = Probe(ProbeConfig(every_k_steps=1, interval=2, window=4, min_samples=1, hysteresis_intervals=1,
+                              formats=("e4m3", "e5m2"), scalings=("rowwise",), backward_fmt_b=backward_fmt_b))
+    probe.register_site("a", weight_shape=(N, K))
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=gen)
+    for step in range(2):
+        probe.begin_step(step)
+        probe.observe("a", "grad_input", torch.randn(M, N, generator=gen), w)
+    verdicts = probe.reduce()
+    d = Dispatcher(
+        DispatchConfig(objective="coverage", scalings=("rowwise",), backends=("emulated",),
+                       hysteresis_intervals=1, fp8_roles=("grad_input",), fmt_forward="e5m2",
+                       fmt_backward="e5m2"),
+        device="cpu",
+    )
+    d.register("a", plan=LinearPlan.high_precision(), shapes={"grad_input": (M, N, K)})
+    d.replan(step=1, verdicts=verdicts)
+    if backward_fmt_b == "e4m3":  # measured e5m2 x e4m3; the plan would run e5m2 x e5m2
+        assert not d.plans["a"].grad_input.is_fp8
+        assert "operand b in e5m2 (the Probe measured e4m3" in d.table()
+    else:  # measured e5m2 x e5m2: exactly the plan's GEMM
+        assert d.plans["a"].grad_input.is_fp8
+
+
+def test_misspelled_backend_names_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"dispatch.backends names unknown GEMM backends \['trition'\]"):
+        Dispatcher(DispatchConfig(backends=("trition",)), device="cpu")
+    with pytest.raises(ValueError, match=r"dispatch.cpu_backends .*\['emulatd'\]"):
+        Dispatcher(DispatchConfig(cpu_backends=("emulatd",)), device="cpu")
+
+
+def test_timings_of_another_source_are_not_reused() -> None:
+    """A checkpoint's GEMM times are kept only where they were taken the same way (timing
+    mode, device, output dtype): another GPU's or the cost model's would pass for this one's."""
+    def fresh(out_dtype: torch.dtype) -> Dispatcher:
+        d = Dispatcher(DispatchConfig(objective="coverage", backends=("emulated",)), device="cpu",
+                       out_dtype=out_dtype)
+        d.register("a", plan=LinearPlan.high_precision(), shapes={"forward": (M, K, N)})
+        return d
+
+    first = fresh(torch.float32)
+    first._estimate("forward", (M, K, N), None)
+    state = first.state_dict()
+    assert state["timings"]
+    same = fresh(torch.float32)
+    same.load_state_dict(state)
+    assert same.state_dict()["timings"] == state["timings"]
+    other = fresh(torch.bfloat16)
+    other.load_state_dict(state)
+    assert other.state_dict()["timings"] == {}
