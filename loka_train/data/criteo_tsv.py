@@ -2,7 +2,9 @@
 
 Each line is `label \\t I1 .. I13 \\t C1 .. C26`: a 0/1 label, integer counts (empty or
 negative -> 0, then log1p, as the model input) and hexadecimal category ids (empty -> an
-empty bag; id = int(hex, 16) % rows of the feature's table).
+empty bag; id = int(hex, 16) % rows of the feature's table). Parsing is strict, so that no
+two spellings of a value can map to the same id unnoticed: a count is `-?[0-9]+` or empty, a
+category `[0-9a-fA-F]+` or empty; anything else (signs '+', '0x', spaces, '_') is an error.
 
 The files of a directory (*.tsv, sorted by name) form one stream of lines. Step s uses
 lines [s*W*B, (s+1)*W*B) (W ranks, per-rank batch B) and rank r parses its B-line slice, so
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -31,6 +35,8 @@ from loka_train.data.config import DataConfig
 logger = logging.getLogger(__name__)
 
 _BLOCK_BYTES = 1 << 20
+
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 _Line = tuple[int, int, bytes]
 """(file index, 0-based line number in that file, line content without the line break)."""
@@ -61,6 +67,38 @@ def resolve_tsv_files(raw: str | None, key: str) -> list[Path]:
             )
         return files
     return [path]
+
+
+def _check_disjoint(train_files: list[Path], eval_files: list[Path]) -> None:
+    """Refuse an eval split that shares a file with the train split (evaluating on training data).
+
+    Files are compared by identity (device and inode), so another spelling of the same path,
+    a symlink or a hard link is caught too; shared files are named by their real path (a hard
+    link as `eval file = train file`).
+
+    Raises:
+        ValueError: naming data.path, data.eval_path and the shared files.
+    """
+
+    def identity(path: Path) -> tuple[int, int]:
+        st = path.stat()
+        return st.st_dev, st.st_ino
+
+    train_real = {identity(p): os.path.realpath(p) for p in train_files}
+    found: set[str] = set()
+    for path in eval_files:
+        same = train_real.get(identity(path))
+        if same is not None:
+            eval_real = os.path.realpath(path)
+            found.add(same if eval_real == same else f"{eval_real} = {same}")
+    shared = sorted(found)
+    if shared:
+        more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+        raise ValueError(
+            f"data.eval_path and data.path share {len(shared)} file(s) ({', '.join(shared[:3])}"
+            f"{more}): the eval split must not overlap the training data; point "
+            "data.eval_path at a held-out .tsv file or directory"
+        )
 
 
 def _show(field: bytes) -> str:
@@ -166,6 +204,7 @@ class CriteoTsvDataset:
 
     Raises:
         FileNotFoundError: when the split's path (named by its config key) does not exist.
+        ValueError: for the eval split, when data.eval_path shares a file with data.path.
 
     Example:
         >>> cfg = DataConfig(kind="criteo_tsv", path="train.tsv", num_embeddings=1_000_000)
@@ -181,6 +220,8 @@ class CriteoTsvDataset:
             raise ValueError(f"split={split!r} must be 'train' or 'eval'")
         self.key = "data.path" if split == "train" else "data.eval_path"
         self.files = resolve_tsv_files(cfg.path if split == "train" else cfg.eval_path, self.key)
+        if split == "eval":
+            _check_disjoint(resolve_tsv_files(cfg.path, "data.path"), self.files)
         self.cfg = cfg
         self.split = split
         self.rank = rank
@@ -247,6 +288,30 @@ class CriteoTsvDataset:
     def _where(self, line: _Line) -> str:
         return f"{self.files[line[0]]}:{line[1] + 1}"
 
+    def _dense_value(self, line: _Line, j: int, text: bytes) -> int:
+        """Dense field I{j+1}: empty or negative -> 0, else its value; strictly `-?[0-9]+`."""
+        if not text:
+            return 0
+        if text.isdigit():
+            return int(text)
+        if text[:1] == b"-" and text[1:].isdigit():
+            return 0
+        raise ValueError(
+            f"{self._where(line)}: dense field I{j + 1} = {_show(text)} is not an integer: "
+            "expected an optional '-' then the digits 0-9 only (no sign '+', spaces, '_' or "
+            "decimal point), or an empty field"
+        )
+
+    def _raise_bad_category(self, line: _Line, cat_fields: list[bytes]) -> NoReturn:
+        for f, text in enumerate(cat_fields):
+            if text.translate(None, _HEX_DIGITS):
+                raise ValueError(
+                    f"{self._where(line)}: categorical field C{f + 1} = {_show(text)} is not "
+                    "hexadecimal: expected the characters 0-9a-fA-F only (no sign, '0x' prefix, "
+                    "spaces or '_'), or an empty field"
+                )
+        raise AssertionError(f"{self._where(line)}: no bad categorical field found")
+
     def _parse(self, lines: list[_Line]) -> Batch:
         D, F = self.num_dense, len(self.feature_names)
         rows = self.num_embeddings_per_feature
@@ -266,29 +331,23 @@ class CriteoTsvDataset:
             if fields[0] not in (b"0", b"1"):
                 raise ValueError(f"{self._where(line)}: label {_show(fields[0])} is not 0 or 1")
             labels.append(fields[0] == b"1")
-            row: list[int] = []
-            for j in range(D):
-                text = fields[1 + j]
-                try:
-                    row.append(max(int(text), 0) if text else 0)
-                except ValueError:
-                    raise ValueError(
-                        f"{self._where(line)}: dense field I{j + 1} = {_show(text)} is not an integer"
-                    ) from None
-            dense.append(row)
-            for f in range(F):
-                text = fields[1 + D + f]
-                if not text:
-                    lengths_F[f].append(0)
-                    continue
-                try:
+            dense_fields = fields[1 : 1 + D]
+            # Fast path: only digits and empty fields (join is "" when all are empty, and
+            # isdigit() is then False). Anything else is checked field by field.
+            if b"".join(dense_fields).isdigit():
+                dense.append([int(text) if text else 0 for text in dense_fields])
+            else:
+                dense.append([self._dense_value(line, j, t) for j, t in enumerate(dense_fields)])
+            cat_fields = fields[1 + D :]
+            # One check per line: what is left after deleting hex digits must be nothing.
+            if b"".join(cat_fields).translate(None, _HEX_DIGITS):
+                self._raise_bad_category(line, cat_fields)
+            for f, text in enumerate(cat_fields):
+                if text:
                     ids_F[f].append(int(text, 16) % rows[f])
-                except ValueError:
-                    raise ValueError(
-                        f"{self._where(line)}: categorical field C{f + 1} = {_show(text)} is not "
-                        "hexadecimal"
-                    ) from None
-                lengths_F[f].append(1)
+                    lengths_F[f].append(1)
+                else:
+                    lengths_F[f].append(0)
         dense_BD = torch.log1p(torch.tensor(dense, dtype=torch.float64).reshape(-1, D)).float()
         kjt = KeyedJaggedTensor(
             keys=self.feature_names,

@@ -20,7 +20,8 @@ def make_dataset(
 
     Raises:
         ValueError: on a bad split/rank/world_size/batch_size, a chunk_size that does not divide
-            the batch (synthetic), or an eval split without data.eval_path (criteo_tsv).
+            the batch (synthetic), or an eval split without data.eval_path or whose files
+            overlap data.path (criteo_tsv).
         FileNotFoundError: when the criteo_tsv path of the split does not exist.
 
     Example:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,74 @@ def test_malformed_line_reports_file_and_line(tmp_path: Path, bad_fields, messag
         ds.batch(1)
     with pytest.raises(ValueError, match="bad.tsv:5"):
         list(ds.batches())
+
+
+def _overlapping_eval_paths(tmp_path: Path) -> list[tuple[str, Path]]:
+    """(what, eval_path) pairs that each reach train/part_0.tsv by another route."""
+    train_file = tmp_path / "train" / "part_0.tsv"
+    (tmp_path / "link.tsv").symlink_to(train_file)
+    (tmp_path / "mixed").mkdir()
+    _write_fixture(tmp_path / "mixed", sizes=(40,), seed=2)  # mixed/part_0.tsv is held out
+    (tmp_path / "mixed" / "part_1.tsv").hardlink_to(train_file)
+    return [
+        ("the same file", train_file),
+        ("another spelling", tmp_path / "train" / ".." / "train" / "part_0.tsv"),
+        ("the train directory", tmp_path / "train"),
+        ("a symlink", tmp_path / "link.tsv"),
+        ("a directory with a hard link among held-out files", tmp_path / "mixed"),
+    ]
+
+
+def test_eval_path_overlapping_data_path_is_refused(tmp_path: Path) -> None:
+    _write_fixture(tmp_path / "train", sizes=(40, 40))
+    for what, eval_path in _overlapping_eval_paths(tmp_path):
+        for path in (tmp_path / "train", tmp_path / "train" / "part_0.tsv"):
+            cfg = _cfg(path, eval_path=eval_path)
+            _ds(cfg)  # the train split alone is fine
+            with pytest.raises(ValueError, match="data.eval_path and data.path share") as info:
+                _ds(cfg, split="eval")
+            assert str((tmp_path / "train" / "part_0.tsv").resolve()) in str(info.value), what
+    # Held-out files next to the train data are accepted.
+    _write_fixture(tmp_path / "held_out", sizes=(40,), seed=3)
+    _ds(_cfg(tmp_path / "train", eval_path=tmp_path / "held_out"), split="eval").batch(0)
+
+
+@pytest.mark.parametrize(
+    ("column", "text", "message"),
+    [
+        *[
+            (3, t, f"dense field I3 = '{re.escape(t)}' is not an integer: expected an optional '-'")
+            for t in (" 5", "5 ", "+7", "1_000", "-", "--1", "1-2", "0x10", "\u0663")
+        ],
+        *[
+            (15, t, f"categorical field C2 = '{re.escape(t)}' is not hexadecimal: expected the "
+             "characters 0-9a-fA-F only")
+            for t in ("-1f", "+1f", "0x1f", "0X1F", "1_f", " 1f", "1f ", "1g", "\u0663")
+        ],
+    ],
+)
+def test_lenient_spellings_are_refused(tmp_path: Path, column: int, text: str, message: str) -> None:
+    """int() would accept most of these, several as the same value/id as a plain spelling."""
+    rng = random.Random(4)
+    lines = [_random_line(rng) for _ in range(4)]
+    fields = lines[2].split("\t")
+    fields[column] = text
+    lines[2] = "\t".join(fields)
+    path = tmp_path / "lenient.tsv"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    ds = _ds(_cfg(path), batch_size=4)
+    with pytest.raises(ValueError, match=f"lenient.tsv:3: {message}"):
+        ds.batch(0)
+
+
+def test_strict_parsing_keeps_the_valid_spellings(tmp_path: Path) -> None:
+    dense = ["-0", "0007", "-12", "", "0", *(["1"] * (NUM_DENSE - 5))]
+    cats = ["AbC", "00ff", "FFFFFFFFFFFFFFFFFFFF", *([""] * (NUM_SPARSE - 3))]
+    (tmp_path / "ok.tsv").write_text("\t".join(["1", *dense, *cats]) + "\n")
+    batch = _ds(_cfg(tmp_path / "ok.tsv"), batch_size=1).batch(0)
+    want = [0.0, math.log1p(7), 0.0, 0.0, 0.0, *([math.log1p(1)] * (NUM_DENSE - 5))]
+    torch.testing.assert_close(batch.dense_features[0], torch.tensor(want))
+    d = batch.sparse_features.to_dict()
+    assert [d[f"cat_{f}"].values().tolist() for f in range(3)] == [
+        [0xABC % ROWS], [0xFF % ROWS], [0xFFFFFFFFFFFFFFFFFFFF % ROWS]
+    ]
