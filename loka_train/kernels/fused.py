@@ -178,7 +178,7 @@ class _LnLinearActFn(torch.autograd.Function):
                         dz_MN.t(), h_MK.t(), gw, out_dtype=torch.float32, role="grad_weight"
                     ).to(w_dt)
                 else:
-                    grad_w = h_MK.t().mm(dz_MN).t().to(w_dt)
+                    grad_w = dz_MN.t().mm(h_MK).to(w_dt)  # autograd's order (see linear.py)
             if need[4] and b_dt is not None:
                 grad_b = dz_MN.sum(0).to(b_dt)
 

@@ -282,8 +282,10 @@ class _PlannedLinearFn(torch.autograd.Function):
                         a_q=dy_q_t, b_q=x_q_t,
                     ).to(w_dtype)
                 else:
-                    # Same op order as autograd's addmm/mm backward, so HIGH matches F.linear.
-                    grad_w = xc.reshape(-1, xc.shape[-1]).t().mm(dy_MN).t().to(w_dtype)
+                    # The GEMM autograd's linear backward runs (mm_mat2_backward with a
+                    # contiguous W: dY^T @ X), so HIGH matches F.linear bit for bit, also on
+                    # CUDA where (X^T dY)^T picks another cuBLAS kernel (1.7e-4 apart in bf16).
+                    grad_w = dy_MN.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
             if need_b and ctx.has_bias:
                 grad_b = dy_MN.sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None

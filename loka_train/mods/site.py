@@ -137,8 +137,26 @@ def _backends_accept(plan: LinearPlan, m: int, k: int, n: int, device_type: str,
     return True
 
 
-@functools.lru_cache(maxsize=4096)
 def _padding(
+    plan: LinearPlan, m: int, k: int, n: int, multiple: int, device_type: str, cdtype: torch.dtype,
+    n_only: bool,
+) -> tuple[int, int, int] | None:
+    """Cached :func:`_padding_uncached`, keyed also by the backend objects (not only their
+    names), so a backend registered anew under the same name is asked again."""
+    backends = tuple(get_backend(gp.backend) for gp in _gemm_plans(plan).values() if gp.is_fp8)
+    return _padding_cached(plan, backends, m, k, n, multiple, device_type, cdtype, n_only)
+
+
+@functools.lru_cache(maxsize=4096)
+def _padding_cached(
+    plan: LinearPlan, backends: tuple[object, ...], m: int, k: int, n: int, multiple: int,
+    device_type: str, cdtype: torch.dtype, n_only: bool,
+) -> tuple[int, int, int] | None:
+    del backends  # part of the cache key only
+    return _padding_uncached(plan, m, k, n, multiple, device_type, cdtype, n_only)
+
+
+def _padding_uncached(
     plan: LinearPlan, m: int, k: int, n: int, multiple: int, device_type: str, cdtype: torch.dtype,
     n_only: bool,
 ) -> tuple[int, int, int] | None:
@@ -555,9 +573,10 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
-        if not _any_fp8(plan):
-            # No FP8 GEMM: the original composition, op for op (bit-identical also under bf16
-            # autocast, where the fused op's LayerNorm/bias rounding would differ).
+        if not plan.forward.is_fp8:
+            # No FP8 forward GEMM: the original composition, op for op, so the forward output
+            # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
+            # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site.
             return _act(self(norm(x)), activation)
         m = x.numel() // k if k else 0
         n = self.out_features

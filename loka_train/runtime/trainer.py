@@ -271,7 +271,13 @@ class Trainer:
                     f"trainer.compile_dense: {name} holds a sharded module; only dense "
                     f"submodules ({', '.join(_DENSE_SUBMODULES)}) can be compiled"
                 )
-            module.compile(backend=self.cfg.compile_backend)
+            if self.cfg.compile_backend == "inductor":
+                # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
+                # and skip the rounding: compiled FP8 codes would differ from the eager ones the
+                # Probe measured and the backends are tested against (40 dB apart on an H100).
+                module.compile(backend="inductor", options={"emulate_precision_casts": True})
+            else:
+                module.compile(backend=self.cfg.compile_backend)
             self.compiled_modules.append(name)
         # Each FP8 site graph-breaks around the Probe's eager bookkeeping, so dynamo keeps one
         # cache entry per site instance (and input dtype) for the site's code: allow that many.

@@ -245,3 +245,52 @@ def test_fused_block_matches_unfused_on_gpu(activation, backend):
     ref = F.relu if activation == "relu" else F.silu
     z = ref(F.linear(F.layer_norm(params[0], (k,), params[1], params[2]), params[3], params[4]))
     assert float(sqnr_db(z, hp[0])) > 60
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(2048, 13, 512), (1024, 256, 512), (8192, 512, 256)])
+def test_high_plan_is_f_linear_bit_for_bit_under_autocast(m, k, n):
+    """All-high fp8_linear under bf16 autocast runs exactly autograd's GEMMs (the grad-weight
+    GEMM as dY^T @ X, not (X^T dY)^T, which cuBLAS computes with another kernel)."""
+    x = _gauss(m, k)
+    w = _gauss(n, k, seed=1)
+    b = _gauss(n, seed=2)
+    g = _gauss(m, n, seed=3, dtype=torch.bfloat16)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(*leaves)
+        y.backward(g)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    ref = run(F.linear)
+    got = run(lambda x, w, b: fp8_linear(x, w, b, LinearPlan.high_precision()))
+    for name, r, o in zip(["y", "dx", "dw", "db"], ref, got):
+        assert torch.equal(r, o), name
+
+
+@pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE], ids=lambda s: s.value)
+def test_inductor_keeps_the_eager_fp8_codes(scaling):
+    """Compiled as the Trainer compiles (inductor, emulate_precision_casts), the reference
+    quantizer rounds x to bf16 before dividing, as eager does: same FP8 codes, same results.
+    fp32 inputs under bf16 autocast are the case inductor would otherwise fuse away."""
+    _require_fp8()
+    plan = LinearPlan.fp8(scaling=scaling, backend="torch_scaled_mm")
+    x = _gauss(1024, 512)
+    w = _gauss(256, 512, seed=1)
+    b = _gauss(256, seed=2)
+    g = _gauss(1024, 256, seed=3, dtype=torch.bfloat16)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(*leaves)
+        y.backward(g)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    torch._dynamo.reset()
+    fn = lambda x, w, b: fp8_linear(x, w, b, plan)  # noqa: E731
+    eager = run(fn)
+    got = run(torch.compile(fn, backend="inductor", options={"emulate_precision_casts": True}))
+    for name, r, o in zip(["y", "dx", "dw", "db"], eager, got):
+        assert float(sqnr_db(r.float(), o.float())) > 100, name

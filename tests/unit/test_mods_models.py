@@ -227,6 +227,19 @@ def test_high_precision_is_identical_under_bf16_autocast(kind: str, originals: d
         assert torch.equal(got[key], value), key
 
 
+def test_horizontal_fusion_under_bf16_autocast_stays_close(originals: dict) -> None:
+    """The documented exception (ModsConfig.horizontal_fusion): under bf16 autocast the fused
+    Wukong projection sums X's gradient in one fp32 GEMM instead of adding three bf16 results,
+    so gradients differ at bf16 rounding level: bounded here, and not claimed identical."""
+    original, _ = originals["wukong"]
+    model, _ = convert_copy(original)  # horizontal fusion on (the default)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, got = run_step(original), run_step(model)
+    worst = min(float(sqnr_db(value.float(), got[key].float())) for key, value in ref.items())
+    assert worst > 35.0, worst
+    assert not all(torch.equal(got[k], v) for k, v in ref.items())
+
+
 def _site_params(site: Site, model: nn.Module) -> list[str]:
     """Names of the parameters whose gradient the site's grad-weight GEMM produces."""
     if isinstance(site, Fp8Linear):

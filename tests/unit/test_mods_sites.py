@@ -687,3 +687,50 @@ def test_compiled_evaluation_does_not_take_probe_slots() -> None:
         for _ in range(3):
             net(x)
     assert _window(probe) == after_train
+
+
+def test_site_padding_follows_a_re_registered_backend() -> None:
+    """The site's padding decision is cached; a backend replaced under the same name that now
+    needs padded dims must get them (the cache is keyed by the backend object)."""
+    from loka_train.kernels.backends import EmulatedBackend
+    from loka_train.kernels.registry import register_backend
+
+    class AcceptsAll(EmulatedBackend):
+        name = "pad_test_backend"
+
+    class NeedsSixteen(EmulatedBackend):
+        name = "pad_test_backend"
+
+        def supports(self, problem):  # type: ignore[no-untyped-def]
+            return (problem.k % 16 == 0 and problem.n % 16 == 0), "needs multiples of 16"
+
+    register_backend(AcceptsAll(), replace=True)
+    site = Fp8Linear.from_linear(
+        nn.Linear(45, 21), plan=LinearPlan.fp8(backend="pad_test_backend"), pad_to_multiple=16
+    )
+    x = torch.randn(32, 45)
+    unpadded = site(x)
+    register_backend(NeedsSixteen(), replace=True)
+    padded = site(x)  # raised "needs multiples of 16" when the cached (0, 0, 0) was reused
+    assert padded.shape == unpadded.shape == (32, 21)
+
+
+def test_fused_layernorm_with_high_forward_keeps_the_forward_under_autocast() -> None:
+    """A plan with a high-precision forward and FP8 backward GEMMs (what Dispatch produces)
+    must not change the forward output: under bf16 autocast the fused op would run the
+    LayerNorm in bf16 where the original runs it in fp32."""
+    torch.manual_seed(0)
+    k, n = 64, 32
+    norm = nn.LayerNorm(k)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(k))
+        norm.bias.add_(0.1 * torch.randn(k))
+    site = Fp8Linear.from_linear(nn.Linear(k, n), plan=LinearPlan.high_precision())
+    x = torch.randn(256, k) * 3 + 1
+    fp8 = LinearPlan.fp8(backend="emulated")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_high = site.forward_layernorm(x, norm)
+        site.set_plan(LinearPlan(forward=LinearPlan.high_precision().forward,
+                                 grad_input=fp8.grad_input, grad_weight=fp8.grad_weight))
+        y_mixed = site.forward_layernorm(x, norm)
+    assert torch.equal(y_high, y_mixed)
