@@ -3,7 +3,8 @@
 
 Every run is a real ``Trainer`` job (TorchRec ``DistributedModelParallel``, fused row-wise
 Adagrad tables, ``TrainPipelineSparseDist``, bf16 autocast of the dense towers), world size 1,
-all in this one process, one after another, with the same data and seeds. Jobs are composed
+all in this one process, one after another, with the same data and seeds (``--repeats N``:
+N interleaved rounds, round i with ``trainer.seed=i``, aggregated). Jobs are composed
 from ``conf/`` with hydra overrides, exactly as ``launch/train.py`` composes them, so the LoKA
 variants measure the real ``conf/loka/{safe,aggressive}.yaml`` presets.
 
@@ -291,6 +292,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of the longest run, so no batch repeats and eval NE is not overfitting")
     p.add_argument("--fp8-backend", default=None, help="backend of fp8_everywhere (default torch_scaled_mm; dry run emulated)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; dry run aot_eager)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every variant this many times, interleaved (A B C A B C ...), the i-th "
+                        "round with trainer.seed=i for all variants; the report gives the median "
+                        "step time over rounds and the mean eval NE with its spread: one GPU run "
+                        "is not deterministic (NE moved +-3.5%% between identical H100 runs)")
     p.add_argument("--timing", choices=("sync", "events"), default="sync",
                    help="sync: wall clock with torch.cuda.synchronize() at each step end; events: CUDA "
                         "events at step ends, no host sync (keeps the CPU/GPU overlap across steps)")
@@ -330,7 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # 8192, 60 steps) eval NE came out 1.0-1.5 and moved 6-8% between bf16 and
         # bf16+compile, so no NE delta meant anything.
         args.cache_batches = max(args.train_steps, args.decide_steps)
-    for name in ("warmup", "steps", "eval_batches", "decide_steps", "decide_interval", "cache_batches"):
+    for name in ("warmup", "steps", "eval_batches", "decide_steps", "decide_interval", "cache_batches", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.profile_steps < 0 or args.ne_steps < 0:
@@ -748,8 +754,10 @@ def run_one(
     variant: Variant,
     t0: float,
     torchao_missing: str | None,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Decision run (LoKA), then the timed run; every figure of one (config, batch, variant)."""
+    """Decision run (LoKA), then the timed run; every figure of one (config, batch, variant),
+    with ``trainer.seed=seed`` in both."""
     from loka_train.runtime.loka import LokaCallback
     from loka_train.runtime.trainer import Trainer
 
@@ -759,6 +767,7 @@ def run_one(
         "variant": variant.name,
         "description": variant.description,
         "status": "ok",
+        "seed": seed,
     }
     if variant.torchao and torchao_missing:
         rec["status"] = "not run"
@@ -790,7 +799,8 @@ def run_one(
                 job = composer.job(
                     job_overrides(
                         args, config, batch, replace(variant, compile=False), f"{tmp}/decide",
-                        steps=args.decide_steps, eval_batches=1, extra=decide_extra,
+                        steps=args.decide_steps, eval_batches=1,
+                        extra=(*decide_extra, f"trainer.seed={seed}"),
                     )
                 )
                 rec["decide_overrides"] = list(decide_extra) + [f"trainer.steps={args.decide_steps}"]
@@ -820,7 +830,7 @@ def run_one(
 
             overrides = job_overrides(
                 args, config, batch, variant, f"{tmp}/run",
-                steps=total_steps, eval_batches=args.eval_batches,
+                steps=total_steps, eval_batches=args.eval_batches, extra=(f"trainer.seed={seed}",),
             )
             rec["overrides"] = overrides
             job = composer.job(overrides)
@@ -892,6 +902,44 @@ def run_one(
 
 
 # ---------------------------------------------------------------------- comparisons
+def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (config, batch, variant) from its repeated runs (``--repeats``).
+
+    A single run is returned as it is. Several: the first run's record with the median over
+    runs of the step-time figures, the mean eval NE / AUC, ``eval_ne_std`` (sample standard
+    deviation over runs) and every run's own figures under ``repeats``. Any failed run makes
+    the record an error naming it (a partial mean would hide it).
+    """
+    groups: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}
+    for r in raw:
+        groups.setdefault((r["config"], r["batch"], r["variant"]), []).append(r)
+    out: list[dict[str, Any]] = []
+    for runs in groups.values():
+        if len(runs) == 1:
+            out.append(runs[0])
+            continue
+        failed = [r for r in runs if r["status"] != "ok"]
+        rec = dict(failed[0] if failed else runs[0])
+        rec["repeats"] = [
+            {k: r.get(k) for k in ("seed", "status", "step_ms_median", "step_ms_p10", "step_ms_p90",
+                                   "eval_ne", "eval_auc", "error")}
+            for r in runs
+        ]
+        if failed:
+            rec["error"] = f"{len(failed)} of {len(runs)} runs failed; first: " + str(failed[0].get("error", ""))
+            out.append(rec)
+            continue
+        for key in ("step_ms_median", "step_ms_p10", "step_ms_p90", "step_ms_mean"):
+            rec[key] = statistics.median(r[key] for r in runs)
+        rec["samples_per_s"] = rec["batch"] * 1e3 / rec["step_ms_median"]
+        rec["step_ms"] = [t for r in runs for t in r["step_ms"]]
+        for key in ("eval_ne", "eval_auc"):
+            rec[key] = statistics.fmean(r[key] for r in runs)
+        rec["eval_ne_std"] = statistics.stdev(r["eval_ne"] for r in runs)
+        out.append(rec)
+    return out
+
+
 def add_ratios(results: list[dict[str, Any]]) -> None:
     """Speed ratio and NE delta of each run against bf16 (and bf16+compile) of the same grid."""
     by = {(r["config"], r["batch"], r["variant"]): r for r in results if r["status"] == "ok"}
@@ -904,6 +952,15 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                 continue
             r[f"speedup_{key}"] = base["step_ms_median"] / r["step_ms_median"]
             r[f"ne_delta_rel_{key}"] = (r["eval_ne"] - base["eval_ne"]) / base["eval_ne"]
+            if "eval_ne_std" in r and "eval_ne_std" in base:
+                # Paired by seed (round i of both ran with trainer.seed=i): the mean and the
+                # standard error of the per-seed relative differences.
+                base_ne = {x["seed"]: x["eval_ne"] for x in base["repeats"]}
+                diffs = [(x["eval_ne"] - base_ne[x["seed"]]) / base_ne[x["seed"]]
+                         for x in r["repeats"] if x["seed"] in base_ne]
+                if len(diffs) > 1:
+                    r[f"ne_delta_rel_{key}"] = statistics.fmean(diffs)
+                    r[f"ne_delta_rel_se_{key}"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 
 def _fmt_x(v: float | None) -> str:
@@ -939,8 +996,10 @@ def evaluate_targets(results: list[dict[str, Any]], configs: list[str], batch: i
         extra = ""
         if "speedup_vs_bf16_compile" in r:
             extra = f", {_fmt_x(r['speedup_vs_bf16_compile'])} vs bf16+compile"
+        se = r.get("ne_delta_rel_se_vs_bf16")
+        noise = f" +- {100 * se:.3f}% (s.e. of {len(r['repeats'])} seed-paired runs)" if se is not None else " (1 run)"
         return (f"{r['config']}: {_fmt_x(r.get('speedup_vs_bf16'))} vs bf16{extra}, "
-                f"NE {_fmt_pct(r.get('ne_delta_rel_vs_bf16'), 3)}")
+                f"NE {_fmt_pct(r.get('ne_delta_rel_vs_bf16'), 3)}{noise}")
 
     if not lokas:
         add("all", "-", "not evaluated", "no LoKA variant in --variants")
@@ -1057,7 +1116,9 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         f"({'wall clock, synchronize at each step end' if args['timing'] == 'sync' else 'CUDA events at step ends'}), "
         f"then {args['profile_steps']} profile steps; eval NE on {args['eval_batches']} held-out "
         f"batches after {args['train_steps']} steps; train data "
-        f"cycles {args['cache_batches']} batches; same data and seeds for every variant",
+        f"cycles {args['cache_batches']} batches; same data and seeds for every variant"
+        + (f"; {args['repeats']} interleaved runs per variant (trainer.seed 0..{args['repeats'] - 1}): "
+           "median step time over runs, mean NE, NE deltas paired by seed (s.e. in the targets)" if args["repeats"] > 1 else ""),
         f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
         f"every step, probe interval {args['decide_interval']}), then the timed run from fresh "
         "weights with the decided plans and the preset's own sampling schedule",
@@ -1083,6 +1144,11 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 lines.append(f"| {r['config']} | {r['variant']} | {r['status']} | | | | | | {err[:200]} |")
                 continue
             notes = []
+            if "repeats" in r:
+                notes.append(
+                    f"{len(r['repeats'])} runs (seeds {', '.join(str(x['seed']) for x in r['repeats'])}); "
+                    f"NE sd {r.get('eval_ne_std', math.nan):.5f}"
+                )
             if "decide" in r:
                 notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
             if r.get("loka", {}).get("guard_trips"):
@@ -1201,7 +1267,8 @@ def main(argv: list[str] | None = None) -> int:
         progress(t0, f"torchao variants not run: {missing}")
     configs = DRY_CONFIGS if args.dry_run else CONFIGS
     data = DRY_DATA if args.dry_run else DATA
-    results: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []  # one record per (config, batch, variant)
+    raw: list[dict[str, Any]] = []  # every run (several per variant with --repeats)
     command = "python bench/e2e.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     def finish() -> dict[str, Any]:
@@ -1217,6 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "loka_overrides": list(v.loka_overrides), "compile": v.compile,
                                   "torchao": v.torchao, "decide": v.decide} for v in variants},
             "results": results,
+            "runs": raw if args.repeats > 1 else [],
             "targets": [t for b in args.batch_sizes for t in evaluate_targets(results, args.config_names, b)],
             "wall_s": time.perf_counter() - t0,
         }
@@ -1237,24 +1305,27 @@ def main(argv: list[str] | None = None) -> int:
                         for _ in make(job.data, split=split, rank=0, world_size=1, batch_size=batch).batches(0, n):
                             pass
                     progress(t0, f"{config} b{batch}: data ready")
-                    for variant in variants:
-                        rec = run_one(args, composer, config, batch, variant, t0, missing)
-                        results.append(rec)
+                    for variant, repeat in ((v, i) for i in range(args.repeats) for v in variants):
+                        rec = run_one(args, composer, config, batch, variant, t0, missing, seed=repeat)
+                        raw.append(rec)
+                        results[:] = aggregate(raw)
+                        tag = f" (run {repeat + 1}/{args.repeats}, seed {repeat})" if args.repeats > 1 else ""
                         if rec["status"] == "ok":
-                            base = next((r for r in results if r["config"] == config and r["batch"] == batch
-                                         and r["variant"] == REFERENCE and r["status"] == "ok"), None)
+                            base = next((r for r in raw if r["config"] == config and r["batch"] == batch
+                                         and r["variant"] == REFERENCE and r["status"] == "ok"
+                                         and r["seed"] == repeat), None)
                             ratio = base["step_ms_median"] / rec["step_ms_median"] if base else math.nan
                             ne = (rec["eval_ne"] - base["eval_ne"]) / base["eval_ne"] if base else math.nan
                             cov = f", FP8 {rec['loka']['fp8_coverage']:.0%}" if "loka" in rec else ""
                             progress(
                                 t0,
-                                f"{config} b{batch} {variant.name}: {rec['step_ms_median']:.2f} ms/step "
+                                f"{config} b{batch} {variant.name}{tag}: {rec['step_ms_median']:.2f} ms/step "
                                 f"(p10 {rec['step_ms_p10']:.2f}, p90 {rec['step_ms_p90']:.2f}), "
                                 f"{_fmt_x(ratio)} vs bf16, NE {rec['eval_ne']:.5f} ({_fmt_pct(ne, 3)}){cov} "
                                 f"[{rec['wall_s']:.1f}s]",
                             )
                         else:
-                            progress(t0, f"{config} b{batch} {variant.name}: {rec['error'][:300]}")
+                            progress(t0, f"{config} b{batch} {variant.name}{tag}: {rec['error'][:300]}")
                         finish()
     finally:
         import torch.distributed as dist
@@ -1262,8 +1333,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     report = finish()
-    errors = [r for r in results if r["status"] == "error"]
-    progress(t0, f"wrote {args.out}/e2e.md and e2e.json: {len(results)} runs, {len(errors)} errors")
+    errors = [r for r in raw if r["status"] == "error"]
+    progress(t0, f"wrote {args.out}/e2e.md and e2e.json: {len(raw)} runs, {len(errors)} errors")
     for t in report["targets"]:
         print(f"  {t['status']:>13}  [{t['variant']}] {t['target']}: {t['detail']}", flush=True)
     return 1 if errors else 0

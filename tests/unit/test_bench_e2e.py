@@ -1,0 +1,62 @@
+"""bench/e2e.py's aggregation of repeated runs (``--repeats``): medians, means and NE deltas
+paired by seed."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "e2e.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e_under_test", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(variant: str, seed: int, ms: float, ne: float, status: str = "ok") -> dict:
+    return {
+        "config": "dcn", "batch": 64, "variant": variant, "seed": seed, "status": status,
+        "step_ms_median": ms, "step_ms_p10": ms - 1, "step_ms_p90": ms + 1, "step_ms_mean": ms,
+        "step_ms": [ms], "eval_ne": ne, "eval_auc": 0.8, **({"error": "boom"} if status != "ok" else {}),
+    }
+
+
+def test_repeats_aggregate_and_pair_by_seed(e2e) -> None:
+    raw = [
+        _run("bf16", 0, 10.0, 0.70), _run("loka_safe", 0, 8.0, 0.707),
+        _run("bf16", 1, 12.0, 0.66), _run("loka_safe", 1, 9.0, 0.6666),
+        _run("bf16", 2, 11.0, 0.68), _run("loka_safe", 2, 20.0, 0.6868),
+    ]
+    results = e2e.aggregate(raw)
+    e2e.add_ratios(results)
+    base, loka = results
+    assert (base["variant"], loka["variant"]) == ("bf16", "loka_safe")
+    assert base["step_ms_median"] == 11.0 and loka["step_ms_median"] == 9.0
+    assert math.isclose(loka["speedup_vs_bf16"], 11.0 / 9.0)
+    assert math.isclose(base["eval_ne"], (0.70 + 0.66 + 0.68) / 3)
+    # Every seed: LoKA exactly 1% worse, although the NE itself moves 6% across seeds: the
+    # paired delta is 1% with no spread; unpaired means would not show that.
+    assert math.isclose(loka["ne_delta_rel_vs_bf16"], 0.01, rel_tol=1e-9)
+    assert loka["ne_delta_rel_se_vs_bf16"] < 1e-12
+    assert [x["seed"] for x in loka["repeats"]] == [0, 1, 2]
+
+
+def test_a_failed_repeat_fails_the_variant(e2e) -> None:
+    results = e2e.aggregate([_run("bf16", 0, 10.0, 0.7), _run("bf16", 1, 10.0, 0.7, status="error")])
+    assert results[0]["status"] == "error"
+    assert "1 of 2 runs failed" in results[0]["error"]
+
+
+def test_a_single_run_is_passed_through(e2e) -> None:
+    run = _run("bf16", 0, 10.0, 0.7)
+    assert e2e.aggregate([run]) == [run]
