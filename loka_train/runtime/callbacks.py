@@ -58,10 +58,12 @@ class Callback:
         """Step `step` finished; `metrics` holds what was logged at this step (maybe empty)."""
 
     def on_eval_start(self, trainer: Trainer, step: int) -> None:
-        """An evaluation after step `step` is about to run (its forwards are not training)."""
+        """An evaluation after step `step` (0-based, as in `on_step_end`) is about to run (its
+        forwards are not training)."""
 
     def on_eval_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        """An evaluation after step `step` finished with `metrics` (eval/ne, eval/auc, ...)."""
+        """An evaluation after step `step` (0-based, as in `on_step_end`) finished with `metrics`
+        (eval/ne, eval/auc, ...)."""
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         """Training ended (also when stopped by `stop_after_step`); `summary` is final."""

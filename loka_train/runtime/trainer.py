@@ -579,10 +579,10 @@ class Trainer:
                         metrics["train/steps_per_s"] = timed_steps / train_s
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                     paused_from = self._clock()
-                    self.callbacks.call("on_eval_start", self, self.step)
+                    self.callbacks.call("on_eval_start", self, self.step - 1)
                     eval_metrics = self._eval_with(pipeline)
                     metrics.update(eval_metrics)
-                    self.callbacks.call("on_eval_end", self, self.step, eval_metrics)
+                    self.callbacks.call("on_eval_end", self, self.step - 1, eval_metrics)
                     if timed_from is not None:
                         paused_s += self._clock() - paused_from
                 self.callbacks.call("on_step_end", self, step, metrics)
@@ -616,9 +616,9 @@ class Trainer:
             bar.close()
 
         if not stopped and (not eval_metrics or self.step % max(self.cfg.eval_every, 1) != 0):
-            self.callbacks.call("on_eval_start", self, self.step)
+            self.callbacks.call("on_eval_start", self, self.step - 1)
             eval_metrics = self._eval_with(pipeline)
-            self.callbacks.call("on_eval_end", self, self.step, eval_metrics)
+            self.callbacks.call("on_eval_end", self, self.step - 1, eval_metrics)
         summary: dict[str, Any] = {
             "steps": self.step,
             "stopped_early": stopped,

@@ -429,4 +429,5 @@ def test_every_evaluation_is_bracketed_by_eval_start_and_eval_end(tmp_path: Path
     """Callbacks (LoKA counts eval collectives apart) see on_eval_start before each eval."""
     [events] = run_multiprocess(_eval_order, world_size=1, args=(str(tmp_path),), timeout=120)
     evals = [e for e in events if e.startswith("eval")]
-    assert evals == ["eval_start 2 grad=True", "eval_end 2", "eval_start 4 grad=True", "eval_end 4"]
+    # After steps 1 and 3, numbered as on_step_end numbers them (0-based).
+    assert evals == ["eval_start 1 grad=True", "eval_end 1", "eval_start 3 grad=True", "eval_end 3"]
