@@ -916,7 +916,7 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for runs in groups.values():
         if len(runs) == 1:
-            out.append(runs[0])
+            out.append(dict(runs[0]))  # a copy: add_ratios writes into the aggregated records
             continue
         failed = [r for r in runs if r["status"] != "ok"]
         rec = dict(failed[0] if failed else runs[0])
@@ -944,6 +944,9 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
     """Speed ratio and NE delta of each run against bf16 (and bf16+compile) of the same grid."""
     by = {(r["config"], r["batch"], r["variant"]): r for r in results if r["status"] == "ok"}
     for r in results:
+        # Recomputed from scratch: a baseline that failed since must leave no stale ratio.
+        for key in [k for k in r if k.startswith(("speedup_", "ne_delta_rel_"))]:
+            del r[key]
         if r["status"] != "ok":
             continue
         for ref, key in ((REFERENCE, "vs_bf16"), ("bf16+compile", "vs_bf16_compile")):

@@ -70,6 +70,9 @@ class DenseGradCompressor:
         self._numels: dict[int, tuple[int, ...]] = {}
         # parameter name -> residual restored from a checkpoint, not yet taken by a bucket
         self._restored: dict[str, torch.Tensor] = {}
+        # bucket index -> the comm step it last reduced at: a bucket index that DDP's rebuild
+        # dropped keeps an old residual that no later step will use, and must not be saved
+        self._seen_step: dict[int, int] = {}
 
     @property
     def residuals(self) -> dict[int, torch.Tensor]:
@@ -90,7 +93,10 @@ class DenseGradCompressor:
                 names (construct it with ``param_names``, as ``install_dense_grad_hook`` does).
         """
         by_param = {name: r.clone() for name, r in self._restored.items()}
+        latest = max(self._seen_step.values(), default=None)
         for index, (owner, residual_N) in self._residuals.items():
+            if self._seen_step.get(index) != latest:
+                continue  # a bucket of an older layout (DDP rebuilt its buckets since)
             numels = self._numels.get(index)
             names = None if owner is None else [self._param_names.get(i) for i in owner]
             if names is None or numels is None or None in names or sum(numels) != residual_N.numel():
@@ -188,6 +194,7 @@ class DenseGradCompressor:
             send_N = grad_N.detach().float()
             if param_numels is not None:
                 self._numels[bucket_index] = param_numels
+            self._seen_step[bucket_index] = state.step
             residual_N = self._take_residual(bucket_index, param_key, grad_N, param_numels)
             if residual_N is not None:
                 # Added even at FP32: that step sends it exactly, flushing the residual.

@@ -77,14 +77,21 @@ class LokaConfig:
         # Dispatch may only pick formats the Probe measures, with the same operand-b format in
         # the backward GEMMs, or its "safe" would rest on another GEMM's SQNR.
         measured = {f.value for f in self.probe.formats}
-        for key, fmt in (("fmt_forward", self.dispatch.fmt_forward), ("fmt_backward", self.dispatch.fmt_backward)):
+        roles = set(self.dispatch.fp8_roles) if self.enabled and self.dispatch.enabled else set()
+        backward = bool(roles & {"grad_input", "grad_weight"})
+        used = [("fmt_forward", self.dispatch.fmt_forward)] if roles else []
+        if backward:
+            used.append(("fmt_backward", self.dispatch.fmt_backward))
+        for key, fmt in used:
             if fmt not in measured:
                 raise ValueError(
                     f"loka.dispatch.{key}={fmt!r} is not among loka.probe.formats "
                     f"{sorted(measured)}: add it there, or choose one of those"
                 )
         fmt_b = self.probe.backward_fmt_b
-        if fmt_b is None and self.dispatch.fmt_backward != self.dispatch.fmt_forward:
+        if not backward:
+            fmt_b = None  # no backward GEMM can run FP8: operand b's format is never used
+        elif fmt_b is None and self.dispatch.fmt_backward != self.dispatch.fmt_forward:
             raise ValueError(
                 "loka.probe.backward_fmt_b=null measures the backward GEMMs with operand b in "
                 f"dY's format, but Dispatch runs it in loka.dispatch.fmt_forward="

@@ -37,12 +37,10 @@ class MetricsLogger:
             return
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / "metrics.jsonl"
-        if fresh and path.exists() and path.stat().st_size > 0:
-            aside = out / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-            path.rename(aside)
-            logger.warning("metrics: a fresh run; the earlier run's %s moved to %s", path, aside)
-        self._file = path.open("a")
+        self._path = out / "metrics.jsonl"
+        if fresh:
+            self._set_aside()
+        self._file = self._path.open("a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -52,6 +50,40 @@ class MetricsLogger:
                 msg = f"TensorBoard logging off: {exc} (pip install tensorboard to enable it)"
                 logger.warning(msg)
                 self.fallbacks.append(msg)
+
+    def _set_aside(self) -> None:
+        path = self._path
+        if not path.exists() or path.stat().st_size == 0:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = path.with_name(f"metrics.before-{stamp}.jsonl")
+        suffix = 1
+        while aside.exists():  # rename() would silently replace an earlier set-aside file
+            aside = path.with_name(f"metrics.before-{stamp}-{suffix}.jsonl")
+            suffix += 1
+        path.rename(aside)
+        logger.warning("metrics: a fresh run; the earlier run's %s moved to %s", path, aside)
+
+    def start_at(self, step: int) -> None:
+        """The run starts after `step` steps (0: from scratch; else resumed from a checkpoint of
+        that step). From scratch, an earlier run's file is moved aside; resumed, the lines past
+        `step` (written after the checkpoint by the interrupted run, about to be redone) are
+        dropped, so every step appears once."""
+        if self._file is None:
+            return
+        self._file.close()
+        if step == 0:
+            self._set_aside()
+        elif self._path.exists():
+            lines = self._path.read_text().splitlines(keepends=True)
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+            if len(kept) != len(lines):
+                tmp = self._path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(kept))
+                tmp.replace(self._path)
+                logger.info("metrics: resumed after step %d; dropped %d lines past it", step,
+                            len(lines) - len(kept))
+        self._file = self._path.open("a")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self._file is None or not metrics:

@@ -166,8 +166,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.out_dir if self.rank == 0 else None,
             tensorboard=trainer.tensorboard,
-            fresh=trainer.resume == "never",
-        )
+        )  # fit() calls start_at once the resume step is known
         self.fallbacks.extend(self.metrics.fallbacks)
 
     # ----------------------------------------------------------------------------- set-up
@@ -379,33 +378,37 @@ class Trainer:
             root, ", ".join(p.name for p in found[:4]), ", ..." if len(found) > 4 else "", target,
         )
 
-    def _check_data_length(self) -> None:
-        """Finite data must hold `trainer.steps` train and `trainer.eval_batches` eval batches."""
+    def _short_data_error(self, needed: int, have: int, needed_key: str, source_key: str, source: object) -> ValueError:
         global_batch = self.cfg.batch_size * self.world_size
-        for data, needed, needed_key, source_key, source in (
-            (self.train_data, self.cfg.steps, "trainer.steps", "data.path", self.data_cfg.path),
-            (
-                self.eval_data,
-                self.cfg.eval_batches,
-                "trainer.eval_batches",
-                "data.eval_path",
-                self.data_cfg.eval_path,
-            ),
-        ):
-            if not isinstance(data, _FiniteData):
-                continue  # endless (synthetic) data
-            try:
-                # Reads up to the last line the run needs, not the whole (maybe huge) data.
-                data.batch(needed - 1)
-            except IndexError:
-                have = data.num_steps()
-                lower = f"lower {needed_key} to {have} or less, " if have else ""
-                raise ValueError(
-                    f"{needed_key}={needed} needs {needed} full global batches of {global_batch} "
-                    f"samples ({self.world_size} ranks x trainer.batch_size={self.cfg.batch_size}), "
-                    f"but {source_key}={source!r} holds only {have}: {lower}lower "
-                    f"trainer.batch_size, or point {source_key} at more data"
-                ) from None
+        lower = f"lower {needed_key} to {have} or less, " if have else ""
+        return ValueError(
+            f"{needed_key}={needed} needs {needed} full global batches of {global_batch} "
+            f"samples ({self.world_size} ranks x trainer.batch_size={self.cfg.batch_size}), "
+            f"but {source_key}={source!r} holds only {have}: {lower}lower "
+            f"trainer.batch_size, or point {source_key} at more data"
+        )
+
+    def _check_data_length(self) -> None:
+        """Finite eval data must hold `trainer.eval_batches` batches: checked before training
+        (it is small). The train split is not read ahead (for a pass over a large data set
+        that would read all of it, on every rank, before step 0): when it ends before
+        `trainer.steps`, training stops there with the same kind of error
+        (`_short_train_data`)."""
+        data = self.eval_data
+        if not isinstance(data, _FiniteData):
+            return  # endless (synthetic) data
+        needed = self.cfg.eval_batches
+        try:
+            data.batch(needed - 1)
+        except IndexError:
+            raise self._short_data_error(
+                needed, data.num_steps(), "trainer.eval_batches", "data.eval_path", self.data_cfg.eval_path
+            ) from None
+
+    def _short_train_data(self, step: int) -> ValueError:
+        """The train data ended at `step` (0-based): every rank reads equal slices of each global
+        batch, so all ranks reach this at the same step."""
+        return self._short_data_error(self.cfg.steps, step, "trainer.steps", "data.path", self.data_cfg.path)
 
     def _maybe_resume(self) -> int:
         if self.cfg.resume == "never":
@@ -528,6 +531,7 @@ class Trainer:
         self._preflight()
         self._shard()
         start = self._maybe_resume()
+        self.metrics.start_at(start)
         self.step = start
         self.callbacks.call("on_train_start", self)
         pipeline = self._pipeline()
@@ -558,7 +562,10 @@ class Trainer:
                 self.callbacks.call("on_step_start", self, step)
                 # TorchRec pipelines return the model output's second element.
                 with self._autocast():
-                    loss, _, _ = pipeline.progress(batches)
+                    try:
+                        loss, _, _ = pipeline.progress(batches)
+                    except StopIteration:
+                        raise self._short_train_data(step) from None
                 loss_sum += loss.detach()
                 loss_count += 1
                 self.step = step + 1

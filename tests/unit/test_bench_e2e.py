@@ -60,3 +60,13 @@ def test_a_failed_repeat_fails_the_variant(e2e) -> None:
 def test_a_single_run_is_passed_through(e2e) -> None:
     run = _run("bf16", 0, 10.0, 0.7)
     assert e2e.aggregate([run]) == [run]
+
+
+def test_a_baseline_that_fails_in_a_later_round_leaves_no_stale_ratio(e2e) -> None:
+    raw = [_run("bf16", 0, 10.0, 0.7), _run("loka_safe", 0, 5.0, 0.84)]
+    e2e.add_ratios(e2e.aggregate(raw))  # the report after round 0
+    raw += [_run("bf16", 1, 10.0, 0.7, status="error"), _run("loka_safe", 1, 5.0, 0.84)]
+    results = e2e.aggregate(raw)
+    e2e.add_ratios(results)
+    assert results[0]["status"] == "error"
+    assert "speedup_vs_bf16" not in results[1] and "ne_delta_rel_vs_bf16" not in results[1]

@@ -20,6 +20,7 @@ from loka_train.comm import (
     install_dense_grad_hook,
 )
 from loka_train.comm.dense import DenseGradCompressor
+from loka_train.comm.state import PrecisionSource
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,3 +99,21 @@ def test_checkpointing_a_residual_needs_parameter_names() -> None:
     compressor.reduce(torch.randn(64), 0, (1, 2), (32, 32)).wait()
     with pytest.raises(ValueError, match="param_names"):
         compressor.state_dict()
+
+
+def test_a_bucket_dropped_by_ddps_rebuild_leaves_no_residual_in_the_checkpoint() -> None:
+    """Step 0 with two buckets at BF16 leaves a residual in bucket 1; DDP then rebuilds into one
+    bucket and the channel runs at FP32 (flushing bucket 0's residual). Bucket 1's old
+    residual is never used again, so a resumed run must not get it back."""
+    state = CommState(CommConfig(dense_grads=CommPrecision.BF16, row_dim=32), backend="gloo")
+    compressor = DenseGradCompressor(state, param_names={1: "a", 2: "b"})
+    ga, gb = torch.randn(10) * 1.001, torch.randn(20) * 1.001
+    state.begin_step(0)
+    compressor.reduce(ga.clone(), 0, (1,), (10,)).wait()
+    compressor.reduce(gb.clone(), 1, (2,), (20,)).wait()
+    assert set(compressor.residuals) == {0, 1}
+    state.set_precision(CommChannel.DENSE_GRAD, CommPrecision.FP32, source=PrecisionSource.POLICY)
+    for step in (1, 2):
+        state.begin_step(step)
+        compressor.reduce(torch.cat([gb, ga]), 0, (2, 1), (20, 10)).wait()
+    assert compressor.state_dict()["residuals_by_param"] == {}

@@ -84,3 +84,15 @@ def test_dense_lr_warms_up_linearly_then_holds() -> None:
         TrainerConfig(dense_warmup_steps=-1)
     gpu = _compose("trainer=gpu").trainer
     assert gpu.dense_warmup_steps > 0 and gpu.dense_lr <= 0.01
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("loka.probe.formats=[E4M3]", "loka.dispatch.fp8_roles=[forward]"),  # no FP8 backward GEMM
+        ("loka.probe.formats=[E4M3]", "loka.dispatch.enabled=false"),
+        ("loka=off", "loka.probe.formats=[E4M3]"),
+    ],
+)
+def test_format_checks_only_apply_to_gemms_that_can_run_fp8(overrides: tuple[str, ...]) -> None:
+    _compose(*overrides)

@@ -133,3 +133,43 @@ def test_fresh_metrics_log_sets_the_earlier_runs_lines_aside(tmp_path) -> None:
     assert [json.loads(line)["train/loss"] for line in (tmp_path / "metrics.jsonl").open()] == [0.7]
     [aside] = list(tmp_path.glob("metrics.before-*.jsonl"))
     assert [json.loads(line)["step"] for line in aside.open()] == [1, 2]
+
+
+def test_fresh_metrics_logs_in_the_same_second_keep_every_earlier_file(tmp_path) -> None:
+    import json
+
+    from loka_train.runtime.metrics import MetricsLogger
+
+    for run in range(3):  # well within one second: the set-aside names would collide
+        logger = MetricsLogger(tmp_path, tensorboard=False, fresh=True)
+        logger.log(run, {"train/loss": float(run)})
+        logger.close()
+    kept = sorted(json.loads(p.read_text())["step"] for p in tmp_path.glob("metrics.before-*.jsonl"))
+    assert kept == [0, 1]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 2
+
+
+def test_a_resumed_metrics_log_keeps_each_step_once(tmp_path) -> None:
+    """Interrupted at step 5 with a checkpoint at step 3: the resumed run redoes steps 4-5, so
+    their old lines go; from scratch (step 0) the whole earlier file is moved aside."""
+    import json
+
+    from loka_train.runtime.metrics import MetricsLogger
+
+    first = MetricsLogger(tmp_path, tensorboard=False)
+    first.start_at(0)
+    for step in range(1, 6):
+        first.log(step, {"train/loss": 1.0})
+    first.close()
+    resumed = MetricsLogger(tmp_path, tensorboard=False)
+    resumed.start_at(3)
+    for step in range(4, 7):
+        resumed.log(step, {"train/loss": 0.5})
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    again = MetricsLogger(tmp_path, tensorboard=False)
+    again.start_at(0)
+    again.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert len(list(tmp_path.glob("metrics.before-*.jsonl"))) == 1
