@@ -247,6 +247,15 @@ def test_fused_block_matches_unfused_on_gpu(activation, backend):
     assert float(sqnr_db(z, hp[0])) > 60
 
 
+def _fwd_bwd_autocast(fn, x, w, b, g):
+    """[y, dx, dw, db] of ``fn(x, w, b)`` under bf16 autocast, from fresh leaves."""
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = fn(*leaves)
+    y.backward(g)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
 @pytest.mark.parametrize(("m", "k", "n"), [(2048, 13, 512), (1024, 256, 512), (8192, 512, 256)])
 def test_high_plan_is_f_linear_bit_for_bit_under_autocast(m, k, n):
     """All-high fp8_linear under bf16 autocast runs exactly autograd's GEMMs (the grad-weight
@@ -256,15 +265,8 @@ def test_high_plan_is_f_linear_bit_for_bit_under_autocast(m, k, n):
     b = _gauss(n, seed=2)
     g = _gauss(m, n, seed=3, dtype=torch.bfloat16)
 
-    def run(fn):
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = fn(*leaves)
-        y.backward(g)
-        return [y.detach()] + [t.grad for t in leaves]
-
-    ref = run(F.linear)
-    got = run(lambda x, w, b: fp8_linear(x, w, b, LinearPlan.high_precision()))
+    ref = _fwd_bwd_autocast(F.linear, x, w, b, g)
+    got = _fwd_bwd_autocast(lambda x, w, b: fp8_linear(x, w, b, LinearPlan.high_precision()), x, w, b, g)
     for name, r, o in zip(["y", "dx", "dw", "db"], ref, got):
         assert torch.equal(r, o), name
 
@@ -281,16 +283,10 @@ def test_inductor_keeps_the_eager_fp8_codes(scaling):
     b = _gauss(256, seed=2)
     g = _gauss(1024, 256, seed=3, dtype=torch.bfloat16)
 
-    def run(fn):
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = fn(*leaves)
-        y.backward(g)
-        return [y.detach()] + [t.grad for t in leaves]
-
     torch._dynamo.reset()
     fn = lambda x, w, b: fp8_linear(x, w, b, plan)  # noqa: E731
-    eager = run(fn)
-    got = run(torch.compile(fn, backend="inductor", options={"emulate_precision_casts": True}))
+    eager = _fwd_bwd_autocast(fn, x, w, b, g)
+    compiled = torch.compile(fn, backend="inductor", options={"emulate_precision_casts": True})
+    got = _fwd_bwd_autocast(compiled, x, w, b, g)
     for name, r, o in zip(["y", "dx", "dw", "db"], eager, got):
         assert float(sqnr_db(r.float(), o.float())) > 100, name
