@@ -199,7 +199,7 @@ class CommStats:
         with self._lock:
             for name, n in state["total_bytes"].items():
                 self.total_bytes[CommChannel(name)] = int(n)
-            for name, n in (state["eval_bytes"] if "eval_bytes" in state else {}).items():
+            for name, n in state["eval_bytes"].items():
                 self.eval_bytes[CommChannel(name)] = int(n)
             for key, target in (
                 ("bytes_by_precision", self.bytes_by_precision),

@@ -502,7 +502,7 @@ class Dispatcher:
             v = verdicts.get((site, role, plan.fmt, plan.scaling))
             if v is None:
                 return None, "no verdict"
-            fmt_b = getattr(v, "fmt_b", plan.operand_b_fmt)
+            fmt_b = v.fmt_b
             if fmt_b is not plan.operand_b_fmt:
                 # The SQNR was measured with another operand-b format: it says nothing of this
                 # plan (align probe.backward_fmt_b with dispatch.fmt_forward).

@@ -141,24 +141,16 @@ def _padding(
     plan: LinearPlan, m: int, k: int, n: int, multiple: int, device_type: str, cdtype: torch.dtype,
     n_only: bool,
 ) -> tuple[int, int, int] | None:
-    """Cached :func:`_padding_uncached`, keyed also by the backend objects (not only their
-    names), so a backend registered anew under the same name is asked again."""
+    """:func:`_padding_for`, cached; keyed also by the backend objects (not only their names),
+    so a backend registered anew under the same name is asked again."""
     backends = tuple(get_backend(gp.backend) for gp in _gemm_plans(plan).values() if gp.is_fp8)
-    return _padding_cached(plan, backends, m, k, n, multiple, device_type, cdtype, n_only)
+    return _padding_for(plan, backends, m, k, n, multiple, device_type, cdtype, n_only)
 
 
 @functools.lru_cache(maxsize=4096)
-def _padding_cached(
+def _padding_for(
     plan: LinearPlan, backends: tuple[object, ...], m: int, k: int, n: int, multiple: int,
     device_type: str, cdtype: torch.dtype, n_only: bool,
-) -> tuple[int, int, int] | None:
-    del backends  # part of the cache key only
-    return _padding_uncached(plan, m, k, n, multiple, device_type, cdtype, n_only)
-
-
-def _padding_uncached(
-    plan: LinearPlan, m: int, k: int, n: int, multiple: int, device_type: str, cdtype: torch.dtype,
-    n_only: bool,
 ) -> tuple[int, int, int] | None:
     """Zero rows/cols ``(pad_m, pad_k, pad_n)`` the plan's FP8 backends need: ``(0, 0, 0)`` when
     they take the shape as it is, None when padding (only ``N`` with ``n_only``) does not help."""

@@ -88,16 +88,16 @@ class LokaConfig:
                     f"loka.dispatch.{key}={fmt!r} is not among loka.probe.formats "
                     f"{sorted(measured)}: add it there, or choose one of those"
                 )
+        # Operand b of the backward GEMMs (only where one of them can run FP8): Dispatch runs
+        # it in fmt_forward, the Probe measures it in backward_fmt_b (null: dY's format).
         fmt_b = self.probe.backward_fmt_b
-        if not backward:
-            fmt_b = None  # no backward GEMM can run FP8: operand b's format is never used
-        elif fmt_b is None and self.dispatch.fmt_backward != self.dispatch.fmt_forward:
+        if backward and fmt_b is None and self.dispatch.fmt_backward != self.dispatch.fmt_forward:
             raise ValueError(
                 "loka.probe.backward_fmt_b=null measures the backward GEMMs with operand b in "
                 f"dY's format, but Dispatch runs it in loka.dispatch.fmt_forward="
                 f"{self.dispatch.fmt_forward!r}: set backward_fmt_b to that format"
             )
-        if fmt_b is not None and fmt_b.value != self.dispatch.fmt_forward:
+        if backward and fmt_b is not None and fmt_b.value != self.dispatch.fmt_forward:
             raise ValueError(
                 f"loka.probe.backward_fmt_b={fmt_b.value!r} but loka.dispatch.fmt_forward="
                 f"{self.dispatch.fmt_forward!r}: backward GEMMs keep operand b in fmt_forward, so "

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any
+
+from loka_train.runtime._paths import set_aside
 
 logger = logging.getLogger(__name__)
 
@@ -20,16 +21,13 @@ class MetricsLogger:
         out_dir: directory of `metrics.jsonl` and `tb/`; None disables writing (other ranks).
         tensorboard: also write TensorBoard events; if the package is missing this is
             logged once as a warning and counted in `fallbacks`.
-        fresh: a run that starts from step 0 (``trainer.resume=never``): an existing
-            `metrics.jsonl` of an earlier run is moved to `metrics.before-<time>.jsonl` (logged)
-            instead of being appended to. Otherwise a resumed run appends.
 
     Example:
         >>> m = MetricsLogger("runs/x", tensorboard=False)
         >>> m.log(10, {"train/loss": 0.45})
     """
 
-    def __init__(self, out_dir: str | Path | None, *, tensorboard: bool, fresh: bool = False) -> None:
+    def __init__(self, out_dir: str | Path | None, *, tensorboard: bool) -> None:
         self.fallbacks: list[str] = []
         self._file = None
         self._tb: Any = None
@@ -38,9 +36,7 @@ class MetricsLogger:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self._path = out / "metrics.jsonl"
-        if fresh:
-            self._set_aside()
-        self._file = self._path.open("a")
+        self._file = self._path.open("a")  # a run calls start_at once it knows its first step
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -51,19 +47,6 @@ class MetricsLogger:
                 logger.warning(msg)
                 self.fallbacks.append(msg)
 
-    def _set_aside(self) -> None:
-        path = self._path
-        if not path.exists() or path.stat().st_size == 0:
-            return
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        aside = path.with_name(f"metrics.before-{stamp}.jsonl")
-        suffix = 1
-        while aside.exists():  # rename() would silently replace an earlier set-aside file
-            aside = path.with_name(f"metrics.before-{stamp}-{suffix}.jsonl")
-            suffix += 1
-        path.rename(aside)
-        logger.warning("metrics: a fresh run; the earlier run's %s moved to %s", path, aside)
-
     def start_at(self, step: int) -> None:
         """The run starts after `step` steps (0: from scratch; else resumed from a checkpoint of
         that step). From scratch, an earlier run's file is moved aside; resumed, the lines past
@@ -73,7 +56,9 @@ class MetricsLogger:
             return
         self._file.close()
         if step == 0:
-            self._set_aside()
+            if self._path.stat().st_size:
+                aside = set_aside(self._path)
+                logger.warning("metrics: a fresh run; the earlier run's metrics moved to %s", aside)
         elif self._path.exists():
             lines = self._path.read_text().splitlines(keepends=True)
             kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]

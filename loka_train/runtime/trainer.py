@@ -42,6 +42,7 @@ from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.data.prefetch import Prefetcher
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
 from loka_train.mods.convert import strip_wrapper_prefixes
+from loka_train.runtime._paths import set_aside
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
 from loka_train.runtime.config import TrainerConfig
@@ -365,13 +366,7 @@ class Trainer:
         found = self._checkpoints.existing()
         if not found:
             return
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        target = root.with_name(f"{root.name}.before-{stamp}")
-        suffix = 1
-        while target.exists():
-            target = root.with_name(f"{root.name}.before-{stamp}-{suffix}")
-            suffix += 1
-        root.rename(target)
+        target = set_aside(root)
         logger.warning(
             "trainer.resume=never: %s held checkpoints of an earlier run (%s%s); moved them to %s "
             "(delete it if unneeded; trainer.resume=auto continues a run instead)",
@@ -455,6 +450,14 @@ class Trainer:
         self._raise_on_all_ranks(error)
         logger.info("resumed from %s at step %d", path, step)
         return step
+
+    def _eval_between_steps(self, pipeline: Any) -> dict[str, float]:
+        """Evaluate after the last finished step, bracketed by the callbacks' eval hooks (which
+        get that step 0-based, as on_step_end does)."""
+        self.callbacks.call("on_eval_start", self, self.step - 1)
+        metrics = self._eval_with(pipeline)
+        self.callbacks.call("on_eval_end", self, self.step - 1, metrics)
+        return metrics
 
     def _clock(self) -> float:
         """`time.perf_counter()` once the device has run the work queued so far, so a timed
@@ -586,10 +589,8 @@ class Trainer:
                         metrics["train/steps_per_s"] = timed_steps / train_s
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                     paused_from = self._clock()
-                    self.callbacks.call("on_eval_start", self, self.step - 1)
-                    eval_metrics = self._eval_with(pipeline)
+                    eval_metrics = self._eval_between_steps(pipeline)
                     metrics.update(eval_metrics)
-                    self.callbacks.call("on_eval_end", self, self.step - 1, eval_metrics)
                     if timed_from is not None:
                         paused_s += self._clock() - paused_from
                 self.callbacks.call("on_step_end", self, step, metrics)
@@ -623,9 +624,7 @@ class Trainer:
             bar.close()
 
         if not stopped and (not eval_metrics or self.step % max(self.cfg.eval_every, 1) != 0):
-            self.callbacks.call("on_eval_start", self, self.step - 1)
-            eval_metrics = self._eval_with(pipeline)
-            self.callbacks.call("on_eval_end", self, self.step - 1, eval_metrics)
+            eval_metrics = self._eval_between_steps(pipeline)
         summary: dict[str, Any] = {
             "steps": self.step,
             "stopped_early": stopped,

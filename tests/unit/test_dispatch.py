@@ -157,8 +157,14 @@ class _AllSafe(dict):
     class _V:
         safe, reason, sqnr_lo_db, budget_db = True, "safe", 40.0, 20.0
 
+        def __init__(self, fmt_b: Fp8Format) -> None:
+            self.fmt_b = fmt_b
+
     def get(self, key, default=None):  # type: ignore[no-untyped-def, override]
-        return self._V()
+        # Operand b as the default Probe measures it: the candidate's format in the forward
+        # GEMM, e4m3 (its backward_fmt_b, Dispatch's fmt_forward) in the backward GEMMs.
+        _, role, fmt, _ = key
+        return self._V(fmt if role == "forward" else Fp8Format.E4M3)
 
 
 class _Aligned16:

@@ -127,7 +127,8 @@ def test_fresh_metrics_log_sets_the_earlier_runs_lines_aside(tmp_path) -> None:
     resumed.log(2, {"train/loss": 0.4})
     resumed.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [1, 2]
-    fresh = MetricsLogger(tmp_path, tensorboard=False, fresh=True)
+    fresh = MetricsLogger(tmp_path, tensorboard=False)
+    fresh.start_at(0)  # a run from step 0
     fresh.log(1, {"train/loss": 0.7})
     fresh.close()
     assert [json.loads(line)["train/loss"] for line in (tmp_path / "metrics.jsonl").open()] == [0.7]
@@ -141,7 +142,8 @@ def test_fresh_metrics_logs_in_the_same_second_keep_every_earlier_file(tmp_path)
     from loka_train.runtime.metrics import MetricsLogger
 
     for run in range(3):  # well within one second: the set-aside names would collide
-        logger = MetricsLogger(tmp_path, tensorboard=False, fresh=True)
+        logger = MetricsLogger(tmp_path, tensorboard=False)
+        logger.start_at(0)
         logger.log(run, {"train/loss": float(run)})
         logger.close()
     kept = sorted(json.loads(p.read_text())["step"] for p in tmp_path.glob("metrics.before-*.jsonl"))
