@@ -252,13 +252,14 @@ def bench_quantizers(ms, kns, device, timer, rows):
 
 def block_plans() -> dict:
     """The FP8 plans benchmarked for the block. Quantization is fused in all of them."""
-    from loka_train.kernels.formats import Fp8Format
+    from loka_train.kernels.formats import Fp8Format, Scaling
     from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 
     e4m3, e5m2 = Fp8Format.E4M3, Fp8Format.E5M2
 
-    def fp8(backend, fmt, fmt_b=None, fast=False):
-        return GemmPlan(precision=Precision.FP8, fmt=fmt, fmt_b=fmt_b, backend=backend, fast_accum=fast)
+    def fp8(backend, fmt, fmt_b=None, fast=False, scaling=Scaling.ROWWISE):
+        return GemmPlan(precision=Precision.FP8, fmt=fmt, fmt_b=fmt_b, backend=backend,
+                        fast_accum=fast, scaling=scaling)
 
     hp = GemmPlan()
     return {
@@ -270,10 +271,18 @@ def block_plans() -> dict:
                                  grad_input=fp8("triton", e5m2, e4m3), grad_weight=hp),
         "fp8 cublas": LinearPlan(forward=fp8("torch_scaled_mm", e4m3, fast=True),
                                  grad_input=fp8("torch_scaled_mm", e5m2, e4m3), grad_weight=hp),
-        # All three in FP8: grad-weight needs column-wise scales (quantized from transposes).
+        # All three in FP8: grad-weight contracts over M, so its operands dZ^T and H^T come from
+        # the transposing quantizer: one scale per column of dZ / H (row-wise of the
+        # transposes, two passes: column amax, then quantize) or ...
         "fp8 +wgrad": LinearPlan(forward=fp8("triton", e4m3, fast=True),
                                  grad_input=fp8("torch_scaled_mm", e5m2, e4m3),
                                  grad_weight=fp8("torch_scaled_mm", e5m2, e4m3, fast=True)),
+        # ... one tensor-wise scale each, from the row amaxes the fused LayerNorm and
+        # ReLU-backward kernels already computed (one pass).
+        "fp8 +wgrad tw": LinearPlan(forward=fp8("triton", e4m3, fast=True),
+                                    grad_input=fp8("torch_scaled_mm", e5m2, e4m3),
+                                    grad_weight=fp8("torch_scaled_mm", e5m2, e4m3, fast=True,
+                                                    scaling=Scaling.TENSORWISE)),
     }
 
 

@@ -43,6 +43,7 @@ from loka_train.kernels.linear import (
     quantize_operand,
     run_backend,
     use_fused_quantizer,
+    use_transposed_quantizer,
 )
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 
@@ -55,6 +56,11 @@ FUSED_ACTIVATIONS = ("none", "relu", "silu")
 
 def _fusable(plan: GemmPlan, t: Tensor) -> bool:
     return plan.is_fp8 and use_fused_quantizer(plan, t, plan.fmt)
+
+
+def _transposable(plan: GemmPlan, t_MC: Tensor) -> bool:
+    """Whether the grad-weight GEMM's operand ``t^T`` takes the transposing quantizer."""
+    return plan.is_fp8 and use_transposed_quantizer(plan, t_MC.t(), plan.fmt)
 
 
 def _gemm_act(plan, a_q, b_q, *, bias, activation, out_dtype, role):
@@ -86,6 +92,7 @@ class _LnLinearActFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, plan, activation, eps, out_dtype):
         from loka_train.kernels import triton_kernels as tk
+        from loka_train.kernels.triton_block import transposed_quant
 
         dev = x.device.type
         cdtype = _compute_dtype(x)
@@ -98,16 +105,23 @@ class _LnLinearActFn(torch.autograd.Function):
             lnb = None if ln_bias is None else ln_bias.to(cdtype)
             odtype = cdtype if out_dtype is None else out_dtype
             fwd = plan.forward
+            gw = plan.grad_weight
             pre_MN = None
-            if _fusable(fwd, x_MK):
-                q, s, h_MK, mean, rstd = tk.fused_rowwise_quant(
+            # The grad-weight GEMM's H^T, quantized here (then H itself need not be kept).
+            h_t_q = None
+            fused_ln = _fusable(fwd, x_MK)
+            if fused_ln:
+                tensorwise_gw = _transposable(gw, x_MK) and gw.scaling is Scaling.TENSORWISE
+                q, s, h_MK, mean, rstd, h_amax = tk.fused_rowwise_quant(
                     x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
-                    return_hp=True,
+                    return_hp=True, return_amax=tensorwise_gw,
                 )
-                # native_layer_norm keeps its statistics in fp32 on CUDA, in x's dtype on CPU.
-                stat_dtype = torch.float32 if x_MK.is_cuda else cdtype
-                mean = mean.reshape(-1, 1).to(stat_dtype)
-                rstd = rstd.reshape(-1, 1).to(stat_dtype)
+                if tensorwise_gw:
+                    # The rows' amaxes give the tensor-wise scale: no second pass for it.
+                    hq, hs, _ = transposed_quant(h_MK, fmt=gw.operand_b_fmt, amax=h_amax.amax())
+                    h_t_q = QTensor(data=hq, scale=hs, fmt=gw.operand_b_fmt,
+                                    scaling=Scaling.TENSORWISE, axis=1)
+                    h_MK = None
                 w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True)
                 h_q = QTensor(data=q, scale=s, fmt=fwd.fmt, scaling=Scaling.ROWWISE, axis=1)
                 y_MN, pre_MN = _gemm_act(
@@ -125,8 +139,13 @@ class _LnLinearActFn(torch.autograd.Function):
                 y_MN = _act(z_MN, activation)
                 if activation == "silu":
                     pre_MN = z_MN
-        ctx.save_for_backward(x_MK, h_MK, mean, rstd, lnw, lnb, wc, y_MN, pre_MN)
+        ctx.save_for_backward(
+            x_MK, h_MK, mean, rstd, lnw, lnb, wc, y_MN, pre_MN,
+            *((None, None) if h_t_q is None else (h_t_q.data, h_t_q.scale)),
+        )
         ctx.plan, ctx.activation, ctx.cdtype = plan, activation, cdtype
+        # Statistics from the fused kernel are fp32 (M,): Triton's LayerNorm backward takes them.
+        ctx.fused_ln = fused_ln
         ctx.x_shape = x.shape
         ctx.dtypes = tuple(
             None if t is None else t.dtype for t in (x, ln_weight, ln_bias, weight, bias)
@@ -136,8 +155,9 @@ class _LnLinearActFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         from loka_train.kernels import triton_kernels as tk
+        from loka_train.kernels.triton_block import layernorm_backward, transposed_quant
 
-        x_MK, h_MK, mean, rstd, lnw, lnb, wc, y_MN, pre_MN = ctx.saved_tensors
+        x_MK, h_MK, mean, rstd, lnw, lnb, wc, y_MN, pre_MN, hq_data, hq_scale = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         cdtype = ctx.cdtype
         x_dt, lnw_dt, lnb_dt, w_dt, b_dt = ctx.dtypes
@@ -145,10 +165,15 @@ class _LnLinearActFn(torch.autograd.Function):
         with torch.autocast(grad_y.device.type, enabled=False):
             dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
             dz_q = None
-            gi = plan.grad_input
+            dz_amax = None
+            gi, gw = plan.grad_input, plan.grad_weight
+            # dZ^T for an FP8 grad-weight GEMM comes from the transposing quantizer, which also
+            # sums dZ's columns (the bias gradient) in the same read.
+            gw_transposed = need[3] and _transposable(gw, dy_MN)
             if ctx.activation == "relu" and _fusable(gi, dy_MN):
-                q, s, dz_MN, _, _ = tk.fused_rowwise_quant(
-                    dy_MN, fmt=gi.fmt, gate=y_MN, return_hp=True
+                q, s, dz_MN, _, _, dz_amax = tk.fused_rowwise_quant(
+                    dy_MN, fmt=gi.fmt, gate=y_MN, return_hp=True,
+                    return_amax=gw_transposed and gw.scaling is Scaling.TENSORWISE,
                 )
                 dz_q = QTensor(data=q, scale=s, fmt=gi.fmt, scaling=Scaling.ROWWISE, axis=1)
             elif ctx.activation == "relu":
@@ -171,22 +196,47 @@ class _LnLinearActFn(torch.autograd.Function):
                 dh_MK = dz_MN.mm(wc)
 
             grad_w = grad_b = None
+            need_db = need[4] and b_dt is not None
             if need[3]:
-                gw = plan.grad_weight
                 if gw.is_fp8:
+                    dz_t_q = None
+                    if gw_transposed:
+                        tensorwise = gw.scaling is Scaling.TENSORWISE
+                        amax = dz_amax.amax() if tensorwise and dz_amax is not None else None
+                        q, s, colsum = transposed_quant(
+                            dz_MN, fmt=gw.fmt, amax=amax, per_column=not tensorwise,
+                            return_colsum=need_db,
+                        )
+                        dz_t_q = QTensor(data=q, scale=s, fmt=gw.fmt, scaling=gw.scaling, axis=1)
+                        if need_db:
+                            grad_b = colsum.to(b_dt)
+                    h_t_q = None
+                    if hq_data is not None:
+                        h_t_q = QTensor(data=hq_data, scale=hq_scale, fmt=gw.operand_b_fmt,
+                                        scaling=Scaling.TENSORWISE, axis=1)
                     grad_w = fp8_gemm_planned(
-                        dz_MN.t(), h_MK.t(), gw, out_dtype=torch.float32, role="grad_weight"
+                        dz_MN.t(), None if h_MK is None else h_MK.t(), gw,
+                        out_dtype=torch.float32, role="grad_weight", a_q=dz_t_q, b_q=h_t_q,
                     ).to(w_dt)
                 else:
                     grad_w = dz_MN.t().mm(h_MK).to(w_dt)  # autograd's order (see linear.py)
-            if need[4] and b_dt is not None:
+            if need_db and grad_b is None:
                 grad_b = dz_MN.sum(0).to(b_dt)
 
             k = x_MK.shape[1]
-            dx_MK, dlnw, dlnb = torch.ops.aten.native_layer_norm_backward(
-                dh_MK, x_MK, [k], mean, rstd, lnw, lnb,
-                [need[0], lnw is not None and need[1], lnb is not None and need[2]],
-            )
+            ln_needs = [need[0], lnw is not None and need[1], lnb is not None and need[2]]
+            if ctx.fused_ln:
+                dx_MK, dlnw, dlnb = layernorm_backward(
+                    dh_MK, x_MK, mean, rstd, lnw,
+                    need_dx=ln_needs[0], need_dw=ln_needs[1], need_db=ln_needs[2],
+                )
+                dx_MK, dlnw, dlnb = (
+                    t if want else None for t, want in zip((dx_MK, dlnw, dlnb), ln_needs)
+                )
+            else:
+                dx_MK, dlnw, dlnb = torch.ops.aten.native_layer_norm_backward(
+                    dh_MK, x_MK, [k], mean, rstd, lnw, lnb, ln_needs
+                )
         grad_x = None if dx_MK is None else dx_MK.reshape(ctx.x_shape).to(x_dt)
         dlnw = None if dlnw is None else dlnw.to(lnw_dt)
         dlnb = None if dlnb is None else dlnb.to(lnb_dt)

@@ -47,10 +47,12 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "fp8_linear",
     "fp8_gemm_planned",
+    "is_transposed_view",
     "quantize_operand",
     "run_backend",
     "transposed_reuse",
     "use_fused_quantizer",
+    "use_transposed_quantizer",
 ]
 
 
@@ -88,18 +90,50 @@ def use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
     return triton_runnable(t.device)[0]
 
 
+def is_transposed_view(t: Tensor) -> bool:
+    """Whether ``t`` is the transpose of a contiguous 2-D tensor (and not contiguous itself)."""
+    return t.ndim == 2 and not t.is_contiguous() and t.t().is_contiguous()
+
+
+def use_transposed_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
+    """Whether :func:`quantize_operand` quantizes ``t`` (a transposed view: ``W^T``, ``dY^T``,
+    ``X^T``) with the transposing Triton quantizer instead of copying it contiguous first."""
+    if not (
+        plan.backend in _FUSED_QUANT_BACKENDS
+        and plan.scaling in (Scaling.ROWWISE, Scaling.TENSORWISE)
+        and fmt in (Fp8Format.E4M3, Fp8Format.E5M2)
+        and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and is_transposed_view(t)
+    ):
+        return False
+    if plan.backend != "triton" and not TRITON_INSTALLED:
+        return False
+    from loka_train.kernels.triton_kernels import triton_runnable
+
+    return triton_runnable(t.device)[0]
+
+
 def quantize_operand(t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:
     """Quantize a 2-D GEMM operand along its last (contraction) dim as ``plan`` asks.
 
     Row-wise operands of the triton, torch_scaled_mm and fbgemm_rowwise backends go through the
-    fused one-pass quantizer (``loka::rowwise_quant``) where Triton runs; everything else through
-    the reference :func:`formats.quantize`. Under block scaling, weights get 128x128 tiles and
-    activations/gradients 1x128 groups.
+    fused one-pass quantizer (``loka::rowwise_quant``) where Triton runs, and row-wise or
+    tensor-wise operands that are transposed views (the backward GEMMs' ``W^T``, ``dY^T``,
+    ``X^T``) through the transposing one (``loka::transposed_quant``: no transposed copy);
+    everything else through the reference :func:`formats.quantize`. Both kernels give the
+    reference's codes and scales bit for bit. Under block scaling, weights get 128x128 tiles
+    and activations/gradients 1x128 groups.
     """
+    if use_transposed_quantizer(plan, t_RC, fmt):
+        from loka_train.kernels.triton_block import transposed_quant
+
+        rowwise = plan.scaling is Scaling.ROWWISE
+        q, scale, _ = transposed_quant(t_RC.t(), fmt=fmt, per_column=rowwise)
+        return QTensor(data=q, scale=scale, fmt=fmt, scaling=plan.scaling, axis=1)
     if use_fused_quantizer(plan, t_RC, fmt):
         from loka_train.kernels.triton_kernels import fused_rowwise_quant
 
-        q, scale, _, _, _ = fused_rowwise_quant(t_RC.contiguous(), fmt=fmt)
+        q, scale, _, _, _, _ = fused_rowwise_quant(t_RC.contiguous(), fmt=fmt)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.ROWWISE, axis=1)
     block_2d = is_weight and plan.scaling is Scaling.BLOCK
     return quantize(t_RC, fmt, plan.scaling, axis=-1, block_2d=block_2d)

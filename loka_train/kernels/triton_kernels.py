@@ -21,7 +21,7 @@ Shape legend: ``M`` rows (batch), ``K`` contraction / normalized dim, ``N`` outp
 
 Example:
     >>> x_MK = torch.randn(64, 32)
-    >>> q_MK, scale_M1, ln_MK, mean_M, rstd_M = fused_rowwise_quant(
+    >>> q_MK, scale_M1, ln_MK, mean_M, rstd_M, _ = fused_rowwise_quant(
     ...     x_MK, layernorm=True, activation="none", fmt=Fp8Format.E4M3, return_hp=True)
     >>> w_NK = quantize(torch.randn(16, 32), Fp8Format.E4M3, Scaling.ROWWISE)
     >>> y_MN, _ = fp8_gemm(q_MK, w_NK.data, scale_M1, w_NK.scale, activation="relu")
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 
 import torch
@@ -165,6 +166,7 @@ def _rowwise_quant_kernel(
     hp_ptr,
     mean_ptr,
     rstd_ptr,
+    amax_ptr,
     M,
     K,
     stride_xm,
@@ -179,6 +181,7 @@ def _rowwise_quant_kernel(
     HAS_B: tl.constexpr,
     ACT: tl.constexpr,
     STORE_HP: tl.constexpr,
+    STORE_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HP_MANT: tl.constexpr,
@@ -239,6 +242,10 @@ def _rowwise_quant_kernel(
         mask=mask,
     )
     tl.store(scale_ptr + rows, scale, mask=rmask)
+    if STORE_AMAX:
+        # NaN for a row with a non-finite value: a tensor-wise scale built from these is NaN,
+        # as the reference's is.
+        tl.store(amax_ptr + rows, tl.where(num_bad > 0, float("nan"), amax), mask=rmask)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -268,7 +275,8 @@ def _rowwise_quant_impl(
     activation: str,
     fmt: str,
     return_hp: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return_amax: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     fmt_ = _triton_fmt(fmt)
     if x.ndim != 2:
         raise ValueError(f"rowwise_quant expects a 2-D input, got shape {tuple(x.shape)}")
@@ -292,9 +300,11 @@ def _rowwise_quant_impl(
     stats_shape = (m,) if layernorm else (0,)
     mean = torch.empty(stats_shape, device=x.device, dtype=torch.float32)
     rstd = torch.empty(stats_shape, device=x.device, dtype=torch.float32)
+    amax = torch.empty((m,) if return_amax else (0,), device=x.device, dtype=torch.float32)
     if m == 0 or k == 0:
         scale.fill_(1.0)
-        return q, scale, hp, mean, rstd
+        amax.zero_()
+        return q, scale, hp, mean, rstd, amax
     block_m, block_k, num_warps = _quant_launch_params(k)
     qr = _sw_round_args(q.dtype)
     dummy = scale  # never read: the constexpr flags switch its use off
@@ -308,6 +318,7 @@ def _rowwise_quant_impl(
         hp if return_hp else dummy,
         mean if layernorm else dummy,
         rstd if layernorm else dummy,
+        amax if return_amax else dummy,
         m,
         k,
         x.stride(0),
@@ -322,6 +333,7 @@ def _rowwise_quant_impl(
         HAS_B=ln_bias is not None,
         ACT=act,
         STORE_HP=return_hp,
+        STORE_AMAX=return_amax,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         HP_MANT=_sw_round_args(x.dtype)["MANT"],
@@ -330,7 +342,7 @@ def _rowwise_quant_impl(
         Q_MIN_NORMAL=qr["MIN_NORMAL"],
         num_warps=num_warps,
     )
-    return q, scale, hp, mean, rstd
+    return q, scale, hp, mean, rstd, amax
 
 
 @torch.library.custom_op("loka::rowwise_quant", mutates_args=())
@@ -344,20 +356,25 @@ def _rowwise_quant_op(
     activation: str,
     fmt: str,
     return_hp: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return_amax: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _rowwise_quant_impl(
-        x, gate, ln_weight, ln_bias, eps, layernorm, activation, fmt, return_hp
+        x, gate, ln_weight, ln_bias, eps, layernorm, activation, fmt, return_hp, return_amax
     )
 
 
 @_rowwise_quant_op.register_fake
-def _rowwise_quant_fake(x, gate, ln_weight, ln_bias, eps, layernorm, activation, fmt, return_hp):
+def _rowwise_quant_fake(
+    x, gate, ln_weight, ln_bias, eps, layernorm, activation, fmt, return_hp, return_amax
+):
     m, k = x.shape
     q = x.new_empty((m, k), dtype=Fp8Format(fmt).dtype)
     scale = x.new_empty((m, 1), dtype=torch.float32)
     hp = x.new_empty((m, k) if return_hp else (0,))
     stats = (m,) if layernorm else (0,)
-    return q, scale, hp, x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
+    f32 = torch.float32
+    amax = x.new_empty((m,) if return_amax else (0,), dtype=f32)
+    return q, scale, hp, x.new_empty(stats, dtype=f32), x.new_empty(stats, dtype=f32), amax
 
 
 def fused_rowwise_quant(
@@ -371,7 +388,8 @@ def fused_rowwise_quant(
     eps: float = 1e-5,
     activation: str = "none",
     return_hp: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return_amax: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Producer + row-wise FP8 quantization in one pass (op ``loka::rowwise_quant``).
 
     Computes ``h = act(layer_norm(x * (gate > 0)) * w + b)`` (each stage optional; the gate
@@ -389,12 +407,16 @@ def fused_rowwise_quant(
         eps: LayerNorm epsilon.
         activation: "none", "relu" or "silu", applied after the LayerNorm.
         return_hp: also return ``h`` in ``x.dtype`` (what backward needs).
+        return_amax: also return each row's ``max |h|`` (NaN for a row with a non-finite
+            value): their max is the tensor-wise amax, with no second pass over ``h``.
 
     Returns:
-        ``(q_MK, scale_M1, h_MK, mean_M, rstd_M)``; ``h`` is empty (shape (0,)) unless
-        ``return_hp``; ``mean``/``rstd`` are empty unless ``layernorm``.
+        ``(q_MK, scale_M1, h_MK, mean_M, rstd_M, amax_M)``; ``h`` is empty (shape (0,))
+        unless ``return_hp``; ``mean``/``rstd`` unless ``layernorm``; ``amax`` unless
+        ``return_amax``.
     """
-    args = (x_MK, gate, ln_weight, ln_bias, eps, layernorm, activation, Fp8Format(fmt).value, return_hp)
+    args = (x_MK, gate, ln_weight, ln_bias, eps, layernorm, activation, Fp8Format(fmt).value,
+            return_hp, return_amax)
     if torch.compiler.is_compiling():
         return torch.ops.loka.rowwise_quant(*args)
     # Eager: skip the custom-op dispatcher (tens of microseconds per call on the hot path).
@@ -412,7 +434,8 @@ def rowwise_quant_reference(
     eps: float = 1e-5,
     activation: str = "none",
     return_hp: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return_amax: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Pure-PyTorch reference of :func:`fused_rowwise_quant` (same signature and outputs)."""
     act = _act_id(activation)
     h = x_MK.float()
@@ -434,7 +457,8 @@ def rowwise_quant_reference(
     h = h.to(x_MK.dtype)
     qt = quantize(h, fmt, Scaling.ROWWISE, axis=-1)
     hp = h if return_hp else h.new_empty((0,))
-    return qt.data, qt.scale, hp, mean, rstd
+    amax = torch.linalg.vector_norm(h.float(), ord=math.inf, dim=1) if return_amax else mean.new_empty((0,))
+    return qt.data, qt.scale, hp, mean, rstd, amax
 
 
 # --------------------------------------------------------------------------------------------

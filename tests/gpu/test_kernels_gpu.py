@@ -10,6 +10,8 @@ Triton quantizer: scales equal ``formats.quantize`` of the kernel's own high-pre
 to 1 ulp of fp32, and at most 0.1 % of FP8 codes differ, by one step (GPU division rounding).
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,8 +161,8 @@ def test_triton_quantizer_vs_reference(fmt, layernorm, activation, m, k):
     kw = dict(fmt=fmt, layernorm=layernorm, activation=activation, return_hp=True)
     if layernorm:
         kw.update(ln_weight=(1 + _gauss(k, seed=1)).bfloat16(), ln_bias=_gauss(k, seed=2).bfloat16())
-    q, s, h, _, _ = tk.fused_rowwise_quant(x, **kw)
-    _, _, rh, _, _ = tk.rowwise_quant_reference(x, **kw)
+    q, s, h, _, _, _ = tk.fused_rowwise_quant(x, **kw)
+    _, _, rh, _, _, _ = tk.rowwise_quant_reference(x, **kw)
     assert float(sqnr_db(rh, h)) > 45  # bf16 LayerNorm, different reduction order
     own = quantize(h, fmt, Scaling.ROWWISE)
     torch.testing.assert_close(s, own.scale, rtol=2e-7, atol=0)
@@ -171,6 +173,69 @@ def test_triton_quantizer_vs_reference(fmt, layernorm, activation, m, k):
         qi = q.view(torch.uint8)[diff].int()
         ri = own.data.view(torch.uint8)[diff].int()
         assert int((qi - ri).abs().max()) <= 1
+
+
+def _codes_match(q, ref):
+    """At most 0.1 % of FP8 codes differ from the reference's, each by one step (the GPU's
+    fp32 division is not IEEE-rounded in every case)."""
+    diff = q.float() != ref.float()
+    assert float(diff.float().mean()) <= 1e-3
+    if diff.any():
+        qi = q.view(torch.uint8)[diff].int()
+        ri = ref.view(torch.uint8)[diff].int()
+        assert int((qi - ri).abs().max()) <= 1
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+@pytest.mark.parametrize("per_column", [False, True], ids=["tensorwise", "per_column"])
+@pytest.mark.parametrize(("r", "c"), [(8192, 1024), (1000, 300), (4096, 4096)])
+def test_transposed_quant_vs_reference(fmt, per_column, r, c):
+    from loka_train.kernels import triton_block as tb
+
+    _require_fp8()
+    x = (3 * _gauss(r, c)).bfloat16()
+    q, s, colsum = tb.transposed_quant(x, fmt=fmt, per_column=per_column, return_colsum=True)
+    rq, rs, rcol = tb.transposed_quant_reference(x, fmt=fmt, per_column=per_column, return_colsum=True)
+    assert q.shape == (c, r) and q.is_contiguous()
+    torch.testing.assert_close(s, rs, rtol=0, atol=0)
+    _codes_match(q, rq)
+    assert float(sqnr_db(rcol, colsum)) > 100  # fp32 sums, another order
+    if not per_column:  # the amax a fused producer hands over gives the same result
+        q2, s2, _ = tb.transposed_quant(x, fmt=fmt, amax=x.float().abs().amax())
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize(("m", "k"), [(8192, 1024), (1000, 4096), (4096, 96)])
+def test_layernorm_backward_vs_aten(m, k):
+    from loka_train.kernels import triton_block as tb
+
+    _require_fp8()
+    x = (2 + 3 * _gauss(m, k)).bfloat16()
+    w = (1 + 0.1 * _gauss(k, seed=1)).bfloat16()
+    b = (0.1 * _gauss(k, seed=2)).bfloat16()
+    dy = _gauss(m, k, seed=3).bfloat16()
+    _, mean, rstd = torch.native_layer_norm(x, [k], w, b, 1e-5)  # fp32 statistics on CUDA
+    ref = torch.ops.aten.native_layer_norm_backward(dy, x, [k], mean, rstd, w, b, [True] * 3)
+    got = tb.layernorm_backward(dy, x, mean.reshape(-1), rstd.reshape(-1), w)
+    # Both compute in fp32 and round once to bf16: they differ in summation order only.
+    for name, r, o in zip(["dx", "dw", "db"], ref, got):
+        assert o.dtype == r.dtype and o.shape == r.shape, name
+        assert float(sqnr_db(r.float(), o.float())) > 45, name
+
+
+def test_opcheck_block_kernels_on_cuda():
+    from loka_train.kernels import triton_block as tb  # noqa: F401  (registers the ops)
+
+    _require_fp8()
+    x = _gauss(256, 128, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, None, "e4m3", True, True))
+    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, x.float().abs().amax(), "e5m2", False, False))
+    mean = x.float().mean(1)
+    rstd = torch.rsqrt(x.float().var(1, unbiased=False) + 1e-5)
+    torch.library.opcheck(
+        torch.ops.loka.layernorm_backward.default,
+        (_gauss(256, 128, seed=1, dtype=torch.bfloat16), x, mean, rstd, torch.ones(128, device=DEV, dtype=torch.bfloat16), True, True, True),
+    )
 
 
 @pytest.mark.parametrize(("m", "k", "n"), [(2048, 256, 256), (8192, 1024, 1024), (1000, 4096, 64), (4096, 512, 2048)])
@@ -197,7 +262,7 @@ def test_opcheck_rowwise_quant_on_cuda():
     x = _gauss(64, 128, dtype=torch.bfloat16)
     torch.library.opcheck(
         torch.ops.loka.rowwise_quant.default,
-        (x, None, torch.ones(128, device=DEV, dtype=torch.bfloat16), None, 1e-5, True, "relu", "e4m3", True),
+        (x, None, torch.ones(128, device=DEV, dtype=torch.bfloat16), None, 1e-5, True, "relu", "e4m3", True, True),
     )
 
 
@@ -216,7 +281,7 @@ def test_opcheck_fp8_gemm_on_cuda():
 
 
 @pytest.mark.parametrize("activation", ["relu", "silu"])
-@pytest.mark.parametrize("backend", ["triton", "torch_scaled_mm"])
+@pytest.mark.parametrize("backend", ["triton", "torch_scaled_mm", "tensorwise_grad_weight"])
 def test_fused_block_matches_unfused_on_gpu(activation, backend):
     _require_fp8()
     m, k, n = 2048, 512, 256
@@ -235,8 +300,17 @@ def test_fused_block_matches_unfused_on_gpu(activation, backend):
         y.backward(g)
         return [y.detach()] + [p.grad for p in leaves]
 
-    fused = run(LinearPlan.fp8(backend=backend))
-    unfused = run(LinearPlan.fp8(backend="emulated"))
+    if backend == "tensorwise_grad_weight":
+        # dZ^T and H^T from the transposing quantizer with the fused kernels' row amaxes.
+        plan = LinearPlan.fp8(backend="torch_scaled_mm")
+        plan = dataclasses.replace(plan, grad_weight=dataclasses.replace(plan.grad_weight, scaling=Scaling.TENSORWISE))
+        ref_plan = dataclasses.replace(plan, grad_weight=dataclasses.replace(plan.grad_weight, backend="emulated"),
+                                       forward=dataclasses.replace(plan.forward, backend="emulated"),
+                                       grad_input=dataclasses.replace(plan.grad_input, backend="emulated"))
+    else:
+        plan, ref_plan = LinearPlan.fp8(backend=backend), LinearPlan.fp8(backend="emulated")
+    fused = run(plan)
+    unfused = run(ref_plan)
     for i, (r, o) in enumerate(zip(unfused, fused)):
         assert float(sqnr_db(r, o)) > 30, i
     # And close to the bf16 block.

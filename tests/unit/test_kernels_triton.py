@@ -33,8 +33,8 @@ def test_rowwise_quant_matches_reference(fmt, dtype, layernorm, affine, activati
     kw = dict(fmt=fmt, layernorm=layernorm, activation=activation, return_hp=True)
     if affine:
         kw.update(ln_weight=(1 + _gauss(50, seed=1)).to(dtype), ln_bias=_gauss(50, seed=2).to(dtype))
-    q, s, h, mean, rstd = tk.fused_rowwise_quant(x, **kw)
-    rq, rs, rh, rmean, rstd_ref = tk.rowwise_quant_reference(x, **kw)
+    q, s, h, mean, rstd, _ = tk.fused_rowwise_quant(x, **kw)
+    rq, rs, rh, rmean, rstd_ref, _ = tk.rowwise_quant_reference(x, **kw)
     assert q.dtype == fmt.dtype and q.shape == x.shape and s.shape == (37, 1)
     assert h.dtype == dtype and h.shape == x.shape
     torch.testing.assert_close(h.float(), rh.float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 8e-3)
@@ -59,7 +59,7 @@ def test_rowwise_quant_rounds_like_torch_at_binade_edges(fmt):
     row = torch.tensor([fmt.max, 124.7, 125.0, 31.4, 0.75 * fmt.min_normal, 1.5 * fmt.min_subnormal,
                         0.49 * fmt.min_subnormal, -31.4, 57.0, 59.0, 61.0, 63.0])
     x = row[None, :].repeat(3, 1) * torch.tensor([[1.0], [-1.0], [0.5]])
-    q, s, _, _, _ = tk.fused_rowwise_quant(x, fmt=fmt)
+    q, s, _, _, _, _ = tk.fused_rowwise_quant(x, fmt=fmt)
     ref = quantize(x, fmt, Scaling.ROWWISE)
     assert torch.equal(q.view(torch.uint8), ref.data.view(torch.uint8))
 
@@ -67,9 +67,9 @@ def test_rowwise_quant_rounds_like_torch_at_binade_edges(fmt):
 def test_rowwise_quant_relu_backward_gate():
     dy = _gauss(20, 33)
     y = _gauss(20, 33, seed=1)
-    q, s, dz, _, _ = tk.fused_rowwise_quant(dy, fmt=Fp8Format.E5M2, gate=y, return_hp=True)
+    q, s, dz, _, _, _ = tk.fused_rowwise_quant(dy, fmt=Fp8Format.E5M2, gate=y, return_hp=True)
     torch.testing.assert_close(dz, torch.where(y > 0, dy, torch.zeros_like(dy)), atol=0, rtol=0)
-    rq, rs, _, _, _ = tk.rowwise_quant_reference(dy, fmt=Fp8Format.E5M2, gate=y)
+    rq, rs, _, _, _, _ = tk.rowwise_quant_reference(dy, fmt=Fp8Format.E5M2, gate=y)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
 
 
@@ -78,7 +78,7 @@ def test_rowwise_quant_zeros_nan_and_saturation():
     x[0] = 0.0
     x[1, 3] = float("nan")
     x[2, 5] = 1e30
-    q, s, _, _, _ = tk.fused_rowwise_quant(x, fmt=Fp8Format.E5M2)
+    q, s, _, _, _, _ = tk.fused_rowwise_quant(x, fmt=Fp8Format.E5M2)
     assert s[0, 0] == 1.0 and torch.equal(q[0].float(), torch.zeros(16))
     assert torch.isnan(s[1, 0])
     assert torch.isfinite(s[[0, 2, 3]]).all()
@@ -147,10 +147,10 @@ def test_fp8_gemm_rejects_bad_input():
 
 def test_opcheck_rowwise_quant():
     x = _gauss(8, 32)
-    args = (x, None, torch.ones(32), torch.zeros(32), 1e-5, True, "relu", "e4m3", True)
+    args = (x, None, torch.ones(32), torch.zeros(32), 1e-5, True, "relu", "e4m3", True, True)
     torch.library.opcheck(torch.ops.loka.rowwise_quant.default, args)
     gate = _gauss(8, 32, seed=1)
-    args = (x, gate, None, None, 1e-5, False, "none", "e5m2", False)
+    args = (x, gate, None, None, 1e-5, False, "none", "e5m2", False, False)
     torch.library.opcheck(torch.ops.loka.rowwise_quant.default, args)
 
 
