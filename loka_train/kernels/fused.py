@@ -40,6 +40,7 @@ from loka_train.kernels.formats import QTensor, Scaling
 from loka_train.kernels.linear import (
     _compute_dtype,
     fp8_gemm_planned,
+    grad_weight_dtype,
     quantize_operand,
     run_backend,
     use_fused_quantizer,
@@ -117,8 +118,8 @@ class _LnLinearActFn(torch.autograd.Function):
                     return_hp=True, return_amax=tensorwise_gw,
                 )
                 if tensorwise_gw:
-                    # The rows' amaxes give the tensor-wise scale: no second pass for it.
-                    hq, hs, _ = transposed_quant(h_MK, fmt=gw.operand_b_fmt, amax=h_amax.amax())
+                    # The fused kernel computed the tensor-wise amax: no second pass for it.
+                    hq, hs, _ = transposed_quant(h_MK, fmt=gw.operand_b_fmt, amax=h_amax)
                     h_t_q = QTensor(data=hq, scale=hs, fmt=gw.operand_b_fmt,
                                     scaling=Scaling.TENSORWISE, axis=1)
                     h_MK = None
@@ -202,7 +203,7 @@ class _LnLinearActFn(torch.autograd.Function):
                     dz_t_q = None
                     if gw_transposed:
                         tensorwise = gw.scaling is Scaling.TENSORWISE
-                        amax = dz_amax.amax() if tensorwise and dz_amax is not None else None
+                        amax = dz_amax if tensorwise and dz_amax is not None else None
                         q, s, colsum = transposed_quant(
                             dz_MN, fmt=gw.fmt, amax=amax, per_column=not tensorwise,
                             return_colsum=need_db,
@@ -216,7 +217,8 @@ class _LnLinearActFn(torch.autograd.Function):
                                         scaling=Scaling.TENSORWISE, axis=1)
                     grad_w = fp8_gemm_planned(
                         dz_MN.t(), None if h_MK is None else h_MK.t(), gw,
-                        out_dtype=torch.float32, role="grad_weight", a_q=dz_t_q, b_q=h_t_q,
+                        out_dtype=grad_weight_dtype(w_dt), role="grad_weight", a_q=dz_t_q,
+                        b_q=h_t_q,
                     ).to(w_dt)
                 else:
                     grad_w = dz_MN.t().mm(h_MK).to(w_dt)  # autograd's order (see linear.py)

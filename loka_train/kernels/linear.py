@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "fp8_linear",
     "fp8_gemm_planned",
+    "grad_weight_dtype",
     "is_transposed_view",
     "quantize_operand",
     "run_backend",
@@ -222,6 +223,13 @@ def transposed_reuse(q: QTensor | None, fmt: Fp8Format, plan: GemmPlan) -> QTens
     return QTensor(data=q.data.t(), scale=q.scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
 
 
+def grad_weight_dtype(w_dtype: torch.dtype) -> torch.dtype:
+    """Output dtype of an FP8 grad-weight GEMM: the weight's own when a backend writes it
+    (fp32 master weights, or bf16: one rounding of the fp32 accumulator either way, without a
+    separate conversion pass over dW), else fp32."""
+    return w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
 def _compute_dtype(x: Tensor) -> torch.dtype:
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
@@ -312,8 +320,8 @@ class _PlannedLinearFn(torch.autograd.Function):
                     x_q_t = reused(xq_data, xq_scale, gw.operand_b_fmt)
                     x_KM = None if xc is None else xc.reshape(-1, xc.shape[-1]).t()
                     grad_w = fp8_gemm_planned(
-                        dy_MN.t(), x_KM, gw, out_dtype=torch.float32, role="grad_weight",
-                        a_q=dy_q_t, b_q=x_q_t,
+                        dy_MN.t(), x_KM, gw, out_dtype=grad_weight_dtype(w_dtype),
+                        role="grad_weight", a_q=dy_q_t, b_q=x_q_t,
                     ).to(w_dtype)
                 else:
                     # The GEMM autograd's linear backward runs (mm_mat2_backward with a

@@ -54,11 +54,52 @@ __all__ = [
 ]
 
 _TILE = 64  # rows x columns of one transposed_quant program (measured: 64-128 all ~equal)
+# Rows per program of the column-amax kernel: its partial maxima (one row per program row)
+# are few enough for every quantizing program to reduce the ones of its columns itself.
+_AMAX_ROWS = 256
 
 
 # --------------------------------------------------------------------------------------------
 # (1) transposed quantization
 # --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sum_parts_kernel(
+    part_ptr, out0_ptr, out1_ptr, P, C,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, OUT_MANT: tl.constexpr,
+):
+    """out_j[c] = sum over p of part[j, p, c] (fp32, fixed order), written in out's dtype."""
+    pc = tl.program_id(0)
+    j = tl.program_id(1)
+    cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        mask = (ps[:, None] < P) & (cols[None, :] < C)
+        acc += tl.sum(
+            tl.load(part_ptr + (j * P + ps[:, None]).to(tl.int64) * C + cols[None, :], mask=mask, other=0.0),
+            axis=0,
+        )
+    if OUT_MANT > 0:
+        acc = _round_rne(acc, OUT_MANT, 0.0, 0.0)
+    if j == 0:
+        tl.store(out0_ptr + cols, acc.to(out0_ptr.dtype.element_ty), mask=cols < C)
+    else:
+        tl.store(out1_ptr + cols, acc.to(out1_ptr.dtype.element_ty), mask=cols < C)
+
+
+def _sum_parts(part_JPC: Tensor, dtype: torch.dtype) -> list[Tensor]:
+    """``list(part.sum(1).to(dtype))`` (J <= 2) in one launch, as separate tensors (torch: a
+    slow column reduction plus a cast per output)."""
+    j, p, c = part_JPC.shape
+    assert j in (1, 2)
+    outs = [torch.empty((c,), device=part_JPC.device, dtype=dtype) for _ in range(j)]
+    _sum_parts_kernel[(_cdiv(c, 32), j)](
+        part_JPC, outs[0], outs[-1], p, c, BLOCK_P=64, BLOCK_C=32,
+        OUT_MANT=_sw_round_args(dtype)["MANT"], num_warps=4,
+    )
+    return outs
 
 
 @triton.jit
@@ -71,20 +112,23 @@ def _scale_of(amax, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def _col_amax_kernel(
-    x_ptr, part_ptr, R, C, stride_xr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    x_ptr, part_ptr, R, C, stride_xr,
+    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """part[program row, c] = max |x[rows, c]| over this program's rows (NaN if any is)."""
+    """part[p, c] = max |x[r, c]| over this program's ROWS rows r; inf if one is NaN (NaN and
+    inf amaxes both give a NaN scale; inf survives the max-reduction, NaN would not)."""
     pr = tl.program_id(0)
     pc = tl.program_id(1)
-    rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
-    a = tl.abs(x.to(tl.float32))
-    amax = tl.max(a, axis=0)
-    # tl.max drops NaN; inf stays inf (the scale turns it into NaN).
-    bad = tl.sum((a != a).to(tl.int32), axis=0)
-    amax = tl.where(bad > 0, float("nan"), amax)
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    end = tl.minimum(pr * ROWS + ROWS, R)
+    for r0 in range(pr * ROWS, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask = (rows[:, None] < end) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+        a = tl.abs(x.to(tl.float32))
+        a = tl.where(a != a, float("inf"), a)
+        amax = tl.maximum(amax, tl.max(a, axis=0))
     tl.store(part_ptr + pr * C + cols, amax, mask=cols < C)
 
 
@@ -97,6 +141,7 @@ def _transposed_quant_kernel(
     colsum_ptr,
     R,
     C,
+    NUM_PARTS,
     stride_xr,
     stride_qc,
     FP8_MAX: tl.constexpr,
@@ -118,7 +163,16 @@ def _transposed_quant_kernel(
         x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0
     ).to(tl.float32)
     if PER_COLUMN:
-        scale = _scale_of(tl.load(amax_ptr + cols, mask=cmask, other=0.0), FP8_MAX)
+        # amax_ptr holds the column-amax kernel's partial maxima (NUM_PARTS rows of C).
+        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for p0 in range(0, NUM_PARTS, 16):
+            ps = p0 + tl.arange(0, 16)
+            part = tl.load(
+                amax_ptr + ps[:, None] * C + cols[None, :],
+                mask=(ps[:, None] < NUM_PARTS) & cmask[None, :], other=0.0,
+            )
+            amax = tl.maximum(amax, tl.max(part, axis=0))
+        scale = _scale_of(amax, FP8_MAX)
         if pr == 0:
             tl.store(scale_ptr + cols, scale, mask=cmask)
         q = x / scale[None, :]
@@ -163,10 +217,15 @@ def _transposed_quant_impl(
         scale.fill_(1.0)
         return q, scale, colsum
     grid = (num_row_blocks, _cdiv(c, _TILE))
+    qr = _sw_round_args(q.dtype)
+    rounding = dict(Q_MANT=qr["MANT"], Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"])
+    num_parts = 0
     if per_column:
-        part = torch.empty((num_row_blocks, c), device=x.device, dtype=torch.float32)
-        _col_amax_kernel[grid](x, part, r, c, x.stride(0), BLOCK_R=_TILE, BLOCK_C=_TILE)
-        amax_ = part.amax(dim=0)  # propagates NaN
+        num_parts = _cdiv(r, _AMAX_ROWS)
+        amax_ = torch.empty((num_parts, c), device=x.device, dtype=torch.float32)
+        _col_amax_kernel[(num_parts, _cdiv(c, _TILE))](
+            x, amax_, r, c, x.stride(0), ROWS=_AMAX_ROWS, BLOCK_R=_TILE, BLOCK_C=_TILE
+        )
     elif amax is None:
         amax_ = torch.linalg.vector_norm(x, ord=float("inf")).float()
     else:
@@ -177,16 +236,13 @@ def _transposed_quant_impl(
         torch.empty((num_row_blocks, c), device=x.device, dtype=torch.float32)
         if return_colsum else scale
     )
-    qr = _sw_round_args(q.dtype)
     _transposed_quant_kernel[grid](
-        x, amax_, q, scale, col_part, r, c, x.stride(0), q.stride(0),
+        x, amax_, q, scale, col_part, r, c, num_parts, x.stride(0), q.stride(0),
         FP8_MAX=fmt_.max, PER_COLUMN=per_column, COLSUM=return_colsum,
-        BLOCK_R=_TILE, BLOCK_C=_TILE,
-        Q_MANT=qr["MANT"], Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"],
-        num_warps=4,
+        BLOCK_R=_TILE, BLOCK_C=_TILE, **rounding, num_warps=4,
     )
     if return_colsum:
-        colsum = col_part.sum(dim=0)  # fixed order: deterministic, unlike atomics
+        colsum = _sum_parts(col_part[None], torch.float32)[0]  # fixed order, unlike atomics
     return q, scale, colsum
 
 
@@ -381,10 +437,12 @@ def _layernorm_backward_impl(
         HP_MANT=_sw_round_args(x.dtype)["MANT"] if INTERPRETED else 0,
         num_warps=num_warps,
     )
-    if need_dw:
-        dw = parts[0].sum(dim=0).to(pdtype)
-    if need_db:
-        db = parts[1].sum(dim=0).to(pdtype)
+    if need_parts:
+        sums = _sum_parts(parts, pdtype)
+        if need_dw:
+            dw = sums[0]
+        if need_db:
+            db = sums[1]
     return dx, dw, db
 
 

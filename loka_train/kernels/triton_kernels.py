@@ -243,9 +243,10 @@ def _rowwise_quant_kernel(
     )
     tl.store(scale_ptr + rows, scale, mask=rmask)
     if STORE_AMAX:
-        # NaN for a row with a non-finite value: a tensor-wise scale built from these is NaN,
-        # as the reference's is.
-        tl.store(amax_ptr + rows, tl.where(num_bad > 0, float("nan"), amax), mask=rmask)
+        # The tensor's amax, inf where a value is non-finite (the tensor-wise scale is NaN
+        # either way, as the reference's is). One atomic per program: no second pass over h.
+        block_amax = tl.max(tl.where(rmask & (num_bad > 0), float("inf"), amax), axis=0)
+        tl.atomic_max(amax_ptr, block_amax)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -300,10 +301,10 @@ def _rowwise_quant_impl(
     stats_shape = (m,) if layernorm else (0,)
     mean = torch.empty(stats_shape, device=x.device, dtype=torch.float32)
     rstd = torch.empty(stats_shape, device=x.device, dtype=torch.float32)
-    amax = torch.empty((m,) if return_amax else (0,), device=x.device, dtype=torch.float32)
+    # Zero is the identity of the kernel's atomic max (amaxes are >= 0).
+    amax = torch.zeros((1,) if return_amax else (0,), device=x.device, dtype=torch.float32)
     if m == 0 or k == 0:
         scale.fill_(1.0)
-        amax.zero_()
         return q, scale, hp, mean, rstd, amax
     block_m, block_k, num_warps = _quant_launch_params(k)
     qr = _sw_round_args(q.dtype)
@@ -373,7 +374,7 @@ def _rowwise_quant_fake(
     hp = x.new_empty((m, k) if return_hp else (0,))
     stats = (m,) if layernorm else (0,)
     f32 = torch.float32
-    amax = x.new_empty((m,) if return_amax else (0,), dtype=f32)
+    amax = x.new_empty((1,) if return_amax else (0,), dtype=f32)
     return q, scale, hp, x.new_empty(stats, dtype=f32), x.new_empty(stats, dtype=f32), amax
 
 
@@ -407,11 +408,11 @@ def fused_rowwise_quant(
         eps: LayerNorm epsilon.
         activation: "none", "relu" or "silu", applied after the LayerNorm.
         return_hp: also return ``h`` in ``x.dtype`` (what backward needs).
-        return_amax: also return each row's ``max |h|`` (NaN for a row with a non-finite
-            value): their max is the tensor-wise amax, with no second pass over ``h``.
+        return_amax: also return ``max |h|`` over the whole tensor (inf if any value is
+            non-finite), the amax of a tensor-wise scale, with no second pass over ``h``.
 
     Returns:
-        ``(q_MK, scale_M1, h_MK, mean_M, rstd_M, amax_M)``; ``h`` is empty (shape (0,))
+        ``(q_MK, scale_M1, h_MK, mean_M, rstd_M, amax_1)``; ``h`` is empty (shape (0,))
         unless ``return_hp``; ``mean``/``rstd`` unless ``layernorm``; ``amax`` unless
         ``return_amax``.
     """
@@ -457,7 +458,10 @@ def rowwise_quant_reference(
     h = h.to(x_MK.dtype)
     qt = quantize(h, fmt, Scaling.ROWWISE, axis=-1)
     hp = h if return_hp else h.new_empty((0,))
-    amax = torch.linalg.vector_norm(h.float(), ord=math.inf, dim=1) if return_amax else mean.new_empty((0,))
+    amax = mean.new_empty((0,))
+    if return_amax:
+        hf = h.float()
+        amax = torch.where(hf.isfinite().all(), torch.linalg.vector_norm(hf, ord=math.inf), math.inf).reshape(1)
     return qt.data, qt.scale, hp, mean, rstd, amax
 
 

@@ -7,6 +7,8 @@ Tolerances (dB, fp32 compute):
     FP8 output vs fp32 F.linear (e4m3 x e4m3, Gaussian): > 25; gradients (e5m2 x e4m3): > 20
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -198,9 +200,19 @@ def _mixed_plan():
     return LinearPlan(forward=fwd, grad_input=gi, grad_weight=GemmPlan())
 
 
+def _tensorwise_grad_weight_plans():
+    # Forward and grad-input row-wise (fused quantizers), grad-weight tensor-wise: its dZ^T and
+    # H^T come from the transposing quantizer, with the amax the fused kernels computed.
+    plan = LinearPlan.fp8(backend="torch_scaled_mm")
+    plan = dataclasses.replace(plan, grad_weight=dataclasses.replace(plan.grad_weight, scaling=Scaling.TENSORWISE))
+    ref = LinearPlan(**{role: dataclasses.replace(getattr(plan, role), backend="emulated")
+                        for role in ("forward", "grad_input", "grad_weight")})
+    return plan, ref
+
+
 @pytest.mark.parametrize("activation", ["relu", "silu", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("plan_name", ["triton", "torch_scaled_mm", "mixed"])
+@pytest.mark.parametrize("plan_name", ["triton", "torch_scaled_mm", "mixed", "tensorwise_grad_weight"])
 def test_layernorm_linear_fused_matches_emulated(activation, dtype, plan_name):
     # Triton / torch_scaled_mm plans take the fused path (LN+quant kernel, GEMM epilogue or
     # backend + activation, ReLU-backward+quant); the emulated plan runs the same numerics
@@ -208,6 +220,8 @@ def test_layernorm_linear_fused_matches_emulated(activation, dtype, plan_name):
     params, g = _block_inputs(dtype)
     if plan_name == "mixed":
         plan, ref_plan = _mixed_plan(), LinearPlan.fp8(backend="emulated", grad_weight_fp8=False)
+    elif plan_name == "tensorwise_grad_weight":
+        plan, ref_plan = _tensorwise_grad_weight_plans()
     else:
         plan, ref_plan = LinearPlan.fp8(backend=plan_name), LinearPlan.fp8(backend="emulated")
     fused = _run_block(lambda *p: layernorm_linear(*p, plan, activation=activation), params, g)
@@ -219,6 +233,24 @@ def test_layernorm_linear_fused_matches_emulated(activation, dtype, plan_name):
     for i, (r, o) in enumerate(zip(unfused, fused)):
         assert o.dtype == r.dtype
         assert float(sqnr_db(r, o)) > threshold, i
+
+
+@pytest.mark.parametrize("scaling", [Scaling.ROWWISE, Scaling.TENSORWISE], ids=lambda s: s.value)
+def test_transposed_views_take_the_transposing_quantizer_bit_for_bit(scaling):
+    # W^T (grad-input), dY^T and X^T (grad-weight) are transposed views: they are quantized
+    # straight from the contiguous tensor, with the reference's codes and scales.
+    from loka_train.kernels.linear import quantize_operand, use_transposed_quantizer
+
+    plan = GemmPlan(precision=Precision.FP8, fmt=Fp8Format.E5M2, scaling=scaling, backend="torch_scaled_mm")
+    w = _gauss(40, 70).to(torch.bfloat16)
+    assert use_transposed_quantizer(plan, w.t(), Fp8Format.E5M2)
+    assert not use_transposed_quantizer(plan, w, Fp8Format.E5M2)  # contiguous: the row kernel
+    assert not use_transposed_quantizer(dataclasses.replace(plan, backend="emulated"), w.t(), Fp8Format.E5M2)
+    q = quantize_operand(w.t(), Fp8Format.E5M2, plan, is_weight=True)
+    ref = quantize(w.t(), Fp8Format.E5M2, scaling, axis=-1)
+    assert q.data.is_contiguous() and q.data.shape == (70, 40)
+    assert torch.equal(q.data.view(torch.uint8), ref.data.contiguous().view(torch.uint8))
+    assert torch.equal(q.scale, ref.scale) and q.scaling is scaling
 
 
 def test_rows_longer_than_the_fused_quantizer_takes_use_the_reference_quantizer():
