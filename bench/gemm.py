@@ -262,27 +262,23 @@ def block_plans() -> dict:
                         fast_accum=fast, scaling=scaling)
 
     hp = GemmPlan()
+    fwd = fp8("triton", e4m3, fast=True)  # Triton GEMM, bias + activation in its epilogue
+    gi = fp8("torch_scaled_mm", e5m2, e4m3)  # cuBLAS row-wise, precise accumulation
+    # Grad-weight contracts over M: its operands dZ^T and H^T come from the transposing
+    # quantizer, tensor-wise with the amaxes the fused LayerNorm / ReLU-backward kernels
+    # computed on the way (H^T recomputed from x: H is never written) ...
+    gw_tw = fp8("torch_scaled_mm", e5m2, e4m3, fast=True, scaling=Scaling.TENSORWISE)
     return {
-        # Forward: Triton GEMM (fast acc.) with bias+ReLU epilogue; grad-input: cuBLAS row-wise
-        # (the faster precise-accumulation GEMM in part a); grad-weight: bf16.
-        "fp8": LinearPlan(forward=fp8("triton", e4m3, fast=True),
-                          grad_input=fp8("torch_scaled_mm", e5m2, e4m3), grad_weight=hp),
-        "fp8 triton": LinearPlan(forward=fp8("triton", e4m3, fast=True),
-                                 grad_input=fp8("triton", e5m2, e4m3), grad_weight=hp),
-        "fp8 cublas": LinearPlan(forward=fp8("torch_scaled_mm", e4m3, fast=True),
-                                 grad_input=fp8("torch_scaled_mm", e5m2, e4m3), grad_weight=hp),
-        # All three in FP8: grad-weight contracts over M, so its operands dZ^T and H^T come from
-        # the transposing quantizer: one scale per column of dZ / H (row-wise of the
-        # transposes, two passes: column amax, then quantize) or ...
-        "fp8 +wgrad": LinearPlan(forward=fp8("triton", e4m3, fast=True),
-                                 grad_input=fp8("torch_scaled_mm", e5m2, e4m3),
-                                 grad_weight=fp8("torch_scaled_mm", e5m2, e4m3, fast=True)),
-        # ... one tensor-wise scale each, from the row amaxes the fused LayerNorm and
-        # ReLU-backward kernels already computed (one pass).
-        "fp8 +wgrad tw": LinearPlan(forward=fp8("triton", e4m3, fast=True),
-                                    grad_input=fp8("torch_scaled_mm", e5m2, e4m3),
-                                    grad_weight=fp8("torch_scaled_mm", e5m2, e4m3, fast=True,
-                                                    scaling=Scaling.TENSORWISE)),
+        "fp8": LinearPlan(forward=fwd, grad_input=gi, grad_weight=gw_tw),
+        "fp8 precise-wgrad": LinearPlan(forward=fwd, grad_input=gi,
+                                        grad_weight=fp8("torch_scaled_mm", e5m2, e4m3,
+                                                        scaling=Scaling.TENSORWISE)),
+        # ... or row-wise (one scale per column of dZ / H: a column-amax pass first).
+        "fp8 rowwise-wgrad": LinearPlan(forward=fwd, grad_input=gi,
+                                        grad_weight=fp8("torch_scaled_mm", e5m2, e4m3, fast=True)),
+        "fp8 bf16-wgrad": LinearPlan(forward=fwd, grad_input=gi, grad_weight=hp),
+        "fp8 cublas bf16-wgrad": LinearPlan(forward=fp8("torch_scaled_mm", e4m3, fast=True),
+                                            grad_input=gi, grad_weight=hp),
     }
 
 
@@ -306,6 +302,7 @@ def _bench_block_shape(rows, timer, device, m, k, n, plans):
     import torch
     import torch.nn.functional as F
 
+    from loka_train.kernels.formats import sqnr_db
     from loka_train.kernels.fused import layernorm_linear
 
     bf16 = torch.bfloat16
@@ -340,7 +337,20 @@ def _bench_block_shape(rows, timer, device, m, k, n, plans):
                 return
             _measure(rows, timer, row, replay)
 
-    measure_all("bf16", bf16_fwd, bf16_step, {})
+    # Numerics of each variant: SQNR (dB) of the output and gradients against the same block
+    # in fp32 (one step on these inputs).
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+    ref_y = F.relu(F.linear(F.layer_norm(ref_leaves[0], (k,), ref_leaves[1], ref_leaves[2]),
+                            ref_leaves[3], ref_leaves[4]))
+    ref = [ref_y.detach(), *torch.autograd.grad(ref_y, ref_leaves, g.float())]
+
+    def sqnr(fwd) -> dict:
+        y = fwd()
+        got = [y.detach(), *torch.autograd.grad(y, leaves, g)]
+        names = ("y", "dx", "dln_w", "dln_b", "dw", "db")
+        return {nm: round(float(sqnr_db(r, o.float())), 1) for nm, r, o in zip(names, ref, got)}
+
+    measure_all("bf16", bf16_fwd, bf16_step, {"sqnr_db": sqnr(bf16_fwd)})
     for name, plan in plans.items():
 
         def fwd(plan=plan):
@@ -349,7 +359,7 @@ def _bench_block_shape(rows, timer, device, m, k, n, plans):
         def step(fwd=fwd):
             return torch.autograd.grad(fwd(), leaves, g)
 
-        measure_all(name, fwd, step, {"plan": plan.to_dict()})
+        measure_all(name, fwd, step, {"plan": plan.to_dict(), "sqnr_db": sqnr(fwd)})
 
 
 def bench_block(ms, kns, device, timer, rows):
@@ -489,18 +499,21 @@ def block_speedup(rows, m, k, n, role) -> tuple[float | None, str]:
     speed = base.us / fp8.us
     if speed >= 1.0:
         return speed, ""
-    # The GEMMs alone, as the `fp8` plan runs them (forward Triton+fast, grad-input cuBLAS).
-    g_bf16 = [_lookup(rows, "a", "bf16", m, k, n, r) for r in ("forward", "grad_input")]
+    # The GEMMs alone, as the `fp8` plan runs them (forward Triton+fast, grad-input cuBLAS
+    # row-wise, grad-weight cuBLAS tensor-wise+fast).
+    g_bf16 = [_lookup(rows, "a", "bf16", m, k, n, r) for r in ("forward", "grad_input", "grad_weight")]
     g_fp8 = [_lookup(rows, "a", "triton/rowwise+fast", m, k, n, "forward"),
-             _lookup(rows, "a", "scaled_mm/rowwise", m, k, n, "grad_input")]
+             _lookup(rows, "a", "scaled_mm/rowwise", m, k, n, "grad_input"),
+             _lookup(rows, "a", "scaled_mm/tensorwise+fast", m, k, n, "grad_weight")]
     if all(r is not None and r.us is not None for r in g_bf16 + g_fp8):
         saved = sum(r.us for r in g_bf16) - sum(r.us for r in g_fp8)
         extra = fp8.us - base.us + saved
         if saved <= 0:
             return speed, (f"the FP8 GEMMs alone are not faster here ({-saved:.1f} us slower than bf16 "
-                           "for forward + grad-input)")
-        return speed, (f"the FP8 GEMMs save {saved:.1f} us but quantization (W, W^T, the extra FP8 "
-                       f"writes of the fused LN / ReLU-backward kernels) and launches cost {extra:.1f} us")
+                           "for the three GEMMs)")
+        return speed, (f"the FP8 GEMMs save {saved:.1f} us but quantization (W, W^T, dZ^T, H^T, the "
+                       f"extra FP8 writes of the fused LN / ReLU-backward kernels) and launches cost "
+                       f"{extra:.1f} us")
     return speed, "GEMM timings (part a) missing for a breakdown"
 
 
@@ -574,10 +587,15 @@ def write_report(rows, parts: str, env, ms, kns, out: Path, commands: list[str])
         fp8_names = [nm for nm in names if nm != "bf16"]
         lines += ["## (c) LayerNorm -> Linear -> ReLU block, bf16 activations, forward + backward", "",
                   "All FP8 variants fuse LayerNorm+quantize (forward) and ReLU-backward+quantize (grad-input) "
-                  "into one Triton kernel each. `fp8`: forward Triton GEMM e4m3 (fast acc.) with bias+ReLU "
-                  "epilogue, grad-input cuBLAS row-wise e5m2 x e4m3, grad-weight bf16; `fp8 triton`: both on "
-                  "the Triton GEMM; `fp8 cublas`: both on torch._scaled_mm (ReLU separate); `fp8 +wgrad`: "
-                  "`fp8` plus grad-weight FP8 (column-wise scales from transposed copies).", "",
+                  "into one Triton kernel each, quantize W^T without a transposed copy and run LayerNorm's "
+                  "backward as one Triton kernel (loka_train/kernels/triton_block.py). `fp8`: forward Triton "
+                  "GEMM e4m3 (fast acc.) with bias+ReLU epilogue; grad-input cuBLAS row-wise e5m2 x e4m3 "
+                  "(precise acc.); grad-weight cuBLAS tensor-wise e5m2 x e4m3 (fast acc.), its dZ^T and H^T "
+                  "quantized transposed with the amaxes the fused kernels computed (H^T recomputed from x, "
+                  "the bias gradient summed in the same pass). `fp8 precise-wgrad`: grad-weight with precise "
+                  "accumulation; `fp8 rowwise-wgrad`: grad-weight row-wise (a column-amax pass first); "
+                  "`fp8 bf16-wgrad`: grad-weight in bf16; `fp8 cublas bf16-wgrad`: forward on "
+                  "torch._scaled_mm too (ReLU separate).", "",
                   "Eager times include host launch overhead; `graph` = the same step replayed as a CUDA graph "
                   "(the GPU time a compiled/graphed step sees).", ""]
         for mode, role in (("eager", "fwd+bwd"), ("graph", "fwd+bwd graph")):
@@ -593,6 +611,18 @@ def write_report(rows, parts: str, env, ms, kns, out: Path, commands: list[str])
                     tcell = "" if tgt is None else (f">= {tgt}x: " + ("met" if sp is not None and sp >= tgt else "**missed**"))
                     lines.append(f"| {m} | {k} | {n} | {_fmt_us(base)} | " + " | ".join(cells) + f" | {tcell} |")
             lines.append("")
+        lines += ["### Numerics: SQNR (dB) against the same block in fp32, one step", "",
+                  "Output y / input gradient dx / weight gradient dW / bias gradient db.", "",
+                  "| M | K | N | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+        for m in ms:
+            for k, n in kns:
+                cells = []
+                for nm in names:
+                    r = _lookup(rows, "c", nm, m, k, n, "fwd+bwd")
+                    q = (r.extra.get("sqnr_db") if r is not None else None) or {}
+                    cells.append(" / ".join(f"{q[key]:.0f}" for key in ("y", "dx", "dw", "db") if key in q) or "-")
+                lines.append(f"| {m} | {k} | {n} | " + " | ".join(cells) + " |")
+        lines.append("")
         slower = []
         for m in ms:
             for k, n in kns:

@@ -115,11 +115,15 @@ class _LnLinearActFn(torch.autograd.Function):
                 tensorwise_gw = _transposable(gw, x_MK) and gw.scaling is Scaling.TENSORWISE
                 q, s, h_MK, mean, rstd, h_amax = tk.fused_rowwise_quant(
                     x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
-                    return_hp=True, return_amax=tensorwise_gw,
+                    return_hp=not tensorwise_gw, return_amax=tensorwise_gw,
                 )
                 if tensorwise_gw:
-                    # The fused kernel computed the tensor-wise amax: no second pass for it.
-                    hq, hs, _ = transposed_quant(h_MK, fmt=gw.operand_b_fmt, amax=h_amax)
+                    # H^T straight from x and the statistics, with the tensor-wise amax the
+                    # fused kernel computed: H is neither written nor kept.
+                    hq, hs, _ = transposed_quant(
+                        x_MK, fmt=gw.operand_b_fmt, amax=h_amax, ln_mean=mean, ln_rstd=rstd,
+                        ln_weight=lnw, ln_bias=lnb,
+                    )
                     h_t_q = QTensor(data=hq, scale=hs, fmt=gw.operand_b_fmt,
                                     scaling=Scaling.TENSORWISE, axis=1)
                     h_MK = None

@@ -139,6 +139,10 @@ def _transposed_quant_kernel(
     q_ptr,
     scale_ptr,
     colsum_ptr,
+    mean_ptr,
+    rstd_ptr,
+    w_ptr,
+    b_ptr,
     R,
     C,
     NUM_PARTS,
@@ -147,6 +151,10 @@ def _transposed_quant_kernel(
     FP8_MAX: tl.constexpr,
     PER_COLUMN: tl.constexpr,
     COLSUM: tl.constexpr,
+    HAS_LN: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    HP_MANT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     Q_MANT: tl.constexpr,
@@ -159,9 +167,22 @@ def _transposed_quant_kernel(
     cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     mask = (rows[:, None] < R) & cmask[None, :]
-    x = tl.load(
-        x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0
-    ).to(tl.float32)
+    x_raw = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    if HAS_LN:
+        # LayerNorm's output recomputed from its input and statistics with the forward kernel's
+        # operations (triton_kernels._rowwise_quant_kernel), rounded to the input dtype as it
+        # rounds it: the forward need not write it out.
+        mean = tl.load(mean_ptr + rows, mask=rows < R, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < R, other=0.0)
+        x = tl.where(mask, x - mean[:, None], 0.0) * rstd[:, None]
+        if HAS_W:
+            x = x * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            x = x + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HP_MANT > 0:
+            x = _round_rne(x, HP_MANT, 0.0, 0.0)
+        x = tl.where(mask, x.to(x_raw.dtype).to(tl.float32), 0.0)
     if PER_COLUMN:
         # amax_ptr holds the column-amax kernel's partial maxima (NUM_PARTS rows of C).
         amax = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -198,13 +219,31 @@ def _transposed_quant_kernel(
 
 
 def _transposed_quant_impl(
-    x: Tensor, amax: Tensor | None, fmt: str, per_column: bool, return_colsum: bool
+    x: Tensor,
+    amax: Tensor | None,
+    fmt: str,
+    per_column: bool,
+    return_colsum: bool,
+    ln_mean: Tensor | None,
+    ln_rstd: Tensor | None,
+    ln_weight: Tensor | None,
+    ln_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _triton_fmt(fmt)
     if x.ndim != 2:
         raise ValueError(f"transposed_quant expects a 2-D input, got shape {tuple(x.shape)}")
     if amax is not None and per_column:
         raise ValueError("transposed_quant: a given amax is tensor-wise; per_column computes its own")
+    layernorm = ln_mean is not None
+    if (ln_rstd is not None) != layernorm or (not layernorm and (ln_weight is not None or ln_bias is not None)):
+        raise ValueError("transposed_quant: the LayerNorm producer needs ln_mean and ln_rstd (weight/bias optional)")
+    if layernorm and (amax is None or per_column or return_colsum):
+        raise ValueError(
+            "transposed_quant: the LayerNorm producer takes a tensor-wise amax from the forward "
+            "kernel (return_amax=True) and no per_column / return_colsum"
+        )
+    if layernorm and (ln_mean.numel() != x.shape[0] or ln_rstd.numel() != x.shape[0]):  # type: ignore[union-attr]
+        raise ValueError(f"transposed_quant: ln_mean/ln_rstd need {x.shape[0]} values")
     _check_runnable(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -237,8 +276,15 @@ def _transposed_quant_impl(
         if return_colsum else scale
     )
     _transposed_quant_kernel[grid](
-        x, amax_, q, scale, col_part, r, c, num_parts, x.stride(0), q.stride(0),
+        x, amax_, q, scale, col_part,
+        ln_mean if ln_mean is not None else scale,
+        ln_rstd if ln_rstd is not None else scale,
+        ln_weight if ln_weight is not None else scale,
+        ln_bias if ln_bias is not None else scale,
+        r, c, num_parts, x.stride(0), q.stride(0),
         FP8_MAX=fmt_.max, PER_COLUMN=per_column, COLSUM=return_colsum,
+        HAS_LN=layernorm, HAS_W=ln_weight is not None, HAS_B=ln_bias is not None,
+        HP_MANT=_sw_round_args(x.dtype)["MANT"],
         BLOCK_R=_TILE, BLOCK_C=_TILE, **rounding, num_warps=4,
     )
     if return_colsum:
@@ -248,13 +294,23 @@ def _transposed_quant_impl(
 
 @torch.library.custom_op("loka::transposed_quant", mutates_args=())
 def _transposed_quant_op(
-    x: Tensor, amax: Tensor | None, fmt: str, per_column: bool, return_colsum: bool
+    x: Tensor,
+    amax: Tensor | None,
+    fmt: str,
+    per_column: bool,
+    return_colsum: bool,
+    ln_mean: Tensor | None,
+    ln_rstd: Tensor | None,
+    ln_weight: Tensor | None,
+    ln_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _transposed_quant_impl(x, amax, fmt, per_column, return_colsum)
+    return _transposed_quant_impl(
+        x, amax, fmt, per_column, return_colsum, ln_mean, ln_rstd, ln_weight, ln_bias
+    )
 
 
 @_transposed_quant_op.register_fake
-def _transposed_quant_fake(x, amax, fmt, per_column, return_colsum):
+def _transposed_quant_fake(x, amax, fmt, per_column, return_colsum, ln_mean, ln_rstd, ln_weight, ln_bias):
     r, c = x.shape
     q = x.new_empty((c, r), dtype=Fp8Format(fmt).dtype)
     scale = x.new_empty((c, 1) if per_column else (), dtype=torch.float32)
@@ -268,6 +324,10 @@ def transposed_quant(
     amax: Tensor | None = None,
     per_column: bool = False,
     return_colsum: bool = False,
+    ln_mean: Tensor | None = None,
+    ln_rstd: Tensor | None = None,
+    ln_weight: Tensor | None = None,
+    ln_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``x^T`` quantized to FP8 without a transposed copy (op ``loka::transposed_quant``).
 
@@ -282,12 +342,18 @@ def transposed_quant(
             the max of the row amaxes a fused producer computed); else it is computed here.
         per_column: one scale per column of ``x`` instead of one for the tensor.
         return_colsum: also return the fp32 column sums of ``x`` (from the same read).
+        ln_mean, ln_rstd, ln_weight, ln_bias: quantize ``LayerNorm(x)`` instead, recomputed
+            from these per-row statistics (as :func:`triton_kernels.fused_rowwise_quant`
+            wrote them) and the optional affine parameters, rounded to ``x.dtype`` as that
+            kernel rounds it: the forward need not write the LayerNorm output. Tensor-wise
+            with a given ``amax`` only.
 
     Returns:
         ``(q_CR, scale, colsum_C)``: ``scale`` is 0-dim (tensor-wise) or ``(C, 1)``;
         ``colsum`` is empty (shape (0,)) unless ``return_colsum``.
     """
-    args = (x_RC, amax, Fp8Format(fmt).value, per_column, return_colsum)
+    args = (x_RC, amax, Fp8Format(fmt).value, per_column, return_colsum,
+            ln_mean, ln_rstd, ln_weight, ln_bias)
     if torch.compiler.is_compiling():
         return torch.ops.loka.transposed_quant(*args)
     return _transposed_quant_impl(*args)
@@ -300,10 +366,22 @@ def transposed_quant_reference(
     amax: Tensor | None = None,
     per_column: bool = False,
     return_colsum: bool = False,
+    ln_mean: Tensor | None = None,
+    ln_rstd: Tensor | None = None,
+    ln_weight: Tensor | None = None,
+    ln_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Pure-PyTorch reference of :func:`transposed_quant` (``amax``, when given, must be
-    ``max |x|``: the reference computes it)."""
+    """Pure-PyTorch reference of :func:`transposed_quant` (``amax``, when given, must be the
+    amax of what is quantized: the reference computes it)."""
     del amax
+    if ln_mean is not None:
+        assert ln_rstd is not None
+        h = (x_RC.float() - ln_mean.reshape(-1, 1).float()) * ln_rstd.reshape(-1, 1).float()
+        if ln_weight is not None:
+            h = h * ln_weight.float()
+        if ln_bias is not None:
+            h = h + ln_bias.float()
+        x_RC = h.to(x_RC.dtype)
     qt = quantize(x_RC.t(), fmt, Scaling.ROWWISE if per_column else Scaling.TENSORWISE, axis=-1)
     colsum = x_RC.float().sum(0) if return_colsum else x_RC.new_empty((0,), dtype=torch.float32)
     return qt.data.contiguous(), qt.scale, colsum

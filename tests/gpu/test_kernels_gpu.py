@@ -228,8 +228,8 @@ def test_opcheck_block_kernels_on_cuda():
 
     _require_fp8()
     x = _gauss(256, 128, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, None, "e4m3", True, True))
-    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, x.float().abs().amax(), "e5m2", False, False))
+    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, None, "e4m3", True, True, None, None, None, None))
+    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, x.float().abs().amax(), "e5m2", False, False, None, None, None, None))
     mean = x.float().mean(1)
     rstd = torch.rsqrt(x.float().var(1, unbiased=False) + 1e-5)
     torch.library.opcheck(

@@ -92,6 +92,38 @@ def test_fused_quantizer_amax_feeds_the_tensorwise_transpose():
         assert torch.equal(_bits(q), _bits(ref.data)) and torch.equal(s, ref.scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no_affine"])
+def test_layernorm_producer_recomputes_the_forward_output_exactly(dtype, affine):
+    # H^T for the grad-weight GEMM from x and the forward kernel's statistics: the same codes
+    # as quantizing the H that kernel would have written, so the forward need not write H.
+    x = (1 + 2 * _gauss(37, 50)).to(dtype)
+    lnw = (1 + _gauss(50, seed=1)).to(dtype) if affine else None
+    lnb = _gauss(50, seed=2).to(dtype) if affine else None
+    kw = dict(fmt=Fp8Format.E4M3, layernorm=True, ln_weight=lnw, ln_bias=lnb, return_hp=True, return_amax=True)
+    _, _, h, mean, rstd, amax = tk.fused_rowwise_quant(x, **kw)
+    ln = dict(ln_mean=mean, ln_rstd=rstd, ln_weight=lnw, ln_bias=lnb)
+    for fmt in FMTS:
+        q, s, _ = tb.transposed_quant(x, fmt=fmt, amax=amax, **ln)
+        ref = quantize(h.t(), fmt, Scaling.TENSORWISE)
+        assert torch.equal(_bits(q), _bits(ref.data)) and torch.equal(s, ref.scale)
+        rq, rs, _ = tb.transposed_quant_reference(x, fmt=fmt, **ln)
+        assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+
+
+def test_layernorm_producer_rejects_what_it_does_not_do():
+    x = _gauss(8, 16)
+    stats = dict(ln_mean=x.mean(1), ln_rstd=torch.ones(8))
+    with pytest.raises(ValueError, match="tensor-wise amax"):
+        tb.transposed_quant(x, **stats)  # no amax
+    with pytest.raises(ValueError, match="tensor-wise amax"):
+        tb.transposed_quant(x, amax=torch.ones(1), return_colsum=True, **stats)
+    with pytest.raises(ValueError, match="needs ln_mean and ln_rstd"):
+        tb.transposed_quant(x, amax=torch.ones(1), ln_mean=x.mean(1))
+    with pytest.raises(ValueError, match="8 values"):
+        tb.transposed_quant(x, amax=torch.ones(1), ln_mean=torch.zeros(7), ln_rstd=torch.ones(7))
+
+
 def test_fused_quantizer_amax_is_inf_for_non_finite_data():
     x = _gauss(9, 16)
     x[4, 4] = float("nan")
@@ -162,8 +194,8 @@ def test_layernorm_backward_rejects_bad_input():
 
 def test_opcheck_block_ops():
     x = _gauss(70, 45)
-    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, None, "e4m3", True, True))
-    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, x.abs().amax().reshape(1), "e5m2", False, False))
+    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, None, "e4m3", True, True, None, None, None, None))
+    torch.library.opcheck(torch.ops.loka.transposed_quant.default, (x, x.abs().amax().reshape(1), "e5m2", False, False, None, None, None, None))
     mean, rstd = x.mean(1), torch.rsqrt(x.var(1, unbiased=False) + 1e-5)
     torch.library.opcheck(
         torch.ops.loka.layernorm_backward.default, (_gauss(70, 45, seed=1), x, mean, rstd, torch.ones(45), True, True, True)
