@@ -204,6 +204,7 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
     import torch
     import torch.nn.functional as F
 
+    from loka_train.kernels import triton_block as tb
     from loka_train.kernels import triton_kernels as tk
     from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 
@@ -213,6 +214,11 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
     lnw = torch.ones(k, device=device, dtype=torch.bfloat16)
     lnb = torch.zeros(k, device=device, dtype=torch.bfloat16)
     nbytes = {"read": x.numel() * 2, "write_fp8": x.numel()}
+    amax = x.float().abs().amax().reshape(1)
+    dy = torch.randn_like(x)
+    _, a_mean, a_rstd = torch.native_layer_norm(x, [k], lnw, lnb, 1e-5)
+    # The kernel takes fp32 (M,) statistics (CPU LayerNorm keeps them in x's dtype).
+    mean, rstd = a_mean.float().reshape(-1), a_rstd.float().reshape(-1)
     cases: list[tuple[str, Callable[[], object] | None, str | None]] = [
         ("eager/tensorwise", lambda: quantize(x, e4m3, Scaling.TENSORWISE), None),
         ("eager/rowwise", lambda: quantize(x, e4m3, Scaling.ROWWISE), None),
@@ -228,6 +234,19 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
                                         return_hp=True), None),
         ("eager layernorm then rowwise",
          lambda: quantize(F.layer_norm(x, (k,), lnw, lnb), e4m3, Scaling.ROWWISE), None),
+        # x^T quantized (the grad-weight / grad-input operands): from a transposed copy, as the
+        # path before triton_block did, or straight from x.
+        ("copy x^T then triton/rowwise",
+         lambda: tk.fused_rowwise_quant(x.t().contiguous(), fmt=e4m3), None),
+        ("triton/transposed rowwise", lambda: tb.transposed_quant(x, fmt=e4m3, per_column=True), None),
+        ("triton/transposed tensorwise (amax given)", lambda: tb.transposed_quant(x, fmt=e4m3, amax=amax), None),
+        ("triton/transposed tensorwise + colsum",
+         lambda: tb.transposed_quant(x, fmt=e4m3, amax=amax, return_colsum=True), None),
+        ("bf16 colsum (reference)", lambda: x.sum(0), None),
+        # LayerNorm's backward (dx, dw, db), which the block runs next to the quantizers.
+        ("aten layernorm backward (reference)",
+         lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [k], a_mean, a_rstd, lnw, lnb, [True] * 3), None),
+        ("triton/layernorm backward", lambda: tb.layernorm_backward(dy, x, mean, rstd, lnw), None),
     ]
     for name, fn, why in cases:
         row = Row("b", name, m, k, 0, extra=dict(nbytes))
