@@ -237,7 +237,8 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
         # x^T quantized (the grad-weight / grad-input operands): from a transposed copy, as the
         # path before triton_block did, or straight from x.
         ("copy x^T then triton/rowwise",
-         lambda: tk.fused_rowwise_quant(x.t().contiguous(), fmt=e4m3), None),
+         (lambda: tk.fused_rowwise_quant(x.t().contiguous(), fmt=e4m3)) if m <= tk.MAX_QUANT_ROW else None,
+         None if m <= tk.MAX_QUANT_ROW else f"rows of x^T (M={m}) exceed the row kernel's {tk.MAX_QUANT_ROW}"),
         ("triton/transposed rowwise", lambda: tb.transposed_quant(x, fmt=e4m3, per_column=True), None),
         ("triton/transposed tensorwise (amax given)", lambda: tb.transposed_quant(x, fmt=e4m3, amax=amax), None),
         ("triton/transposed tensorwise + colsum",
