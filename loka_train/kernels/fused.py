@@ -11,11 +11,17 @@ quantization fused into the kernels that produce each GEMM operand.
   backward); the Triton FP8 GEMM applies scales, bias and the activation in its epilogue
   (other backends: bias in their epilogue, the activation as a separate op);
 * grad-input: one kernel applies ReLU's backward (``dZ = dY * (Y > 0)``) and quantizes ``dZ``
-  per row (writing ``dZ`` in bf16 too, for the grad-weight GEMM and the bias gradient).
+  per row (writing ``dZ`` in bf16 too, for the grad-weight GEMM and the bias gradient);
+  ``W^T`` is quantized without a transposed copy (``triton_block.transposed_quant``);
+* grad-weight, FP8 tensor-wise: ``dZ^T`` and ``H^T`` come from the transposing quantizer
+  with the amaxes the two fused kernels computed on the way (``H^T`` recomputed from ``x``
+  and the LayerNorm statistics, so the forward writes no ``H``), and the bias gradient is
+  summed in the same pass over ``dZ``; row-wise: per-column scales, a column-amax pass first;
+* LayerNorm's backward: one Triton kernel (``triton_block.layernorm_backward``).
 
 Other plans run the same math unfused (LayerNorm, then :func:`fp8_gemm_planned` or a plain
-matmul); the numerics are those of the plan either way. LayerNorm's backward is
-``aten.native_layer_norm_backward``.
+matmul, and ``aten.native_layer_norm_backward``); the numerics are those of the plan either
+way, up to summation order.
 
 Shape legend: ``M`` rows, ``K`` features in (normalized dim), ``N`` features out.
 
