@@ -118,7 +118,11 @@ class _LnLinearActFn(torch.autograd.Function):
             h_t_q = None
             fused_ln = _fusable(fwd, x_MK)
             if fused_ln:
-                tensorwise_gw = _transposable(gw, x_MK) and gw.scaling is Scaling.TENSORWISE
+                tensorwise_gw = (
+                    gw.is_fp8
+                    and gw.scaling is Scaling.TENSORWISE
+                    and use_transposed_quantizer(gw, x_MK.t(), gw.operand_b_fmt)
+                )
                 q, s, h_MK, mean, rstd, h_amax = tk.fused_rowwise_quant(
                     x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
                     return_hp=not tensorwise_gw, return_amax=tensorwise_gw,
