@@ -228,10 +228,14 @@ def test_layernorm_linear_fused_matches_emulated(activation, dtype, plan_name):
     unfused = _run_block(lambda *p: layernorm_linear(*p, ref_plan, activation=activation), params, g)
     # Measured: fp32 133-138 dB (LayerNorm summation order); bf16 exact except SiLU's output,
     # 50 dB (the epilogue applies SiLU to the fp32 accumulator, the unfused path to the
-    # bf16-rounded pre-activation).
-    threshold = 100.0 if dtype == torch.float32 else 40.0
+    # bf16-rounded pre-activation), and LayerNorm's weight/bias gradients: the fused block
+    # computes them in fp32 from fp32 statistics (Triton), the unfused one with aten's CPU
+    # kernel, which keeps the statistics in bf16 and whose result moves with the thread count
+    # (39.8-43.0 dB apart at 1-2 threads); the Triton kernel itself is checked against an fp32
+    # reference in test_kernels_triton_block.py.
     for i, (r, o) in enumerate(zip(unfused, fused)):
         assert o.dtype == r.dtype
+        threshold = 100.0 if dtype == torch.float32 else (35.0 if i in (2, 3) else 40.0)
         assert float(sqnr_db(r, o)) > threshold, i
 
 
