@@ -118,14 +118,17 @@ class _LnLinearActFn(torch.autograd.Function):
             h_t_q = None
             fused_ln = _fusable(fwd, x_MK)
             if fused_ln:
+                need_w_grad = ctx.needs_input_grad[3]
                 tensorwise_gw = (
-                    gw.is_fp8
+                    need_w_grad
+                    and gw.is_fp8
                     and gw.scaling is Scaling.TENSORWISE
                     and use_transposed_quantizer(gw, x_MK.t(), gw.operand_b_fmt)
                 )
                 q, s, h_MK, mean, rstd, h_amax = tk.fused_rowwise_quant(
                     x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
-                    return_hp=not tensorwise_gw, return_amax=tensorwise_gw,
+                    # H only for a grad-weight GEMM that does not take H^T from x.
+                    return_hp=need_w_grad and not tensorwise_gw, return_amax=tensorwise_gw,
                 )
                 if tensorwise_gw:
                     # H^T straight from x and the statistics, with the tensor-wise amax the
@@ -178,7 +181,9 @@ class _LnLinearActFn(torch.autograd.Function):
         x_dt, lnw_dt, lnb_dt, w_dt, b_dt = ctx.dtypes
         need = ctx.needs_input_grad
         with torch.autocast(grad_y.device.type, enabled=False):
-            dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
+            # Contiguous, so that every layout of grad_y (expanded, strided) takes the same kernels
+            # and gives the same gradients.
+            dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype).contiguous()
             dz_q = None
             dz_amax = None
             gi, gw = plan.grad_input, plan.grad_weight
@@ -224,7 +229,9 @@ class _LnLinearActFn(torch.autograd.Function):
                         )
                         dz_t_q = QTensor(data=q, scale=s, fmt=gw.fmt, scaling=gw.scaling, axis=1)
                         if need_db:
-                            grad_b = colsum.to(b_dt)
+                            # Rounded to the compute dtype as dZ.sum(0) is: the bias gradient
+                            # does not depend on which path summed it.
+                            grad_b = colsum.to(cdtype).to(b_dt)
                     h_t_q = None
                     if hq_data is not None:
                         h_t_q = QTensor(data=hq_data, scale=hq_scale, fmt=gw.operand_b_fmt,

@@ -62,6 +62,9 @@ _TILE = 64  # rows x columns of one transposed_quant program (measured: 64-128 a
 # Rows per program of the column-amax kernel: its partial maxima (one row per program row)
 # are few enough for every quantizing program to reduce the ones of its columns itself.
 _AMAX_ROWS = 256
+# Up to this many partial rows (R <= 4096: weights) the quantizing programs reduce them
+# themselves, which saves a launch; beyond, one reduction kernel runs first.
+_PARTS_IN_KERNEL = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,11 +73,12 @@ _AMAX_ROWS = 256
 
 
 @triton.jit
-def _sum_parts_kernel(
+def _reduce_parts_kernel(
     part_ptr, out0_ptr, out1_ptr, P, C,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, OUT_MANT: tl.constexpr,
+    MAX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, OUT_MANT: tl.constexpr,
 ):
-    """out_j[c] = sum over p of part[j, p, c] (fp32, fixed order), written in out's dtype."""
+    """out_j[c] = sum (or max, of values >= 0) over p of part[j, p, c] in fp32, fixed order,
+    written in out's dtype."""
     pc = tl.program_id(0)
     j = tl.program_id(1)
     cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -82,10 +86,11 @@ def _sum_parts_kernel(
     for p0 in range(0, P, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         mask = (ps[:, None] < P) & (cols[None, :] < C)
-        acc += tl.sum(
-            tl.load(part_ptr + (j * P + ps[:, None]).to(tl.int64) * C + cols[None, :], mask=mask, other=0.0),
-            axis=0,
-        )
+        part = tl.load(part_ptr + (j * P + ps[:, None]).to(tl.int64) * C + cols[None, :], mask=mask, other=0.0)
+        if MAX:
+            acc = tl.maximum(acc, tl.max(part, axis=0))
+        else:
+            acc += tl.sum(part, axis=0)
     if OUT_MANT > 0:
         acc = _round_rne(acc, OUT_MANT, 0.0, 0.0)
     if j == 0:
@@ -94,14 +99,14 @@ def _sum_parts_kernel(
         tl.store(out1_ptr + cols, acc.to(out1_ptr.dtype.element_ty), mask=cols < C)
 
 
-def _sum_parts(part_JPC: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """``list(part.sum(1).to(dtype))`` (J <= 2) in one launch, as separate tensors (torch: a
-    slow column reduction plus a cast per output)."""
+def _sum_parts(part_JPC: Tensor, dtype: torch.dtype, *, maximum: bool = False) -> list[Tensor]:
+    """``list(part.sum(1).to(dtype))`` (or ``amax(1)`` of non-negative parts; J <= 2) in one
+    launch, as separate tensors (torch: a slow column reduction plus a cast per output)."""
     j, p, c = part_JPC.shape
     assert j in (1, 2)
     outs = [torch.empty((c,), device=part_JPC.device, dtype=dtype) for _ in range(j)]
-    _sum_parts_kernel[(_cdiv(c, 32), j)](
-        part_JPC, outs[0], outs[-1], p, c, BLOCK_P=64, BLOCK_C=32,
+    _reduce_parts_kernel[(_cdiv(c, 32), j)](
+        part_JPC, outs[0], outs[-1], p, c, MAX=maximum, BLOCK_P=64, BLOCK_C=32,
         OUT_MANT=_sw_round_args(dtype)["MANT"], num_warps=4,
     )
     return outs
@@ -191,7 +196,7 @@ def _transposed_quant_kernel(
     if PER_COLUMN:
         # amax_ptr holds the column-amax kernel's partial maxima (NUM_PARTS rows of C).
         amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for p0 in range(0, NUM_PARTS, 16):
+        for p0 in range(0, NUM_PARTS, 16):  # one iteration: NUM_PARTS <= _PARTS_IN_KERNEL
             ps = p0 + tl.arange(0, 16)
             part = tl.load(
                 amax_ptr + ps[:, None] * C + cols[None, :],
@@ -249,9 +254,18 @@ def _transposed_quant_impl(
         )
     if layernorm and (ln_mean.numel() != x.shape[0] or ln_rstd.numel() != x.shape[0]):  # type: ignore[union-attr]
         raise ValueError(f"transposed_quant: ln_mean/ln_rstd need {x.shape[0]} values")
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t is not None and tuple(t.shape) != (x.shape[1],):
+            raise ValueError(f"transposed_quant: {name} {tuple(t.shape)} != ({x.shape[1]},)")
     _check_runnable(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if layernorm:
+        # The kernel reads flat fp32 statistics and contiguous affine parameters.
+        ln_mean = ln_mean.reshape(-1).float().contiguous()  # type: ignore[union-attr]
+        ln_rstd = ln_rstd.reshape(-1).float().contiguous()  # type: ignore[union-attr]
+        ln_weight = None if ln_weight is None else ln_weight.contiguous()
+        ln_bias = None if ln_bias is None else ln_bias.contiguous()
     r, c = x.shape
     q = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
     scale = torch.empty((c, 1) if per_column else (), device=x.device, dtype=torch.float32)
@@ -270,6 +284,11 @@ def _transposed_quant_impl(
         _col_amax_kernel[(num_parts, _cdiv(c, _TILE))](
             x, amax_, r, c, x.stride(0), ROWS=_AMAX_ROWS, BLOCK_R=_TILE, BLOCK_C=_TILE
         )
+        if num_parts > _PARTS_IN_KERNEL:
+            # Reduced once here: each quantizing program re-reducing them would read
+            # num_parts * C floats per row block, growing with R^2.
+            amax_ = _sum_parts(amax_[None], torch.float32, maximum=True)[0][None]
+            num_parts = 1
     elif amax is None:
         amax_ = torch.linalg.vector_norm(x, ord=float("inf")).float()
     else:

@@ -461,7 +461,9 @@ def rowwise_quant_reference(
     amax = mean.new_empty((0,))
     if return_amax:
         hf = h.float()
-        amax = torch.where(hf.isfinite().all(), torch.linalg.vector_norm(hf, ord=math.inf), math.inf).reshape(1)
+        amax = torch.zeros(1, device=h.device)
+        if hf.numel():
+            amax = torch.where(hf.isfinite().all(), torch.linalg.vector_norm(hf, ord=math.inf), math.inf).reshape(1)
     return qt.data, qt.scale, hp, mean, rstd, amax
 
 

@@ -239,6 +239,55 @@ def test_layernorm_linear_fused_matches_emulated(activation, dtype, plan_name):
         assert float(sqnr_db(r, o)) > threshold, i
 
 
+def _block_grads(plan, params, g, *, frozen=()):
+    """Gradients of fp32 parameters with the block under bf16 autocast (as in training)."""
+    leaves = [_leaf(p) for p in params]
+    for i in frozen:
+        leaves[i].requires_grad_(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layernorm_linear(*leaves, plan, activation="relu")
+    y.backward(g)
+    return [p.grad for p in leaves]
+
+
+@pytest.mark.parametrize("plan_name", ["tensorwise_grad_weight", "triton"])
+def test_fused_block_gradients_do_not_depend_on_grad_layout_or_frozen_weight(plan_name):
+    # An expanded (stride-0) output gradient takes the same kernels as a contiguous one, and
+    # the bias gradient is the same whether or not the weight wants one (the transposing
+    # quantizer's column sums, or dZ.sum(0), both rounded to the compute dtype).
+    params, _ = _block_inputs(torch.float32)
+    plan = _tensorwise_grad_weight_plans()[0] if plan_name != "triton" else LinearPlan.fp8(backend="triton")
+    g_row = _gauss(48, seed=7).to(torch.bfloat16)
+    g = g_row.expand(2, 32, 48)
+    expanded = _block_grads(plan, params, g)
+    dense = _block_grads(plan, params, g.contiguous())
+    for i, (a, b) in enumerate(zip(expanded, dense)):
+        assert torch.equal(a, b), i
+    frozen_w = _block_grads(plan, params, g.contiguous(), frozen=(3,))
+    assert frozen_w[3] is None and torch.equal(frozen_w[4], dense[4])
+
+
+def test_fused_block_skips_grad_weight_operands_nobody_needs(monkeypatch):
+    # No H^T is quantized (nor H kept) for a weight without a gradient, e.g. under no_grad.
+    from loka_train.kernels import triton_block
+
+    calls = []
+    real = triton_block.transposed_quant
+
+    def spy(*args, **kw):
+        calls.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(triton_block, "transposed_quant", spy)
+    params, g = _block_inputs(torch.float32)
+    plan = _tensorwise_grad_weight_plans()[0]
+    with torch.no_grad():
+        layernorm_linear(*params, plan, activation="relu")
+    assert not any("ln_mean" in kw for kw in calls)
+    _block_grads(plan, params, g)
+    assert sum("ln_mean" in kw for kw in calls) == 1  # and with a weight gradient, H^T once
+
+
 @pytest.mark.parametrize("scaling", [Scaling.ROWWISE, Scaling.TENSORWISE], ids=lambda s: s.value)
 def test_transposed_views_take_the_transposing_quantizer_bit_for_bit(scaling):
     # W^T (grad-input), dY^T and X^T (grad-weight) are transposed views: they are quantized

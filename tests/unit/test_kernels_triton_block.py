@@ -27,12 +27,15 @@ def _bits(t):
     return t.view(torch.uint8)
 
 
-@pytest.fixture(params=["one_part", "many_parts"])
+@pytest.fixture(params=["one_part", "parts_reduced_first", "parts_reduced_in_kernel"])
 def column_path(request, monkeypatch):
-    """Per-column scales reduce the column-amax kernel's partial maxima: one partial row for
-    these tiny inputs, or (2 rows per program) many, over several chunks of 16."""
-    if request.param == "many_parts":
+    """Per-column scales come from the column-amax kernel's partial maxima: one partial row
+    for these tiny inputs; or, at 2 rows per program, many, reduced by a kernel of their own
+    first or by every quantizing program itself over several chunks of 16."""
+    if request.param != "one_part":
         monkeypatch.setattr(tb, "_AMAX_ROWS", 2)
+    if request.param == "parts_reduced_in_kernel":
+        monkeypatch.setattr(tb, "_PARTS_IN_KERNEL", 1000)
     return request.param
 
 
@@ -63,7 +66,6 @@ def test_transposed_quant_zero_nan_inf_columns_and_saturation(column_path):
     x[3, 3] = 1e30
     q, s, _ = tb.transposed_quant(x, fmt=Fp8Format.E4M3, per_column=True)
     ref = quantize(x.t(), Fp8Format.E4M3, Scaling.ROWWISE)
-    assert torch.equal(s, ref.scale) is False  # NaN != NaN: compare NaN-aware below
     torch.testing.assert_close(s, ref.scale, equal_nan=True, rtol=0, atol=0)
     assert s[0, 0] == 1.0 and torch.equal(q[0].float(), torch.zeros(40))
     assert torch.isnan(s[1, 0]) and torch.isnan(s[2, 0])
@@ -111,6 +113,16 @@ def test_layernorm_producer_recomputes_the_forward_output_exactly(dtype, affine)
         assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
 
 
+def test_layernorm_producer_takes_statistics_of_any_layout():
+    x = (1 + 2 * _gauss(37, 50)).to(torch.bfloat16)
+    kw = dict(fmt=Fp8Format.E4M3, layernorm=True, return_amax=True)
+    _, _, _, mean, rstd, amax = tk.fused_rowwise_quant(x, **kw)
+    stats = torch.stack([mean, rstd], dim=1)  # (M, 2): each column a strided view
+    q, s, _ = tb.transposed_quant(x, amax=amax, ln_mean=stats[:, 0], ln_rstd=stats[:, 1].double())
+    rq, rs, _ = tb.transposed_quant(x, amax=amax, ln_mean=mean, ln_rstd=rstd)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+
+
 def test_layernorm_producer_rejects_what_it_does_not_do():
     x = _gauss(8, 16)
     stats = dict(ln_mean=x.mean(1), ln_rstd=torch.ones(8))
@@ -122,6 +134,14 @@ def test_layernorm_producer_rejects_what_it_does_not_do():
         tb.transposed_quant(x, amax=torch.ones(1), ln_mean=x.mean(1))
     with pytest.raises(ValueError, match="8 values"):
         tb.transposed_quant(x, amax=torch.ones(1), ln_mean=torch.zeros(7), ln_rstd=torch.ones(7))
+    with pytest.raises(ValueError, match="ln_weight"):
+        tb.transposed_quant(x, amax=torch.ones(1), ln_weight=torch.ones(15), **stats)
+
+
+def test_reference_amax_of_an_empty_input_is_zero():
+    *_, amax = tk.fused_rowwise_quant(torch.zeros(0, 8), return_amax=True)
+    *_, ref = tk.rowwise_quant_reference(torch.zeros(0, 8), return_amax=True)
+    assert torch.equal(amax, torch.zeros(1)) and torch.equal(ref, amax)
 
 
 def test_fused_quantizer_amax_is_inf_for_non_finite_data():
