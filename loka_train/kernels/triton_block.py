@@ -364,7 +364,8 @@ def transposed_quant(
         x_RC: 2-D input, rows contiguous.
         fmt: e4m3 or e5m2.
         amax: tensor-wise only: ``max |x|`` when the caller already has it (one element, e.g.
-            the max of the row amaxes a fused producer computed); else it is computed here.
+            the amax :func:`triton_kernels.fused_rowwise_quant` returns with
+            ``return_amax``); else it is computed here.
         per_column: one scale per column of ``x`` instead of one for the tensor.
         return_colsum: also return the fp32 column sums of ``x`` (from the same read).
         ln_mean, ln_rstd, ln_weight, ln_bias: quantize ``LayerNorm(x)`` instead, recomputed

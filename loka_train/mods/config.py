@@ -54,8 +54,12 @@ class ModsConfig:
 
     fused_norm_quant: bool = True
     """LayerNorm -> Linear -> ReLU runs as one fused op (``kernels.fused.layernorm_linear``):
-    with an FP8 plan on the ``triton`` backend the LayerNorm kernel emits the GEMM's FP8 input
-    and scales directly (no separate quantization pass)."""
+    with a row-wise FP8 forward on the ``triton``, ``torch_scaled_mm`` or ``fbgemm_rowwise``
+    backend the LayerNorm kernel emits the GEMM's FP8 input and scales directly (no separate
+    quantization pass), ReLU's backward emits the grad-input GEMM's, LayerNorm's backward is
+    one Triton kernel, and a tensor-wise FP8 grad-weight GEMM takes its transposed operands
+    from ``kernels.triton_block.transposed_quant`` (H100, graph-replayed block: 1.25x bf16 at
+    8192x1024x1024, 1.50x at 8192x4096x4096; bench/results/README.md)."""
 
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias
