@@ -546,8 +546,10 @@ class Fp8Linear(GemmSite, nn.Linear):
         return self.linear(x, self.weight, self._active_bias())
 
     def forward_layernorm(self, x: Tensor, norm: nn.LayerNorm, *, activation: str = "relu") -> Tensor:
-        """``act(self(norm(x)))`` as one fused op: with an FP8 forward on the ``triton``
-        backend (row-wise), the LayerNorm kernel emits the GEMM's FP8 input and scales.
+        """``act(self(norm(x)))`` as one fused op: with a row-wise FP8 forward on a backend
+        that takes the fused quantizer (``triton``, ``torch_scaled_mm``, ``fbgemm_rowwise``),
+        the LayerNorm kernel emits the GEMM's FP8 input and scales (see
+        ``kernels.fused.layernorm_linear`` for the backward's kernels).
 
         A high-precision plan is bit-identical to the separate modules. When the FP8 backend
         needs padding (see the module docstring), ``N`` is padded; a ``K`` (the normalized dim)
