@@ -188,7 +188,8 @@ class GpuCostModel:
 
 
 _GRAD_WEIGHT_OUT_DTYPE = torch.float32
-"""``kernels.linear`` computes FP8 weight gradients in fp32 (then casts to the weight's dtype)."""
+"""FP8 weight gradients are written in the weight's dtype (``kernels.linear.grad_weight_dtype``):
+fp32 for the fp32 master weights of bf16-autocast training, which is what is timed here."""
 
 
 def _padded(shape: Shape, multiple: int) -> Shape:
@@ -368,8 +369,9 @@ class Dispatcher:
         forward: ``x`` (M, K) and the weight (N, K), both contiguous; grad-input: ``dY``
         (M, K=N_out) and ``W^T`` (a transposed view of the (K, N) weight); grad-weight: ``dY^T``
         and ``X^T``, transposed views of the (K=batch, M) and (K=batch, N) activations, with an
-        fp32 output. The views matter: their quantization needs transposed copies, and the
-        grad-weight rows (the batch) are too long for the fused quantizer.
+        fp32 output. The views matter: on the backends that take the Triton quantizers they go
+        through the transposing one (no transposed copy), elsewhere the reference quantizer
+        copies them.
         """
         dtype = torch.bfloat16  # the compute dtype of the sites under bf16 autocast
         gen = torch.Generator(device=self.device).manual_seed(0)
