@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loka_train.kernels.formats import QTensor, Scaling
+from loka_train.kernels.formats import Fp8Format, QTensor, Scaling
 from loka_train.kernels.linear import (
     _compute_dtype,
     fp8_gemm_planned,
@@ -65,9 +65,10 @@ def _fusable(plan: GemmPlan, t: Tensor) -> bool:
     return plan.is_fp8 and use_fused_quantizer(plan, t, plan.fmt)
 
 
-def _transposable(plan: GemmPlan, t_MC: Tensor) -> bool:
-    """Whether the grad-weight GEMM's operand ``t^T`` takes the transposing quantizer."""
-    return plan.is_fp8 and use_transposed_quantizer(plan, t_MC.t(), plan.fmt)
+def _transposable(plan: GemmPlan, t_MC: Tensor, fmt: Fp8Format) -> bool:
+    """Whether the grad-weight GEMM's operand ``t^T`` (in ``fmt``) takes the transposing
+    quantizer."""
+    return plan.is_fp8 and use_transposed_quantizer(plan, t_MC.t(), fmt)
 
 
 def _gemm_act(plan, a_q, b_q, *, bias, activation, out_dtype, role):
@@ -121,9 +122,8 @@ class _LnLinearActFn(torch.autograd.Function):
                 need_w_grad = ctx.needs_input_grad[3]
                 tensorwise_gw = (
                     need_w_grad
-                    and gw.is_fp8
                     and gw.scaling is Scaling.TENSORWISE
-                    and use_transposed_quantizer(gw, x_MK.t(), gw.operand_b_fmt)
+                    and _transposable(gw, x_MK, gw.operand_b_fmt)
                 )
                 q, s, h_MK, mean, rstd, h_amax = tk.fused_rowwise_quant(
                     x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
@@ -189,7 +189,7 @@ class _LnLinearActFn(torch.autograd.Function):
             gi, gw = plan.grad_input, plan.grad_weight
             # dZ^T for an FP8 grad-weight GEMM comes from the transposing quantizer, which also
             # sums dZ's columns (the bias gradient) in the same read.
-            gw_transposed = need[3] and _transposable(gw, dy_MN)
+            gw_transposed = need[3] and _transposable(gw, dy_MN, gw.fmt)
             if ctx.activation == "relu" and _fusable(gi, dy_MN):
                 q, s, dz_MN, _, _, dz_amax = tk.fused_rowwise_quant(
                     dy_MN, fmt=gi.fmt, gate=y_MN, return_hp=True,
@@ -222,7 +222,8 @@ class _LnLinearActFn(torch.autograd.Function):
                     dz_t_q = None
                     if gw_transposed:
                         tensorwise = gw.scaling is Scaling.TENSORWISE
-                        amax = dz_amax if tensorwise and dz_amax is not None else None
+                        # From the fused ReLU-backward kernel (tensor-wise only), else computed.
+                        amax = dz_amax if tensorwise else None
                         q, s, colsum = transposed_quant(
                             dz_MN, fmt=gw.fmt, amax=amax, per_column=not tensorwise,
                             return_colsum=need_db,

@@ -69,26 +69,34 @@ def _supports(backend: Any, problem: GemmProblem) -> tuple[bool, str]:
     return backend.supports(problem)
 
 
-def use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
-    """Whether :func:`quantize_operand` takes the one-pass Triton quantizer for ``t``."""
+def _triton_quantizes(plan: GemmPlan, t: Tensor, fmt: Fp8Format, scalings: tuple[Scaling, ...]) -> bool:
+    """What both Triton quantizers need: a backend that takes their operands, a scaling in
+    ``scalings``, an e4m3/e5m2 format, a float input, and Triton running on ``t``'s device."""
     if not (
         plan.backend in _FUSED_QUANT_BACKENDS
-        and plan.scaling is Scaling.ROWWISE
+        and plan.scaling in scalings
         and fmt in (Fp8Format.E4M3, Fp8Format.E5M2)
         and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
     ):
         return False
-    if plan.backend != "triton" and not TRITON_INSTALLED:
-        return False
-    from loka_train.kernels.triton_kernels import MAX_QUANT_ROW, triton_runnable
-
-    if t.shape[-1] > MAX_QUANT_ROW:
-        # The fused quantizer holds a row in registers; longer rows (the grad-weight GEMM's
-        # operands, whose rows run over the batch) take the reference quantizer instead.
-        return False
     if plan.backend == "triton":
         return True  # the triton backend's supports() has checked that Triton runs here
+    if not TRITON_INSTALLED:
+        return False
+    from loka_train.kernels.triton_kernels import triton_runnable
+
     return triton_runnable(t.device)[0]
+
+
+def use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
+    """Whether :func:`quantize_operand` takes the one-pass Triton quantizer for ``t``."""
+    if not _triton_quantizes(plan, t, fmt, (Scaling.ROWWISE,)):
+        return False
+    from loka_train.kernels.triton_kernels import MAX_QUANT_ROW
+
+    # The fused quantizer holds a row in registers; longer rows (the grad-weight GEMM's
+    # operands, whose rows run over the batch) take the reference quantizer instead.
+    return t.shape[-1] <= MAX_QUANT_ROW
 
 
 def is_transposed_view(t: Tensor) -> bool:
@@ -99,19 +107,9 @@ def is_transposed_view(t: Tensor) -> bool:
 def use_transposed_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
     """Whether :func:`quantize_operand` quantizes ``t`` (a transposed view: ``W^T``, ``dY^T``,
     ``X^T``) with the transposing Triton quantizer instead of copying it contiguous first."""
-    if not (
-        plan.backend in _FUSED_QUANT_BACKENDS
-        and plan.scaling in (Scaling.ROWWISE, Scaling.TENSORWISE)
-        and fmt in (Fp8Format.E4M3, Fp8Format.E5M2)
-        and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and is_transposed_view(t)
-    ):
-        return False
-    if plan.backend != "triton" and not TRITON_INSTALLED:
-        return False
-    from loka_train.kernels.triton_kernels import triton_runnable
-
-    return triton_runnable(t.device)[0]
+    return is_transposed_view(t) and _triton_quantizes(
+        plan, t, fmt, (Scaling.ROWWISE, Scaling.TENSORWISE)
+    )
 
 
 def quantize_operand(t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:

@@ -42,7 +42,6 @@ from torch import Tensor
 
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 from loka_train.kernels.triton_kernels import (
-    INTERPRETED,
     _cdiv,
     _check_runnable,
     _next_pow2,
@@ -196,7 +195,7 @@ def _transposed_quant_kernel(
     if PER_COLUMN:
         # amax_ptr holds the column-amax kernel's partial maxima (NUM_PARTS rows of C).
         amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for p0 in range(0, NUM_PARTS, 16):  # one iteration: NUM_PARTS <= _PARTS_IN_KERNEL
+        for p0 in range(0, NUM_PARTS, 16):  # NUM_PARTS <= _PARTS_IN_KERNEL (16: one pass)
             ps = p0 + tl.arange(0, 16)
             part = tl.load(
                 amax_ptr + ps[:, None] * C + cols[None, :],
@@ -538,7 +537,7 @@ def _layernorm_backward_impl(
         m, k, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0) if need_dx else 0,
         HAS_W=weight is not None, NEED_DX=need_dx, NEED_PARTS=need_parts,
         BLOCK_M=block_m, BLOCK_K=block_k,
-        HP_MANT=_sw_round_args(x.dtype)["MANT"] if INTERPRETED else 0,
+        HP_MANT=_sw_round_args(x.dtype)["MANT"],
         num_warps=num_warps,
     )
     if need_parts:
