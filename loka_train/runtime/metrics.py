@@ -61,8 +61,18 @@ class MetricsLogger:
                 logger.warning("metrics: a fresh run; the earlier run's metrics moved to %s", aside)
         elif self._path.exists():
             lines = self._path.read_text().splitlines(keepends=True)
-            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-            if len(kept) != len(lines):
+            kept = []
+            for line in lines:
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:
+                    # A killed run can leave a half-written last line: it is dropped, not fatal.
+                    logger.warning("metrics: %s holds a line that is not JSON (a write cut short); "
+                                   "dropped: %.80r", self._path, line)
+                    continue
+                if record is not None and record["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            if kept != lines:
                 tmp = self._path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(kept))
                 tmp.replace(self._path)

@@ -347,14 +347,17 @@ class Trainer:
         raise cls(f"rank {rank} failed: {message}")
 
     def _preflight(self) -> None:
-        """Refuse, before anything is trained or written, a run that cannot go as configured."""
-        error: Exception | None = None
-        try:
-            self._set_aside_earlier_checkpoints()
-            self._check_data_length()
-        except Exception as exc:  # raised below on every rank
-            error = exc
-        self._raise_on_all_ranks(error)
+        """Refuse, before anything is trained or written, a run that cannot go as configured.
+
+        The data is checked (on every rank, agreed) before an earlier run's checkpoints are
+        moved aside, so a refused run leaves the out_dir as it found it."""
+        for step in (self._check_data_length, self._set_aside_earlier_checkpoints):
+            error: Exception | None = None
+            try:
+                step()
+            except Exception as exc:  # raised below on every rank
+                error = exc
+            self._raise_on_all_ranks(error)
 
     def _set_aside_earlier_checkpoints(self) -> None:
         """``resume=never`` in an out_dir that holds an earlier run's checkpoints: move them to

@@ -275,6 +275,9 @@ def _short_data(rank: int, world_size: int, out: str) -> dict[str, str]:
             num_embeddings=100,
         )
         recorder = LossRecorder()
+        # An earlier run's checkpoint in the out_dir: a refused run must leave it in place.
+        earlier = root / "run" / "checkpoints" / "step_00000001"
+        earlier.mkdir(parents=True)
         trainer = Trainer(
             model=tiny_model(), data=data,
             trainer=tiny_trainer(root / "run", batch_size=16, steps=steps, eval_batches=eval_batches),
@@ -291,8 +294,9 @@ def _short_data(rank: int, world_size: int, out: str) -> dict[str, str]:
             # Not read ahead (a full pass would read all the data first): the run trains what
             # there is and stops with the error at the end of the data.
             assert len(recorder.losses) == 5, recorder.losses
-        else:  # eval data is small: checked before any step
+        else:  # eval data is small: checked before any step, and before anything is moved
             assert recorder.losses == [], f"{name}: the run trained before it was refused"
+            assert earlier.is_dir() and not list((root / "run").glob("checkpoints.before-*")), name
         messages[name] = str(info.value)
     return messages
 

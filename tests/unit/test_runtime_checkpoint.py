@@ -151,6 +151,24 @@ def test_fresh_metrics_logs_in_the_same_second_keep_every_earlier_file(tmp_path)
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 2
 
 
+def test_a_resumed_metrics_log_survives_a_half_written_last_line(tmp_path) -> None:
+    """A killed run can leave its last metrics line cut short: resuming drops it (logged)
+    instead of failing, and keeps the complete lines up to the checkpoint."""
+    import json
+
+    from loka_train.runtime.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in (1, 2, 3))
+                    + '{"step": 4, "train/lo')
+    resumed = MetricsLogger(tmp_path, tensorboard=False)
+    resumed.start_at(3)
+    resumed.log(4, {"train/loss": 0.5})
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in path.open()]
+    assert steps == [1, 2, 3, 4]
+
+
 def test_a_resumed_metrics_log_keeps_each_step_once(tmp_path) -> None:
     """Interrupted at step 5 with a checkpoint at step 3: the resumed run redoes steps 4-5, so
     their old lines go; from scratch (step 0) the whole earlier file is moved aside."""
