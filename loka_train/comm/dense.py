@@ -70,6 +70,9 @@ class DenseGradCompressor:
         self._numels: dict[int, tuple[int, ...]] = {}
         # parameter name -> residual restored from a checkpoint, not yet taken by a bucket
         self._restored: dict[str, torch.Tensor] = {}
+        self.num_dropped_residuals = 0
+        """Restored error-feedback residuals that could not be used (an older checkpoint
+        format, or a parameter whose size changed): each logged, counted in the run report."""
         # bucket index -> the comm step it last reduced at: a bucket index that DDP's rebuild
         # dropped keeps an old residual that no later step will use, and must not be saved
         self._seen_step: dict[int, int] = {}
@@ -123,6 +126,7 @@ class DenseGradCompressor:
                     "dropping %d residual(s): up to one step of rounding error is not fed back",
                     len(residuals),
                 )
+                self.num_dropped_residuals += len(residuals)
             self._restored = {}
             return
         by_param = state["residuals_by_param"]
@@ -142,7 +146,14 @@ class DenseGradCompressor:
                 parts = []
                 for name, numel in zip(names, param_numels):
                     part = self._restored.pop(name, None) if name is not None else None
-                    if part is None or part.numel() != numel:
+                    if part is not None and part.numel() != numel:
+                        logger.warning(
+                            "dense grad hook: the restored residual of %s has %d values, the "
+                            "parameter now %d; dropped (starts from zero)", name, part.numel(), numel,
+                        )
+                        self.num_dropped_residuals += 1
+                        part = None
+                    if part is None:
                         part = grad_N.new_zeros(numel, dtype=torch.float32)
                     parts.append(part.to(device=grad_N.device, dtype=torch.float32).reshape(-1))
                 return torch.cat(parts)

@@ -120,12 +120,14 @@ class LokaCallback(Callback):
                     for comp, st in zip(self.compressors, self._pending_comp):
                         comp.load_state_dict(st)
                 elif self._pending_comp:
-                    logger.warning(
-                        "LoKA comm: the checkpoint holds %d dense-gradient hook state(s), this run "
-                        "has %d DDP module(s); their error-feedback residuals are dropped (up to "
-                        "one step of rounding error is not fed back)",
-                        len(self._pending_comp), len(self.compressors),
+                    msg = (
+                        f"LoKA comm: the checkpoint holds {len(self._pending_comp)} dense-gradient "
+                        f"hook state(s), this run has {len(self.compressors)} DDP module(s); their "
+                        "error-feedback residuals are dropped (up to one step of rounding error is "
+                        "not fed back)"
                     )
+                    logger.warning(msg)
+                    trainer.fallbacks.append(msg)
                 self._pending_comp = None
         trainer.progress_postfix["fp8"] = f"{self.dispatcher.fp8_coverage():.0%}"
         logger.info(
@@ -253,6 +255,11 @@ class LokaCallback(Callback):
             f"site {name}: {site.num_fallbacks} GEMMs ran in high precision instead of their plan"
             for name, site in sorted(self.sites.items())
             if getattr(site, "num_fallbacks", 0)
+        ]
+        fallbacks += [
+            f"dense grad hook {i}: {comp.num_dropped_residuals} restored error-feedback "
+            "residual(s) dropped"
+            for i, comp in enumerate(self.compressors) if comp.num_dropped_residuals
         ]
         if trainer is not None:
             fallbacks += list(trainer.fallbacks)

@@ -117,3 +117,18 @@ def test_a_bucket_dropped_by_ddps_rebuild_leaves_no_residual_in_the_checkpoint()
         state.begin_step(step)
         compressor.reduce(torch.cat([gb, ga]), 0, (2, 1), (20, 10)).wait()
     assert compressor.state_dict()["residuals_by_param"] == {}
+
+
+def test_restored_residuals_that_cannot_be_used_are_counted() -> None:
+    """An older checkpoint (residuals per bucket) and a residual whose parameter changed size
+    are dropped: logged and counted (the run report lists the count), never silently."""
+    state = CommState(CommConfig(dense_grads=CommPrecision.FP32, row_dim=32), backend="gloo")
+    compressor = DenseGradCompressor(state, param_names={1: "a", 2: "b"})
+    compressor.load_state_dict({"residuals": {0: torch.ones(30)}})
+    assert compressor.num_dropped_residuals == 1
+    compressor.load_state_dict({"residuals_by_param": {"a": torch.ones(10), "b": torch.ones(7)}})
+    state.begin_step(0)
+    ga, gb = torch.randn(10), torch.randn(20)
+    sent = compressor.reduce(torch.cat([ga, gb]), 0, (1, 2), (10, 20)).wait()
+    assert compressor.num_dropped_residuals == 2  # "b" had 7 values, the parameter 20
+    torch.testing.assert_close(sent, torch.cat([ga + 1, gb]))  # "a" fed back, "b" from zero
