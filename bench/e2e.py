@@ -944,9 +944,8 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
     """Speed ratio and NE delta of each run against bf16 (and bf16+compile) of the same grid."""
     by = {(r["config"], r["batch"], r["variant"]): r for r in results if r["status"] == "ok"}
     for r in results:
-        # Recomputed from scratch: a baseline that failed since must leave no stale ratio.
-        for key in [k for k in r if k.startswith(("speedup_", "ne_delta_rel_"))]:
-            del r[key]
+        # `results` come fresh from aggregate() (copies of the raw runs) each time, so a
+        # baseline that failed since leaves no stale ratio behind.
         if r["status"] != "ok":
             continue
         for ref, key in ((REFERENCE, "vs_bf16"), ("bf16+compile", "vs_bf16_compile")):

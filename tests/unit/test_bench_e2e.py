@@ -63,6 +63,8 @@ def test_a_single_run_is_passed_through(e2e) -> None:
 
 
 def test_a_baseline_that_fails_in_a_later_round_leaves_no_stale_ratio(e2e) -> None:
+    # add_ratios writes into the records aggregate() returns; this fails if those were the
+    # raw runs themselves (round 0's ratio would survive into round 1's report).
     raw = [_run("bf16", 0, 10.0, 0.7), _run("loka_safe", 0, 5.0, 0.84)]
     e2e.add_ratios(e2e.aggregate(raw))  # the report after round 0
     raw += [_run("bf16", 1, 10.0, 0.7, status="error"), _run("loka_safe", 1, 5.0, 0.84)]
