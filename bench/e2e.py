@@ -15,7 +15,8 @@ Model configs (``--configs``):
   * ``wukong``: dense-heavy Wukong-style model (2 layers, FM MLP hidden 4096, top
     4096-2048-1024-1, 26 tables x 128).
 
-Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of the others):
+Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of the others, a
+``+graphs`` suffix replays them as CUDA graphs, ``trainer.cuda_graphs``, GPU only):
   * ``bf16``: LoKA off (the reference of every ratio); ``bf16+compile``;
   * ``fp8_everywhere``: every site FP8 tensor-wise from step 0 on ``torch._scaled_mm``, probe,
     dispatch, guard and comm off. By design the final logit layer stays high precision, and
@@ -185,6 +186,8 @@ class Variant:
     """Hydra overrides of the preset (``loka.*``)."""
     compile: bool = False
     """``trainer.compile_dense``."""
+    graphs: bool = False
+    """``trainer.cuda_graphs``."""
     torchao: str | None = None
     """torchao float8 recipe name, or None."""
     decide: bool = False
@@ -250,14 +253,18 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     out = []
     for name in names:
         stem, plus, suffix = name.partition("+")
-        if stem not in base or (plus and suffix != "compile"):
-            allowed = sorted(base) + [f"{b}+compile" for b in sorted(base) if b not in TORCHAO_VARIANTS]
+        if stem not in base or (plus and suffix not in ("compile", "graphs")):
+            allowed = sorted(base) + [
+                f"{b}+{s}" for b in sorted(base) if b not in TORCHAO_VARIANTS for s in ("compile", "graphs")
+            ]
             raise SystemExit(f"--variants: unknown variant {name!r}; choose from {allowed}")
         v = base[stem]
-        if plus:
-            if v.compile:
-                raise SystemExit(f"--variants: {stem} is always compiled; drop '+compile'")
+        if plus and v.compile:
+            raise SystemExit(f"--variants: {stem} is always compiled; drop '+{suffix}'")
+        if suffix == "compile":
             v = replace(v, name=name, description=v.description + ", dense submodules compiled", compile=True)
+        elif suffix == "graphs":
+            v = replace(v, name=name, description=v.description + ", dense step CUDA-graphed", graphs=True)
         out.append(v)
     if len({v.name for v in out}) != len(out):
         raise SystemExit(f"--variants: duplicates in {names}")
@@ -406,6 +413,7 @@ def job_overrides(
         "trainer.progress_bar=false",
         "trainer.checkpoint_at_end=false",
         f"trainer.compile_dense={str(variant.compile).lower()}",
+        f"trainer.cuda_graphs={str(variant.graphs).lower()}",
         f"trainer.compile_backend={args.compile_backend}",
         f"loka={variant.loka}",
         *variant.loka_overrides,
@@ -876,6 +884,7 @@ def run_one(
                 steps=summary["steps"],
                 compiled=summary.get("compiled", []),
                 fallbacks=summary["fallbacks"],
+                cuda_graphs=summary.get("cuda_graphs"),
                 run_s=run_s,
             )
             if loka_cb is not None:
@@ -941,14 +950,16 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """Speed ratio and NE delta of each run against bf16 (and bf16+compile) of the same grid."""
+    """Speed ratio and NE delta of each run against bf16 (and bf16+compile, bf16+graphs) of the
+    same grid."""
     by = {(r["config"], r["batch"], r["variant"]): r for r in results if r["status"] == "ok"}
     for r in results:
         # `results` come fresh from aggregate() (copies of the raw runs) each time, so a
         # baseline that failed since leaves no stale ratio behind.
         if r["status"] != "ok":
             continue
-        for ref, key in ((REFERENCE, "vs_bf16"), ("bf16+compile", "vs_bf16_compile")):
+        for ref, key in ((REFERENCE, "vs_bf16"), ("bf16+compile", "vs_bf16_compile"),
+                         ("bf16+graphs", "vs_bf16_graphs")):
             base = by.get((r["config"], r["batch"], ref))
             if base is None:
                 continue
@@ -998,6 +1009,8 @@ def evaluate_targets(results: list[dict[str, Any]], configs: list[str], batch: i
         extra = ""
         if "speedup_vs_bf16_compile" in r:
             extra = f", {_fmt_x(r['speedup_vs_bf16_compile'])} vs bf16+compile"
+        if "speedup_vs_bf16_graphs" in r:
+            extra += f", {_fmt_x(r['speedup_vs_bf16_graphs'])} vs bf16+graphs"
         se = r.get("ne_delta_rel_se_vs_bf16")
         noise = f" +- {100 * se:.3f}% (s.e. of {len(r['repeats'])} seed-paired runs)" if se is not None else " (1 run)"
         return (f"{r['config']}: {_fmt_x(r.get('speedup_vs_bf16'))} vs bf16{extra}, "
@@ -1153,6 +1166,11 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 )
             if "decide" in r:
                 notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
+            if r.get("cuda_graphs"):
+                g = r["cuda_graphs"]
+                eager = ", ".join(f"{k} {v}" for k, v in g["eager"].items())
+                notes.append(f"graphs: {g['captures']} captures, {g['replays']} replays"
+                             + (f", eager calls: {eager}" if eager else ""))
             if r.get("loka", {}).get("guard_trips"):
                 notes.append(f"guard trips {r['loka']['guard_trips']}")
             if r.get("fallbacks"):
@@ -1284,7 +1302,7 @@ def main(argv: list[str] | None = None) -> int:
             "configs": {c: list(configs[c]) + list(data) for c in args.config_names},
             "variants": {v.name: {"description": v.description, "loka": v.loka,
                                   "loka_overrides": list(v.loka_overrides), "compile": v.compile,
-                                  "torchao": v.torchao, "decide": v.decide} for v in variants},
+                                  "graphs": v.graphs, "torchao": v.torchao, "decide": v.decide} for v in variants},
             "results": results,
             "runs": raw if args.repeats > 1 else [],
             "targets": [t for b in args.batch_sizes for t in evaluate_targets(results, args.config_names, b)],

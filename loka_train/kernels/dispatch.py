@@ -228,6 +228,7 @@ class Dispatcher:
         *,
         device: torch.device | str,
         out_dtype: torch.dtype = torch.float32,
+        graphed: bool = False,
     ) -> None:
         # A misspelled backend would only ever be "unsupported": FP8 quietly never chosen.
         known = set(registered_backends())
@@ -241,6 +242,10 @@ class Dispatcher:
         self.config = config
         self.device = torch.device(device)
         self.out_dtype = out_dtype
+        self.graphed = graphed
+        """The step replays the sites as CUDA graphs (``trainer.cuda_graphs``): candidates are
+        timed replayed in a CUDA graph too, without the host's launch cost that an eager step
+        pays."""
         self.cost_model = GpuCostModel()
         self.plans: dict[str, LinearPlan] = {}
         self.shapes: dict[str, dict[str, Shape]] = {}
@@ -285,7 +290,8 @@ class Dispatcher:
         else:
             model = self.cost_model
             where = f"cost model {model.bf16_flops:g}/{model.fp8_flops:g} flops, {model.bandwidth:g} B/s"
-        return f"{mode}: {where}, out {str(self.out_dtype).removeprefix('torch.')}"
+        launch = ", CUDA graph" if mode == "measure" and self.graphed else ""
+        return f"{mode}: {where}, out {str(self.out_dtype).removeprefix('torch.')}{launch}"
 
     def register(
         self,
@@ -400,6 +406,8 @@ class Dispatcher:
 
         for _ in range(3):
             run()
+        if self.graphed and self.device.type == "cuda":
+            return self._time_graphed(run)
         # Rounds of back-to-back runs; the fastest round's median. An eager step is launch-
         # bound, so single runs jitter by tens of microseconds with the host; the minimum over
         # rounds of the median drops rounds that a host hiccup slowed down.
@@ -411,7 +419,7 @@ class Dispatcher:
             best = min(best, times[len(times) // 2])
         return best
 
-    def _time_one(self, run: Callable[[], Tensor]) -> float:
+    def _time_one(self, run: Callable[[], object]) -> float:
         """Seconds of one ``run()``: CUDA events on a GPU, the host clock elsewhere (tests)."""
         if self.device.type != "cuda":
             t0 = time.perf_counter()
@@ -424,6 +432,21 @@ class Dispatcher:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e-3
+
+    def _time_graphed(self, run: Callable[[], Tensor], reps: int = 10) -> float:
+        """Seconds of one ``run()`` as a graphed step runs it: `reps` runs captured in one CUDA
+        graph, the median replay of ``bench_iters`` divided by `reps`. A run that cannot be
+        captured raises (the candidate is then excluded, as the step could not graph it)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                for _ in range(reps):
+                    run()
+            graph.replay()
+            times = sorted(self._time_one(graph.replay) for _ in range(max(1, self.config.bench_iters)))
+        finally:
+            graph.reset()
+        return times[len(times) // 2] / reps
 
     def _agree_on_timings(self, keys: list[str]) -> None:
         """Make measured times identical on every rank (MAX), so decisions agree."""

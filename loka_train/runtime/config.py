@@ -78,6 +78,13 @@ class TrainerConfig:
     """``torch.compile`` backend used by ``compile_dense``: "inductor" (generated kernels, the
     fast one on GPU), or a cheaper one for checks on CPU ("aot_eager", "eager")."""
 
+    cuda_graphs: bool = False
+    """After sharding, replay the forward and the backward of each dense submodule (bottom MLP,
+    interaction, top MLP) as CUDA graphs (``loka_train.runtime.graphs``): a handful of launches
+    per step instead of thousands, for host-bound steps. Needs a CUDA device; not together with
+    ``compile_dense``. Evaluation, the Probe's sampled steps and the first calls after a plan
+    change run eagerly; a plan change re-captures. Numerics are the eager ones."""
+
     seed: int = 0
     """Seed of the dense initialisation, the embedding tables and the RNG state."""
 
@@ -144,6 +151,15 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name}={getattr(self, name)!r}: choose one of {allowed}")
         if not isinstance(self.compile_dense, bool):
             raise ValueError(f"trainer.compile_dense must be a bool, got {self.compile_dense!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"trainer.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.compile_dense:
+            raise ValueError(
+                "trainer.cuda_graphs and trainer.compile_dense both take over the dense submodules: "
+                "set one of them to false"
+            )
+        if self.cuda_graphs and self.device == "cpu":
+            raise ValueError("trainer.cuda_graphs=true needs trainer.device=cuda (or auto on a GPU machine)")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(
                 f"trainer.compile_backend must name a torch.compile backend (e.g. \"inductor\"), "

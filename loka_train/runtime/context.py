@@ -53,6 +53,10 @@ class RunContext:
     fallbacks: list[str] = field(default_factory=list)
     """Every fallback taken during the run."""
 
+    graphs: Any = None
+    """The loop's `loka_train.runtime.graphs.DenseGraphs` when it replays the dense step as CUDA
+    graphs (set it before `on_train_start`), else None: Dispatch then times GEMMs graphed."""
+
 
 class LoopState(Protocol):
     """What every callback hook receives: a `Trainer` or a `RunContext` (same attributes)."""
@@ -66,3 +70,4 @@ class LoopState(Protocol):
     data_parallel_wrapper: Any
     progress_postfix: dict[str, str]
     fallbacks: list[str]
+    graphs: Any

@@ -95,6 +95,7 @@ class LokaCallback(Callback):
             self.config.dispatch,
             device=trainer.device,
             out_dtype=torch.bfloat16 if trainer.device.type == "cuda" else torch.float32,
+            graphed=trainer.graphs is not None,
         )
         for name, site in self.sites.items():
             self.probe.register_site(name, **site.probe_spec())

@@ -47,6 +47,7 @@ from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.distributed import DistInfo, init_distributed
+from loka_train.runtime.graphs import DENSE_SUBMODULES, DenseGraphs
 from loka_train.runtime.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,9 @@ logger = logging.getLogger(__name__)
 _WARMUP_STEPS = 3
 """Steps excluded from the steps/s figure (first-step allocations, pipeline fill)."""
 
-_DENSE_SUBMODULES = ("dense_arch", "inter_arch", "over_arch")
+_DENSE_SUBMODULES = DENSE_SUBMODULES
 """Attribute names of the dense parts of the DLRM family (TorchRec DLRM, DLRM_DCN, Wukong)
-that ``trainer.compile_dense`` compiles."""
+that ``trainer.compile_dense`` compiles and ``trainer.cuda_graphs`` graphs."""
 
 
 @runtime_checkable
@@ -125,11 +126,18 @@ class Trainer:
         """Every fallback taken during the run (logged and reported)."""
         self.compiled_modules: list[str] = []
         """Dense submodules compiled by ``trainer.compile_dense`` (names without wrappers)."""
+        self.graphs: DenseGraphs | None = None
+        """The CUDA graphs of the dense submodules (``trainer.cuda_graphs``)."""
 
         self.dist: DistInfo = init_distributed(trainer.device)
         self.rank = self.dist.rank
         self.world_size = self.dist.world_size
         self.device = self.dist.device
+        if trainer.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(
+                f"trainer.cuda_graphs=true needs a CUDA device, this run is on {self.device}: "
+                "set trainer.cuda_graphs=false"
+            )
         self.out_dir = Path(trainer.out_dir)
 
         self.train_data = make_dataset(
@@ -250,6 +258,8 @@ class Trainer:
         self.optimizer = CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", dense)])
         if self.cfg.compile_dense:
             self._compile_dense()
+        if self.cfg.cuda_graphs:
+            self.graphs = DenseGraphs.install(self.model, names=_DENSE_SUBMODULES)
 
     def _compile_dense(self) -> None:
         """Compile the dense submodules in place (``nn.Module.compile``), after sharding.
@@ -643,6 +653,9 @@ class Trainer:
             "fallbacks": list(self.fallbacks),
             "compiled": list(self.compiled_modules),
         }
+        if self.graphs is not None:
+            summary["cuda_graphs"] = self.graphs.stats()
+            self.fallbacks.extend(f for f in self.graphs.fallbacks if f not in self.fallbacks)
         self.callbacks.call("on_train_end", self, summary)
         # Again after on_train_end: callbacks may record fallbacks there (e.g. in their report).
         summary["fallbacks"] = list(self.fallbacks)

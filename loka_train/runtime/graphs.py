@@ -1,0 +1,435 @@
+"""CUDA graphs of the dense towers: one replay per forward and per backward.
+
+An eager TorchRec step on an H100 is bound by the host: a dense-heavy model issues
+1,700 aten calls per step in bf16 and 3,400 with FP8 sites (quantizers, scales), and the GPU
+waits for them (``bench/results/README.md``). :class:`DenseGraphs` captures the forward and
+the backward of each dense submodule (bottom MLP, interaction, top MLP) as two CUDA graphs
+and replays them, so a step launches a handful of graphs instead of thousands of kernels.
+The sharded embeddings, their all-to-all, the loss and the optimizer stay eager.
+
+What runs eagerly, and why (every call is counted by reason in :meth:`DenseGraphs.stats`):
+
+* ``eval`` / ``no_grad``: evaluation and no-grad forwards (graphs hold training forwards);
+* ``probe``: a step on which the Probe samples one of the module's sites (its statistics and
+  gradient hooks are host work that a replay would skip);
+* ``warmup``: the first ``warmup_calls`` calls of each new signature, so lazy set-up (cuBLAS
+  handles, Triton compilation and autotuning, allocator growth) happens outside a capture;
+* fallbacks (logged once, counted, listed in the run report): an input that is not a tensor,
+  or a capture that failed (e.g. an op that synchronises with the host); the module then
+  stays eager for the run.
+
+A signature is: autocast state, the input shapes / dtypes / requires-grad, the sites' plans
+and the parameters' storage. When it changes (Dispatch switched a plan, the guard moved
+sites back to high precision, the batch shape changed) the module is captured again.
+
+Replays compute exactly what the eager module computes with the same kernels; the inputs are
+copied into the graph's static buffers, outputs are returned as fresh tensors (clones), and
+gradients as in :func:`torch.cuda.make_graphed_callables` (views of the graph's static
+buffers, consumed within the step: parameters' gradients must be used or cleared before the
+next backward replay, as every optimizer step with ``zero_grad`` does).
+
+Example:
+    >>> graphs = DenseGraphs.install(model)          # after sharding, on a CUDA device
+    >>> ...                                          # train as usual
+    >>> graphs.stats()["replays"], graphs.fallbacks
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from loka_train.mods import Site, strip_wrapper_prefixes
+
+logger = logging.getLogger(__name__)
+
+DENSE_SUBMODULES = ("dense_arch", "inter_arch", "over_arch")
+"""Attribute names of the dense parts of the DLRM family (TorchRec DLRM, DLRM_DCN, Wukong)."""
+
+EAGER_REASONS = ("eval", "no_grad", "probe", "warmup", "unsupported_input", "capture_failed")
+"""Why a call ran eagerly; the last two are fallbacks."""
+
+
+class Graphed(Protocol):
+    """A captured forward + backward of one module (what a capture function returns)."""
+
+    out_spec: Any
+    """Pytree spec of the module's output (`forward` returns it flattened)."""
+
+    def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
+        """Outputs (flattened) for `flat_inputs`, with autograd to the inputs and parameters."""
+        ...
+
+    def release(self) -> None:
+        """Free the graphs and their memory pool."""
+        ...
+
+
+CaptureFn = Callable[[Callable[..., Any], tuple[Tensor, ...], tuple[nn.Parameter, ...]], Graphed]
+"""``capture(run, sample_inputs, params) -> Graphed``: ``run(*flat_inputs)`` calls the module's
+eager forward; gradients flow to the inputs that require grad and to `params`."""
+
+
+@dataclass
+class _Entry:
+    name: str
+    module: nn.Module
+    forward: Callable[..., Any]
+    """The module's own (eager) forward."""
+    sites: tuple[Site, ...]
+    params: tuple[nn.Parameter, ...]
+    graphed: Graphed | None = None
+    key: Hashable = None
+    """Signature of the capture in `graphed`."""
+    seen_key: Hashable = None
+    seen_calls: int = 0
+    """Consecutive eager calls with `seen_key` (the warm-up before a capture)."""
+    disabled: str = ""
+    """Why this module stays eager for the run (a failed capture), or ''."""
+    counts: Counter[str] = field(default_factory=Counter)
+
+
+class DenseGraphs:
+    """Replays the forward and backward of dense submodules as CUDA graphs.
+
+    Args:
+        modules: name -> module to graph (each must take and return tensors).
+        warmup_calls: eager calls with a new signature before it is captured (>= 1).
+        capture_warmup_iters: forward + backward runs on a side stream before each capture.
+        capture: the capture function (default: :func:`capture_cuda_graphs`); tests pass a
+            stand-in to check the routing on CPU.
+
+    Use :meth:`install` on a model; :meth:`remove` restores the modules' own forwards.
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module],
+        *,
+        warmup_calls: int = 2,
+        capture_warmup_iters: int = 3,
+        capture: CaptureFn | None = None,
+    ) -> None:
+        if warmup_calls < 1 or capture_warmup_iters < 0:
+            raise ValueError(
+                f"warmup_calls={warmup_calls} must be >= 1 and capture_warmup_iters="
+                f"{capture_warmup_iters} >= 0"
+            )
+        if capture is None and not torch.cuda.is_available():
+            raise ValueError("CUDA graphs need a CUDA device; set trainer.cuda_graphs=false on CPU")
+        self.warmup_calls = warmup_calls
+        self.capture_warmup_iters = capture_warmup_iters
+        self._capture = capture or (
+            lambda run, inputs, params: capture_cuda_graphs(
+                run, inputs, params, warmup_iters=self.capture_warmup_iters
+            )
+        )
+        self.fallbacks: list[str] = []
+        """One line per fallback kind and module (also logged)."""
+        self.num_captures = 0
+        self._entries: list[_Entry] = []
+        for name, module in modules.items():
+            entry = _Entry(
+                name=name,
+                module=module,
+                forward=module.forward,
+                sites=tuple(m for m in module.modules() if isinstance(m, Site)),
+                params=tuple(p for p in module.parameters() if p.requires_grad),
+            )
+            self._entries.append(entry)
+            # An instance attribute shadows the class's forward: nn.Module.__call__ (and every
+            # wrapper around it) calls this router; `remove` deletes it again.
+            module.forward = self._router(entry)  # type: ignore[method-assign]
+
+    @classmethod
+    def install(
+        cls,
+        model: nn.Module,
+        *,
+        names: Iterable[str] = DENSE_SUBMODULES,
+        **kwargs: Any,
+    ) -> DenseGraphs:
+        """Graph the submodules of `model` whose attribute name is in `names` (outermost only).
+
+        Raises:
+            ValueError: if no such submodule exists, or one holds a sharded module.
+        """
+        from torchrec.distributed.types import ShardedModule
+
+        wanted = set(names)
+        found: dict[str, nn.Module] = {}
+        for fqn, module in model.named_modules():
+            name = strip_wrapper_prefixes(fqn)
+            if fqn.rsplit(".", 1)[-1] not in wanted or any(name.startswith(f + ".") for f in found):
+                continue
+            if any(isinstance(m, ShardedModule) for m in module.modules()):
+                raise ValueError(
+                    f"trainer.cuda_graphs: {name} holds a sharded module; only dense submodules "
+                    f"({', '.join(sorted(wanted))}) can be graphed"
+                )
+            found[name] = module
+        if not found:
+            raise ValueError(
+                f"trainer.cuda_graphs=true but the model has no submodule named "
+                f"{' / '.join(sorted(wanted))} to graph"
+            )
+        logger.info("cuda_graphs: graphing %s", ", ".join(found))
+        return cls(found, **kwargs)
+
+    def remove(self) -> None:
+        """Restore the modules' own forwards and free every graph."""
+        for entry in self._entries:
+            self._drop(entry)
+            if "forward" in vars(entry.module):
+                del entry.module.forward
+        self._entries = []
+
+    # ------------------------------------------------------------------------- report
+    def stats(self) -> dict[str, Any]:
+        """Captures, replays and eager calls by reason, in total and per module."""
+        total: Counter[str] = Counter()
+        per_module = {}
+        for entry in self._entries:
+            total.update(entry.counts)
+            per_module[entry.name] = {"disabled": entry.disabled, **dict(entry.counts)}
+        return {
+            "captures": self.num_captures,
+            "replays": total["replay"],
+            "eager": {r: total[r] for r in EAGER_REASONS if total[r]},
+            "modules": per_module,
+        }
+
+    # ------------------------------------------------------------------------ routing
+    def _router(self, entry: _Entry) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._call(entry, args, kwargs)
+
+        return forward
+
+    def _call(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        reason = self._eager_reason(entry)
+        if reason:
+            entry.counts[reason] += 1
+            return entry.forward(*args, **kwargs)
+        flat, spec = _flatten_inputs(args, kwargs)
+        if not all(isinstance(t, Tensor) for t in flat):
+            kinds = sorted({type(t).__name__ for t in flat if not isinstance(t, Tensor)})
+            self._fallback(entry, "unsupported_input", f"takes non-tensor inputs ({', '.join(kinds)})")
+            return entry.forward(*args, **kwargs)
+        inputs: tuple[Tensor, ...] = tuple(flat)
+        key = self._signature(entry, inputs, spec)
+        if entry.graphed is None or key != entry.key:
+            if key != entry.seen_key:
+                entry.seen_key, entry.seen_calls = key, 0
+            entry.seen_calls += 1
+            if entry.seen_calls <= self.warmup_calls:
+                entry.counts["warmup"] += 1
+                return entry.forward(*args, **kwargs)
+            if not self._recapture(entry, inputs, spec, key):
+                return entry.forward(*args, **kwargs)
+        assert entry.graphed is not None
+        entry.counts["replay"] += 1
+        return _unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
+
+    def _eager_reason(self, entry: _Entry) -> str:
+        if entry.disabled:
+            return "capture_failed"
+        if not entry.module.training:
+            return "eval"
+        if not torch.is_grad_enabled():
+            return "no_grad"
+        for site in entry.sites:
+            obs = site.observer
+            if obs is not None and obs.should_sample(obs.step, site.site_name):
+                return "probe"
+        return ""
+
+    @staticmethod
+    def _signature(entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec) -> Hashable:
+        device_type = inputs[0].device.type if inputs else "cuda"
+        autocast = (
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None,
+        )
+        return (
+            autocast,
+            spec,
+            tuple((t.shape, t.dtype, t.device, t.requires_grad, t.stride()) for t in inputs),
+            tuple(site.plan for site in entry.sites),
+            tuple(p.data_ptr() for p in entry.params),
+        )
+
+    def _recapture(self, entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec, key: Hashable) -> bool:
+        recapture = entry.graphed is not None
+        self._drop(entry)
+
+        def run(*flat: Tensor) -> Any:
+            args, kwargs = _unflatten_inputs(flat, spec)
+            return entry.forward(*args, **kwargs)
+
+        try:
+            entry.graphed = self._capture(run, inputs, entry.params)
+        except Exception as exc:  # a capture failure must not end the run: eager from now on
+            entry.graphed = None
+            entry.disabled = f"capture failed: {type(exc).__name__}: {exc}"
+            self._fallback(entry, "capture_failed", f"{entry.disabled}; it runs eagerly for the rest of the run")
+            return False
+        entry.key = key
+        self.num_captures += 1
+        entry.counts["capture"] += 1
+        logger.info("cuda_graphs: %s %s (%d sites)", "re-captured" if recapture else "captured",
+                    entry.name, len(entry.sites))
+        return True
+
+    def _drop(self, entry: _Entry) -> None:
+        if entry.graphed is not None:
+            entry.graphed.release()
+            entry.graphed = None
+            entry.key = None
+
+    def _fallback(self, entry: _Entry, reason: str, message: str) -> None:
+        entry.counts[reason] += 1
+        line = f"cuda_graphs: {entry.name} {message}"
+        if line not in self.fallbacks:
+            self.fallbacks.append(line)
+            logger.warning("%s", line)
+
+
+# ---------------------------------------------------------------------------- flattening
+_InputSpec = tuple[int, tuple[str, ...]]
+"""(number of positional arguments, keyword names in order)."""
+
+
+def _flatten_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[list[Any], _InputSpec]:
+    """Positional then keyword arguments (sorted by name), and how to rebuild them."""
+    names = tuple(sorted(kwargs))
+    return [*args, *(kwargs[k] for k in names)], (len(args), names)
+
+
+def _unflatten_inputs(flat: tuple[Tensor, ...], spec: _InputSpec) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
+    num_args, names = spec
+    return flat[:num_args], dict(zip(names, flat[num_args:]))
+
+
+def _flatten_output(out: Any) -> tuple[list[Tensor], Hashable]:
+    """A tensor, or a tuple / list of tensors, as a list and how to rebuild it."""
+    if isinstance(out, Tensor):
+        return [out], None
+    if isinstance(out, tuple | list) and all(isinstance(o, Tensor) for o in out):
+        return list(out), type(out)
+    raise TypeError(
+        f"a graphed module must return a tensor or a tuple / list of tensors, got {type(out).__name__}"
+    )
+
+
+def _unflatten_output(flat: list[Tensor], spec: Hashable) -> Any:
+    return flat[0] if spec is None else spec(flat)  # type: ignore[operator]
+
+
+# ----------------------------------------------------------------------------- capture
+class _Replay(torch.autograd.Function):
+    """Autograd node of one replay: forward graph now, backward graph in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, graphs: _CudaGraphed, *inputs_and_params: Tensor) -> tuple[Tensor, ...]:
+        ctx.graphs = graphs
+        for static, given in zip(graphs.static_inputs, inputs_and_params[: len(graphs.static_inputs)]):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        graphs.fwd.replay()
+        outs = tuple(o.clone() for o in graphs.static_outputs)
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, graphs.differentiable) if not d))
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        graphs: _CudaGraphed = ctx.graphs
+        diff_grads = [g for g, d in zip(grads, graphs.differentiable) if d]
+        for static, g in zip(graphs.static_grad_outputs, diff_grads):
+            if g is None:
+                static.zero_()
+            elif static.data_ptr() != g.data_ptr():
+                static.copy_(g)
+        graphs.bwd.replay()
+        result: list[Tensor | None] = [None] * (len(graphs.static_inputs) + len(graphs.params))
+        for index, grad in zip(graphs.grad_targets, graphs.static_grads):
+            result[index] = None if grad is None else grad.detach()
+        return (None, *result)
+
+
+class _CudaGraphed:
+    """The two CUDA graphs of one module and their static buffers."""
+
+    def __init__(
+        self,
+        run: Callable[..., Any],
+        inputs: tuple[Tensor, ...],
+        params: tuple[nn.Parameter, ...],
+        *,
+        warmup_iters: int,
+    ) -> None:
+        self.params = params
+        self.static_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+        targets = [t for t in self.static_inputs if t.requires_grad] + list(params)
+        self.grad_targets = [i for i, t in enumerate(self.static_inputs) if t.requires_grad] + [
+            len(self.static_inputs) + j for j in range(len(params))
+        ]
+        # Autocast's cast cache would keep weight casts made during the capture (stale after
+        # the first optimizer step): the graphs cast inside, as the eager forward does.
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup_iters):
+                    outs = [o for o in _flatten_output(run(*self.static_inputs))[0] if o.requires_grad]
+                    if outs and targets:
+                        torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs],
+                                            allow_unused=True)
+                    del outs
+            torch.cuda.current_stream().wait_stream(side)
+            self.pool = torch.cuda.graph_pool_handle()
+            self.fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.fwd, pool=self.pool, capture_error_mode="thread_local"):
+                flat_out, spec = _flatten_output(run(*self.static_inputs))
+            self.static_outputs = tuple(flat_out)
+            self.differentiable = tuple(o.requires_grad for o in flat_out)
+            diff_outs = [o for o in flat_out if o.requires_grad]
+            self.static_grad_outputs = tuple(torch.empty_like(o) for o in diff_outs)
+            self.bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.bwd, pool=self.pool, capture_error_mode="thread_local"):
+                grads = torch.autograd.grad(
+                    diff_outs, targets, self.static_grad_outputs, allow_unused=True
+                ) if diff_outs and targets else ()
+            self.static_grads = tuple(grads)
+        finally:
+            torch.set_autocast_cache_enabled(cache)
+        self.out_spec = spec
+
+    def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
+        return list(_Replay.apply(self, *flat_inputs, *self.params))
+
+    def release(self) -> None:
+        for graph in (self.fwd, self.bwd):
+            graph.reset()
+        self.static_outputs = self.static_grads = self.static_inputs = ()
+
+
+def capture_cuda_graphs(
+    run: Callable[..., Any],
+    inputs: tuple[Tensor, ...],
+    params: tuple[nn.Parameter, ...],
+    *,
+    warmup_iters: int = 3,
+) -> Graphed:
+    """Capture ``run(*inputs)``'s forward and its backward (to `inputs` that require grad and
+    `params`) as two CUDA graphs sharing one private memory pool."""
+    return _CudaGraphed(run, inputs, params, warmup_iters=warmup_iters)

@@ -1,0 +1,209 @@
+"""``runtime.graphs.DenseGraphs``: which calls replay, which run eagerly, when it re-captures.
+
+CUDA graphs themselves need a GPU (``tests/gpu/test_graphs_gpu.py`` checks replays against
+eager numerics there). Here a stand-in capture function replays by running the module's
+eager forward and counting, so the routing, the signatures and the fallbacks are checked on
+the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from loka_train.kernels import LinearPlan
+from loka_train.mods import Fp8Linear
+from loka_train.probe import Probe, ProbeConfig
+from loka_train.runtime.config import TrainerConfig
+from loka_train.runtime.graphs import DenseGraphs, _flatten_output
+
+FP8_PLAN = LinearPlan.fp8(backend="emulated")
+
+
+class FakeGraphed:
+    """Replays by calling the eager forward (so gradients flow as they would)."""
+
+    def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list) -> None:
+        self.run, self.log = run, log
+        self.out_spec = _flatten_output(run(*inputs))[1]
+        self.released = False
+        log.append(("capture", tuple(t.shape for t in inputs)))
+
+    def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
+        assert not self.released
+        self.log.append(("replay",))
+        return _flatten_output(self.run(*flat_inputs))[0]
+
+    def release(self) -> None:
+        self.released = True
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.site = Fp8Linear.from_linear(nn.Linear(8, 4))
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor, *, extra: Tensor | None = None) -> Tensor:
+        y = self.site(x) * self.scale
+        return y if extra is None else y + extra
+
+
+def _graphs(module: nn.Module, log: list, **kwargs: Any) -> DenseGraphs:
+    return DenseGraphs(
+        {"tower": module},
+        capture=lambda run, inputs, params: FakeGraphed(run, inputs, params, log),
+        **kwargs,
+    )
+
+
+def test_warmup_then_capture_then_replays_with_the_eager_result() -> None:
+    tower, log = Tower(), []
+    graphs = _graphs(tower, log, warmup_calls=2)
+    x = torch.randn(3, 8)
+    expected = Tower.forward(tower, x)
+    outs = [tower(x) for _ in range(5)]
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    stats = graphs.stats()
+    assert stats["captures"] == 1 and stats["replays"] == 3
+    assert stats["eager"] == {"warmup": 2}
+    assert [e[0] for e in log] == ["capture", "replay", "replay", "replay"]
+    outs[-1].sum().backward()
+    assert tower.site.weight.grad is not None and tower.scale.grad is not None
+
+
+def test_eval_no_grad_and_sampled_steps_run_eagerly() -> None:
+    tower, log = Tower(), []
+    graphs = _graphs(tower, log, warmup_calls=1)
+    probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, interval=100, window=2, min_samples=1))
+    tower.site.site_name = "tower.site"
+    probe.register_site("tower.site", **tower.site.probe_spec())
+    tower.site.attach_observer(probe)
+    x = torch.randn(3, 8)
+    for step in range(6):
+        probe.begin_step(step)
+        tower(x).sum().backward()
+    with torch.no_grad():
+        tower(x)
+    tower.eval()
+    tower(x)
+    eager = graphs.stats()["eager"]
+    assert eager["probe"] == 3  # steps 0, 2, 4 sample
+    assert eager == {"probe": 3, "warmup": 1, "no_grad": 1, "eval": 1}
+    assert graphs.stats()["replays"] == 2
+    assert probe.report()["sites"]["tower.site"]["num_observations"]["forward"] == 3
+
+
+def test_a_plan_change_or_a_new_shape_recaptures() -> None:
+    tower, log = Tower(), []
+    graphs = _graphs(tower, log, warmup_calls=1)
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        tower(x)
+    assert graphs.num_captures == 1
+    first = graphs._entries[0].graphed
+    tower.site.set_plan(FP8_PLAN)
+    for _ in range(3):
+        out = tower(x)
+    assert graphs.num_captures == 2 and first is not None and first.released
+    torch.testing.assert_close(out, Tower.forward(tower, x), rtol=0, atol=0)
+    tower(torch.randn(5, 8))  # a new batch shape: warm-up again, then a capture
+    tower(torch.randn(5, 8))
+    assert graphs.num_captures == 3
+    assert graphs.stats()["eager"] == {"warmup": 3}
+
+
+def test_keyword_inputs_are_passed_through() -> None:
+    tower, log = Tower(), []
+    graphs = _graphs(tower, log, warmup_calls=1)
+    x, extra = torch.randn(3, 8), torch.randn(3, 4)
+    for _ in range(3):
+        out = tower(x, extra=extra)
+    torch.testing.assert_close(out, Tower.forward(tower, x, extra=extra), rtol=0, atol=0)
+    assert graphs.stats()["replays"] == 2
+
+
+def test_non_tensor_input_is_a_counted_logged_fallback(caplog: pytest.LogCaptureFixture) -> None:
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: Tensor, scale: float) -> Tensor:
+            return self.lin(x) * scale
+
+    odd, log = Odd(), []
+    graphs = _graphs(odd, log, warmup_calls=1)
+    with caplog.at_level(logging.WARNING, logger="loka_train.runtime.graphs"):
+        for _ in range(3):
+            odd(torch.randn(2, 2), 2.0)
+    assert graphs.stats()["eager"] == {"unsupported_input": 3}
+    assert len(graphs.fallbacks) == 1 and "non-tensor inputs (float)" in graphs.fallbacks[0]
+    assert sum("non-tensor" in r.message for r in caplog.records) == 1
+    assert log == []
+
+
+def test_a_failed_capture_leaves_the_module_eager_and_is_reported() -> None:
+    tower = Tower()
+
+    def failing(run: Any, inputs: tuple[Tensor, ...], params: Any) -> Any:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = DenseGraphs({"tower": tower}, warmup_calls=1, capture=failing)
+    x = torch.randn(3, 8)
+    outs = [tower(x) for _ in range(4)]
+    torch.testing.assert_close(outs[-1], Tower.forward(tower, x), rtol=0, atol=0)
+    stats = graphs.stats()
+    assert stats["captures"] == 0 and stats["replays"] == 0
+    assert stats["eager"] == {"warmup": 1, "capture_failed": 3}
+    assert "not permitted" in stats["modules"]["tower"]["disabled"]
+    assert len(graphs.fallbacks) == 1 and "runs eagerly" in graphs.fallbacks[0]
+
+
+def test_remove_restores_the_module_forward() -> None:
+    tower, log = Tower(), []
+    graphs = _graphs(tower, log, warmup_calls=1)
+    x = torch.randn(3, 8)
+    tower(x), tower(x)
+    graphs.remove()
+    assert "forward" not in vars(tower)
+    before = len(log)
+    tower(x)
+    assert len(log) == before
+
+
+def test_install_finds_the_dense_submodules_and_refuses_models_without_them() -> None:
+    from loka_train.models import ModelConfig, build_model
+
+    model = build_model(ModelConfig(kind="dlrm"), feature_names=["cat_0", "cat_1"],
+                        num_embeddings_per_feature=[10, 10], num_dense=4, seed=0)
+    graphs = DenseGraphs.install(model, capture=lambda *a: FakeGraphed(*a, []))
+    assert set(graphs.stats()["modules"]) == {"model.dense_arch", "model.inter_arch", "model.over_arch"}
+    graphs.remove()
+    with pytest.raises(ValueError, match="no submodule named"):
+        DenseGraphs.install(nn.Sequential(nn.Linear(2, 2)), capture=lambda *a: FakeGraphed(*a, []))
+
+
+def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only refusal")
+    with pytest.raises(ValueError, match="trainer.cuda_graphs=false"):
+        DenseGraphs({"tower": Tower()})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"cuda_graphs": "yes"}, "must be a bool"),
+        ({"cuda_graphs": True, "compile_dense": True}, "set one of them to false"),
+        ({"cuda_graphs": True, "device": "cpu"}, "needs trainer.device=cuda"),
+    ],
+)
+def test_trainer_config_refuses_impossible_graph_settings(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(**kwargs)
