@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -72,8 +73,9 @@ class Graphed(Protocol):
 
 
 CaptureFn = Callable[[Callable[..., Any], tuple[Tensor, ...], tuple[nn.Parameter, ...]], Graphed]
-"""``capture(run, sample_inputs, params) -> Graphed``: ``run(*flat_inputs)`` calls the module's
-eager forward; gradients flow to the inputs that require grad and to `params`."""
+"""``capture(run, sample_inputs, params) -> Graphed``: ``run(param_values, *flat_inputs)`` calls
+the module's eager forward with `param_values` in place of `params` (same order); gradients
+flow to the inputs that require grad and to the parameters."""
 
 
 @dataclass
@@ -84,7 +86,9 @@ class _Entry:
     """The module's own (eager) forward."""
     sites: tuple[Site, ...]
     params: tuple[nn.Parameter, ...]
+    param_names: tuple[str, ...]
     graphed: Graphed | None = None
+    capturing: bool = False
     key: Hashable = None
     """Signature of the capture in `graphed`."""
     seen_key: Hashable = None
@@ -135,12 +139,14 @@ class DenseGraphs:
         self.num_captures = 0
         self._entries: list[_Entry] = []
         for name, module in modules.items():
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             entry = _Entry(
                 name=name,
                 module=module,
                 forward=module.forward,
                 sites=tuple(m for m in module.modules() if isinstance(m, Site)),
-                params=tuple(p for p in module.parameters() if p.requires_grad),
+                params=tuple(p for _, p in named),
+                param_names=tuple(n for n, _ in named),
             )
             self._entries.append(entry)
             # An instance attribute shadows the class's forward: nn.Module.__call__ (and every
@@ -213,6 +219,8 @@ class DenseGraphs:
         return forward
 
     def _call(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if entry.capturing:
+            return entry.forward(*args, **kwargs)
         reason = self._eager_reason(entry)
         if reason:
             entry.counts[reason] += 1
@@ -269,9 +277,13 @@ class DenseGraphs:
         recapture = entry.graphed is not None
         self._drop(entry)
 
-        def run(*flat: Tensor) -> Any:
+        def run(params: tuple[Tensor, ...], *flat: Tensor) -> Any:
             args, kwargs = _unflatten_inputs(flat, spec)
-            return entry.forward(*args, **kwargs)
+            entry.capturing = True  # functional_call goes through module.__call__: no routing
+            try:
+                return torch.func.functional_call(entry.module, dict(zip(entry.param_names, params)), args, kwargs)
+            finally:
+                entry.capturing = False
 
         try:
             entry.graphed = self._capture(run, inputs, entry.params)
@@ -365,7 +377,13 @@ class _Replay(torch.autograd.Function):
 
 
 class _CudaGraphed:
-    """The two CUDA graphs of one module and their static buffers."""
+    """The two CUDA graphs of one module and their static buffers.
+
+    Warm-up and both captures run on one side stream, on fresh leaf aliases of the inputs and
+    parameters (``detach()``: the same storage, no copy). Autograd binds a leaf's gradient
+    accumulator to the stream it was created on; the parameters' own accumulators live on the
+    default stream (and DDP keeps them alive), and a backward captured into them would wait
+    on that stream, which invalidates the capture."""
 
     def __init__(
         self,
@@ -376,42 +394,53 @@ class _CudaGraphed:
         warmup_iters: int,
     ) -> None:
         self.params = params
-        self.static_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
-        targets = [t for t in self.static_inputs if t.requires_grad] + list(params)
-        self.grad_targets = [i for i, t in enumerate(self.static_inputs) if t.requires_grad] + [
-            len(self.static_inputs) + j for j in range(len(params))
+        self.static_inputs = tuple(t.detach().clone() for t in inputs)
+        needs_grad = tuple(t.requires_grad for t in inputs)
+        self.grad_targets = [i for i, g in enumerate(needs_grad) if g] + [
+            len(inputs) + j for j in range(len(params))
         ]
+
+        def leaves() -> tuple[tuple[Tensor, ...], list[Tensor], list[Tensor]]:
+            ins = tuple(t.detach().requires_grad_(g) for t, g in zip(self.static_inputs, needs_grad))
+            ps = [p.detach().requires_grad_() for p in params]
+            return ins, ps, [t for t in ins if t.requires_grad] + ps
+
         # Autocast's cast cache would keep weight casts made during the capture (stale after
         # the first optimizer step): the graphs cast inside, as the eager forward does.
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(stream):
                 for _ in range(warmup_iters):
-                    outs = [o for o in _flatten_output(run(*self.static_inputs))[0] if o.requires_grad]
+                    ins, ps, targets = leaves()
+                    outs = [o for o in _flatten_output(run(tuple(ps), *ins))[0] if o.requires_grad]
                     if outs and targets:
                         torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs],
                                             allow_unused=True)
                     del outs
-            torch.cuda.current_stream().wait_stream(side)
             self.pool = torch.cuda.graph_pool_handle()
             self.fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.fwd, pool=self.pool, capture_error_mode="thread_local"):
-                flat_out, spec = _flatten_output(run(*self.static_inputs))
+            with torch.cuda.graph(self.fwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                ins, ps, targets = leaves()
+                flat_out, spec = _flatten_output(run(tuple(ps), *ins))
             self.static_outputs = tuple(flat_out)
             self.differentiable = tuple(o.requires_grad for o in flat_out)
             diff_outs = [o for o in flat_out if o.requires_grad]
             self.static_grad_outputs = tuple(torch.empty_like(o) for o in diff_outs)
             self.bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.bwd, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(self.bwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 grads = torch.autograd.grad(
                     diff_outs, targets, self.static_grad_outputs, allow_unused=True
                 ) if diff_outs and targets else ()
             self.static_grads = tuple(grads)
+        except BaseException:
+            _reset_capture_state()
+            raise
         finally:
             torch.set_autocast_cache_enabled(cache)
+            torch.cuda.current_stream().wait_stream(stream)
         self.out_spec = spec
 
     def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
@@ -421,6 +450,22 @@ class _CudaGraphed:
         for graph in (self.fwd, self.bwd):
             graph.reset()
         self.static_outputs = self.static_grads = self.static_inputs = ()
+
+
+def _reset_capture_state() -> None:
+    """After a failed capture: a capture that never ended leaves the default CUDA generator in
+    capture mode (the next random op outside a graph raises "Offset increment outside graph
+    capture"); an empty capture that ends normally takes it out again."""
+    try:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA graph is empty": that is the point
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                pass
+        graph.reset()
+    except Exception as exc:  # the original failure is raised by the caller
+        logger.warning("cuda_graphs: could not reset the capture state after a failed capture: %s", exc)
 
 
 def capture_cuda_graphs(

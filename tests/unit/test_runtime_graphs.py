@@ -28,15 +28,15 @@ class FakeGraphed:
     """Replays by calling the eager forward (so gradients flow as they would)."""
 
     def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list) -> None:
-        self.run, self.log = run, log
-        self.out_spec = _flatten_output(run(*inputs))[1]
+        self.run, self.log, self.params = run, log, params
+        self.out_spec = _flatten_output(run(params, *inputs))[1]
         self.released = False
         log.append(("capture", tuple(t.shape for t in inputs)))
 
     def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
         assert not self.released
         self.log.append(("replay",))
-        return _flatten_output(self.run(*flat_inputs))[0]
+        return _flatten_output(self.run(self.params, *flat_inputs))[0]
 
     def release(self) -> None:
         self.released = True
