@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from loka_train.kernels.capture import reset_capture_state
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.kernels.registry import GemmProblem, get_backend, registered_backends
@@ -439,9 +440,13 @@ class Dispatcher:
         captured raises (the candidate is then excluded, as the step could not graph it)."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for _ in range(reps):
-                    run()
+            try:
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    for _ in range(reps):
+                        run()
+            except BaseException:
+                reset_capture_state()
+                raise
             graph.replay()
             times = sorted(self._time_one(graph.replay) for _ in range(max(1, self.config.bench_iters)))
         finally:

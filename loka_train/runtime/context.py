@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from loka_train.runtime.graphs import DenseGraphs
 
 
 @dataclass(kw_only=True)
@@ -53,7 +56,7 @@ class RunContext:
     fallbacks: list[str] = field(default_factory=list)
     """Every fallback taken during the run."""
 
-    graphs: Any = None
+    graphs: DenseGraphs | None = None
     """The loop's `loka_train.runtime.graphs.DenseGraphs` when it replays the dense step as CUDA
     graphs (set it before `on_train_start`), else None: Dispatch then times GEMMs graphed."""
 
@@ -70,4 +73,4 @@ class LoopState(Protocol):
     data_parallel_wrapper: Any
     progress_postfix: dict[str, str]
     fallbacks: list[str]
-    graphs: Any
+    graphs: DenseGraphs | None

@@ -23,10 +23,13 @@ and the parameters' storage. When it changes (Dispatch switched a plan, the guar
 sites back to high precision, the batch shape changed) the module is captured again.
 
 Replays compute exactly what the eager module computes with the same kernels; the inputs are
-copied into the graph's static buffers, outputs are returned as fresh tensors (clones), and
-gradients as in :func:`torch.cuda.make_graphed_callables` (views of the graph's static
-buffers, consumed within the step: parameters' gradients must be used or cleared before the
-next backward replay, as every optimizer step with ``zero_grad`` does).
+copied into the graph's static buffers, and outputs and gradients are returned as fresh
+tensors (copies of the static buffers). A graphed module takes one training forward, then its
+backward (a second forward replay before that backward makes the backward raise). Limits:
+module hooks (refused at capture: a replay would skip them); parameters used but owned outside
+the module get no gradient from a replay; parameter objects replaced mid-run need
+:meth:`DenseGraphs.invalidate`; the capture's warm-up runs advance stateful modules (none in
+the DLRM family: no BatchNorm or dropout).
 
 Example:
     >>> graphs = DenseGraphs.install(model)          # after sharding, on a CUDA device
@@ -37,7 +40,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +48,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from loka_train.kernels.capture import reset_capture_state
+from loka_train.kernels.profiling import profiled
 from loka_train.mods import Site, strip_wrapper_prefixes
 
 logger = logging.getLogger(__name__)
@@ -85,8 +89,11 @@ class _Entry:
     forward: Callable[..., Any]
     """The module's own (eager) forward."""
     sites: tuple[Site, ...]
-    params: tuple[nn.Parameter, ...]
-    param_names: tuple[str, ...]
+    shadowed: Any
+    """An instance-level ``forward`` the module had before install (restored by `remove`)."""
+    params: tuple[nn.Parameter, ...] = ()
+    """Trainable parameters, read at install and at every capture."""
+    param_names: tuple[str, ...] = ()
     graphed: Graphed | None = None
     capturing: bool = False
     key: Hashable = None
@@ -97,6 +104,11 @@ class _Entry:
     disabled: str = ""
     """Why this module stays eager for the run (a failed capture), or ''."""
     counts: Counter[str] = field(default_factory=Counter)
+
+    def refresh_params(self) -> None:
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.params = tuple(p for _, p in named)
+        self.param_names = tuple(n for n, _ in named)
 
 
 class DenseGraphs:
@@ -139,15 +151,14 @@ class DenseGraphs:
         self.num_captures = 0
         self._entries: list[_Entry] = []
         for name, module in modules.items():
-            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             entry = _Entry(
                 name=name,
                 module=module,
                 forward=module.forward,
+                shadowed=vars(module).get("forward"),
                 sites=tuple(m for m in module.modules() if isinstance(m, Site)),
-                params=tuple(p for _, p in named),
-                param_names=tuple(n for n, _ in named),
             )
+            entry.refresh_params()
             self._entries.append(entry)
             # An instance attribute shadows the class's forward: nn.Module.__call__ (and every
             # wrapper around it) calls this router; `remove` deletes it again.
@@ -192,9 +203,18 @@ class DenseGraphs:
         """Restore the modules' own forwards and free every graph."""
         for entry in self._entries:
             self._drop(entry)
-            if "forward" in vars(entry.module):
+            if entry.shadowed is not None:
+                entry.module.forward = entry.shadowed  # type: ignore[method-assign]
+            elif "forward" in vars(entry.module):
                 del entry.module.forward
         self._entries = []
+
+    def invalidate(self) -> None:
+        """Drop every capture (the next calls warm up and capture again). Call it after
+        replacing a graphed module's parameter objects (in-place updates need nothing)."""
+        for entry in self._entries:
+            self._drop(entry)
+            entry.seen_key, entry.seen_calls = None, 0
 
     # ------------------------------------------------------------------------- report
     def stats(self) -> dict[str, Any]:
@@ -239,11 +259,12 @@ class DenseGraphs:
             if entry.seen_calls <= self.warmup_calls:
                 entry.counts["warmup"] += 1
                 return entry.forward(*args, **kwargs)
-            if not self._recapture(entry, inputs, spec, key):
+            if not self._recapture(entry, inputs, spec):
                 return entry.forward(*args, **kwargs)
         assert entry.graphed is not None
         entry.counts["replay"] += 1
-        return _unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
+        with profiled(f"loka/graphs/{entry.name}"):
+            return _unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
 
     def _eager_reason(self, entry: _Entry) -> str:
         if entry.disabled:
@@ -270,12 +291,18 @@ class DenseGraphs:
             spec,
             tuple((t.shape, t.dtype, t.device, t.requires_grad, t.stride()) for t in inputs),
             tuple(site.plan for site in entry.sites),
-            tuple(p.data_ptr() for p in entry.params),
+            tuple((p.data_ptr(), p.requires_grad) for p in entry.params),
         )
 
-    def _recapture(self, entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec, key: Hashable) -> bool:
+    def _recapture(self, entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec) -> bool:
         recapture = entry.graphed is not None
         self._drop(entry)
+        entry.refresh_params()
+        hooked = [n or "(top)" for n, m in entry.module.named_modules() if _has_hooks(m)]
+        if hooked:
+            entry.disabled = f"has module hooks (on {', '.join(hooked[:3])}), which a replay would skip"
+            self._fallback(entry, "capture_failed", f"{entry.disabled}; it runs eagerly for the rest of the run")
+            return False
 
         def run(params: tuple[Tensor, ...], *flat: Tensor) -> Any:
             args, kwargs = _unflatten_inputs(flat, spec)
@@ -292,7 +319,9 @@ class DenseGraphs:
             entry.disabled = f"capture failed: {type(exc).__name__}: {exc}"
             self._fallback(entry, "capture_failed", f"{entry.disabled}; it runs eagerly for the rest of the run")
             return False
-        entry.key = key
+        # Re-read after the capture: a key taken before refresh_params would miss a
+        # parameter replaced since install.
+        entry.key = self._signature(entry, inputs, spec)
         self.num_captures += 1
         entry.counts["capture"] += 1
         logger.info("cuda_graphs: %s %s (%d sites)", "re-captured" if recapture else "captured",
@@ -311,6 +340,13 @@ class DenseGraphs:
         if line not in self.fallbacks:
             self.fallbacks.append(line)
             logger.warning("%s", line)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        or module._backward_pre_hooks
+    )
 
 
 # ---------------------------------------------------------------------------- flattening
@@ -350,7 +386,8 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, graphs: _CudaGraphed, *inputs_and_params: Tensor) -> tuple[Tensor, ...]:
-        ctx.graphs = graphs
+        graphs.generation += 1
+        ctx.graphs, ctx.generation = graphs, graphs.generation
         for static, given in zip(graphs.static_inputs, inputs_and_params[: len(graphs.static_inputs)]):
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
@@ -363,6 +400,13 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         graphs: _CudaGraphed = ctx.graphs
+        if ctx.generation != graphs.generation:
+            # The activations this backward needs were overwritten by a later replay.
+            raise RuntimeError(
+                "cuda_graphs: a graphed module ran its forward again before the backward of an "
+                "earlier forward; graphed modules take one forward, then its backward. Call the "
+                "module once per step, or set trainer.cuda_graphs=false"
+            )
         diff_grads = [g for g, d in zip(grads, graphs.differentiable) if d]
         for static, g in zip(graphs.static_grad_outputs, diff_grads):
             if g is None:
@@ -372,7 +416,10 @@ class _Replay(torch.autograd.Function):
         graphs.bwd.replay()
         result: list[Tensor | None] = [None] * (len(graphs.static_inputs) + len(graphs.params))
         for index, grad in zip(graphs.grad_targets, graphs.static_grads):
-            result[index] = None if grad is None else grad.detach()
+            # Copies: autograd would make a parameter's .grad the static buffer itself, which
+            # the next replay overwrites (and adds to itself when .grad is kept, e.g. with
+            # zero_grad(set_to_none=False) or gradient accumulation).
+            result[index] = None if grad is None else grad.clone()
         return (None, *result)
 
 
@@ -394,6 +441,8 @@ class _CudaGraphed:
         warmup_iters: int,
     ) -> None:
         self.params = params
+        self.generation = 0
+        """Forward replays so far; a backward checks that no later replay overwrote its state."""
         self.static_inputs = tuple(t.detach().clone() for t in inputs)
         needs_grad = tuple(t.requires_grad for t in inputs)
         self.grad_targets = [i for i, g in enumerate(needs_grad) if g] + [
@@ -436,7 +485,7 @@ class _CudaGraphed:
                 ) if diff_outs and targets else ()
             self.static_grads = tuple(grads)
         except BaseException:
-            _reset_capture_state()
+            reset_capture_state()
             raise
         finally:
             torch.set_autocast_cache_enabled(cache)
@@ -449,23 +498,7 @@ class _CudaGraphed:
     def release(self) -> None:
         for graph in (self.fwd, self.bwd):
             graph.reset()
-        self.static_outputs = self.static_grads = self.static_inputs = ()
-
-
-def _reset_capture_state() -> None:
-    """After a failed capture: a capture that never ended leaves the default CUDA generator in
-    capture mode (the next random op outside a graph raises "Offset increment outside graph
-    capture"); an empty capture that ends normally takes it out again."""
-    try:
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "the CUDA graph is empty": that is the point
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                pass
-        graph.reset()
-    except Exception as exc:  # the original failure is raised by the caller
-        logger.warning("cuda_graphs: could not reset the capture state after a failed capture: %s", exc)
+        self.static_outputs = self.static_grads = self.static_inputs = self.static_grad_outputs = ()
 
 
 def capture_cuda_graphs(

@@ -55,10 +55,6 @@ logger = logging.getLogger(__name__)
 _WARMUP_STEPS = 3
 """Steps excluded from the steps/s figure (first-step allocations, pipeline fill)."""
 
-_DENSE_SUBMODULES = DENSE_SUBMODULES
-"""Attribute names of the dense parts of the DLRM family (TorchRec DLRM, DLRM_DCN, Wukong)
-that ``trainer.compile_dense`` compiles and ``trainer.cuda_graphs`` graphs."""
-
 
 @runtime_checkable
 class _FiniteData(Protocol):
@@ -259,7 +255,7 @@ class Trainer:
         if self.cfg.compile_dense:
             self._compile_dense()
         if self.cfg.cuda_graphs:
-            self.graphs = DenseGraphs.install(self.model, names=_DENSE_SUBMODULES)
+            self.graphs = DenseGraphs.install(self.model, names=DENSE_SUBMODULES)
 
     def _compile_dense(self) -> None:
         """Compile the dense submodules in place (``nn.Module.compile``), after sharding.
@@ -272,14 +268,14 @@ class Trainer:
 
         for fqn, module in self.model.named_modules():
             name = strip_wrapper_prefixes(fqn)
-            if fqn.rsplit(".", 1)[-1] not in _DENSE_SUBMODULES:
+            if fqn.rsplit(".", 1)[-1] not in DENSE_SUBMODULES:
                 continue
             if any(name.startswith(done + ".") for done in self.compiled_modules):
                 continue
             if any(isinstance(m, ShardedModule) for m in module.modules()):
                 raise ValueError(
                     f"trainer.compile_dense: {name} holds a sharded module; only dense "
-                    f"submodules ({', '.join(_DENSE_SUBMODULES)}) can be compiled"
+                    f"submodules ({', '.join(DENSE_SUBMODULES)}) can be compiled"
                 )
             if self.cfg.compile_backend == "inductor":
                 # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
@@ -302,7 +298,7 @@ class Trainer:
         if not self.compiled_modules:
             raise ValueError(
                 f"trainer.compile_dense=true but the {self.model_cfg.kind!r} model has no "
-                f"submodule named {' / '.join(_DENSE_SUBMODULES)} to compile"
+                f"submodule named {' / '.join(DENSE_SUBMODULES)} to compile"
             )
         logger.info(
             "compiled %s with torch.compile(backend=%r)",

@@ -24,17 +24,41 @@ from loka_train.runtime.graphs import DenseGraphs, _flatten_output
 FP8_PLAN = LinearPlan.fp8(backend="emulated")
 
 
-class FakeGraphed:
-    """Replays by calling the eager forward (so gradients flow as they would)."""
+def _state(params: tuple[nn.Parameter, ...], inputs: tuple[Tensor, ...]) -> tuple:
+    """What a real capture bakes in and a replay cannot change."""
+    return (
+        torch.is_autocast_enabled("cpu"),
+        tuple((id(p), p.requires_grad) for p in params),
+        tuple((t.shape, t.dtype, t.requires_grad) for t in inputs),
+    )
 
-    def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list) -> None:
-        self.run, self.log, self.params = run, log, params
+
+class FakeGraphed:
+    """Replays by calling the eager forward (so gradients flow as they would), and checks that
+    nothing a real capture bakes in (plans, autocast, parameters, input layout) changed since
+    the capture: a router that replays a stale capture fails these tests."""
+
+    def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list,
+                 module: nn.Module | None = None) -> None:
+        self.run, self.log, self.params, self.module = run, log, params, module
         self.out_spec = _flatten_output(run(params, *inputs))[1]
         self.released = False
+        self.state = _state(self._params(), inputs)
+        self.plans = self._plans()
         log.append(("capture", tuple(t.shape for t in inputs)))
+
+    def _params(self) -> tuple[nn.Parameter, ...]:
+        return tuple(self.module.parameters()) if self.module is not None else self.params
+
+    def _plans(self) -> tuple:
+        if self.module is None:
+            return ()
+        return tuple(m.plan for m in self.module.modules() if hasattr(m, "plan"))
 
     def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
         assert not self.released
+        assert _state(self._params(), flat_inputs) == self.state, "replayed a capture whose state changed"
+        assert self._plans() == self.plans, "replayed a capture taken under another plan"
         self.log.append(("replay",))
         return _flatten_output(self.run(self.params, *flat_inputs))[0]
 
@@ -56,7 +80,7 @@ class Tower(nn.Module):
 def _graphs(module: nn.Module, log: list, **kwargs: Any) -> DenseGraphs:
     return DenseGraphs(
         {"tower": module},
-        capture=lambda run, inputs, params: FakeGraphed(run, inputs, params, log),
+        capture=lambda run, inputs, params: FakeGraphed(run, inputs, params, log, module),
         **kwargs,
     )
 
@@ -207,3 +231,104 @@ def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
 def test_trainer_config_refuses_impossible_graph_settings(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TrainerConfig(**kwargs)
+
+
+def test_autocast_frozen_and_replaced_parameters_recapture() -> None:
+    tower, log = Tower(), []
+    graphs = _graphs(tower, log, warmup_calls=1)
+    x = torch.randn(3, 8)
+
+    def calls(n: int = 2) -> Tensor:
+        for _ in range(n):
+            out = tower(x)
+        return out
+
+    calls()
+    assert graphs.num_captures == 1
+    tower.scale.requires_grad_(False)  # a frozen parameter: no gradient target any more
+    calls()
+    assert graphs.num_captures == 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        calls()
+    assert graphs.num_captures == 3
+    tower.scale = nn.Parameter(torch.full((4,), 2.0))  # a replaced parameter object
+    graphs.invalidate()
+    out = calls()
+    assert graphs.num_captures == 4
+    torch.testing.assert_close(out, Tower.forward(tower, x), rtol=0, atol=0)
+
+
+def test_a_module_with_hooks_is_not_captured() -> None:
+    tower, log = Tower(), []
+    tower.site.register_forward_hook(lambda m, i, o: None)
+    graphs = _graphs(tower, log, warmup_calls=1)
+    for _ in range(3):
+        tower(torch.randn(3, 8))
+    assert graphs.num_captures == 0 and log == []
+    assert "module hooks (on site)" in graphs.fallbacks[0]
+
+
+def test_remove_restores_an_instance_forward_set_before_install() -> None:
+    tower, log = Tower(), []
+    own = tower.forward
+    tower.forward = own  # type: ignore[method-assign]
+    graphs = _graphs(tower, log, warmup_calls=1)
+    assert tower.forward is not own
+    graphs.remove()
+    assert tower.forward is own
+
+
+class _CpuGraphs:
+    """The static-buffer protocol of `_Replay` with "graphs" that compute y = x * w on the CPU."""
+
+    def __init__(self, w: nn.Parameter) -> None:
+        self.params = (w,)
+        self.generation = 0
+        self.static_inputs = (torch.zeros(3),)
+        self.static_outputs = (torch.zeros(3),)
+        self.differentiable = (True,)
+        self.static_grad_outputs = (torch.zeros(3),)
+        self.static_grads = (torch.zeros(3), torch.zeros(3))
+        self.grad_targets = [0, 1]
+        outer = self
+
+        class Fwd:
+            def replay(self) -> None:
+                outer.static_outputs[0].copy_(outer.static_inputs[0] * w.detach())
+
+        class Bwd:
+            def replay(self) -> None:
+                dy = outer.static_grad_outputs[0]
+                outer.static_grads[0].copy_(dy * w.detach())
+                outer.static_grads[1].copy_(dy * outer.static_inputs[0])
+
+        self.fwd, self.bwd = Fwd(), Bwd()
+
+
+def test_replayed_gradients_accumulate_like_eager_ones() -> None:
+    from loka_train.runtime.graphs import _Replay
+
+    w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    graphs = _CpuGraphs(w)
+    xs = [torch.tensor([1.0, 1.0, 1.0], requires_grad=True), torch.tensor([2.0, 0.0, -1.0], requires_grad=True)]
+    for x in xs:  # two micro-batches, .grad kept in between (gradient accumulation)
+        (y,) = _Replay.apply(graphs, x, w)
+        y.sum().backward()
+    torch.testing.assert_close(w.grad, xs[0].detach() + xs[1].detach())
+    torch.testing.assert_close(xs[1].grad, w.detach())
+    w.grad.zero_()  # zero_grad(set_to_none=False): .grad must not be a static buffer
+    (y,) = _Replay.apply(graphs, xs[0], w)
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, xs[0].detach())
+
+
+def test_a_second_forward_before_the_backward_raises() -> None:
+    from loka_train.runtime.graphs import _Replay
+
+    w = nn.Parameter(torch.ones(3))
+    graphs = _CpuGraphs(w)
+    (first,) = _Replay.apply(graphs, torch.ones(3, requires_grad=True), w)
+    (second,) = _Replay.apply(graphs, torch.ones(3, requires_grad=True), w)
+    second.sum().backward()
+    with pytest.raises(RuntimeError, match="one forward, then its backward"):
+        first.sum().backward()
