@@ -61,6 +61,37 @@ EAGER_REASONS = ("eval", "no_grad", "probe", "warmup", "unsupported_input", "cap
 """Why a call ran eagerly; the last two are fallbacks."""
 
 
+def dense_submodules(
+    model: nn.Module, names: Iterable[str], *, setting: str, verb: str
+) -> dict[str, nn.Module]:
+    """The outermost submodules of `model` whose attribute name is in `names`, by name without
+    wrapper prefixes (what ``trainer.compile_dense`` compiles and ``trainer.cuda_graphs``
+    graphs; `setting` and `verb` name that feature in the errors).
+
+    Raises:
+        ValueError: if there is none, or one holds a sharded module.
+    """
+    from torchrec.distributed.types import ShardedModule
+
+    wanted = set(names)
+    found: dict[str, nn.Module] = {}
+    for fqn, module in model.named_modules():
+        name = strip_wrapper_prefixes(fqn)
+        if fqn.rsplit(".", 1)[-1] not in wanted or any(name.startswith(f + ".") for f in found):
+            continue
+        if any(isinstance(m, ShardedModule) for m in module.modules()):
+            raise ValueError(
+                f"{setting}: {name} holds a sharded module; only dense submodules "
+                f"({', '.join(sorted(wanted))}) can be {verb}ed"
+            )
+        found[name] = module
+    if not found:
+        raise ValueError(
+            f"{setting}=true but the model has no submodule named {' / '.join(sorted(wanted))} to {verb}"
+        )
+    return found
+
+
 class Graphed(Protocol):
     """A captured forward + backward of one module (what a capture function returns)."""
 
@@ -104,6 +135,10 @@ class _Entry:
     disabled: str = ""
     """Why this module stays eager for the run (a failed capture), or ''."""
     counts: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def range_name(self) -> str:
+        return f"loka/graphs/{self.name}"
 
     def refresh_params(self) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -177,25 +212,7 @@ class DenseGraphs:
         Raises:
             ValueError: if no such submodule exists, or one holds a sharded module.
         """
-        from torchrec.distributed.types import ShardedModule
-
-        wanted = set(names)
-        found: dict[str, nn.Module] = {}
-        for fqn, module in model.named_modules():
-            name = strip_wrapper_prefixes(fqn)
-            if fqn.rsplit(".", 1)[-1] not in wanted or any(name.startswith(f + ".") for f in found):
-                continue
-            if any(isinstance(m, ShardedModule) for m in module.modules()):
-                raise ValueError(
-                    f"trainer.cuda_graphs: {name} holds a sharded module; only dense submodules "
-                    f"({', '.join(sorted(wanted))}) can be graphed"
-                )
-            found[name] = module
-        if not found:
-            raise ValueError(
-                f"trainer.cuda_graphs=true but the model has no submodule named "
-                f"{' / '.join(sorted(wanted))} to graph"
-            )
+        found = dense_submodules(model, names, setting="trainer.cuda_graphs", verb="graph")
         logger.info("cuda_graphs: graphing %s", ", ".join(found))
         return cls(found, **kwargs)
 
@@ -263,7 +280,7 @@ class DenseGraphs:
                 return entry.forward(*args, **kwargs)
         assert entry.graphed is not None
         entry.counts["replay"] += 1
-        with profiled(f"loka/graphs/{entry.name}"):
+        with profiled(entry.range_name):
             return _unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
 
     def _eager_reason(self, entry: _Entry) -> str:

@@ -41,13 +41,12 @@ from loka_train.data import DataConfig, make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.data.prefetch import Prefetcher
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
-from loka_train.mods.convert import strip_wrapper_prefixes
 from loka_train.runtime._paths import set_aside
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.distributed import DistInfo, init_distributed
-from loka_train.runtime.graphs import DENSE_SUBMODULES, DenseGraphs
+from loka_train.runtime.graphs import DENSE_SUBMODULES, DenseGraphs, dense_submodules
 from loka_train.runtime.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -264,19 +263,8 @@ class Trainer:
         train pipeline treats modules without a sharded child as FX leaves, so its tracing
         calls these modules without entering them.
         """
-        from torchrec.distributed.types import ShardedModule
-
-        for fqn, module in self.model.named_modules():
-            name = strip_wrapper_prefixes(fqn)
-            if fqn.rsplit(".", 1)[-1] not in DENSE_SUBMODULES:
-                continue
-            if any(name.startswith(done + ".") for done in self.compiled_modules):
-                continue
-            if any(isinstance(m, ShardedModule) for m in module.modules()):
-                raise ValueError(
-                    f"trainer.compile_dense: {name} holds a sharded module; only dense "
-                    f"submodules ({', '.join(DENSE_SUBMODULES)}) can be compiled"
-                )
+        found = dense_submodules(self.model, DENSE_SUBMODULES, setting="trainer.compile_dense", verb="compile")
+        for name, module in found.items():
             if self.cfg.compile_backend == "inductor":
                 # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
                 # and skip the rounding: compiled FP8 codes would differ from the eager ones the
@@ -295,11 +283,6 @@ class Trainer:
             logger.info("compile_dense: dynamo recompile_limit %d -> %d (%d FP8 sites)",
                         torch._dynamo.config.recompile_limit, limit, num_sites)
             torch._dynamo.config.recompile_limit = limit
-        if not self.compiled_modules:
-            raise ValueError(
-                f"trainer.compile_dense=true but the {self.model_cfg.kind!r} model has no "
-                f"submodule named {' / '.join(DENSE_SUBMODULES)} to compile"
-            )
         logger.info(
             "compiled %s with torch.compile(backend=%r)",
             ", ".join(self.compiled_modules),
