@@ -16,7 +16,9 @@ Model configs (``--configs``):
     4096-2048-1024-1, 26 tables x 128).
 
 Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of the others, a
-``+graphs`` suffix replays them as CUDA graphs, ``trainer.cuda_graphs``, GPU only):
+``+graphs`` suffix replays them as CUDA graphs, ``trainer.cuda_graphs``, GPU only; both,
+``+compile+graphs``, replay the compiled code; the torchao variants, always compiled, take
+``+graphs``):
   * ``bf16``: LoKA off (the reference of every ratio); ``bf16+compile``;
   * ``fp8_everywhere``: every site FP8 tensor-wise from step 0 on ``torch._scaled_mm``, probe,
     dispatch, guard and comm off. By design the final logit layer stays high precision, and
@@ -39,8 +41,9 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
     steps (CPU dry run, ``TORCH_LOGS=recompiles``: 39 recompiles in the whole DCN run, none
     per step). Not yet measured on a GPU.
 
-Measurement: ``--warmup`` steps, then ``--steps`` timed steps (wall time per step, with
-``torch.cuda.synchronize()`` at every step end, or CUDA events with ``--timing events``):
+Measurement: ``--warmup`` steps, then ``--steps`` timed steps (on CUDA the time between CUDA
+events recorded at consecutive step ends, with no host sync, so the host runs ahead as in a real
+run; ``--timing sync`` for wall time with ``torch.cuda.synchronize()`` at every step end):
 median, p10, p90; then ``--profile-steps`` more steps (every variant trains the same number
 of steps), profiled with torch.profiler for ``--profile-variants``: GPU kernel time split into
 GEMM / FP8 quantization / embedding / copies / other (elementwise, norms, reductions), and the
@@ -64,6 +67,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import io
 import json
 import logging
@@ -72,6 +76,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -248,24 +253,28 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
     }
 
 
+SUFFIXES = ("compile", "graphs")
+"""Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
+both together replay the compiled code as CUDA graphs."""
+
+
 def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     base = base_variants(fp8_backend)
     out = []
     for name in names:
-        stem, plus, suffix = name.partition("+")
-        if stem not in base or (plus and suffix not in ("compile", "graphs")):
-            allowed = sorted(base) + [
-                f"{b}+{s}" for b in sorted(base) if b not in TORCHAO_VARIANTS for s in ("compile", "graphs")
-            ]
+        stem, *suffixes = name.split("+")
+        if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
+            allowed = sorted(base) + [f"{b}+{s}" for b in sorted(base) for s in SUFFIXES] + ["<variant>+compile+graphs"]
             raise SystemExit(f"--variants: unknown variant {name!r}; choose from {allowed}")
         v = base[stem]
-        if plus and v.compile:
-            raise SystemExit(f"--variants: {stem} is always compiled; drop '+{suffix}'")
-        if suffix == "compile":
-            v = replace(v, name=name, description=v.description + ", dense submodules compiled", compile=True)
-        elif suffix == "graphs":
-            v = replace(v, name=name, description=v.description + ", dense step CUDA-graphed", graphs=True)
-        out.append(v)
+        if "compile" in suffixes and v.compile:
+            raise SystemExit(f"--variants: {stem} is always compiled; drop '+compile'")
+        for suffix in suffixes:
+            if suffix == "compile":
+                v = replace(v, description=v.description + ", dense submodules compiled", compile=True)
+            else:
+                v = replace(v, description=v.description + ", dense step CUDA-graphed", graphs=True)
+        out.append(replace(v, name=name))
     if len({v.name for v in out}) != len(out):
         raise SystemExit(f"--variants: duplicates in {names}")
     return out
@@ -287,6 +296,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps after the timed ones (default 5; dry run 2)")
     p.add_argument("--no-profile", action="store_true", help="no profiler window (and no extra steps)")
     p.add_argument("--profile-variants", default="bf16,loka_aggressive", help="variants whose steps are profiled")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="also write each profiled window (first round) as a gzipped Chrome trace "
+                        "DIR/<config>_b<batch>_<variant>.json.gz, for perfetto / chrome://tracing")
     p.add_argument("--ne-steps", type=int, default=None,
                    help="train this many steps in all before the eval NE (untimed after the timed and "
                         "profiled ones; default 200, dry run 0: no more than those), so NE is compared "
@@ -304,9 +316,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "round with trainer.seed=i for all variants; the report gives the median "
                         "step time over rounds and the mean eval NE with its spread: one GPU run "
                         "is not deterministic (NE moved +-3.5%% between identical H100 runs)")
-    p.add_argument("--timing", choices=("sync", "events"), default="sync",
-                   help="sync: wall clock with torch.cuda.synchronize() at each step end; events: CUDA "
-                        "events at step ends, no host sync (keeps the CPU/GPU overlap across steps)")
+    p.add_argument("--timing", choices=("sync", "events"), default=None,
+                   help="events (default on CUDA): CUDA events at step ends, no host sync, so the host "
+                        "runs ahead as in a real run and a step costs its GPU time unless the host is "
+                        "slower; sync (the only choice on the CPU; the default before 2026-11-23's fifth "
+                        "session): wall clock with torch.cuda.synchronize() at each step end, which "
+                        "serializes host and GPU work and overstates host-bound steps")
     args = p.parse_args(argv)
     dry = args.dry_run
     if args.device is None:
@@ -316,6 +331,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     on_cpu = args.device == "cpu"
     if on_cpu and args.timing == "events":
         raise SystemExit("--timing events needs CUDA: use --timing sync on the CPU")
+    if args.timing is None:
+        args.timing = "sync" if on_cpu else "events"
     defaults = {
         "batches": "64" if dry else "8192",
         # 40 timed steps of one run could not resolve a few percent on an H100 (p10-p90 of bf16
@@ -588,6 +605,18 @@ def _merged_us(intervals: list[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total
+
+
+def export_trace(prof: Any, directory: Path, config: str, batch: int, variant: str) -> str:
+    """Write `prof` as a gzipped Chrome trace; returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{config}_b{batch}_{variant}")
+    plain = directory / f"{name}.json"
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as src, gzip.open(f"{plain}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+    return f"{plain}.gz"
 
 
 def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
@@ -892,6 +921,8 @@ def run_one(
             if torchao_cb is not None:
                 rec["torchao"] = {"converted": torchao_cb.converted, "skipped": torchao_cb.skipped}
             if clock.profile is not None:
+                if args.trace and seed == 0:
+                    rec["trace"] = export_trace(clock.profile, Path(args.trace), config, batch, variant.name)
                 try:
                     rec["profile"] = summarize_profile(clock, median)
                 except Exception as exc:  # the timings stand without the breakdown
@@ -950,8 +981,8 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """Speed ratio and NE delta of each run against bf16 (and bf16+compile, bf16+graphs) of the
-    same grid."""
+    """Speed ratio and NE delta of each run against bf16 (and bf16+compile, bf16+graphs,
+    bf16+compile+graphs) of the same grid."""
     by = {(r["config"], r["batch"], r["variant"]): r for r in results if r["status"] == "ok"}
     for r in results:
         # `results` come fresh from aggregate() (copies of the raw runs) each time, so a
@@ -959,7 +990,7 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         if r["status"] != "ok":
             continue
         for ref, key in ((REFERENCE, "vs_bf16"), ("bf16+compile", "vs_bf16_compile"),
-                         ("bf16+graphs", "vs_bf16_graphs")):
+                         ("bf16+graphs", "vs_bf16_graphs"), ("bf16+compile+graphs", "vs_bf16_compile_graphs")):
             base = by.get((r["config"], r["batch"], ref))
             if base is None:
                 continue
@@ -1011,6 +1042,8 @@ def evaluate_targets(results: list[dict[str, Any]], configs: list[str], batch: i
             extra = f", {_fmt_x(r['speedup_vs_bf16_compile'])} vs bf16+compile"
         if "speedup_vs_bf16_graphs" in r:
             extra += f", {_fmt_x(r['speedup_vs_bf16_graphs'])} vs bf16+graphs"
+        if "speedup_vs_bf16_compile_graphs" in r:
+            extra += f", {_fmt_x(r['speedup_vs_bf16_compile_graphs'])} vs bf16+compile+graphs"
         se = r.get("ne_delta_rel_se_vs_bf16")
         noise = f" +- {100 * se:.3f}% (s.e. of {len(r['repeats'])} seed-paired runs)" if se is not None else " (1 run)"
         return (f"{r['config']}: {_fmt_x(r.get('speedup_vs_bf16'))} vs bf16{extra}, "
@@ -1049,7 +1082,12 @@ def evaluate_targets(results: list[dict[str, Any]], configs: list[str], batch: i
         for config in configs:
             r = runs.get((config, loka))
             for ao in TORCHAO_VARIANTS:
-                a = runs.get((config, ao))
+                # The recipe's fastest run: compiled, or compiled and CUDA-graphed.
+                found = [runs[(config, n)] for n in (ao, f"{ao}+graphs") if (config, n) in runs]
+                ok_found = [x for x in found if x["status"] == "ok"]
+                a = min(ok_found, key=lambda x: x["step_ms_median"]) if ok_found else (found[0] if found else None)
+                if a is not None:
+                    ao = a["variant"]
                 if a is None or a["status"] != "ok":
                     status = "not evaluated" if status != "missed" else status
                     why = a.get("error", a["status"])[:200].replace("\n", " ") if a else "not run"

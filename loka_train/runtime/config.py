@@ -81,9 +81,11 @@ class TrainerConfig:
     cuda_graphs: bool = False
     """After sharding, replay the forward and the backward of each dense submodule (bottom MLP,
     interaction, top MLP) as CUDA graphs (``loka_train.runtime.graphs``): a handful of launches
-    per step instead of thousands, for host-bound steps. Needs a CUDA device; not together with
-    ``compile_dense``. Evaluation, the Probe's sampled steps and the first calls after a plan
-    change run eagerly; a plan change re-captures. Numerics are the eager ones."""
+    per step instead of thousands, for host-bound steps. Needs a CUDA device. Evaluation, the
+    Probe's sampled steps and the first calls after a plan change run eagerly; a plan change
+    re-captures. Numerics are the eager ones. With ``compile_dense`` the graphs replay the
+    compiled forward and backward (fused kernels, and none of the compiled code's host work on
+    replayed steps)."""
 
     seed: int = 0
     """Seed of the dense initialisation, the embedding tables and the RNG state."""
@@ -153,11 +155,6 @@ class TrainerConfig:
             raise ValueError(f"trainer.compile_dense must be a bool, got {self.compile_dense!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"trainer.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
-        if self.cuda_graphs and self.compile_dense:
-            raise ValueError(
-                "trainer.cuda_graphs and trainer.compile_dense both take over the dense submodules: "
-                "set one of them to false"
-            )
         if self.cuda_graphs and self.device == "cpu":
             raise ValueError("trainer.cuda_graphs=true needs trainer.device=cuda (or auto on a GPU machine)")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:

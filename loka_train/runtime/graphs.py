@@ -118,7 +118,8 @@ class _Entry:
     name: str
     module: nn.Module
     forward: Callable[..., Any]
-    """The module's own (eager) forward."""
+    """The module's own forward (compiled when :class:`DenseGraphs` got ``compile``): what eager
+    calls and captures run."""
     sites: tuple[Site, ...]
     shadowed: Any
     """An instance-level ``forward`` the module had before install (restored by `remove`)."""
@@ -155,6 +156,8 @@ class DenseGraphs:
         capture_warmup_iters: forward + backward runs on a side stream before each capture.
         capture: the capture function (default: :func:`capture_cuda_graphs`); tests pass a
             stand-in to check the routing on CPU.
+        compile: applied to each module's own forward (e.g. ``torch.compile``): eager calls
+            and captures then run the compiled code, and this router stays outside it.
 
     Use :meth:`install` on a model; :meth:`remove` restores the modules' own forwards.
     """
@@ -166,6 +169,7 @@ class DenseGraphs:
         warmup_calls: int = 2,
         capture_warmup_iters: int = 3,
         capture: CaptureFn | None = None,
+        compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     ) -> None:
         if warmup_calls < 1 or capture_warmup_iters < 0:
             raise ValueError(
@@ -189,7 +193,7 @@ class DenseGraphs:
             entry = _Entry(
                 name=name,
                 module=module,
-                forward=module.forward,
+                forward=module.forward if compile is None else compile(module.forward),
                 shadowed=vars(module).get("forward"),
                 sites=tuple(m for m in module.modules() if isinstance(m, Site)),
             )
@@ -215,6 +219,11 @@ class DenseGraphs:
         found = dense_submodules(model, names, setting="trainer.cuda_graphs", verb="graph")
         logger.info("cuda_graphs: graphing %s", ", ".join(found))
         return cls(found, **kwargs)
+
+    @property
+    def names(self) -> list[str]:
+        """The graphed modules, by name."""
+        return [entry.name for entry in self._entries]
 
     def remove(self) -> None:
         """Restore the modules' own forwards and free every graph."""

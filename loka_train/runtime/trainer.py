@@ -253,26 +253,35 @@ class Trainer:
         self.optimizer = CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", dense)])
         if self.cfg.compile_dense:
             self._compile_dense()
-        if self.cfg.cuda_graphs:
+        elif self.cfg.cuda_graphs:
             self.graphs = DenseGraphs.install(self.model, names=DENSE_SUBMODULES)
 
     def _compile_dense(self) -> None:
-        """Compile the dense submodules in place (``nn.Module.compile``), after sharding.
+        """Compile the dense submodules, after sharding.
 
-        In place, so parameter names, the optimizer and checkpoints are unchanged. TorchRec's
-        train pipeline treats modules without a sharded child as FX leaves, so its tracing
-        calls these modules without entering them.
+        Without CUDA graphs, in place (``nn.Module.compile``), so parameter names, the optimizer
+        and checkpoints are unchanged. With ``cuda_graphs``, each module's forward is compiled
+        under the graphs' router instead (the router's bookkeeping stays outside the compiled
+        code, and the captures record the compiled kernels). TorchRec's train pipeline treats
+        modules without a sharded child as FX leaves, so its tracing calls these modules
+        without entering them.
         """
-        found = dense_submodules(self.model, DENSE_SUBMODULES, setting="trainer.compile_dense", verb="compile")
-        for name, module in found.items():
-            if self.cfg.compile_backend == "inductor":
-                # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
-                # and skip the rounding: compiled FP8 codes would differ from the eager ones the
-                # Probe measured and the backends are tested against (40 dB apart on an H100).
-                module.compile(backend="inductor", options={"emulate_precision_casts": True})
-            else:
-                module.compile(backend=self.cfg.compile_backend)
-            self.compiled_modules.append(name)
+        options: dict[str, Any] = {"backend": self.cfg.compile_backend}
+        if self.cfg.compile_backend == "inductor":
+            # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
+            # and skip the rounding: compiled FP8 codes would differ from the eager ones the
+            # Probe measured and the backends are tested against (40 dB apart on an H100).
+            options["options"] = {"emulate_precision_casts": True}
+        if self.cfg.cuda_graphs:
+            self.graphs = DenseGraphs.install(
+                self.model, names=DENSE_SUBMODULES, compile=lambda fn: torch.compile(fn, **options)
+            )
+            self.compiled_modules.extend(self.graphs.names)
+        else:
+            found = dense_submodules(self.model, DENSE_SUBMODULES, setting="trainer.compile_dense", verb="compile")
+            for name, module in found.items():
+                module.compile(**options)
+                self.compiled_modules.append(name)
         # Each FP8 site graph-breaks around the Probe's eager bookkeeping, so dynamo keeps one
         # cache entry per site instance (and input dtype) for the site's code: allow that many.
         from loka_train.mods import Site
@@ -284,9 +293,10 @@ class Trainer:
                         torch._dynamo.config.recompile_limit, limit, num_sites)
             torch._dynamo.config.recompile_limit = limit
         logger.info(
-            "compiled %s with torch.compile(backend=%r)",
+            "compiled %s with torch.compile(backend=%r)%s",
             ", ".join(self.compiled_modules),
             self.cfg.compile_backend,
+            " under CUDA graphs" if self.graphs is not None else "",
         )
 
     # ------------------------------------------------------------------------ checkpoints

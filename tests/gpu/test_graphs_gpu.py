@@ -80,6 +80,29 @@ def test_graphed_tower_is_bit_identical_to_eager(plan_at: int | None) -> None:
     assert graphs.fallbacks == []
 
 
+def _inductor(fn):  # type: ignore[no-untyped-def]
+    return torch.compile(fn, backend="inductor", options={"emulate_precision_casts": True})
+
+
+def test_compiled_graphed_tower_tracks_the_compiled_eager_tower() -> None:
+    """compile_dense + cuda_graphs: the captures record inductor's kernels (outputs and
+    gradients match the same compiled tower run eagerly, across a switch to FP8)."""
+    torch.manual_seed(0)
+    eager = Tower().cuda()
+    graphed = copy.deepcopy(eager)
+    eager.forward = _inductor(eager.forward)  # type: ignore[method-assign]
+    graphs = DenseGraphs({"tower": graphed}, warmup_calls=1, compile=_inductor)
+    gen = torch.Generator("cuda").manual_seed(1)
+    xs = [torch.randn(512, 256, device="cuda", generator=gen) for _ in range(8)]
+    want, got = _steps(eager, xs, plan_at=3), _steps(graphed, xs, plan_at=3)
+    for step, (w, g) in enumerate(zip(want, got)):
+        for i, (a, b) in enumerate(zip(w, g)):
+            torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3, msg=f"step {step}, tensor {i}")
+    stats = graphs.stats()
+    assert stats["captures"] == 2 and stats["replays"] == 6, stats
+    assert graphs.fallbacks == []
+
+
 def test_a_module_that_syncs_with_the_host_stays_eager_with_a_fallback() -> None:
     class Syncs(nn.Module):
         def __init__(self) -> None:
@@ -130,7 +153,7 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
         def on_step_end(self, trainer, step, metrics):  # type: ignore[no-untyped-def]
             self.losses.append(metrics["train/loss"])
 
-    def run(graphs: bool, loka: bool) -> tuple[dict, list[float]]:
+    def run(graphs: bool, loka: bool, compile_dense: bool = False) -> tuple[dict, list[float]]:
         recorder = LossRecorder()
         callbacks = [LokaCallback(preset("safe", "loka.probe.every_k_steps=4", "loka.probe.interval=8",
                                          "loka.probe.window=4"))] if loka else []
@@ -141,7 +164,7 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
                 steps=24, batch_size=1024, device="cuda", dense_dtype="bf16", sharding="table_wise",
                 log_every=1, eval_batches=2, out_dir=str(tmp_path / f"g{graphs}_l{loka}"),
                 tensorboard=False, progress_bar=False, checkpoint_at_end=False, resume="never",
-                dense_lr=0.005, dense_warmup_steps=5, cuda_graphs=graphs,
+                dense_lr=0.005, dense_warmup_steps=5, cuda_graphs=graphs, compile_dense=compile_dense,
             ),
             callbacks=[*callbacks, recorder],
         )
@@ -150,8 +173,11 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
         finally:
             trainer.close()
 
-    for loka in (False, True):
-        (eager, eager_losses), (graphed, graphed_losses) = run(False, loka), run(True, loka)
+    # (LoKA, compiled): compile_dense + cuda_graphs replays inductor's kernels, once with LoKA.
+    for loka, compiled in ((False, False), (True, False), (True, True)):
+        if compiled and kind != "wukong":
+            continue
+        (eager, eager_losses), (graphed, graphed_losses) = run(False, loka), run(True, loka, compiled)
         stats = graphed["cuda_graphs"]
         assert stats["replays"] > 0 and stats["captures"] >= 3, stats
         assert not any("cuda_graphs" in f for f in graphed["fallbacks"]), graphed["fallbacks"]

@@ -224,7 +224,6 @@ def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
     ("kwargs", "match"),
     [
         ({"cuda_graphs": "yes"}, "must be a bool"),
-        ({"cuda_graphs": True, "compile_dense": True}, "set one of them to false"),
         ({"cuda_graphs": True, "device": "cpu"}, "needs trainer.device=cuda"),
     ],
 )
@@ -332,3 +331,67 @@ def test_a_second_forward_before_the_backward_raises() -> None:
     second.sum().backward()
     with pytest.raises(RuntimeError, match="one forward, then its backward"):
         first.sum().backward()
+
+
+def test_compiled_forward_runs_under_the_router_for_eager_calls_and_captures() -> None:
+    """``trainer.compile_dense`` with ``cuda_graphs``: the router stays outside the compiled
+    code; eager calls and the capture run the compiled forward, and its results match."""
+    tower, log, compiled_calls = Tower(), [], []
+
+    def compile_fn(fn: Any) -> Any:
+        compiled = torch.compile(fn, backend="aot_eager")
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            compiled_calls.append(torch.compiler.is_compiling())
+            return compiled(*args, **kwargs)
+
+        return counted
+
+    graphs = DenseGraphs(
+        {"tower": tower},
+        warmup_calls=1,
+        capture=lambda run, inputs, params: FakeGraphed(run, inputs, params, log, tower),
+        compile=compile_fn,
+    )
+    x = torch.randn(3, 8)
+    expected = Tower.forward(tower, x)
+    outs = [tower(x) for _ in range(3)]  # warm-up (eager), capture + replay, replay
+    for out in outs:
+        torch.testing.assert_close(out, expected)
+    assert graphs.stats()["captures"] == 1 and graphs.stats()["eager"] == {"warmup": 1}
+    # warm-up, the capture's sample run, and each of the two replays (the stand-in re-runs)
+    assert len(compiled_calls) == 4 and not any(compiled_calls)
+    assert graphs.names == ["tower"]
+    outs[-1].sum().backward()
+    grad = tower.site.weight.grad
+    assert grad is not None and torch.count_nonzero(grad) > 0
+    graphs.remove()
+    tower(x)
+    assert len(compiled_calls) == 4  # removed: the module's own forward again
+
+
+def test_trainer_compiles_under_the_graphs_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With both settings the Trainer hands ``torch.compile`` to the graphs instead of
+    compiling the modules in place (a compiled ``__call__`` would trace into the router)."""
+    from loka_train.runtime import trainer as trainer_mod
+
+    seen: dict[str, Any] = {}
+
+    class Recorder:
+        names = ["dense_arch"]
+
+        @classmethod
+        def install(cls, model: nn.Module, **kwargs: Any) -> Recorder:
+            seen.update(kwargs)
+            return cls()
+
+    monkeypatch.setattr(trainer_mod, "DenseGraphs", Recorder)
+    fake = type("T", (), {})()
+    fake.cfg = TrainerConfig(compile_dense=True, cuda_graphs=True, device="cuda", compile_backend="eager")
+    fake.model = nn.Module()
+    fake.graphs = None
+    fake.compiled_modules = []
+    trainer_mod.Trainer._compile_dense(fake)
+    assert isinstance(fake.graphs, Recorder) and fake.compiled_modules == ["dense_arch"]
+    assert callable(seen["compile"])
+    assert seen["compile"](lambda x: x + 1)(torch.ones(1)).item() == 2.0
