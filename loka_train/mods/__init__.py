@@ -34,6 +34,7 @@ from loka_train.mods.site import (
     Site,
     planned_bmm,
     planned_linear,
+    unobserved,
 )
 from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
 
@@ -57,4 +58,5 @@ __all__ = [
     "planned_linear",
     "sites",
     "strip_wrapper_prefixes",
+    "unobserved",
 ]

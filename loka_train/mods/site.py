@@ -63,9 +63,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -94,6 +95,7 @@ __all__ = [
     "BmmSite",
     "planned_linear",
     "planned_bmm",
+    "unobserved",
 ]
 
 ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
@@ -101,6 +103,28 @@ ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
 
 OBSERVED_BATCHES = 8
 """Batches of a batched (bmm) site that are reported to the observer on a sampled step."""
+
+
+_OBSERVING = True
+"""False inside :func:`unobserved`. A plain module global: dynamo guards on its value, so the
+code compiled for an unobserved call has no graph break at the sites' sampling check."""
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """No site consults its observer inside this context (no Probe sampling check, no report).
+
+    For callers that know no site samples in the calls it covers: ``runtime.graphs`` captures
+    a module only for steps on which none of its sites samples, and its captures run in this
+    context, so that under ``torch.compile`` the captured code is one fused graph per module
+    instead of a graph break at every site.
+    """
+    global _OBSERVING
+    before, _OBSERVING = _OBSERVING, False
+    try:
+        yield
+    finally:
+        _OBSERVING = before
 
 
 def _any_fp8(plan: LinearPlan) -> bool:
@@ -384,7 +408,8 @@ class Site(nn.Module):
         no-grad forward skips the eager ``_sampling`` call (and its graph break) entirely.
         """
         return (
-            self.observer is not None
+            _OBSERVING
+            and self.observer is not None
             and self.training
             and torch.is_grad_enabled()
             and self._sampling()

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from loka_train.kernels.capture import reset_capture_state
 from loka_train.kernels.profiling import profiled
-from loka_train.mods import Site, strip_wrapper_prefixes
+from loka_train.mods import Site, strip_wrapper_prefixes, unobserved
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +334,12 @@ class DenseGraphs:
             args, kwargs = _unflatten_inputs(flat, spec)
             entry.capturing = True  # functional_call goes through module.__call__: no routing
             try:
-                return torch.func.functional_call(entry.module, dict(zip(entry.param_names, params)), args, kwargs)
+                # Captured for steps on which no site samples (see _eager_reason): the sites
+                # skip their sampling check, so compiled code has no graph break there.
+                with unobserved():
+                    return torch.func.functional_call(
+                        entry.module, dict(zip(entry.param_names, params)), args, kwargs
+                    )
             finally:
                 entry.capturing = False
 

@@ -395,3 +395,36 @@ def test_trainer_compiles_under_the_graphs_router(monkeypatch: pytest.MonkeyPatc
     assert isinstance(fake.graphs, Recorder) and fake.compiled_modules == ["dense_arch"]
     assert callable(seen["compile"])
     assert seen["compile"](lambda x: x + 1)(torch.ones(1)).item() == 2.0
+
+
+def test_captures_run_unobserved_so_compiled_captures_have_no_graph_break() -> None:
+    """A site consults its Probe through a graph break (``torch.compiler.disable``); the
+    graphs capture inside ``mods.unobserved()`` (no site samples on a captured step), so the
+    compiled code they record is one graph."""
+    from loka_train.mods import unobserved
+
+    tower = Tower()
+    probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, interval=100, window=2, min_samples=1))
+    tower.site.site_name = "tower.site"
+    probe.register_site("tower.site", **tower.site.probe_spec())
+    tower.site.attach_observer(probe)
+    probe.begin_step(0)
+    x = torch.randn(3, 8)
+    observed = torch._dynamo.explain(Tower.forward)(tower, x)
+    with unobserved():
+        plain = torch._dynamo.explain(Tower.forward)(tower, x)
+    assert observed.graph_break_count >= 1 and plain.graph_break_count == 0, (observed, plain)
+
+    # The router's captures (and the stand-in's replays, which re-run them) are unobserved;
+    # its eager calls are not.
+    from loka_train.mods import site as site_mod
+
+    seen: list[bool] = []
+    site_forward = tower.site.forward
+    tower.site.forward = lambda t: (seen.append(site_mod._OBSERVING), site_forward(t))[1]  # type: ignore[method-assign]
+    probe.config.every_k_steps = 1000  # steps 1-3 do not sample: warm-up, capture, replay
+    _graphs(tower, [], warmup_calls=1)
+    for step in (1, 2, 3):
+        probe.begin_step(step)
+        tower(x)
+    assert seen == [True, False, False, False] and site_mod._OBSERVING is True
