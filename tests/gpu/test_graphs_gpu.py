@@ -173,22 +173,30 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
         finally:
             trainer.close()
 
-    # (LoKA, compiled): compile_dense + cuda_graphs replays inductor's kernels, once with LoKA.
+    # (LoKA, compiled). Graphed eager code replays the eager kernels: the losses track the eager
+    # run's step by step. Compiled, the reference is the same compiled run without graphs:
+    # inductor's kernels round differently from eager ones, and this short warm-up run
+    # amplifies that (eager vs compiled losses 2.6% apart by step 6 on an H100); the graphed
+    # capture compiles its own variant (parameters as plain leaves), so it may round apart
+    # from the compiled eager run too (3.1% at one step of a 16-step H100 run), hence 5%.
     for loka, compiled in ((False, False), (True, False), (True, True)):
         if compiled and kind != "wukong":
             continue
-        (eager, eager_losses), (graphed, graphed_losses) = run(False, loka), run(True, loka, compiled)
+        (eager, eager_losses), (graphed, graphed_losses) = run(False, loka, compiled), run(True, loka, compiled)
         stats = graphed["cuda_graphs"]
         assert stats["replays"] > 0 and stats["captures"] >= 3, stats
         assert not any("cuda_graphs" in f for f in graphed["fallbacks"]), graphed["fallbacks"]
         # TorchRec's embedding backward is not deterministic on a GPU: equal up to that, step
         # by step (a graphed step that computed something else would drift from step 1 on).
         assert len(graphed_losses) == len(eager_losses) == 24
+        rel = 5e-2 if compiled else 1e-2
         for step, (g, e) in enumerate(zip(graphed_losses, eager_losses)):
-            assert g == pytest.approx(e, rel=1e-2), (loka, step, graphed_losses, eager_losses)
-        assert graphed["eval/ne"] == pytest.approx(eager["eval/ne"], rel=2e-2), loka
+            assert g == pytest.approx(e, rel=rel), (loka, compiled, step, graphed_losses, eager_losses)
+        assert graphed["eval/ne"] == pytest.approx(eager["eval/ne"], rel=2e-2), (loka, compiled)
         if loka:
             assert stats["eager"].get("probe", 0) > 0, stats
+        if compiled:
+            assert sorted(graphed["compiled"]) == ["model.dense_arch", "model.inter_arch", "model.over_arch"], graphed
 
 
 def test_dispatch_times_candidates_graphed_when_the_step_is_graphed() -> None:
