@@ -72,3 +72,36 @@ def test_a_baseline_that_fails_in_a_later_round_leaves_no_stale_ratio(e2e) -> No
     e2e.add_ratios(results)
     assert results[0]["status"] == "error"
     assert "speedup_vs_bf16" not in results[1] and "ne_delta_rel_vs_bf16" not in results[1]
+
+
+def _wukong_target(e2e, raw: list[dict]) -> str:
+    for r in raw:
+        r["config"] = "wukong"
+    results = e2e.aggregate(raw)
+    e2e.add_ratios(results)
+    targets = e2e.evaluate_targets(results, ["wukong"], 64)
+    (status,) = [t["status"] for t in targets if t["target"].startswith("dense-heavy")]
+    return status
+
+
+def test_a_speed_target_with_an_unresolved_ne_is_not_called_missed(e2e) -> None:
+    # 1.5x faster, NE 2% worse in one run: the speed is there, the NE delta's noise unknown.
+    assert _wukong_target(e2e, [_run("bf16", 0, 15.0, 0.70), _run("loka_safe", 0, 10.0, 0.714)]) == "unresolved"
+    # Too slow: missed whatever the NE.
+    assert _wukong_target(e2e, [_run("bf16", 0, 15.0, 0.70), _run("loka_safe", 0, 14.0, 0.70)]) == "missed"
+    # Within the tolerance: met.
+    assert _wukong_target(e2e, [_run("bf16", 0, 15.0, 0.70), _run("loka_safe", 0, 10.0, 0.7003)]) == "met"
+    # 1% worse on every seed (no spread): resolved, and missed.
+    raw = [_run(v, s, ms, ne) for s, base in enumerate((0.70, 0.66, 0.68))
+           for v, ms, ne in (("bf16", 15.0, base), ("loka_safe", 10.0, base * 1.01))]
+    assert _wukong_target(e2e, raw) == "missed"
+
+
+def test_variant_suffixes_combine(e2e) -> None:
+    (v,) = e2e.resolve_variants(["loka_safe+compile+graphs"], "torch_scaled_mm")
+    assert (v.name, v.compile, v.graphs, v.loka) == ("loka_safe+compile+graphs", True, True, "safe")
+    (ao,) = e2e.resolve_variants(["torchao_rowwise+graphs"], "torch_scaled_mm")
+    assert ao.compile and ao.graphs and ao.torchao == "rowwise"
+    for bad in ("torchao_rowwise+compile", "bf16+graphs+graphs", "bf16+fast"):
+        with pytest.raises(SystemExit):
+            e2e.resolve_variants([bad], "torch_scaled_mm")
