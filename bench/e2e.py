@@ -39,7 +39,9 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
     dtype (all sites share one code object, hence ``compile_dense`` raises the recompile
     limit) and for eval's no-grad mode, and breaks the graph around the Probe on sampled
     steps (CPU dry run, ``TORCH_LOGS=recompiles``: 39 recompiles in the whole DCN run, none
-    per step). Not yet measured on a GPU.
+    per step). On an H100 (2026-11-23, fifth session) compiled alone was host-bound (LoKA safe
+    36.9 ms against 13.7 eager bf16 on Wukong); with ``+graphs`` the captures run
+    ``mods.unobserved()``, so the compiled capture has no graph break per site.
 
 Measurement: ``--warmup`` steps, then ``--steps`` timed steps (on CUDA the time between CUDA
 events recorded at consecutive step ends, with no host sync, so the host runs ahead as in a real
@@ -53,7 +55,8 @@ batches at the end. The train batches are generated before the runs (``--cache-b
 by default one per step, so none repeats) so the CPU generator does not bound the step time.
 
 Writes ``e2e.json`` (everything) and ``e2e.md`` (tables, command, GPU, versions, and each
-target of issue 9 as met / missed with its figures) under ``--out``. A variant that fails is
+target of issue 9 as met / missed / unresolved (speed met, NE delta within its noise) /
+not evaluated, with its figures) under ``--out``. A variant that fails is
 recorded with its error and the benchmark goes on; the exit status is then 1.
 
 Usage (GPU: the packages of ../shared/device/make-bundle, carried as .device):
@@ -178,6 +181,11 @@ TORCHAO_VARIANTS = ("torchao_tensorwise", "torchao_rowwise")
 NE_TOLERANCE = 0.001
 """Issue 9: NE within 0.1% relative of BF16 (also the "equal NE" band against torchao)."""
 
+SINGLE_RUN_NE_NOISE = 0.035
+"""Relative eval-NE difference that one pair of runs cannot tell from noise: identical H100
+runs moved +-3.5% (2026-11-23), and bf16 vs bf16+graphs, the same kernels, ended 3.4% apart
+(bench/results/README.md, fifth session)."""
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -258,23 +266,32 @@ SUFFIXES = ("compile", "graphs")
 both together replay the compiled code as CUDA graphs."""
 
 
+def canonical_name(name: str) -> str:
+    """`name` with its suffixes in SUFFIXES order: one name per variant whatever the order
+    typed (the ratios and --profile-variants look variants up by name)."""
+    stem, *suffixes = name.split("+")
+    known = [s for s in SUFFIXES if s in suffixes]
+    return "+".join([stem, *known, *(s for s in suffixes if s not in SUFFIXES)])
+
+
 def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     base = base_variants(fp8_backend)
     out = []
     for name in names:
         stem, *suffixes = name.split("+")
         if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
-            allowed = sorted(base) + [f"{b}+{s}" for b in sorted(base) for s in SUFFIXES] + ["<variant>+compile+graphs"]
+            allowed = sorted(base) + [
+                f"{b}+{s}" for b in sorted(base) for s in SUFFIXES if not (base[b].compile and s == "compile")
+            ] + ["<variant>+compile+graphs"]
             raise SystemExit(f"--variants: unknown variant {name!r}; choose from {allowed}")
         v = base[stem]
         if "compile" in suffixes and v.compile:
             raise SystemExit(f"--variants: {stem} is always compiled; drop '+compile'")
-        for suffix in suffixes:
-            if suffix == "compile":
-                v = replace(v, description=v.description + ", dense submodules compiled", compile=True)
-            else:
-                v = replace(v, description=v.description + ", dense step CUDA-graphed", graphs=True)
-        out.append(replace(v, name=name))
+        if "compile" in suffixes:
+            v = replace(v, description=v.description + ", dense submodules compiled", compile=True)
+        if "graphs" in suffixes:
+            v = replace(v, description=v.description + ", dense step CUDA-graphed", graphs=True)
+        out.append(replace(v, name=canonical_name(name)))
     if len({v.name for v in out}) != len(out):
         raise SystemExit(f"--variants: duplicates in {names}")
     return out
@@ -291,7 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="dlrm,dcn,wukong", help="comma-separated subset of dlrm,dcn,wukong")
     p.add_argument("--batches", default=None, help="per-GPU batch sizes, comma-separated (default 8192; dry run 64)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated variants")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 15; dry run 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 20; dry run 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 40; dry run 4)")
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps after the timed ones (default 5; dry run 2)")
     p.add_argument("--no-profile", action="store_true", help="no profiler window (and no extra steps)")
@@ -353,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.no_profile:
         args.profile_steps = 0
+        if args.trace:
+            raise SystemExit("--trace writes the profiled window: drop --no-profile")
     # Steps every variant trains before its eval NE: the timed window, or --ne-steps.
     args.train_steps = max(args.warmup + args.steps + args.profile_steps, args.ne_steps)
     if args.cache_batches is None:
@@ -371,7 +390,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     args.batch_sizes = [int(b) for b in args.batches.split(",") if b]
     args.variant_names = [v for v in args.variants.split(",") if v]
-    args.profile_names = {v for v in args.profile_variants.split(",") if v}
+    args.profile_names = {canonical_name(v) for v in args.profile_variants.split(",") if v}
+    if args.trace and not args.profile_names & {canonical_name(v) for v in args.variant_names}:
+        raise SystemExit("--trace writes the profiled windows, and no variant of --variants is in --profile-variants")
     return args
 
 
@@ -922,7 +943,11 @@ def run_one(
                 rec["torchao"] = {"converted": torchao_cb.converted, "skipped": torchao_cb.skipped}
             if clock.profile is not None:
                 if args.trace and seed == 0:
-                    rec["trace"] = export_trace(clock.profile, Path(args.trace), config, batch, variant.name)
+                    try:
+                        rec["trace"] = export_trace(clock.profile, Path(args.trace), config, batch, variant.name)
+                    except Exception as exc:  # the timings stand without the trace
+                        rec["trace_error"] = f"{type(exc).__name__}: {exc}"
+                        logger.error("%s b%d %s: trace not written: %s", config, batch, variant.name, exc)
                 try:
                     rec["profile"] = summarize_profile(clock, median)
                 except Exception as exc:  # the timings stand without the breakdown
@@ -1016,17 +1041,18 @@ def _fmt_pct(v: float | None, digits: int = 2) -> str:
 
 
 def _speed_ne_status(r: dict[str, Any], need: float) -> str:
-    """A speed target at NE within NE_TOLERANCE: met, missed, or unresolved when the speed is
-    there but the NE delta is outside the tolerance by less than its noise can tell (one run,
-    or a seed-paired standard error above half the tolerance)."""
+    """A speed target at NE within NE_TOLERANCE. The NE side is one-sided: a better NE never
+    misses. Worse by more than the tolerance: ``missed`` when the excess is beyond the noise
+    (two seed-paired standard errors, or SINGLE_RUN_NE_NOISE for one run), else
+    ``unresolved`` (the speed is there; the NE delta cannot be told from noise)."""
     if r["speedup_vs_bf16"] < need:
         return "missed"
-    if abs(r["ne_delta_rel_vs_bf16"]) <= NE_TOLERANCE:
+    excess = r["ne_delta_rel_vs_bf16"] - NE_TOLERANCE
+    if excess <= 0:
         return "met"
     se = r.get("ne_delta_rel_se_vs_bf16")
-    if se is None or 2 * se > NE_TOLERANCE:
-        return "unresolved"
-    return "missed"
+    noise = SINGLE_RUN_NE_NOISE if se is None else 2 * se
+    return "unresolved" if excess <= noise else "missed"
 
 
 def evaluate_targets(results: list[dict[str, Any]], configs: list[str], batch: int) -> list[dict[str, Any]]:
@@ -1099,6 +1125,9 @@ def evaluate_targets(results: list[dict[str, Any]], configs: list[str], batch: i
                 found = [runs[(config, n)] for n in (ao, f"{ao}+graphs") if (config, n) in runs]
                 ok_found = [x for x in found if x["status"] == "ok"]
                 a = min(ok_found, key=lambda x: x["step_ms_median"]) if ok_found else (found[0] if found else None)
+                if ok_found:
+                    details.extend(f"{config}/{x['variant']}: {x.get('error', x['status'])[:200]}"
+                                   for x in found if x["status"] != "ok")
                 if a is not None:
                     ao = a["variant"]
                 if a is None or a["status"] != "ok":

@@ -2,9 +2,11 @@
 
 Reads a gzipped Chrome trace written by ``bench/e2e.py --trace DIR`` (torch.profiler with CUDA
 activity) and attributes each kernel and memcpy to the CPU operators on the launching thread
-at its launch: the outermost and innermost ``aten::`` operator, and the innermost three
-annotations (TorchRec's ``## forward ##``, autograd's ``evaluate_function``, ``loka/...``).
-Kernels replayed from a CUDA graph have no launch of their own and show as ``?``.
+at its launch (a runtime or driver API call: cuBLAS and Triton launch through the driver; a
+graph's kernels correlate to their ``cudaGraphLaunch``): the outermost and innermost
+``aten::`` operator, and the innermost three annotations (TorchRec's ``## forward ##``,
+autograd's ``evaluate_function``, ``loka/...``). A kernel whose launch is not in the trace
+shows as ``?`` with its name.
 
 Usage:
     python bench/trace_ops.py bench/results/h100_2026-11-23e/traces/wukong_b8192_bf16.json.gz --steps 5
@@ -24,7 +26,7 @@ def attribute(events: list[dict[str, Any]]) -> tuple[float, collections.Counter,
     """Total kernel microseconds, and microseconds by (outer aten op, inner aten op) and by
     annotation path."""
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops: dict[Any, list[dict[str, Any]]] = collections.defaultdict(list)
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation") and e.get("ph") == "X":
@@ -43,6 +45,7 @@ def attribute(events: list[dict[str, Any]]) -> tuple[float, collections.Counter,
         launch = launches.get(k.get("args", {}).get("correlation"))
         if launch is None:
             by_op[("?", k["name"][:60])] += k["dur"]
+            by_note["?"] += k["dur"]
             continue
         lst = ops[launch["tid"]]
         ts = launch["ts"]

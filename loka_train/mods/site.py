@@ -118,6 +118,9 @@ def unobserved() -> Iterator[None]:
     a module only for steps on which none of its sites samples, and its captures run in this
     context, so that under ``torch.compile`` the captured code is one fused graph per module
     instead of a graph break at every site.
+
+    The flag is process-wide, not per thread: forwards run on the main thread (autograd's
+    backward threads and the data prefetch thread never read it).
     """
     global _OBSERVING
     before, _OBSERVING = _OBSERVING, False

@@ -69,9 +69,10 @@ class TrainerConfig:
     fp32). FP8 sites take their high-precision GEMMs in this dtype."""
 
     compile_dense: bool = False
-    """After sharding, compile the dense submodules in place with ``nn.Module.compile``: the
-    bottom MLP (``dense_arch``), the interaction (``inter_arch``) and the top MLP
-    (``over_arch``) of the DLRM family. The sharded embedding collection stays eager (TorchRec's
+    """After sharding, compile the dense submodules with ``torch.compile``: the bottom MLP
+    (``dense_arch``), the interaction (``inter_arch``) and the top MLP (``over_arch``) of the
+    DLRM family; in place (``nn.Module.compile``), or, with ``cuda_graphs``, each module's
+    forward under the graphs' router. The sharded embedding collection stays eager (TorchRec's
     train pipeline traces around it). Parameter names and checkpoints are unchanged."""
 
     compile_backend: str = "inductor"
@@ -83,9 +84,10 @@ class TrainerConfig:
     interaction, top MLP) as CUDA graphs (``loka_train.runtime.graphs``): a handful of launches
     per step instead of thousands, for host-bound steps. Needs a CUDA device. Evaluation, the
     Probe's sampled steps and the first calls after a plan change run eagerly; a plan change
-    re-captures. Numerics are the eager ones. With ``compile_dense`` the graphs replay the
-    compiled forward and backward (fused kernels, and none of the compiled code's host work on
-    replayed steps)."""
+    re-captures. Replays are bit-identical to the eager module. With ``compile_dense`` the
+    graphs replay the compiled forward and backward (fused kernels, and none of the compiled
+    code's host work on replayed steps); the capture's compiled variant (no Probe check,
+    parameters as plain tensors) may round apart from the compiled code of eager calls."""
 
     seed: int = 0
     """Seed of the dense initialisation, the embedding tables and the RNG state."""

