@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 import torch
@@ -45,8 +46,10 @@ from loka_train.kernels.registry import GemmProblem, get_backend
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "COMPILED_QUANTIZER",
     "fp8_linear",
     "fp8_gemm_planned",
+    "inductor_quantizes",
     "grad_weight_dtype",
     "is_transposed_view",
     "quantize_operand",
@@ -62,6 +65,33 @@ __all__ = [
 _FUSED_QUANT_BACKENDS = frozenset({"triton", "torch_scaled_mm", "fbgemm_rowwise"})
 
 
+COMPILED_QUANTIZER = os.environ.get("LOKA_COMPILED_QUANTIZER", "custom")
+"""What quantizes FP8 operands in code that ``torch.compile`` traces (``trainer.compile_dense``),
+from the environment variable ``LOKA_COMPILED_QUANTIZER``:
+
+* ``custom`` (default): as in eager code, the Triton quantizers and the fused LayerNorm ->
+  FP8 kernels, which are custom ops: inductor runs them as they are and cannot fuse the
+  casts, LayerNorms and activations around them;
+* ``inductor``: the reference quantizer's torch ops and the separate LayerNorm -> Linear
+  composition, which inductor fuses with their neighbours (the approach of torchao's float8
+  training).
+
+An experiment until measured: on an H100 (2026-11-23, fifth session) LoKA's compiled,
+CUDA-graphed Wukong step spent more GPU time around its FP8 sites than its FP8 GEMMs saved
+(bench/results/README.md). Compare with ``LOKA_COMPILED_QUANTIZER=inductor python bench/e2e.py
+--variants loka_safe+compile+graphs ...``."""
+if COMPILED_QUANTIZER not in ("custom", "inductor"):
+    raise ValueError(
+        f"LOKA_COMPILED_QUANTIZER={COMPILED_QUANTIZER!r}: set it to 'custom' (default) or 'inductor'"
+    )
+
+
+def inductor_quantizes() -> bool:
+    """Whether FP8 operands are quantized with plain torch ops for inductor to fuse (traced by
+    ``torch.compile`` with ``COMPILED_QUANTIZER == "inductor"``)."""
+    return COMPILED_QUANTIZER == "inductor" and torch.compiler.is_compiling()
+
+
 @functools.lru_cache(maxsize=4096)
 def _supports(backend: Any, problem: GemmProblem) -> tuple[bool, str]:
     # Keyed by the backend object (not its name), so a backend registered anew under the same
@@ -71,7 +101,10 @@ def _supports(backend: Any, problem: GemmProblem) -> tuple[bool, str]:
 
 def _triton_quantizes(plan: GemmPlan, t: Tensor, fmt: Fp8Format, scalings: tuple[Scaling, ...]) -> bool:
     """What both Triton quantizers need: a backend that takes their operands, a scaling in
-    ``scalings``, an e4m3/e5m2 format, a float input, and Triton running on ``t``'s device."""
+    ``scalings``, an e4m3/e5m2 format, a float input, and Triton running on ``t``'s device;
+    never where inductor quantizes (:func:`inductor_quantizes`)."""
+    if inductor_quantizes():
+        return False
     if not (
         plan.backend in _FUSED_QUANT_BACKENDS
         and plan.scaling in scalings

@@ -75,7 +75,7 @@ from torch import Tensor, nn
 
 from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
-from loka_train.kernels.linear import _compute_dtype, fp8_linear
+from loka_train.kernels.linear import _compute_dtype, fp8_linear, inductor_quantizes
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.profiling import profiled
 from loka_train.kernels.registry import GemmProblem, get_backend
@@ -595,10 +595,12 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
-        if not plan.forward.is_fp8:
+        if not plan.forward.is_fp8 or inductor_quantizes():
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
-            # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site.
+            # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site. Under
+            # torch.compile with LOKA_COMPILED_QUANTIZER=inductor, the same composition, for
+            # inductor to fuse (kernels.linear.COMPILED_QUANTIZER).
             return _act(self(norm(x)), activation)
         m = x.numel() // k if k else 0
         n = self.out_features
