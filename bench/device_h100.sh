@@ -3,7 +3,9 @@
 # benchmarks, each under its own time limit so that one slow part cannot eat the rest.
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
-# PARTS: tests e2e dispatch mods gemm_a gemm_bc. One 600 s call each for: `tests`, `e2e` with
+# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor. One 600 s call each
+# for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
+# "Next device session"). One 600 s call each for: `tests`, `e2e` with
 # E2E_CONFIGS of one or two configs (2026-11-23: wukong+dcn, 5 variants, 40 timed steps took
 # 231 s; the defaults are now 100 timed steps and NE after 200), `dispatch mods`, `gemm_a`,
 # `gemm_bc` (gemm_bc appends to gemm_a's report, so run them on the same warm machine).
@@ -62,3 +64,29 @@ gemm_pieces() {
 }
 if has gemm_a; then gemm_pieces "--parts a --ms 2048" "--parts a --ms 8192" "--parts a --ms 32768"; fi
 if has gemm_bc; then gemm_pieces "--parts b" "--parts c"; fi
+# Does FP8 pay under compile + graphs when inductor quantizes? The same run with the Triton
+# custom-op quantizers (default) and with LOKA_COMPILED_QUANTIZER=inductor, traced.
+if has quant_ab; then
+  for mode in custom inductor; do
+    (LOKA_COMPILED_QUANTIZER=$mode timeout 280 python bench/e2e.py --configs wukong \
+        --variants bf16+compile+graphs,loka_safe+compile+graphs --profile-variants loka_safe+compile+graphs \
+        --trace $w/traces_$mode --out $w/e2e_quant_$mode; echo "rc=$?") > $w/e2e_quant_$mode.txt 2>&1
+    save
+  done
+fi
+# torchao's recipes compiled and CUDA-graphed, beside LoKA's fastest setting.
+if has torchao; then
+  (timeout 560 python bench/e2e.py --configs ${E2E_CONFIGS:-wukong,dcn} --no-profile \
+      --variants bf16,bf16+compile+graphs,loka_safe+compile+graphs,torchao_tensorwise+graphs,torchao_rowwise+graphs \
+      --out $w/e2e_torchao; echo "rc=$?") > $w/e2e_torchao.txt 2>&1
+  save
+fi
+# The NE protocol's noise floor: bf16 and bf16+graphs run the same kernels, so their NE gap
+# after 2000 steps is noise (2000 distinct train batches of 8192: about 7 GB of host memory).
+# LoKA at that horizon is a second call: E2E_NE_VARIANTS=bf16,loka_safe+compile+graphs.
+if has ne_floor; then
+  (timeout 560 python bench/e2e.py --configs wukong --no-profile --ne-steps 2000 --eval-batches 32 \
+      --repeats 3 --variants ${E2E_NE_VARIANTS:-bf16,bf16+graphs} \
+      --out $w/e2e_ne_floor; echo "rc=$?") > $w/e2e_ne_floor.txt 2>&1
+  save
+fi
