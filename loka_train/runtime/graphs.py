@@ -27,8 +27,8 @@ sites back to high precision, the batch shape changed) the module is captured ag
 Replays compute exactly what the eager module computes with the same kernels (with
 ``compile``, what the variant compiled for the capture computes: it skips the sites' Probe
 check, see :func:`loka_train.mods.unobserved`, and may round apart from the compiled code of
-eager calls); the inputs are copied into the graph's static buffers, and outputs and gradients are returned as fresh
-tensors (copies of the static buffers). A graphed module takes one training forward, then its
+eager calls); the inputs are copied into the graph's static buffers, and outputs and
+gradients are returned as fresh tensors (copies of the static buffers). A graphed module takes one training forward, then its
 backward (a second forward replay before that backward makes the backward raise). Limits:
 module hooks (refused at capture: a replay would skip them); parameters used but owned outside
 the module get no gradient from a replay; parameter objects replaced mid-run need
