@@ -674,6 +674,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "eval/ne" in summary:
         rows += [("eval NE", f"{summary['eval/ne']:.4f}"), ("eval AUC", f"{summary['eval/auc']:.4f}")]
     rows.append(("fallbacks", str(len(summary["fallbacks"]))))
+    if summary.get("compiled"):
+        rows.append(("compiled", ", ".join(summary["compiled"])))
+    if "cuda_graphs" in summary:
+        graphs = summary["cuda_graphs"]
+        eager = ", ".join(f"{reason} {n}" for reason, n in graphs["eager"].items()) or "none"
+        rows.append(("CUDA graphs", f"{graphs['replays']} replays, {graphs['captures']} captures; "
+                                    f"eager calls: {eager}"))
     if "loka/fp8_coverage" in summary:
         rows.append(("LoKA FP8", f"{summary['loka/fp8_coverage']:.0%} of GEMMs, "
                                  f"{summary['loka/plan_changes']} plan changes"))

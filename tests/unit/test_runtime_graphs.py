@@ -463,3 +463,18 @@ def test_code_compiled_unobserved_is_not_reused_on_a_sampled_step() -> None:
     with pytest.raises(RuntimeError), unobserved():
         raise RuntimeError("boom")
     assert site_mod._OBSERVING is True
+
+
+def test_the_run_summary_table_shows_compiled_modules_and_graph_counts() -> None:
+    from loka_train.runtime.trainer import format_summary
+
+    summary = {
+        "steps": 10, "world_size": 1, "global_batch": 8, "train/steps_per_s": 2.0, "train/loss": 0.5,
+        "fallbacks": [], "compiled": ["model.dense_arch", "model.over_arch"],
+        "cuda_graphs": {"captures": 2, "replays": 14, "eager": {"eval": 4, "warmup": 2}, "modules": {}},
+    }
+    table = format_summary(summary)
+    assert "compiled" in table and "model.dense_arch, model.over_arch" in table
+    assert "14 replays, 2 captures; eager calls: eval 4, warmup 2" in table
+    plain = {k: v for k, v in summary.items() if k != "cuda_graphs"} | {"compiled": []}
+    assert "CUDA graphs" not in format_summary(plain) and "compiled" not in format_summary(plain)
