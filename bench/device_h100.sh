@@ -76,7 +76,7 @@ if has quant_ab; then
 fi
 # torchao's recipes compiled and CUDA-graphed, beside LoKA's fastest setting.
 if has torchao; then
-  (timeout 560 python bench/e2e.py --configs ${E2E_CONFIGS:-wukong,dcn} --no-profile \
+  (timeout 560 python bench/e2e.py --configs ${E2E_CONFIGS:-wukong} --no-profile \
       --variants bf16,bf16+compile+graphs,loka_safe+compile+graphs,torchao_tensorwise+graphs,torchao_rowwise+graphs \
       --out $w/e2e_torchao; echo "rc=$?") > $w/e2e_torchao.txt 2>&1
   save
