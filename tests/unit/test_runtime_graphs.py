@@ -20,6 +20,7 @@ from loka_train.mods import Fp8Linear
 from loka_train.probe import Probe, ProbeConfig
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.graphs import DenseGraphs, _flatten_output
+from tests.cpu_graphs import CpuGraphs
 
 FP8_PLAN = LinearPlan.fp8(backend="emulated")
 
@@ -277,38 +278,11 @@ def test_remove_restores_an_instance_forward_set_before_install() -> None:
     assert tower.forward is own
 
 
-class _CpuGraphs:
-    """The static-buffer protocol of `_Replay` with "graphs" that compute y = x * w on the CPU."""
-
-    def __init__(self, w: nn.Parameter) -> None:
-        self.params = (w,)
-        self.generation = 0
-        self.static_inputs = (torch.zeros(3),)
-        self.static_outputs = (torch.zeros(3),)
-        self.differentiable = (True,)
-        self.static_grad_outputs = (torch.zeros(3),)
-        self.static_grads = (torch.zeros(3), torch.zeros(3))
-        self.grad_targets = [0, 1]
-        outer = self
-
-        class Fwd:
-            def replay(self) -> None:
-                outer.static_outputs[0].copy_(outer.static_inputs[0] * w.detach())
-
-        class Bwd:
-            def replay(self) -> None:
-                dy = outer.static_grad_outputs[0]
-                outer.static_grads[0].copy_(dy * w.detach())
-                outer.static_grads[1].copy_(dy * outer.static_inputs[0])
-
-        self.fwd, self.bwd = Fwd(), Bwd()
-
-
 def test_replayed_gradients_accumulate_like_eager_ones() -> None:
     from loka_train.runtime.graphs import _Replay
 
     w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
-    graphs = _CpuGraphs(w)
+    graphs = CpuGraphs(w)
     xs = [torch.tensor([1.0, 1.0, 1.0], requires_grad=True), torch.tensor([2.0, 0.0, -1.0], requires_grad=True)]
     for x in xs:  # two micro-batches, .grad kept in between (gradient accumulation)
         (y,) = _Replay.apply(graphs, x, w)
@@ -325,7 +299,7 @@ def test_a_second_forward_before_the_backward_raises() -> None:
     from loka_train.runtime.graphs import _Replay
 
     w = nn.Parameter(torch.ones(3))
-    graphs = _CpuGraphs(w)
+    graphs = CpuGraphs(w)
     (first,) = _Replay.apply(graphs, torch.ones(3, requires_grad=True), w)
     (second,) = _Replay.apply(graphs, torch.ones(3, requires_grad=True), w)
     second.sum().backward()
