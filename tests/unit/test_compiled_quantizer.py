@@ -67,3 +67,28 @@ def test_the_switch_applies_only_while_compiling(monkeypatch: pytest.MonkeyPatch
     assert site_mod.inductor_quantizes()
     monkeypatch.setattr(linear_mod, "COMPILED_QUANTIZER", "custom")
     assert not linear_mod.inductor_quantizes()
+
+
+def test_inductor_mode_computes_what_the_eager_fused_path_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The switch changes which kernels quantize, not the FP8 codes: the traced reference
+    quantizer and separate LayerNorm -> Linear agree with the eager fused LayerNorm -> FP8
+    Triton path up to LayerNorm rounding (a flipped FP8 code would be ~1e-2 off)."""
+    monkeypatch.setattr(linear_mod, "COMPILED_QUANTIZER", "inductor")
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        norm, site = nn.LayerNorm(64), Fp8Linear.from_linear(nn.Linear(64, 32))
+        site.set_plan(_plan())
+        x = torch.randn(128, 64, requires_grad=True)
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return site.forward_layernorm(t, norm)
+
+        with unobserved():
+            y = (torch.compile(fn, backend="aot_eager") if compiled else fn)(x)
+        y.square().sum().backward()
+        return [y.detach(), x.grad, site.weight.grad, norm.weight.grad]
+
+    for eager, traced in zip(run(False), run(True)):
+        torch.testing.assert_close(traced, eager, rtol=1e-4, atol=1e-4)
