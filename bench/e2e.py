@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import gzip
 import io
 import json
 import logging
@@ -79,7 +78,6 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import statistics
 import sys
 import tempfile
@@ -629,15 +627,11 @@ def _merged_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def export_trace(prof: Any, directory: Path, config: str, batch: int, variant: str) -> str:
-    """Write `prof` as a gzipped Chrome trace; returns its path."""
+    """Write `prof` as a gzipped Chrome trace (torch.profiler gzips a ``.gz`` path); returns its path."""
     directory.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{config}_b{batch}_{variant}")
-    plain = directory / f"{name}.json"
-    prof.export_chrome_trace(str(plain))
-    with open(plain, "rb") as src, gzip.open(f"{plain}.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    plain.unlink()
-    return f"{plain}.gz"
+    path = directory / (re.sub(r"[^A-Za-z0-9._-]", "_", f"{config}_b{batch}_{variant}") + ".json.gz")
+    prof.export_chrome_trace(str(path))
+    return str(path)
 
 
 def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
