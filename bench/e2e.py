@@ -714,8 +714,39 @@ def torchao_status() -> str | None:
     return None
 
 
+TORCHAO_ROWWISE_TRANSPOSED_INPUT = ("proj", "mix", "residual")
+"""Leaf names of the Linears that take a transposed 3-D input (Wukong's FM projection, LCB and
+residual: ``Linear(x_BND.transpose(1, 2))``). torchao 0.17's row-wise recipe cannot compile
+them ("aten.clone.default with axiswise scaling is not supported yet", H100, 2026-11-23 and
+2026-11-24), so that recipe leaves them in bf16 and runs on every other Linear."""
+
+
+def torchao_modules(model: nn.Module, recipe: str) -> tuple[list[str], dict[str, str]]:
+    """The Linear layers torchao ``recipe`` converts, and the others with why.
+
+    Same rules for both recipes (the final logit layer stays high precision, like LoKA's; torchao
+    needs both dims multiples of 16), plus, for ``rowwise``, no Linear of
+    :data:`TORCHAO_ROWWISE_TRANSPOSED_INPUT`.
+    """
+    linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    last = linears[-1][0] if linears else None
+    converted: list[str] = []
+    skipped: dict[str, str] = {}
+    for fqn, module in linears:
+        if fqn == last:
+            skipped[fqn] = "final logit layer (high precision, like LoKA)"
+        elif module.in_features % 16 or module.out_features % 16:
+            skipped[fqn] = f"{module.in_features}x{module.out_features}: not multiples of 16"
+        elif recipe == "rowwise" and fqn.rsplit(".", 1)[-1] in TORCHAO_ROWWISE_TRANSPOSED_INPUT:
+            skipped[fqn] = "transposed 3-D input: torchao's row-wise recipe does not compile it"
+        else:
+            converted.append(fqn)
+    return converted, skipped
+
+
 class TorchaoFloat8(Callback):
-    """Converts the dense Linear layers with torchao ``convert_to_float8_training``."""
+    """Converts the dense Linear layers with torchao ``convert_to_float8_training``
+    (the layers :func:`torchao_modules` names)."""
 
     def __init__(self, recipe: str) -> None:
         self.recipe = recipe
@@ -725,20 +756,11 @@ class TorchaoFloat8(Callback):
     def on_before_shard(self, trainer: Any) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        linears = [fqn for fqn, m in trainer.model.named_modules() if isinstance(m, nn.Linear)]
-        last = linears[-1] if linears else None
+        self.converted, self.skipped = torchao_modules(trainer.model, self.recipe)
+        chosen = set(self.converted)
 
         def keep(module: nn.Module, fqn: str) -> bool:
-            if not isinstance(module, nn.Linear):
-                return True
-            if fqn == last:
-                self.skipped[fqn] = "final logit layer (high precision, like LoKA)"
-                return False
-            if module.in_features % 16 or module.out_features % 16:
-                self.skipped[fqn] = f"{module.in_features}x{module.out_features}: not multiples of 16"
-                return False
-            self.converted.append(fqn)
-            return True
+            return not isinstance(module, nn.Linear) or fqn in chosen
 
         config = Float8LinearConfig.from_recipe_name(self.recipe)
         trainer.model = convert_to_float8_training(trainer.model, config=config, module_filter_fn=keep)

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "e2e.py"
 
@@ -129,3 +131,39 @@ def test_torchao_target_takes_the_faster_recipe_run_and_lists_a_failed_one(e2e) 
     assert "wukong/torchao_rowwise+graphs: 0.90x" in t["detail"]
     assert "wukong/torchao_tensorwise: 1.10x" in t["detail"]
     assert "wukong/torchao_tensorwise+graphs: boom" in t["detail"]
+
+
+def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_inputs(e2e) -> None:
+    # The benchmark's Wukong shape (2 layers, 16 FM + 16 LCB outputs), small dims that are
+    # multiples of 16 so that the 16-multiple rule alone would convert the 3-D-input Linears.
+    from loka_train.models import ModelConfig, build_model
+
+    cfg = ModelConfig(kind="wukong", embedding_dim=16, dense_arch_layer_sizes=[32, 16],
+                      over_arch_layer_sizes=[32, 1], wukong_num_layers=2, wukong_num_fm_out=16,
+                      wukong_fm_rank=16, wukong_num_lcb_out=16, wukong_mlp_hidden=32)
+    model = build_model(cfg, feature_names=[f"cat_{i}" for i in range(15)],
+                        num_embeddings_per_feature=[10] * 15, num_dense=4, seed=0)
+    inter = next(m for fqn, m in model.named_modules() if fqn.endswith("inter_arch"))
+    prefix = next(fqn for fqn, m in model.named_modules() if m is inter)
+    ndim: dict[str, int] = {}
+
+    def recorder(fqn: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            ndim[fqn] = args[0].ndim
+        return hook
+
+    hooks = [m.register_forward_pre_hook(recorder(fqn))
+             for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and fqn.startswith(prefix)]
+    inter(torch.randn(4, 16, 16))  # 15 sparse features + the dense embedding, dim 16
+    for h in hooks:
+        h.remove()
+    three_d = {fqn for fqn, n in ndim.items() if n == 3}
+    assert three_d, "the Wukong layers have Linears over transposed 3-D inputs"
+
+    row_converted, row_skipped = e2e.torchao_modules(model, "rowwise")
+    tensor_converted, _ = e2e.torchao_modules(model, "tensorwise")
+    assert not three_d & set(row_converted)
+    assert all("transposed 3-D input" in row_skipped[f] for f in three_d & set(tensor_converted))
+    # Nothing else is left out: the row-wise recipe converts every other Linear tensor-wise takes.
+    assert set(tensor_converted) - set(row_converted) == three_d & set(tensor_converted)
+    assert three_d & set(tensor_converted), "some 3-D-input Linears have 16-multiple dims here"
