@@ -167,3 +167,26 @@ def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_input
     # Nothing else is left out: the row-wise recipe converts every other Linear tensor-wise takes.
     assert set(tensor_converted) - set(row_converted) == three_d & set(tensor_converted)
     assert three_d & set(tensor_converted), "some 3-D-input Linears have 16-multiple dims here"
+
+
+def test_rounds_rotate_the_variant_order(e2e) -> None:
+    variants = e2e.resolve_variants(["bf16", "loka_high", "fp8_everywhere"], "emulated")
+    order = [(v.name, i) for v, i in e2e.run_order(variants, 3)]
+    assert order == [
+        ("bf16", 0), ("loka_high", 0), ("fp8_everywhere", 0),
+        ("loka_high", 1), ("fp8_everywhere", 1), ("bf16", 1),
+        ("fp8_everywhere", 2), ("bf16", 2), ("loka_high", 2),
+    ]
+    # Each variant runs once per round and is first in exactly one round.
+    assert sorted(order) == sorted((v.name, i) for v in variants for i in range(3))
+
+
+def test_one_run_s_ne_noise_shrinks_with_the_steps_it_trained(e2e) -> None:
+    assert e2e.single_run_ne_noise(0) == e2e.single_run_ne_noise(200) == 0.035
+    assert e2e.single_run_ne_noise(1999) == 0.035
+    assert e2e.single_run_ne_noise(2000) == e2e.single_run_ne_noise(5000) == 0.012
+    base = dict(_run("bf16", 0, 15.0, 0.70), steps=2000)
+    # 2% worse after 2000 steps: beyond one run's noise there, missed (unresolved after 200).
+    assert _wukong_target(e2e, [dict(base), dict(_run("loka_safe", 0, 10.0, 0.714), steps=2000)]) == "missed"
+    # 1% worse after 2000 steps: within it, unresolved.
+    assert _wukong_target(e2e, [dict(base), dict(_run("loka_safe", 0, 10.0, 0.707), steps=2000)]) == "unresolved"
