@@ -76,10 +76,11 @@ from the environment variable ``LOKA_COMPILED_QUANTIZER``:
   composition, which inductor fuses with their neighbours (the approach of torchao's float8
   training).
 
-An experiment until measured: on an H100 (2026-11-23, fifth session) LoKA's compiled,
-CUDA-graphed Wukong step spent more GPU time around its FP8 sites than its FP8 GEMMs saved
-(bench/results/README.md). Compare with ``LOKA_COMPILED_QUANTIZER=inductor python bench/e2e.py
---variants loka_safe+compile+graphs ...``."""
+An experiment, measured slower: on an H100 (2026-11-24, ``bash bench/device_h100.sh $OUT
+quant_ab``) LoKA safe's compiled, CUDA-graphed Wukong step took 13.75 ms with ``inductor``
+against 10.22 ms with ``custom``: inductor ran two row-wise FP8 backward GEMMs per step as
+fp32 SIMT GEMMs (2.6 ms each), after fusing their operands' quantization
+(bench/results/README.md). ``custom`` stays the default."""
 if COMPILED_QUANTIZER not in ("custom", "inductor"):
     raise ValueError(
         f"LOKA_COMPILED_QUANTIZER={COMPILED_QUANTIZER!r}: set it to 'custom' (default) or 'inductor'"
