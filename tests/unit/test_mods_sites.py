@@ -543,8 +543,11 @@ def test_bmm_site_matches_per_batch_fp8_linear() -> None:
         yi.backward(g[i])
         for part, t in zip(parts, (yi.detach(), ai.grad, wi.grad.t()), strict=True):
             part.append(t)
+    # Same FP8 codes and scales: what is left is fp32 rounding of bmm against mm, which depends
+    # on the CPU's kernels (1.4e-6 absolute, 4.3e-6 relative measured on one CI-class Xeon).
+    # A quantization that differed would be off by FP8 steps (~1e-2 relative).
     for t, part in zip(got, parts, strict=True):
-        torch.testing.assert_close(t, torch.stack(part), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(t, torch.stack(part), rtol=2e-5, atol=2e-5)
 
 
 def test_emulated_only_backend_for_bmm_logged(caplog: pytest.LogCaptureFixture) -> None:
