@@ -7,7 +7,9 @@
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
 # E2E_CONFIGS of one or two configs (2026-11-23: wukong+dcn, 5 variants, 40 timed steps took
-# 231 s; the defaults are now 100 timed steps and NE after 200), `dispatch mods`, `gemm_a`,
+# 231 s). e2e.py's defaults are now 100 timed steps and NE after 2000 steps on 32 eval batches;
+# the parts below pin NE after 200 steps on 8 batches (E2E_NE) where their time limits assume it,
+# except ne_floor. One call for `dispatch mods`, `gemm_a`,
 # `gemm_bc` (gemm_bc appends to gemm_a's report, so run them on the same warm machine).
 # Knobs: E2E_CONFIGS, E2E_ARGS, E2E_TIMEOUT, MODS_MODELS, MODS_TIMEOUT, DISPATCH_BACKENDS,
 # DISPATCH_TIMEOUT, TESTS_TIMEOUT. Each benchmark runs in pieces that save as they go, so a
@@ -16,6 +18,8 @@ set -u
 out=$1
 shift
 parts=${*:-tests}
+# The NE protocol of the timed parts (their limits were measured with it; ne_floor sets its own).
+E2E_NE=${E2E_NE:---ne-steps 200 --eval-batches 8}
 DISPATCH_BACKENDS=${DISPATCH_BACKENDS:-fbgemm_rowwise,torch_scaled_mm}
 has() { [[ " $parts " == *" $1 "* ]]; }
 w=/tmp/h100
@@ -34,7 +38,7 @@ if has tests; then
   save
 fi
 if has e2e; then
-  (timeout ${E2E_TIMEOUT:-400} python bench/e2e.py --configs ${E2E_CONFIGS:-wukong,dcn} \
+  (timeout ${E2E_TIMEOUT:-400} python bench/e2e.py --configs ${E2E_CONFIGS:-wukong,dcn} $E2E_NE \
       ${E2E_ARGS:-} --out $w/e2e; echo "rc=$?") > $w/e2e.txt 2>&1
   save
 fi
@@ -68,7 +72,7 @@ if has gemm_bc; then gemm_pieces "--parts b" "--parts c"; fi
 # custom-op quantizers (default) and with LOKA_COMPILED_QUANTIZER=inductor, traced.
 if has quant_ab; then
   for mode in custom inductor; do
-    (LOKA_COMPILED_QUANTIZER=$mode timeout 280 python bench/e2e.py --configs wukong \
+    (LOKA_COMPILED_QUANTIZER=$mode timeout 280 python bench/e2e.py --configs wukong $E2E_NE \
         --variants bf16+compile+graphs,loka_safe+compile+graphs --profile-variants loka_safe+compile+graphs \
         --trace $w/traces_$mode --out $w/e2e_quant_$mode; echo "rc=$?") > $w/e2e_quant_$mode.txt 2>&1
     save
@@ -76,7 +80,7 @@ if has quant_ab; then
 fi
 # torchao's recipes compiled and CUDA-graphed, beside LoKA's fastest setting.
 if has torchao; then
-  (timeout 560 python bench/e2e.py --configs ${E2E_CONFIGS:-wukong} --no-profile \
+  (timeout 560 python bench/e2e.py --configs ${E2E_CONFIGS:-wukong} --no-profile $E2E_NE \
       --variants bf16,bf16+compile+graphs,loka_safe+compile+graphs,torchao_tensorwise+graphs,torchao_rowwise+graphs \
       --out $w/e2e_torchao; echo "rc=$?") > $w/e2e_torchao.txt 2>&1
   save

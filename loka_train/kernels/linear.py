@@ -78,9 +78,9 @@ from the environment variable ``LOKA_COMPILED_QUANTIZER``:
 
 An experiment, measured slower: on an H100 (2026-11-24, ``bash bench/device_h100.sh $OUT
 quant_ab``) LoKA safe's compiled, CUDA-graphed Wukong step took 13.75 ms with ``inductor``
-against 10.22 ms with ``custom``: inductor ran two row-wise FP8 backward GEMMs per step as
-fp32 SIMT GEMMs (2.6 ms each), after fusing their operands' quantization
-(bench/results/README.md). ``custom`` stays the default."""
+against 10.22 ms with ``custom``. Its backward had two fp32 SIMT GEMMs per step (2.6 ms each)
+that ``custom`` does not have; which GEMMs they replace is not identified. Its eval NE was 8%
+worse than bf16's in the same run (bench/results/README.md). ``custom`` stays the default."""
 if COMPILED_QUANTIZER not in ("custom", "inductor"):
     raise ValueError(
         f"LOKA_COMPILED_QUANTIZER={COMPILED_QUANTIZER!r}: set it to 'custom' (default) or 'inductor'"

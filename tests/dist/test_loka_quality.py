@@ -1,7 +1,7 @@
 """Model quality with LoKA on the synthetic dataset (CPU, emulated FP8).
 
-`safe` must reach an eval NE within 0.5% (relative) of the same run without LoKA after the
-same steps: no more than 0.5% worse. A better NE is no quality loss, and how much better is
+`safe` must reach an eval NE at most 0.5% (relative) worse than the same run without LoKA
+after the same steps (and no more than 3% better: a far better NE would mean a broken run). A better NE is no quality loss, and how much better is
 machine-dependent (the CPU's fp32 kernels change the rounding of the whole run: safe was
 0.45% better on the machine of 2026-11-23 and 0.71% better on that of 2026-11-24). On CPU the speed objective keeps every small GEMM in high precision (the H100
 cost model says FP8 would be slower), which would make the comparison vacuous, so the safe
@@ -58,7 +58,7 @@ def test_safe_matches_high_precision_and_aggressive_reports_delta(tmp_path: Path
     safe = results["safe"]
     assert num_fp8(safe["plan"]) > 0, "safe ran no GEMM in FP8: the comparison would be vacuous"
     rel = (safe["eval/ne"] - base) / base  # > 0: safe is worse
-    assert rel < SAFE_NE_RTOL, f"safe NE {safe['eval/ne']:.5f} vs {base:.5f} ({rel:+.3%})"
+    assert -0.03 < rel < SAFE_NE_RTOL, f"safe NE {safe['eval/ne']:.5f} vs {base:.5f} ({rel:+.3%})"
     aggr = results["aggressive"]
     delta = (aggr["eval/ne"] - base) / base
     assert delta == delta  # finite, reported below

@@ -145,11 +145,11 @@ def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_input
                         num_embeddings_per_feature=[10] * 15, num_dense=4, seed=0)
     inter = next(m for fqn, m in model.named_modules() if fqn.endswith("inter_arch"))
     prefix = next(fqn for fqn, m in model.named_modules() if m is inter)
-    ndim: dict[str, int] = {}
+    transposed_3d: dict[str, bool] = {}
 
     def recorder(fqn: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            ndim[fqn] = args[0].ndim
+            transposed_3d[fqn] = args[0].ndim == 3 and not args[0].is_contiguous()
         return hook
 
     hooks = [m.register_forward_pre_hook(recorder(fqn))
@@ -157,7 +157,7 @@ def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_input
     inter(torch.randn(4, 16, 16))  # 15 sparse features + the dense embedding, dim 16
     for h in hooks:
         h.remove()
-    three_d = {fqn for fqn, n in ndim.items() if n == 3}
+    three_d = {fqn for fqn, yes in transposed_3d.items() if yes}
     assert three_d, "the Wukong layers have Linears over transposed 3-D inputs"
 
     row_converted, row_skipped = e2e.torchao_modules(model, "rowwise")
@@ -179,14 +179,3 @@ def test_rounds_rotate_the_variant_order(e2e) -> None:
     ]
     # Each variant runs once per round and is first in exactly one round.
     assert sorted(order) == sorted((v.name, i) for v in variants for i in range(3))
-
-
-def test_one_run_s_ne_noise_shrinks_with_the_steps_it_trained(e2e) -> None:
-    assert e2e.single_run_ne_noise(0) == e2e.single_run_ne_noise(200) == 0.035
-    assert e2e.single_run_ne_noise(1999) == 0.035
-    assert e2e.single_run_ne_noise(2000) == e2e.single_run_ne_noise(5000) == 0.012
-    base = dict(_run("bf16", 0, 15.0, 0.70), steps=2000)
-    # 2% worse after 2000 steps: beyond one run's noise there, missed (unresolved after 200).
-    assert _wukong_target(e2e, [dict(base), dict(_run("loka_safe", 0, 10.0, 0.714), steps=2000)]) == "missed"
-    # 1% worse after 2000 steps: within it, unresolved.
-    assert _wukong_target(e2e, [dict(base), dict(_run("loka_safe", 0, 10.0, 0.707), steps=2000)]) == "unresolved"
