@@ -1453,15 +1453,19 @@ def main(argv: list[str] | None = None) -> int:
                             base = next((r for r in raw if r["config"] == config and r["batch"] == batch
                                          and r["variant"] == REFERENCE and r["status"] == "ok"
                                          and r["seed"] == repeat), None)
-                            ratio = base["step_ms_median"] / rec["step_ms_median"] if base else math.nan
-                            ne = (rec["eval_ne"] - base["eval_ne"]) / base["eval_ne"] if base else math.nan
                             cov = f", FP8 {rec['loka']['fp8_coverage']:.0%}" if "loka" in rec else ""
+                            if base is None:
+                                # A rotated round may run bf16 later: the report has the ratio.
+                                vs = f"bf16 of seed {repeat} not run yet, NE {rec['eval_ne']:.5f}"
+                            else:
+                                ratio = base["step_ms_median"] / rec["step_ms_median"]
+                                ne = (rec["eval_ne"] - base["eval_ne"]) / base["eval_ne"]
+                                vs = f"{_fmt_x(ratio)} vs bf16, NE {rec['eval_ne']:.5f} ({_fmt_pct(ne, 3)})"
                             progress(
                                 t0,
                                 f"{config} b{batch} {variant.name}{tag}: {rec['step_ms_median']:.2f} ms/step "
                                 f"(p10 {rec['step_ms_p10']:.2f}, p90 {rec['step_ms_p90']:.2f}), "
-                                f"{_fmt_x(ratio)} vs bf16, NE {rec['eval_ne']:.5f} ({_fmt_pct(ne, 3)}){cov} "
-                                f"[{rec['wall_s']:.1f}s]",
+                                f"{vs}{cov} [{rec['wall_s']:.1f}s]",
                             )
                         else:
                             progress(t0, f"{config} b{batch} {variant.name}{tag}: {rec['error'][:300]}")
