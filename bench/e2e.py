@@ -1025,8 +1025,10 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         failed = [r for r in runs if r["status"] != "ok"]
         rec = dict(failed[0] if failed else runs[0])
         rec["repeats"] = [
-            {k: r.get(k) for k in ("seed", "status", "step_ms_median", "step_ms_p10", "step_ms_p90",
-                                   "eval_ne", "eval_auc", "error")}
+            {**{k: r.get(k) for k in ("seed", "status", "step_ms_median", "step_ms_p10", "step_ms_p90",
+                                      "eval_ne", "eval_auc", "error")},
+             # Dispatch decides anew in every round (it may choose differently).
+             **({"fp8_coverage": r["loka"]["fp8_coverage"]} if "loka" in r else {})}
             for r in runs
         ]
         if failed:
@@ -1226,7 +1228,11 @@ def environment(device: str) -> dict[str, Any]:
 def _fp8_cell(r: dict[str, Any]) -> str:
     if "loka" in r:
         lk = r["loka"]
-        return f"{lk['fp8_coverage']:.0%} ({lk['num_fp8_gemms']}/{lk['num_gemms']} GEMMs)"
+        cell = f"{lk['fp8_coverage']:.0%} ({lk['num_fp8_gemms']}/{lk['num_gemms']} GEMMs)"
+        per_round = [x["fp8_coverage"] for x in r.get("repeats", []) if "fp8_coverage" in x]
+        if len(set(per_round)) > 1:  # the plans above are round 1's
+            cell += "; by round " + ", ".join(f"{c:.0%}" for c in per_round)
+        return cell
     if "torchao" in r:
         t = r["torchao"]
         return f"{len(t['converted'])}/{len(t['converted']) + len(t['skipped'])} Linear"

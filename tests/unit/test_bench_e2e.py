@@ -53,6 +53,17 @@ def test_repeats_aggregate_and_pair_by_seed(e2e) -> None:
     assert [x["seed"] for x in loka["repeats"]] == [0, 1, 2]
 
 
+def test_the_fp8_cell_shows_each_round_s_coverage_when_dispatch_chose_differently(e2e) -> None:
+    def loka(seed: int, coverage: float, num_fp8: int) -> dict:
+        return {**_run("loka_safe", seed, 9.0, 0.7),
+                "loka": {"fp8_coverage": coverage, "num_fp8_gemms": num_fp8, "num_gemms": 39}}
+
+    (same,) = e2e.aggregate([loka(0, 0.0, 0), loka(1, 0.0, 0)])
+    assert e2e._fp8_cell(same) == "0% (0/39 GEMMs)"
+    (differ,) = e2e.aggregate([loka(0, 0.0, 0), loka(1, 1 / 39, 1)])
+    assert [x["fp8_coverage"] for x in differ["repeats"]] == [0.0, 1 / 39]
+    assert e2e._fp8_cell(differ) == "0% (0/39 GEMMs); by round 0%, 3%"
+
 def test_a_failed_repeat_fails_the_variant(e2e) -> None:
     results = e2e.aggregate([_run("bf16", 0, 10.0, 0.7), _run("bf16", 1, 10.0, 0.7, status="error")])
     assert results[0]["status"] == "error"
