@@ -1,12 +1,14 @@
 """Model quality with LoKA on the synthetic dataset (CPU, emulated FP8).
 
 `safe` must reach an eval NE at most 0.5% (relative) worse than the same run without LoKA
-after the same steps (and no more than 3% better: a far better NE would mean a broken run). A better NE is no quality loss, and how much better is
-machine-dependent (the CPU's fp32 kernels change the rounding of the whole run: safe was
-0.45% better on the machine of 2026-11-23 and 0.71% better on that of 2026-11-24). On CPU the speed objective keeps every small GEMM in high precision (the H100
-cost model says FP8 would be slower), which would make the comparison vacuous, so the safe
-run here uses the coverage objective: every GEMM the Probe calls safe under the safe
-budgets runs in FP8. `aggressive` reports its NE delta (printed; asserted only finite).
+after the same steps, and no more than 3% better (a far better NE would mean a broken run).
+A better NE is no quality loss, and how much better is machine-dependent: the CPU's fp32
+kernels change the rounding of the whole run (safe was 0.45% better on the machine of
+2026-11-23 and 0.71% better on that of 2026-11-24). On CPU the speed objective keeps every
+small GEMM in high precision (the H100 cost model says FP8 would be slower), which would make
+the comparison vacuous, so the safe run here uses the coverage objective: every GEMM the Probe
+calls safe under the safe budgets runs in FP8. `aggressive` reports its NE delta (printed;
+asserted only finite).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def test_safe_matches_high_precision_and_aggressive_reports_delta(tmp_path: Path
     delta = (aggr["eval/ne"] - base) / base
     assert delta == delta  # finite, reported below
     print(json.dumps({
-        "baseline_ne": base, "safe_ne": safe["eval/ne"], "safe_ne_delta_rel": rel, "safe_fp8_coverage": safe["loka/fp8_coverage"],
+        "baseline_ne": base, "safe_ne": safe["eval/ne"], "safe_ne_delta_rel": rel,
+        "safe_fp8_coverage": safe["loka/fp8_coverage"],
         "aggressive_ne": aggr["eval/ne"], "aggressive_fp8_coverage": aggr["loka/fp8_coverage"],
         "aggressive_ne_delta_rel": delta,
     }))

@@ -64,6 +64,7 @@ def test_the_fp8_cell_shows_each_round_s_coverage_when_dispatch_chose_differentl
     assert [x["fp8_coverage"] for x in differ["repeats"]] == [0.0, 1 / 39]
     assert e2e._fp8_cell(differ) == "0% (0/39 GEMMs); by round 0%, 3%"
 
+
 def test_a_failed_repeat_fails_the_variant(e2e) -> None:
     results = e2e.aggregate([_run("bf16", 0, 10.0, 0.7), _run("bf16", 1, 10.0, 0.7, status="error")])
     assert results[0]["status"] == "error"
