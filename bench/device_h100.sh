@@ -3,7 +3,8 @@
 # benchmarks, each under its own time limit so that one slow part cannot eat the rest.
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
-# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor. One 600 s call each
+# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches.
+# One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
 # E2E_CONFIGS of one or two configs (2026-11-23: wukong+dcn, 5 variants, 40 timed steps took
@@ -92,5 +93,23 @@ if has ne_floor; then
   (timeout 560 python bench/e2e.py --configs wukong --no-profile --ne-steps 2000 --eval-batches 32 \
       --repeats 3 --variants ${E2E_NE_VARIANTS:-bf16,bf16+graphs} \
       --out $w/e2e_ne_floor; echo "rc=$?") > $w/e2e_ne_floor.txt 2>&1
+  save
+fi
+# Speed in rotated rounds (the order confounds single runs: step times drift 30-50% within one
+# process, 2026-11-24): 3 rounds of bf16, its compiled + graphed form, torchao tensor-wise and
+# LoKA safe; NE only after the 120 timed steps (the NE protocol is ne_floor's). One config a call.
+ROTATED_VARIANTS=${ROTATED_VARIANTS:-bf16,bf16+compile+graphs,torchao_tensorwise+graphs,loka_safe+compile+graphs}
+if has rotated; then
+  (timeout ${E2E_TIMEOUT:-560} python bench/e2e.py --configs ${E2E_CONFIGS:-wukong} --ne-steps 0 --repeats 3 \
+      --variants $ROTATED_VARIANTS --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
+      --out $w/e2e_rotated_${E2E_CONFIGS:-wukong}; echo "rc=$?") > $w/e2e_rotated_${E2E_CONFIGS:-wukong}.txt 2>&1
+  save
+fi
+# Issue 9's other batch sizes (E2E_BATCHES, default 4096 and 32768), one round each.
+if has batches; then
+  (timeout ${E2E_TIMEOUT:-560} python bench/e2e.py --configs ${E2E_CONFIGS:-dlrm,dcn,wukong} --ne-steps 0 \
+      --batches ${E2E_BATCHES:-4096,32768} --variants $ROTATED_VARIANTS \
+      --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
+      --out $w/e2e_batches; echo "rc=$?") > $w/e2e_batches.txt 2>&1
   save
 fi
