@@ -60,6 +60,12 @@ class TrainerConfig:
     prefetch: int = 4
     """Batches generated ahead in a background thread (0: generate inline)."""
 
+    pin_memory: bool | None = None
+    """Pin the train batches in page-locked host memory before the step (in the prefetch
+    thread), so that the pipeline's copy to the GPU is a DMA that does not hold up the host
+    (``loka_train.data.pinning``). None: on when the run is on CUDA. A cached source's batches
+    (``data.cache_batches``) are pinned once, up to 1 GiB of them."""
+
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
 
@@ -157,6 +163,13 @@ class TrainerConfig:
             raise ValueError(f"trainer.compile_dense must be a bool, got {self.compile_dense!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"trainer.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise ValueError(f"trainer.pin_memory must be true, false or null (auto), got {self.pin_memory!r}")
+        if self.pin_memory and self.device == "cpu":
+            raise ValueError(
+                "trainer.pin_memory=true needs trainer.device=cuda (pinned memory serves copies to a "
+                "GPU): set trainer.pin_memory=null or false"
+            )
         if self.cuda_graphs and self.device == "cpu":
             raise ValueError("trainer.cuda_graphs=true needs trainer.device=cuda (or auto on a GPU machine)")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:

@@ -39,6 +39,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from loka_train.data import DataConfig, make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
+from loka_train.data.pinning import PinnedBatches
 from loka_train.data.prefetch import Prefetcher
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
 from loka_train.runtime._paths import set_aside
@@ -133,6 +134,13 @@ class Trainer:
                 f"trainer.cuda_graphs=true needs a CUDA device, this run is on {self.device}: "
                 "set trainer.cuda_graphs=false"
             )
+        if trainer.pin_memory and self.device.type != "cuda":
+            raise ValueError(
+                f"trainer.pin_memory=true needs a CUDA device, this run is on {self.device}: "
+                "set trainer.pin_memory=null (auto) or false"
+            )
+        self.pins_memory = self.device.type == "cuda" if trainer.pin_memory is None else trainer.pin_memory
+        """The train batches are pinned before the step (``trainer.pin_memory``)."""
         self.out_dir = Path(trainer.out_dir)
 
         self.train_data = make_dataset(
@@ -543,6 +551,9 @@ class Trainer:
         self.callbacks.call("on_train_start", self)
         pipeline = self._pipeline()
         batches: Iterator[Batch] = self.train_data.batches(start, self.cfg.steps - start)
+        pinned = None
+        if self.pins_memory:
+            batches = pinned = PinnedBatches(batches)
         prefetcher = None
         if self.cfg.prefetch:
             prefetcher = Prefetcher(batches, depth=self.cfg.prefetch)
@@ -644,6 +655,8 @@ class Trainer:
             "fallbacks": list(self.fallbacks),
             "compiled": list(self.compiled_modules),
         }
+        if pinned is not None:
+            summary["pinned_batches"] = {"pinned": pinned.pinned, "reused": pinned.reused}
         if self.graphs is not None:
             summary["cuda_graphs"] = self.graphs.stats()
             self.fallbacks.extend(f for f in self.graphs.fallbacks if f not in self.fallbacks)

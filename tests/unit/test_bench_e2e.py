@@ -191,3 +191,37 @@ def test_rounds_rotate_the_variant_order(e2e) -> None:
     ]
     # Each variant runs once per round and is first in exactly one round.
     assert sorted(order) == sorted((v.name, i) for v in variants for i in range(3))
+
+
+def test_the_pageable_suffix_turns_batch_pinning_off(e2e) -> None:
+    args = e2e.parse_args(["--dry-run", "--out", "unused", "--variants", "bf16+compile,bf16+compile+pageable"])
+    pinned, pageable = e2e.resolve_variants(args.variant_names, "emulated")
+    assert pageable.name == "bf16+compile+pageable" and pageable.pageable and not pinned.pageable
+    assert "trainer.pin_memory=false" in e2e.job_overrides(args, "dcn", 64, pageable, "o", steps=1, eval_batches=1)
+    assert not any("pin_memory" in o
+                   for o in e2e.job_overrides(args, "dcn", 64, pinned, "o", steps=1, eval_batches=1))
+
+
+def test_the_fp8_ceiling_is_what_halving_every_gemm_would_save(e2e) -> None:
+    def profiled(variant: str, **extra: object) -> dict:
+        return {**_run(variant, 0, 10.0, 0.7), **extra,
+                "profile": {"categories": {"gemm": {"ms_per_step": 4.0, "share": 0.4}}}}
+
+    # 4 ms of GEMMs at twice the speed save 2 ms of a 10 ms step.
+    assert math.isclose(e2e.fp8_ceiling(profiled("bf16+compile+graphs")), 10.0 / 8.0)
+    # Runs with FP8 GEMMs of their own, or without a profile, have no ceiling.
+    assert e2e.fp8_ceiling(profiled("loka_safe+compile+graphs", loka={"fp8_coverage": 0.2})) is None
+    assert e2e.fp8_ceiling(profiled("torchao_tensorwise+graphs")) is None
+    assert e2e.fp8_ceiling(_run("bf16", 0, 10.0, 0.7)) is None
+
+
+def test_render_rewrites_the_report_from_its_json(e2e, tmp_path: Path) -> None:
+    source = _PATH.parents[0] / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
+    (tmp_path / "e2e.json").write_text(source.read_text())
+    assert e2e.main(["--render", str(tmp_path)]) == 0
+    report = (tmp_path / "e2e.md").read_text()
+    # bf16+compile+graphs: GEMMs 1.27 ms of a 9.19 ms step -> 9.19 / (9.19 - 0.635) = 1.07x.
+    assert "| dcn | bf16+compile+graphs | 4.48 | 49% | 28% | 0% | 6% | 16% | 50% | 1.07x |" in report
+    assert "FP8 GEMM ceiling over bf16+compile+graphs 1.07x" in report
+    with pytest.raises(SystemExit, match="no .*e2e.json"):
+        e2e.main(["--render", str(tmp_path / "missing")])

@@ -96,3 +96,14 @@ def test_dense_lr_warms_up_linearly_then_holds() -> None:
 )
 def test_format_checks_only_apply_to_gemms_that_can_run_fp8(overrides: tuple[str, ...]) -> None:
     _compose(*overrides)
+
+
+@pytest.mark.parametrize(("override", "expected"), [(None, None), ("trainer.pin_memory=false", False)])
+def test_pin_memory_composes(override: str | None, expected: bool | None) -> None:
+    job = _compose(*([override] if override else []))
+    assert job.trainer.pin_memory is expected
+
+
+def test_pin_memory_on_a_cpu_run_names_the_fix() -> None:
+    with pytest.raises(ValueError, match="trainer.pin_memory=true needs trainer.device=cuda"):
+        _compose("trainer.pin_memory=true")
