@@ -3,7 +3,7 @@
 # benchmarks, each under its own time limit so that one slow part cannot eat the rest.
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
-# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches.
+# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
@@ -30,6 +30,12 @@ mkdir -p "$out" "$w"
 # every part, so a call killed by its time limit still returns the parts it finished.
 save() { tar czf "$out/h100.tgz.tmp" -C /tmp h100 && mv "$out/h100.tgz.tmp" "$out/h100.tgz"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
+# GPU clocks, power and temperature every second (does the GPU slow down over a call?).
+q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu
+nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv > /dev/null 2>&1 && q=$q,clocks_event_reasons.active
+nvidia-smi --query-gpu=$q --format=csv -l 1 > "$w/smi.csv" 2>&1 &
+smi=$!
+trap 'kill $smi 2> /dev/null' EXIT
 if has tests; then
   # One fixed Triton GEMM config: the suite did not finish in 190 s on 2026-11-23, and tuning
   # each test shape (~9 compiles) is the likely cost (not yet measured: see --durations).
@@ -111,5 +117,15 @@ if has batches; then
       --batches ${E2E_BATCHES:-4096,32768} --variants $ROTATED_VARIANTS \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
       --out $w/e2e_batches; echo "rc=$?") > $w/e2e_batches.txt 2>&1
+  save
+fi
+# Pinned against pageable train batches (trainer.pin_memory), in rotated rounds, on the
+# host-bound configs; the pinning GPU test first.
+if has pin; then
+  (timeout 60 python -m pytest tests/gpu/test_data_gpu.py -q -p no:cacheprovider; echo "rc=$?") > $w/pin_test.txt 2>&1
+  (timeout ${E2E_TIMEOUT:-500} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn,dlrm} --ne-steps 0 --repeats 3 \
+      --variants bf16+compile+graphs,bf16+compile+graphs+pageable \
+      --profile-variants bf16+compile+graphs,bf16+compile+graphs+pageable \
+      --out $w/e2e_pin; echo "rc=$?") > $w/e2e_pin.txt 2>&1
   save
 fi

@@ -552,6 +552,17 @@ class StepClock(Callback):
         self.profile: Any = None
         self.profile_wall_s = math.nan
         self._profile_t0 = 0.0
+        self.gc_pauses_ms: list[float] = []
+        """Python garbage-collector pauses in the timed window (host time a step may wait for)."""
+        self.gpu_reserved_gb = math.nan
+        """GPU memory the caching allocator holds at the end of the timed window."""
+        self._gc_t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_pauses_ms.append(1000.0 * (time.perf_counter() - self._gc_t0))
 
     def _sync(self) -> None:
         if self.cuda:
@@ -566,6 +577,12 @@ class StepClock(Callback):
             self._sync()
             self.ends.append(time.perf_counter())
         last_timed = self.warmup + self.timed - 1
+        if step == self.warmup - 1:
+            gc.callbacks.append(self._on_gc)
+        elif step == last_timed:
+            self._stop_gc_timing()
+            if self.cuda:
+                self.gpu_reserved_gb = torch.cuda.memory_reserved() / 2**30
         if self.profile_steps and step == last_timed:
             self._start_profiler()
         elif self.profiler is not None and step == last_timed + self.profile_steps:
@@ -580,8 +597,13 @@ class StepClock(Callback):
         self.profiler.__enter__()
         self._profile_t0 = time.perf_counter()
 
+    def _stop_gc_timing(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
     def close(self) -> None:
-        """Stop the profiler if it runs (also after a failed run)."""
+        """Stop the profiler if it runs, and the GC timing (also after a failed run)."""
+        self._stop_gc_timing()
         if self.profiler is None:
             return
         self._sync()
@@ -604,6 +626,15 @@ class StepClock(Callback):
             1000.0 * (ends[i] - ends[i - 1])
             for i in range(self.warmup, min(self.warmup + self.timed, len(ends)))
         ]
+
+
+def _rss_gb() -> float:
+    """This process's resident host memory (Linux; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):
+        return math.nan
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -945,7 +976,7 @@ def run_one(
                 device=torch.device(device_type),
                 timing=args.timing,
             )
-            setup_t = time.perf_counter()
+            setup_t, started_unix = time.perf_counter(), time.time()
             trainer = Trainer(
                 model=job.model, data=job.data, trainer=job.trainer, callbacks=[*callbacks, clock]
             )
@@ -974,6 +1005,12 @@ def run_one(
                 fallbacks=summary["fallbacks"],
                 cuda_graphs=summary.get("cuda_graphs"),
                 run_s=run_s,
+                # Drift diagnostics (step times grew 30-50% over one process on the H100).
+                gc_pauses=len(clock.gc_pauses_ms),
+                gc_ms_per_step=sum(clock.gc_pauses_ms) / len(times),
+                gpu_reserved_gb=clock.gpu_reserved_gb,
+                host_rss_gb=_rss_gb(),
+                started_unix=started_unix,
             )
             if loka_cb is not None:
                 rec["loka"] = _loka_summary(loka_cb, trainer)
@@ -1018,6 +1055,10 @@ def run_order(variants: list[Variant], repeats: int) -> list[tuple[Variant, int]
 
 
 # ---------------------------------------------------------------------- comparisons
+DRIFT_KEYS = ("gc_ms_per_step", "gpu_reserved_gb", "host_rss_gb", "started_unix")
+"""Per-run figures that may explain step times drifting over one process."""
+
+
 def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per (config, batch, variant) from its repeated runs (``--repeats``).
 
@@ -1038,7 +1079,7 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rec = dict(failed[0] if failed else runs[0])
         rec["repeats"] = [
             {**{k: r.get(k) for k in ("seed", "status", "step_ms_median", "step_ms_p10", "step_ms_p90",
-                                      "eval_ne", "eval_auc", "error")},
+                                      "eval_ne", "eval_auc", "error") + DRIFT_KEYS if k in r},
              # Dispatch decides anew in every round (it may choose differently).
              **({"fp8_coverage": r["loka"]["fp8_coverage"]} if "loka" in r else {})}
             for r in runs
@@ -1396,6 +1437,15 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             lines += ["", "### Targets of issue 9", ""]
             for t in targets:
                 lines.append(f"- **{t['status']}** [{t['variant']}] {t['target']}: {t['detail']}")
+    in_order = [r for r in (data.get("runs") or data["results"]) if "gc_ms_per_step" in r]
+    if in_order:
+        lines += ["", "## Runs in the order they ran (drift diagnostics)", "",
+                  "| # | config | batch | variant | seed | step ms median [p10] | GC ms/step | GPU reserved GB | host RSS GB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for i, r in enumerate(sorted(in_order, key=lambda r: r.get("started_unix", 0.0)), 1):
+            lines.append(f"| {i} | {r['config']} | {r['batch']} | {r['variant']} | {r['seed']} | "
+                         f"{r['step_ms_median']:.2f} [{r['step_ms_p10']:.2f}] | {r['gc_ms_per_step']:.3f} | "
+                         f"{r['gpu_reserved_gb']:.1f} | {r['host_rss_gb']:.1f} |")
     errors = [r for r in data["results"] if r["status"] == "error"]
     if errors:
         lines += ["", "## Errors", ""]
