@@ -225,3 +225,18 @@ def test_render_rewrites_the_report_from_its_json(e2e, tmp_path: Path) -> None:
     assert "FP8 GEMM ceiling over bf16+compile+graphs 1.07x" in report
     with pytest.raises(SystemExit, match="no .*e2e.json"):
         e2e.main(["--render", str(tmp_path / "missing")])
+
+
+def test_the_step_clock_times_gc_pauses_only_in_the_timed_window(e2e) -> None:
+    import gc
+
+    clock = e2e.StepClock(warmup=1, timed=2, profile_steps=0, device=torch.device("cpu"), timing="sync")
+    gc.collect()
+    assert clock.gc_pauses_ms == []  # before the window
+    clock.on_step_end(None, 0, {})  # the warm-up step ends: the timed window opens
+    gc.collect()
+    assert len(clock.gc_pauses_ms) == 1 and clock.gc_pauses_ms[0] >= 0.0
+    clock.on_step_end(None, 1, {})
+    clock.on_step_end(None, 2, {})  # the last timed step: the window closes
+    gc.collect()
+    assert len(clock.gc_pauses_ms) == 1 and clock._on_gc not in gc.callbacks
