@@ -3,7 +3,7 @@
 # benchmarks, each under its own time limit so that one slow part cannot eat the rest.
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
-# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin.
+# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
@@ -127,5 +127,18 @@ if has pin; then
       --variants bf16+compile+graphs,bf16+compile+graphs+pageable \
       --profile-variants bf16+compile+graphs,bf16+compile+graphs+pageable \
       --out $w/e2e_pin; echo "rc=$?") > $w/e2e_pin.txt 2>&1
+  save
+fi
+# After the fix of 2026-11-24 (compiled FP8 sites no longer make dynamo skip a layer loop's
+# frame): the graphs and pinning GPU tests, then LoKA safe against bf16, both compiled and
+# graphed, at batch 32768 where Dispatch picks FP8 (DCN ran 23 ms against 14 ms before).
+if has fix; then
+  (LOKA_TRITON_AUTOTUNE=0 timeout 120 python -m pytest tests/gpu/test_graphs_gpu.py tests/gpu/test_data_gpu.py \
+      -q -p no:cacheprovider -rfs; echo "rc=$?") > $w/fix_tests.txt 2>&1
+  save
+  (timeout ${E2E_TIMEOUT:-420} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn,wukong} --ne-steps 0 \
+      --batches ${E2E_BATCHES:-32768} --variants bf16+compile+graphs,loka_safe+compile+graphs \
+      --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
+      --out $w/e2e_fix; echo "rc=$?") > $w/e2e_fix.txt 2>&1
   save
 fi
