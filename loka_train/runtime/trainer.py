@@ -42,18 +42,12 @@ from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.data.pinning import PinnedBatches
 from loka_train.data.prefetch import Prefetcher
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
-from loka_train.mods import Site
 from loka_train.runtime._paths import set_aside
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.distributed import DistInfo, init_distributed
-from loka_train.runtime.graphs import (
-    DENSE_SUBMODULES,
-    DenseGraphs,
-    dense_submodules,
-    observing_forward,
-)
+from loka_train.runtime.graphs import DENSE_SUBMODULES, DenseGraphs, dense_submodules
 from loka_train.runtime.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -294,17 +288,14 @@ class Trainer:
         else:
             found = dense_submodules(self.model, DENSE_SUBMODULES, setting="trainer.compile_dense", verb="compile")
             for name, module in found.items():
-                if any(isinstance(m, Site) for m in module.modules()):
-                    # An instance attribute shadows the class's forward (as under the graphs):
-                    # Probe steps run eagerly, the rest compiled without the sampling check.
-                    module.forward = observing_forward(  # type: ignore[method-assign]
-                        module, torch.compile(module.forward, **options), module.forward
-                    )
-                else:
-                    module.compile(**options)
+                module.compile(**options)
                 self.compiled_modules.append(name)
-        # Compiled code runs unobserved (no graph break at the sites), but each module gets an
-        # entry per plan signature and a site's code one per site instance: allow that many.
+        # Each FP8 site graph-breaks around the Probe's eager bookkeeping, so dynamo keeps one
+        # cache entry per site instance (and input dtype) for the site's code: allow that many.
+        # (Under the graphs, each module also gets an entry per plan signature for its
+        # unobserved capture variant: a few per module.)
+        from loka_train.mods import Site
+
         num_sites = sum(isinstance(m, Site) for m in self.model.modules())
         limit = max(torch._dynamo.config.recompile_limit, 4 * num_sites)
         if limit != torch._dynamo.config.recompile_limit:
