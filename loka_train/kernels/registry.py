@@ -76,14 +76,9 @@ class GemmProblem:
     """Whether fast FP8 accumulation is requested."""
 
     def __post_init__(self) -> None:
-        # Convert only what is not converted yet: under torch.compile (torch 2.11) calling an
-        # enum class on its own member was a graph break inside the FP8 backward, and one
-        # inside DCN's layer loop made dynamo skip the whole cross network (it ran eagerly).
-        if not isinstance(self.fmt, Fp8Format):
-            object.__setattr__(self, "fmt", Fp8Format(self.fmt))
-        if not isinstance(self.scaling, Scaling):
-            object.__setattr__(self, "scaling", Scaling(self.scaling))
-        if self.fmt_b is not None and not isinstance(self.fmt_b, Fp8Format):
+        object.__setattr__(self, "fmt", Fp8Format(self.fmt))
+        object.__setattr__(self, "scaling", Scaling(self.scaling))
+        if self.fmt_b is not None:
             object.__setattr__(self, "fmt_b", Fp8Format(self.fmt_b))
         if min(self.m, self.k, self.n) < 0:
             raise ValueError(f"negative GEMM size m={self.m} k={self.k} n={self.n}")
