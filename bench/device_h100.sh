@@ -129,9 +129,9 @@ if has pin; then
       --out $w/e2e_pin; echo "rc=$?") > $w/e2e_pin.txt 2>&1
   save
 fi
-# After the fix of 2026-11-24 (compiled FP8 sites no longer make dynamo skip a layer loop's
-# frame): the graphs and pinning GPU tests, then LoKA safe against bf16, both compiled and
-# graphed, at batch 32768 where Dispatch picks FP8 (DCN ran 23 ms against 14 ms before).
+# To check a fix of the layer-loop frame skip (bench/results/README.md, 2026-11-24 second
+# session): the graphs and pinning GPU tests, then LoKA safe against bf16, both compiled and
+# graphed, at batch 32768 where Dispatch picks FP8 (DCN: 23 ms against 14 ms with the skip).
 if has fix; then
   (LOKA_TRITON_AUTOTUNE=0 timeout 120 python -m pytest tests/gpu/test_graphs_gpu.py tests/gpu/test_data_gpu.py \
       -q -p no:cacheprovider -rfs; echo "rc=$?") > $w/fix_tests.txt 2>&1
