@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -379,6 +380,28 @@ class DenseGraphs:
         if line not in self.fallbacks:
             self.fallbacks.append(line)
             logger.warning("%s", line)
+
+
+_FRAME_SKIPPED = re.compile(r"frame skipped: (\S+) \((.+) line (\d+)\)")
+
+
+def dynamo_frame_skips() -> dict[str, int]:
+    """The frames torch.compile gave up on in this process, which it then runs eagerly for
+    good, as ``{"function (file line N)": times}``: a graph break inside a for/while loop
+    skips the whole frame. Compare two readings to see what a span of work skipped.
+
+    Read from dynamo's graph-break counters (``torch._dynamo.utils.counters``, filled whether
+    or not ``TORCH_LOGS`` is set; no public API exposes them). Empty if that internal ever
+    changes shape."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - a torch without dynamo's counters
+        return {}
+    found: Counter[str] = Counter()
+    for reason, times in list(counters.get("unimplemented", {}).items()):
+        for fn, path, line in _FRAME_SKIPPED.findall(str(reason)):
+            found[f"{fn} ({path} line {line})"] += int(times)
+    return dict(found)
 
 
 def _has_hooks(module: nn.Module) -> bool:

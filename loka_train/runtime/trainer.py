@@ -47,7 +47,12 @@ from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.distributed import DistInfo, init_distributed
-from loka_train.runtime.graphs import DENSE_SUBMODULES, DenseGraphs, dense_submodules
+from loka_train.runtime.graphs import (
+    DENSE_SUBMODULES,
+    DenseGraphs,
+    dense_submodules,
+    dynamo_frame_skips,
+)
 from loka_train.runtime.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -121,6 +126,8 @@ class Trainer:
         self.fallbacks: list[str] = []
         """Every fallback taken during the run (logged and reported)."""
         self.compiled_modules: list[str] = []
+        self._frame_skips: dict[str, int] = {}
+        """dynamo's skipped frames when the dense modules were compiled (see _report_frame_skips)."""
         """Dense submodules compiled by ``trainer.compile_dense`` (names without wrappers)."""
         self.graphs: DenseGraphs | None = None
         """The CUDA graphs of the dense submodules (``trainer.cuda_graphs``)."""
@@ -274,6 +281,7 @@ class Trainer:
         modules without a sharded child as FX leaves, so its tracing calls these modules
         without entering them.
         """
+        self._frame_skips = dynamo_frame_skips()
         options: dict[str, Any] = {"backend": self.cfg.compile_backend}
         if self.cfg.compile_backend == "inductor":
             # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
@@ -308,6 +316,21 @@ class Trainer:
             self.cfg.compile_backend,
             " under CUDA graphs" if self.graphs is not None else "",
         )
+
+    def _report_frame_skips(self) -> None:
+        """A frame of the compiled dense modules that dynamo gave up on since they were compiled
+        runs eagerly (unfused) for the rest of the run: a fallback, logged and listed."""
+        if not self.compiled_modules:
+            return
+        now = dynamo_frame_skips()
+        for frame, times in now.items():
+            if times > self._frame_skips.get(frame, 0):
+                line = (f"compile_dense: torch.compile runs {frame} eagerly for the rest of the run "
+                        "(a graph break inside a loop; TORCH_LOGS=graph_breaks shows which)")
+                if line not in self.fallbacks:
+                    self.fallbacks.append(line)
+                    logger.warning("%s", line)
+        self._frame_skips = now
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -590,6 +613,7 @@ class Trainer:
                 done = self.step - start
                 if done == _WARMUP_STEPS:
                     timed_from = self._clock()
+                    self._report_frame_skips()
                 elif done > _WARMUP_STEPS:
                     timed_steps += 1
 
@@ -640,6 +664,7 @@ class Trainer:
 
         if not stopped and (not eval_metrics or self.step % max(self.cfg.eval_every, 1) != 0):
             eval_metrics = self._eval_between_steps(pipeline)
+        self._report_frame_skips()
         summary: dict[str, Any] = {
             "steps": self.step,
             "stopped_early": stopped,

@@ -452,3 +452,32 @@ def test_the_run_summary_table_shows_compiled_modules_and_graph_counts() -> None
     assert "14 replays, 2 captures; eager calls: eval 4, warmup 2" in table
     plain = {k: v for k, v in summary.items() if k != "cuda_graphs"} | {"compiled": []}
     assert "CUDA graphs" not in format_summary(plain) and "compiled" not in format_summary(plain)
+
+
+def test_dynamo_frame_skips_names_a_frame_given_up_in_a_loop() -> None:
+    """A graph break inside a loop makes dynamo run the whole frame eagerly for good; the
+    trainer reports such frames as fallbacks from these readings."""
+    from loka_train.runtime.graphs import dynamo_frame_skips
+
+    @torch.compiler.disable
+    def host_check() -> bool:
+        return False
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x: Tensor) -> Tensor:
+            for layer in self.layers:
+                x = layer(x)
+                if host_check():
+                    x = x + 1
+            return x
+
+    before = dynamo_frame_skips()
+    torch.compile(Loop().forward, backend="eager")(torch.randn(2, 4))
+    after = dynamo_frame_skips()
+    new = {frame for frame, times in after.items() if times > before.get(frame, 0)}
+    (frame,) = new
+    assert frame.startswith("forward (") and __file__ in frame, frame
