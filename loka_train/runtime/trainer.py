@@ -126,9 +126,9 @@ class Trainer:
         self.fallbacks: list[str] = []
         """Every fallback taken during the run (logged and reported)."""
         self.compiled_modules: list[str] = []
-        self._frame_skips: dict[str, int] = {}
-        """dynamo's skipped frames when the dense modules were compiled (see _report_frame_skips)."""
         """Dense submodules compiled by ``trainer.compile_dense`` (names without wrappers)."""
+        self._frame_skips: dict[str, int] = {}
+        """dynamo's skipped-frame counts at the last reading (see ``_report_frame_skips``)."""
         self.graphs: DenseGraphs | None = None
         """The CUDA graphs of the dense submodules (``trainer.cuda_graphs``)."""
 
