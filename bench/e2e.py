@@ -1316,6 +1316,10 @@ def _fp8_cell(r: dict[str, Any]) -> str:
     return "-"
 
 
+_SKIPPED_FRAME = re.compile(r"torch\.compile runs (\S+) \((?:.*/)?([^/]+ line \d+)\)")
+"""A trainer fallback naming a compiled frame that dynamo runs eagerly (``trainer._report_frame_skips``)."""
+
+
 def write_report(out: Path, data: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(data, indent=1, default=str))
@@ -1378,6 +1382,10 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 notes.append(f"guard trips {r['loka']['guard_trips']}")
             if r.get("fallbacks"):
                 notes.append(f"{len(r['fallbacks'])} fallbacks")
+                # A compiled frame run eagerly changes what the row measures: name it.
+                skipped = [f"{m.group(1)} ({m.group(2)})" for f in r["fallbacks"] if (m := _SKIPPED_FRAME.search(f))]
+                if skipped:
+                    notes.append("run eagerly by dynamo: " + ", ".join(skipped).replace("|", "/"))
             if r.get("profile_error"):
                 notes.append(f"profile failed: {r['profile_error'][:120]}".replace("|", "/"))
             lines.append(

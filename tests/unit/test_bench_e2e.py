@@ -4,6 +4,7 @@ paired by seed."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -240,3 +241,17 @@ def test_the_step_clock_times_gc_pauses_only_in_the_timed_window(e2e) -> None:
     clock.on_step_end(None, 2, {})  # the last timed step: the window closes
     gc.collect()
     assert len(clock.gc_pauses_ms) == 1 and clock._on_gc not in gc.callbacks
+
+
+def test_a_frame_dynamo_runs_eagerly_is_named_in_the_row(e2e, tmp_path: Path) -> None:
+    source = _PATH.parents[0] / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
+    data = json.loads(source.read_text())
+    (row,) = [r for r in data["results"] if r["variant"] == "loka_safe+compile+graphs"]
+    row["fallbacks"] = ["compile_dense: torch.compile runs forward (/x/loka_train/mods/interaction.py line 161) "
+                        "eagerly for the rest of the run (a graph break inside a loop; TORCH_LOGS=graph_breaks "
+                        "shows which)"]
+    (tmp_path / "e2e.json").write_text(json.dumps(data))
+    assert e2e.main(["--render", str(tmp_path)]) == 0
+    rows = [x for x in (tmp_path / "e2e.md").read_text().splitlines()
+            if x.startswith("| dcn | loka_safe+compile+graphs | ") and "fallbacks" in x]
+    assert len(rows) == 1 and "1 fallbacks; run eagerly by dynamo: forward (interaction.py line 161)" in rows[0]
