@@ -1003,6 +1003,7 @@ def run_one(
                 steps=summary["steps"],
                 compiled=summary.get("compiled", []),
                 fallbacks=summary["fallbacks"],
+                compile_skipped_frames=summary.get("compile_skipped_frames", []),
                 cuda_graphs=summary.get("cuda_graphs"),
                 run_s=run_s,
                 # Drift diagnostics (step times grew 30-50% over one process on the H100).
@@ -1268,6 +1269,11 @@ def evaluate_targets(results: list[dict[str, Any]], configs: list[str], batch: i
     return out
 
 
+def all_targets(results: list[dict[str, Any]], configs: list[str], batches: list[int]) -> list[dict[str, Any]]:
+    """:func:`evaluate_targets` for every batch size, in order."""
+    return [t for b in batches for t in evaluate_targets(results, configs, b)]
+
+
 # --------------------------------------------------------------------------- report
 def _version(module: str, dist_names: tuple[str, ...]) -> str | None:
     from importlib import metadata
@@ -1314,10 +1320,6 @@ def _fp8_cell(r: dict[str, Any]) -> str:
         t = r["torchao"]
         return f"{len(t['converted'])}/{len(t['converted']) + len(t['skipped'])} Linear"
     return "-"
-
-
-_SKIPPED_FRAME = re.compile(r"torch\.compile runs (\S+) \((?:.*/)?([^/]+ line \d+)\)")
-"""A trainer fallback naming a compiled frame that dynamo runs eagerly (``trainer._report_frame_skips``)."""
 
 
 def write_report(out: Path, data: dict[str, Any]) -> None:
@@ -1382,10 +1384,10 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 notes.append(f"guard trips {r['loka']['guard_trips']}")
             if r.get("fallbacks"):
                 notes.append(f"{len(r['fallbacks'])} fallbacks")
+            if r.get("compile_skipped_frames"):
                 # A compiled frame run eagerly changes what the row measures: name it.
-                skipped = [f"{m.group(1)} ({m.group(2)})" for f in r["fallbacks"] if (m := _SKIPPED_FRAME.search(f))]
-                if skipped:
-                    notes.append("run eagerly by dynamo: " + ", ".join(skipped).replace("|", "/"))
+                frames = (re.sub(r"\(.*/", "(", f) for f in r["compile_skipped_frames"])
+                notes.append("run eagerly by dynamo: " + ", ".join(frames).replace("|", "/"))
             if r.get("profile_error"):
                 notes.append(f"profile failed: {r['profile_error'][:120]}".replace("|", "/"))
             lines.append(
@@ -1410,11 +1412,12 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             for r in profiled:
                 p = r["profile"]
                 cats = p["categories"]
+                ceiling = fp8_ceiling(r)
                 top = "; ".join(f"{k['name'][:48]} ({k['category']}, {k['ms_per_step']:.2f})" for k in p["top_kernels"][:3])
                 lines.append(
                     f"| {r['config']} | {r['variant']} | {p['kernel_ms_per_step']:.2f} | {p['busy_fraction']:.0%} | "
                     + " | ".join(f"{cats[c]['share']:.0%}" for c in ("gemm", "quantize", "embedding", "memcpy", "other"))
-                    + f" | {_fmt_x(fp8_ceiling(r)) if fp8_ceiling(r) else '-'} | {top.replace('|', '/')} |"
+                    + f" | {'-' if ceiling is None else _fmt_x(ceiling)} | {top.replace('|', '/')} |"
                 )
             lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
                       "steps; shares are of the summed kernel time. FP8 ceiling (high-precision runs) = the "
@@ -1499,8 +1502,7 @@ def render(directory: Path) -> None:
     data = json.loads(path.read_text())
     add_ratios(data["results"])
     args = data["args"]
-    data["targets"] = [t for b in args["batch_sizes"]
-                       for t in evaluate_targets(data["results"], args["config_names"], b)]
+    data["targets"] = all_targets(data["results"], args["config_names"], args["batch_sizes"])
     write_report(directory, data)
 
 
@@ -1546,7 +1548,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "pageable": v.pageable} for v in variants},
             "results": results,
             "runs": raw if args.repeats > 1 else [],
-            "targets": [t for b in args.batch_sizes for t in evaluate_targets(results, args.config_names, b)],
+            "targets": all_targets(results, args.config_names, args.batch_sizes),
             "wall_s": time.perf_counter() - t0,
             "pinned_batches": args.device == "cuda",
         }

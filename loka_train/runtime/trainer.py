@@ -127,6 +127,9 @@ class Trainer:
         """Every fallback taken during the run (logged and reported)."""
         self.compiled_modules: list[str] = []
         """Dense submodules compiled by ``trainer.compile_dense`` (names without wrappers)."""
+        self.compile_skipped_frames: list[str] = []
+        """Frames of the compiled dense modules that dynamo gave up on during the run and runs
+        eagerly, as ``"function (file line N)"`` (each also a fallback)."""
         self._frame_skips: dict[str, int] = {}
         """dynamo's skipped-frame counts at the last reading (see ``_report_frame_skips``)."""
         self.graphs: DenseGraphs | None = None
@@ -324,12 +327,12 @@ class Trainer:
             return
         now = dynamo_frame_skips()
         for frame, times in now.items():
-            if times > self._frame_skips.get(frame, 0):
+            if times > self._frame_skips.get(frame, 0) and frame not in self.compile_skipped_frames:
+                self.compile_skipped_frames.append(frame)
                 line = (f"compile_dense: torch.compile runs {frame} eagerly for the rest of the run "
                         "(a graph break inside a loop; TORCH_LOGS=graph_breaks shows which)")
-                if line not in self.fallbacks:
-                    self.fallbacks.append(line)
-                    logger.warning("%s", line)
+                self.fallbacks.append(line)
+                logger.warning("%s", line)
         self._frame_skips = now
 
     # ------------------------------------------------------------------------ checkpoints
@@ -679,6 +682,7 @@ class Trainer:
             **eval_metrics,
             "fallbacks": list(self.fallbacks),
             "compiled": list(self.compiled_modules),
+            "compile_skipped_frames": list(self.compile_skipped_frames),
         }
         if pinned is not None:
             summary["pinned_batches"] = {"pinned": pinned.pinned, "reused": pinned.reused}
