@@ -132,12 +132,14 @@ fi
 # To check a fix of the layer-loop frame skip (bench/results/README.md, 2026-11-24 second
 # session): the graphs and pinning GPU tests, then LoKA safe against bf16, both compiled and
 # graphed, at batch 32768 where Dispatch picks FP8 (DCN: 23 ms against 14 ms with the skip).
+# FIX_VARIANTS adds variants (2026-11-25: torchao tensor-wise, the fastest competitor at 32768).
 if has fix; then
-  (LOKA_TRITON_AUTOTUNE=0 timeout 120 python -m pytest tests/gpu/test_graphs_gpu.py tests/gpu/test_data_gpu.py \
+  (LOKA_TRITON_AUTOTUNE=0 timeout ${FIX_TESTS_TIMEOUT:-120} python -m pytest tests/gpu/test_opaque_gpu.py \
+      tests/gpu/test_graphs_gpu.py tests/gpu/test_data_gpu.py \
       -q -p no:cacheprovider -rfs; echo "rc=$?") > $w/fix_tests.txt 2>&1
   save
   (timeout ${E2E_TIMEOUT:-420} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn,wukong} --ne-steps 0 \
-      --batches ${E2E_BATCHES:-32768} --variants bf16+compile+graphs,loka_safe+compile+graphs \
+      --batches ${E2E_BATCHES:-32768} --variants ${FIX_VARIANTS:-bf16+compile+graphs,loka_safe+compile+graphs} \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
       --out $w/e2e_fix; echo "rc=$?") > $w/e2e_fix.txt 2>&1
   save

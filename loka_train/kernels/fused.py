@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from loka_train.kernels import opaque
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling
 from loka_train.kernels.linear import (
     _compute_dtype,
@@ -164,7 +165,6 @@ class _LnLinearActFn(torch.autograd.Function):
         ctx.plan, ctx.activation, ctx.cdtype = plan, activation, cdtype
         # Statistics from the fused kernel are fp32 (M,): Triton's LayerNorm backward takes them.
         ctx.fused_ln = fused_ln
-        ctx.x_shape = x.shape
         ctx.dtypes = tuple(
             None if t is None else t.dtype for t in (x, ln_weight, ln_bias, weight, bias)
         )
@@ -261,10 +261,36 @@ class _LnLinearActFn(torch.autograd.Function):
                 dx_MK, dlnw, dlnb = torch.ops.aten.native_layer_norm_backward(
                     dh_MK, x_MK, [k], mean, rstd, lnw, lnb, ln_needs
                 )
-        grad_x = None if dx_MK is None else dx_MK.reshape(ctx.x_shape).to(x_dt)
+        grad_x = None if dx_MK is None else dx_MK.reshape(*grad_y.shape[:-1], k).to(x_dt)
         dlnw = None if dlnw is None else dlnw.to(lnw_dt)
         dlnb = None if dlnb is None else dlnb.to(lnb_dt)
         return grad_x, dlnw, dlnb, grad_w, grad_b, None, None, None, None
+
+
+def _layernorm_linear_impl(
+    x: Tensor,
+    ln_weight: Tensor | None,
+    ln_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: str,
+    activation: str,
+    eps: float,
+    out_dtype: torch.dtype | None,
+    autocast_dtype: torch.dtype | None,
+    needs_grad: list[bool],
+) -> list[Tensor]:
+    return opaque.run_forward(
+        "layernorm_linear",
+        (x, ln_weight, ln_bias, weight, bias, LinearPlan.from_key(plan), activation, eps, out_dtype),
+        needs_grad, autocast_dtype, x.device.type,
+    )
+
+
+_layernorm_linear_op = opaque.define(
+    "layernorm_linear", _LnLinearActFn, _layernorm_linear_impl, num_extra_args=2
+)
+"""``layernorm_linear`` as one opaque op for compiled code (``kernels.opaque``)."""
 
 
 def layernorm_linear(
@@ -302,6 +328,12 @@ def layernorm_linear(
         raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if opaque.opaque():
+        return _layernorm_linear_op(
+            x, ln_weight, ln_bias, weight, bias, plan.key, activation, eps, out_dtype,
+            opaque.autocast_dtype(x.device.type),
+            opaque.needs_grad(x, ln_weight, ln_bias, weight, bias),
+        )[0]
     return _LnLinearActFn.apply(
         x, ln_weight, ln_bias, weight, bias, plan, activation, eps, out_dtype
     )

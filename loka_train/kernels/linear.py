@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from loka_train.kernels import opaque
 from loka_train.kernels.backends import TRITON_INSTALLED
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, quantize
 from loka_train.kernels.plan import GemmPlan, LinearPlan
@@ -310,7 +311,6 @@ class _PlannedLinearFn(torch.autograd.Function):
             *((None, None) if w_q_t is None else (w_q_t.data, w_q_t.scale)),
         )
         ctx.plan = plan
-        ctx.x_shape = xc.shape
         ctx.has_bias = bias is not None
         ctx.cdtype = cdtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -345,7 +345,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                     dy_q_t = transposed_reuse(dy_q, plan.grad_weight.fmt, plan.grad_weight)
                 else:
                     dx_MK = dy_MN.mm(wc)
-                grad_x = dx_MK.reshape(ctx.x_shape).to(x_dtype)
+                grad_x = dx_MK.reshape(*grad_y.shape[:-1], dx_MK.shape[-1]).to(x_dtype)
             if need_w:
                 gw = plan.grad_weight
                 if gw.is_fp8:
@@ -364,6 +364,25 @@ class _PlannedLinearFn(torch.autograd.Function):
             if need_b and ctx.has_bias:
                 grad_b = dy_MN.sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
+
+
+def _planned_linear_impl(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: str,
+    out_dtype: torch.dtype | None,
+    autocast_dtype: torch.dtype | None,
+    needs_grad: list[bool],
+) -> list[Tensor]:
+    return opaque.run_forward(
+        "planned_linear", (x, weight, bias, LinearPlan.from_key(plan), out_dtype), needs_grad,
+        autocast_dtype, x.device.type,
+    )
+
+
+_planned_linear_op = opaque.define("planned_linear", _PlannedLinearFn, _planned_linear_impl, num_extra_args=2)
+"""``fp8_linear`` as one opaque op for compiled code (``kernels.opaque``)."""
 
 
 def fp8_linear(
@@ -397,4 +416,9 @@ def fp8_linear(
         raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if opaque.opaque():
+        return _planned_linear_op(
+            x, weight, bias, plan.key, out_dtype, opaque.autocast_dtype(x.device.type),
+            opaque.needs_grad(x, weight, bias),
+        )[0]
     return _PlannedLinearFn.apply(x, weight, bias, plan, out_dtype)

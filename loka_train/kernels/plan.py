@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,11 +183,22 @@ class LinearPlan:
     """``dX = dY W``."""
     grad_weight: GemmPlan = field(default_factory=_high)
     """``dW = dY^T X``."""
+    key: str = field(init=False, repr=False, compare=False)
+    """The plan as one canonical string (``LinearPlan.from_key(plan.key) == plan``), set at
+    construction: what a ``torch.library`` custom op takes in place of the plan object
+    (``kernels.opaque``), so that compiled code reads a constant instead of serializing."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "grad_input", "grad_weight"):
             if not isinstance(getattr(self, name), GemmPlan):
                 raise ValueError(f"LinearPlan.{name} must be a GemmPlan, got {getattr(self, name)!r}")
+        object.__setattr__(self, "key", json.dumps(self.to_dict(), sort_keys=True))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=1024)
+    def from_key(key: str) -> LinearPlan:
+        """Inverse of :attr:`key` (cached: custom ops decode their plan on every call)."""
+        return LinearPlan.from_dict(json.loads(key))
 
     @classmethod
     def high_precision(cls) -> LinearPlan:

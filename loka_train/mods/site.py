@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loka_train.kernels import opaque
 from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
 from loka_train.kernels.linear import _compute_dtype, fp8_linear, inductor_quantizes
@@ -293,6 +294,19 @@ class _PlannedBmmFn(torch.autograd.Function):
         return grad_a, grad_bt, None
 
 
+def _planned_bmm_impl(
+    a_BMK: Tensor, bt_BKN: Tensor, plan: str, autocast_dtype: torch.dtype | None, needs_grad: list[bool]
+) -> list[Tensor]:
+    return opaque.run_forward(
+        "planned_bmm", (a_BMK, bt_BKN, LinearPlan.from_key(plan)), needs_grad, autocast_dtype,
+        a_BMK.device.type,
+    )
+
+
+_planned_bmm_op = opaque.define("planned_bmm", _PlannedBmmFn, _planned_bmm_impl, num_extra_args=2)
+"""``planned_bmm`` as one opaque op for compiled code (``kernels.opaque``)."""
+
+
 def planned_bmm(a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan) -> Tensor:
     """``torch.bmm(a, bt)`` with its three GEMMs as ``plan`` says (FP8 emulated).
 
@@ -305,6 +319,11 @@ def planned_bmm(a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan) -> Tensor:
     """
     if not _any_fp8(plan):
         return torch.bmm(a_BMK, bt_BKN)
+    if opaque.opaque():
+        return _planned_bmm_op(
+            a_BMK, bt_BKN, plan.key, opaque.autocast_dtype(a_BMK.device.type),
+            opaque.needs_grad(a_BMK, bt_BKN),
+        )[0]
     return _PlannedBmmFn.apply(a_BMK, bt_BKN, plan)
 
 
@@ -397,6 +416,11 @@ class Site(nn.Module):
         self.observer = None
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
+        # Not in compiled code: a module attribute written there is a guard that fails on the
+        # next call (a recompile per site, and per batch shape). The eager calls record it:
+        # the Probe's steps run uncompiled (trainer.compile_dense), and so does Dispatch's timing.
+        if torch.compiler.is_compiling():
+            return
         # nn.Module.__setattr__ costs microseconds on every call; shapes rarely change.
         if mkn != self._mkn:
             self._mkn = mkn

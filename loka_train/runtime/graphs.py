@@ -20,6 +20,10 @@ What runs eagerly, and why (every call is counted by reason in :meth:`DenseGraph
   or a capture that failed (e.g. an op that synchronises with the host); the module then
   stays eager for the run.
 
+With ``compile``, a ``probe`` call runs the module's own uncompiled forward, and every other
+unreplayed call the compiled one with the sites' sampling check off (:func:`observing_forward`
+says why: a sampling check inside a layer loop made dynamo skip the whole frame).
+
 A signature is: autocast state, the input shapes / dtypes / requires-grad, the sites' plans
 and the parameters' storage. When it changes (Dispatch switched a plan, the guard moved
 sites back to high precision, the batch shape changed) the module is captured again.
@@ -124,8 +128,12 @@ class _Entry:
     name: str
     module: nn.Module
     forward: Callable[..., Any]
-    """The module's own forward (compiled when :class:`DenseGraphs` got ``compile``): what eager
-    calls and captures run."""
+    """The module's own forward (compiled when :class:`DenseGraphs` got ``compile``): what
+    captures and the calls on steps without Probe sampling run (those inside
+    :func:`~loka_train.mods.unobserved`)."""
+    eager: Callable[..., Any]
+    """The module's own forward, never compiled: what a step on which one of its sites samples
+    runs (see :func:`observing_forward`)."""
     sites: tuple[Site, ...]
     shadowed: Any
     """An instance-level ``forward`` the module had before install (restored by `remove`)."""
@@ -203,6 +211,7 @@ class DenseGraphs:
                 name=name,
                 module=module,
                 forward=module.forward if compile is None else compile(module.forward),
+                eager=module.forward,
                 shadowed=vars(module).get("forward"),
                 sites=tuple(m for m in module.modules() if isinstance(m, Site)),
             )
@@ -279,12 +288,12 @@ class DenseGraphs:
         reason = self._eager_reason(entry)
         if reason:
             entry.counts[reason] += 1
-            return entry.forward(*args, **kwargs)
+            return self._unreplayed(entry, reason, args, kwargs)
         flat, spec = _flatten_inputs(args, kwargs)
         if not all(isinstance(t, Tensor) for t in flat):
             kinds = sorted({type(t).__name__ for t in flat if not isinstance(t, Tensor)})
             self._fallback(entry, "unsupported_input", f"takes non-tensor inputs ({', '.join(kinds)})")
-            return entry.forward(*args, **kwargs)
+            return self._unreplayed(entry, "unsupported_input", args, kwargs)
         inputs: tuple[Tensor, ...] = tuple(flat)
         key = self._signature(entry, inputs, spec)
         if entry.graphed is None or key != entry.key:
@@ -293,13 +302,22 @@ class DenseGraphs:
             entry.seen_calls += 1
             if entry.seen_calls <= self.warmup_calls:
                 entry.counts["warmup"] += 1
-                return entry.forward(*args, **kwargs)
+                return self._unreplayed(entry, "warmup", args, kwargs)
             if not self._recapture(entry, inputs, spec):
-                return entry.forward(*args, **kwargs)
+                return self._unreplayed(entry, "capture_failed", args, kwargs)
         assert entry.graphed is not None
         entry.counts["replay"] += 1
         with profiled(entry.range_name):
             return _unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
+
+    def _unreplayed(self, entry: _Entry, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that is not replayed: on a step where one of the module's sites samples, its
+        own uncompiled forward; otherwise its (compiled) forward with the sampling check off,
+        which is also the variant that the capture compiles and records."""
+        if reason == "probe" or (reason == "capture_failed" and _samples(entry.sites)):
+            return entry.eager(*args, **kwargs)
+        with unobserved():
+            return entry.forward(*args, **kwargs)
 
     def _eager_reason(self, entry: _Entry) -> str:
         if entry.disabled:
@@ -308,11 +326,7 @@ class DenseGraphs:
             return "eval"
         if not torch.is_grad_enabled():
             return "no_grad"
-        for site in entry.sites:
-            obs = site.observer
-            if obs is not None and obs.should_sample(obs.step, site.site_name):
-                return "probe"
-        return ""
+        return "probe" if _samples(entry.sites) else ""
 
     @staticmethod
     def _signature(entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec) -> Hashable:
@@ -402,6 +416,40 @@ def dynamo_frame_skips() -> dict[str, int]:
         for fn, path, line in _FRAME_SKIPPED.findall(str(reason)):
             found[f"{fn} ({path} line {line})"] += int(times)
     return dict(found)
+
+
+def _samples(sites: Iterable[Site]) -> bool:
+    """Whether one of `sites` is sampled by its Probe on the current step."""
+    for site in sites:
+        obs = site.observer
+        if obs is not None and obs.should_sample(obs.step, site.site_name):
+            return True
+    return False
+
+
+def observing_forward(
+    module: nn.Module, compiled: Callable[..., Any], eager: Callable[..., Any]
+) -> Callable[..., Any]:
+    """A forward for a compiled module that holds FP8 sites (``trainer.compile_dense`` without
+    CUDA graphs): training calls on steps where one of its sites samples run `eager`, the
+    module's own uncompiled forward; every other call runs `compiled` inside
+    :func:`~loka_train.mods.unobserved`.
+
+    Why: a site's sampling check is host state that compiled code reads through a graph break.
+    Inside a loop over layers (DCN's cross layers, Wukong's layers, ``nn.Sequential``) dynamo
+    cannot resume after a break, so it skips the whole frame for good: the module then ran
+    eagerly on every step, unfused (DCN at batch 32768 on an H100: 23 ms per step against
+    14 ms for the same model in bf16, ``bench/results/README.md``). Unobserved, the compiled
+    code has no break; the Probe's steps, eager either way, keep their statistics."""
+    sites = tuple(m for m in module.modules() if isinstance(m, Site))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if module.training and torch.is_grad_enabled() and _samples(sites):
+            return eager(*args, **kwargs)
+        with unobserved():
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -42,6 +42,7 @@ from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.data.pinning import PinnedBatches
 from loka_train.data.prefetch import Prefetcher
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
+from loka_train.mods import Site
 from loka_train.runtime._paths import set_aside
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
@@ -52,6 +53,7 @@ from loka_train.runtime.graphs import (
     DenseGraphs,
     dense_submodules,
     dynamo_frame_skips,
+    observing_forward,
 )
 from loka_train.runtime.metrics import MetricsLogger
 
@@ -285,7 +287,11 @@ class Trainer:
         without entering them.
         """
         self._frame_skips = dynamo_frame_skips()
-        options: dict[str, Any] = {"backend": self.cfg.compile_backend}
+        # Static shapes: a train and an eval batch size each get their own graph instead of one
+        # graph with a symbolic batch dim, which dynamo's DDP optimizer could not split (an H100
+        # Wukong run failed with "'int' object has no attribute 'meta'", 2026-11-24) and which
+        # CUDA graphs replay per shape anyway.
+        options: dict[str, Any] = {"backend": self.cfg.compile_backend, "dynamic": False}
         if self.cfg.compile_backend == "inductor":
             # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
             # and skip the rounding: compiled FP8 codes would differ from the eager ones the
@@ -299,14 +305,17 @@ class Trainer:
         else:
             found = dense_submodules(self.model, DENSE_SUBMODULES, setting="trainer.compile_dense", verb="compile")
             for name, module in found.items():
-                module.compile(**options)
+                if any(isinstance(m, Site) for m in module.modules()):
+                    # An instance attribute shadows the class's forward (as under the graphs):
+                    # Probe steps run eagerly, the rest compiled without the sampling check.
+                    module.forward = observing_forward(  # type: ignore[method-assign]
+                        module, torch.compile(module.forward, **options), module.forward
+                    )
+                else:
+                    module.compile(**options)
                 self.compiled_modules.append(name)
-        # Each FP8 site graph-breaks around the Probe's eager bookkeeping, so dynamo keeps one
-        # cache entry per site instance (and input dtype) for the site's code: allow that many.
-        # (Under the graphs, each module also gets an entry per plan signature for its
-        # unobserved capture variant: a few per module.)
-        from loka_train.mods import Site
-
+        # Compiled code runs unobserved (no graph break at the sites), but each module gets an
+        # entry per plan signature and a site's code one per site instance: allow that many.
         num_sites = sum(isinstance(m, Site) for m in self.model.modules())
         limit = max(torch._dynamo.config.recompile_limit, 4 * num_sites)
         if limit != torch._dynamo.config.recompile_limit:

@@ -1,0 +1,317 @@
+"""LoKA's FP8 autograd Functions as opaque ``torch.library`` custom ops, for compiled code.
+
+``torch.compile`` traces into an ``autograd.Function``: its forward and, at the same time, its
+backward. Traced, LoKA's FP8 Functions (``kernels.linear``, ``kernels.fused``, the sites'
+batched GEMM) broke the graph inside their backward on torch 2.11 (an enum call in the backend
+check), which inside DCN's loop over cross layers made dynamo run the whole cross network
+eagerly for good, and the traced backward's high-precision GEMMs ran as fp32 SIMT kernels
+(H100, 2026-11-24, ``bench/results/README.md``). As custom ops, dynamo and AOTAutograd see one
+op for a Function's forward and one for its backward and never look inside: there is nothing
+in them to break on, and inside, the Function's own ``forward`` and ``backward`` run exactly
+as in eager code (the same kernels, dtypes and numerics).
+
+How one Function becomes two ops:
+
+* its **forward op** (one per Function, with a typed schema; :func:`define` registers it) runs
+  ``Fn.forward`` with a stand-in ctx, under the autocast state the caller passes (so fake and
+  real runs pick the same compute dtype), and returns the output followed by the tensors the
+  forward saved that are neither inputs nor views of the output (a custom op may not return
+  aliases); :func:`run_forward` is its body;
+* its ``setup_context`` rebuilds the saved tensors (views of the op's inputs and outputs, from
+  their sizes and strides) and encodes the ctx's other attributes (plans, dtypes, flags) as a
+  string;
+* one shared **backward op**, ``loka::fn_backward(fn, grad, saved, state)``, runs
+  ``Fn.backward`` with a ctx rebuilt from them.
+
+The fake implementation of both ops is the op itself run on fake tensors: every kernel the
+Functions call is an aten op or a custom op with its own fake implementation. The ctx's
+attributes must therefore be plain data (plans, dtypes, bools, numbers, strings, tuples of
+them); a shape among them must be static (``torch.compile(dynamic=False)``, as
+``trainer.compile_dense`` compiles).
+
+Eager code keeps calling ``Fn.apply`` (no op overhead); :func:`opaque` says when to take the
+ops instead: under ``torch.compile``, unless ``LOKA_COMPILED_QUANTIZER=inductor`` asks for the
+Functions to be traced so that inductor can fuse their quantizers.
+
+Example (what ``kernels.linear`` does)::
+
+    def _planned_linear(x: Tensor, ..., autocast_dtype: torch.dtype | None,
+                        needs_grad: list[bool]) -> list[Tensor]:
+        return run_forward("planned_linear", (x, ...), needs_grad, autocast_dtype, x.device.type)
+
+    _planned_linear_op = define("planned_linear", _PlannedLinearFn, _planned_linear,
+                                num_extra_args=2)
+    ...
+    if opaque():
+        y = _planned_linear_op(x, weight, bias, plan.key, ...)[0]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loka_train.kernels.plan import LinearPlan
+
+__all__ = ["autocast_dtype", "define", "needs_grad", "opaque", "run_forward"]
+
+
+_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
+"""Registered name -> the autograd Function its ops run."""
+
+
+def opaque() -> bool:
+    """Whether LoKA's FP8 Functions run as their custom ops here: inside code that
+    ``torch.compile`` traces, unless ``LOKA_COMPILED_QUANTIZER=inductor``."""
+    from loka_train.kernels.linear import COMPILED_QUANTIZER
+
+    return COMPILED_QUANTIZER == "custom" and torch.compiler.is_compiling()
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype on ``device_type``, or None when autocast is off there."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def needs_grad(*tensors: Tensor | None) -> list[bool]:
+    """``ctx.needs_input_grad`` of a Function applied to ``tensors`` in the current grad mode."""
+    grad = torch.is_grad_enabled()
+    return [grad and t is not None and t.requires_grad for t in tensors]
+
+
+class _Ctx:
+    """What the Functions use of an autograd ctx: ``needs_input_grad``, ``save_for_backward`` /
+    ``saved_tensors`` and plain attributes."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple[Tensor | None, ...] = ()
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
+        self.saved_tensors = tensors
+
+
+_CTX_SLOTS = ("needs_input_grad", "saved_tensors")
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Where a saved tensor comes from: ``source`` ``"input"`` (the op's ``index``-th tensor
+    input) or ``"output"`` (its ``index``-th output), as a view with ``geometry`` (sizes,
+    strides, storage offset), or the tensor itself when ``geometry`` is None."""
+
+    source: str
+    index: int
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int] | None
+
+
+@dataclass
+class _Forward:
+    """What a forward op call leaves for its ``setup_context`` (the next call on its thread)."""
+
+    fn: str
+    attrs: dict[str, Any]
+    refs: tuple[_Ref | None, ...]
+    needs_input_grad: tuple[bool, ...]
+    device_type: str
+
+
+_last = threading.local()
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    # torch keeps one Python object per storage, fake tensors included.
+    return a.untyped_storage() is b.untyped_storage()
+
+
+def _ref_to(t: Tensor, candidates: Sequence[Tensor], source: str) -> _Ref | None:
+    for i, c in enumerate(candidates):
+        if c.dtype == t.dtype and _same_storage(t, c):
+            same = t.shape == c.shape and t.stride() == c.stride() and t.storage_offset() == c.storage_offset()
+            geometry = None if same else (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            return _Ref(source, i, geometry)
+    return None
+
+
+def run_forward(
+    fn: str,
+    args: tuple[Any, ...],
+    needs_grad: Sequence[bool],
+    autocast: torch.dtype | None,
+    device_type: str,
+) -> list[Tensor]:
+    """The body of a forward op (real and fake): ``Fn.forward(ctx, *args)`` under the given
+    autocast state; returns ``[output, *saved tensors that are not inputs or views]``."""
+    fn_cls = _FUNCTIONS[fn]
+    ctx = _Ctx(tuple(needs_grad) + (False,) * (len(args) - len(needs_grad)))
+    state = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)
+    with state, torch.no_grad():
+        out = fn_cls.forward(ctx, *args)
+    inputs = [a for a in args if isinstance(a, Tensor)]
+    if any(_same_storage(out, t) for t in inputs):
+        out = out.clone()
+    outputs = [out]
+    refs: list[_Ref | None] = []
+    for t in ctx.saved_tensors:
+        if t is None:
+            refs.append(None)
+            continue
+        ref = _ref_to(t, inputs, "input") or _ref_to(t, outputs, "output")
+        if ref is None:
+            outputs.append(t)
+            ref = _Ref("output", len(outputs) - 1, None)
+        refs.append(ref)
+    attrs = {k: v for k, v in vars(ctx).items() if k not in _CTX_SLOTS}
+    _last.forward = _Forward(fn, attrs, tuple(refs), ctx.needs_input_grad, device_type)
+    return outputs
+
+
+def _rebuild(ref: _Ref | None, inputs: list[Tensor], outputs: Sequence[Tensor]) -> Tensor | None:
+    if ref is None:
+        return None
+    base = inputs[ref.index] if ref.source == "input" else outputs[ref.index]
+    if ref.geometry is None:
+        return base
+    size, stride, offset = ref.geometry
+    return base.as_strided(size, stride, offset)
+
+
+# ------------------------------------------------------------------------ ctx state codec
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, LinearPlan):
+        return {"plan": v.key}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, tuple | list | torch.Size):
+        return {"tuple": [_encode(x) for x in v]}
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    raise ValueError(
+        f"a compiled FP8 op cannot carry {type(v).__name__} {v!r} from its forward to its "
+        "backward: compile with dynamic=False (trainer.compile_dense does), or report this"
+    )
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, dict):
+        if "plan" in v:
+            return LinearPlan.from_key(v["plan"])
+        if "dtype" in v:
+            return getattr(torch, v["dtype"])
+        return tuple(_decode(x) for x in v["tuple"])
+    return v
+
+
+@dataclass(frozen=True)
+class _State:
+    fn: str
+    attrs: tuple[tuple[str, Any], ...]
+    saved_none: tuple[bool, ...]
+    needs_input_grad: tuple[bool, ...]
+    device_type: str
+
+
+@functools.lru_cache(maxsize=4096)
+def _state(text: str) -> _State:
+    d = json.loads(text)
+    return _State(
+        fn=d["fn"],
+        attrs=tuple((k, _decode(v)) for k, v in d["attrs"].items()),
+        saved_none=tuple(d["saved_none"]),
+        needs_input_grad=tuple(d["needs_input_grad"]),
+        device_type=d["device_type"],
+    )
+
+
+# ----------------------------------------------------------------------------- backward op
+
+
+def _fn_backward_impl(grad: Tensor, saved: list[Tensor], state: str) -> list[Tensor]:
+    """``Fn.backward`` of a forward op's Function; returns its gradients that are not None
+    (which ones are None follows from ``state``; the caller reads it from the thread)."""
+    st = _state(state)
+    ctx = _Ctx(st.needs_input_grad)
+    for k, v in st.attrs:
+        setattr(ctx, k, v)
+    it = iter(saved)
+    ctx.saved_tensors = tuple(None if none else next(it) for none in st.saved_none)
+    with torch.autocast(st.device_type, enabled=False), torch.no_grad():
+        grads = _FUNCTIONS[st.fn].backward(ctx, grad)
+    out: list[Tensor] = []
+    for g in grads:
+        if g is None:
+            continue
+        if _same_storage(g, grad) or any(_same_storage(g, s) for s in saved) or any(
+            _same_storage(g, o) for o in out
+        ):
+            g = g.clone()
+        out.append(g)
+    _last.backward = tuple(g is not None for g in grads)
+    return out
+
+
+_fn_backward = torch.library.custom_op("loka::fn_backward", _fn_backward_impl, mutates_args=())
+_fn_backward.register_fake(_fn_backward_impl)
+
+
+def define(
+    name: str,
+    fn_cls: type[torch.autograd.Function],
+    impl: Callable[..., list[Tensor]],
+    *,
+    num_extra_args: int,
+) -> Any:
+    """Define the custom op ``loka::<name>`` as the opaque form of ``fn_cls`` and return it.
+
+    ``impl`` is the op's body (real and fake): it takes ``fn_cls.forward``'s arguments in order
+    (non-tensors in a custom op's types: a plan as its ``key``), then ``num_extra_args`` more
+    that get no gradient (autocast dtype, needs-grad flags), and returns :func:`run_forward`
+    ``(name, ...)``. The op's gradient is ``fn_cls.backward``'s, through ``loka::fn_backward``.
+    """
+    if name in _FUNCTIONS:
+        raise ValueError(f"opaque Function {name!r} is already defined")
+    _FUNCTIONS[name] = fn_cls
+    op = torch.library.custom_op(f"loka::{name}", impl, mutates_args=())
+    op.register_fake(impl)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[Tensor]) -> None:
+        fwd: _Forward = _last.forward
+        assert fwd.fn == name, f"setup_context of {name} after a forward of {fwd.fn}"
+        tensors = [a for a in inputs if isinstance(a, Tensor)]
+        saved = [_rebuild(r, tensors, output) for r in fwd.refs]
+        ctx.save_for_backward(*(s for s in saved if s is not None))
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.loka_state = json.dumps({
+            "fn": name,
+            "attrs": {k: _encode(v) for k, v in fwd.attrs.items()},
+            "saved_none": [s is None for s in saved],
+            "needs_input_grad": list(fwd.needs_input_grad),
+            "device_type": fwd.device_type,
+        })
+        ctx.loka_num_args = len(inputs)
+
+    def backward(ctx: Any, grads: list[Tensor | None]) -> tuple[Any, ...]:
+        grad = grads[0]
+        num_fn_args = ctx.loka_num_args - num_extra_args
+        if grad is None:
+            return (None,) * ctx.loka_num_args
+        given = iter(_fn_backward(grad, list(ctx.saved_tensors), ctx.loka_state))
+        present: tuple[bool, ...] = _last.backward
+        fn_grads = tuple(next(given) if p else None for p in present)[:num_fn_args]
+        fn_grads += (None,) * (num_fn_args - len(fn_grads))
+        return fn_grads + (None,) * num_extra_args
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+

@@ -1,0 +1,67 @@
+"""Compiled FP8 Functions on the GPU backends (``kernels.opaque``): a loop of FP8 linears and
+a fused LayerNorm -> FP8 Linear compile as one graph (``fullgraph=True``) under bf16 autocast,
+on every FP8 backend, and compute what eager code computes (bit for bit with ``aot_eager``:
+the same kernels run inside the ops; close with inductor, which fuses the code around them).
+
+Runs on the GPU machine (skipped without CUDA): `pytest tests/gpu/test_opaque_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from loka_train.kernels import LinearPlan, Scaling, fp8_linear, sqnr_db
+from loka_train.kernels.fused import layernorm_linear
+from loka_train.kernels.registry import fp8_available
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _tower(x: Tensor, ws: list[Tensor], plan: LinearPlan, lnw: Tensor, lnb: Tensor, w2: Tensor) -> Tensor:
+    x0 = x
+    for w in ws:  # DCN's cross layers: a loop over FP8 sites
+        x = x0 * fp8_linear(x, w, None, plan) + x
+    return layernorm_linear(x, lnw, lnb, w2, None, plan, activation="relu").float().square().mean()
+
+
+def _params() -> list[Tensor]:
+    torch.manual_seed(0)
+    dev = "cuda"
+    ts = [torch.randn(512, 256, device=dev)] + [torch.randn(256, 256, device=dev) / 16 for _ in range(3)]
+    ts += [torch.rand(256, device=dev) + 0.5, torch.randn(256, device=dev) / 10, torch.randn(128, 256, device=dev) / 16]
+    return [t.requires_grad_() for t in ts]
+
+
+def _run(fn, params: list[Tensor], plan: LinearPlan) -> tuple[Tensor, tuple[Tensor, ...]]:
+    x, w0, w1, w2, lnw, lnb, wo = params
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = fn(x, [w0, w1, w2], plan, lnw, lnb, wo)
+    return loss, torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize(
+    "backend, scaling",
+    [("torch_scaled_mm", Scaling.ROWWISE), ("torch_scaled_mm", Scaling.TENSORWISE),
+     ("fbgemm_rowwise", Scaling.ROWWISE), ("triton", Scaling.ROWWISE)],
+)
+def test_compiled_fp8_tower_is_one_graph_and_matches_eager(backend: str, scaling: Scaling) -> None:
+    ok, why = fp8_available()
+    if not ok:
+        pytest.skip(why)
+    plan = LinearPlan.fp8(scaling=scaling, backend=backend)
+    params = _params()
+    loss, grads = _run(_tower, params, plan)
+    for compiler in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        compiled = torch.compile(_tower, backend=compiler, fullgraph=True, dynamic=False)
+        loss_c, grads_c = _run(compiled, params, plan)
+        for g, gc in zip(grads, grads_c, strict=True):
+            assert g.dtype == gc.dtype
+            if compiler == "aot_eager":
+                assert torch.equal(g, gc), (compiler, (g - gc).abs().max())
+            else:
+                assert sqnr_db(g.float(), gc.float()) > 25, (compiler, sqnr_db(g.float(), gc.float()))
+        if compiler == "aot_eager":
+            assert torch.equal(loss, loss_c)

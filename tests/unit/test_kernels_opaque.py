@@ -1,0 +1,97 @@
+"""``kernels.opaque``: under torch.compile, LoKA's FP8 Functions (``fp8_linear``,
+``layernorm_linear``, ``planned_bmm``) are opaque custom ops: a loop over FP8 layers compiles as
+one graph (``fullgraph=True`` raises at any graph break) and computes what eager code computes,
+bit for bit, gradients included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+from loka_train.kernels import LinearPlan, Scaling, fp8_linear
+from loka_train.kernels import opaque
+from loka_train.kernels.fused import layernorm_linear
+from loka_train.mods.site import planned_bmm
+
+
+def _tower(x: Tensor, ws: list[Tensor], plan: LinearPlan, lnw: Tensor, lnb: Tensor, w2: Tensor) -> Tensor:
+    """A DCN-like loop of FP8 linears, a fused LayerNorm -> FP8 Linear -> ReLU and an FP8 bmm."""
+    x0 = x
+    for w in ws:
+        x = x0 * fp8_linear(x, w, None, plan) + x
+    y = layernorm_linear(x, lnw, lnb, w2, None, plan, activation="relu")
+    z = planned_bmm(y.reshape(4, -1, 8), y.reshape(4, -1, 8).transpose(1, 2), plan)
+    return z.square().mean() + y.square().mean()
+
+
+def _inputs() -> list[Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    ws = [torch.randn(32, 32) / 4 for _ in range(3)]
+    return [t.requires_grad_() for t in (x, *ws, torch.rand(32) + 0.5, torch.randn(32) / 10, torch.randn(16, 32) / 4)]
+
+
+def _run(fn, params: list[Tensor], plan: LinearPlan, autocast: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
+    x, w0, w1, w2, lnw, lnb, wo = params
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = fn(x, [w0, w1, w2], plan, lnw, lnb, wo)
+    return loss, torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize(
+    "scaling, autocast",
+    # Tensor-wise: the forward hands its FP8 operands to the backward (saved op outputs).
+    [(Scaling.ROWWISE, False), (Scaling.TENSORWISE, False), (Scaling.ROWWISE, True)],
+)
+def test_compiled_fp8_loop_is_one_graph_and_matches_eager_bit_for_bit(scaling: Scaling, autocast: bool) -> None:
+    plan = LinearPlan.fp8(scaling=scaling)
+    params = _inputs()
+    loss, grads = _run(_tower, params, plan, autocast)
+    torch._dynamo.reset()
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(_tower, backend=backend, fullgraph=True, dynamic=False)
+    loss_c, grads_c = _run(compiled, params, plan, autocast)
+    assert torch.equal(loss, loss_c)
+    for g, gc in zip(grads, grads_c, strict=True):
+        assert g.dtype == gc.dtype and torch.equal(g, gc)
+    ops = [str(n.target) for g in backend.fw_graphs + backend.bw_graphs for n in g.graph.nodes
+           if n.op == "call_function" and str(n.target).startswith("loka.")]
+    assert ops.count("loka.planned_linear.default") == 3, ops
+    assert ops.count("loka.layernorm_linear.default") == 1 and ops.count("loka.planned_bmm.default") == 1, ops
+    assert ops.count("loka.fn_backward.default") == 5, ops
+
+
+def test_eager_code_keeps_the_autograd_functions() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    y = fp8_linear(x, torch.randn(3, 8), None, LinearPlan.fp8())
+    assert type(y.grad_fn).__name__ == "_PlannedLinearFnBackward"
+    assert not opaque.opaque()
+
+
+def test_the_ops_run_eagerly_with_the_functions_gradients() -> None:
+    """The op itself (what compiled code calls) outside compile: same output and gradients."""
+    from loka_train.kernels.linear import _planned_linear_op
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE)
+    torch.manual_seed(1)
+    x, w, b = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True), torch.randn(5, requires_grad=True)
+    y = fp8_linear(x, w, b, plan)
+    g = torch.autograd.grad(y.square().sum(), (x, w, b))
+    y_op = _planned_linear_op(x, w, b, plan.key, None, None, opaque.needs_grad(x, w, b))[0]
+    g_op = torch.autograd.grad(y_op.square().sum(), (x, w, b))
+    assert torch.equal(y, y_op)
+    for a, c in zip(g, g_op, strict=True):
+        assert torch.equal(a, c)
+
+
+def test_a_ctx_attribute_that_is_not_plain_data_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="dynamic=False"):
+        opaque._encode(object())
+
+
+def test_plans_round_trip_through_their_key() -> None:
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton", grad_weight_fp8=False)
+    assert LinearPlan.from_key(plan.key) == plan
+    assert plan.key != LinearPlan.fp8().key
