@@ -24,7 +24,8 @@ How one Function becomes two ops:
   ``Fn.backward`` with a ctx rebuilt from them.
 
 The fake implementation of both ops is the op itself run on fake tensors: every kernel the
-Functions call is an aten op or a custom op with its own fake implementation. The ctx's
+Functions call is an aten op or a custom op with its own fake implementation, which the
+Triton wrappers call through ``torch.ops`` while :func:`tracing` holds. The ctx's
 attributes must therefore be plain data (plans, dtypes, bools, numbers, strings, tuples of
 them); a shape among them must be static (``torch.compile(dynamic=False)``, as
 ``trainer.compile_dense`` compiles).
@@ -60,7 +61,7 @@ from torch import Tensor
 
 from loka_train.kernels.plan import LinearPlan
 
-__all__ = ["autocast_dtype", "define", "needs_grad", "opaque", "run_forward"]
+__all__ = ["autocast_dtype", "define", "needs_grad", "opaque", "run_forward", "tracing"]
 
 
 _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
@@ -73,6 +74,30 @@ def opaque() -> bool:
     from loka_train.kernels.linear import COMPILED_QUANTIZER
 
     return COMPILED_QUANTIZER == "custom" and torch.compiler.is_compiling()
+
+
+_faking = threading.local()
+
+
+def tracing() -> bool:
+    """Whether kernels must be called through ``torch.ops`` (not their Python implementations,
+    which launch Triton on real data): while dynamo traces, and while an opaque op's fake
+    implementation runs a Function on fake tensors."""
+    return torch.compiler.is_compiling() or getattr(_faking, "active", False)
+
+
+def _as_fake(impl: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
+    """``impl`` as a fake implementation: the same body, with :func:`tracing` on."""
+
+    @functools.wraps(impl)
+    def fake(*args: Any) -> list[Tensor]:
+        before, _faking.active = getattr(_faking, "active", False), True
+        try:
+            return impl(*args)
+        finally:
+            _faking.active = before
+
+    return fake
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -262,7 +287,7 @@ def _fn_backward_impl(grad: Tensor, saved: list[Tensor], state: str) -> list[Ten
 
 
 _fn_backward = torch.library.custom_op("loka::fn_backward", _fn_backward_impl, mutates_args=())
-_fn_backward.register_fake(_fn_backward_impl)
+_fn_backward.register_fake(_as_fake(_fn_backward_impl))
 
 
 def define(
@@ -283,7 +308,7 @@ def define(
         raise ValueError(f"opaque Function {name!r} is already defined")
     _FUNCTIONS[name] = fn_cls
     op = torch.library.custom_op(f"loka::{name}", impl, mutates_args=())
-    op.register_fake(impl)
+    op.register_fake(_as_fake(impl))
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[Tensor]) -> None:
         fwd: _Forward = _last.forward

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from loka_train.kernels import opaque
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 from loka_train.kernels.triton_kernels import (
     _cdiv,
@@ -379,7 +380,7 @@ def transposed_quant(
     """
     args = (x_RC, amax, Fp8Format(fmt).value, per_column, return_colsum,
             ln_mean, ln_rstd, ln_weight, ln_bias)
-    if torch.compiler.is_compiling():
+    if opaque.tracing():
         return torch.ops.loka.transposed_quant(*args)
     return _transposed_quant_impl(*args)
 
@@ -604,7 +605,7 @@ def layernorm_backward(
         the weight's dtype (``x``'s without a weight).
     """
     args = (dy_MK, x_MK, mean_M, rstd_M, weight_K, need_dx, need_dw, need_db)
-    if torch.compiler.is_compiling():
+    if opaque.tracing():
         return torch.ops.loka.layernorm_backward(*args)
     return _layernorm_backward_impl(*args)
 

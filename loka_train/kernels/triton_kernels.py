@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from loka_train.kernels import opaque
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 
 logger = logging.getLogger(__name__)
@@ -418,7 +419,7 @@ def fused_rowwise_quant(
     """
     args = (x_MK, gate, ln_weight, ln_bias, eps, layernorm, activation, Fp8Format(fmt).value,
             return_hp, return_amax)
-    if torch.compiler.is_compiling():
+    if opaque.tracing():
         return torch.ops.loka.rowwise_quant(*args)
     # Eager: skip the custom-op dispatcher (tens of microseconds per call on the hot path).
     return _rowwise_quant_impl(*args)
@@ -773,7 +774,7 @@ def fp8_gemm(
         ``(out_MN, preact_MN)``; ``preact`` is empty (shape (0,)) unless ``return_preact``.
     """
     args = (a_MK, b_NK, a_scale, b_scale, bias_N, activation, out_dtype, fast_accum, return_preact)
-    if torch.compiler.is_compiling():
+    if opaque.tracing():
         return torch.ops.loka.fp8_gemm(*args)
     # Eager: skip the custom-op dispatcher (tens of microseconds per call on the hot path).
     return _fp8_gemm_impl(*args)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from loka_train.kernels import LinearPlan, Scaling, fp8_linear, sqnr_db
+from loka_train.kernels import Fp8Format, LinearPlan, Scaling, fp8_linear, sqnr_db
 from loka_train.kernels.fused import layernorm_linear
 from loka_train.kernels.registry import fp8_available
 
@@ -50,7 +50,9 @@ def test_compiled_fp8_tower_is_one_graph_and_matches_eager(backend: str, scaling
     ok, why = fp8_available()
     if not ok:
         pytest.skip(why)
-    plan = LinearPlan.fp8(scaling=scaling, backend=backend)
+    # fbgemm's row-wise GEMM takes e4m3 only: the backward's dY in e4m3 too.
+    fmt_bwd = Fp8Format.E4M3 if backend == "fbgemm_rowwise" else Fp8Format.E5M2
+    plan = LinearPlan.fp8(fmt_bwd=fmt_bwd, scaling=scaling, backend=backend)
     params = _params()
     loss, grads = _run(_tower, params, plan)
     for compiler in ("aot_eager", "inductor"):

@@ -10,19 +10,21 @@ import torch
 from torch import Tensor
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 
-from loka_train.kernels import LinearPlan, Scaling, fp8_linear
-from loka_train.kernels import opaque
+from loka_train.kernels import LinearPlan, Scaling, fp8_linear, opaque
 from loka_train.kernels.fused import layernorm_linear
 from loka_train.mods.site import planned_bmm
 
 
-def _tower(x: Tensor, ws: list[Tensor], plan: LinearPlan, lnw: Tensor, lnb: Tensor, w2: Tensor) -> Tensor:
+def _tower(
+    x: Tensor, ws: list[Tensor], plans: tuple[LinearPlan, LinearPlan], lnw: Tensor, lnb: Tensor, w2: Tensor
+) -> Tensor:
     """A DCN-like loop of FP8 linears, a fused LayerNorm -> FP8 Linear -> ReLU and an FP8 bmm."""
+    plan, bmm_plan = plans
     x0 = x
     for w in ws:
         x = x0 * fp8_linear(x, w, None, plan) + x
     y = layernorm_linear(x, lnw, lnb, w2, None, plan, activation="relu")
-    z = planned_bmm(y.reshape(4, -1, 8), y.reshape(4, -1, 8).transpose(1, 2), plan)
+    z = planned_bmm(y.reshape(4, -1, 8), y.reshape(4, -1, 8).transpose(1, 2), bmm_plan)
     return z.square().mean() + y.square().mean()
 
 
@@ -33,26 +35,36 @@ def _inputs() -> list[Tensor]:
     return [t.requires_grad_() for t in (x, *ws, torch.rand(32) + 0.5, torch.randn(32) / 10, torch.randn(16, 32) / 4)]
 
 
-def _run(fn, params: list[Tensor], plan: LinearPlan, autocast: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
+def _run(
+    fn, params: list[Tensor], plans: tuple[LinearPlan, LinearPlan], autocast: bool
+) -> tuple[Tensor, tuple[Tensor, ...]]:
     x, w0, w1, w2, lnw, lnb, wo = params
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = fn(x, [w0, w1, w2], plan, lnw, lnb, wo)
+        loss = fn(x, [w0, w1, w2], plans, lnw, lnb, wo)
     return loss, torch.autograd.grad(loss, params)
 
 
 @pytest.mark.parametrize(
-    "scaling, autocast",
+    "scaling, autocast, backend",
     # Tensor-wise: the forward hands its FP8 operands to the backward (saved op outputs).
-    [(Scaling.ROWWISE, False), (Scaling.TENSORWISE, False), (Scaling.ROWWISE, True)],
+    # triton (interpreted here): the fused and transposing quantizers and the Triton GEMM run
+    # inside the ops, and through torch.ops while the ops' fake implementations trace them.
+    [(Scaling.ROWWISE, False, "emulated"), (Scaling.TENSORWISE, False, "emulated"),
+     (Scaling.ROWWISE, True, "emulated"), (Scaling.ROWWISE, False, "triton"),
+     (Scaling.TENSORWISE, False, "triton")],
 )
-def test_compiled_fp8_loop_is_one_graph_and_matches_eager_bit_for_bit(scaling: Scaling, autocast: bool) -> None:
-    plan = LinearPlan.fp8(scaling=scaling)
+def test_compiled_fp8_loop_is_one_graph_and_matches_eager_bit_for_bit(
+    scaling: Scaling, autocast: bool, backend: str
+) -> None:
+    # The bmm site runs FP8 on the emulated backend only.
+    plan = LinearPlan.fp8(scaling=scaling, backend=backend)
+    bmm_plan = LinearPlan.fp8(scaling=scaling)
     params = _inputs()
-    loss, grads = _run(_tower, params, plan, autocast)
+    loss, grads = _run(_tower, params, (plan, bmm_plan), autocast)
     torch._dynamo.reset()
     backend = AotEagerAndRecordGraphs()
     compiled = torch.compile(_tower, backend=backend, fullgraph=True, dynamic=False)
-    loss_c, grads_c = _run(compiled, params, plan, autocast)
+    loss_c, grads_c = _run(compiled, params, (plan, bmm_plan), autocast)
     assert torch.equal(loss, loss_c)
     for g, gc in zip(grads, grads_c, strict=True):
         assert g.dtype == gc.dtype and torch.equal(g, gc)
