@@ -162,7 +162,7 @@ def _ref_to(t: Tensor, candidates: Sequence[Tensor], source: str) -> _Ref | None
     for i, c in enumerate(candidates):
         if c.dtype == t.dtype and _same_storage(t, c):
             same = t.shape == c.shape and t.stride() == c.stride() and t.storage_offset() == c.storage_offset()
-            geometry = None if same else (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            geometry = None if same else (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
             return _Ref(source, i, geometry)
     return None
 
