@@ -70,12 +70,13 @@ COMPILED_QUANTIZER = os.environ.get("LOKA_COMPILED_QUANTIZER", "custom")
 """What quantizes FP8 operands in code that ``torch.compile`` traces (``trainer.compile_dense``),
 from the environment variable ``LOKA_COMPILED_QUANTIZER``:
 
-* ``custom`` (default): as in eager code, the Triton quantizers and the fused LayerNorm ->
-  FP8 kernels, which are custom ops: inductor runs them as they are and cannot fuse the
-  casts, LayerNorms and activations around them;
-* ``inductor``: the reference quantizer's torch ops and the separate LayerNorm -> Linear
-  composition, which inductor fuses with their neighbours (the approach of torchao's float8
-  training).
+* ``custom`` (default): each FP8 Function (this module's, ``fused.layernorm_linear``, the
+  sites' batched GEMM) is one opaque custom op each way (``kernels.opaque``) that runs the
+  eager code inside, Triton quantizers and fused LayerNorm -> FP8 kernels included: inductor
+  fuses the code around the ops but not into them;
+* ``inductor``: the Functions are traced, with the reference quantizer's torch ops and the
+  separate LayerNorm -> Linear composition, which inductor fuses with their neighbours (the
+  approach of torchao's float8 training).
 
 An experiment, measured slower: on an H100 (2026-11-24, ``bash bench/device_h100.sh $OUT
 quant_ab``) LoKA safe's compiled, CUDA-graphed Wukong step took 13.75 ms with ``inductor``
