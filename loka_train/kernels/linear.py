@@ -418,8 +418,14 @@ def fp8_linear(
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if opaque.opaque():
+        autocast = opaque.autocast_dtype(x.device.type)
+        if autocast is not None and x.dtype != autocast:
+            # Cast the activation here, where inductor can fuse the cast into its producer (DCN's
+            # cross layers take fp32), instead of as a separate pass inside the op; autograd
+            # casts the gradient back. The values are those of the cast inside. The weight stays
+            # as it is: its FP8 gradient's dtype follows the weight's.
+            x = x.to(autocast)
         return _planned_linear_op(
-            x, weight, bias, plan.key, out_dtype, opaque.autocast_dtype(x.device.type),
-            opaque.needs_grad(x, weight, bias),
+            x, weight, bias, plan.key, out_dtype, autocast, opaque.needs_grad(x, weight, bias),
         )[0]
     return _PlannedLinearFn.apply(x, weight, bias, plan, out_dtype)
