@@ -71,9 +71,11 @@ _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 def opaque() -> bool:
     """Whether LoKA's FP8 Functions run as their custom ops here: inside code that
     ``torch.compile`` traces, unless ``LOKA_COMPILED_QUANTIZER=inductor``."""
-    from loka_train.kernels.linear import COMPILED_QUANTIZER
+    if not torch.compiler.is_compiling():
+        return False  # eager code: the Functions themselves, nothing more on the hot path
+    from loka_train.kernels.linear import COMPILED_QUANTIZER  # linear imports this module
 
-    return COMPILED_QUANTIZER == "custom" and torch.compiler.is_compiling()
+    return COMPILED_QUANTIZER == "custom"
 
 
 _faking = threading.local()

@@ -417,8 +417,9 @@ class Site(nn.Module):
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
         # Not in compiled code: a module attribute written there is a guard that fails on the
-        # next call (a recompile per site, and per batch shape). The eager calls record it:
-        # the Probe's steps run uncompiled (trainer.compile_dense), and so does Dispatch's timing.
+        # next call (a recompile per module, and per batch shape). The eager calls record it:
+        # the Probe's sampled steps run uncompiled (trainer.compile_dense), and Dispatch plans
+        # from the shapes those steps saw.
         if torch.compiler.is_compiling():
             return
         # nn.Module.__setattr__ costs microseconds on every call; shapes rarely change.

@@ -279,8 +279,10 @@ class Trainer:
     def _compile_dense(self) -> None:
         """Compile the dense submodules, after sharding.
 
-        Without CUDA graphs, in place (``nn.Module.compile``), so parameter names, the optimizer
-        and checkpoints are unchanged. With ``cuda_graphs``, each module's forward is compiled
+        Without CUDA graphs, a module without FP8 sites in place (``nn.Module.compile``), and one
+        with sites through an instance ``forward`` (``graphs.observing_forward``: the Probe's
+        sampled steps run uncompiled, the rest compiled); either way parameter names, the
+        optimizer and checkpoints are unchanged. With ``cuda_graphs``, each module's forward is compiled
         under the graphs' router instead (the router's bookkeeping stays outside the compiled
         code, and the captures record the compiled kernels). TorchRec's train pipeline treats
         modules without a sharded child as FX leaves, so its tracing calls these modules
@@ -314,8 +316,9 @@ class Trainer:
                 else:
                     module.compile(**options)
                 self.compiled_modules.append(name)
-        # Compiled code runs unobserved (no graph break at the sites), but each module gets an
-        # entry per plan signature and a site's code one per site instance: allow that many.
+        # Compiled code runs unobserved (no graph break at the sites), but a module's frame
+        # guards on its sites' plans: every plan combination Dispatch installs (and each batch
+        # shape and grad mode) is one more cache entry of that frame. Allow that many.
         num_sites = sum(isinstance(m, Site) for m in self.model.modules())
         limit = max(torch._dynamo.config.recompile_limit, 4 * num_sites)
         if limit != torch._dynamo.config.recompile_limit:
