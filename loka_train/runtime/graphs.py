@@ -397,12 +397,17 @@ class DenseGraphs:
 
 
 _FRAME_SKIPPED = re.compile(r"frame skipped: (\S+) \((.+) line (\d+)\)")
+_RECOMPILE_LIMIT = re.compile(r"exceeding the (\w+) cache size limit \(currently set to (\d+)\)")
 
 
 def dynamo_frame_skips() -> dict[str, int]:
     """The frames torch.compile gave up on in this process, which it then runs eagerly for
     good, as ``{"function (file line N)": times}``: a graph break inside a for/while loop
-    skips the whole frame. Compare two readings to see what a span of work skipped.
+    skips the whole frame. A frame that hit dynamo's recompile limit (a module whose sites
+    went through more plans than ``trainer.compile_dense`` allows for) runs only the graphs it
+    has, else eagerly; dynamo's counters do not name it (its warning in the log does), so it
+    reads ``"a frame past dynamo's recompile_limit=N"``. Compare two readings to see what a
+    span of work skipped.
 
     Read from dynamo's graph-break counters (``torch._dynamo.utils.counters``, filled whether
     or not ``TORCH_LOGS`` is set; no public API exposes them). Empty if that internal ever
@@ -415,6 +420,8 @@ def dynamo_frame_skips() -> dict[str, int]:
     for reason, times in list(counters.get("unimplemented", {}).items()):
         for fn, path, line in _FRAME_SKIPPED.findall(str(reason)):
             found[f"{fn} ({path} line {line})"] += int(times)
+        for kind, limit in _RECOMPILE_LIMIT.findall(str(reason)):
+            found[f"a frame past dynamo's {kind}={limit}"] += int(times)
     return dict(found)
 
 

@@ -342,7 +342,8 @@ class Trainer:
             if times > self._frame_skips.get(frame, 0) and frame not in self.compile_skipped_frames:
                 self.compile_skipped_frames.append(frame)
                 line = (f"compile_dense: torch.compile runs {frame} eagerly for the rest of the run "
-                        "(a graph break inside a loop; TORCH_LOGS=graph_breaks shows which)")
+                        "(a graph break inside a loop, or too many recompiles; TORCH_LOGS=graph_breaks,recompiles "
+                        "shows which)")
                 self.fallbacks.append(line)
                 logger.warning("%s", line)
         self._frame_skips = now

@@ -595,3 +595,21 @@ def test_dynamo_frame_skips_names_a_frame_given_up_in_a_loop() -> None:
     new = {frame for frame, times in after.items() if times > before.get(frame, 0)}
     (frame,) = new
     assert frame.startswith("forward (") and __file__ in frame, frame
+
+
+def test_dynamo_frame_skips_counts_a_frame_past_the_recompile_limit() -> None:
+    """Past dynamo's recompile limit a frame runs only the graphs it has, else eagerly (a plan
+    change per call would get there): a fallback the trainer must list like a skipped frame."""
+    from loka_train.runtime.graphs import dynamo_frame_skips
+
+    def double(x: Tensor) -> Tensor:
+        return x * 2
+
+    compiled = torch.compile(double, backend="eager", dynamic=False)
+    before = dynamo_frame_skips()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (2, 3, 4):  # a new static shape each call: a recompile each
+            compiled(torch.ones(n))
+    after = dynamo_frame_skips()
+    new = {frame: times - before.get(frame, 0) for frame, times in after.items() if times > before.get(frame, 0)}
+    assert new == {"a frame past dynamo's recompile_limit=1": 1}, new
