@@ -3,7 +3,7 @@
 # benchmarks, each under its own time limit so that one slow part cannot eat the rest.
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
-# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix.
+# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix trace.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
@@ -134,13 +134,29 @@ fi
 # graphed, at batch 32768 where Dispatch picks FP8 (DCN: 23 ms against 14 ms with the skip).
 # FIX_VARIANTS adds variants (2026-11-25: torchao tensor-wise, the fastest competitor at 32768).
 if has fix; then
-  (LOKA_TRITON_AUTOTUNE=0 timeout ${FIX_TESTS_TIMEOUT:-120} python -m pytest tests/gpu/test_opaque_gpu.py \
-      tests/gpu/test_graphs_gpu.py tests/gpu/test_data_gpu.py \
+  (LOKA_TRITON_AUTOTUNE=0 timeout ${FIX_TESTS_TIMEOUT:-120} python -m pytest \
+      ${FIX_TESTS:-tests/gpu/test_opaque_gpu.py tests/gpu/test_graphs_gpu.py tests/gpu/test_data_gpu.py} \
       -q -p no:cacheprovider -rfs; echo "rc=$?") > $w/fix_tests.txt 2>&1
   save
   (timeout ${E2E_TIMEOUT:-420} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn,wukong} --ne-steps 0 \
       --batches ${E2E_BATCHES:-32768} --variants ${FIX_VARIANTS:-bf16+compile+graphs,loka_safe+compile+graphs} \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
       --out $w/e2e_fix; echo "rc=$?") > $w/e2e_fix.txt 2>&1
+  save
+fi
+# Kernel attribution: the profiled windows written as traces and attributed to the aten operator
+# that launched each kernel (bench/trace_ops.py). Without +graphs, since a graph's kernels all
+# correlate to one cudaGraphLaunch. The traces stay out of the archive (tens of MB each).
+if has trace; then
+  t=/tmp/h100_traces
+  rm -rf $t
+  (timeout ${TRACE_TIMEOUT:-170} python bench/e2e.py --configs ${TRACE_CONFIGS:-dcn} --ne-steps 0 \
+      --batches ${TRACE_BATCHES:-32768} --steps 30 --variants ${TRACE_VARIANTS:-bf16+compile,loka_safe+compile} \
+      --profile-variants ${TRACE_VARIANTS:-bf16+compile,loka_safe+compile} --trace $t \
+      --out $w/e2e_trace; echo "rc=$?") > $w/e2e_trace.txt 2>&1
+  for f in $t/*.json.gz; do
+    [ -e "$f" ] || continue
+    (timeout 45 python bench/trace_ops.py "$f" --steps 5 --top 40; echo "rc=$?") > "$w/ops_$(basename "$f" .json.gz).txt" 2>&1
+  done
   save
 fi
