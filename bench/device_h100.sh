@@ -103,12 +103,15 @@ if has ne_floor; then
 fi
 # Speed in rotated rounds (the order confounds single runs: step times drift 30-50% within one
 # process, 2026-11-24): 3 rounds of bf16, its compiled + graphed form, torchao tensor-wise and
-# LoKA safe; NE only after the 120 timed steps (the NE protocol is ne_floor's). One config a call.
+# LoKA safe; NE only after the 120 timed steps (the NE protocol is ne_floor's). One config a call;
+# E2E_BATCHES picks the batch (default 8192).
 ROTATED_VARIANTS=${ROTATED_VARIANTS:-bf16,bf16+compile+graphs,torchao_tensorwise+graphs,loka_safe+compile+graphs}
 if has rotated; then
+  r=e2e_rotated_${E2E_CONFIGS:-wukong}_b${E2E_BATCHES:-8192}
   (timeout ${E2E_TIMEOUT:-560} python bench/e2e.py --configs ${E2E_CONFIGS:-wukong} --ne-steps 0 --repeats 3 \
-      --variants $ROTATED_VARIANTS --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
-      --out $w/e2e_rotated_${E2E_CONFIGS:-wukong}; echo "rc=$?") > $w/e2e_rotated_${E2E_CONFIGS:-wukong}.txt 2>&1
+      --batches ${E2E_BATCHES:-8192} --variants $ROTATED_VARIANTS \
+      --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
+      --out $w/$r; echo "rc=$?") > $w/$r.txt 2>&1
   save
 fi
 # Issue 9's other batch sizes (E2E_BATCHES, default 4096 and 32768), one round each.
@@ -116,7 +119,7 @@ if has batches; then
   (timeout ${E2E_TIMEOUT:-560} python bench/e2e.py --configs ${E2E_CONFIGS:-dlrm,dcn,wukong} --ne-steps 0 \
       --batches ${E2E_BATCHES:-4096,32768} --variants $ROTATED_VARIANTS \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
-      --out $w/e2e_batches; echo "rc=$?") > $w/e2e_batches.txt 2>&1
+      ${BATCHES_ARGS:-} --out $w/e2e_batches; echo "rc=$?") > $w/e2e_batches.txt 2>&1
   save
 fi
 # Pinned against pageable train batches (trainer.pin_memory), in rotated rounds, on the
