@@ -110,7 +110,7 @@ if has rotated; then
   r=e2e_rotated_${E2E_CONFIGS:-wukong}_b${E2E_BATCHES:-8192}
   (timeout ${E2E_TIMEOUT:-560} python bench/e2e.py --configs ${E2E_CONFIGS:-wukong} --ne-steps 0 --repeats 3 \
       --batches ${E2E_BATCHES:-8192} --variants $ROTATED_VARIANTS \
-      --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
+      --profile-variants bf16+compile+graphs,loka_safe+compile+graphs ${ROTATED_ARGS:-} \
       --out $w/$r; echo "rc=$?") > $w/$r.txt 2>&1
   save
 fi

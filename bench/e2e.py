@@ -327,6 +327,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also write each profiled window (first round) as a gzipped Chrome trace "
                         "DIR/<config>_b<batch>_<variant>.json.gz, for perfetto / chrome://tracing")
+    p.add_argument("--pyprofile", default=None, metavar="DIR",
+                   help="also run cProfile over each profiled window (first round) and write the host "
+                        "functions by own time and by cumulative time to DIR/py_<config>_b<batch>_<variant>.txt "
+                        "(Python host work the torch profiler does not show: callbacks, pipelines)")
     p.add_argument("--ne-steps", type=int, default=None,
                    help="train this many steps in all before the eval NE (untimed after the timed and "
                         "profiled ones; default 2000, dry run 0: no more than those), so NE is compared "
@@ -389,8 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.no_profile:
         args.profile_steps = 0
-        if args.trace:
-            raise SystemExit("--trace writes the profiled window: drop --no-profile")
+        if args.trace or args.pyprofile:
+            raise SystemExit("--trace and --pyprofile take the profiled window: drop --no-profile")
     # Steps every variant trains before its eval NE: the timed window, or --ne-steps.
     args.train_steps = max(args.warmup + args.steps + args.profile_steps, args.ne_steps)
     if args.cache_batches is None:
@@ -539,7 +543,8 @@ class StepClock(Callback):
     """
 
     def __init__(
-        self, *, warmup: int, timed: int, profile_steps: int, device: torch.device, timing: str
+        self, *, warmup: int, timed: int, profile_steps: int, device: torch.device, timing: str,
+        pyprofile: bool = False,
     ) -> None:
         self.warmup = warmup
         self.timed = timed
@@ -552,6 +557,10 @@ class StepClock(Callback):
         self.profile: Any = None
         self.profile_wall_s = math.nan
         self._profile_t0 = 0.0
+        self.pyprofile = pyprofile
+        self._cprofile: Any = None
+        self.pystats = ""
+        """cProfile's report of the profiled window (``pyprofile``)."""
         self.gc_pauses_ms: list[float] = []
         """Python garbage-collector pauses in the timed window (host time a step may wait for)."""
         self.gpu_reserved_gb = math.nan
@@ -595,6 +604,11 @@ class StepClock(Callback):
         self._sync()
         self.profiler = profile(activities=activities)
         self.profiler.__enter__()
+        if self.pyprofile:
+            import cProfile
+
+            self._cprofile = cProfile.Profile()
+            self._cprofile.enable()
         self._profile_t0 = time.perf_counter()
 
     def _stop_gc_timing(self) -> None:
@@ -609,6 +623,10 @@ class StepClock(Callback):
         self._sync()
         self.profile_wall_s = time.perf_counter() - self._profile_t0
         prof, self.profiler = self.profiler, None
+        if self._cprofile is not None:
+            self._cprofile.disable()
+            self.pystats = _pstats_text(self._cprofile, self.profile_steps)
+            self._cprofile = None
         prof.__exit__(None, None, None)
         self.profile = prof
 
@@ -626,6 +644,18 @@ class StepClock(Callback):
             1000.0 * (ends[i] - ends[i - 1])
             for i in range(self.warmup, min(self.warmup + self.timed, len(ends)))
         ]
+
+
+def _pstats_text(cprofile: Any, steps: int, top: int = 45) -> str:
+    """cProfile's functions by own time, then by cumulative time (totals over `steps` steps)."""
+    import pstats
+
+    text = io.StringIO()
+    text.write(f"cProfile over {steps} profiled steps (times are totals; divide by {steps} per step)\n")
+    stats = pstats.Stats(cprofile, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
 
 
 def _rss_gb() -> float:
@@ -975,6 +1005,7 @@ def run_one(
                 profile_steps=profile_steps,
                 device=torch.device(device_type),
                 timing=args.timing,
+                pyprofile=bool(args.pyprofile) and seed == 0,
             )
             setup_t, started_unix = time.perf_counter(), time.time()
             trainer = Trainer(
@@ -1017,6 +1048,10 @@ def run_one(
                 rec["loka"] = _loka_summary(loka_cb, trainer)
             if torchao_cb is not None:
                 rec["torchao"] = {"converted": torchao_cb.converted, "skipped": torchao_cb.skipped}
+            if clock.pystats:
+                name = re.sub(r"[^A-Za-z0-9._-]", "_", f"py_{config}_b{batch}_{variant.name}") + ".txt"
+                Path(args.pyprofile).mkdir(parents=True, exist_ok=True)
+                (Path(args.pyprofile) / name).write_text(clock.pystats)
             if clock.profile is not None:
                 if args.trace and seed == 0:
                     try:

@@ -43,7 +43,8 @@ def batch_bytes(batch: Any) -> int:
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
-def _pin(batch: Any) -> Any:
+def pin_batch(batch: Any) -> Any:
+    """The page-locked copy of a batch (a tensor already pinned is kept as it is)."""
     return batch.pin_memory()
 
 
@@ -61,7 +62,7 @@ class PinnedBatches(Generic[T]):
         self,
         source: Iterator[T],
         *,
-        pin: Callable[[T], T] = _pin,
+        pin: Callable[[T], T] = pin_batch,
         nbytes: Callable[[T], int] = batch_bytes,
         memo_bytes: int = MEMO_BYTES,
     ) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -37,4 +37,14 @@ class RecDataset(Protocol):
     def batches(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
         """Local batches of steps start_step, start_step+1, ... (num_steps of them, or until the
         data ends; synthetic data never ends)."""
+        ...
+
+
+@runtime_checkable
+class CachedBatches(Protocol):
+    """A dataset that keeps generated batches in memory (synthetic ``data.cache_batches``), whose
+    kept batches the trainer can swap for page-locked copies before the first step."""
+
+    def pin_cache(self, pin: Callable[[Batch], Batch]) -> tuple[int, int]:
+        """Replace each kept batch by ``pin(batch)``; returns (batches, bytes)."""
         ...

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from loka_train.data.config import DataConfig
+from loka_train.data.pinning import batch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,23 @@ class SyntheticDataset:
                 cached = self._cache[step] = self._batch_uncached(step)
             return cached
         return self._batch_uncached(step)
+
+    def pin_cache(self, pin: Callable[[Batch], Batch]) -> tuple[int, int]:
+        """Replace every batch already in the cache (``cfg.cache_batches``) by ``pin(batch)``,
+        its page-locked copy; returns (batches pinned, their bytes).
+
+        The trainer calls it before the first step when it pins its batches
+        (``trainer.pin_memory``): pinning a batch the first time allocates page-locked memory,
+        a driver call that stalls the step's own launches while it runs (up to ~5 ms a step
+        at batch 32768 on an H100, until about 1 GiB of copies were held). Batches generated
+        later are still pinned by the step loop as they come.
+        """
+        total = 0
+        for step, batch in self._cache.items():
+            pinned = pin(batch)
+            self._cache[step] = pinned
+            total += batch_bytes(pinned)
+        return len(self._cache), total
 
     def _batch_uncached(self, step: int) -> Batch:
         dense_BD, lengths_FB, ids_N, labels_B, _ = self._generate(

@@ -80,6 +80,27 @@ def test_cache_batches_cycles_the_first_batches_and_leaves_eval_alone() -> None:
         cached.batch(-1)
 
 
+def test_pin_cache_swaps_the_kept_batches_for_their_pinned_copies() -> None:
+    from loka_train.data.pinning import batch_bytes
+    from loka_train.data.protocol import CachedBatches
+
+    cached = _ds(DataConfig(num_sparse=3, num_embeddings=100, cache_batches=3))
+    assert isinstance(cached, CachedBatches)
+    assert cached.pin_cache(lambda b: b) == (0, 0)  # nothing generated yet: nothing to pin
+    originals = [cached.batch(step) for step in range(2)]
+    copies: list[Batch] = []
+
+    def pin(batch: Batch) -> Batch:  # a stand-in for Batch.pin_memory (no CUDA here)
+        copies.append(Batch(batch.dense_features.clone(), batch.sparse_features, batch.labels.clone()))
+        return copies[-1]
+
+    assert cached.pin_cache(pin) == (2, sum(batch_bytes(b) for b in originals))
+    for step in range(2):
+        assert cached.batch(step) is copies[step] and cached.batch(step + 3) is copies[step]
+        _assert_batches_equal(cached.batch(step), originals[step])
+    assert all(cached.batch(2) is not c for c in copies)  # generated after: left to the step loop's pinning
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_concatenate_to_the_single_process_batch(world_size: int) -> None:
     cfg = DataConfig(seed=3, num_embeddings=500)
