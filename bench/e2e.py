@@ -873,6 +873,8 @@ def _loka_summary(cb: Any, trainer: Any) -> dict[str, Any]:
         "not_sites": {k: v for k, v in not_sites.items() if "embedding" not in v},
         "mods_fallbacks": list(mods_report.fallbacks) if mods_report is not None else [],
         "plan_changes": report["plan_changes"],
+        # The Probe's measurement graphs: each new shape's capture syncs the device once.
+        "probe_cuda_graphs": cb.probe.report()["cuda_graphs"] if cb.probe is not None else None,
         "guard_trips": len(report["guard_trips"]),
         "fallbacks": report["fallbacks"],
         "plans": {
@@ -1408,6 +1410,11 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                     f"{len(r['repeats'])} runs (seeds {', '.join(str(x['seed']) for x in r['repeats'])}); "
                     f"NE sd {r.get('eval_ne_std', math.nan):.5f}"
                 )
+            slow = [t for t in r.get("step_ms", []) if t > 3 * r["step_ms_median"]]
+            if slow:
+                # The median hides them; the mean (what a long run's wall time follows) does not.
+                notes.append(f"mean {r['step_ms_mean']:.2f} ms: {len(slow)} steps > 3x the median "
+                             f"(max {max(slow):.0f} ms)")
             if "decide" in r:
                 notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
             if r.get("cuda_graphs"):

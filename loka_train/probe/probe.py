@@ -20,8 +20,9 @@ groups, ``S`` sites, ``R`` roles (3), ``W`` window slots, ``C`` candidates.
 Design choices:
 
 * **Sampling.** :meth:`Probe.should_sample` is a pure function of the step and the site
-  (every ``every_k_steps``-th step, optionally a rotating subset of ``sites_per_step`` sites),
-  so every rank samples the same (site, role, step) and window slots line up across ranks.
+  (every ``every_k_steps``-th step, optionally a rotating subset of ``sites_per_step`` sites;
+  the first sampled step a process begins samples every site, ``prime_all_sites``), so every
+  rank samples the same (site, role, step) and window slots line up across ranks.
 * **Hot path.** On a sampled step :meth:`Probe.observe` computes everything on the operands'
   device and copies two small vectors into preallocated ring buffers (``W`` slots per
   site and role, one row of fields per slot). Constants are written with fill kernels; there
@@ -365,6 +366,8 @@ class Probe:
         self._weight_shapes: dict[str, tuple[int, int] | None] = {}
         self._budgets: dict[str, dict[str, float]] = {}
         self._step = 0
+        self._prime_step: int | None = None
+        """The first sampled step this process began (``prime_all_sites``): every site samples."""
         W = config.window
         L = self._layout
         self._local_sum = torch.zeros(0, len(ROLES), W, L.num_sum, dtype=torch.float64, device=self.device)
@@ -463,6 +466,9 @@ class Probe:
     def begin_step(self, step: int) -> None:
         """Set the current training step (call at the start of every step)."""
         self._step = int(step)
+        cfg = self.config
+        if self._prime_step is None and cfg.prime_all_sites and self._step % cfg.every_k_steps == 0:
+            self._prime_step = self._step
 
     @property
     def step(self) -> int:
@@ -477,7 +483,7 @@ class Probe:
             return False
         num_sites = len(self._sites)
         n = cfg.sites_per_step
-        if n is None or n >= num_sites:
+        if n is None or n >= num_sites or step == self._prime_step:
             return True
         offset = ((step // cfg.every_k_steps) * n) % num_sites
         return (i - offset) % num_sites < n

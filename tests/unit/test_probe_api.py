@@ -46,6 +46,39 @@ def _cfg(**overrides) -> ProbeConfig:
     return ProbeConfig(**base)
 
 
+def test_first_sampled_step_of_a_process_samples_every_site() -> None:
+    names = [f"s{i}" for i in range(5)]
+
+    def picks(probe: Probe, steps: range) -> dict[int, list[str]]:
+        out = {}
+        for step in steps:
+            probe.begin_step(step)
+            out[step] = [n for n in names if probe.should_sample(step, n)]
+        return out
+
+    primed = Probe(_cfg(every_k_steps=3, sites_per_step=2))
+    plain = Probe(_cfg(every_k_steps=3, sites_per_step=2, prime_all_sites=False))
+    for probe in (primed, plain):
+        for name in names:
+            probe.register_site(name)
+    got, rotation = picks(primed, range(0, 10)), picks(plain, range(0, 10))
+    assert got[0] == names and rotation[0] == names[:2]  # every site once, then the rotation
+    assert all(got[s] == rotation[s] for s in range(1, 10)) and got[3] == ["s2", "s3"]
+    # A resumed process primes on its own first sampled step (7 and 8 are not sampled).
+    resumed = Probe(_cfg(every_k_steps=3, sites_per_step=2))
+    for name in names:
+        resumed.register_site(name)
+    late = picks(resumed, range(7, 13))
+    assert late[7] == late[8] == [] and late[9] == names and late[12] == rotation_at(12, names)
+
+
+def rotation_at(step: int, names: list[str]) -> list[str]:
+    plain = Probe(_cfg(every_k_steps=3, sites_per_step=2, prime_all_sites=False))
+    for name in names:
+        plain.register_site(name)
+    return [n for n in names if plain.should_sample(step, n)]
+
+
 def test_sampling_every_k_and_rotating_subset() -> None:
     probe = Probe(_cfg(every_k_steps=3, sites_per_step=2))
     names = [f"s{i}" for i in range(5)]
