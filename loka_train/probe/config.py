@@ -87,11 +87,12 @@ class ProbeConfig:
 
     prime_all_sites: bool = True
     """The first sampled step of a process samples every site, whatever ``sites_per_step``.
-    A site's first sample captures its measurement CUDA graphs (a device sync each): on an H100
-    (DCN at batch 32768, 13 sites, 2 per sampled step) every sampled step of the first seven
-    took 60-140 ms against 14 ms, and together the captures cost one slow step. It also puts a
-    first sample of every site in the window at once. Identical on every rank (all start at
-    the same step)."""
+    A site's first sample captures its measurement CUDA graphs (a device sync each). On an H100
+    (DCN at batch 32768, 13 sites, 2 per sampled step) the sampled steps 50 and 100 took 60-140
+    ms against 14 ms in every timed run; 13 sites reach their first sample only on the seventh
+    sampled step. That the captures are the cost is read from the code, not yet measured
+    (``bench/results/README.md``). Primed, the captures cost one slow step, and every site has a
+    first sample in the window at once. Identical on every rank (all start at the same step)."""
 
     window: int = 16
     """W: samples kept per (site, GEMM) in the rolling window (a ring buffer on the device)."""
