@@ -595,7 +595,7 @@ class Trainer:
         if self.pins_memory:
             if isinstance(self.train_data, CachedBatches):
                 # Page-locking a batch the first time stalls the steps' launches (H100, batch
-                # 32768: 17-20 ms steps instead of 14 until ~1 GiB was pinned); do it now.
+                # 32768: 16-24 ms steps instead of 14 until ~1 GiB was pinned); do it now.
                 num, nbytes = self.train_data.pin_cache(pin_batch)
                 if num:
                     logger.info("pinned %d cached train batches (%.2f GB) before the first step", num, nbytes / 1e9)
