@@ -3,7 +3,8 @@
 # benchmarks, each under its own time limit so that one slow part cannot eat the rest.
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
-# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix trace.
+# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix trace
+# next_a next_b.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
@@ -161,5 +162,32 @@ if has trace; then
     [ -e "$f" ] || continue
     (timeout 45 python bench/trace_ops.py "$f" --steps 5 --top 40; echo "rc=$?") > "$w/ops_$(basename "$f" .json.gz).txt" 2>&1
   done
+  save
+fi
+# The next session's speed runs, LoKA first in every list (on 2026-11-25 three parts hit their
+# limits before LoKA ran). Each piece has its own limit and saves when it ends. Timings from
+# 2026-11-25 (H100): Wukong at 32768 takes ~8 s of data, then per variant LoKA ~100 s (decision
+# run included), bf16 12, bf16+c+g 50, torchao 75-80 s; DLRM at 32768 ~120 s for all five.
+#   next_a: Wukong, then DLRM, at 32768 against both torchao recipes (~450 s, one call)
+#   next_b: the Probe's sampled steps over 400 timed steps of DCN at 32768 (prime_all_sites),
+#           then DCN at 8192 in 2 rotated rounds against bf16 (~380 s, one call)
+V=loka_safe+compile+graphs,bf16,bf16+compile+graphs,torchao_tensorwise+graphs,torchao_rowwise+graphs
+if has next_a; then
+  for cfg in wukong dlrm; do
+    (timeout $([ $cfg = wukong ] && echo 340 || echo 150) python bench/e2e.py --configs $cfg --ne-steps 0 \
+        --batches 32768 --steps 50 --variants $V --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
+        --out $w/e2e_next_$cfg; echo "rc=$?") > $w/e2e_next_$cfg.txt 2>&1
+    save
+  done
+fi
+if has next_b; then
+  (timeout 170 python bench/e2e.py --configs dcn --ne-steps 0 --batches 32768 --steps 400 --no-profile \
+      --variants loka_safe+compile+graphs,bf16+compile+graphs --out $w/e2e_next_probe; echo "rc=$?") \
+      > $w/e2e_next_probe.txt 2>&1
+  save
+  (timeout 250 python bench/e2e.py --configs dcn --ne-steps 0 --batches 8192 --repeats 2 \
+      --variants loka_safe+compile+graphs,bf16,bf16+compile+graphs \
+      --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
+      --out $w/e2e_next_dcn8192; echo "rc=$?") > $w/e2e_next_dcn8192.txt 2>&1
   save
 fi
