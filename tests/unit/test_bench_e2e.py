@@ -116,6 +116,26 @@ def test_a_speed_target_with_an_unresolved_ne_is_not_called_missed(e2e) -> None:
     assert _wukong_target(e2e, raw) == "missed"
 
 
+def test_a_speed_only_run_judges_no_ne(e2e) -> None:
+    raw = [_run("bf16", 0, 15.0, 0.70), _run("loka_safe", 0, 10.0, 0.90),  # NE 29% worse
+           _run("torchao_tensorwise", 0, 11.0, 0.60), _run("torchao_rowwise", 0, 12.0, 0.60)]
+    for r in raw:
+        r["config"] = "wukong"
+    results = e2e.aggregate(raw)
+    e2e.add_ratios(results)
+    judged = {t["target"][:12]: t for t in e2e.evaluate_targets(results, ["wukong"], 64)}
+    speed_only = {t["target"][:12]: t for t in e2e.evaluate_targets(results, ["wukong"], 64, ne_measured=False)}
+    assert judged["dense-heavy "]["status"] == judged["LoKA faster "]["status"] == "missed"
+    assert speed_only["dense-heavy "]["status"] == speed_only["LoKA faster "]["status"] == e2e.SPEED_ONLY
+    assert "NE" not in speed_only["dense-heavy "]["detail"] and "NE" not in speed_only["LoKA faster "]["detail"]
+    # The speed side still misses on its own.
+    raw[1]["step_ms_median"] = raw[1]["step_ms_p10"] = raw[1]["step_ms_p90"] = 12.0  # 1.25x of bf16
+    results = e2e.aggregate(raw)
+    e2e.add_ratios(results)
+    slow = {t["target"][:12]: t["status"] for t in e2e.evaluate_targets(results, ["wukong"], 64, ne_measured=False)}
+    assert slow["dense-heavy "] == "missed" and slow["LoKA faster "] == "missed"
+
+
 def test_variant_suffixes_combine(e2e) -> None:
     (v,) = e2e.resolve_variants(["loka_safe+compile+graphs"], "torch_scaled_mm")
     assert (v.name, v.compile, v.graphs, v.loka) == ("loka_safe+compile+graphs", True, True, "safe")
