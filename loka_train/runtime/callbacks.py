@@ -96,12 +96,17 @@ class CallbackList:
     def state_dict(self) -> dict[str, Any]:
         return {cb.name: cb.state_dict() for cb in self.callbacks}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, allow_missing: bool = False) -> list[str]:
+        """Restore each callback's state; returns the callbacks `state` had nothing for, which
+        keep their own state (only with `allow_missing`; otherwise they raise)."""
         missing = [cb.name for cb in self.callbacks if cb.name not in state]
-        if missing:
+        if missing and not allow_missing:
             raise ValueError(
                 f"checkpoint has no state for callbacks {missing}; it was written by a run "
-                "without them. Resume with the same callbacks, or start fresh (trainer.resume=never)."
+                "without them. Resume with the same callbacks, start fresh (trainer.resume=never), "
+                "or let those callbacks start fresh (trainer.resume_new_callbacks=true)."
             )
         for cb in self.callbacks:
-            cb.load_state_dict(state[cb.name])
+            if cb.name in state:
+                cb.load_state_dict(state[cb.name])
+        return missing

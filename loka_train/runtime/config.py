@@ -129,6 +129,12 @@ class TrainerConfig:
     """"auto" resumes from out_dir/checkpoints/latest when it exists, "never" starts fresh,
     "must" fails when there is nothing to resume."""
 
+    resume_new_callbacks: bool = False
+    """Resume a checkpoint that holds no state for some of this run's callbacks, such as a bf16
+    run's checkpoint resumed with LoKA on: those callbacks keep the state they start with
+    (LoKA: a fresh Probe and its preset's initial plans) and the rest is restored as usual.
+    Off, such a checkpoint is refused, naming this option."""
+
     stop_after_step: int | None = None
     """Stop (as if killed) right after this step, after its checkpoint if one is due."""
 
@@ -159,6 +165,8 @@ class TrainerConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"trainer.{name}={getattr(self, name)!r}: choose one of {allowed}")
+        if not isinstance(self.resume_new_callbacks, bool):
+            raise ValueError(f"trainer.resume_new_callbacks must be a bool, got {self.resume_new_callbacks!r}")
         if not isinstance(self.compile_dense, bool):
             raise ValueError(f"trainer.compile_dense must be a bool, got {self.compile_dense!r}")
         if not isinstance(self.cuda_graphs, bool):

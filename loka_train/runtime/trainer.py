@@ -490,7 +490,14 @@ class Trainer:
             live_opt = self.optimizer.state_dict()
             copy_into(live_opt["state"], saved["optimizer"]["state"], "optimizer.state")
             self.optimizer.load_state_dict(live_opt)
-            self.callbacks.load_state_dict(saved["callbacks"])
+            fresh = self.callbacks.load_state_dict(
+                saved["callbacks"], allow_missing=self.cfg.resume_new_callbacks
+            )
+            if fresh:
+                logger.warning(
+                    "resumed %s without state for callbacks %s (trainer.resume_new_callbacks): "
+                    "they start fresh at step %d", path, fresh, step,
+                )
             torch.set_rng_state(saved["rng"]["torch"])
             if "cuda" in saved["rng"] and self.device.type == "cuda":
                 torch.cuda.set_rng_state(saved["rng"]["cuda"], self.device)

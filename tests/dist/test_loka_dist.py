@@ -70,3 +70,37 @@ def test_resume_makes_same_decisions(tmp_path: Path) -> None:
     assert b["history"] == a["history"]
     assert num_fp8(a["plans"][-1][1]) > 0
     assert a["summary"]["train/loss"] == b["summary"]["train/loss"]
+
+
+def _warm_start(rank: int, world_size: int, out: str, with_loka: bool, fresh_ok: bool) -> None:
+    loka = LokaCallback(preset("aggressive", *FAST)) if with_loka else None
+    recorder = PlanRecorder(loka) if loka is not None else None
+    trainer = Trainer(
+        model=tiny_model("dlrm"),
+        data=tiny_data(),
+        trainer=tiny_trainer(
+            Path(out), steps=16 if with_loka else 8, sharding="table_wise", checkpoint_at_end=True,
+            resume="must" if with_loka else "never", resume_new_callbacks=fresh_ok,
+        ),
+        callbacks=[cb for cb in (loka, recorder) if cb is not None],
+    )
+    try:
+        summary = trainer.fit()
+    except Exception as exc:  # the refusal, for the test to read
+        torch.save({"error": str(exc)}, Path(out) / f"rank{rank}_warm.pt")
+        return
+    torch.save({"plans": recorder.plans if recorder else [], "summary": summary}, Path(out) / f"rank{rank}_warm.pt")
+
+
+def test_a_bf16_checkpoint_resumes_with_loka_on_only_when_asked(tmp_path: Path) -> None:
+    run_multiprocess(_warm_start, world_size=2, args=(str(tmp_path), False, False))  # bf16, 8 steps
+    run_multiprocess(_warm_start, world_size=2, args=(str(tmp_path), True, False))
+    refused = _load(tmp_path / "rank0_warm.pt")
+    assert "no state for callbacks ['LokaCallback'" in refused["error"]
+    assert "trainer.resume_new_callbacks=true" in refused["error"]
+    run_multiprocess(_warm_start, world_size=2, args=(str(tmp_path), True, True))
+    r0, r1 = _load(tmp_path / "rank0_warm.pt"), _load(tmp_path / "rank1_warm.pt")
+    assert r0["summary"]["steps"] == 16
+    # LoKA started at step 8 with a fresh Probe: its intervals end at steps 11 and 15.
+    assert [s for s, _ in r0["plans"]] == [11, 15] and r0["plans"] == r1["plans"]
+    assert num_fp8(r0["plans"][-1][1]) > 0
