@@ -78,6 +78,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -335,6 +336,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train this many steps in all before the eval NE (untimed after the timed and "
                         "profiled ones; default 2000, dry run 0: no more than those), so NE is compared "
                         "past the first, chaotic steps")
+    p.add_argument("--ne-from", type=int, default=0, metavar="N0",
+                   help="paired continuations: per seed, --ne-base trains N0 steps and saves a checkpoint; "
+                        "every variant resumes that checkpoint (trainer.resume_new_callbacks) and runs its "
+                        "warm-up, timed and profiled steps, and --ne-steps in all, from there. The variants "
+                        "of one seed then differ only in the steps after N0 (0: every run from step 0)")
+    p.add_argument("--ne-base", default="bf16",
+                   help="the variant that trains the shared checkpoint of --ne-from (no LoKA, no torchao)")
     p.add_argument("--eval-batches", type=int, default=None, help="held-out batches for NE (default 32; dry run 2)")
     p.add_argument("--decide-steps", type=int, default=None, help="LoKA decision run length (default 30; dry run 8)")
     p.add_argument("--decide-interval", type=int, default=None, help="probe interval of the decision run (default 5; dry run 2)")
@@ -401,12 +409,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # Cycling a few batches let the 10k-row tables memorize them: on an H100 (16 batches of
         # 8192, 60 steps) eval NE came out 1.0-1.5 and moved 6-8% between bf16 and
         # bf16+compile, so no NE delta meant anything.
-        args.cache_batches = max(args.train_steps, args.decide_steps)
+        args.cache_batches = max(args.ne_from + args.train_steps, args.decide_steps)
     for name in ("warmup", "steps", "eval_batches", "decide_steps", "decide_interval", "cache_batches", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.profile_steps < 0 or args.ne_steps < 0:
         raise SystemExit("--profile-steps and --ne-steps must be >= 0")
+    if args.ne_from < 0:
+        raise SystemExit("--ne-from must be >= 0 (0: no shared checkpoint)")
     args.config_names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in args.config_names if c not in CONFIGS]
     if unknown or not args.config_names:
@@ -451,8 +461,11 @@ def job_overrides(
     steps: int,
     eval_batches: int,
     extra: tuple[str, ...] = (),
+    resume: str = "never",
+    checkpoint_at_end: bool = False,
 ) -> list[str]:
-    """Hydra overrides of one run (also valid for ``launch/train.py``)."""
+    """Hydra overrides of one run (also valid for ``launch/train.py``). ``resume="must"``
+    continues the checkpoint under `out_dir` whatever callbacks it was written with."""
     configs, data = (DRY_CONFIGS, DRY_DATA) if args.dry_run else (CONFIGS, DATA)
     return [
         *configs[config],
@@ -469,10 +482,11 @@ def job_overrides(
         f"trainer.eval_batches={eval_batches}",
         f"trainer.log_every={steps}",
         f"trainer.out_dir={out_dir}",
-        "trainer.resume=never",
+        f"trainer.resume={resume}",
+        *(["trainer.resume_new_callbacks=true"] if resume != "never" else []),
         "trainer.tensorboard=false",
         "trainer.progress_bar=false",
-        "trainer.checkpoint_at_end=false",
+        f"trainer.checkpoint_at_end={str(checkpoint_at_end).lower()}",
         f"trainer.compile_dense={str(variant.compile).lower()}",
         f"trainer.cuda_graphs={str(variant.graphs).lower()}",
         *(["trainer.pin_memory=false"] if variant.pageable else []),
@@ -566,6 +580,11 @@ class StepClock(Callback):
         self.gpu_reserved_gb = math.nan
         """GPU memory the caching allocator holds at the end of the timed window."""
         self._gc_t0 = 0.0
+        self.first_step = 0
+        """The run's first step (a resumed run, ``--ne-from``, starts past 0)."""
+
+    def on_train_start(self, trainer: Any) -> None:
+        self.first_step = trainer.step
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -585,6 +604,7 @@ class StepClock(Callback):
         else:
             self._sync()
             self.ends.append(time.perf_counter())
+        step -= self.first_step
         last_timed = self.warmup + self.timed - 1
         if step == self.warmup - 1:
             gc.callbacks.append(self._on_gc)
@@ -905,6 +925,30 @@ def progress(t0: float, msg: str) -> None:
     print(f"[e2e {time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
+def base_checkpoint(
+    args: argparse.Namespace, composer: Composer, config: str, batch: int, base: Variant, seed: int, root: Path,
+) -> tuple[Path, dict[str, Any]]:
+    """``--ne-from``: train `base` for ``args.ne_from`` steps with ``trainer.seed=seed`` and save
+    its checkpoint under a fresh out_dir; returns that out_dir and the run's summary figures."""
+    from loka_train.runtime.trainer import Trainer
+
+    out = root / f"base_{config}_b{batch}_s{seed}"
+    job = composer.job(job_overrides(
+        args, config, batch, base, str(out), steps=args.ne_from, eval_batches=args.eval_batches,
+        extra=(f"trainer.seed={seed}",), checkpoint_at_end=True,
+    ))
+    started = time.perf_counter()
+    trainer: Any = Trainer(model=job.model, data=job.data, trainer=job.trainer, callbacks=[])
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer = None
+        cleanup(args.device)
+    return out, {"config": config, "batch": batch, "seed": seed, "variant": base.name, "steps": args.ne_from,
+                 "eval_ne": summary["eval/ne"], "eval_auc": summary["eval/auc"],
+                 "wall_s": time.perf_counter() - started}
+
+
 def run_one(
     args: argparse.Namespace,
     composer: Composer,
@@ -914,9 +958,11 @@ def run_one(
     t0: float,
     torchao_missing: str | None,
     seed: int = 0,
+    warm_start: Path | None = None,
 ) -> dict[str, Any]:
     """Decision run (LoKA), then the timed run; every figure of one (config, batch, variant),
-    with ``trainer.seed=seed`` in both."""
+    with ``trainer.seed=seed`` in both. With `warm_start` (a base run's out_dir, ``--ne-from``)
+    the timed run resumes its checkpoint instead of starting from fresh weights."""
     from loka_train.runtime.loka import LokaCallback
     from loka_train.runtime.trainer import Trainer
 
@@ -987,9 +1033,13 @@ def run_one(
                 state["guard"] = {"best_ne": None, "cooldown": 0, "trips": []}
                 state["timeline"] = []
 
+            if warm_start is not None:
+                shutil.copytree(warm_start, f"{tmp}/run")
             overrides = job_overrides(
                 args, config, batch, variant, f"{tmp}/run",
-                steps=total_steps, eval_batches=args.eval_batches, extra=(f"trainer.seed={seed}",),
+                steps=args.ne_from + total_steps if warm_start is not None else total_steps,
+                eval_batches=args.eval_batches, extra=(f"trainer.seed={seed}",),
+                resume="must" if warm_start is not None else "never",
             )
             rec["overrides"] = overrides
             job = composer.job(overrides)
@@ -1396,8 +1446,11 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         f"({'wall clock, synchronize at each step end' if args['timing'] == 'sync' else 'CUDA events at step ends'})"
         + ("; train batches pinned (trainer.pin_memory), not in +pageable variants" if data.get("pinned_batches") else "")
         + f", then {args['profile_steps']} profile steps; eval NE on {args['eval_batches']} held-out "
-        f"batches after {args['train_steps']} steps; train data "
+        f"batches after {args.get('ne_from', 0) + args['train_steps']} steps; train data "
         f"cycles {args['cache_batches']} batches; same data and seeds for every variant"
+        + (f"; **paired continuations**: per seed, {args['ne_base']} trained {args['ne_from']} steps and "
+           f"saved a checkpoint, and every variant of that seed resumed it (fresh callbacks) for its "
+           f"{args['train_steps']} steps" if args.get("ne_from") else "")
         + (f"; {args['repeats']} interleaved runs per variant (trainer.seed 0..{args['repeats'] - 1}): "
            "median step time over runs, mean NE, NE deltas paired by seed (s.e. in the targets)" if args["repeats"] > 1 else ""),
         f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
@@ -1510,6 +1563,11 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             lines += ["", "### Targets of issue 9", ""]
             for t in targets:
                 lines.append(f"- **{t['status']}** [{t['variant']}] {t['target']}: {t['detail']}")
+    if data.get("ne_bases"):
+        lines += ["", "## Shared checkpoints (`--ne-from`)", "",
+                  "| config | batch | seed | trained by | steps | eval NE there | s |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {b['config']} | {b['batch']} | {b['seed']} | {b['variant']} | {b['steps']} | "
+                  f"{b['eval_ne']:.5f} | {b['wall_s']:.1f} |" for b in data["ne_bases"]]
     in_order = [r for r in (data.get("runs") or data["results"]) if "gc_ms_per_step" in r]
     if in_order:
         lines += ["", "## Runs in the order they ran (drift diagnostics)", "",
@@ -1584,6 +1642,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("no CUDA device: use --dry-run (tiny) or --device cpu (real configs) on a CPU")
         return 2
     variants = resolve_variants(args.variant_names, args.fp8_backend)
+    (ne_base,) = resolve_variants([args.ne_base], args.fp8_backend)
+    if args.ne_from and (ne_base.loka != "off" or ne_base.torchao):
+        raise SystemExit(f"--ne-base {ne_base.name}: the shared checkpoint comes from a run without LoKA or torchao")
     env = environment(args.device)
     missing = torchao_status()
     t0 = time.perf_counter()
@@ -1594,6 +1655,7 @@ def main(argv: list[str] | None = None) -> int:
     data = DRY_DATA if args.dry_run else DATA
     results: list[dict[str, Any]] = []  # one record per (config, batch, variant)
     raw: list[dict[str, Any]] = []  # every run (several per variant with --repeats)
+    bases: list[dict[str, Any]] = []  # the --ne-from checkpoints' runs
     command = "python bench/e2e.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     def finish() -> dict[str, Any]:
@@ -1611,6 +1673,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "pageable": v.pageable} for v in variants},
             "results": results,
             "runs": raw if args.repeats > 1 else [],
+            "ne_bases": bases,
             "targets": all_targets(results, args.config_names, args.batch_sizes,
                                    ne_measured=args.ne_steps > 0),
             "wall_s": time.perf_counter() - t0,
@@ -1633,8 +1696,17 @@ def main(argv: list[str] | None = None) -> int:
                         for _ in make(job.data, split=split, rank=0, world_size=1, batch_size=batch).batches(0, n):
                             pass
                     progress(t0, f"{config} b{batch}: data ready")
+                    warm: dict[int, Path] = {}  # seed -> the base run's out_dir (--ne-from)
                     for variant, repeat in run_order(variants, args.repeats):
-                        rec = run_one(args, composer, config, batch, variant, t0, missing, seed=repeat)
+                        if args.ne_from and repeat not in warm:
+                            warm[repeat], base_rec = base_checkpoint(
+                                args, composer, config, batch, ne_base, repeat, Path(stack.enter_context(
+                                    tempfile.TemporaryDirectory(prefix="e2e_base_"))))
+                            bases.append(base_rec)
+                            progress(t0, f"{config} b{batch} seed {repeat}: {ne_base.name} checkpoint at step "
+                                         f"{args.ne_from}, NE {base_rec['eval_ne']:.5f} ({base_rec['wall_s']:.1f}s)")
+                        rec = run_one(args, composer, config, batch, variant, t0, missing, seed=repeat,
+                                      warm_start=warm.get(repeat))
                         raw.append(rec)
                         results[:] = aggregate(raw)
                         tag = f" (run {repeat + 1}/{args.repeats}, seed {repeat})" if args.repeats > 1 else ""

@@ -274,3 +274,20 @@ def test_a_frame_dynamo_runs_eagerly_is_named_in_the_row(e2e, tmp_path: Path) ->
     rows = [x for x in (tmp_path / "e2e.md").read_text().splitlines()
             if x.startswith("| dcn | loka_safe+compile+graphs | ") and "fallbacks" in x]
     assert len(rows) == 1 and "1 fallbacks; run eagerly by dynamo: forward (interaction.py line 161)" in rows[0]
+
+
+def test_paired_continuations_resume_the_shared_checkpoint(e2e, tmp_path: Path) -> None:
+    common = ["--dry-run", "--configs", "dlrm", "--warmup", "2", "--steps", "2", "--eval-batches", "1",
+              "--no-profile", "--ne-steps", "6"]
+    assert e2e.main([*common, "--variants", "bf16,bf16+compile", "--ne-from", "4", "--out", str(tmp_path / "c")]) == 0
+    assert e2e.main([*common[:-1], "10", "--variants", "bf16", "--out", str(tmp_path / "s")]) == 0
+    cont = json.loads((tmp_path / "c" / "e2e.json").read_text())
+    scratch = json.loads((tmp_path / "s" / "e2e.json").read_text())
+    (base,) = cont["ne_bases"]
+    assert (base["variant"], base["steps"], base["seed"]) == ("bf16", 4, 0)
+    runs = {r["variant"]: r for r in cont["results"]}
+    assert all(r["status"] == "ok" and r["steps"] == 10 for r in runs.values())
+    assert all(len(r["step_ms"]) == 2 for r in runs.values())  # timed from the resumed step
+    # Resuming is exact on the CPU: bf16 from the step-4 checkpoint ends where 10 steps from 0 do.
+    assert runs["bf16"]["eval_ne"] == scratch["results"][0]["eval_ne"]
+    assert "paired continuations" in (tmp_path / "c" / "e2e.md").read_text()
