@@ -4,7 +4,7 @@
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
 # PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix trace
-# next_a next_b.
+# next_a next_b ne_pairs.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
@@ -189,5 +189,14 @@ if has next_b; then
       --variants loka_safe+compile+graphs,bf16,bf16+compile+graphs \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
       --out $w/e2e_next_dcn8192; echo "rc=$?") > $w/e2e_next_dcn8192.txt 2>&1
+  save
+fi
+# Does a shared checkpoint make NE deltas resolvable? Paired continuations (--ne-from): per seed
+# bf16 trains 1000 steps of DCN at 8192, then bf16 (the resume itself), bf16+graphs (the noise
+# floor: the same kernels) and LoKA safe + graphs each train 300 more steps from it (~260 s).
+if has ne_pairs; then
+  (timeout ${NE_PAIRS_TIMEOUT:-500} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn} --ne-from 1000 --ne-steps 300 \
+      --eval-batches 32 --repeats 3 --no-profile --variants bf16,bf16+graphs,loka_safe+graphs \
+      --out $w/e2e_ne_pairs; echo "rc=$?") > $w/e2e_ne_pairs.txt 2>&1
   save
 fi
