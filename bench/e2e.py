@@ -894,7 +894,7 @@ def _loka_summary(cb: Any, trainer: Any) -> dict[str, Any]:
         "mods_fallbacks": list(mods_report.fallbacks) if mods_report is not None else [],
         "plan_changes": report["plan_changes"],
         # The Probe's measurement graphs: each new shape's capture syncs the device once.
-        "probe_cuda_graphs": cb.probe.report()["cuda_graphs"] if cb.probe is not None else None,
+        "probe_cuda_graphs": report["probe"]["cuda_graphs"],
         "guard_trips": len(report["guard_trips"]),
         "fallbacks": report["fallbacks"],
         "plans": {
@@ -1241,8 +1241,14 @@ def fp8_ceiling(r: dict[str, Any]) -> float | None:
 
 
 SPEED_ONLY = "speed met, NE not measured"
-"""A target's status in a speed-only run (``--ne-steps 0``): its eval NE comes after the timed
-steps, inside the learning-rate warm-up, where identical runs move by several percent."""
+"""A target's status in a speed-only run (``--ne-steps 0`` from step 0): its eval NE comes after
+the timed steps, inside the learning-rate warm-up, where identical runs move by several percent."""
+
+
+def ne_measured(args: dict[str, Any]) -> bool:
+    """Whether a run's eval NE means anything (see SPEED_ONLY): ``--ne-steps`` asked for it, or
+    the runs continued a trained checkpoint (``--ne-from``). `args` as the JSON report keeps them."""
+    return args["ne_steps"] > 0 or args.get("ne_from", 0) > 0
 
 
 def _speed_ne_status(r: dict[str, Any], need: float, ne_measured: bool = True) -> str:
@@ -1623,7 +1629,7 @@ def render(directory: Path) -> None:
     add_ratios(data["results"])
     args = data["args"]
     data["targets"] = all_targets(data["results"], args["config_names"], args["batch_sizes"],
-                                  ne_measured=args["ne_steps"] > 0)
+                                  ne_measured=ne_measured(args))
     write_report(directory, data)
 
 
@@ -1675,7 +1681,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": raw if args.repeats > 1 else [],
             "ne_bases": bases,
             "targets": all_targets(results, args.config_names, args.batch_sizes,
-                                   ne_measured=args.ne_steps > 0),
+                                   ne_measured=ne_measured(vars(args))),
             "wall_s": time.perf_counter() - t0,
             "pinned_batches": args.device == "cuda",
         }
@@ -1697,11 +1703,15 @@ def main(argv: list[str] | None = None) -> int:
                             pass
                     progress(t0, f"{config} b{batch}: data ready")
                     warm: dict[int, Path] = {}  # seed -> the base run's out_dir (--ne-from)
+                    # This (config, batch)'s shared checkpoints, deleted once its runs are done
+                    # (or with the stack, when a run raises).
+                    base_dir = tempfile.TemporaryDirectory(prefix="e2e_base_")
+                    stack.callback(base_dir.cleanup)
+                    base_root = Path(base_dir.name)
                     for variant, repeat in run_order(variants, args.repeats):
                         if args.ne_from and repeat not in warm:
                             warm[repeat], base_rec = base_checkpoint(
-                                args, composer, config, batch, ne_base, repeat, Path(stack.enter_context(
-                                    tempfile.TemporaryDirectory(prefix="e2e_base_"))))
+                                args, composer, config, batch, ne_base, repeat, base_root)
                             bases.append(base_rec)
                             progress(t0, f"{config} b{batch} seed {repeat}: {ne_base.name} checkpoint at step "
                                          f"{args.ne_from}, NE {base_rec['eval_ne']:.5f} ({base_rec['wall_s']:.1f}s)")
@@ -1731,6 +1741,7 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             progress(t0, f"{config} b{batch} {variant.name}{tag}: {rec['error'][:300]}")
                         finish()
+                    base_dir.cleanup()
     finally:
         import torch.distributed as dist
 

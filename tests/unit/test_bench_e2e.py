@@ -128,6 +128,9 @@ def test_a_speed_only_run_judges_no_ne(e2e) -> None:
     assert judged["dense-heavy "]["status"] == judged["LoKA faster "]["status"] == "missed"
     assert speed_only["dense-heavy "]["status"] == speed_only["LoKA faster "]["status"] == e2e.SPEED_ONLY
     assert "NE" not in speed_only["dense-heavy "]["detail"] and "NE" not in speed_only["LoKA faster "]["detail"]
+    # Which runs measure NE: --ne-steps, or continuations of a trained checkpoint (--ne-from).
+    assert not e2e.ne_measured({"ne_steps": 0}) and not e2e.ne_measured({"ne_steps": 0, "ne_from": 0})
+    assert e2e.ne_measured({"ne_steps": 200}) and e2e.ne_measured({"ne_steps": 0, "ne_from": 1000})
     # The speed side still misses on its own.
     raw[1]["step_ms_median"] = raw[1]["step_ms_p10"] = raw[1]["step_ms_p90"] = 12.0  # 1.25x of bf16
     results = e2e.aggregate(raw)
