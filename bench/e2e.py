@@ -332,6 +332,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run cProfile over each profiled window (first round) and write the host "
                         "functions by own time and by cumulative time to DIR/py_<config>_b<batch>_<variant>.txt "
                         "(Python host work the torch profiler does not show: callbacks, pipelines)")
+    p.add_argument("--step-diag", action="store_true",
+                   help="record per timed step its host time and the CUDA allocator's cudaMalloc / "
+                        "cudaFree calls and retries (one memory_stats() call per step); the report lists "
+                        "the slow steps with them (where a mean above the median comes from)")
     p.add_argument("--ne-steps", type=int, default=None,
                    help="train this many steps in all before the eval NE (untimed after the timed and "
                         "profiled ones; default 2000, dry run 0: no more than those), so NE is compared "
@@ -341,6 +345,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "every variant resumes that checkpoint (trainer.resume_new_callbacks) and runs its "
                         "warm-up, timed and profiled steps, and --ne-steps in all, from there. The variants "
                         "of one seed then differ only in the steps after N0 (0: every run from step 0)")
+    p.add_argument("--ne-decay", type=float, default=0.0, metavar="F",
+                   help="decay both learning rates to 0 over the last fraction F of every variant's steps "
+                        "(trainer.lr_decay_*, power 2), so each run ends in a basin and not wherever "
+                        "constant-rate noise leaves it (0: constant rates; the --ne-from base never decays)")
     p.add_argument("--ne-base", default="bf16",
                    help="the variant that trains the shared checkpoint of --ne-from (no LoKA, no torchao)")
     p.add_argument("--eval-batches", type=int, default=None, help="held-out batches for NE (default 32; dry run 2)")
@@ -417,6 +425,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--profile-steps and --ne-steps must be >= 0")
     if args.ne_from < 0:
         raise SystemExit("--ne-from must be >= 0 (0: no shared checkpoint)")
+    if not 0.0 <= args.ne_decay <= 1.0:
+        raise SystemExit(f"--ne-decay {args.ne_decay}: a fraction of the steps, from 0 (off) to 1")
     args.config_names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in args.config_names if c not in CONFIGS]
     if unknown or not args.config_names:
@@ -558,7 +568,7 @@ class StepClock(Callback):
 
     def __init__(
         self, *, warmup: int, timed: int, profile_steps: int, device: torch.device, timing: str,
-        pyprofile: bool = False,
+        pyprofile: bool = False, step_diag: bool = False,
     ) -> None:
         self.warmup = warmup
         self.timed = timed
@@ -582,6 +592,10 @@ class StepClock(Callback):
         self._gc_t0 = 0.0
         self.first_step = 0
         """The run's first step (a resumed run, ``--ne-from``, starts past 0)."""
+        self.step_diag = step_diag
+        self.diag: list[tuple[float, int, int, int]] = []
+        """``step_diag``: per step end, (host perf_counter, and the CUDA caching allocator's
+        cumulative cudaMalloc calls, cudaFree calls and allocation retries)."""
 
     def on_train_start(self, trainer: Any) -> None:
         self.first_step = trainer.step
@@ -597,6 +611,10 @@ class StepClock(Callback):
             torch.cuda.synchronize()
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if self.step_diag:
+            stats = torch.cuda.memory_stats() if self.cuda else {}
+            self.diag.append((time.perf_counter(), stats.get("num_device_alloc", 0),
+                              stats.get("num_device_free", 0), stats.get("num_alloc_retries", 0)))
         if self.timing == "events":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -649,6 +667,16 @@ class StepClock(Callback):
             self._cprofile = None
         prof.__exit__(None, None, None)
         self.profile = prof
+
+    def step_diagnostics(self) -> list[dict[str, float]]:
+        """``step_diag``: per timed step, its host wall time (ms, previous step end to its own,
+        no sync) and the cudaMalloc / cudaFree calls and allocator retries inside it."""
+        d = self.diag
+        return [
+            {"host_ms": 1000.0 * (d[i][0] - d[i - 1][0]), "cuda_malloc": d[i][1] - d[i - 1][1],
+             "cuda_free": d[i][2] - d[i - 1][2], "alloc_retries": d[i][3] - d[i - 1][3]}
+            for i in range(self.warmup, min(self.warmup + self.timed, len(d)))
+        ]
 
     def step_ms(self) -> list[float]:
         """Milliseconds of each timed step (from the previous step's end to its own)."""
@@ -925,6 +953,19 @@ def progress(t0: float, msg: str) -> None:
     print(f"[e2e {time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
+def decay_overrides(args: argparse.Namespace, end: int, steps: int) -> tuple[str, ...]:
+    """``--ne-decay``: the overrides that decay a run's rates to 0 over the last fraction of its
+    `steps` steps (the run ends at step `end`); none without it.
+
+    >>> decay_overrides(argparse.Namespace(ne_decay=0.25), end=1300, steps=300)
+    ('trainer.lr_decay_start=1225', 'trainer.lr_decay_steps=75')
+    """
+    n = round(args.ne_decay * steps)
+    if n < 1:
+        return ()
+    return (f"trainer.lr_decay_start={end - n}", f"trainer.lr_decay_steps={n}")
+
+
 def base_checkpoint(
     args: argparse.Namespace, composer: Composer, config: str, batch: int, base: Variant, seed: int, root: Path,
 ) -> tuple[Path, dict[str, Any]]:
@@ -1035,10 +1076,11 @@ def run_one(
 
             if warm_start is not None:
                 shutil.copytree(warm_start, f"{tmp}/run")
+            end = args.ne_from + total_steps if warm_start is not None else total_steps
             overrides = job_overrides(
                 args, config, batch, variant, f"{tmp}/run",
-                steps=args.ne_from + total_steps if warm_start is not None else total_steps,
-                eval_batches=args.eval_batches, extra=(f"trainer.seed={seed}",),
+                steps=end, eval_batches=args.eval_batches,
+                extra=(f"trainer.seed={seed}", *decay_overrides(args, end, total_steps)),
                 resume="must" if warm_start is not None else "never",
             )
             rec["overrides"] = overrides
@@ -1058,6 +1100,7 @@ def run_one(
                 device=torch.device(device_type),
                 timing=args.timing,
                 pyprofile=bool(args.pyprofile) and seed == 0,
+                step_diag=args.step_diag,
             )
             setup_t, started_unix = time.perf_counter(), time.time()
             trainer = Trainer(
@@ -1096,6 +1139,9 @@ def run_one(
                 host_rss_gb=_rss_gb(),
                 started_unix=started_unix,
             )
+            if args.step_diag:
+                rec["step_diag"] = clock.step_diagnostics()
+                rec["first_timed_step"] = clock.first_step + clock.warmup
             if loka_cb is not None:
                 rec["loka"] = _loka_summary(loka_cb, trainer)
             if torchao_cb is not None:
@@ -1457,6 +1503,9 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         + (f"; **paired continuations**: per seed, {args['ne_base']} trained {args['ne_from']} steps and "
            f"saved a checkpoint, and every variant of that seed resumed it (fresh callbacks) for its "
            f"{args['train_steps']} steps" if args.get("ne_from") else "")
+        + (f"; both learning rates decay to 0 (power 2) over each variant's last "
+           f"{round(args['ne_decay'] * args['train_steps'])} steps (--ne-decay {args['ne_decay']})"
+           if args.get("ne_decay") else "")
         + (f"; {args['repeats']} interleaved runs per variant (trainer.seed 0..{args['repeats'] - 1}): "
            "median step time over runs, mean NE, NE deltas paired by seed (s.e. in the targets)" if args["repeats"] > 1 else ""),
         f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
@@ -1574,6 +1623,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                   "| config | batch | seed | trained by | steps | eval NE there | s |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {b['config']} | {b['batch']} | {b['seed']} | {b['variant']} | {b['steps']} | "
                   f"{b['eval_ne']:.5f} | {b['wall_s']:.1f} |" for b in data["ne_bases"]]
+    lines += _slow_steps_section(data)
     in_order = [r for r in (data.get("runs") or data["results"]) if "gc_ms_per_step" in r]
     if in_order:
         lines += ["", "## Runs in the order they ran (drift diagnostics)", "",
@@ -1617,6 +1667,38 @@ def _init_process_group(device_type: str) -> None:
         rank=0,
         world_size=1,
     )
+
+
+SLOW_STEP = 1.5
+"""``--step-diag``'s report lists the timed steps slower than this many times their run's median."""
+
+
+def _slow_steps_section(data: dict[str, Any]) -> list[str]:
+    """``--step-diag``: each run's slow steps with their host time and allocator calls."""
+    rows = []
+    for r in data.get("runs") or data["results"]:
+        if not r.get("step_diag"):
+            continue
+        med = r["step_ms_median"]
+        host_med = statistics.median(d["host_ms"] for d in r["step_diag"])
+        slow = [(i, t, d) for i, (t, d) in enumerate(zip(r["step_ms"], r["step_diag"])) if t > SLOW_STEP * med]
+        excess = sum(t - med for _, t, _ in slow)
+        cells = "; ".join(
+            f"{r['first_timed_step'] + i}: {t:.0f} ms (host {d['host_ms']:.0f}"
+            + (f", {d['cuda_malloc']} cudaMalloc" if d["cuda_malloc"] else "")
+            + (f", {d['cuda_free']} cudaFree" if d["cuda_free"] else "")
+            + (f", {d['alloc_retries']} retries" if d["alloc_retries"] else "") + ")"
+            for i, t, d in slow[:24]
+        ) + (f"; ... {len(slow) - 24} more" if len(slow) > 24 else "")
+        mallocs = sum(d["cuda_malloc"] + d["cuda_free"] for d in r["step_diag"])
+        rows.append(f"| {r['config']} | {r['batch']} | {r['variant']} | {r['seed']} | {med:.2f} | {host_med:.2f} | "
+                    f"{len(slow)} | {excess / len(r['step_ms']):.2f} | {mallocs} | {cells or '-'} |")
+    if not rows:
+        return []
+    return ["", f"## Slow steps (`--step-diag`: timed steps > {SLOW_STEP}x their run's median)", "",
+            "| config | batch | variant | seed | median ms | host median ms | slow steps | their excess ms/step "
+            "| cudaMalloc+cudaFree in the timed steps | step: GPU time (host time, allocator calls) |",
+            "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def render(directory: Path) -> None:

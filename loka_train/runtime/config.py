@@ -38,6 +38,19 @@ class TrainerConfig:
     sparse_lr: float = 0.05
     """Learning rate of the fused row-wise Adagrad on the embedding tables."""
 
+    lr_decay_steps: int = 0
+    """Polynomial decay of both learning rates to 0 over N steps from ``lr_decay_start``
+    (0: none), as in MLPerf's DLRM-DCN schedule. After it the rates stay at 0. Decaying to 0
+    ends a run in a basin rather than wherever constant-rate noise leaves it, which is what
+    makes the end NE of two runs comparable (``bench/e2e.py --ne-decay``)."""
+
+    lr_decay_start: int = 0
+    """First step of the decay (0-based); the rates are ``dense_lr`` / ``sparse_lr`` before it
+    (after the warm-up)."""
+
+    lr_decay_power: float = 2.0
+    """Exponent of the decay: lr * (1 - done / lr_decay_steps) ** power (MLPerf: 2)."""
+
     sparse_optimizer: str = "rowwise_adagrad"
     """Fused optimizer of the embedding tables: "rowwise_adagrad" (one accumulator per row,
     the DLRM standard) or "adagrad" (one per element; the GPU bundle ships only row-wise).
@@ -139,20 +152,35 @@ class TrainerConfig:
     """Stop (as if killed) right after this step, after its checkpoint if one is due."""
 
     def dense_lr_at(self, step: int) -> float:
-        """The dense learning rate of `step` (0-based): linear warm-up, then ``dense_lr``.
+        """The dense learning rate of `step` (0-based): linear warm-up, ``dense_lr``, then the decay.
 
         >>> TrainerConfig(dense_lr=0.01, dense_warmup_steps=4).dense_lr_at(1)
         0.005
         """
         warmup = self.dense_warmup_steps
-        return self.dense_lr * (min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        return self.dense_lr * (min(1.0, (step + 1) / warmup) if warmup else 1.0) * self.decay_at(step)
+
+    def sparse_lr_at(self, step: int) -> float:
+        """The embedding tables' learning rate of `step`: ``sparse_lr``, then the decay (no warm-up).
+
+        >>> TrainerConfig(sparse_lr=0.04, lr_decay_start=10, lr_decay_steps=4, lr_decay_power=1).sparse_lr_at(12)
+        0.02
+        """
+        return self.sparse_lr * self.decay_at(step)
+
+    def decay_at(self, step: int) -> float:
+        """The decay factor of `step`: 1 before ``lr_decay_start``, then down to 0, then 0."""
+        if not self.lr_decay_steps or step < self.lr_decay_start:
+            return 1.0
+        done = min(step - self.lr_decay_start, self.lr_decay_steps)
+        return float((1.0 - done / self.lr_decay_steps) ** self.lr_decay_power)
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "log_every", "eval_batches", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be positive")
-        for name in ("eval_every", "checkpoint_every", "prefetch", "dense_warmup_steps"):
+        for name in ("eval_every", "checkpoint_every", "prefetch", "dense_warmup_steps", "lr_decay_steps", "lr_decay_start"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 0 (0 = off)")
         for name, allowed in (
@@ -187,3 +215,5 @@ class TrainerConfig:
             )
         if self.dense_lr <= 0 or self.sparse_lr <= 0:
             raise ValueError("trainer.dense_lr and trainer.sparse_lr must be positive")
+        if not self.lr_decay_power > 0:
+            raise ValueError(f"trainer.lr_decay_power={self.lr_decay_power} must be positive (MLPerf uses 2)")

@@ -34,7 +34,7 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from loka_train.data import DataConfig, make_dataset
@@ -271,7 +271,9 @@ class Trainer:
             lambda params: torch.optim.Adagrad(params, lr=self.cfg.dense_lr, eps=self.cfg.eps),
         )
         self._dense_optimizer = dense
-        self.optimizer = CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", dense)])
+        self._sparse_optimizer: KeyedOptimizer = self.model.fused_optimizer  # type: ignore[assignment]
+        self._lrs: tuple[float, float] | None = None  # what _set_lrs last set (None: not yet)
+        self.optimizer = CombinedOptimizer([("sparse", self._sparse_optimizer), ("dense", dense)])
         if self.cfg.compile_dense:
             self._compile_dense()
         elif self.cfg.cuda_graphs:
@@ -562,12 +564,18 @@ class Trainer:
             self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dense_dtype == "bf16"
         )
 
-    def _set_dense_lr(self, step: int) -> None:
-        # A function of the step alone, so a resumed run continues the same schedule.
-        if self.cfg.dense_warmup_steps and step <= self.cfg.dense_warmup_steps:
-            lr = self.cfg.dense_lr_at(step)
-            for group in self._dense_optimizer.param_groups:
-                group["lr"] = lr
+    def _set_lrs(self, step: int) -> None:
+        # A function of the step alone, so a resumed run continues the same schedule. The fused
+        # embedding optimizer hands its param_groups' lr to the tables in zero_grad(), which the
+        # pipelines call before this step's backward (where the tables update).
+        dense, sparse = self.cfg.dense_lr_at(step), self.cfg.sparse_lr_at(step)
+        if (dense, sparse) == self._lrs:
+            return
+        for group in self._dense_optimizer.param_groups:
+            group["lr"] = dense
+        for group in self._sparse_optimizer.param_groups:
+            group["lr"] = sparse
+        self._lrs = (dense, sparse)
 
     def _pipeline(self) -> Any:
         from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
@@ -626,10 +634,11 @@ class Trainer:
         timed_steps = 0
         paused_s = 0.0  # eval and checkpoint wall time since timed_from: not in steps/s
         stopped = False
+        self._lrs = None  # a restored optimizer state may hold any rate: set this step's
         try:
             while self.step < self.cfg.steps:
                 step = self.step
-                self._set_dense_lr(step)
+                self._set_lrs(step)
                 self.callbacks.call("on_step_start", self, step)
                 # TorchRec pipelines return the model output's second element.
                 with self._autocast():

@@ -141,7 +141,9 @@ def _run_for_resume(rank: int, world_size: int, out: str, stop_after: int | None
             Path(out),
             steps=8,
             sharding="row_wise",
-            dense_warmup_steps=6,  # the resumed run must continue the same lr schedule
+            dense_warmup_steps=3,  # the resumed run must continue the same lr schedule:
+            lr_decay_start=3,  # warm-up, then a decay on both rates through the kill at step 4
+            lr_decay_steps=6,
             checkpoint_every=4,
             checkpoint_at_end=True,
             stop_after_step=stop_after,
@@ -176,6 +178,38 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------ runs refused before training
+def _decayed_run(rank: int, world_size: int, out: str, steps: int) -> None:
+    trainer = Trainer(
+        model=tiny_model("dcn"),
+        data=tiny_data(),
+        trainer=tiny_trainer(
+            Path(out), steps=steps, sharding="table_wise", lr_decay_start=2, lr_decay_steps=3
+        ),  # table-wise: the tables train in the fused optimizer
+    )
+    trainer.fit()
+    from loka_train.runtime.checkpoint import to_local
+
+    torch.save(to_local(dict(trainer.state_dict()["model"])), Path(out) / f"model_rank{rank}.pt")
+
+
+def test_lr_decay_reaches_zero_on_both_optimizers_on_its_step(tmp_path: Path) -> None:
+    # The rates reach 0 at step 5 (2 + 3): steps 5..7 must move no weight, embedding tables
+    # included. A sparse rate applied one step late (step 5 at step 4's factor 1/9) or not at
+    # all would move the tables.
+    run_multiprocess(_decayed_run, world_size=2, args=(str(tmp_path / "five"), 5))
+    run_multiprocess(_decayed_run, world_size=2, args=(str(tmp_path / "eight"), 8))
+    for rank in range(2):
+        a = torch.load(tmp_path / "five" / f"model_rank{rank}.pt", weights_only=False)
+        b = torch.load(tmp_path / "eight" / f"model_rank{rank}.pt", weights_only=False)
+        tables = [k for k in a if "embedding" in k]
+        assert tables and len(a) > len(tables)  # both kinds of weight are compared
+        for key in a:
+            va, vb = a[key], b[key]
+            pairs = zip(va["__local_shards__"], vb["__local_shards__"]) if isinstance(va, dict) else [(va, vb)]
+            for sa, sb in pairs:  # a table-wise table has no shard on the other rank
+                torch.testing.assert_close(sa, sb, atol=0, rtol=0, msg=key)
+
+
 def _finish_run(rank: int, world_size: int, out: str) -> None:
     # With the callback _refused uses, so its checkpoint restores cleanly but for the guards.
     Trainer(

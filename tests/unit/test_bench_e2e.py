@@ -266,6 +266,33 @@ def test_the_step_clock_times_gc_pauses_only_in_the_timed_window(e2e) -> None:
     assert len(clock.gc_pauses_ms) == 1 and clock._on_gc not in gc.callbacks
 
 
+def test_step_diag_times_the_host_per_timed_step_and_lists_the_slow_steps(e2e) -> None:
+    import time
+
+    clock = e2e.StepClock(warmup=1, timed=3, profile_steps=0, device=torch.device("cpu"), timing="sync",
+                          step_diag=True)
+    clock.first_step = 100  # a resumed run
+    for step in range(100, 104):
+        if step == 102:
+            time.sleep(0.05)  # a host stall inside step 102
+        clock.on_step_end(None, step, {})
+    diag = clock.step_diagnostics()
+    assert len(diag) == 3 and diag[1]["host_ms"] >= 50.0 > diag[0]["host_ms"]
+    assert all(d["cuda_malloc"] == d["cuda_free"] == 0 for d in diag)  # no allocator on the CPU
+    run = {"config": "dcn", "batch": 64, "variant": "loka_safe", "seed": 0, "step_ms_median": 10.0,
+           "step_ms": [10.0, 40.0, 10.0], "first_timed_step": 101,
+           "step_diag": [dict(d, cuda_malloc=0, cuda_free=0) for d in diag]}
+    run["step_diag"][1].update(cuda_malloc=3, alloc_retries=1)
+    quiet = dict(run, variant="bf16", step_ms=[10.0, 10.0, 11.0], step_diag=[dict(d, cuda_malloc=0) for d in diag])
+    lines = e2e._slow_steps_section({"results": [run, quiet]})
+    (loka,) = [line for line in lines if "loka_safe" in line]
+    assert "| 1 | 10.00 |" in loka  # one slow step, 30 ms over the median / 3 steps
+    assert "102: 40 ms (host " in loka and "3 cudaMalloc" in loka and "1 retries" in loka
+    (bf16,) = [line for line in lines if "| bf16 |" in line]
+    assert bf16.endswith("| 0 | 0.00 | 0 | - |")
+    assert e2e._slow_steps_section({"results": [dict(run, step_diag=None)]}) == []
+
+
 def test_a_frame_dynamo_runs_eagerly_is_named_in_the_row(e2e, tmp_path: Path) -> None:
     source = _PATH.parents[0] / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
     data = json.loads(source.read_text())

@@ -82,6 +82,19 @@ def test_dense_lr_warms_up_linearly_then_holds() -> None:
     assert TrainerConfig(dense_lr=0.01).dense_lr_at(0) == 0.01  # no warm-up by default
     with pytest.raises(ValueError, match="dense_warmup_steps"):
         TrainerConfig(dense_warmup_steps=-1)
+
+
+def test_lr_decay_schedule() -> None:
+    cfg = TrainerConfig(dense_lr=0.01, sparse_lr=0.04, dense_warmup_steps=2, lr_decay_start=3, lr_decay_steps=4)
+    assert [cfg.dense_lr_at(s) for s in range(9)] == pytest.approx(
+        [0.005, 0.01, 0.01, 0.01, 0.01 * 0.75**2, 0.01 * 0.25, 0.01 * 0.25**2, 0.0, 0.0]
+    )
+    assert [cfg.sparse_lr_at(s) for s in (0, 3, 5, 7, 100)] == pytest.approx([0.04, 0.04, 0.01, 0.0, 0.0])
+    assert TrainerConfig(sparse_lr=0.04).sparse_lr_at(10**6) == 0.04  # no decay by default
+    with pytest.raises(ValueError, match="lr_decay_steps"):
+        TrainerConfig(lr_decay_steps=-1)
+    with pytest.raises(ValueError, match="lr_decay_power"):
+        TrainerConfig(lr_decay_steps=4, lr_decay_power=0)
     gpu = _compose("trainer=gpu").trainer
     assert gpu.dense_warmup_steps > 0 and gpu.dense_lr <= 0.01
 
