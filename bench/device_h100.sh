@@ -4,7 +4,7 @@
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
 # PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix trace
-# next_a next_b ne_pairs.
+# next_a next_b ne_pairs ne_decay next_c.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
@@ -198,5 +198,28 @@ if has ne_pairs; then
   (timeout ${NE_PAIRS_TIMEOUT:-500} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn} --ne-from 1000 --ne-steps 300 \
       --eval-batches 32 --repeats 3 --no-profile --variants bf16,bf16+graphs,loka_safe+graphs \
       --out $w/e2e_ne_pairs; echo "rc=$?") > $w/e2e_ne_pairs.txt 2>&1
+  save
+fi
+# Paired continuations that end with the learning rates decayed to 0 (--ne-decay 1.0): on the CPU
+# (tiny DCN, 8 seeds) they cut the seed-paired NE sd from 0.13% (independent runs, constant rates)
+# to 0.05-0.06%. Per seed bf16 trains 1000 steps of DCN at 8192, then each variant 300 decaying
+# steps from it. NE_REPEATS seeds (default 4), NE_VARIANTS as below.
+if has ne_decay; then
+  (timeout ${NE_DECAY_TIMEOUT:-540} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn} --ne-from 1000 --ne-steps 300 \
+      --ne-decay 1.0 --eval-batches 32 --repeats ${NE_REPEATS:-4} --no-profile --batches 8192 \
+      --variants ${NE_VARIANTS:-bf16,bf16+compile+graphs,loka_safe+compile+graphs} \
+      --out $w/e2e_ne_decay; echo "rc=$?") > $w/e2e_ne_decay.txt 2>&1
+  save
+fi
+# Wukong at 32768 against torchao row-wise (next_a ran out of time before it), then where LoKA's
+# slow steps on DCN come from (--step-diag: host time and allocator calls of each slow step).
+if has next_c; then
+  (timeout 300 python bench/e2e.py --configs wukong --ne-steps 0 --batches 32768 --steps 50 --no-profile \
+      --variants loka_safe+compile+graphs,torchao_rowwise+graphs,bf16+compile+graphs \
+      --out $w/e2e_next_wukong_rowwise; echo "rc=$?") > $w/e2e_next_wukong_rowwise.txt 2>&1
+  save
+  (timeout 150 python bench/e2e.py --configs dcn --ne-steps 0 --batches 32768 --steps 400 --no-profile --step-diag \
+      --variants loka_safe+compile+graphs,bf16+compile+graphs --out $w/e2e_step_diag; echo "rc=$?") \
+      > $w/e2e_step_diag.txt 2>&1
   save
 fi
