@@ -72,6 +72,13 @@ class Callback:
         """State to checkpoint; must be torch.save-able."""
         return {}
 
+    @property
+    def stateful(self) -> bool:
+        """Whether the callback keeps state across a resume: true when its class overrides
+        `state_dict`. A stateless callback (a logger, a timer) may join a resumed run whose
+        checkpoint does not know it."""
+        return type(self).state_dict is not Callback.state_dict
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
 
@@ -97,9 +104,9 @@ class CallbackList:
         return {cb.name: cb.state_dict() for cb in self.callbacks}
 
     def load_state_dict(self, state: dict[str, Any], *, allow_missing: bool = False) -> list[str]:
-        """Restore each callback's state; returns the callbacks `state` had nothing for, which
-        keep their own state (only with `allow_missing`; otherwise they raise)."""
-        missing = [cb.name for cb in self.callbacks if cb.name not in state]
+        """Restore each callback's state; returns the stateful callbacks `state` had nothing
+        for, which keep their own state (only with `allow_missing`; otherwise they raise)."""
+        missing = [cb.name for cb in self.callbacks if cb.name not in state and cb.stateful]
         if missing and not allow_missing:
             raise ValueError(
                 f"checkpoint has no state for callbacks {missing}; it was written by a run "
