@@ -346,9 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "warm-up, timed and profiled steps, and --ne-steps in all, from there. The variants "
                         "of one seed then differ only in the steps after N0 (0: every run from step 0)")
     p.add_argument("--ne-decay", type=float, default=0.0, metavar="F",
-                   help="decay both learning rates to 0 over the last fraction F of every variant's steps "
-                        "(trainer.lr_decay_*, power 2), so each run ends in a basin and not wherever "
-                        "constant-rate noise leaves it (0: constant rates; the --ne-from base never decays)")
+                   help="decay both learning rates over the last fraction F of every variant's n steps "
+                        "(trainer.lr_decay_*, power 2: the first of them at the full rate, the last at "
+                        "(1/n)^2 of it), so each run ends in a basin and not wherever constant-rate noise "
+                        "leaves it (0: constant rates; the --ne-from base never decays)")
     p.add_argument("--ne-base", default="bf16",
                    help="the variant that trains the shared checkpoint of --ne-from (no LoKA, no torchao)")
     p.add_argument("--eval-batches", type=int, default=None, help="held-out batches for NE (default 32; dry run 2)")
@@ -669,8 +670,10 @@ class StepClock(Callback):
         self.profile = prof
 
     def step_diagnostics(self) -> list[dict[str, float]]:
-        """``step_diag``: per timed step, its host wall time (ms, previous step end to its own,
-        no sync) and the cudaMalloc / cudaFree calls and allocator retries inside it."""
+        """``step_diag``: per timed step, its host wall time (ms, previous step end to its own)
+        and the cudaMalloc / cudaFree calls and allocator retries inside it. With ``--timing
+        events`` (the CUDA default) nothing syncs at step ends, so a step's host time is its
+        own; with ``sync`` it includes waiting for the previous step's GPU work."""
         d = self.diag
         return [
             {"host_ms": 1000.0 * (d[i][0] - d[i - 1][0]), "cuda_malloc": d[i][1] - d[i - 1][1],
@@ -963,6 +966,8 @@ def decay_overrides(args: argparse.Namespace, end: int, steps: int) -> tuple[str
     n = round(args.ne_decay * steps)
     if n < 1:
         return ()
+    if n < 2:
+        raise SystemExit(f"--ne-decay {args.ne_decay}: decays {n} of {steps} steps; take at least 2")
     return (f"trainer.lr_decay_start={end - n}", f"trainer.lr_decay_steps={n}")
 
 

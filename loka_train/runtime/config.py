@@ -17,7 +17,9 @@ class TrainerConfig:
     """How the Trainer shards, steps, evaluates, logs and checkpoints.
 
     Example:
-        >>> TrainerConfig(steps=100, batch_size=512, sharding="row_wise")
+        >>> cfg = TrainerConfig(steps=100, batch_size=512, sharding="row_wise")
+        >>> cfg.batch_size, cfg.sharding
+        (512, 'row_wise')
     """
 
     steps: int = 300
@@ -39,17 +41,19 @@ class TrainerConfig:
     """Learning rate of the fused row-wise Adagrad on the embedding tables."""
 
     lr_decay_steps: int = 0
-    """Polynomial decay of both learning rates to 0 over N steps from ``lr_decay_start``
-    (0: none), as in MLPerf's DLRM-DCN schedule. After it the rates stay at 0. Decaying to 0
-    ends a run in a basin rather than wherever constant-rate noise leaves it, which is what
-    makes the end NE of two runs comparable (``bench/e2e.py --ne-decay``)."""
+    """Polynomial decay of both learning rates over N steps (0: none): at step
+    ``lr_decay_start + k`` the rates are scaled by ``(1 - k / N) ** lr_decay_power``, so the
+    full rate at the start step and exactly 0 from step ``lr_decay_start + N`` on (the form
+    of MLPerf's DLRM reference scheduler, which stops at a small floor instead of 0).
+    Decaying to 0 ends a run in a basin rather than wherever constant-rate noise leaves it,
+    which is what makes the end NE of two runs comparable (``bench/e2e.py --ne-decay``)."""
 
     lr_decay_start: int = 0
-    """First step of the decay (0-based); the rates are ``dense_lr`` / ``sparse_lr`` before it
-    (after the warm-up)."""
+    """The step (0-based) the decay counts from; the rates are ``dense_lr`` / ``sparse_lr``
+    (after the warm-up) up to and at it. Needs ``lr_decay_steps``."""
 
     lr_decay_power: float = 2.0
-    """Exponent of the decay: lr * (1 - done / lr_decay_steps) ** power (MLPerf: 2)."""
+    """Exponent of the decay (2, as in MLPerf's DLRM reference). Needs ``lr_decay_steps``."""
 
     sparse_optimizer: str = "rowwise_adagrad"
     """Fused optimizer of the embedding tables: "rowwise_adagrad" (one accumulator per row,
@@ -169,7 +173,13 @@ class TrainerConfig:
         return self.sparse_lr * self.decay_at(step)
 
     def decay_at(self, step: int) -> float:
-        """The decay factor of `step`: 1 before ``lr_decay_start``, then down to 0, then 0."""
+        """The decay factor of `step`: 1 up to ``lr_decay_start``, then down to 0 over
+        ``lr_decay_steps`` steps, then 0.
+
+        >>> cfg = TrainerConfig(lr_decay_start=1, lr_decay_steps=2, lr_decay_power=1)
+        >>> [cfg.decay_at(s) for s in range(5)]
+        [1.0, 1.0, 0.5, 0.0, 0.0]
+        """
         if not self.lr_decay_steps or step < self.lr_decay_start:
             return 1.0
         done = min(step - self.lr_decay_start, self.lr_decay_steps)
@@ -180,7 +190,10 @@ class TrainerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be positive")
-        for name in ("eval_every", "checkpoint_every", "prefetch", "dense_warmup_steps", "lr_decay_steps", "lr_decay_start"):
+        non_negative = (
+            "eval_every", "checkpoint_every", "prefetch", "dense_warmup_steps", "lr_decay_steps", "lr_decay_start",
+        )
+        for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 0 (0 = off)")
         for name, allowed in (
@@ -217,3 +230,8 @@ class TrainerConfig:
             raise ValueError("trainer.dense_lr and trainer.sparse_lr must be positive")
         if not self.lr_decay_power > 0:
             raise ValueError(f"trainer.lr_decay_power={self.lr_decay_power} must be positive (MLPerf uses 2)")
+        if not self.lr_decay_steps and (self.lr_decay_start or self.lr_decay_power != 2.0):
+            raise ValueError(
+                "trainer.lr_decay_start and trainer.lr_decay_power shape a decay that "
+                "trainer.lr_decay_steps=0 turns off: set trainer.lr_decay_steps=N (steps to reach 0)"
+            )

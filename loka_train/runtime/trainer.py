@@ -272,7 +272,6 @@ class Trainer:
         )
         self._dense_optimizer = dense
         self._sparse_optimizer: KeyedOptimizer = self.model.fused_optimizer  # type: ignore[assignment]
-        self._lrs: tuple[float, float] | None = None  # what _set_lrs last set (None: not yet)
         self.optimizer = CombinedOptimizer([("sparse", self._sparse_optimizer), ("dense", dense)])
         if self.cfg.compile_dense:
             self._compile_dense()
@@ -569,13 +568,10 @@ class Trainer:
         # embedding optimizer hands its param_groups' lr to the tables in zero_grad(), which the
         # pipelines call before this step's backward (where the tables update).
         dense, sparse = self.cfg.dense_lr_at(step), self.cfg.sparse_lr_at(step)
-        if (dense, sparse) == self._lrs:
-            return
         for group in self._dense_optimizer.param_groups:
             group["lr"] = dense
         for group in self._sparse_optimizer.param_groups:
             group["lr"] = sparse
-        self._lrs = (dense, sparse)
 
     def _pipeline(self) -> Any:
         from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
@@ -634,7 +630,6 @@ class Trainer:
         timed_steps = 0
         paused_s = 0.0  # eval and checkpoint wall time since timed_from: not in steps/s
         stopped = False
-        self._lrs = None  # a restored optimizer state may hold any rate: set this step's
         try:
             while self.step < self.cfg.steps:
                 step = self.step

@@ -192,22 +192,35 @@ def _decayed_run(rank: int, world_size: int, out: str, steps: int) -> None:
     torch.save(to_local(dict(trainer.state_dict()["model"])), Path(out) / f"model_rank{rank}.pt")
 
 
+def _compare(a: dict, b: dict) -> dict[str, bool]:
+    """Per weight: whether runs a and b hold identical values (local shards only)."""
+    same = {}
+    for key in a:
+        va, vb = a[key], b[key]
+        pairs = list(zip(va["__local_shards__"], vb["__local_shards__"])) if isinstance(va, dict) else [(va, vb)]
+        if pairs:  # a table-wise table has no shard on the other rank
+            same[key] = all(torch.equal(sa, sb) for sa, sb in pairs)
+    return same
+
+
 def test_lr_decay_reaches_zero_on_both_optimizers_on_its_step(tmp_path: Path) -> None:
-    # The rates reach 0 at step 5 (2 + 3): steps 5..7 must move no weight, embedding tables
-    # included. A sparse rate applied one step late (step 5 at step 4's factor 1/9) or not at
-    # all would move the tables.
-    run_multiprocess(_decayed_run, world_size=2, args=(str(tmp_path / "five"), 5))
-    run_multiprocess(_decayed_run, world_size=2, args=(str(tmp_path / "eight"), 8))
+    # lr_decay_start=2, lr_decay_steps=3: factors 1, 4/9, 1/9 at steps 2..4, and 0 from step 5.
+    # So steps 5..7 move no weight, tables included, while step 4 still moves every kind. A
+    # sparse rate applied one step late (step 5 at 1/9) or not at all would move the tables
+    # in 5..7; a decay reaching 0 a step early would leave step 4 still.
+    for steps in (4, 5, 8):
+        run_multiprocess(_decayed_run, world_size=2, args=(str(tmp_path / f"s{steps}"), steps))
     for rank in range(2):
-        a = torch.load(tmp_path / "five" / f"model_rank{rank}.pt", weights_only=False)
-        b = torch.load(tmp_path / "eight" / f"model_rank{rank}.pt", weights_only=False)
-        tables = [k for k in a if "embedding" in k]
-        assert tables and len(a) > len(tables)  # both kinds of weight are compared
-        for key in a:
-            va, vb = a[key], b[key]
-            pairs = zip(va["__local_shards__"], vb["__local_shards__"]) if isinstance(va, dict) else [(va, vb)]
-            for sa, sb in pairs:  # a table-wise table has no shard on the other rank
-                torch.testing.assert_close(sa, sb, atol=0, rtol=0, msg=key)
+        four, five, eight = (
+            torch.load(tmp_path / f"s{n}" / f"model_rank{rank}.pt", weights_only=False) for n in (4, 5, 8)
+        )
+        after_zero, at_step_4 = _compare(five, eight), _compare(four, five)
+        tables = [k for k in after_zero if "embedding" in k]
+        dense = [k for k in after_zero if k not in tables]
+        assert tables and dense, f"rank {rank}: tables and dense weights both compared"
+        assert all(after_zero.values()), [k for k, same in after_zero.items() if not same]
+        assert not any(at_step_4[k] for k in tables), "step 4 (factor 1/9) must move every table"
+        assert not all(at_step_4[k] for k in dense), "step 4 must move the dense weights"
 
 
 def _finish_run(rank: int, world_size: int, out: str) -> None:

@@ -82,6 +82,8 @@ def test_dense_lr_warms_up_linearly_then_holds() -> None:
     assert TrainerConfig(dense_lr=0.01).dense_lr_at(0) == 0.01  # no warm-up by default
     with pytest.raises(ValueError, match="dense_warmup_steps"):
         TrainerConfig(dense_warmup_steps=-1)
+    gpu = _compose("trainer=gpu").trainer
+    assert gpu.dense_warmup_steps > 0 and gpu.dense_lr <= 0.01
 
 
 def test_lr_decay_schedule() -> None:
@@ -95,8 +97,9 @@ def test_lr_decay_schedule() -> None:
         TrainerConfig(lr_decay_steps=-1)
     with pytest.raises(ValueError, match="lr_decay_power"):
         TrainerConfig(lr_decay_steps=4, lr_decay_power=0)
-    gpu = _compose("trainer=gpu").trainer
-    assert gpu.dense_warmup_steps > 0 and gpu.dense_lr <= 0.01
+    for ignored in ({"lr_decay_start": 100}, {"lr_decay_power": 1.0}):  # set, but no decay: refused
+        with pytest.raises(ValueError, match="trainer.lr_decay_steps=N"):
+            TrainerConfig(**ignored)
 
 
 @pytest.mark.parametrize(
