@@ -4,7 +4,7 @@
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
 # PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix trace
-# next_a next_b ne_pairs ne_decay next_c.
+# next_a next_b ne_pairs ne_decay next_c dlrm_torchao.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
@@ -221,5 +221,14 @@ if has next_c; then
   (timeout 150 python bench/e2e.py --configs dcn --ne-steps 0 --batches 32768 --steps 400 --no-profile --step-diag \
       --variants loka_safe+compile+graphs,bf16+compile+graphs --out $w/e2e_step_diag; echo "rc=$?") \
       > $w/e2e_step_diag.txt 2>&1
+  save
+fi
+# DLRM at 32768 against both torchao recipes: 4 rotated rounds after a discarded warm run
+# (2026-11-25: every variant sped up over a host-bound process's first runs). ~2026-11-25 timings:
+# LoKA ~100 s for its first run (decision + compile), then ~20 s; torchao 5-20 s a run.
+if has dlrm_torchao; then
+  (timeout 500 python bench/e2e.py --configs dlrm --ne-steps 0 --batches 32768 --steps 50 --repeats 4 \
+      --no-profile --warm-run --variants loka_safe+compile+graphs,torchao_rowwise+graphs,torchao_tensorwise+graphs,bf16+compile+graphs \
+      --out $w/e2e_dlrm_torchao; echo "rc=$?") > $w/e2e_dlrm_torchao.txt 2>&1
   save
 fi

@@ -332,6 +332,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run cProfile over each profiled window (first round) and write the host "
                         "functions by own time and by cumulative time to DIR/py_<config>_b<batch>_<variant>.txt "
                         "(Python host work the torch profiler does not show: callbacks, pipelines)")
+    p.add_argument("--warm-run", action="store_true",
+                   help="before the first measured run, run the first variant once (20 timed steps, "
+                        "from step 0) and keep it out of the results, so no variant pays for the "
+                        "process's first run (on the H100, host-bound DLRM ran slower in a process's "
+                        "first runs: 2026-11-25)")
     p.add_argument("--step-diag", action="store_true",
                    help="record per timed step its host time and the CUDA allocator's cudaMalloc / "
                         "cudaFree calls and retries (one memory_stats() call per step); the report lists "
@@ -971,6 +976,30 @@ def decay_overrides(args: argparse.Namespace, end: int, steps: int) -> tuple[str
     return (f"trainer.lr_decay_start={end - n}", f"trainer.lr_decay_steps={n}")
 
 
+WARM_RUN_STEPS = 20
+"""Timed steps of ``--warm-run``'s discarded run."""
+
+
+def warm_run(
+    args: argparse.Namespace, composer: Composer, config: str, batch: int, variant: Variant, t0: float,
+    torchao_missing: str | None,
+) -> dict[str, Any]:
+    """``--warm-run``: one short run of `variant` from step 0, kept out of the results; returns
+    its summary (variant, status, median step ms, wall s) for the report."""
+    short = argparse.Namespace(**vars(args))
+    short.steps = min(args.steps, WARM_RUN_STEPS)
+    short.profile_steps, short.ne_steps, short.ne_from, short.ne_decay = 0, 0, 0, 0.0
+    short.trace = short.pyprofile = None
+    short.step_diag = False
+    short.train_steps = short.warmup + short.steps
+    rec = run_one(short, composer, config, batch, variant, t0, torchao_missing)
+    progress(t0, f"{config} b{batch} {variant.name}: warm run ({rec['status']}), not in the results "
+                 f"[{rec.get('wall_s', math.nan):.1f}s]")
+    return {"config": config, "batch": batch, "variant": variant.name, "status": rec["status"],
+            "step_ms_median": rec.get("step_ms_median"), "wall_s": rec.get("wall_s"),
+            "started_unix": rec.get("started_unix")}
+
+
 def base_checkpoint(
     args: argparse.Namespace, composer: Composer, config: str, batch: int, base: Variant, seed: int, root: Path,
 ) -> tuple[Path, dict[str, Any]]:
@@ -1508,6 +1537,9 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         + (f"; **paired continuations**: per seed, {args['ne_base']} trained {args['ne_from']} steps and "
            f"saved a checkpoint, and every variant of that seed resumed it (fresh callbacks) for its "
            f"{args['train_steps']} steps" if args.get("ne_from") else "")
+        + ("; first a discarded warm run of " + ", ".join(
+               f"{w['variant']} ({w['config']} b{w['batch']}, {w['status']})" for w in data["warm_runs"])
+           + " (--warm-run)" if data.get("warm_runs") else "")
         + (f"; both learning rates decay to 0 (power 2) over each variant's last "
            f"{round(args['ne_decay'] * args['train_steps'])} steps (--ne-decay {args['ne_decay']})"
            if args.get("ne_decay") else "")
@@ -1749,6 +1781,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []  # one record per (config, batch, variant)
     raw: list[dict[str, Any]] = []  # every run (several per variant with --repeats)
     bases: list[dict[str, Any]] = []  # the --ne-from checkpoints' runs
+    warm_runs: list[dict[str, Any]] = []  # --warm-run: the discarded first run
     command = "python bench/e2e.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     def finish() -> dict[str, Any]:
@@ -1767,6 +1800,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": results,
             "runs": raw if args.repeats > 1 else [],
             "ne_bases": bases,
+            "warm_runs": warm_runs,
             "targets": all_targets(results, args.config_names, args.batch_sizes,
                                    ne_measured=ne_measured(vars(args))),
             "wall_s": time.perf_counter() - t0,
@@ -1795,6 +1829,8 @@ def main(argv: list[str] | None = None) -> int:
                     base_dir = tempfile.TemporaryDirectory(prefix="e2e_base_")
                     stack.callback(base_dir.cleanup)
                     base_root = Path(base_dir.name)
+                    if args.warm_run and not warm_runs:
+                        warm_runs.append(warm_run(args, composer, config, batch, variants[0], t0, missing))
                     for variant, repeat in run_order(variants, args.repeats):
                         if args.ne_from and repeat not in warm:
                             warm[repeat], base_rec = base_checkpoint(

@@ -321,3 +321,19 @@ def test_paired_continuations_resume_the_shared_checkpoint(e2e, tmp_path: Path) 
     # Resuming is exact on the CPU: bf16 from the step-4 checkpoint ends where 10 steps from 0 do.
     assert runs["bf16"]["eval_ne"] == scratch["results"][0]["eval_ne"]
     assert "paired continuations" in (tmp_path / "c" / "e2e.md").read_text()
+
+
+def test_the_warm_run_runs_first_and_stays_out_of_the_results(e2e, tmp_path: Path) -> None:
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "2", "--steps", "3", "--eval-batches", "1",
+            "--no-profile", "--variants", "bf16,bf16+compile", "--repeats", "2", "--warm-run",
+            "--out", str(tmp_path)]
+    assert e2e.main(args) == 0
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    (warm,) = report["warm_runs"]
+    assert (warm["variant"], warm["status"]) == ("bf16", "ok") and warm["step_ms_median"] > 0
+    # The measured runs are exactly the requested ones, each timed over --steps, none before the warm run.
+    assert sorted((r["variant"], r["seed"]) for r in report["runs"]) == [
+        ("bf16", 0), ("bf16", 1), ("bf16+compile", 0), ("bf16+compile", 1)]
+    assert all(len(r["step_ms"]) == 3 for r in report["runs"])
+    assert all(r["started_unix"] > warm["started_unix"] for r in report["runs"])
+    assert "discarded warm run of bf16" in (tmp_path / "e2e.md").read_text()
