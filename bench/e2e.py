@@ -63,6 +63,10 @@ Usage (GPU: the packages of ../shared/device/make-bundle, carried as .device):
     source .device/activate.sh && python3 bench/e2e.py --configs dcn --out $OUT/e2e  # H100: a few min per config
     python bench/e2e.py --out /tmp/e2e --dry-run                         # CPU, tiny, < 1 min
     python bench/e2e.py --out /tmp/e2e --configs dcn --variants bf16,loka_safe --steps 100
+    # NE at the 0.1% resolution (H100: ~5 min): per seed a shared bf16 checkpoint at step 300,
+    # then every variant 200 steps from it with both rates decaying (seed-paired deltas)
+    python bench/e2e.py --out $OUT/ne --configs wukong --batches 32768 --ne-from 300 --ne-steps 200 \
+        --ne-decay 1.0 --repeats 3 --no-profile --variants bf16,loka_safe+compile+graphs
 """
 
 from __future__ import annotations
