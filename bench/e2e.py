@@ -421,8 +421,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.profile_steps = 0
         if args.trace or args.pyprofile:
             raise SystemExit("--trace and --pyprofile take the profiled window: drop --no-profile")
-    # Steps every variant trains before its eval NE: the timed window, or --ne-steps.
-    args.train_steps = max(args.warmup + args.steps + args.profile_steps, args.ne_steps)
+    args.train_steps = train_steps(args)
     if args.cache_batches is None:
         # Cycling a few batches let the 10k-row tables memorize them: on an H100 (16 batches of
         # 8192, 60 steps) eval NE came out 1.0-1.5 and moved 6-8% between bf16 and
@@ -965,6 +964,16 @@ def progress(t0: float, msg: str) -> None:
     print(f"[e2e {time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
+def train_steps(args: argparse.Namespace) -> int:
+    """Steps every variant trains before its eval NE: the timed window, or --ne-steps."""
+    return max(args.warmup + args.steps + args.profile_steps, args.ne_steps)
+
+
+def decayed_steps(ne_decay: float, steps: int) -> int:
+    """``--ne-decay``: how many of a run's `steps` steps decay."""
+    return round(ne_decay * steps)
+
+
 def decay_overrides(args: argparse.Namespace, end: int, steps: int) -> tuple[str, ...]:
     """``--ne-decay``: the overrides that decay a run's rates to 0 over the last fraction of its
     `steps` steps (the run ends at step `end`); none without it.
@@ -972,7 +981,7 @@ def decay_overrides(args: argparse.Namespace, end: int, steps: int) -> tuple[str
     >>> decay_overrides(argparse.Namespace(ne_decay=0.25), end=1300, steps=300)
     ('trainer.lr_decay_start=1225', 'trainer.lr_decay_steps=75')
     """
-    n = round(args.ne_decay * steps)
+    n = decayed_steps(args.ne_decay, steps)
     if n < 1:
         return ()
     if n < 2:
@@ -995,7 +1004,7 @@ def warm_run(
     short.profile_steps, short.ne_steps, short.ne_from, short.ne_decay = 0, 0, 0, 0.0
     short.trace = short.pyprofile = None
     short.step_diag = False
-    short.train_steps = short.warmup + short.steps
+    short.train_steps = train_steps(short)
     rec = run_one(short, composer, config, batch, variant, t0, torchao_missing)
     progress(t0, f"{config} b{batch} {variant.name}: warm run ({rec['status']}), not in the results "
                  f"[{rec.get('wall_s', math.nan):.1f}s]")
@@ -1276,8 +1285,10 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
     bf16+compile+graphs) of the same grid."""
     by = {(r["config"], r["batch"], r["variant"]): r for r in results if r["status"] == "ok"}
     for r in results:
-        # `results` come fresh from aggregate() (copies of the raw runs) each time, so a
-        # baseline that failed since leaves no stale ratio behind.
+        # Recomputed from scratch: a baseline that failed since (or a report re-rendered from
+        # its JSON) leaves no stale ratio behind.
+        for key in [k for k in r if k.startswith(("speedup_vs_", "ne_delta_rel_"))]:
+            del r[key]
         if r["status"] != "ok":
             continue
         for ref, key in ((REFERENCE, "vs_bf16"), ("bf16+compile", "vs_bf16_compile"),
@@ -1287,7 +1298,7 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                 continue
             r[f"speedup_{key}"] = base["step_ms_median"] / r["step_ms_median"]
             r[f"ne_delta_rel_{key}"] = (r["eval_ne"] - base["eval_ne"]) / base["eval_ne"]
-            if "eval_ne_std" in r and "eval_ne_std" in base:
+            if "eval_ne_std" in r and "eval_ne_std" in base and base is not r:
                 # Paired by seed (round i of both ran with trainer.seed=i): the mean and the
                 # standard error of the per-seed relative differences.
                 base_ne = {x["seed"]: x["eval_ne"] for x in base["repeats"]}
@@ -1296,6 +1307,12 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                 if len(diffs) > 1:
                     r[f"ne_delta_rel_{key}"] = statistics.fmean(diffs)
                     r[f"ne_delta_rel_se_{key}"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def _ne_delta_cell(r: dict[str, Any]) -> str:
+    """NE vs bf16: the relative delta, with its seed-paired standard error when there is one."""
+    se = r.get("ne_delta_rel_se_vs_bf16")
+    return _fmt_pct(r.get("ne_delta_rel_vs_bf16"), 3) + (f" ± {100 * se:.4f}%" if se is not None else "")
 
 
 def _fmt_x(v: float | None) -> str:
@@ -1545,7 +1562,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                f"{w['variant']} ({w['config']} b{w['batch']}, {w['status']})" for w in data["warm_runs"])
            + " (--warm-run)" if data.get("warm_runs") else "")
         + (f"; both learning rates decay to 0 (power 2) over each variant's last "
-           f"{round(args['ne_decay'] * args['train_steps'])} steps (--ne-decay {args['ne_decay']})"
+           f"{decayed_steps(args['ne_decay'], args['train_steps'])} steps (--ne-decay {args['ne_decay']})"
            if args.get("ne_decay") else "")
         + (f"; {args['repeats']} interleaved runs per variant (trainer.seed 0..{args['repeats'] - 1}): "
            "median step time over runs, mean NE, NE deltas paired by seed (s.e. in the targets)" if args["repeats"] > 1 else ""),
@@ -1604,7 +1621,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             lines.append(
                 f"| {r['config']} | {r['variant']} | {r['step_ms_median']:.2f} [{r['step_ms_p10']:.2f}, "
                 f"{r['step_ms_p90']:.2f}] | {r['samples_per_s']:,.0f} | {_fmt_x(r.get('speedup_vs_bf16'))} | "
-                f"{r['eval_ne']:.5f} | {_fmt_pct(r.get('ne_delta_rel_vs_bf16'), 3)} | {_fp8_cell(r)} | "
+                f"{r['eval_ne']:.5f} | {_ne_delta_cell(r)} | {_fp8_cell(r)} | "
                 f"{'; '.join(notes)} |"
             )
         noise = [r for r in rows if r["variant"] == "bf16+compile" and "ne_delta_rel_vs_bf16" in r]

@@ -10,6 +10,8 @@ DENSE_DTYPES = ("fp32", "bf16")
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "never", "must")
+MLPERF_DECAY_POWER = 2.0
+"""Exponent of MLPerf's DLRM reference learning-rate decay (the default of lr_decay_power)."""
 
 
 @dataclass(kw_only=True)
@@ -52,8 +54,8 @@ class TrainerConfig:
     """The step (0-based) the decay counts from; the rates are ``dense_lr`` / ``sparse_lr``
     (after the warm-up) up to and at it. Needs ``lr_decay_steps``."""
 
-    lr_decay_power: float = 2.0
-    """Exponent of the decay (2, as in MLPerf's DLRM reference). Needs ``lr_decay_steps``."""
+    lr_decay_power: float = MLPERF_DECAY_POWER
+    """Exponent of the decay (MLPerf's DLRM reference: 2). Needs ``lr_decay_steps``."""
 
     sparse_optimizer: str = "rowwise_adagrad"
     """Fused optimizer of the embedding tables: "rowwise_adagrad" (one accumulator per row,
@@ -230,7 +232,7 @@ class TrainerConfig:
             raise ValueError("trainer.dense_lr and trainer.sparse_lr must be positive")
         if not self.lr_decay_power > 0:
             raise ValueError(f"trainer.lr_decay_power={self.lr_decay_power} must be positive (MLPerf uses 2)")
-        if not self.lr_decay_steps and (self.lr_decay_start or self.lr_decay_power != 2.0):
+        if not self.lr_decay_steps and (self.lr_decay_start or self.lr_decay_power != MLPERF_DECAY_POWER):
             raise ValueError(
                 "trainer.lr_decay_start and trainer.lr_decay_power shape a decay that "
                 "trainer.lr_decay_steps=0 turns off: set trainer.lr_decay_steps=N (steps to reach 0)"

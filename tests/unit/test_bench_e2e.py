@@ -337,3 +337,20 @@ def test_the_warm_run_runs_first_and_stays_out_of_the_results(e2e, tmp_path: Pat
     assert all(len(r["step_ms"]) == 3 for r in report["runs"])
     assert all(r["started_unix"] > warm["started_unix"] for r in report["runs"])
     assert "discarded warm run of bf16" in (tmp_path / "e2e.md").read_text()
+
+
+def test_the_ne_cell_shows_the_seed_paired_standard_error_when_there_is_one(e2e) -> None:
+    assert e2e._ne_delta_cell({"ne_delta_rel_vs_bf16": 0.000068, "ne_delta_rel_se_vs_bf16": 0.00001}) == (
+        "+0.007% ± 0.0010%")
+    assert e2e._ne_delta_cell({"ne_delta_rel_vs_bf16": -0.01}) == "-1.000%"  # one run: no s.e.
+    assert e2e._ne_delta_cell({}) == "n/a"
+
+
+def test_ratios_are_recomputed_from_scratch_when_a_report_is_re_rendered(e2e) -> None:
+    # A reference run read back from an older JSON still carries a paired s.e. against itself.
+    ref = {"config": "dcn", "batch": 8, "variant": "bf16", "status": "ok", "step_ms_median": 2.0, "eval_ne": 0.5,
+           "ne_delta_rel_se_vs_bf16": 0.0, "speedup_vs_bf16_compile": 9.9}
+    e2e.add_ratios([ref])
+    assert ref["speedup_vs_bf16"] == 1.0 and ref["ne_delta_rel_vs_bf16"] == 0.0
+    assert "ne_delta_rel_se_vs_bf16" not in ref and "speedup_vs_bf16_compile" not in ref
+    assert e2e._ne_delta_cell(ref) == "+0.000%"
