@@ -10,9 +10,10 @@ from torch import nn
 class CpuGraphs:
     """The static-buffer protocol of `_Replay` with "graphs" that compute y = x * w on the CPU."""
 
-    def __init__(self, w: nn.Parameter) -> None:
+    def __init__(self, w: nn.Parameter, *, shared_outputs: bool = False) -> None:
         self.params = (w,)
         self.generation = 0
+        self.shared_outputs = shared_outputs
         self.static_inputs = (torch.zeros(3),)
         self.static_outputs = (torch.zeros(3),)
         self.differentiable = (True,)

@@ -83,6 +83,76 @@ def test_graphed_tower_is_bit_identical_to_eager(plan_at: int | None) -> None:
     assert graphs.fallbacks == []
 
 
+class Inter(nn.Module):
+    """An interaction: the bottom MLP's output with an input from outside the dense part."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = Fp8Linear.from_linear(nn.Linear(width, width))
+
+    def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
+        return torch.relu(self.lin(dense * sparse))
+
+
+class Chain(nn.Module):
+    """The DLRM family's dense chain: bottom MLP (ending in a ReLU, whose backward reads its
+    output) -> interaction -> flatten -> top MLP, each module fed the previous one's output."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.dense_arch = nn.Sequential(Fp8Linear.from_linear(nn.Linear(width, width)), nn.ReLU())
+        self.inter_arch = Inter(width)
+        self.over_arch = Fp8Linear.from_linear(nn.Linear(width, 1))
+
+    def forward(self, x: Tensor, sparse: Tensor) -> Tensor:
+        return self.over_arch(self.inter_arch(self.dense_arch(x), sparse).flatten(1))
+
+
+def _chain_steps(model: Chain, table: nn.Parameter, xs: list[Tensor], plan_at: int | None) -> list[tuple[Tensor, ...]]:
+    opt = torch.optim.Adagrad([*model.parameters(), table], lr=0.01)
+    seen = []
+    for i, x in enumerate(xs):
+        if plan_at is not None and i == plan_at:
+            model.dense_arch[0].set_plan(_fp8_plan())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = model(x, table * 1.5)  # an inner input, like the embeddings' output
+        y.float().square().mean().backward()
+        seen.append((y.detach().clone(), table.grad.clone(), *(p.grad.clone() for p in model.parameters())))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return seen
+
+
+@pytest.mark.parametrize("plan_at", [None, 3], ids=["high", "producer_fp8_from_step_3"])
+def test_chained_graphs_sharing_outputs_are_bit_identical_to_eager(plan_at: int | None) -> None:
+    """install() shares the bottom MLP's and the interaction's outputs: the next graph reads them
+    in place, inner gradients are not copied; outputs and gradients stay bit-identical to eager,
+    also when the producer is captured again (a plan change) and its consumers follow it."""
+    torch.manual_seed(0)
+    eager = Chain().cuda()
+    graphed = copy.deepcopy(eager)
+    graphs = DenseGraphs.install(graphed, warmup_calls=1)
+    gen = torch.Generator("cuda").manual_seed(1)
+    xs = [torch.randn(512, 256, device="cuda", generator=gen) for _ in range(8)]
+    table = torch.randn(512, 256, device="cuda", generator=gen)
+    want = _chain_steps(eager, nn.Parameter(table.clone()), xs, plan_at)
+    got = _chain_steps(graphed, nn.Parameter(table.clone()), xs, plan_at)
+    for step, (w, g) in enumerate(zip(want, got)):
+        for i, (a, b) in enumerate(zip(w, g)):
+            assert torch.equal(a, b), f"step {step}, tensor {i}"
+    entries = {e.name: e for e in graphs._entries}
+    assert [entries[n].chain != () for n in ("dense_arch", "inter_arch", "over_arch")] == [False, True, True]
+    stats = graphs.stats()
+    assert graphs.fallbacks == []
+    if plan_at is None:
+        assert stats["captures"] == 3 and stats["replays"] == 21 and stats["eager"] == {"warmup": 3}, stats
+    else:
+        # Step 3: the bottom MLP warms up its new plan; the other two run unchained. Step 4: it
+        # captures a new buffer, and the other two follow it.
+        assert stats["captures"] == 6 and stats["replays"] == 18, stats
+        assert stats["eager"] == {"warmup": 4, "unchained": 2}, stats
+
+
 def _inductor(fn):  # type: ignore[no-untyped-def]
     return torch.compile(fn, backend="inductor", options={"emulate_precision_casts": True})
 

@@ -40,8 +40,10 @@ class FakeGraphed:
     the capture: a router that replays a stale capture fails these tests."""
 
     def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list,
-                 module: nn.Module | None = None) -> None:
+                 module: nn.Module | None = None, *, shared_outputs: bool = False,
+                 chained: tuple[bool, ...] = ()) -> None:
         self.run, self.log, self.params, self.module = run, log, params, module
+        self.shared_buffers: tuple[Tensor, ...] = ()
         self.out_spec = _flatten_output(run(params, *inputs))[1]
         self.released = False
         self.state = _state(self._params(), inputs)
@@ -81,7 +83,7 @@ class Tower(nn.Module):
 def _graphs(module: nn.Module, log: list, **kwargs: Any) -> DenseGraphs:
     return DenseGraphs(
         {"tower": module},
-        capture=lambda run, inputs, params: FakeGraphed(run, inputs, params, log, module),
+        capture=lambda run, inputs, params, **kw: FakeGraphed(run, inputs, params, log, module, **kw),
         **kwargs,
     )
 
@@ -176,7 +178,7 @@ def test_non_tensor_input_is_a_counted_logged_fallback(caplog: pytest.LogCapture
 def test_a_failed_capture_leaves_the_module_eager_and_is_reported() -> None:
     tower = Tower()
 
-    def failing(run: Any, inputs: tuple[Tensor, ...], params: Any) -> Any:
+    def failing(run: Any, inputs: tuple[Tensor, ...], params: Any, **_: Any) -> Any:
         raise RuntimeError("operation not permitted when stream is capturing")
 
     graphs = DenseGraphs({"tower": tower}, warmup_calls=1, capture=failing)
@@ -207,11 +209,11 @@ def test_install_finds_the_dense_submodules_and_refuses_models_without_them() ->
 
     model = build_model(ModelConfig(kind="dlrm"), feature_names=["cat_0", "cat_1"],
                         num_embeddings_per_feature=[10, 10], num_dense=4, seed=0)
-    graphs = DenseGraphs.install(model, capture=lambda *a: FakeGraphed(*a, []))
+    graphs = DenseGraphs.install(model, capture=lambda *a, **kw: FakeGraphed(*a, [], **kw))
     assert set(graphs.stats()["modules"]) == {"model.dense_arch", "model.inter_arch", "model.over_arch"}
     graphs.remove()
     with pytest.raises(ValueError, match="no submodule named"):
-        DenseGraphs.install(nn.Sequential(nn.Linear(2, 2)), capture=lambda *a: FakeGraphed(*a, []))
+        DenseGraphs.install(nn.Sequential(nn.Linear(2, 2)), capture=lambda *a, **kw: FakeGraphed(*a, [], **kw))
 
 
 def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
@@ -295,6 +297,116 @@ def test_replayed_gradients_accumulate_like_eager_ones() -> None:
     torch.testing.assert_close(w.grad, xs[0].detach())
 
 
+def test_shared_outputs_and_inner_input_gradients_are_the_static_buffers() -> None:
+    from loka_train.runtime.graphs import _Replay
+
+    w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    dy = torch.tensor([1.0, -2.0, 0.5])
+    for shared in (False, True):
+        graphs = CpuGraphs(w, shared_outputs=shared)
+        leaf = torch.tensor([1.0, -1.0, 2.0], requires_grad=True)
+        inner = leaf * 2  # an inner node: its gradient goes on to the leaf's
+        seen: list[Tensor] = []
+        inner.register_hook(seen.append)
+        (y,) = _Replay.apply(graphs, inner, w)
+        torch.testing.assert_close(y, inner.detach() * w.detach())
+        # Shared: the output is the static buffer itself; fresh: a copy.
+        assert (y.data_ptr() == graphs.static_outputs[0].data_ptr()) is shared
+        (y * dy).sum().backward()
+        # The inner input's gradient is the static buffer (no copy); the leaf's and the
+        # parameter's are their own tensors.
+        assert seen[0].data_ptr() == graphs.static_grads[0].data_ptr()
+        torch.testing.assert_close(leaf.grad, 2 * w.detach() * dy)
+        torch.testing.assert_close(w.grad, inner.detach() * dy)
+        assert w.grad.data_ptr() != graphs.static_grads[1].data_ptr()
+        w.grad = None
+    x = torch.ones(3, requires_grad=True)  # a leaf input: its .grad must not be a static buffer
+    (y,) = _Replay.apply(CpuGraphs(w), x, w)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.data_ptr() != graphs.static_grads[0].data_ptr()
+
+
+class SharingFake:
+    """A capture whose replays write the eager result into one buffer per output and return
+    those buffers themselves when shared, and that reads a chained input in place (as the CUDA
+    graphs do); it logs what each capture was told."""
+
+    def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list,
+                 name: str, *, shared_outputs: bool = False, chained: tuple[bool, ...] = ()) -> None:
+        self.run, self.params, self.shared = run, params, shared_outputs
+        outs, self.out_spec = _flatten_output(run(params, *inputs))
+        self.buffers = [o.detach().clone() for o in outs]
+        self.shared_buffers = tuple(self.buffers) if shared_outputs else ()
+        self.static_inputs = [t.detach() if c else t.detach().clone() for t, c in zip(inputs, chained, strict=True)]
+        log.append((name, shared_outputs, chained))
+
+    def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
+        for static, given in zip(self.static_inputs, flat_inputs):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        with torch.no_grad():
+            for buffer, out in zip(self.buffers, _flatten_output(self.run(self.params, *self.static_inputs))[0]):
+                buffer.copy_(out)
+        # Like a replay's outputs: tensors that require grad (aliases of the buffers if shared).
+        return [(b.detach() if self.shared else b.clone()).requires_grad_() for b in self.buffers]
+
+    def release(self) -> None:
+        self.buffers = []
+
+
+def test_a_module_fed_by_a_shared_output_reads_it_in_place_and_follows_its_producer() -> None:
+    producer, consumer = Tower(), nn.Sequential(nn.Linear(4, 2))
+    log: list = []
+    consumer_params = set(consumer.parameters())
+    graphs = DenseGraphs(
+        {"producer": producer, "consumer": consumer}, warmup_calls=1, shared_outputs=["producer"],
+        capture=lambda run, inputs, params, **kw: SharingFake(
+            run, inputs, params, log, "consumer" if params[0] in consumer_params else "producer", **kw
+        ),
+    )
+    x = torch.randn(3, 8)
+
+    def step() -> Tensor:
+        out = consumer(producer(x))
+        with torch.no_grad():
+            torch.testing.assert_close(out, consumer[0](Tower.forward(producer, x)), rtol=0, atol=0)
+        return out
+
+    for _ in range(3):
+        step()
+    # The producer shares its output buffer; the consumer's capture reads it in place.
+    assert log == [("producer", True, (False,)), ("consumer", False, (True,))]
+    buffer = graphs._entries[0].graphed.shared_buffers[0]
+    assert graphs.stats()["replays"] == 4
+    # Fed another tensor (its producer did not replay): the consumer runs unreplayed and does
+    # not write into the producer's buffer, which the producer's backward graph may read.
+    kept = buffer.clone()
+    other = torch.randn(3, 4, requires_grad=True)
+    torch.testing.assert_close(consumer(other), consumer[0](other), rtol=0, atol=0)
+    torch.testing.assert_close(buffer, kept, rtol=0, atol=0)
+    assert graphs.stats()["eager"]["unchained"] == 1
+    # The producer's plan changes: one warm-up call (the consumer then runs unchained), then
+    # its new capture shares a new buffer and the consumer captures again on it.
+    producer.site.set_plan(FP8_PLAN)
+    step()
+    assert graphs.stats()["eager"] == {"warmup": 3, "unchained": 2}
+    step()
+    step()
+    assert log[2:] == [("producer", True, (False,)), ("consumer", False, (True,))]
+    assert graphs._entries[1].graphed.static_inputs[0].data_ptr() == graphs._entries[0].graphed.shared_buffers[0].data_ptr()
+
+
+def test_install_shares_the_outputs_of_the_inner_dense_parts_only() -> None:
+    model = nn.Module()
+    model.dense_arch, model.inter_arch, model.over_arch = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1)
+    graphs = DenseGraphs.install(model, capture=lambda *a, **kw: FakeGraphed(*a, [], **kw))
+    assert {e.name: e.shares_outputs for e in graphs._entries} == {
+        "dense_arch": True, "inter_arch": True, "over_arch": False,
+    }
+    with pytest.raises(ValueError, match="not graphed"):
+        DenseGraphs({"a": nn.Linear(2, 2)}, shared_outputs=["b"], capture=lambda *a, **kw: None)
+
+
 def test_a_second_forward_before_the_backward_raises() -> None:
     from loka_train.runtime.graphs import _Replay
 
@@ -324,7 +436,7 @@ def test_compiled_forward_runs_under_the_router_for_eager_calls_and_captures() -
     graphs = DenseGraphs(
         {"tower": tower},
         warmup_calls=1,
-        capture=lambda run, inputs, params: FakeGraphed(run, inputs, params, log, tower),
+        capture=lambda run, inputs, params, **kw: FakeGraphed(run, inputs, params, log, tower, **kw),
         compile=compile_fn,
     )
     x = torch.randn(3, 8)
@@ -353,7 +465,7 @@ def test_with_compile_a_sampled_step_runs_the_uncompiled_forward() -> None:
         return lambda *args, **kwargs: (compiled_calls.append(True), fn(*args, **kwargs))[1]
 
     graphs = DenseGraphs({"tower": tower}, warmup_calls=1, compile=compile_fn,
-                         capture=lambda run, inputs, params: FakeGraphed(run, inputs, params, log, tower))
+                         capture=lambda run, inputs, params, **kw: FakeGraphed(run, inputs, params, log, tower, **kw))
     probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, interval=100, window=2, min_samples=1))
     tower.site.site_name = "tower.site"
     probe.register_site("tower.site", **tower.site.probe_spec())
