@@ -29,9 +29,10 @@ Design choices:
   is no ``.item()``, no host-to-device copy and no host sync. Non-finite inputs are counted and
   zeroed before the statistics are computed, so they never poison the buffers and never raise.
 * **Row subsample.** A sample measures at most ``max_rows`` rows of an activation or
-  gradient (evenly strided, plus the row holding the largest finite |value| so the
-  tensor-wise scale is the full tensor's); non-finite values are counted on the full tensors.
-  The cost of a sample is then bounded whatever the batch size.
+  gradient (evenly strided, plus the row holding the largest |value|, so the tensor-wise
+  scale is the full tensor's; a row holding a non-finite value is not picked); non-finite
+  values are counted on the full tensors. Those two reductions are all that reads the full
+  operands: the statistics, and the CUDA graphs that compute them, see only the selected rows.
 * **Shadow SQNR.** For each candidate (format, scaling) both operands are quantized and
   dequantized with the reference quantizers and multiplied in fp32; the error energy
   ``sum((ref - fp8)**2)`` and the signal energy ``sum(ref**2)`` are stored, not the dB value.
@@ -231,9 +232,11 @@ class _CudaGraphs:
     """Replays the measurement of each (role, operand shapes and dtypes) as one CUDA graph.
 
     A sample is a few hundred small kernels; launched eagerly, their CPU cost dominates
-    the probe's overhead. Captured once, a replay is one launch. Inputs are copied into static
-    buffers (two device-to-device copies), outputs are copied out of static buffers by the
-    caller. All graphs share one memory pool: every tensor allocated during a capture is dead
+    the probe's overhead. Captured once, a replay is one launch. Its inputs are the rows that
+    :func:`_select` chose (at most ``max_rows`` + 2) and the two non-finite counts, copied into
+    static buffers; the full operands never enter a graph (at batch 32768 their copies were a
+    large part of a sample's cost, ``bench/results/README.md``). Outputs are copied out of
+    static buffers by the caller. All graphs share one memory pool: every tensor allocated during a capture is dead
     at its end (outputs are written into buffers allocated outside the pool), so replays in
     any order cannot clobber each other's live memory.
 
@@ -245,15 +248,15 @@ class _CudaGraphs:
     def __init__(self, measure, *, max_graphs: int) -> None:
         self._measure = measure
         self._max_graphs = max_graphs
-        self._entries: dict[tuple, tuple[Tensor, Tensor, Any, Tensor, Tensor]] = {}
+        self._entries: dict[tuple, tuple[tuple[Tensor, ...], Any, Tensor, Tensor]] = {}
         self._pool: Any = None
         self.disabled_reason: str | None = None
         self.num_captures = 0
         self.num_eager = 0
         self._warned_full = False
 
-    def run(self, role: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-        key = (role, tuple(a.shape), a.dtype, tuple(b.shape), b.dtype, a.device)
+    def run(self, role: str, *operands: Tensor) -> tuple[Tensor, Tensor]:
+        key = (role, operands[0].device, *((tuple(t.shape), t.dtype) for t in operands))
         entry = self._entries.get(key)
         if entry is None:
             if self.disabled_reason is not None or len(self._entries) >= self._max_graphs:
@@ -263,11 +266,11 @@ class _CudaGraphs:
                     logger.warning(
                         "probe: %d CUDA graphs cached (max_cuda_graphs); new shapes such as "
                         "%s/%s x %s are measured eagerly (slower, same numbers)",
-                        self._max_graphs, role, tuple(a.shape), tuple(b.shape),
+                        self._max_graphs, role, tuple(operands[0].shape), tuple(operands[1].shape),
                     )
-                return self._measure(role, a, b, None)
+                return self._measure(role, *operands)
             try:
-                entry = self._capture(role, a, b)
+                entry = self._capture(role, operands)
             except RuntimeError as exc:
                 self.disabled_reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 self.num_eager += 1
@@ -275,34 +278,56 @@ class _CudaGraphs:
                     "probe: CUDA graph capture failed (%s); measuring eagerly from now on "
                     "(slower, same numbers)", self.disabled_reason,
                 )
-                return self._measure(role, a, b, None)
+                return self._measure(role, *operands)
             self._entries[key] = entry
-        a_static, b_static, graph, out_sum, out_max = entry
-        a_static.copy_(a)
-        b_static.copy_(b)
+        statics, graph, out_sum, out_max = entry
+        for static, given in zip(statics, operands):
+            static.copy_(given)
         graph.replay()
         return out_sum, out_max
 
-    def _capture(self, role: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Any, Tensor, Tensor]:
-        a_static = a.detach().clone(memory_format=torch.contiguous_format)
-        b_static = b.detach().clone(memory_format=torch.contiguous_format)
-        side = torch.cuda.Stream(device=a.device)
-        side.wait_stream(torch.cuda.current_stream(a.device))
+    def _capture(self, role: str, operands: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], Any, Tensor, Tensor]:
+        statics = tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in operands)
+        device = operands[0].device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             # Warm-up outside the capture (lazy inits, cuBLAS workspaces); also this sample.
-            vec_sum, vec_max = self._measure(role, a_static, b_static, None)
+            vec_sum, vec_max = self._measure(role, *statics)
             out_sum, out_max = vec_sum.clone(), vec_max.clone()
-        torch.cuda.current_stream(a.device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            vec_sum, vec_max = self._measure(role, a_static, b_static, None)
+            vec_sum, vec_max = self._measure(role, *statics)
             out_sum.copy_(vec_sum)
             out_max.copy_(vec_max)
         self.num_captures += 1
-        logger.debug("probe: captured a CUDA graph for %s %s x %s", role, tuple(a.shape), tuple(b.shape))
-        return a_static, b_static, graph, out_sum, out_max
+        logger.debug("probe: captured a CUDA graph for %s %s", role, [tuple(t.shape) for t in operands])
+        return statics, graph, out_sum, out_max
+
+
+def _select(
+    role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_rows: int | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The work of a sample on the full operands: their non-finite counts, and the rows to
+    measure. Returns ``(a, b, nf_a, nf_b, out_ref)`` with ``a`` (and ``b`` for grad-weight,
+    ``out_ref`` for the other roles) cut to those rows. Each full operand is read twice (the
+    count, the peak row); the statistics then read only the selected rows."""
+    # Non-finite values are counted on the full operands: none may slip past a subsample.
+    nf_a = a.numel() - torch.isfinite(a).sum()
+    nf_b = b.numel() - torch.isfinite(b).sum()
+    rows = _row_subsample(role, a, b, max_rows)
+    if rows is not None:
+        a = a.index_select(0, rows)
+        if role == "grad_weight":
+            b = b.index_select(0, rows)
+        if out_ref is not None and role != "grad_weight":
+            out_ref = out_ref.reshape(-1, out_ref.shape[-1]).index_select(0, rows)
+        else:
+            out_ref = None
+    return a, b, nf_a, nf_b, out_ref
 
 
 def _row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Tensor | None:
@@ -310,7 +335,9 @@ def _row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Ten
 
     Evenly strided rows plus the row holding the largest |value| of ``a`` (and of ``b`` for
     grad-weight, whose operands share M), so the tensor-wise amax, and with it the tensor-wise
-    scale, is the full tensor's. Device ops only (argmax stays on the device).
+    scale, is the full tensor's. Each row's peak is one reduction over the operand (no
+    full-size temporaries); a row holding a non-finite value is not picked (non-finite values
+    are counted on the full tensor anyway). Device ops only (argmax stays on the device).
     """
     num_rows = a.shape[0]
     if max_rows is None or num_rows <= max_rows:
@@ -320,9 +347,10 @@ def _row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Ten
         extra.append(b)
     stride = -(-num_rows // (max_rows - len(extra)))
     strided = torch.arange(0, num_rows, stride, device=a.device)
-    # The peak among finite values (non-finite ones are counted on the full tensor anyway).
     peaks = [
-        torch.nan_to_num(x.detach().abs(), nan=0.0, posinf=0.0).amax(dim=1).argmax().reshape(1)
+        torch.nan_to_num(torch.linalg.vector_norm(x.detach(), ord=math.inf, dim=1), nan=0.0, posinf=0.0)
+        .argmax()
+        .reshape(1)
         for x in extra
     ]
     return torch.cat([strided, *peaks])
@@ -395,7 +423,7 @@ class Probe:
         self.num_misaligned_events = 0
         self._graphs: _CudaGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
-            self._graphs = _CudaGraphs(self._measure, max_graphs=config.max_cuda_graphs)
+            self._graphs = _CudaGraphs(self._measure_selected, max_graphs=config.max_cuda_graphs)
         self.num_reduces = 0
         self.num_verdict_changes = 0
 
@@ -613,7 +641,9 @@ class Probe:
             return
         with torch.no_grad(), record_function("loka/probe/observe"):
             if self._graphs is not None and out_ref is None:
-                vec_sum, vec_max = self._graphs.run(role, a2, b2)
+                # The full operands are read here, once each; the graph gets the selected rows.
+                a_rows, b_rows, nf_a, nf_b, _ = _select(role, a2, b2, None, self.config.max_rows)
+                vec_sum, vec_max = self._graphs.run(role, a_rows, b_rows, nf_a, nf_b)
             else:
                 vec_sum, vec_max = self._measure(role, a2, b2, out_ref)
             r = _ROLE_INDEX[role]
@@ -632,27 +662,21 @@ class Probe:
 
     def _measure(self, role: str, a: Tensor, b: Tensor, out_ref: Tensor | None) -> tuple[Tensor, Tensor]:
         """All statistics of one GEMM as (SUM vector, MAX vector), on the device."""
+        return self._measure_selected(role, *_select(role, a, b, out_ref, self.config.max_rows))
+
+    def _measure_selected(
+        self, role: str, a: Tensor, b: Tensor, nf_a: Tensor, nf_b: Tensor, out_ref: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`_measure` on the rows :func:`_select` chose (what the CUDA graphs capture)."""
         # Hooks run inside the model's autocast region: the shadow GEMMs must stay in fp32.
         with torch.autocast(device_type=a.device.type, enabled=False):
-            return self._measure_fp32(role, a, b, out_ref)
+            return self._measure_fp32(role, a, b, nf_a, nf_b, out_ref)
 
     def _measure_fp32(
-        self, role: str, a: Tensor, b: Tensor, out_ref: Tensor | None
+        self, role: str, a: Tensor, b: Tensor, nf_a: Tensor, nf_b: Tensor, out_ref: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         L, cfg = self._layout, self.config
         ax_a, ax_b = _ROLE_AXES[role]
-        # Non-finite values are counted on the full operands: none may slip past a subsample.
-        nf_a = torch.isfinite(a).logical_not().sum()
-        nf_b = torch.isfinite(b).logical_not().sum()
-        rows = _row_subsample(role, a, b, cfg.max_rows)
-        if rows is not None:
-            a = a.index_select(0, rows)
-            if role == "grad_weight":
-                b = b.index_select(0, rows)
-            if out_ref is not None and role != "grad_weight":
-                out_ref = out_ref.reshape(-1, out_ref.shape[-1]).index_select(0, rows)
-            else:
-                out_ref = None
         a_c, _ = _clean(a)
         b_c, _ = _clean(b)
         if out_ref is None:

@@ -13,9 +13,9 @@ from loka_train.probe import Probe, ProbeConfig
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _observe(cuda_graphs: bool) -> Probe:
+def _observe(cuda_graphs: bool, rows: int = 1024) -> Probe:
     probe = Probe(
-        ProbeConfig(every_k_steps=1, interval=4, window=4, min_samples=1, cuda_graphs=cuda_graphs),
+        ProbeConfig(every_k_steps=1, interval=4, window=4, min_samples=1, cuda_graphs=cuda_graphs, max_rows=1024),
         device=torch.device("cuda"),
     )
     probe.register_site("s", weight_shape=(256, 512))
@@ -23,17 +23,19 @@ def _observe(cuda_graphs: bool) -> Probe:
     w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
     for step in range(4):  # the first graphed call captures, later ones replay
         probe.begin_step(step)
-        x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
         x[:, :4] *= 100.0 * (step + 1)  # outlier columns that change every step
-        dy = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dy = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
         probe.observe_forward("s", x, w)
         probe.observe_backward("s", dy, x, w)
     probe.reduce()
     return probe
 
 
-def test_graph_replays_match_eager_statistics() -> None:
-    eager, graphed = _observe(False), _observe(True)
+@pytest.mark.parametrize("rows", [1024, 4096], ids=["all_rows", "subsampled"])
+def test_graph_replays_match_eager_statistics(rows: int) -> None:
+    """Also with a row subsample (4096 > max_rows), where the graphs get the selected rows."""
+    eager, graphed = _observe(False, rows), _observe(True, rows)
     for role in ("forward", "grad_input", "grad_weight"):
         e, g = eager.window_stats("s", role), graphed.window_stats("s", role)
         assert torch.equal(e["valid"], g["valid"]) and bool(e["valid"].all()), role

@@ -328,6 +328,28 @@ def test_masked_quantile_matches_torch_quantile() -> None:
                     assert got[s, r, c] == torch.quantile(sel, q, interpolation=mode)
 
 
+def test_row_subsample_skips_a_peak_row_with_a_nonfinite_value_and_selects_before_measuring() -> None:
+    from loka_train.probe.probe import _row_subsample, _select
+
+    x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(2))
+    x_MK[201, 5] = 1e4  # the peak row ...
+    x_MK[201, 6] = float("inf")  # ... holds a non-finite value: not picked
+    x_MK[90, 1] = 500.0  # the largest among the finite rows
+    rows = _row_subsample("forward", x_MK, torch.randn(N, K), max_rows=8)
+    assert rows is not None and int(rows[-1]) == 90 and 201 not in rows.tolist()
+    # _select: the counts on the full operands, the selected rows; the measurement of the
+    # selection is the measurement of the full operands.
+    probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
+    probe.register_site("s", weight_shape=(N, K))
+    w_NK = torch.randn(N, K)
+    a, b, nf_a, nf_b, _ = _select("forward", x_MK, w_NK, None, 8)
+    assert a.shape == (8, K) and b is w_NK and int(nf_a) == 1 and int(nf_b) == 0
+    want = probe._measure("forward", x_MK, w_NK, None)
+    got = probe._measure_selected("forward", a, b, nf_a, nf_b)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
 def test_row_subsample_keeps_the_peak_row_and_counts_every_nonfinite() -> None:
     probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
     probe.register_site("s", weight_shape=(N, K))
