@@ -38,14 +38,16 @@ eager calls). The inputs are copied into the graph's static buffers, except an i
 a graphed producer's shared output buffer (below). Outputs are returned as copies of the static
 buffers, except for modules in ``shared_outputs`` (``install``: the bottom MLP and the
 interaction, whose outputs only the model's next submodule reads), whose replays return the
-buffers themselves. Gradients of parameters and of leaf inputs are copies (they become
-``.grad``); those of inner inputs are the static buffers, which the backward in progress reads.
+buffers themselves. Gradients of parameters, and of inputs whose gradient may reach a leaf's
+``.grad`` unchanged or as a view (a leaf, a view of one), are copies; those of other inputs are
+the static buffers, which the backward in progress reads (a ``torch.autograd.grad`` call on such
+an input, or a tensor hook that keeps its argument, gets the buffer: copy it to keep it).
 So in DCN at batch 32768 the interaction's 32768 x 3456 output is copied once a step (its
 gradient, into the interaction's backward graph) instead of four times, and the embeddings'
 gradient is not copied at all. A graphed module takes one training forward, then its
 backward (a second forward replay before that backward makes the backward raise). Limits:
 a shared output is valid until its module's next training forward and must not be changed in
-place (its backward graph may read it); module hooks (refused at capture: a replay would skip
+place (its backward graph may read it: the backward raises if it was); module hooks (refused at capture: a replay would skip
 them); parameters used but owned outside
 the module get no gradient from a replay; parameter objects replaced mid-run need
 :meth:`DenseGraphs.invalidate`; the capture's warm-up runs advance stateful modules (none in
@@ -229,7 +231,8 @@ class DenseGraphs:
             )
         if capture is None and not torch.cuda.is_available():
             raise ValueError("CUDA graphs need a CUDA device; set trainer.cuda_graphs=false on CPU")
-        unknown = set(shared_outputs) - set(modules)
+        shared_outputs = set(shared_outputs)
+        unknown = shared_outputs - set(modules)
         if unknown:
             raise ValueError(f"shared_outputs names modules that are not graphed: {sorted(unknown)}")
         self.warmup_calls = warmup_calls
@@ -249,7 +252,7 @@ class DenseGraphs:
                 eager=module.forward,
                 shadowed=vars(module).get("forward"),
                 sites=tuple(m for m in module.modules() if isinstance(m, Site)),
-                shares_outputs=name in set(shared_outputs),
+                shares_outputs=name in shared_outputs,
             )
             entry.refresh_params()
             self._entries.append(entry)
@@ -274,7 +277,8 @@ class DenseGraphs:
         """
         found = dense_submodules(model, names, setting="trainer.cuda_graphs", verb="graph")
         logger.info("cuda_graphs: graphing %s", ", ".join(found))
-        shared = [name for name in found if name.rsplit(".", 1)[-1] in set(inner)]
+        inner = set(inner)
+        shared = [name for name in found if name.rsplit(".", 1)[-1] in inner]
         return cls(found, shared_outputs=shared, **kwargs)
 
     @property
@@ -335,10 +339,14 @@ class DenseGraphs:
             return self._unreplayed(entry, "unsupported_input", args, kwargs)
         inputs: tuple[Tensor, ...] = tuple(flat)
         key = self._signature(entry, inputs, spec)
-        if entry.graphed is not None and key == entry.key and entry.chain:
-            if any(storage not in self._shared for _, _, storage in entry.chain):
+        if entry.graphed is not None and key == entry.key and (entry.chain or self._shared):
+            if any(storage not in self._shared for _, _, storage in entry.chain) or self._unchained_shared(
+                entry, inputs
+            ):
                 # A producer this capture reads in place was captured again (or dropped): the
-                # replay would read a buffer nobody writes any more.
+                # replay would read a buffer nobody writes any more. Or this capture was taken
+                # while its producer did not replay, and now it is fed the producer's buffer:
+                # chain to it (once; copying it on every replay would waste the sharing).
                 if not self._recapture(entry, inputs, spec):
                     return self._unreplayed(entry, "capture_failed", args, kwargs)
             elif any(inputs[i].data_ptr() != ptr for i, ptr, _ in entry.chain):
@@ -416,7 +424,7 @@ class DenseGraphs:
             finally:
                 entry.capturing = False
 
-        chained = tuple(t.untyped_storage().data_ptr() in self._shared for t in inputs)
+        chained = tuple(bool(t.numel()) and t.untyped_storage().data_ptr() in self._shared for t in inputs)
         try:
             entry.graphed = self._capture(
                 run, inputs, entry.params, shared_outputs=entry.shares_outputs, chained=chained
@@ -440,10 +448,19 @@ class DenseGraphs:
                     entry.name, len(entry.sites))
         return True
 
+    def _unchained_shared(self, entry: _Entry, inputs: tuple[Tensor, ...]) -> bool:
+        """Whether `entry`'s capture copies an input that is a shared output buffer."""
+        chained = {i for i, _, _ in entry.chain}
+        return any(
+            i not in chained and t.numel() and t.untyped_storage().data_ptr() in self._shared
+            for i, t in enumerate(inputs)
+        )
+
     def _drop(self, entry: _Entry) -> None:
         if entry.graphed is not None:
             for buffer in entry.graphed.shared_buffers:
-                self._shared.pop(buffer.untyped_storage().data_ptr(), None)
+                if self._shared.get(buffer.untyped_storage().data_ptr()) == entry.name:
+                    del self._shared[buffer.untyped_storage().data_ptr()]
             entry.graphed.release()
             entry.graphed = None
             entry.key = None
@@ -567,9 +584,9 @@ class _Replay(torch.autograd.Function):
         graphs.generation += 1
         ctx.graphs, ctx.generation = graphs, graphs.generation
         inputs = inputs_and_params[: len(graphs.static_inputs)]
-        # A gradient returned to a leaf would become its .grad: that one gets a copy of the
-        # static buffer; an inner node's gradient is consumed within this backward.
-        ctx.leaf_inputs = tuple(t.is_leaf for t in inputs)
+        # A gradient that may become a leaf's .grad (directly or through views) gets a copy of
+        # the static buffer; an inner node's gradient is consumed within this backward.
+        ctx.copy_grad = tuple(_grad_may_reach_a_leaf(t) for t in inputs)
         for static, given in zip(graphs.static_inputs, inputs):
             if static.data_ptr() != given.data_ptr():  # equal: chained to a producer's output
                 static.copy_(given)
@@ -577,6 +594,9 @@ class _Replay(torch.autograd.Function):
         # Shared outputs are the static buffers themselves (valid until this module's next
         # training forward); fresh ones are copies the caller may keep.
         outs = tuple(o.detach() if graphs.shared_outputs else o.clone() for o in graphs.static_outputs)
+        # A shared output changed in place would corrupt this module's backward (e.g. a ReLU's
+        # reads its output): its version counter, shared with the buffer, tells.
+        ctx.versions = tuple(o._version for o in outs) if graphs.shared_outputs else ()
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, graphs.differentiable) if not d))
         return outs
 
@@ -591,6 +611,12 @@ class _Replay(torch.autograd.Function):
                 "earlier forward; graphed modules take one forward, then its backward. Call the "
                 "module once per step, or set trainer.cuda_graphs=false"
             )
+        if ctx.versions and ctx.versions != tuple(o._version for o in graphs.static_outputs):
+            raise RuntimeError(
+                "cuda_graphs: an output of a graphed module that shares its outputs (the bottom "
+                "MLP or the interaction) was changed in place before its backward, which reads "
+                "it; change a copy (out = out.clone()) instead"
+            )
         diff_grads = [g for g, d in zip(grads, graphs.differentiable) if d]
         for static, g in zip(graphs.static_grad_outputs, diff_grads):
             if g is None:
@@ -603,14 +629,50 @@ class _Replay(torch.autograd.Function):
         for index, grad in zip(graphs.grad_targets, graphs.static_grads):
             if grad is None:
                 continue
-            # Copies for parameters and leaf inputs: autograd would make a leaf's .grad the
-            # static buffer itself, which the next replay overwrites (and adds to itself when
-            # .grad is kept, e.g. with zero_grad(set_to_none=False) or gradient accumulation).
-            # An inner node's gradient is read by the backward in progress: no copy (DCN at
-            # batch 32768: 32768 x 3456 values per graphed module and step).
-            inner = index < num_inputs and not ctx.leaf_inputs[index]
+            # Copies for parameters and inputs whose gradient may reach a leaf through views:
+            # a leaf's .grad must not be (a view of) the static buffer, which the next replay
+            # overwrites (and adds to itself when .grad is kept, e.g. with
+            # zero_grad(set_to_none=False) or gradient accumulation). An inner node's gradient
+            # is read by the backward in progress: no copy (DCN at batch 32768: 32768 x 3456
+            # values per graphed module and step).
+            inner = index < num_inputs and not ctx.copy_grad[index]
             result[index] = grad if inner else grad.clone()
         return (None, *result)
+
+
+_PASS_THROUGH = re.compile(
+    r"(View|UnsafeView|Reshape\w*|Alias|Transpose|T|Permute|Expand|Squeeze\w*|Unsqueeze\w*|Clone|"
+    r"ToCopy|AsStrided|Detach|Unfold|ViewAs\w*|Conj|Flatten\w*|Cat|Stack|Add|Sub)Backward\d*"
+)
+"""Autograd nodes that may hand their gradient on as the same memory: views of it (view,
+transpose, cat's slices, ...) or the tensor itself (clone, add, same-dtype ``to``)."""
+
+
+def _grad_may_reach_a_leaf(t: Tensor, depth: int = 8) -> bool:
+    """Whether the gradient returned for `t` may become a leaf's ``.grad`` without a copy: `t`
+    is a leaf, or a leaf is reached through nodes that pass the gradient on unchanged or as a
+    view (view, reshape, transpose, clone, same-dtype ``to``, ...). Past `depth` such nodes,
+    yes (a copy is always safe)."""
+    if not t.requires_grad:
+        return False
+    if t.grad_fn is None:
+        return True
+    frontier: list[Any] = [t.grad_fn]
+    seen: set[int] = set()
+    for _ in range(depth):
+        next_frontier: list[Any] = []
+        for node in frontier:
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if type(node).__name__ == "AccumulateGrad":
+                return True
+            if _PASS_THROUGH.fullmatch(type(node).__name__):
+                next_frontier.extend(n for n, _ in node.next_functions if n is not None)
+        if not next_frontier:
+            return False
+        frontier = next_frontier
+    return True
 
 
 class _CudaGraphed:

@@ -320,10 +320,27 @@ def test_shared_outputs_and_inner_input_gradients_are_the_static_buffers() -> No
         torch.testing.assert_close(w.grad, inner.detach() * dy)
         assert w.grad.data_ptr() != graphs.static_grads[1].data_ptr()
         w.grad = None
-    x = torch.ones(3, requires_grad=True)  # a leaf input: its .grad must not be a static buffer
-    (y,) = _Replay.apply(CpuGraphs(w), x, w)
-    y.sum().backward()
-    assert x.grad is not None and x.grad.data_ptr() != graphs.static_grads[0].data_ptr()
+    # A leaf reached through a view: its .grad must be its own memory, or the next replay
+    # would overwrite it, and accumulation would add into the static buffer.
+    graphs = CpuGraphs(w)
+    leaf = torch.zeros(3, requires_grad=True)
+    for x in ([1.0, 1.0, 1.0], [2.0, 0.0, -1.0]):
+        (y,) = _Replay.apply(graphs, (leaf + torch.tensor(x).requires_grad_(False)).view(3), w)
+        y.sum().backward()
+    assert leaf.grad is not None
+    assert leaf.grad.untyped_storage().data_ptr() != graphs.static_grads[0].untyped_storage().data_ptr()
+    torch.testing.assert_close(leaf.grad, 2 * w.detach())
+
+
+def test_a_shared_output_changed_in_place_is_refused_in_the_backward() -> None:
+    from loka_train.runtime.graphs import _Replay
+
+    w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    (y,) = _Replay.apply(CpuGraphs(w, shared_outputs=True), torch.ones(3, requires_grad=True), w)
+    z = y * 2  # reads y: fine
+    y.relu_()  # changes the buffer that the module's backward reads
+    with pytest.raises(RuntimeError, match="changed in place"):
+        (z + y).sum().backward()
 
 
 class SharingFake:
@@ -394,6 +411,27 @@ def test_a_module_fed_by_a_shared_output_reads_it_in_place_and_follows_its_produ
     step()
     assert log[2:] == [("producer", True, (False,)), ("consumer", False, (True,))]
     assert graphs._entries[1].graphed.static_inputs[0].data_ptr() == graphs._entries[0].graphed.shared_buffers[0].data_ptr()
+
+
+def test_a_module_captured_before_its_producer_chains_once_it_is_fed_the_shared_buffer() -> None:
+    producer, consumer = Tower(), nn.Sequential(nn.Linear(4, 2))
+    log: list = []
+    consumer_params = set(consumer.parameters())
+    DenseGraphs(
+        {"producer": producer, "consumer": consumer}, warmup_calls=1,
+        shared_outputs=(name for name in ["producer"]),  # any iterable
+        capture=lambda run, inputs, params, **kw: SharingFake(
+            run, inputs, params, log, "consumer" if params[0] in consumer_params else "producer", **kw
+        ),
+    )
+    x = torch.randn(3, 8)
+    consumer(torch.randn(3, 4, requires_grad=True))  # the consumer warms up first ...
+    consumer(producer(x))  # ... and captures on the producer's eager output (a copy)
+    for _ in range(2):
+        out = consumer(producer(x))
+    torch.testing.assert_close(out, consumer[0](Tower.forward(producer, x)), rtol=0, atol=0)
+    # The producer's capture shares its buffer; the consumer captures again, chained to it.
+    assert log == [("consumer", False, (False,)), ("producer", True, (False,)), ("consumer", False, (True,))]
 
 
 def test_install_shares_the_outputs_of_the_inner_dense_parts_only() -> None:
