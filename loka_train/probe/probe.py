@@ -29,8 +29,8 @@ Design choices:
   is no ``.item()``, no host-to-device copy and no host sync. Non-finite inputs are counted and
   zeroed before the statistics are computed, so they never poison the buffers and never raise.
 * **Row subsample.** A sample measures at most ``max_rows`` rows of an activation or
-  gradient (evenly strided, plus the row holding the largest |value|, so the tensor-wise
-  scale is the full tensor's; a row holding a non-finite value is not picked); non-finite
+  gradient (evenly strided, plus the row holding the largest |value|, so on finite inputs the
+  tensor-wise scale is the full tensor's; a row holding a non-finite value is not picked); non-finite
   values are counted on the full tensors. Those two reductions are all that reads the full
   operands: the statistics, and the CUDA graphs that compute them, see only the selected rows.
 * **Shadow SQNR.** For each candidate (format, scaling) both operands are quantized and
@@ -233,7 +233,7 @@ class _CudaGraphs:
 
     A sample is a few hundred small kernels; launched eagerly, their CPU cost dominates
     the probe's overhead. Captured once, a replay is one launch. Its inputs are the rows that
-    :func:`_select` chose (at most ``max_rows`` + 2) and the two non-finite counts, copied into
+    :func:`_select` chose (at most ``max_rows``) and the two non-finite counts, copied into
     static buffers; the full operands never enter a graph (at batch 32768 their copies were a
     large part of a sample's cost, ``bench/results/README.md``). Outputs are copied out of
     static buffers by the caller. All graphs share one memory pool: every tensor allocated during a capture is dead
@@ -265,7 +265,7 @@ class _CudaGraphs:
                     self._warned_full = True
                     logger.warning(
                         "probe: %d CUDA graphs cached (max_cuda_graphs); new shapes such as "
-                        "%s/%s x %s are measured eagerly (slower, same numbers)",
+                        "%s/%s x %s (selected rows) are measured eagerly (slower, same numbers)",
                         self._max_graphs, role, tuple(operands[0].shape), tuple(operands[1].shape),
                     )
                 return self._measure(role, *operands)
@@ -313,8 +313,10 @@ def _select(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The work of a sample on the full operands: their non-finite counts, and the rows to
     measure. Returns ``(a, b, nf_a, nf_b, out_ref)`` with ``a`` (and ``b`` for grad-weight,
-    ``out_ref`` for the other roles) cut to those rows. Each full operand is read twice (the
-    count, the peak row); the statistics then read only the selected rows."""
+    ``out_ref`` for the other roles) cut to those rows. The full operands are read by the
+    counts (an ``isfinite`` mask and its sum) and, when rows are subsampled, by the peak search
+    (one reduction each over ``a``, and ``b`` for grad-weight); the statistics then read only
+    the selected rows."""
     # Non-finite values are counted on the full operands: none may slip past a subsample.
     nf_a = a.numel() - torch.isfinite(a).sum()
     nf_b = b.numel() - torch.isfinite(b).sum()
@@ -335,8 +337,8 @@ def _row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Ten
 
     Evenly strided rows plus the row holding the largest |value| of ``a`` (and of ``b`` for
     grad-weight, whose operands share M), so the tensor-wise amax, and with it the tensor-wise
-    scale, is the full tensor's. Each row's peak is one reduction over the operand (no
-    full-size temporaries); a row holding a non-finite value is not picked (non-finite values
+    scale, is the full tensor's on finite inputs. Each row's peak is one reduction over the
+    operand (no full-size temporary); a row holding a non-finite value is not picked (non-finite values
     are counted on the full tensor anyway). Device ops only (argmax stays on the device).
     """
     num_rows = a.shape[0]

@@ -26,6 +26,8 @@ def _observe(cuda_graphs: bool, rows: int = 1024) -> Probe:
         x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
         x[:, :4] *= 100.0 * (step + 1)  # outlier columns that change every step
         dy = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+        if step == 2:  # a replayed step: the counts are graph inputs, not baked in
+            x[5, 7], dy[9, 3] = float("inf"), float("nan")
         probe.observe_forward("s", x, w)
         probe.observe_backward("s", dy, x, w)
     probe.reduce()
@@ -36,8 +38,15 @@ def _observe(cuda_graphs: bool, rows: int = 1024) -> Probe:
 def test_graph_replays_match_eager_statistics(rows: int) -> None:
     """Also with a row subsample (4096 > max_rows), where the graphs get the selected rows."""
     eager, graphed = _observe(False, rows), _observe(True, rows)
+    cuda_graphs = graphed._graphs
+    assert cuda_graphs is not None and cuda_graphs.disabled_reason is None
+    assert cuda_graphs.num_captures > 0 and cuda_graphs.num_eager == 0
+    assert torch.equal(graphed._global_nonfinite_total, eager._global_nonfinite_total)
     for role in ("forward", "grad_input", "grad_weight"):
         e, g = eager.window_stats("s", role), graphed.window_stats("s", role)
+        assert torch.equal(e["nonfinite_a"], g["nonfinite_a"]) and torch.equal(e["nonfinite_b"], g["nonfinite_b"])
+        assert float(e["nonfinite_a"].sum()) == 1.0, role  # the one value of x or dy
+        assert float(e["nonfinite_b"].sum()) == (1.0 if role == "grad_weight" else 0.0), role
         assert torch.equal(e["valid"], g["valid"]) and bool(e["valid"].all()), role
         valid = e["valid"]
         for key in ("sqnr_db", "underflow_a", "saturation_a", "amax_a", "outlier_ratio_a", "amax_b"):

@@ -337,17 +337,33 @@ def test_row_subsample_skips_a_peak_row_with_a_nonfinite_value_and_selects_befor
     x_MK[90, 1] = 500.0  # the largest among the finite rows
     rows = _row_subsample("forward", x_MK, torch.randn(N, K), max_rows=8)
     assert rows is not None and int(rows[-1]) == 90 and 201 not in rows.tolist()
-    # _select: the counts on the full operands, the selected rows; the measurement of the
-    # selection is the measurement of the full operands.
-    probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
-    probe.register_site("s", weight_shape=(N, K))
+    # _select: the counts on the full operands, and both grad-weight operands cut to the same
+    # rows (dY's and X's rows must stay paired: they share M).
     w_NK = torch.randn(N, K)
     a, b, nf_a, nf_b, _ = _select("forward", x_MK, w_NK, None, 8)
     assert a.shape == (8, K) and b is w_NK and int(nf_a) == 1 and int(nf_b) == 0
-    want = probe._measure("forward", x_MK, w_NK, None)
-    got = probe._measure_selected("forward", a, b, nf_a, nf_b)
-    for w, g in zip(want, got):
-        assert torch.equal(w, g)
+    dy_MN = torch.randn(256, N, generator=torch.Generator().manual_seed(3))
+    dy_MN[33, 0] = -700.0
+    a, b, nf_a, nf_b, _ = _select("grad_weight", dy_MN, x_MK, None, 8)
+    rows = _row_subsample("grad_weight", dy_MN, x_MK, 8)
+    assert rows is not None and {33, 90} <= set(rows.tolist())
+    assert torch.equal(a, dy_MN[rows]) and torch.equal(b, x_MK[rows])
+    assert int(nf_a) == 0 and int(nf_b) == 1
+    # Through the Probe: the non-finite value of X counts in grad-weight's operand b (the
+    # measurement graphs get these counts as inputs; here their eager fallback).
+    probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
+    probe.register_site("s", weight_shape=(N, K))
+    probe.observe_backward("s", dy_MN, x_MK, w_NK)
+    probe.reduce()
+    assert float(probe.window_stats("s", "grad_weight")["nonfinite_b"][0]) == 1.0
+    assert float(probe.window_stats("s", "grad_input")["nonfinite_b"][0]) == 0.0
+    from loka_train.probe.probe import _CudaGraphs
+
+    fallback = _CudaGraphs(probe._measure_selected, max_graphs=0)
+    got = fallback.run("grad_weight", *_select("grad_weight", dy_MN, x_MK, None, 8)[:4])
+    for want, g in zip(probe._measure("grad_weight", dy_MN, x_MK, None), got):
+        assert torch.equal(want, g)
+    assert fallback.num_eager == 1
 
 
 def test_row_subsample_keeps_the_peak_row_and_counts_every_nonfinite() -> None:
