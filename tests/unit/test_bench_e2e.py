@@ -139,6 +139,48 @@ def test_a_speed_only_run_judges_no_ne(e2e) -> None:
     assert slow["dense-heavy "] == "missed" and slow["LoKA faster "] == "missed"
 
 
+def _rounds(spec: dict[str, list[float]], config: str = "dlrm") -> list[dict]:
+    """Rotated rounds: per variant, its median step ms of seeds 0, 1, ... (equal NE)."""
+    return [dict(_run(v, seed, ms, 0.70), config=config) for v, times in spec.items() for seed, ms in enumerate(times)]
+
+
+def _targets(e2e, raw: list[dict], config: str = "dlrm") -> dict[str, dict]:
+    results = e2e.aggregate(raw)
+    e2e.add_ratios(results)
+    return {t["target"][:12]: t for t in e2e.evaluate_targets(results, [config], 64)}
+
+
+def test_rotated_rounds_turn_a_tie_within_their_spread_into_unresolved(e2e) -> None:
+    # DLRM at 32768 on 2026-11-25 (four rounds, ms): LoKA's median of the runs is 1.02x of
+    # tensor-wise's, but the paired ratios of the rounds run 0.70-1.22: a tie, not a win.
+    tie = {"bf16": [14.0, 14.0, 14.0, 14.0], "loka_safe": [6.61, 9.57, 10.22, 8.20],
+           "torchao_tensorwise": [9.47, 8.58, 8.35, 9.85], "torchao_rowwise": [8.47, 8.63, 9.89, 9.37]}
+    t = _targets(e2e, _rounds(tie))
+    assert t["LoKA faster "]["status"] == "unresolved"
+    assert "dlrm/torchao_tensorwise: 1.02x faster [" in t["LoKA faster "]["detail"]
+    assert t["LoKA is neve"]["status"] == "met"  # 1.5x of bf16 in every round
+    # The same medians with every round agreeing: resolved, met.
+    steady = {"bf16": [14.0] * 4, "loka_safe": [8.2, 8.2, 8.3, 8.2],
+              "torchao_tensorwise": [9.0, 9.1, 9.0, 9.0], "torchao_rowwise": [9.4, 9.3, 9.4, 9.4]}
+    assert _targets(e2e, _rounds(steady))["LoKA faster "]["status"] == "met"
+    # Slower in every round: missed.
+    slower = dict(steady, loka_safe=[9.5, 9.6, 9.5, 9.6])
+    assert _targets(e2e, _rounds(slower))["LoKA faster "]["status"] == "missed"
+
+
+def test_never_slower_is_unresolved_within_the_rounds_and_missed_beyond_them(e2e) -> None:
+    noisy = {"bf16": [11.8, 12.9, 11.6], "loka_safe": [12.2, 12.7, 9.8]}  # 0.97x by the medians
+    assert _targets(e2e, _rounds(noisy))["LoKA is neve"]["status"] == "unresolved"
+    slow = {"bf16": [11.8, 12.9, 11.6], "loka_safe": [12.6, 13.8, 12.4]}  # 7% slower in each
+    assert _targets(e2e, _rounds(slow))["LoKA is neve"]["status"] == "missed"
+    # A speed-up target too: 1.3x needed, rounds between 1.1x and 1.6x.
+    spread = {"bf16": [15.0, 15.0, 15.0], "loka_safe": [13.6, 9.4, 11.0]}
+    assert _targets(e2e, _rounds(spread, "wukong"), "wukong")["dense-heavy "]["status"] == "unresolved"
+    # One run each: the median ratio alone decides, as before.
+    one = {"bf16": [11.8], "loka_safe": [12.2]}
+    assert _targets(e2e, _rounds(one))["LoKA is neve"]["status"] == "missed"
+
+
 def test_variant_suffixes_combine(e2e) -> None:
     (v,) = e2e.resolve_variants(["loka_safe+compile+graphs"], "torch_scaled_mm")
     assert (v.name, v.compile, v.graphs, v.loka) == ("loka_safe+compile+graphs", True, True, "safe")
