@@ -1302,14 +1302,20 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                 r[f"speedup_ci_{key}"] = interval
             r[f"ne_delta_rel_{key}"] = (r["eval_ne"] - base["eval_ne"]) / base["eval_ne"]
             if "eval_ne_std" in r and "eval_ne_std" in base and base is not r:
-                # Paired by seed (round i of both ran with trainer.seed=i): the mean and the
-                # standard error of the per-seed relative differences.
-                base_ne = {x["seed"]: x["eval_ne"] for x in base["repeats"]}
-                diffs = [(x["eval_ne"] - base_ne[x["seed"]]) / base_ne[x["seed"]]
-                         for x in r["repeats"] if x["seed"] in base_ne]
+                # Paired by seed: the mean and the standard error of the per-seed relative
+                # differences.
+                diffs = [(ne - base_ne) / base_ne for ne, base_ne in seed_pairs(r, base, "eval_ne")]
                 if len(diffs) > 1:
                     r[f"ne_delta_rel_{key}"] = statistics.fmean(diffs)
                     r[f"ne_delta_rel_se_{key}"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def seed_pairs(r: dict[str, Any], base: dict[str, Any], field: str) -> list[tuple[float, float]]:
+    """``(r's, base's)`` values of `field` per seed over the rotated rounds of both (round i of
+    every variant ran with ``trainer.seed=i``), for the seeds whose runs both succeeded."""
+    ok = lambda x: x.get("status", "ok") == "ok"  # noqa: E731
+    base_by_seed = {x["seed"]: x[field] for x in base.get("repeats", []) if ok(x)}
+    return [(x[field], base_by_seed[x["seed"]]) for x in r.get("repeats", []) if ok(x) and x["seed"] in base_by_seed]
 
 
 def paired_speedup_interval(r: dict[str, Any], base: dict[str, Any]) -> list[float] | None:
@@ -1318,9 +1324,7 @@ def paired_speedup_interval(r: dict[str, Any], base: dict[str, Any]) -> list[flo
     geometric mean times exp(-/+ 2 standard errors of the log ratios). None under two pairs.
     A host-bound config moves ±20% from run to run (DLRM, 2026-11-25): a single median ratio
     cannot tell 1.02x from a tie, this interval can."""
-    base_ms = {x["seed"]: x["step_ms_median"] for x in base.get("repeats", []) if x.get("status", "ok") == "ok"}
-    logs = [math.log(base_ms[x["seed"]] / x["step_ms_median"]) for x in r.get("repeats", [])
-            if x.get("status", "ok") == "ok" and x["seed"] in base_ms]
+    logs = [math.log(base_ms / ms) for ms, base_ms in seed_pairs(r, base, "step_ms_median")]
     if len(logs) < 2:
         return None
     mean, se = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
@@ -1505,6 +1509,7 @@ def evaluate_targets(
                     continue
                 faster = a["step_ms_median"] / r["step_ms_median"]
                 interval = paired_speedup_interval(r, a)
+                # "Faster than": without rounds, equal medians are not faster.
                 speed = "below" if faster <= 1.0 and interval is None else speed_verdict(faster, interval, 1.0)
                 ne_ok = not ne_measured or r["eval_ne"] <= a["eval_ne"] * (1 + NE_TOLERANCE)
                 if speed == "below" or not ne_ok:

@@ -29,10 +29,11 @@ Design choices:
   is no ``.item()``, no host-to-device copy and no host sync. Non-finite inputs are counted and
   zeroed before the statistics are computed, so they never poison the buffers and never raise.
 * **Row subsample.** A sample measures at most ``max_rows`` rows of an activation or
-  gradient (evenly strided, plus the row holding the largest |value|, so on finite inputs the
-  tensor-wise scale is the full tensor's; a row holding a non-finite value is not picked); non-finite
-  values are counted on the full tensors. Those two reductions are all that reads the full
-  operands: the statistics, and the CUDA graphs that compute them, see only the selected rows.
+  gradient (evenly strided, plus the row holding the largest |value|, so on finite inputs
+  the tensor-wise scale is the full tensor's; a row holding a non-finite value is not picked);
+  non-finite values are counted on the full tensors. Those two reductions are all that reads
+  the full operands: the statistics, and the CUDA graphs that compute them, see only the
+  selected rows.
 * **Shadow SQNR.** For each candidate (format, scaling) both operands are quantized and
   dequantized with the reference quantizers and multiplied in fp32; the error energy
   ``sum((ref - fp8)**2)`` and the signal energy ``sum(ref**2)`` are stored, not the dB value.
@@ -236,8 +237,8 @@ class _CudaGraphs:
     :func:`_select` chose (at most ``max_rows``) and the two non-finite counts, copied into
     static buffers; the full operands never enter a graph (at batch 32768 their copies were a
     large part of a sample's cost, ``bench/results/README.md``). Outputs are copied out of
-    static buffers by the caller. All graphs share one memory pool: every tensor allocated during a capture is dead
-    at its end (outputs are written into buffers allocated outside the pool), so replays in
+    static buffers by the caller. All graphs share one memory pool: every tensor allocated
+    during a capture is dead at its end (outputs are written into buffers allocated outside the pool), so replays in
     any order cannot clobber each other's live memory.
 
     Costs and fallbacks: a capture synchronizes the device once (``torch.cuda.graph``), on the
@@ -338,8 +339,8 @@ def _row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Ten
     Evenly strided rows plus the row holding the largest |value| of ``a`` (and of ``b`` for
     grad-weight, whose operands share M), so the tensor-wise amax, and with it the tensor-wise
     scale, is the full tensor's on finite inputs. Each row's peak is one reduction over the
-    operand (no full-size temporary); a row holding a non-finite value is not picked (non-finite values
-    are counted on the full tensor anyway). Device ops only (argmax stays on the device).
+    operand (no full-size temporary); a row holding a non-finite value is not picked
+    (non-finite values are counted on the full tensor anyway). Device ops only (argmax stays on the device).
     """
     num_rows = a.shape[0]
     if max_rows is None or num_rows <= max_rows:
@@ -643,7 +644,7 @@ class Probe:
             return
         with torch.no_grad(), record_function("loka/probe/observe"):
             if self._graphs is not None and out_ref is None:
-                # The full operands are read here, once each; the graph gets the selected rows.
+                # The full operands are read here (counts, peak rows); the graph gets the rows.
                 a_rows, b_rows, nf_a, nf_b, _ = _select(role, a2, b2, None, self.config.max_rows)
                 vec_sum, vec_max = self._graphs.run(role, a_rows, b_rows, nf_a, nf_b)
             else:

@@ -47,9 +47,9 @@ gradient, into the interaction's backward graph) instead of four times, and the 
 gradient is not copied at all. A graphed module takes one training forward, then its
 backward (a second forward replay before that backward makes the backward raise). Limits:
 a shared output is valid until its module's next training forward and must not be changed in
-place (its backward graph may read it: the backward raises if it was); module hooks (refused at capture: a replay would skip
-them); parameters used but owned outside
-the module get no gradient from a replay; parameter objects replaced mid-run need
+place (its backward graph may read it: the backward raises if it was); module hooks (refused
+at capture: a replay would skip them); parameters used but owned outside the module get no
+gradient from a replay; parameter objects replaced mid-run need
 :meth:`DenseGraphs.invalidate`; the capture's warm-up runs advance stateful modules (none in
 the DLRM family: no BatchNorm or dropout).
 
@@ -203,10 +203,10 @@ class DenseGraphs:
             and captures then run the compiled code, and this router stays outside it.
         shared_outputs: names of modules whose output only a later module of the same step
             reads. Their replays return the graph's output buffers instead of copies, and a
-            graphed module captured on such a buffer reads it in place, so a chain of graphed
-            modules copies its activations once, not three times (the copies took 1.59 ms of
-            DCN's 14 ms step at batch 32768 on an H100). A buffer is valid until its module's
-            next training forward (the next step): keep no reference to it across steps.
+            graphed module captured on such a buffer reads it in place (the copies took 1.59
+            ms of DCN's 14 ms step at batch 32768 on an H100; see the module docstring). A
+            buffer is valid until its module's next training forward (the next step): keep no
+            reference to it across steps.
 
     Use :meth:`install` on a model; :meth:`remove` restores the modules' own forwards.
     """
@@ -339,22 +339,14 @@ class DenseGraphs:
             return self._unreplayed(entry, "unsupported_input", args, kwargs)
         inputs: tuple[Tensor, ...] = tuple(flat)
         key = self._signature(entry, inputs, spec)
-        if entry.graphed is not None and key == entry.key and (entry.chain or self._shared):
-            if any(storage not in self._shared for _, _, storage in entry.chain) or self._unchained_shared(
-                entry, inputs
-            ):
-                # A producer this capture reads in place was captured again (or dropped): the
-                # replay would read a buffer nobody writes any more. Or this capture was taken
-                # while its producer did not replay, and now it is fed the producer's buffer:
-                # chain to it (once; copying it on every replay would waste the sharing).
-                if not self._recapture(entry, inputs, spec):
-                    return self._unreplayed(entry, "capture_failed", args, kwargs)
-            elif any(inputs[i].data_ptr() != ptr for i, ptr, _ in entry.chain):
-                # The producer did not replay (a Probe step, its warm-up): copying this input
-                # in would overwrite the buffer its backward graph may read.
+        if entry.graphed is not None and key == entry.key:
+            chain = self._chain_state(entry, inputs)
+            if chain == "unchained":
                 entry.counts["unchained"] += 1
                 return self._unreplayed(entry, "unchained", args, kwargs)
-        elif entry.graphed is None or key != entry.key:
+            if chain == "recapture" and not self._recapture(entry, inputs, spec):
+                return self._unreplayed(entry, "capture_failed", args, kwargs)
+        else:
             if key != entry.seen_key:
                 entry.seen_key, entry.seen_calls = key, 0
             entry.seen_calls += 1
@@ -424,7 +416,7 @@ class DenseGraphs:
             finally:
                 entry.capturing = False
 
-        chained = tuple(bool(t.numel()) and t.untyped_storage().data_ptr() in self._shared for t in inputs)
+        chained = tuple(self._is_shared(t) for t in inputs)
         try:
             entry.graphed = self._capture(
                 run, inputs, entry.params, shared_outputs=entry.shares_outputs, chained=chained
@@ -437,30 +429,43 @@ class DenseGraphs:
         # Re-read after the capture: a key taken before refresh_params would miss a
         # parameter replaced since install.
         entry.key = self._signature(entry, inputs, spec)
-        entry.chain = tuple(
-            (i, t.data_ptr(), t.untyped_storage().data_ptr()) for i, (t, c) in enumerate(zip(inputs, chained)) if c
-        )
+        entry.chain = tuple((i, t.data_ptr(), _storage(t)) for i, (t, c) in enumerate(zip(inputs, chained)) if c)
         for buffer in entry.graphed.shared_buffers:
-            self._shared[buffer.untyped_storage().data_ptr()] = entry.name
+            self._shared[_storage(buffer)] = entry.name
         self.num_captures += 1
         entry.counts["capture"] += 1
         logger.info("cuda_graphs: %s %s (%d sites)", "re-captured" if recapture else "captured",
                     entry.name, len(entry.sites))
         return True
 
-    def _unchained_shared(self, entry: _Entry, inputs: tuple[Tensor, ...]) -> bool:
-        """Whether `entry`'s capture copies an input that is a shared output buffer."""
+    def _is_shared(self, t: Tensor) -> bool:
+        """Whether `t` lives in a graphed producer's shared output buffer."""
+        return bool(t.numel()) and _storage(t) in self._shared
+
+    def _chain_state(self, entry: _Entry, inputs: tuple[Tensor, ...]) -> str:
+        """For a call with the signature of `entry`'s capture: ``replay``; ``recapture`` when a
+        producer it reads in place was captured again or dropped (nobody writes that buffer any
+        more), or when it copies an input that is now a shared buffer (it was captured while its
+        producer did not replay: chain to it once rather than copy it on every replay); or
+        ``unchained`` when it is fed another tensor where it reads a producer's buffer (the
+        producer did not replay: copying the input in would overwrite what the producer's
+        backward graph may read)."""
+        if not self._shared and not entry.chain:
+            return "replay"
         chained = {i for i, _, _ in entry.chain}
-        return any(
-            i not in chained and t.numel() and t.untyped_storage().data_ptr() in self._shared
-            for i, t in enumerate(inputs)
-        )
+        if any(storage not in self._shared for _, _, storage in entry.chain) or any(
+            i not in chained and self._is_shared(t) for i, t in enumerate(inputs)
+        ):
+            return "recapture"
+        if any(inputs[i].data_ptr() != ptr for i, ptr, _ in entry.chain):
+            return "unchained"
+        return "replay"
 
     def _drop(self, entry: _Entry) -> None:
         if entry.graphed is not None:
             for buffer in entry.graphed.shared_buffers:
-                if self._shared.get(buffer.untyped_storage().data_ptr()) == entry.name:
-                    del self._shared[buffer.untyped_storage().data_ptr()]
+                if self._shared.get(_storage(buffer)) == entry.name:
+                    del self._shared[_storage(buffer)]
             entry.graphed.release()
             entry.graphed = None
             entry.key = None
@@ -501,6 +506,11 @@ def dynamo_frame_skips() -> dict[str, int]:
         for kind, limit in _RECOMPILE_LIMIT.findall(str(reason)):
             found[f"a frame past dynamo's {kind}={limit}"] += int(times)
     return dict(found)
+
+
+def _storage(t: Tensor) -> int:
+    """The address of `t`'s storage (views of one buffer share it)."""
+    return t.untyped_storage().data_ptr()
 
 
 def _samples(sites: Iterable[Site]) -> bool:
