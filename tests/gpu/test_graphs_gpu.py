@@ -12,6 +12,7 @@ with tolerances.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -228,8 +229,10 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
-def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> None:
+def train_losses(kind: str, graphs: bool, loka: bool, compiled: bool, out_dir: Path) -> tuple[dict, list[float]]:
+    """One 24-step run of a small ``kind`` model on the GPU: the trainer's summary (with LoKA, its
+    plan changes under ``"plan_changes"``, each a dict with its step) and the per-step train losses.
+    ``bench/graph_drift.py`` repeats it to measure the run-to-run drift."""
     from loka_train.data import DataConfig
     from loka_train.models import ModelConfig
     from loka_train.runtime import Callback, TrainerConfig
@@ -244,25 +247,33 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
         def on_step_end(self, trainer, step, metrics):  # type: ignore[no-untyped-def]
             self.losses.append(metrics["train/loss"])
 
+    recorder = LossRecorder()
+    callbacks = [LokaCallback(preset("safe", "loka.probe.every_k_steps=4", "loka.probe.interval=8",
+                                     "loka.probe.window=4"))] if loka else []
+    trainer = Trainer(
+        model=ModelConfig(**MODELS[kind]),
+        data=DataConfig(num_embeddings=10_000),
+        trainer=TrainerConfig(
+            steps=24, batch_size=1024, device="cuda", dense_dtype="bf16", sharding="table_wise",
+            log_every=1, eval_batches=2, out_dir=str(out_dir), tensorboard=False,
+            progress_bar=False, checkpoint_at_end=False, resume="never", dense_lr=0.005,
+            dense_warmup_steps=5, cuda_graphs=graphs, compile_dense=compiled,
+        ),
+        callbacks=[*callbacks, recorder],
+    )
+    try:
+        summary = trainer.fit()
+        if loka:
+            summary["plan_changes"] = [dataclasses.asdict(c) for c in callbacks[0].dispatcher.history]
+        return summary, recorder.losses
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> None:
     def run(graphs: bool, loka: bool, compile_dense: bool = False) -> tuple[dict, list[float]]:
-        recorder = LossRecorder()
-        callbacks = [LokaCallback(preset("safe", "loka.probe.every_k_steps=4", "loka.probe.interval=8",
-                                         "loka.probe.window=4"))] if loka else []
-        trainer = Trainer(
-            model=ModelConfig(**MODELS[kind]),
-            data=DataConfig(num_embeddings=10_000),
-            trainer=TrainerConfig(
-                steps=24, batch_size=1024, device="cuda", dense_dtype="bf16", sharding="table_wise",
-                log_every=1, eval_batches=2, out_dir=str(tmp_path / f"g{graphs}_l{loka}_c{compile_dense}"),
-                tensorboard=False, progress_bar=False, checkpoint_at_end=False, resume="never",
-                dense_lr=0.005, dense_warmup_steps=5, cuda_graphs=graphs, compile_dense=compile_dense,
-            ),
-            callbacks=[*callbacks, recorder],
-        )
-        try:
-            return trainer.fit(), recorder.losses
-        finally:
-            trainer.close()
+        return train_losses(kind, graphs, loka, compile_dense, tmp_path / f"g{graphs}_l{loka}_c{compile_dense}")
 
     # (LoKA, compiled). Graphed eager code replays the eager kernels: the losses track the eager
     # run's step by step. Compiled, the reference is the same compiled run without graphs:
