@@ -278,9 +278,14 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
     # (LoKA, compiled). Graphed eager code replays the eager kernels: the losses track the eager
     # run's step by step. Compiled, the reference is the same compiled run without graphs:
     # inductor's kernels round differently from eager ones, and this short warm-up run
-    # amplifies that (eager vs compiled losses 2.6% apart by step 6 on an H100); the graphed
-    # capture compiles its own variant (parameters as plain leaves), so it may round apart
-    # from the compiled eager run too (3.1% at one step of a 16-step H100 run), hence 5%.
+    # amplifies that (eager vs compiled losses 2.6% apart by step 6 on an H100). The graphed
+    # capture compiles its own variant (parameters as plain leaves), whose kernels may round
+    # apart from the compiled eager run's, and by how much differs between machines: on the
+    # H100 the largest per-step gap of Wukong with LoKA was 0.79-0.82% in three fresh processes
+    # (bench/graph_drift.py) and 5.4% at step 23 in a fourth (2026-11-25, fifth session), while
+    # steps 0-5 stayed within 1e-4 in all of them. So compiled, steps 0-5 are held to 0.5%
+    # (50x that: a replay that computes something else parts from the eager run there, before
+    # the amplification) and the later steps by their mean, to 2%. Not yet run on the GPU.
     for loka, compiled in ((False, False), (True, False), (True, True)):
         if compiled and kind != "wukong":
             continue
@@ -291,10 +296,17 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
         # TorchRec's embedding backward is not deterministic on a GPU: equal up to that, step
         # by step (a graphed step that computed something else would drift from step 1 on).
         assert len(graphed_losses) == len(eager_losses) == 24
-        rel = 5e-2 if compiled else 1e-2
         why = {k: (graphed.get(k), eager.get(k)) for k in ("plan_changes", "fallbacks", "compile_skipped_frames")}
-        for step, (g, e) in enumerate(zip(graphed_losses, eager_losses)):
-            assert g == pytest.approx(e, rel=rel), (loka, compiled, step, graphed_losses, eager_losses, why)
+        per_step = graphed_losses[:6] if compiled else graphed_losses
+        for step, g in enumerate(per_step):
+            e = eager_losses[step]
+            assert g == pytest.approx(e, rel=5e-3 if compiled else 1e-2), (
+                loka, compiled, step, graphed_losses, eager_losses, why)
+        if compiled:
+            late_g, late_e = graphed_losses[6:], eager_losses[6:]
+            assert sum(late_g) / len(late_g) == pytest.approx(sum(late_e) / len(late_e), rel=2e-2), (
+                loka, compiled, graphed_losses, eager_losses, why)
+        rel = 5e-2 if compiled else 1e-2
         # Compiled: the loss tolerance (2026-11-25, with the FP8 sites compiled whole instead of
         # the cross network's frame skipped: eval NE 0.976 against 1.009 after 24 steps).
         assert graphed["eval/ne"] == pytest.approx(eager["eval/ne"], rel=rel if compiled else 2e-2), (loka, compiled)

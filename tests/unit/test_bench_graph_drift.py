@@ -1,0 +1,38 @@
+"""bench/graph_drift.py's gap arithmetic (the GPU runs themselves need CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "graph_drift.py"
+
+
+@pytest.fixture(scope="module")
+def drift():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("bench_graph_drift_under_test", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_max_gap_is_relative_to_the_reference_and_names_its_step(drift) -> None:  # type: ignore[no-untyped-def]
+    gap, step = drift.max_gap([1.0, 2.2, 2.9], [1.0, 2.0, 3.0])
+    assert step == 1 and gap == pytest.approx(0.1)
+    with pytest.raises(ValueError):  # runs of different lengths are not compared silently
+        drift.max_gap([1.0, 2.0], [1.0])
+
+
+def test_pair_gaps_compares_each_kind_of_pair_once(drift) -> None:  # type: ignore[no-untyped-def]
+    runs = {"eager": [[1.0, 2.0], [1.0, 2.0], [1.0, 1.8]], "graphed": [[1.1, 2.0]]}
+    gaps = drift.pair_gaps(runs)
+    assert [g for g, _ in gaps["eager~eager"]] == pytest.approx([0.0, 0.2 / 1.8, 0.2 / 1.8])
+    # The graphed run against each eager run, relative to the eager one.
+    assert [s for _, s in gaps["eager~graphed"]] == [0, 0, 1]
+    assert [g for g, _ in gaps["eager~graphed"]] == pytest.approx([0.1, 0.1, 0.2 / 1.8])
+    assert gaps["graphed~graphed"] == []
