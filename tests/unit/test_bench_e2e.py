@@ -3,27 +3,20 @@ paired by seed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "e2e.py"
+from tests.bench_modules import BENCH, load_bench
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e_under_test", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("e2e")
 
 
 def _run(variant: str, seed: int, ms: float, ne: float, status: str = "ok") -> dict:
@@ -282,7 +275,7 @@ def test_the_fp8_ceiling_is_what_halving_every_gemm_would_save(e2e) -> None:
 
 
 def test_render_rewrites_the_report_from_its_json(e2e, tmp_path: Path) -> None:
-    source = _PATH.parents[0] / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
+    source = BENCH / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
     (tmp_path / "e2e.json").write_text(source.read_text())
     assert e2e.main(["--render", str(tmp_path)]) == 0
     report = (tmp_path / "e2e.md").read_text()
@@ -336,7 +329,7 @@ def test_step_diag_times_the_host_per_timed_step_and_lists_the_slow_steps(e2e) -
 
 
 def test_a_frame_dynamo_runs_eagerly_is_named_in_the_row(e2e, tmp_path: Path) -> None:
-    source = _PATH.parents[0] / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
+    source = BENCH / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
     data = json.loads(source.read_text())
     (row,) = [r for r in data["results"] if r["variant"] == "loka_safe+compile+graphs"]
     row["fallbacks"] = ["compile_dense: torch.compile runs forward (...) eagerly for the rest of the run"]

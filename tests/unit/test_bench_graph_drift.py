@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "graph_drift.py"
+from tests.bench_modules import load_bench
 
 
 @pytest.fixture(scope="module")
 def drift():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_graph_drift_under_test", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("graph_drift")
 
 
 def test_max_gap_is_relative_to_the_reference_and_names_its_step(drift) -> None:  # type: ignore[no-untyped-def]
