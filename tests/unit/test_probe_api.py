@@ -383,3 +383,19 @@ def test_row_subsample_keeps_the_peak_row_and_counts_every_nonfinite() -> None:
     # Subsampled: 8 of 256 rows were quantized.
     L = probe._layout
     assert float(probe._global_sum[0, 0, 0, L.numel["a"]]) == 8 * K
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_count_nonfinite_counts_exactly_the_inf_and_nan_values(dtype: torch.dtype) -> None:
+    from loka_train.probe.probe import _count_nonfinite
+
+    info = torch.finfo(dtype)
+    x = torch.tensor([0.0, -0.0, 1.0, info.max, -info.max, info.tiny, info.tiny / 4,
+                      float("inf"), float("-inf"), float("nan"), 3.0], dtype=dtype)
+    count = _count_nonfinite(x.reshape(1, -1).expand(2, -1))
+    assert count.dtype == torch.int64 and int(count) == 6  # 3 per row, both rows
+    assert int(_count_nonfinite(x[:7])) == 0  # the largest, the smallest and subnormal values are finite
+    assert int(_count_nonfinite(torch.full((4, 3), float("nan"), dtype=dtype))) == 12
+    g = torch.randn(64, 32, dtype=dtype)
+    g[3, 5], g[10, 1] = float("inf"), float("nan")
+    assert int(_count_nonfinite(g)) == int(g.numel() - torch.isfinite(g).sum()) == 2
