@@ -1,15 +1,19 @@
 """How far two runs of the same small trainer drift apart on the GPU, with and without graphs.
 
-    python bench/graph_drift.py [--kind wukong] [--loka] [--compiled] [--repeats 2] [--out DIR]
+    python bench/graph_drift.py [--kind wukong] [--loka] [--compiled] [--repeats 2]
+                                [--no-shared-outputs] [--out DIR]
 
 `tests/gpu/test_graphs_gpu.py::test_trainer_with_graphs_trains_like_eager` compares a graphed
-run's per-step losses with an eager run's under a fixed tolerance. TorchRec's embedding backward
-is not deterministic on a GPU, and a 24-step warm-up run amplifies small differences, so that
-tolerance only means something next to the drift between two runs that differ in nothing. This
-script runs the test's configuration ``--repeats`` times eager and as many times graphed (the
-same helper, ``train_losses``), and prints each run's losses and plan changes, and the largest
-per-step relative loss gap of eager against eager, eager against graphed and graphed against
-graphed, with the step where it occurs. ``--out`` writes the same as ``drift.json``.
+run's per-step losses with an eager run's under a fixed tolerance. Graphed and eager compiled
+code may round apart, and a 24-step warm-up run amplifies small differences, so that tolerance
+only means something next to the gap measured alone. This script runs the test's configuration
+(the same helper, ``train_losses``) ``--repeats`` times eager and as many times graphed, in one
+process, and prints each run's losses and plan changes, and the largest per-step relative loss
+gap of eager against eager, eager against graphed and graphed against graphed, with the step
+where it occurs. Differences between processes or machines need one call per process.
+``--no-shared-outputs`` graphs every module with copied outputs (``DenseGraphs.install(...,
+inner=())``), to tell a gap of the shared output buffers from one of the compiled kernels.
+``--out`` writes the same as ``drift.json``.
 """
 
 from __future__ import annotations
@@ -44,20 +48,40 @@ def pair_gaps(runs: dict[str, list[list[float]]]) -> dict[str, list[tuple[float,
     }
 
 
+def share_no_outputs() -> None:
+    """Make ``DenseGraphs.install`` (what the trainer calls) graph every module with copied
+    outputs: ``inner=()`` whatever the caller passes. For this process, from now on."""
+    from loka_train.runtime.graphs import DenseGraphs
+
+    install = DenseGraphs.install.__func__  # type: ignore[attr-defined]
+
+    def install_unshared(cls: type, model: Any, **kwargs: Any) -> Any:
+        return install(cls, model, **{**kwargs, "inner": ()})
+
+    DenseGraphs.install = classmethod(install_unshared)  # type: ignore[method-assign,assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", default="wukong", choices=("dcn", "wukong"))
     p.add_argument("--loka", action="store_true", help="the LoKA callback on (the test's safe preset)")
     p.add_argument("--compiled", action="store_true", help="trainer.compile_dense too")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each of eager and graphed")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each of eager and graphed (>= 1)")
+    p.add_argument("--no-shared-outputs", action="store_true",
+                   help="graphed modules copy their outputs instead of sharing their buffers")
     p.add_argument("--out", type=Path, default=None, help="directory for drift.json")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: give at least 1")
 
     import torch
 
     if not torch.cuda.is_available():
-        p.error("needs CUDA: the drift measured is the GPU's (TorchRec's embedding backward)")
-    from tests.gpu.test_graphs_gpu import train_losses
+        p.error("needs CUDA: the drift measured is that of the GPU's kernels")
+    from tests.gpu._graphs_runs import train_losses
+
+    if args.no_shared_outputs:
+        share_no_outputs()
 
     runs: dict[str, list[list[float]]] = {"eager": [], "graphed": []}
     changes: dict[str, list[Any]] = {"eager": [], "graphed": []}
@@ -65,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             for name, graphs in (("eager", False), ("graphed", True)):
                 summary, losses = train_losses(args.kind, graphs, args.loka, args.compiled, Path(tmp) / f"{name}{i}")
+                plan_changes = summary["plan_changes"] if args.loka else []
                 runs[name].append(losses)
-                changes[name].append(summary.get("plan_changes", []))
+                changes[name].append(plan_changes)
                 print(f"{name} run {i}: losses {[round(x, 5) for x in losses]}", flush=True)
-                for c in summary.get("plan_changes", []):
+                for c in plan_changes:
                     print(f"  plan change: step {c['step']} {c['site']}/{c['role']}: {c['old']} -> {c['new']}")
     gaps = pair_gaps(runs)
     for pair, values in gaps.items():

@@ -335,11 +335,13 @@ def _select(
 def _count_nonfinite(x: Tensor) -> Tensor:
     """How many values of `x` are inf or NaN (an int64 tensor on `x`'s device, no host sync).
 
-    ``x * 0`` is (signed) zero exactly where `x` is finite and NaN elsewhere: one elementwise
-    pass and one counting reduction. ``numel - isfinite(x).sum()`` took four full-size
-    elementwise passes on the H100 (``isfinite`` is ``abs``, ``ne``, ``eq`` and ``mul`` there:
-    0.6 ms a step of a 3-step window of DCN at 32768, 2026-11-25)."""
-    return torch.count_nonzero(x.detach() * 0)
+    ``x * 0.0`` is (signed) zero exactly where `x` is finite and NaN elsewhere; on CUDA
+    ``count_nonzero`` is a ``ne`` and a ``sum``. So three passes, two of them full-size writes
+    of a bool or of `x`'s dtype, where ``numel - isfinite(x).sum()`` took five (``isfinite`` is
+    ``abs``, ``ne``, ``eq`` and ``mul`` on the H100: 0.6 ms a step of a 3-step window of DCN at
+    32768, 2026-11-25). The float zero matters: inductor folds ``x * 0`` with an integer zero
+    to zeros, which would count nothing under ``torch.compile``."""
+    return torch.count_nonzero(x.detach().mul(0.0))
 
 
 def _row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Tensor | None:

@@ -12,7 +12,6 @@ with tolerances.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from loka_train.kernels import LinearPlan, Scaling
 from loka_train.kernels.registry import fp8_available
 from loka_train.mods import Fp8Linear
 from loka_train.runtime.graphs import DenseGraphs
+from tests.gpu._graphs_runs import MODELS, train_losses
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -220,56 +220,6 @@ def test_a_module_that_syncs_with_the_host_stays_eager_with_a_fallback() -> None
     torch.cuda.synchronize()
 
 
-MODELS = {
-    "dcn": dict(kind="dcn", embedding_dim=64, dense_arch_layer_sizes=[256, 64],
-                over_arch_layer_sizes=[512, 256, 1], dcn_num_layers=2, dcn_low_rank_dim=64),
-    "wukong": dict(kind="wukong", embedding_dim=64, dense_arch_layer_sizes=[256, 64],
-                   over_arch_layer_sizes=[512, 256, 1], wukong_num_layers=2, wukong_num_fm_out=8,
-                   wukong_fm_rank=8, wukong_num_lcb_out=8, wukong_mlp_hidden=512),
-}
-
-
-def train_losses(kind: str, graphs: bool, loka: bool, compiled: bool, out_dir: Path) -> tuple[dict, list[float]]:
-    """One 24-step run of a small ``kind`` model on the GPU: the trainer's summary (with LoKA, its
-    plan changes under ``"plan_changes"``, each a dict with its step) and the per-step train losses.
-    ``bench/graph_drift.py`` repeats it to measure the run-to-run drift."""
-    from loka_train.data import DataConfig
-    from loka_train.models import ModelConfig
-    from loka_train.runtime import Callback, TrainerConfig
-    from loka_train.runtime.loka import LokaCallback
-    from loka_train.runtime.trainer import Trainer
-    from tests.dist._loka import preset
-
-    class LossRecorder(Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_step_end(self, trainer, step, metrics):  # type: ignore[no-untyped-def]
-            self.losses.append(metrics["train/loss"])
-
-    recorder = LossRecorder()
-    callbacks = [LokaCallback(preset("safe", "loka.probe.every_k_steps=4", "loka.probe.interval=8",
-                                     "loka.probe.window=4"))] if loka else []
-    trainer = Trainer(
-        model=ModelConfig(**MODELS[kind]),
-        data=DataConfig(num_embeddings=10_000),
-        trainer=TrainerConfig(
-            steps=24, batch_size=1024, device="cuda", dense_dtype="bf16", sharding="table_wise",
-            log_every=1, eval_batches=2, out_dir=str(out_dir), tensorboard=False,
-            progress_bar=False, checkpoint_at_end=False, resume="never", dense_lr=0.005,
-            dense_warmup_steps=5, cuda_graphs=graphs, compile_dense=compiled,
-        ),
-        callbacks=[*callbacks, recorder],
-    )
-    try:
-        summary = trainer.fit()
-        if loka:
-            summary["plan_changes"] = [dataclasses.asdict(c) for c in callbacks[0].dispatcher.history]
-        return summary, recorder.losses
-    finally:
-        trainer.close()
-
-
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> None:
     def run(graphs: bool, loka: bool, compile_dense: bool = False) -> tuple[dict, list[float]]:
@@ -278,14 +228,13 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
     # (LoKA, compiled). Graphed eager code replays the eager kernels: the losses track the eager
     # run's step by step. Compiled, the reference is the same compiled run without graphs:
     # inductor's kernels round differently from eager ones, and this short warm-up run
-    # amplifies that (eager vs compiled losses 2.6% apart by step 6 on an H100). The graphed
-    # capture compiles its own variant (parameters as plain leaves), whose kernels may round
-    # apart from the compiled eager run's, and by how much differs between machines: on the
-    # H100 the largest per-step gap of Wukong with LoKA was 0.79-0.82% in three fresh processes
-    # (bench/graph_drift.py) and 5.4% at step 23 in a fourth (2026-11-25, fifth session), while
-    # steps 0-5 stayed within 1e-4 in all of them. So compiled, steps 0-5 are held to 0.5%
-    # (50x that: a replay that computes something else parts from the eager run there, before
-    # the amplification) and the later steps by their mean, to 2%. Not yet run on the GPU.
+    # amplifies that (eager vs compiled losses 2.6% apart by step 6 on an H100); the graphed
+    # capture compiles its own variant (parameters as plain leaves), so it may round apart
+    # from the compiled eager run too (3.1% at one step of a 16-step H100 run), hence 5%.
+    # bench/graph_drift.py measures that gap alone: 0.79-0.82% in three fresh H100 processes
+    # (2026-11-25), against one failure of this test at 5.4% (step 23) whose cause is open
+    # (bench/results/README.md). The messages are f-strings: pytest cuts long reprs, and
+    # that failure lost its losses past step 4.
     for loka, compiled in ((False, False), (True, False), (True, True)):
         if compiled and kind != "wukong":
             continue
@@ -293,20 +242,15 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
         stats = graphed["cuda_graphs"]
         assert stats["replays"] > 0 and stats["captures"] >= 3, stats
         assert not any("cuda_graphs" in f for f in graphed["fallbacks"]), graphed["fallbacks"]
-        # TorchRec's embedding backward is not deterministic on a GPU: equal up to that, step
-        # by step (a graphed step that computed something else would drift from step 1 on).
+        # Equal up to rounding, step by step (a graphed step that computed something else would
+        # drift from step 1 on).
         assert len(graphed_losses) == len(eager_losses) == 24
-        why = {k: (graphed.get(k), eager.get(k)) for k in ("plan_changes", "fallbacks", "compile_skipped_frames")}
-        per_step = graphed_losses[:6] if compiled else graphed_losses
-        for step, g in enumerate(per_step):
-            e = eager_losses[step]
-            assert g == pytest.approx(e, rel=5e-3 if compiled else 1e-2), (
-                loka, compiled, step, graphed_losses, eager_losses, why)
-        if compiled:
-            late_g, late_e = graphed_losses[6:], eager_losses[6:]
-            assert sum(late_g) / len(late_g) == pytest.approx(sum(late_e) / len(late_e), rel=2e-2), (
-                loka, compiled, graphed_losses, eager_losses, why)
         rel = 5e-2 if compiled else 1e-2
+        why = {k: (graphed.get(k), eager.get(k)) for k in ("plan_changes", "fallbacks", "compile_skipped_frames")}
+        for step, (g, e) in enumerate(zip(graphed_losses, eager_losses)):
+            assert g == pytest.approx(e, rel=rel), (
+                f"loka={loka} compiled={compiled} step {step}: graphed {graphed_losses} eager {eager_losses} "
+                f"(graphed, eager): {why}")
         # Compiled: the loss tolerance (2026-11-25, with the FP8 sites compiled whole instead of
         # the cross network's frame skipped: eval NE 0.976 against 1.009 after 24 steps).
         assert graphed["eval/ne"] == pytest.approx(eager["eval/ne"], rel=rel if compiled else 2e-2), (loka, compiled)

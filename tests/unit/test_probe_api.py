@@ -399,3 +399,17 @@ def test_count_nonfinite_counts_exactly_the_inf_and_nan_values(dtype: torch.dtyp
     g = torch.randn(64, 32, dtype=dtype)
     g[3, 5], g[10, 1] = float("inf"), float("nan")
     assert int(_count_nonfinite(g)) == int(g.numel() - torch.isfinite(g).sum()) == 2
+
+
+def test_count_nonfinite_counts_under_torch_compile() -> None:
+    """Inductor folds a multiplication by an integer 0 to zeros: the count must survive it."""
+    import torch._dynamo
+
+    from loka_train.probe.probe import _count_nonfinite
+
+    torch._dynamo.reset()
+    x = torch.tensor([1.0, float("inf"), float("nan"), -0.0, float("-inf")])
+    try:
+        assert int(torch.compile(_count_nonfinite, backend="inductor")(x)) == 3
+    finally:
+        torch._dynamo.reset()
