@@ -11,8 +11,9 @@ only means something next to the gap measured alone. This script runs the test's
 process, and prints each run's losses and plan changes, and the largest per-step relative loss
 gap of eager against eager, eager against graphed and graphed against graphed, with the step
 where it occurs. Differences between processes or machines need one call per process.
-``--no-shared-outputs`` graphs every module with copied outputs (``DenseGraphs.install(...,
-inner=())``), to tell a gap of the shared output buffers from one of the compiled kernels.
+``--no-shared-outputs`` graphs every module with copied outputs
+(``trainer.cuda_graphs_share_outputs=false``), to tell a gap of the shared output buffers from
+one of the compiled kernels.
 ``--out`` writes the same as ``drift.json``.
 """
 
@@ -48,19 +49,6 @@ def pair_gaps(runs: dict[str, list[list[float]]]) -> dict[str, list[tuple[float,
     }
 
 
-def share_no_outputs() -> None:
-    """Make ``DenseGraphs.install`` (what the trainer calls) graph every module with copied
-    outputs: ``inner=()`` whatever the caller passes. For this process, from now on."""
-    from loka_train.runtime.graphs import DenseGraphs
-
-    install = DenseGraphs.install.__func__  # type: ignore[attr-defined]
-
-    def install_unshared(cls: type, model: Any, **kwargs: Any) -> Any:
-        return install(cls, model, **{**kwargs, "inner": ()})
-
-    DenseGraphs.install = classmethod(install_unshared)  # type: ignore[method-assign,assignment]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", default="wukong", choices=("dcn", "wukong"))
@@ -80,15 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("needs CUDA: the drift measured is that of the GPU's kernels")
     from tests.gpu._graphs_runs import train_losses
 
-    if args.no_shared_outputs:
-        share_no_outputs()
 
     runs: dict[str, list[list[float]]] = {"eager": [], "graphed": []}
     changes: dict[str, list[Any]] = {"eager": [], "graphed": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             for name, graphs in (("eager", False), ("graphed", True)):
-                summary, losses = train_losses(args.kind, graphs, args.loka, args.compiled, Path(tmp) / f"{name}{i}")
+                summary, losses = train_losses(
+                    args.kind, graphs, args.loka, args.compiled, Path(tmp) / f"{name}{i}",
+                    share_outputs=not args.no_shared_outputs,
+                )
                 plan_changes = summary["plan_changes"] if args.loka else []
                 runs[name].append(losses)
                 changes[name].append(plan_changes)

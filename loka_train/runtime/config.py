@@ -114,6 +114,13 @@ class TrainerConfig:
     code's host work on replayed steps); the capture's compiled variant (no Probe check,
     parameters as plain tensors) may round apart from the compiled code of eager calls."""
 
+    cuda_graphs_share_outputs: bool = True
+    """With ``cuda_graphs``: the bottom MLP's and the interaction's replays return their graphs'
+    output buffers, which the next graphed module reads in place, instead of copies (DCN at
+    batch 32768 on an H100: 13.91 -> 12.61 ms a step; ``DenseGraphs(shared_outputs=...)``).
+    ``false`` copies every output, as before that change: to rule the sharing out when a graphed
+    run differs from an eager one."""
+
     seed: int = 0
     """Seed of the dense initialisation, the embedding tables and the RNG state."""
 
@@ -214,6 +221,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.compile_dense must be a bool, got {self.compile_dense!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"trainer.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.cuda_graphs_share_outputs, bool):
+            raise ValueError(
+                f"trainer.cuda_graphs_share_outputs must be a bool, got {self.cuda_graphs_share_outputs!r}"
+            )
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ValueError(f"trainer.pin_memory must be true, false or null (auto), got {self.pin_memory!r}")
         if self.pin_memory and self.device == "cpu":

@@ -51,6 +51,7 @@ from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.distributed import DistInfo, init_distributed
 from loka_train.runtime.graphs import (
     DENSE_SUBMODULES,
+    INNER_SUBMODULES,
     DenseGraphs,
     dense_submodules,
     dynamo_frame_skips,
@@ -276,7 +277,13 @@ class Trainer:
         if self.cfg.compile_dense:
             self._compile_dense()
         elif self.cfg.cuda_graphs:
-            self.graphs = DenseGraphs.install(self.model, names=DENSE_SUBMODULES)
+            self.graphs = self._install_graphs()
+
+    def _install_graphs(self, **kwargs: Any) -> DenseGraphs:
+        """``trainer.cuda_graphs``: graph the dense submodules, the inner ones sharing their
+        outputs unless ``trainer.cuda_graphs_share_outputs=false``."""
+        inner = INNER_SUBMODULES if self.cfg.cuda_graphs_share_outputs else ()
+        return DenseGraphs.install(self.model, names=DENSE_SUBMODULES, inner=inner, **kwargs)
 
     def _compile_dense(self) -> None:
         """Compile the dense submodules, after sharding.
@@ -302,9 +309,7 @@ class Trainer:
             # Probe measured and the backends are tested against (40 dB apart on an H100).
             options["options"] = {"emulate_precision_casts": True}
         if self.cfg.cuda_graphs:
-            self.graphs = DenseGraphs.install(
-                self.model, names=DENSE_SUBMODULES, compile=lambda fn: torch.compile(fn, **options)
-            )
+            self.graphs = self._install_graphs(compile=lambda fn: torch.compile(fn, **options))
             self.compiled_modules.extend(self.graphs.names)
         else:
             found = dense_submodules(self.model, DENSE_SUBMODULES, setting="trainer.compile_dense", verb="compile")

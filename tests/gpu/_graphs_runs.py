@@ -14,7 +14,9 @@ MODELS = {
 }
 
 
-def train_losses(kind: str, graphs: bool, loka: bool, compiled: bool, out_dir: Path) -> tuple[dict, list[float]]:
+def train_losses(
+    kind: str, graphs: bool, loka: bool, compiled: bool, out_dir: Path, *, share_outputs: bool = True
+) -> tuple[dict, list[float]]:
     """One 24-step run of a small ``kind`` model on the GPU: the trainer's summary (with LoKA, its
     plan changes under ``"plan_changes"``, each a dict with its step) and the per-step train losses.
     ``bench/graph_drift.py`` repeats it to measure the run-to-run drift. Needs CUDA."""
@@ -43,6 +45,7 @@ def train_losses(kind: str, graphs: bool, loka: bool, compiled: bool, out_dir: P
             log_every=1, eval_batches=2, out_dir=str(out_dir), tensorboard=False,
             progress_bar=False, checkpoint_at_end=False, resume="never", dense_lr=0.005,
             dense_warmup_steps=5, cuda_graphs=graphs, compile_dense=compiled,
+            cuda_graphs_share_outputs=share_outputs,
         ),
         callbacks=[*callbacks, recorder],
     )

@@ -28,18 +28,3 @@ def test_pair_gaps_compares_each_kind_of_pair_once(drift) -> None:  # type: igno
     assert [g for g, _ in gaps["eager~graphed"]] == pytest.approx([0.1, 0.1, 0.2 / 1.8])
     assert gaps["graphed~graphed"] == []
 
-
-def test_share_no_outputs_makes_the_trainers_install_copy_every_output(drift, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from loka_train.runtime.graphs import DenseGraphs
-
-    seen: list[dict] = []
-
-    def recording_install(cls, model, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(kwargs)
-        return "installed"
-
-    monkeypatch.setattr(DenseGraphs, "install", classmethod(recording_install))
-    drift.share_no_outputs()  # patches over the recorder; monkeypatch restores the original
-    assert DenseGraphs.install(object(), names=("dense_arch",), inner=("dense_arch",)) == "installed"
-    assert DenseGraphs.install(object()) == "installed"
-    assert seen == [{"names": ("dense_arch",), "inner": ()}, {"inner": ()}]

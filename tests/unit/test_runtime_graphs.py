@@ -227,6 +227,7 @@ def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
     ("kwargs", "match"),
     [
         ({"cuda_graphs": "yes"}, "must be a bool"),
+        ({"cuda_graphs_share_outputs": "no"}, "trainer.cuda_graphs_share_outputs must be a bool"),
         ({"cuda_graphs": True, "device": "cpu"}, "needs trainer.device=cuda"),
     ],
 )
@@ -524,7 +525,7 @@ def test_trainer_compiles_under_the_graphs_router(monkeypatch: pytest.MonkeyPatc
     the graphs instead of compiling the modules in place (a compiled ``__call__`` would trace
     into the router), and still raises dynamo's recompile limit for the sites."""
     from loka_train.runtime import trainer as trainer_mod
-    from loka_train.runtime.graphs import DENSE_SUBMODULES
+    from loka_train.runtime.graphs import DENSE_SUBMODULES, INNER_SUBMODULES
 
     seen: dict[str, Any] = {}
     compiled: list[dict[str, Any]] = []
@@ -544,14 +545,37 @@ def test_trainer_compiles_under_the_graphs_router(monkeypatch: pytest.MonkeyPatc
     fake.model = nn.Sequential(Tower(), Tower())  # two FP8-capable sites
     fake.graphs = None
     fake.compiled_modules = []
+    fake._install_graphs = lambda **kwargs: trainer_mod.Trainer._install_graphs(fake, **kwargs)
     with torch._dynamo.config.patch(recompile_limit=1):
         trainer_mod.Trainer._compile_dense(fake)
         assert torch._dynamo.config.recompile_limit == 4 * 2
     assert isinstance(fake.graphs, Recorder) and fake.compiled_modules == ["dense_arch"]
-    assert seen["names"] == DENSE_SUBMODULES
+    assert seen["names"] == DENSE_SUBMODULES and seen["inner"] == INNER_SUBMODULES
     assert seen["compile"](lambda x: x + 1)(torch.ones(1)).item() == 2.0
     # Static shapes: a symbolic batch dim broke dynamo's DDP optimizer on an H100.
     assert compiled == [{"backend": "inductor", "dynamic": False, "options": {"emulate_precision_casts": True}}]
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_trainer_graphs_share_outputs_unless_configured_off(share: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trainer.cuda_graphs_share_outputs=false`` graphs every dense module with copied outputs."""
+    from loka_train.runtime import trainer as trainer_mod
+    from loka_train.runtime.graphs import DENSE_SUBMODULES, INNER_SUBMODULES
+
+    seen: dict[str, Any] = {}
+
+    class Recorder:
+        @classmethod
+        def install(cls, model: nn.Module, **kwargs: Any) -> str:
+            seen.update(kwargs, model=model)
+            return "graphs"
+
+    monkeypatch.setattr(trainer_mod, "DenseGraphs", Recorder)
+    fake = type("T", (), {})()
+    fake.cfg = TrainerConfig(cuda_graphs=True, device="cuda", cuda_graphs_share_outputs=share)
+    fake.model = nn.Linear(2, 2)
+    assert trainer_mod.Trainer._install_graphs(fake) == "graphs"
+    assert seen == {"names": DENSE_SUBMODULES, "inner": INNER_SUBMODULES if share else (), "model": fake.model}
 
 
 def test_trainer_compiles_modules_with_sites_behind_the_probe_router(monkeypatch: pytest.MonkeyPatch) -> None:
