@@ -81,7 +81,6 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -1119,38 +1118,6 @@ class Probe:
             "history": list(self.history),
             "series": {k: [[s, _jsonable(v)] for s, v in pts] for k, pts in self.series.items()},
         }
-
-    def plot(self, path: str | Path) -> Path:
-        """Write a PNG of the SQNR low quantile per site and candidate over steps, one panel
-        per GEMM role, with each site's budget dashed. Imports matplotlib lazily (Agg canvas,
-        no global backend switch)."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        path = Path(path)
-        fig = Figure(figsize=(10, 3.2 * len(ROLES)))
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(len(ROLES), 1, sharex=True, squeeze=False)[:, 0]
-        for ax, role in zip(axes, ROLES, strict=True):
-            for key, pts in self.series.items():
-                site, key_role, cand = key.rsplit("/", 2)
-                if key_role != role or not pts:
-                    continue
-                steps = [p[0] for p in pts]
-                vals = [p[1] for p in pts]
-                ax.plot(steps, vals, marker=".", label=f"{site} {cand}")
-            budgets = sorted({self._budgets[s][role] for s in self._sites})
-            for b in budgets:
-                ax.axhline(b, linestyle="--", color="gray", linewidth=0.8)
-            ax.set_title(f"{role}: SQNR p{100 * self.config.quantile:g} over the window")
-            ax.set_ylabel("dB")
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=6, ncol=2)
-        axes[-1].set_xlabel("step")
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png", dpi=100)
-        return path
 
     # ------------------------------------------------------------------ checkpointing
 

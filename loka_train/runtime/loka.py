@@ -35,6 +35,7 @@ import torch
 
 from loka_train.kernels.dispatch import ROLES, Dispatcher, PlanChange
 from loka_train.mods import convert, sites
+from loka_train.plugin.plots import plot_probe_sqnr
 from loka_train.probe import Probe
 from loka_train.runtime.callbacks import Callback
 from loka_train.runtime.loka_config import LokaConfig
@@ -287,7 +288,7 @@ class LokaCallback(Callback):
         (out / "loka_report.md").write_text(self._markdown(report))
         assert self.probe is not None
         try:
-            self.probe.plot(out / "sqnr.png")
+            plot_probe_sqnr(report["probe"], out / "sqnr.png")
             self._plot_timeline(out / "plan_timeline.png")
         except ImportError as exc:
             msg = f"report plots skipped: {exc} (pip install matplotlib)"
