@@ -5,8 +5,10 @@ Example:
     >>> probe = Probe(ProbeConfig(every_k_steps=50))
 """
 
+from loka_train.probe.candidates import Candidate
 from loka_train.probe.config import ROLES, ProbeConfig, default_sqnr_budget_db
-from loka_train.probe.probe import Candidate, Probe, Verdict, VerdictKey
+from loka_train.probe.probe import Probe
+from loka_train.probe.verdicts import Verdict, VerdictKey
 
 __all__ = [
     "ROLES",

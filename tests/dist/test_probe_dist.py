@@ -23,7 +23,7 @@ CFG = dict(
     formats=("e4m3", "e5m2"),
     block_size=32,
 )
-# Scalings whose groups never span rows, so pooling ranks is exact (see probe.py "Exactness").
+# Scalings whose groups never span rows, so pooling ranks is exact (see probe/window.py "Exactness").
 EXACT_SCALINGS = ("rowwise", "block")
 COMPARED = (
     "valid", "step", "sqnr_db", "saturation_a", "saturation_b", "underflow_a", "underflow_b",

@@ -38,10 +38,10 @@ def _observe(cuda_graphs: bool, rows: int = 1024) -> Probe:
 def test_graph_replays_match_eager_statistics(rows: int) -> None:
     """Also with a row subsample (4096 > max_rows), where the graphs get the selected rows."""
     eager, graphed = _observe(False, rows), _observe(True, rows)
-    cuda_graphs = graphed._graphs
+    cuda_graphs = graphed._measurement.graphs
     assert cuda_graphs is not None and cuda_graphs.disabled_reason is None
     assert cuda_graphs.num_captures > 0 and cuda_graphs.num_eager == 0
-    assert torch.equal(graphed._global_nonfinite_total, eager._global_nonfinite_total)
+    assert torch.equal(graphed._window.global_nonfinite_total, eager._window.global_nonfinite_total)
     for role in ("forward", "grad_input", "grad_weight"):
         e, g = eager.window_stats("s", role), graphed.window_stats("s", role)
         assert torch.equal(e["nonfinite_a"], g["nonfinite_a"]) and torch.equal(e["nonfinite_b"], g["nonfinite_b"])

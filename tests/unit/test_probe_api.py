@@ -310,14 +310,14 @@ def test_input_validation() -> None:
 
 
 def test_masked_quantile_matches_torch_quantile() -> None:
-    from loka_train.probe.probe import _masked_quantile
+    from loka_train.probe.verdicts import masked_quantile
 
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(3, 2, 7, 4, generator=gen, dtype=torch.float64)
     valid = torch.rand(3, 2, 7, generator=gen) > 0.4
     valid[0, 0] = False  # no valid slot -> NaN
     for q, higher in ((0.1, False), (0.5, False), (0.9, True)):
-        got = _masked_quantile(values, valid, q, higher=higher)
+        got = masked_quantile(values, valid, q, higher=higher)
         for s in range(3):
             for r in range(2):
                 for c in range(4):
@@ -330,23 +330,23 @@ def test_masked_quantile_matches_torch_quantile() -> None:
 
 
 def test_row_subsample_skips_a_peak_row_with_a_nonfinite_value_and_selects_before_measuring() -> None:
-    from loka_train.probe.probe import _row_subsample, _select
+    from loka_train.probe.sampling import row_subsample, select
 
     x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(2))
     x_MK[201, 5] = 1e4  # the peak row ...
     x_MK[201, 6] = float("inf")  # ... holds a non-finite value: not picked
     x_MK[90, 1] = 500.0  # the largest among the finite rows
-    rows = _row_subsample("forward", x_MK, torch.randn(N, K), max_rows=8)
+    rows = row_subsample("forward", x_MK, torch.randn(N, K), max_rows=8)
     assert rows is not None and int(rows[-1]) == 90 and 201 not in rows.tolist()
-    # _select: the counts on the full operands, and both grad-weight operands cut to the same
+    # select: the counts on the full operands, and both grad-weight operands cut to the same
     # rows (dY's and X's rows must stay paired: they share M).
     w_NK = torch.randn(N, K)
-    a, b, nf_a, nf_b, _ = _select("forward", x_MK, w_NK, None, 8)
+    a, b, nf_a, nf_b, _ = select("forward", x_MK, w_NK, None, 8)
     assert a.shape == (8, K) and b is w_NK and int(nf_a) == 1 and int(nf_b) == 0
     dy_MN = torch.randn(256, N, generator=torch.Generator().manual_seed(3))
     dy_MN[33, 0] = -700.0
-    a, b, nf_a, nf_b, _ = _select("grad_weight", dy_MN, x_MK, None, 8)
-    rows = _row_subsample("grad_weight", dy_MN, x_MK, 8)
+    a, b, nf_a, nf_b, _ = select("grad_weight", dy_MN, x_MK, None, 8)
+    rows = row_subsample("grad_weight", dy_MN, x_MK, 8)
     assert rows is not None and {33, 90} <= set(rows.tolist())
     assert torch.equal(a, dy_MN[rows]) and torch.equal(b, x_MK[rows])
     assert int(nf_a) == 0 and int(nf_b) == 1
@@ -358,11 +358,13 @@ def test_row_subsample_skips_a_peak_row_with_a_nonfinite_value_and_selects_befor
     probe.reduce()
     assert float(probe.window_stats("s", "grad_weight")["nonfinite_b"][0]) == 1.0
     assert float(probe.window_stats("s", "grad_input")["nonfinite_b"][0]) == 0.0
-    from loka_train.probe.probe import _CudaGraphs
+    from loka_train.probe.measurement import CudaGraphs
 
-    fallback = _CudaGraphs(probe._measure_selected, max_graphs=0)
-    got = fallback.run("grad_weight", *_select("grad_weight", dy_MN, x_MK, None, 8)[:4])
-    for want, g in zip(probe._measure("grad_weight", dy_MN, x_MK, None), got):
+    fallback = CudaGraphs(probe._measurement.measure_selected, max_graphs=0)
+    selection = select("grad_weight", dy_MN, x_MK, None, 8)
+    got = fallback.run("grad_weight", *selection[:4])
+    eager = probe._measurement.measure("grad_weight", *selection, graphable=False)
+    for want, g in zip(eager, got):
         assert torch.equal(want, g)
     assert fallback.num_eager == 1
 
@@ -382,35 +384,36 @@ def test_row_subsample_keeps_the_peak_row_and_counts_every_nonfinite() -> None:
     assert float(fwd["nonfinite_a"][0]) == 1.0
     assert float(probe.window_stats("s", "grad_weight")["amax_b"][0]) == 1e4
     # Subsampled: 8 of 256 rows were quantized.
-    L = probe._layout
-    assert float(probe._global_sum[0, 0, 0, L.numel["a"]]) == 8 * K
+    window = probe._window
+    assert window.global_sum is not None
+    assert float(window.global_sum[0, 0, 0, window.layout.numel["a"]]) == 8 * K
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_count_nonfinite_counts_exactly_the_inf_and_nan_values(dtype: torch.dtype) -> None:
-    from loka_train.probe.probe import _count_nonfinite
+    from loka_train.probe.measurement import count_nonfinite
 
     info = torch.finfo(dtype)
     x = torch.tensor([0.0, -0.0, 1.0, info.max, -info.max, info.tiny, info.tiny / 4,
                       float("inf"), float("-inf"), float("nan"), 3.0], dtype=dtype)
-    count = _count_nonfinite(x.reshape(1, -1).expand(2, -1))
+    count = count_nonfinite(x.reshape(1, -1).expand(2, -1))
     assert count.dtype == torch.int64 and int(count) == 6  # 3 per row, both rows
-    assert int(_count_nonfinite(x[:7])) == 0  # the largest, the smallest and subnormal values are finite
-    assert int(_count_nonfinite(torch.full((4, 3), float("nan"), dtype=dtype))) == 12
+    assert int(count_nonfinite(x[:7])) == 0  # the largest, the smallest and subnormal values are finite
+    assert int(count_nonfinite(torch.full((4, 3), float("nan"), dtype=dtype))) == 12
     g = torch.randn(64, 32, dtype=dtype)
     g[3, 5], g[10, 1] = float("inf"), float("nan")
-    assert int(_count_nonfinite(g)) == int(g.numel() - torch.isfinite(g).sum()) == 2
+    assert int(count_nonfinite(g)) == int(g.numel() - torch.isfinite(g).sum()) == 2
 
 
 def test_count_nonfinite_counts_under_torch_compile() -> None:
     """Inductor folds a multiplication by an integer 0 to zeros: the count must survive it."""
     import torch._dynamo
 
-    from loka_train.probe.probe import _count_nonfinite
+    from loka_train.probe.measurement import count_nonfinite
 
     torch._dynamo.reset()
     x = torch.tensor([1.0, float("inf"), float("nan"), -0.0, float("-inf")])
     try:
-        assert int(torch.compile(_count_nonfinite, backend="inductor")(x)) == 3
+        assert int(torch.compile(count_nonfinite, backend="inductor")(x)) == 3
     finally:
         torch._dynamo.reset()

@@ -241,7 +241,7 @@ def test_nonfinite_activation_is_unsafe_counted_logged_and_never_raises(
 
     _feed(probe, "s", range(8), x_at, w_NK)
     assert all(v.safe for k, v in probe.verdicts().items() if k[1] == "forward")
-    with caplog.at_level(logging.WARNING, logger="loka_train.probe.probe"):
+    with caplog.at_level(logging.WARNING, logger="loka_train.probe.window"):
         _feed(probe, "s", range(8, 10), x_at, w_NK)
     for k, v in probe.verdicts().items():
         if k[1] == "forward":

@@ -1,0 +1,359 @@
+"""The Probe's shadow measurement of one GEMM: statistics of its operands and the error of each
+FP8 candidate against the high-precision result, all on the operands' device.
+
+Operands as the caller passes them, contraction axes per role (leading dims of activations and
+gradients are flattened into ``M``; the axis is the one handed to
+:func:`~loka_train.kernels.formats.quantize`):
+
+==============  ======================  =====================  =======================
+role            a                       b                      result
+==============  ======================  =====================  =======================
+forward         ``x_MK`` (axis 1)       ``w_NK`` (axis 1)      ``y_MN = x @ w.T``
+grad_input      ``dy_MN`` (axis 1)      ``w_NK`` (axis 0)      ``dx_MK = dy @ w``
+grad_weight     ``dy_MN`` (axis 0)      ``x_MK`` (axis 0)      ``dw_NK = dy.T @ x``
+==============  ======================  =====================  =======================
+
+Shape legend: ``M`` rows (batch), ``K`` input features, ``N`` output features, ``G`` scaling
+groups.
+
+* **Shadow SQNR.** For each candidate (format, scaling) both operands are quantized and
+  dequantized with the reference quantizers and multiplied in fp32; the error energy
+  ``sum((ref - fp8)**2)`` and the signal energy ``sum(ref**2)`` are stored, not the dB value
+  (see :mod:`loka_train.probe.window` for why). Saturation and underflow are stored as counts
+  (fraction times the element / non-zero count) for the same reason.
+* **No host sync.** Constants are written with fill kernels; there is no ``.item()``, no
+  host-to-device copy. Non-finite inputs are counted and zeroed before the statistics are
+  computed, so they never poison the window and never raise.
+* **CUDA graphs.** On CUDA each (role, operand shapes) measurement is captured once and
+  replayed (:class:`CudaGraphs`).
+
+Example:
+    >>> import torch
+    >>> from loka_train.probe.candidates import candidates_of
+    >>> from loka_train.probe.config import ROLES, ProbeConfig
+    >>> from loka_train.probe.window import WindowLayout
+    >>> cfg = ProbeConfig(formats=("e4m3",), scalings=("rowwise",))
+    >>> m = Measurement(cfg, candidates_of(cfg), WindowLayout(1), device=torch.device("cpu"))
+    >>> x_MK, w_NK = torch.randn(8, 16), torch.randn(4, 16)
+    >>> nf = count_nonfinite(x_MK)
+    >>> vec_sum, vec_max = m.measure("forward", x_MK, w_NK, nf, nf, None, graphable=False)
+    >>> tuple(vec_sum.shape) == (m.layout.num_sum,)
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loka_train.kernels.formats import (
+    Fp8Format,
+    Scaling,
+    dequantize,
+    quantize,
+    saturation_fraction,
+    underflow_fraction,
+)
+from loka_train.probe.candidates import Candidate, operand_b_format
+from loka_train.probe.config import ROLES, ProbeConfig
+from loka_train.probe.window import WindowLayout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CudaGraphs", "Measurement", "count_nonfinite", "gemm", "operands_2d"]
+
+# Contraction axes (operand a, operand b) per role, on the 2-D operands.
+_ROLE_AXES = {"forward": (1, 1), "grad_input": (1, 0), "grad_weight": (0, 0)}
+# Operand b is a weight (2-D tiles for block scaling) in these roles.
+_B_IS_WEIGHT = {"forward": True, "grad_input": True, "grad_weight": False}
+
+MeasureFn = Callable[..., tuple[Tensor, Tensor]]
+"""``(role, a, b, nf_a, nf_b) -> (SUM vector, MAX vector)``: what :class:`CudaGraphs` captures."""
+
+
+def count_nonfinite(x: Tensor) -> Tensor:
+    """How many values of `x` are inf or NaN (an int64 tensor on `x`'s device, no host sync).
+
+    ``x * 0.0`` is (signed) zero exactly where `x` is finite and NaN elsewhere; on CUDA
+    ``count_nonzero`` is a ``ne`` and a ``sum``. So three passes, two of them full-size writes
+    of a bool or of `x`'s dtype, where ``numel - isfinite(x).sum()`` takes five (``isfinite``
+    is ``abs``, ``ne``, ``eq`` and ``mul`` on the H100: 0.6 ms a step of a 3-step window of DCN
+    at 32768). The float zero matters: inductor folds ``x * 0`` with an integer zero to zeros,
+    which would count nothing under ``torch.compile``.
+
+    Example:
+        >>> int(count_nonfinite(torch.tensor([1.0, float("inf"), float("nan")])))
+        2
+    """
+    return torch.count_nonzero(x.detach().mul(0.0))
+
+
+def operands_2d(
+    site: str, role: str, a: Tensor, b: Tensor, *, weight_shape: tuple[int, int] | None
+) -> tuple[Tensor, Tensor]:
+    """The operands of one GEMM as 2-D tensors (leading dims flattened into rows), checked.
+
+    Args:
+        site: the site's name (for the error messages).
+        role: the GEMM role.
+        a: operand a.
+        b: operand b.
+        weight_shape: the registered ``(N, K)`` of the weight, checked when given.
+
+    Raises:
+        ValueError: an unknown role, or shapes that do not fit the role's GEMM.
+    """
+    if role not in _ROLE_AXES:
+        raise ValueError(f"unknown GEMM role {role!r}; use one of {ROLES}")
+    if a.dim() < 1 or b.dim() < 1:
+        raise ValueError(f"{site}/{role}: operands must have at least one dim")
+    a2 = a.reshape(-1, a.shape[-1])
+    if role == "grad_weight":
+        b2 = b.reshape(-1, b.shape[-1])
+        if a2.shape[0] != b2.shape[0]:
+            raise ValueError(
+                f"{site}/grad_weight: dY has {a2.shape[0]} rows but X has {b2.shape[0]}"
+            )
+    else:
+        if b.dim() != 2:
+            raise ValueError(f"{site}/{role}: the weight must be 2-D, got {tuple(b.shape)}")
+        b2 = b
+        if weight_shape is not None and tuple(b2.shape) != weight_shape:
+            raise ValueError(
+                f"{site}/{role}: weight shape {tuple(b2.shape)} != registered {weight_shape}"
+            )
+        contraction_b = b2.shape[1] if role == "forward" else b2.shape[0]
+        if a2.shape[1] != contraction_b:
+            raise ValueError(
+                f"{site}/{role}: contraction mismatch {tuple(a.shape)} vs {tuple(b.shape)}"
+            )
+    return a2, b2
+
+
+def _clean(x: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 copy with non-finite values zeroed, and the number of non-finite values."""
+    x32 = x.detach().float()
+    finite = torch.isfinite(x32)
+    num_nonfinite = finite.numel() - finite.sum()
+    return torch.where(finite, x32, 0.0), num_nonfinite
+
+
+def gemm(role: str, a: Tensor, b: Tensor) -> Tensor:
+    """The GEMM of ``role`` on 2-D operands (see the table of the module docstring)."""
+    if role == "forward":
+        return a @ b.T
+    if role == "grad_input":
+        return a @ b
+    return a.T @ b
+
+
+class Measurement:
+    """Computes the statistics of one GEMM sample as a (SUM vector, MAX vector) pair laid out
+    by a :class:`~loka_train.probe.window.WindowLayout`, graphed on CUDA.
+
+    Args:
+        config: the Probe's configuration (``backward_fmt_b``, ``block_size``,
+            ``cuda_graphs``, ``max_cuda_graphs``).
+        candidates: the candidates, in window order.
+        layout: the slot layout the vectors follow.
+        device: the device of the measured tensors; graphs are used on CUDA only.
+    """
+
+    def __init__(
+        self,
+        config: ProbeConfig,
+        candidates: Sequence[Candidate],
+        layout: WindowLayout,
+        *,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.candidates = tuple(candidates)
+        self.layout = layout
+        self.graphs: CudaGraphs | None = None
+        """The measurement graphs (None off CUDA or with ``cuda_graphs=False``)."""
+        if config.cuda_graphs and device.type == "cuda":
+            self.graphs = CudaGraphs(self.measure_selected, max_graphs=config.max_cuda_graphs)
+
+    def measure(
+        self,
+        role: str,
+        a: Tensor,
+        b: Tensor,
+        nf_a: Tensor,
+        nf_b: Tensor,
+        out_ref: Tensor | None,
+        *,
+        graphable: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """All statistics of one GEMM on the selected rows, as (SUM vector, MAX vector).
+
+        Args:
+            role: the GEMM role.
+            a: operand a, cut to the selected rows (:func:`~loka_train.probe.sampling.select`).
+            b: operand b, likewise.
+            nf_a: non-finite values of the full operand a.
+            nf_b: non-finite values of the full operand b.
+            out_ref: the high-precision result on the selected rows, or None.
+            graphable: whether a CUDA graph may run it (the caller passed no ``out_ref``).
+        """
+        if self.graphs is not None and graphable:
+            return self.graphs.run(role, a, b, nf_a, nf_b)
+        return self.measure_selected(role, a, b, nf_a, nf_b, out_ref)
+
+    def measure_selected(
+        self, role: str, a: Tensor, b: Tensor, nf_a: Tensor, nf_b: Tensor, out_ref: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`measure` without graphs (what the CUDA graphs capture)."""
+        # Hooks run inside the model's autocast region: the shadow GEMMs must stay in fp32.
+        with torch.autocast(device_type=a.device.type, enabled=False):
+            return self._measure_fp32(role, a, b, nf_a, nf_b, out_ref)
+
+    def _measure_fp32(
+        self, role: str, a: Tensor, b: Tensor, nf_a: Tensor, nf_b: Tensor, out_ref: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        L, cfg = self.layout, self.config
+        ax_a, ax_b = _ROLE_AXES[role]
+        a_c, _ = _clean(a)
+        b_c, _ = _clean(b)
+        if out_ref is None:
+            ref = gemm(role, a_c, b_c)
+        else:
+            ref, _ = _clean(out_ref.reshape(-1, out_ref.shape[-1]))
+        dev = a_c.device
+        sums: list[Tensor | None] = [None] * L.num_sum
+        maxes: list[Tensor | None] = [None] * L.num_max
+        # Fill kernels, not host-to-device copies: nothing here waits for the device.
+        sums[L.count] = torch.ones((), device=dev)
+        sums[L.signal] = ref.square().sum()
+        operands = {"a": (a_c, nf_a, ax_a), "b": (b_c, nf_b, ax_b)}
+        nnz: dict[str, Tensor] = {}
+        for o, (x, nf, axis) in operands.items():
+            row_amax_G = x.abs().amax(dim=axis)
+            nnz[o] = (x != 0).sum().float()
+            sums[L.numel[o]] = torch.full((), float(x.numel()), device=dev)
+            sums[L.nnz[o]] = nnz[o]
+            sums[L.sumsq[o]] = x.square().sum()
+            sums[L.nonfinite[o]] = nf.float()
+            maxes[L.amax[o]] = row_amax_G.amax()
+            maxes[L.neg_row_min[o]] = -torch.where(row_amax_G > 0, row_amax_G, math.inf).amin()
+        # Quantized operands and their counts, shared by candidates with the same (format,
+        # scaling) for an operand (operand b of the backward GEMMs has one format).
+        cache: dict[tuple[str, Fp8Format, Scaling], tuple[Tensor, Tensor, Tensor]] = {}
+
+        def quantized(o: str, fmt: Fp8Format, scaling: Scaling) -> tuple[Tensor, Tensor, Tensor]:
+            hit = cache.get((o, fmt, scaling))
+            if hit is not None:
+                return hit
+            x, _, axis = operands[o]
+            kw: dict[str, Any] = {}
+            if scaling is Scaling.BLOCK:
+                kw = {"block_size": cfg.block_size, "block_2d": o == "b" and _B_IS_WEIGHT[role]}
+            q = quantize(x, fmt, scaling, axis=axis, **kw)
+            sat = saturation_fraction(x, fmt, scaling, axis=axis, scale=q.scale, **kw)
+            und = underflow_fraction(x, fmt, scaling, axis=axis, scale=q.scale, **kw)
+            cache[(o, fmt, scaling)] = out = (dequantize(q), sat * x.numel(), und * nnz[o])
+            return out
+
+        for c, cand in enumerate(self.candidates):
+            deq_a, sat_a, und_a = quantized("a", cand.fmt, cand.scaling)
+            fmt_b = operand_b_format(role, cand.fmt, cfg.backward_fmt_b)
+            deq_b, sat_b, und_b = quantized("b", fmt_b, cand.scaling)
+            sums[L.error + c] = (ref - gemm(role, deq_a, deq_b)).square().sum()
+            sums[L.saturated["a"] + c], sums[L.underflow["a"] + c] = sat_a, und_a
+            sums[L.saturated["b"] + c], sums[L.underflow["b"] + c] = sat_b, und_b
+        assert all(t is not None for t in sums) and all(t is not None for t in maxes)
+        vec_sum = torch.stack([t.float() for t in sums])  # type: ignore[union-attr]
+        vec_max = torch.stack([t.float() for t in maxes])  # type: ignore[union-attr]
+        return vec_sum.to(torch.float64), vec_max.to(torch.float64)
+
+
+class CudaGraphs:
+    """Replays the measurement of each (role, operand shapes and dtypes) as one CUDA graph.
+
+    A sample is a few hundred small kernels; launched eagerly, their CPU cost dominates
+    the probe's overhead. Captured once, a replay is one launch. Its inputs are the rows that
+    :func:`~loka_train.probe.sampling.select` chose (at most ``max_rows``) and the two
+    non-finite counts, copied into static buffers; the full operands never enter a graph (at
+    batch 32768 their copies were a large part of a sample's cost, ``bench/results/README.md``).
+    Outputs are copied out of static buffers by the caller. All graphs share one memory pool:
+    every tensor allocated during a capture is dead at its end (outputs are written into
+    buffers allocated outside the pool), so replays in any order cannot clobber each other's
+    live memory.
+
+    Costs and fallbacks: a capture synchronizes the device once (``torch.cuda.graph``), on the
+    first sample of each shape. Beyond ``max_graphs`` shapes, or if a capture fails, the
+    measurement runs eagerly (same numbers); both are logged and counted (``num_eager``).
+
+    Args:
+        measure: the eager measurement, ``(role, a, b, nf_a, nf_b) -> (SUM, MAX)``.
+        max_graphs: most graphs kept.
+    """
+
+    def __init__(self, measure: MeasureFn, *, max_graphs: int) -> None:
+        self._measure = measure
+        self._max_graphs = max_graphs
+        self._entries: dict[tuple, tuple[tuple[Tensor, ...], Any, Tensor, Tensor]] = {}
+        self._pool: Any = None
+        self.disabled_reason: str | None = None
+        self.num_captures = 0
+        self.num_eager = 0
+        self._warned_full = False
+
+    def run(self, role: str, *operands: Tensor) -> tuple[Tensor, Tensor]:
+        """The measurement of ``operands`` (a, b, nf_a, nf_b): a replay, a capture, or eager."""
+        key = (role, operands[0].device, *((tuple(t.shape), t.dtype) for t in operands))
+        entry = self._entries.get(key)
+        if entry is None:
+            if self.disabled_reason is not None or len(self._entries) >= self._max_graphs:
+                self.num_eager += 1
+                if self.disabled_reason is None and not self._warned_full:
+                    self._warned_full = True
+                    logger.warning(
+                        "probe: %d CUDA graphs cached (max_cuda_graphs); new shapes such as "
+                        "%s/%s x %s (selected rows) are measured eagerly (slower, same numbers)",
+                        self._max_graphs, role, tuple(operands[0].shape), tuple(operands[1].shape),
+                    )
+                return self._measure(role, *operands)
+            try:
+                entry = self._capture(role, operands)
+            except RuntimeError as exc:
+                self.disabled_reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                self.num_eager += 1
+                logger.warning(
+                    "probe: CUDA graph capture failed (%s); measuring eagerly from now on "
+                    "(slower, same numbers)", self.disabled_reason,
+                )
+                return self._measure(role, *operands)
+            self._entries[key] = entry
+        statics, graph, out_sum, out_max = entry
+        for static, given in zip(statics, operands):
+            static.copy_(given)
+        graph.replay()
+        return out_sum, out_max
+
+    def _capture(self, role: str, operands: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], Any, Tensor, Tensor]:
+        statics = tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in operands)
+        device = operands[0].device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            # Warm-up outside the capture (lazy inits, cuBLAS workspaces); also this sample.
+            vec_sum, vec_max = self._measure(role, *statics)
+            out_sum, out_max = vec_sum.clone(), vec_max.clone()
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            vec_sum, vec_max = self._measure(role, *statics)
+            out_sum.copy_(vec_sum)
+            out_max.copy_(vec_max)
+        self.num_captures += 1
+        logger.debug("probe: captured a CUDA graph for %s %s", role, [tuple(t.shape) for t in operands])
+        return statics, graph, out_sum, out_max
