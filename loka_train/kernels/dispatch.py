@@ -50,10 +50,10 @@ from loka_train.kernels.capture import reset_capture_state
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.kernels.registry import GemmProblem, get_backend, registered_backends
+from loka_train.kernels.roles import ROLES
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("forward", "grad_input", "grad_weight")
 OBJECTIVES = ("speed", "coverage")
 TIMINGS = ("auto", "measure", "cost_model")
 

@@ -43,11 +43,7 @@ __all__ = [
     "registered_backends",
     "available_backends",
     "fp8_available",
-    "GEMM_ROLES",
 ]
-
-GEMM_ROLES = ("forward", "grad_input", "grad_weight")
-"""The three GEMMs of a linear layer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +65,7 @@ class GemmProblem:
     out_dtype: torch.dtype
     """Output dtype (bf16 / fp32 / fp16)."""
     role: str = "forward"
-    """Which GEMM of the layer (one of ``GEMM_ROLES``, or a free-form name)."""
+    """Which GEMM of the layer (one of ``kernels.roles.ROLES``, or a free-form name)."""
     fmt_b: Fp8Format | None = None
     """FP8 format of ``b``; None means the same as ``fmt``."""
     fast_accum: bool = False

@@ -87,7 +87,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ROLES",
     "OBSERVED_BATCHES",
     "Site",
     "GemmSite",
@@ -98,9 +97,6 @@ __all__ = [
     "planned_bmm",
     "unobserved",
 ]
-
-ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
-"""The three GEMMs of a site."""
 
 OBSERVED_BATCHES = 8
 """Batches of a batched (bmm) site that are reported to the observer on a sampled step."""

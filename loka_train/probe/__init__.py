@@ -5,11 +5,10 @@ Example:
     >>> probe = Probe(ProbeConfig(every_k_steps=50))
 """
 
-from loka_train.probe.config import ROLES, ProbeConfig, default_sqnr_budget_db
+from loka_train.probe.config import ProbeConfig, default_sqnr_budget_db
 from loka_train.probe.probe import Candidate, Probe, Verdict, VerdictKey
 
 __all__ = [
-    "ROLES",
     "Candidate",
     "Probe",
     "ProbeConfig",

@@ -99,7 +99,8 @@ from loka_train.kernels.formats import (
     saturation_fraction,
     underflow_fraction,
 )
-from loka_train.probe.config import ROLES, ProbeConfig
+from loka_train.kernels.roles import ROLES
+from loka_train.probe.config import ProbeConfig
 
 logger = logging.getLogger(__name__)
 

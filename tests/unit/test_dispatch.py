@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loka_train.kernels.dispatch import ROLES, DispatchConfig, Dispatcher, GpuCostModel
+from loka_train.kernels.dispatch import DispatchConfig, Dispatcher, GpuCostModel
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
+from loka_train.kernels.roles import ROLES
 from loka_train.probe import Probe, ProbeConfig
 
 M, K, N = 256, 64, 32
