@@ -148,7 +148,8 @@ def _bench_gemm_role(rows, timer, m, k, n, role, a_hp, b_hp, bf16_fn):
     import torch
 
     from loka_train.kernels.formats import Fp8Format, Scaling, quantize
-    from loka_train.kernels.registry import GemmProblem, get_backend
+    from loka_train.kernels.gemm import GemmProblem
+    from loka_train.kernels.registry import get_backend
 
     bf16 = torch.bfloat16
     gemm = [a_hp.shape[0], a_hp.shape[1], b_hp.shape[0]]

@@ -1,4 +1,4 @@
-"""Built-in FP8 GEMM backends (see ``registry.py`` for the contract).
+"""Built-in FP8 GEMM backends (see ``gemm.py`` for the contract, ``registry.py`` for the names).
 
 Every backend computes ``a @ b^T (+ bias)`` for ``a_q`` (M, K) and ``b_q`` (N, K), both
 quantized along K (``QTensor.axis == 1``), and says in ``supports()`` why it cannot run a
@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from packaging import version
 from torch import Tensor
 
+from loka_train.kernels.capability import fp8_available
 from loka_train.kernels.formats import DEFAULT_BLOCK_SIZE, Fp8Format, QTensor, Scaling, dequantize
-from loka_train.kernels.registry import Backend, GemmProblem, fp8_available
+from loka_train.kernels.gemm import Backend, GemmProblem
 
 logger = logging.getLogger(__name__)
 

@@ -48,8 +48,9 @@ from torch import Tensor
 
 from loka_train.kernels.capture import reset_capture_state
 from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
-from loka_train.kernels.registry import GemmProblem, get_backend, registered_backends
+from loka_train.kernels.registry import get_backend, registered_backends
 from loka_train.kernels.roles import ROLES
 
 logger = logging.getLogger(__name__)

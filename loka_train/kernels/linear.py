@@ -40,9 +40,10 @@ from torch import Tensor
 from loka_train.kernels import opaque
 from loka_train.kernels.backends import TRITON_INSTALLED
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, quantize
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.profiling import profiled
-from loka_train.kernels.registry import GemmProblem, get_backend
+from loka_train.kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
 

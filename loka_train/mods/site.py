@@ -35,7 +35,7 @@ Kinds of sites (``Site.kind``):
   has a batched FP8 GEMM); :meth:`Site.supports_plan` says so and ``set_plan`` refuses others.
 
 GEMM shapes (:meth:`Site.gemm_shapes`) use the backends' ``a @ b^T`` convention, i.e. the
-``(m, k, n)`` of :class:`~loka_train.kernels.registry.GemmProblem`, per role: forward
+``(m, k, n)`` of :class:`~loka_train.kernels.gemm.GemmProblem`, per role: forward
 ``(M, K, N)``, grad-input ``(M, N, K)``, grad-weight ``(N, M, K)``, where the layer computes
 ``(M, K) x (K, N)``. ``M`` is 0 until the first forward. For batched sites ``M`` counts the rows
 of all batches together (``B * rows``) while ``K`` and ``N`` are per batch.
@@ -76,10 +76,11 @@ from torch import Tensor, nn
 from loka_train.kernels import opaque
 from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import _compute_dtype, fp8_linear, inductor_quantizes
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.profiling import profiled
-from loka_train.kernels.registry import GemmProblem, get_backend
+from loka_train.kernels.registry import get_backend
 
 if TYPE_CHECKING:
     from loka_train.probe.probe import Probe

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from loka_train.kernels import LinearPlan, Scaling
-from loka_train.kernels.registry import fp8_available
+from loka_train.kernels.capability import fp8_available
 from loka_train.mods import Fp8Linear
 from loka_train.runtime.graphs import DenseGraphs
 from tests.gpu._graphs_runs import MODELS, train_losses

@@ -16,16 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loka_train.kernels.capability import fp8_available
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize, sqnr_db
 from loka_train.kernels.fused import layernorm_linear
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import fp8_linear
 from loka_train.kernels.plan import LinearPlan
-from loka_train.kernels.registry import (
-    GemmProblem,
-    fp8_available,
-    get_backend,
-    registered_backends,
-)
+from loka_train.kernels.registry import get_backend, registered_backends
 
 pytestmark = [
     pytest.mark.gpu,
