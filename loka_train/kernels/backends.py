@@ -28,6 +28,7 @@ from torch import Tensor
 from loka_train.kernels.capability import fp8_available
 from loka_train.kernels.formats import DEFAULT_BLOCK_SIZE, Fp8Format, QTensor, Scaling, dequantize
 from loka_train.kernels.gemm import Backend, GemmProblem
+from loka_train.kernels.settings import KernelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -281,9 +282,17 @@ TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 class TritonBackend:
-    """Our Triton FP8 GEMM (``loka::fp8_gemm``): row-wise or tensorwise scales, fused epilogue."""
+    """Our Triton FP8 GEMM (``loka::fp8_gemm``): row-wise or tensorwise scales, fused epilogue.
+
+    Args:
+        autotune: tune the tile config for each new problem on a GPU; False launches one fixed
+            config (``settings.KernelSettings.triton_autotune``).
+    """
 
     name = "triton"
+
+    def __init__(self, *, autotune: bool = True) -> None:
+        self.autotune = autotune
 
     def supports(self, problem: GemmProblem) -> tuple[bool, str]:
         if not TRITON_INSTALLED:
@@ -335,15 +344,22 @@ class TritonBackend:
             out_dtype=out_dtype,
             fast_accum=fast_accum,
             return_preact=return_preact,
+            autotune=self.autotune,
         )
 
 
-def builtin_backends() -> list[Backend]:
-    """Fresh instances of the built-in backends."""
+def builtin_backends(settings: KernelSettings | None = None) -> list[Backend]:
+    """Fresh instances of the built-in backends.
+
+    Args:
+        settings: what they take from the run's kernel settings (``triton_autotune``);
+            default :class:`KernelSettings`'s defaults.
+    """
+    settings = KernelSettings() if settings is None else settings
     return [
         EmulatedBackend(),
         Bf16Backend(),
         TorchScaledMMBackend(),
         FbgemmRowwiseBackend(),
-        TritonBackend(),
+        TritonBackend(autotune=settings.triton_autotune),
     ]

@@ -3,7 +3,9 @@
 Built-in backends (``backends.py``, registered on first use of the registry): ``emulated``
 (dequantize + fp32 matmul, the numerical oracle, runs anywhere), ``bf16`` (dequantize to bf16
 + bf16 matmul, the high-precision baseline), ``torch_scaled_mm``, ``fbgemm_rowwise`` and
-``triton``.
+``triton``. They are built with the default :class:`~loka_train.kernels.settings.KernelSettings`
+and its environment overrides (``LOKA_TRITON_AUTOTUNE=0``: an untuned ``triton`` backend);
+``register_backend(TritonBackend(autotune=False), replace=True)`` sets it from code.
 
 Nothing here touches hardware at import; capability checks run lazily and are cached.
 
@@ -22,6 +24,7 @@ import threading
 
 from loka_train.kernels import backends
 from loka_train.kernels.gemm import Backend, GemmProblem
+from loka_train.kernels.settings import KernelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ def _ensure_builtins() -> None:
     with _LOCK:
         if _BUILTINS_LOADED:
             return
-        for backend in backends.builtin_backends():
+        for backend in backends.builtin_backends(KernelSettings().with_env_overrides()):
             _REGISTRY.setdefault(backend.name, backend)
         _BUILTINS_LOADED = True
 

@@ -598,11 +598,6 @@ _fp8_gemm_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_fp8_gemm_kernel)
 
-AUTOTUNE = os.environ.get("LOKA_TRITON_AUTOTUNE", "1") != "0"
-"""``LOKA_TRITON_AUTOTUNE=0`` launches every GEMM with one fixed config instead of tuning each
-new problem (~9 compiles and timings per shape): for correctness tests on a GPU, which need
-the right answer, not the fastest config."""
-
 _UNTUNED_GEMM_CONFIG = GEMM_CONFIGS[-1]
 """The smallest tiles (64x64x64): valid for every shape, fast for none."""
 
@@ -632,6 +627,7 @@ def _fp8_gemm_impl(
     out_dtype: torch.dtype,
     fast_accum: bool,
     return_preact: bool,
+    autotune: bool,
 ) -> tuple[Tensor, Tensor]:
     for name, t in (("a", a), ("b", b)):
         _triton_fmt(_fmt_of(t, name))
@@ -689,9 +685,9 @@ def _fp8_gemm_impl(
         cpu_grid = (_cdiv(m, cfg["BLOCK_M"]) * _cdiv(n, cfg["BLOCK_N"]),)
         _fp8_gemm_kernel[cpu_grid](*args, **flags, **cfg, num_warps=4)
     else:
-        key = (args[-1], n, k, a.dtype, b.dtype, c.dtype, bias is not None, act, return_preact, fast_accum)
+        key = (args[-1], n, k, a.dtype, b.dtype, c.dtype, bias is not None, act, return_preact, fast_accum, autotune)
         best = _BEST_GEMM_CONFIG.get(key)
-        if best is None and not AUTOTUNE:
+        if best is None and not autotune:
             best = _BEST_GEMM_CONFIG[key] = _UNTUNED_GEMM_CONFIG
         if best is None:
 
@@ -729,14 +725,15 @@ def _fp8_gemm_op(
     out_dtype: torch.dtype,
     fast_accum: bool,
     return_preact: bool,
+    autotune: bool,
 ) -> tuple[Tensor, Tensor]:
     return _fp8_gemm_impl(
-        a, b, a_scale, b_scale, bias, activation, out_dtype, fast_accum, return_preact
+        a, b, a_scale, b_scale, bias, activation, out_dtype, fast_accum, return_preact, autotune
     )
 
 
 @_fp8_gemm_op.register_fake
-def _fp8_gemm_fake(a, b, a_scale, b_scale, bias, activation, out_dtype, fast_accum, return_preact):
+def _fp8_gemm_fake(a, b, a_scale, b_scale, bias, activation, out_dtype, fast_accum, return_preact, autotune):
     m, n = a.shape[0], b.shape[0]
     c = a.new_empty((m, n), dtype=out_dtype)
     pre = a.new_empty((m, n) if return_preact else (0,), dtype=out_dtype)
@@ -754,6 +751,7 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     fast_accum: bool = False,
     return_preact: bool = False,
+    autotune: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``act((a @ b^T) * a_scale * b_scale^T + bias)`` in one kernel (op ``loka::fp8_gemm``).
 
@@ -769,11 +767,13 @@ def fp8_gemm(
             for the whole K loop (faster); otherwise partial sums are promoted to fp32 every
             ``BLOCK_K`` elements.
         return_preact: also return the value before the activation (for SiLU backward).
+        autotune: on a GPU, tune the tile config for each new problem; False launches one
+            fixed config (``settings.KernelSettings.triton_autotune``).
 
     Returns:
         ``(out_MN, preact_MN)``; ``preact`` is empty (shape (0,)) unless ``return_preact``.
     """
-    args = (a_MK, b_NK, a_scale, b_scale, bias_N, activation, out_dtype, fast_accum, return_preact)
+    args = (a_MK, b_NK, a_scale, b_scale, bias_N, activation, out_dtype, fast_accum, return_preact, autotune)
     if opaque.tracing():
         return torch.ops.loka.fp8_gemm(*args)
     # Eager: skip the custom-op dispatcher (tens of microseconds per call on the hot path).

@@ -245,8 +245,10 @@ def test_triton_gemm_vs_reference(m, k, n, activation, fast_accum):
     a = quantize(_gauss(m, k), Fp8Format.E4M3, Scaling.ROWWISE)
     b = quantize(_gauss(n, k, seed=1), Fp8Format.E4M3, Scaling.ROWWISE)
     bias = _gauss(n, seed=2)
+    # Tuned or not as the registry's triton backend (LOKA_TRITON_AUTOTUNE=0: untuned).
     out, _ = tk.fp8_gemm(a.data, b.data, a.scale, b.scale, bias_N=bias, activation=activation,
-                         out_dtype=torch.bfloat16, fast_accum=fast_accum)
+                         out_dtype=torch.bfloat16, fast_accum=fast_accum,
+                         autotune=get_backend("triton").autotune)
     ref, _ = tk.fp8_gemm_reference(a.data, b.data, a.scale, b.scale, bias_N=bias,
                                    activation=activation, out_dtype=torch.float32)
     assert float(sqnr_db(ref, out)) > (35 if fast_accum else 45)
@@ -272,7 +274,8 @@ def test_opcheck_fp8_gemm_on_cuda():
     # test_schema does arithmetic on the (FP8) inputs, which torch does not implement.
     torch.library.opcheck(
         torch.ops.loka.fp8_gemm.default,
-        (a.data, b.data, a.scale, b.scale, torch.ones(32, device=DEV), "relu", torch.bfloat16, False, True),
+        (a.data, b.data, a.scale, b.scale, torch.ones(32, device=DEV), "relu", torch.bfloat16, False, True,
+         get_backend("triton").autotune),
         test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 

@@ -163,7 +163,7 @@ _CPU_FP8_INPUT_CHECKS = ("test_autograd_registration", "test_faketensor", "test_
 def test_opcheck_fp8_gemm():
     a, b = _gemm_operands(Fp8Format.E4M3, Fp8Format.E4M3, m=16, k=32, n=16)
     op = torch.ops.loka.fp8_gemm.default
-    args = (a.data, b.data, a.scale, b.scale, torch.ones(16), "relu", torch.float32, False, True)
+    args = (a.data, b.data, a.scale, b.scale, torch.ones(16), "relu", torch.float32, False, True, True)
     torch.library.opcheck(op, args, test_utils=_CPU_FP8_INPUT_CHECKS)
-    args = (a.data, b.data, a.scale, b.scale, None, "none", torch.bfloat16, True, False)
+    args = (a.data, b.data, a.scale, b.scale, None, "none", torch.bfloat16, True, False, False)
     torch.library.opcheck(op, args, test_utils=_CPU_FP8_INPUT_CHECKS)
