@@ -207,6 +207,7 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
 
     from loka_train.kernels import triton_block as tb
     from loka_train.kernels import triton_kernels as tk
+    from loka_train.kernels import triton_layernorm as tln
     from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 
     e4m3 = Fp8Format.E4M3
@@ -248,7 +249,7 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
         # LayerNorm's backward (dx, dw, db), which the block runs next to the quantizers.
         ("aten layernorm backward (reference)",
          lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [k], a_mean, a_rstd, lnw, lnb, [True] * 3), None),
-        ("triton/layernorm backward", lambda: tb.layernorm_backward(dy, x, mean, rstd, lnw), None),
+        ("triton/layernorm backward", lambda: tln.layernorm_backward(dy, x, mean, rstd, lnw), None),
     ]
     for name, fn, why in cases:
         row = Row("b", name, m, k, 0, extra=dict(nbytes))

@@ -11,7 +11,12 @@ Modules:
     backends: built-in backends (emulated, bf16, torch_scaled_mm, fbgemm_rowwise, triton).
     linear: ``fp8_linear``, an autograd function whose three GEMMs follow a ``LinearPlan``.
     fused: ``layernorm_linear``, LayerNorm -> Linear -> activation with fused quantization.
-    triton_kernels: the fused row-wise quantizer and FP8 GEMM (imported lazily: needs triton).
+    settings: ``KernelSettings`` (compiled quantizer, Triton autotune) and their environment
+        overrides.
+    opaque: the FP8 autograd Functions as opaque custom ops for compiled code.
+    triton_kernels: the fused row-wise quantizer and the helpers all Triton kernels share;
+        triton_gemm: the FP8 GEMM with a fused epilogue; triton_block: the transposing
+        quantizer; triton_layernorm: LayerNorm's backward (all imported lazily: need triton).
 
 Importing this package touches no hardware and does not import triton.
 

@@ -331,7 +331,7 @@ class TritonBackend:
         return_preact: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """The GEMM with its activation epilogue; returns ``(out, preact)`` (see ``fp8_gemm``)."""
-        from loka_train.kernels.triton_kernels import fp8_gemm
+        from loka_train.kernels.triton_gemm import fp8_gemm
 
         _check_operands(a_q, b_q)
         return fp8_gemm(

@@ -17,7 +17,7 @@ quantization fused into the kernels that produce each GEMM operand.
   with the amaxes the two fused kernels computed on the way (``H^T`` recomputed from ``x``
   and the LayerNorm statistics, so the forward writes no ``H``), and the bias gradient is
   summed in the same pass over ``dZ``; row-wise: per-column scales, a column-amax pass first;
-* LayerNorm's backward: one Triton kernel (``triton_block.layernorm_backward``).
+* LayerNorm's backward: one Triton kernel (``triton_layernorm.layernorm_backward``).
 
 Other plans run the same math unfused (LayerNorm, then :func:`fp8_gemm_planned` or a plain
 matmul, and ``aten.native_layer_norm_backward``); the numerics are those of the plan either
@@ -180,7 +180,8 @@ class _LnLinearActFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         from loka_train.kernels import triton_kernels as tk
-        from loka_train.kernels.triton_block import layernorm_backward, transposed_quant
+        from loka_train.kernels.triton_block import transposed_quant
+        from loka_train.kernels.triton_layernorm import layernorm_backward
 
         x_MK, h_MK, mean, rstd, lnw, lnb, wc, y_MN, pre_MN, hq_data, hq_scale = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
