@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loka_train.kernels.dispatch import Dispatcher, PlanChange
+from loka_train.dispatch import Dispatcher, PlanChange
 from loka_train.kernels.roles import ROLES
 from loka_train.mods import convert, sites
 from loka_train.probe import Probe

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from loka_train.kernels.dispatch import DispatchConfig
+from loka_train.dispatch import DispatchConfig
 from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.roles import ROLES
