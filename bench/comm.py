@@ -30,7 +30,7 @@ def job(out: str, precision: str, steps: int, batch: int, tables: int, dim: int,
 
     from loka_train.comm import CommConfig, CommPrecision
     from loka_train.data import DataConfig
-    from loka_train.kernels.dispatch import DispatchConfig
+    from loka_train.dispatch import DispatchConfig
     from loka_train.models import ModelConfig
     from loka_train.mods.config import ModsConfig
     from loka_train.probe import ProbeConfig

@@ -35,9 +35,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loka_train.kernels.dispatch import ROLES, DispatchConfig, Dispatcher  # noqa: E402
+from loka_train.dispatch import DispatchConfig, Dispatcher  # noqa: E402
 from loka_train.kernels.formats import Fp8Format, Scaling  # noqa: E402
 from loka_train.kernels.plan import LinearPlan  # noqa: E402
+from loka_train.kernels.roles import ROLES  # noqa: E402
 from loka_train.mods import Fp8Linear  # noqa: E402
 
 CONFIGS: dict[str, list[tuple[str, int, int, int]]] = {

@@ -148,7 +148,8 @@ def _bench_gemm_role(rows, timer, m, k, n, role, a_hp, b_hp, bf16_fn):
     import torch
 
     from loka_train.kernels.formats import Fp8Format, Scaling, quantize
-    from loka_train.kernels.registry import GemmProblem, get_backend
+    from loka_train.kernels.gemm import GemmProblem
+    from loka_train.kernels.registry import get_backend
 
     bf16 = torch.bfloat16
     gemm = [a_hp.shape[0], a_hp.shape[1], b_hp.shape[0]]
@@ -206,6 +207,7 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
 
     from loka_train.kernels import triton_block as tb
     from loka_train.kernels import triton_kernels as tk
+    from loka_train.kernels import triton_layernorm as tln
     from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 
     e4m3 = Fp8Format.E4M3
@@ -247,7 +249,7 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
         # LayerNorm's backward (dx, dw, db), which the block runs next to the quantizers.
         ("aten layernorm backward (reference)",
          lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [k], a_mean, a_rstd, lnw, lnb, [True] * 3), None),
-        ("triton/layernorm backward", lambda: tb.layernorm_backward(dy, x, mean, rstd, lnw), None),
+        ("triton/layernorm backward", lambda: tln.layernorm_backward(dy, x, mean, rstd, lnw), None),
     ]
     for name, fn, why in cases:
         row = Row("b", name, m, k, 0, extra=dict(nbytes))

@@ -1,4 +1,4 @@
-"""Built-in FP8 GEMM backends (see ``registry.py`` for the contract).
+"""Built-in FP8 GEMM backends (see ``gemm.py`` for the contract, ``registry.py`` for the names).
 
 Every backend computes ``a @ b^T (+ bias)`` for ``a_q`` (M, K) and ``b_q`` (N, K), both
 quantized along K (``QTensor.axis == 1``), and says in ``supports()`` why it cannot run a
@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from packaging import version
 from torch import Tensor
 
+from loka_train.kernels.capability import fp8_available
 from loka_train.kernels.formats import DEFAULT_BLOCK_SIZE, Fp8Format, QTensor, Scaling, dequantize
-from loka_train.kernels.registry import Backend, GemmProblem, fp8_available
+from loka_train.kernels.gemm import Backend, GemmProblem
+from loka_train.kernels.settings import KernelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -280,9 +282,17 @@ TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 class TritonBackend:
-    """Our Triton FP8 GEMM (``loka::fp8_gemm``): row-wise or tensorwise scales, fused epilogue."""
+    """Our Triton FP8 GEMM (``loka::fp8_gemm``): row-wise or tensorwise scales, fused epilogue.
+
+    Args:
+        autotune: tune the tile config for each new problem on a GPU; False launches one fixed
+            config (``settings.KernelSettings.triton_autotune``).
+    """
 
     name = "triton"
+
+    def __init__(self, *, autotune: bool = True) -> None:
+        self.autotune = autotune
 
     def supports(self, problem: GemmProblem) -> tuple[bool, str]:
         if not TRITON_INSTALLED:
@@ -321,7 +331,7 @@ class TritonBackend:
         return_preact: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """The GEMM with its activation epilogue; returns ``(out, preact)`` (see ``fp8_gemm``)."""
-        from loka_train.kernels.triton_kernels import fp8_gemm
+        from loka_train.kernels.triton_gemm import fp8_gemm
 
         _check_operands(a_q, b_q)
         return fp8_gemm(
@@ -334,15 +344,22 @@ class TritonBackend:
             out_dtype=out_dtype,
             fast_accum=fast_accum,
             return_preact=return_preact,
+            autotune=self.autotune,
         )
 
 
-def builtin_backends() -> list[Backend]:
-    """Fresh instances of the built-in backends."""
+def builtin_backends(settings: KernelSettings | None = None) -> list[Backend]:
+    """Fresh instances of the built-in backends.
+
+    Args:
+        settings: what they take from the run's kernel settings (``triton_autotune``);
+            default :class:`KernelSettings`'s defaults.
+    """
+    settings = KernelSettings() if settings is None else settings
     return [
         EmulatedBackend(),
         Bf16Backend(),
         TorchScaledMMBackend(),
         FbgemmRowwiseBackend(),
-        TritonBackend(),
+        TritonBackend(autotune=settings.triton_autotune),
     ]

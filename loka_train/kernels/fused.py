@@ -17,7 +17,7 @@ quantization fused into the kernels that produce each GEMM operand.
   with the amaxes the two fused kernels computed on the way (``H^T`` recomputed from ``x``
   and the LayerNorm statistics, so the forward writes no ``H``), and the bias gradient is
   summed in the same pass over ``dZ``; row-wise: per-column scales, a column-amax pass first;
-* LayerNorm's backward: one Triton kernel (``triton_block.layernorm_backward``).
+* LayerNorm's backward: one Triton kernel (``triton_layernorm.layernorm_backward``).
 
 Other plans run the same math unfused (LayerNorm, then :func:`fp8_gemm_planned` or a plain
 matmul, and ``aten.native_layer_norm_backward``); the numerics are those of the plan either
@@ -43,17 +43,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loka_train.kernels import opaque
+from loka_train.kernels.backends import TritonBackend
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling
 from loka_train.kernels.linear import (
     _compute_dtype,
     fp8_gemm_planned,
     grad_weight_dtype,
+    inductor_quantizes,
     quantize_operand,
     run_backend,
     use_fused_quantizer,
     use_transposed_quantizer,
 )
 from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
 
@@ -62,27 +65,29 @@ __all__ = ["layernorm_linear", "FUSED_ACTIVATIONS"]
 FUSED_ACTIVATIONS = ("none", "relu", "silu")
 
 
-def _fusable(plan: GemmPlan, t: Tensor) -> bool:
-    return plan.is_fp8 and use_fused_quantizer(plan, t, plan.fmt)
+def _fusable(plan: GemmPlan, t: Tensor, reference_quantizer: bool) -> bool:
+    return plan.is_fp8 and use_fused_quantizer(plan, t, plan.fmt, reference_quantizer=reference_quantizer)
 
 
-def _transposable(plan: GemmPlan, t_MC: Tensor, fmt: Fp8Format) -> bool:
+def _transposable(plan: GemmPlan, t_MC: Tensor, fmt: Fp8Format, reference_quantizer: bool) -> bool:
     """Whether the grad-weight GEMM's operand ``t^T`` (in ``fmt``) takes the transposing
     quantizer."""
-    return plan.is_fp8 and use_transposed_quantizer(plan, t_MC.t(), fmt)
+    return plan.is_fp8 and use_transposed_quantizer(
+        plan, t_MC.t(), fmt, reference_quantizer=reference_quantizer
+    )
 
 
 def _gemm_act(plan, a_q, b_q, *, bias, activation, out_dtype, role):
-    """``act(a @ b^T + bias)``: in the Triton GEMM's epilogue, or the backend then ``act``.
+    """``act(a @ b^T + bias)``: in the Triton GEMM's epilogue (the registered ``triton``
+    backend's ``fused``, with its autotune setting), or the backend then ``act``.
 
     Returns ``(out, preact)``; ``preact`` is None unless SiLU needs it for backward.
     """
-    from loka_train.kernels import triton_kernels as tk
-
-    if plan.backend == "triton":
-        out, pre = tk.fp8_gemm(
-            a_q.data, b_q.data, a_q.scale, b_q.scale, bias_N=bias, activation=activation,
-            out_dtype=out_dtype, fast_accum=plan.fast_accum, return_preact=activation == "silu",
+    backend = get_backend(plan.backend)
+    if isinstance(backend, TritonBackend):
+        out, pre = backend.fused(
+            a_q, b_q, bias=bias, activation=activation, out_dtype=out_dtype,
+            fast_accum=plan.fast_accum, return_preact=activation == "silu",
         )
         return out, (pre if activation == "silu" else None)
     z = run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias)
@@ -99,10 +104,11 @@ def _act(z: Tensor, activation: str) -> Tensor:
 
 class _LnLinearActFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, plan, activation, eps, out_dtype):
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, plan, activation, eps, out_dtype, reference_quantizer):
         from loka_train.kernels import triton_kernels as tk
         from loka_train.kernels.triton_block import transposed_quant
 
+        rq = reference_quantizer
         dev = x.device.type
         cdtype = _compute_dtype(x)
         k = x.shape[-1]
@@ -118,13 +124,13 @@ class _LnLinearActFn(torch.autograd.Function):
             pre_MN = None
             # The grad-weight GEMM's H^T, quantized here (then H itself need not be kept).
             h_t_q = None
-            fused_ln = _fusable(fwd, x_MK)
+            fused_ln = _fusable(fwd, x_MK, rq)
             if fused_ln:
                 need_w_grad = ctx.needs_input_grad[3]
                 tensorwise_gw = (
                     need_w_grad
                     and gw.scaling is Scaling.TENSORWISE
-                    and _transposable(gw, x_MK, gw.operand_b_fmt)
+                    and _transposable(gw, x_MK, gw.operand_b_fmt, rq)
                 )
                 q, s, h_MK, mean, rstd, h_amax = tk.fused_rowwise_quant(
                     x_MK, fmt=fwd.fmt, layernorm=True, ln_weight=lnw, ln_bias=lnb, eps=eps,
@@ -141,7 +147,7 @@ class _LnLinearActFn(torch.autograd.Function):
                     h_t_q = QTensor(data=hq, scale=hs, fmt=gw.operand_b_fmt,
                                     scaling=Scaling.TENSORWISE, axis=1)
                     h_MK = None
-                w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True)
+                w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True, reference_quantizer=rq)
                 h_q = QTensor(data=q, scale=s, fmt=fwd.fmt, scaling=Scaling.ROWWISE, axis=1)
                 y_MN, pre_MN = _gemm_act(
                     fwd, h_q, w_q, bias=bc, activation=activation, out_dtype=odtype, role="forward"
@@ -151,7 +157,7 @@ class _LnLinearActFn(torch.autograd.Function):
                 if fwd.is_fp8:
                     z_MN = fp8_gemm_planned(
                         h_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc,
-                        b_is_weight=True,
+                        b_is_weight=True, reference_quantizer=rq,
                     )
                 else:
                     z_MN = F.linear(h_MK, wc, bc).to(odtype)
@@ -163,6 +169,7 @@ class _LnLinearActFn(torch.autograd.Function):
             *((None, None) if h_t_q is None else (h_t_q.data, h_t_q.scale)),
         )
         ctx.plan, ctx.activation, ctx.cdtype = plan, activation, cdtype
+        ctx.reference_quantizer = rq
         # Statistics from the fused kernel are fp32 (M,): Triton's LayerNorm backward takes them.
         ctx.fused_ln = fused_ln
         ctx.dtypes = tuple(
@@ -173,10 +180,12 @@ class _LnLinearActFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         from loka_train.kernels import triton_kernels as tk
-        from loka_train.kernels.triton_block import layernorm_backward, transposed_quant
+        from loka_train.kernels.triton_block import transposed_quant
+        from loka_train.kernels.triton_layernorm import layernorm_backward
 
         x_MK, h_MK, mean, rstd, lnw, lnb, wc, y_MN, pre_MN, hq_data, hq_scale = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
+        rq: bool = ctx.reference_quantizer
         cdtype = ctx.cdtype
         x_dt, lnw_dt, lnb_dt, w_dt, b_dt = ctx.dtypes
         need = ctx.needs_input_grad
@@ -189,8 +198,8 @@ class _LnLinearActFn(torch.autograd.Function):
             gi, gw = plan.grad_input, plan.grad_weight
             # dZ^T for an FP8 grad-weight GEMM comes from the transposing quantizer, which also
             # sums dZ's columns (the bias gradient) in the same read.
-            gw_transposed = need[3] and _transposable(gw, dy_MN, gw.fmt)
-            if ctx.activation == "relu" and _fusable(gi, dy_MN):
+            gw_transposed = need[3] and _transposable(gw, dy_MN, gw.fmt, rq)
+            if ctx.activation == "relu" and _fusable(gi, dy_MN, rq):
                 q, s, dz_MN, _, _, dz_amax = tk.fused_rowwise_quant(
                     dy_MN, fmt=gi.fmt, gate=y_MN, return_hp=True,
                     return_amax=gw_transposed and gw.scaling is Scaling.TENSORWISE,
@@ -206,11 +215,12 @@ class _LnLinearActFn(torch.autograd.Function):
 
             # grad-input of the linear: dH = dZ W.
             if gi.is_fp8 and dz_q is not None:
-                w_t = quantize_operand(wc.t(), gi.operand_b_fmt, gi, is_weight=True)
+                w_t = quantize_operand(wc.t(), gi.operand_b_fmt, gi, is_weight=True, reference_quantizer=rq)
                 dh_MK = run_backend(gi, dz_q, w_t, out_dtype=cdtype, role="grad_input")
             elif gi.is_fp8:
                 dh_MK = fp8_gemm_planned(
-                    dz_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True
+                    dz_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
+                    reference_quantizer=rq,
                 )
             else:
                 dh_MK = dz_MN.mm(wc)
@@ -240,7 +250,7 @@ class _LnLinearActFn(torch.autograd.Function):
                     grad_w = fp8_gemm_planned(
                         dz_MN.t(), None if h_MK is None else h_MK.t(), gw,
                         out_dtype=grad_weight_dtype(w_dt), role="grad_weight", a_q=dz_t_q,
-                        b_q=h_t_q,
+                        b_q=h_t_q, reference_quantizer=rq,
                     ).to(w_dt)
                 else:
                     grad_w = dz_MN.t().mm(h_MK).to(w_dt)  # autograd's order (see linear.py)
@@ -264,7 +274,7 @@ class _LnLinearActFn(torch.autograd.Function):
         grad_x = None if dx_MK is None else dx_MK.reshape(*grad_y.shape[:-1], k).to(x_dt)
         dlnw = None if dlnw is None else dlnw.to(lnw_dt)
         dlnb = None if dlnb is None else dlnb.to(lnb_dt)
-        return grad_x, dlnw, dlnb, grad_w, grad_b, None, None, None, None
+        return grad_x, dlnw, dlnb, grad_w, grad_b, None, None, None, None, None
 
 
 def _layernorm_linear_impl(
@@ -280,9 +290,10 @@ def _layernorm_linear_impl(
     autocast_dtype: torch.dtype | None,
     needs_grad: list[bool],
 ) -> list[Tensor]:
+    # The op runs the Function's eager code: the Triton quantizers, never the reference.
     return opaque.run_forward(
         "layernorm_linear",
-        (x, ln_weight, ln_bias, weight, bias, LinearPlan.from_key(plan), activation, eps, out_dtype),
+        (x, ln_weight, ln_bias, weight, bias, LinearPlan.from_key(plan), activation, eps, out_dtype, False),
         needs_grad, autocast_dtype, x.device.type,
     )
 
@@ -304,6 +315,7 @@ def layernorm_linear(
     activation: str = "relu",
     eps: float = 1e-5,
     out_dtype: torch.dtype | None = None,
+    compiled_quantizer: str = "custom",
 ) -> Tensor:
     """``act(linear(layer_norm(x)))`` with the linear's GEMMs planned and FP8 quantization
     fused into the LayerNorm and ReLU-backward kernels where the plan allows (see module doc).
@@ -318,6 +330,8 @@ def layernorm_linear(
         activation: "relu", "silu" or "none".
         eps: LayerNorm epsilon.
         out_dtype: output dtype; default the compute dtype.
+        compiled_quantizer: what quantizes under ``torch.compile``, ``"custom"`` or
+            ``"inductor"`` (``settings.KernelSettings.compiled_quantizer``).
 
     Returns:
         ``(..., N)`` tensor.
@@ -328,12 +342,13 @@ def layernorm_linear(
         raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if opaque.opaque():
+    if opaque.opaque(compiled_quantizer):
         return _layernorm_linear_op(
             x, ln_weight, ln_bias, weight, bias, plan.key, activation, eps, out_dtype,
             opaque.autocast_dtype(x.device.type),
             opaque.needs_grad(x, ln_weight, ln_bias, weight, bias),
         )[0]
     return _LnLinearActFn.apply(
-        x, ln_weight, ln_bias, weight, bias, plan, activation, eps, out_dtype
+        x, ln_weight, ln_bias, weight, bias, plan, activation, eps, out_dtype,
+        inductor_quantizes(compiled_quantizer),
     )

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 import torch
@@ -40,14 +39,14 @@ from torch import Tensor
 from loka_train.kernels import opaque
 from loka_train.kernels.backends import TRITON_INSTALLED
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, quantize
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.profiling import profiled
-from loka_train.kernels.registry import GemmProblem, get_backend
+from loka_train.kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "COMPILED_QUANTIZER",
     "fp8_linear",
     "fp8_gemm_planned",
     "inductor_quantizes",
@@ -66,33 +65,14 @@ __all__ = [
 _FUSED_QUANT_BACKENDS = frozenset({"triton", "torch_scaled_mm", "fbgemm_rowwise"})
 
 
-COMPILED_QUANTIZER = os.environ.get("LOKA_COMPILED_QUANTIZER", "custom")
-"""What quantizes FP8 operands in code that ``torch.compile`` traces (``trainer.compile_dense``),
-from the environment variable ``LOKA_COMPILED_QUANTIZER``:
+def inductor_quantizes(compiled_quantizer: str) -> bool:
+    """Whether FP8 operands are quantized with plain torch ops for inductor to fuse: traced by
+    ``torch.compile`` with ``compiled_quantizer == "inductor"``
+    (``settings.KernelSettings.compiled_quantizer``).
 
-* ``custom`` (default): each FP8 Function (this module's, ``fused.layernorm_linear``, the
-  sites' batched GEMM) is one opaque custom op each way (``kernels.opaque``) that runs the
-  eager code inside, Triton quantizers and fused LayerNorm -> FP8 kernels included: inductor
-  fuses the code around the ops but not into them;
-* ``inductor``: the Functions are traced, with the reference quantizer's torch ops and the
-  separate LayerNorm -> Linear composition, which inductor fuses with their neighbours (the
-  approach of torchao's float8 training).
-
-An experiment, measured slower: on an H100 (2026-11-24, ``bash bench/device_h100.sh $OUT
-quant_ab``) LoKA safe's compiled, CUDA-graphed Wukong step took 13.75 ms with ``inductor``
-against 10.22 ms with ``custom``. Its backward had two fp32 SIMT GEMMs per step (2.6 ms each)
-that ``custom`` does not have; which GEMMs they replace is not identified. Its eval NE was 8%
-worse than bf16's in the same run (bench/results/README.md). ``custom`` stays the default."""
-if COMPILED_QUANTIZER not in ("custom", "inductor"):
-    raise ValueError(
-        f"LOKA_COMPILED_QUANTIZER={COMPILED_QUANTIZER!r}: set it to 'custom' (default) or 'inductor'"
-    )
-
-
-def inductor_quantizes() -> bool:
-    """Whether FP8 operands are quantized with plain torch ops for inductor to fuse (traced by
-    ``torch.compile`` with ``COMPILED_QUANTIZER == "inductor"``)."""
-    return COMPILED_QUANTIZER == "inductor" and torch.compiler.is_compiling()
+    An FP8 Function called where this holds takes ``reference_quantizer=True``.
+    """
+    return compiled_quantizer == "inductor" and torch.compiler.is_compiling()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -102,11 +82,13 @@ def _supports(backend: Any, problem: GemmProblem) -> tuple[bool, str]:
     return backend.supports(problem)
 
 
-def _triton_quantizes(plan: GemmPlan, t: Tensor, fmt: Fp8Format, scalings: tuple[Scaling, ...]) -> bool:
+def _triton_quantizes(
+    plan: GemmPlan, t: Tensor, fmt: Fp8Format, scalings: tuple[Scaling, ...], reference_quantizer: bool
+) -> bool:
     """What both Triton quantizers need: a backend that takes their operands, a scaling in
     ``scalings``, an e4m3/e5m2 format, a float input, and Triton running on ``t``'s device;
-    never where inductor quantizes (:func:`inductor_quantizes`)."""
-    if inductor_quantizes():
+    never where inductor quantizes (``reference_quantizer``, see :func:`inductor_quantizes`)."""
+    if reference_quantizer:
         return False
     if not (
         plan.backend in _FUSED_QUANT_BACKENDS
@@ -124,9 +106,12 @@ def _triton_quantizes(plan: GemmPlan, t: Tensor, fmt: Fp8Format, scalings: tuple
     return triton_runnable(t.device)[0]
 
 
-def use_fused_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
-    """Whether :func:`quantize_operand` takes the one-pass Triton quantizer for ``t``."""
-    if not _triton_quantizes(plan, t, fmt, (Scaling.ROWWISE,)):
+def use_fused_quantizer(
+    plan: GemmPlan, t: Tensor, fmt: Fp8Format, *, reference_quantizer: bool = False
+) -> bool:
+    """Whether :func:`quantize_operand` takes the one-pass Triton quantizer for ``t``
+    (never with ``reference_quantizer``)."""
+    if not _triton_quantizes(plan, t, fmt, (Scaling.ROWWISE,), reference_quantizer):
         return False
     from loka_train.kernels.triton_kernels import MAX_QUANT_ROW
 
@@ -140,15 +125,20 @@ def is_transposed_view(t: Tensor) -> bool:
     return t.ndim == 2 and not t.is_contiguous() and t.t().is_contiguous()
 
 
-def use_transposed_quantizer(plan: GemmPlan, t: Tensor, fmt: Fp8Format) -> bool:
+def use_transposed_quantizer(
+    plan: GemmPlan, t: Tensor, fmt: Fp8Format, *, reference_quantizer: bool = False
+) -> bool:
     """Whether :func:`quantize_operand` quantizes ``t`` (a transposed view: ``W^T``, ``dY^T``,
-    ``X^T``) with the transposing Triton quantizer instead of copying it contiguous first."""
+    ``X^T``) with the transposing Triton quantizer instead of copying it contiguous first
+    (never with ``reference_quantizer``)."""
     return is_transposed_view(t) and _triton_quantizes(
-        plan, t, fmt, (Scaling.ROWWISE, Scaling.TENSORWISE)
+        plan, t, fmt, (Scaling.ROWWISE, Scaling.TENSORWISE), reference_quantizer
     )
 
 
-def quantize_operand(t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:
+def quantize_operand(
+    t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool, reference_quantizer: bool = False
+) -> QTensor:
     """Quantize a 2-D GEMM operand along its last (contraction) dim as ``plan`` asks.
 
     Row-wise operands of the triton, torch_scaled_mm and fbgemm_rowwise backends go through the
@@ -158,15 +148,16 @@ def quantize_operand(t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight:
     everything else through the reference :func:`formats.quantize`. Both kernels give the
     reference's scales and codes (on a GPU at most ~0.1 % of codes one step off: fp32
     division). Under block scaling, weights get 128x128 tiles
-    and activations/gradients 1x128 groups.
+    and activations/gradients 1x128 groups. ``reference_quantizer`` (code traced for inductor
+    to fuse, see :func:`inductor_quantizes`) always takes :func:`formats.quantize`.
     """
-    if use_transposed_quantizer(plan, t_RC, fmt):
+    if use_transposed_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_block import transposed_quant
 
         rowwise = plan.scaling is Scaling.ROWWISE
         q, scale, _ = transposed_quant(t_RC.t(), fmt=fmt, per_column=rowwise)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=plan.scaling, axis=1)
-    if use_fused_quantizer(plan, t_RC, fmt):
+    if use_fused_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_kernels import fused_rowwise_quant
 
         q, scale, _, _, _, _ = fused_rowwise_quant(t_RC.contiguous(), fmt=fmt)
@@ -216,11 +207,13 @@ def fp8_gemm_planned(
     b_is_weight: bool = False,
     a_q: QTensor | None = None,
     b_q: QTensor | None = None,
+    reference_quantizer: bool = False,
 ) -> Tensor:
     """``a @ b^T (+ bias)`` in FP8 as ``plan`` says: quantize both along K, call the backend.
 
     ``a_q`` / ``b_q``, when given, are the operands already quantized exactly as ``plan``
     would quantize them (see :func:`transposed_reuse`); they are used instead.
+    ``reference_quantizer``: see :func:`quantize_operand`.
 
     Raises:
         RuntimeError: if the plan's backend cannot run this problem (the reason is included).
@@ -229,11 +222,13 @@ def fp8_gemm_planned(
         raise ValueError("fp8_gemm_planned needs an FP8 plan")
     get_backend(plan.backend)  # unknown names fail before any work
     if a_q is None:
-        a_q = quantize_operand(a_MK, plan.fmt, plan, is_weight=False)
+        a_q = quantize_operand(a_MK, plan.fmt, plan, is_weight=False, reference_quantizer=reference_quantizer)
     if b_q is None:
         if b_NK is None:
             raise ValueError("fp8_gemm_planned needs b_NK or its quantized b_q")
-        b_q = quantize_operand(b_NK, plan.operand_b_fmt, plan, is_weight=b_is_weight)
+        b_q = quantize_operand(
+            b_NK, plan.operand_b_fmt, plan, is_weight=b_is_weight, reference_quantizer=reference_quantizer
+        )
     return run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias_N)
 
 
@@ -281,8 +276,10 @@ class _PlannedLinearFn(torch.autograd.Function):
         bias: Tensor | None,
         plan: LinearPlan,
         out_dtype: torch.dtype | None,
+        reference_quantizer: bool,
     ) -> Tensor:
         dev = x.device.type
+        rq = reference_quantizer
         cdtype = _compute_dtype(x)
         # Tensor-wise FP8 operands of the forward that a backward GEMM takes as they are
         # (transposed): then it need not quantize them again, nor keep the high-precision x.
@@ -295,10 +292,11 @@ class _PlannedLinearFn(torch.autograd.Function):
             if plan.forward.is_fp8:
                 x_MK = xc.reshape(-1, xc.shape[-1])
                 fwd = plan.forward
-                x_q = quantize_operand(x_MK, fwd.fmt, fwd, is_weight=False)
-                w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True)
+                x_q = quantize_operand(x_MK, fwd.fmt, fwd, is_weight=False, reference_quantizer=rq)
+                w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True, reference_quantizer=rq)
                 y_MN = fp8_gemm_planned(
-                    x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q
+                    x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q,
+                    reference_quantizer=rq,
                 )
                 y = y_MN.reshape(*xc.shape[:-1], wc.shape[0])
                 x_q_t = transposed_reuse(x_q, plan.grad_weight.operand_b_fmt, plan.grad_weight)
@@ -312,6 +310,7 @@ class _PlannedLinearFn(torch.autograd.Function):
             *((None, None) if w_q_t is None else (w_q_t.data, w_q_t.scale)),
         )
         ctx.plan = plan
+        ctx.reference_quantizer = rq
         ctx.has_bias = bias is not None
         ctx.cdtype = cdtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -321,6 +320,7 @@ class _PlannedLinearFn(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):
         xc, wc, xq_data, xq_scale, wq_data, wq_scale = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
+        rq: bool = ctx.reference_quantizer
         cdtype = ctx.cdtype
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -338,10 +338,11 @@ class _PlannedLinearFn(torch.autograd.Function):
                 gi = plan.grad_input
                 if gi.is_fp8:
                     # dX = dY W = dY @ (W^T)^T: contraction over N.
-                    dy_q = quantize_operand(dy_MN, gi.fmt, gi, is_weight=False)
+                    dy_q = quantize_operand(dy_MN, gi.fmt, gi, is_weight=False, reference_quantizer=rq)
                     dx_MK = fp8_gemm_planned(
                         dy_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
                         a_q=dy_q, b_q=reused(wq_data, wq_scale, gi.operand_b_fmt),
+                        reference_quantizer=rq,
                     )
                     dy_q_t = transposed_reuse(dy_q, plan.grad_weight.fmt, plan.grad_weight)
                 else:
@@ -355,7 +356,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                     x_KM = None if xc is None else xc.reshape(-1, xc.shape[-1]).t()
                     grad_w = fp8_gemm_planned(
                         dy_MN.t(), x_KM, gw, out_dtype=grad_weight_dtype(w_dtype),
-                        role="grad_weight", a_q=dy_q_t, b_q=x_q_t,
+                        role="grad_weight", a_q=dy_q_t, b_q=x_q_t, reference_quantizer=rq,
                     ).to(w_dtype)
                 else:
                     # The GEMM autograd's linear backward runs (mm_mat2_backward with a
@@ -364,7 +365,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                     grad_w = dy_MN.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
             if need_b and ctx.has_bias:
                 grad_b = dy_MN.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _planned_linear_impl(
@@ -376,8 +377,9 @@ def _planned_linear_impl(
     autocast_dtype: torch.dtype | None,
     needs_grad: list[bool],
 ) -> list[Tensor]:
+    # The op runs the Function's eager code: the Triton quantizers, never the reference.
     return opaque.run_forward(
-        "planned_linear", (x, weight, bias, LinearPlan.from_key(plan), out_dtype), needs_grad,
+        "planned_linear", (x, weight, bias, LinearPlan.from_key(plan), out_dtype, False), needs_grad,
         autocast_dtype, x.device.type,
     )
 
@@ -393,6 +395,7 @@ def fp8_linear(
     plan: LinearPlan,
     *,
     out_dtype: torch.dtype | None = None,
+    compiled_quantizer: str = "custom",
 ) -> Tensor:
     """``y = x W^T + b`` with each of its three GEMMs computed as ``plan`` says.
 
@@ -402,6 +405,9 @@ def fp8_linear(
         bias: ``(N,)`` or None; added in high precision.
         plan: per-GEMM plans (forward, grad_input, grad_weight).
         out_dtype: output dtype; default the compute dtype (``x.dtype`` or the autocast dtype).
+        compiled_quantizer: what quantizes under ``torch.compile``, ``"custom"`` or
+            ``"inductor"`` (``settings.KernelSettings.compiled_quantizer``); eager code is the
+            same either way.
 
     Returns:
         ``(..., N)`` tensor.
@@ -417,7 +423,7 @@ def fp8_linear(
         raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if opaque.opaque():
+    if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:
             # Cast the activation here, where inductor can fuse the cast into its producer (DCN's
@@ -428,4 +434,6 @@ def fp8_linear(
         return _planned_linear_op(
             x, weight, bias, plan.key, out_dtype, autocast, opaque.needs_grad(x, weight, bias),
         )[0]
-    return _PlannedLinearFn.apply(x, weight, bias, plan, out_dtype)
+    return _PlannedLinearFn.apply(
+        x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer)
+    )

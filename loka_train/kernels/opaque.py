@@ -31,8 +31,9 @@ them); a shape among them must be static (``torch.compile(dynamic=False)``, as
 ``trainer.compile_dense`` compiles).
 
 Eager code keeps calling ``Fn.apply`` (no op overhead); :func:`opaque` says when to take the
-ops instead: under ``torch.compile``, unless ``LOKA_COMPILED_QUANTIZER=inductor`` asks for the
-Functions to be traced so that inductor can fuse their quantizers.
+ops instead: under ``torch.compile``, unless the caller's ``compiled_quantizer`` is
+``"inductor"`` (``settings.KernelSettings.compiled_quantizer``), which asks for the Functions to
+be traced so that inductor can fuse their quantizers.
 
 Example (what ``kernels.linear`` does)::
 
@@ -43,7 +44,7 @@ Example (what ``kernels.linear`` does)::
     _planned_linear_op = define("planned_linear", _PlannedLinearFn, _planned_linear,
                                 num_extra_args=2)
     ...
-    if opaque():
+    if opaque(compiled_quantizer):
         y = _planned_linear_op(x, weight, bias, plan.key, ...)[0]
 """
 
@@ -68,14 +69,13 @@ _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 """Registered name -> the autograd Function its ops run."""
 
 
-def opaque() -> bool:
+def opaque(compiled_quantizer: str) -> bool:
     """Whether LoKA's FP8 Functions run as their custom ops here: inside code that
-    ``torch.compile`` traces, unless ``LOKA_COMPILED_QUANTIZER=inductor``."""
+    ``torch.compile`` traces, when ``compiled_quantizer`` is ``"custom"``
+    (``settings.KernelSettings.compiled_quantizer``)."""
     if not torch.compiler.is_compiling():
         return False  # eager code: the Functions themselves, nothing more on the hot path
-    from loka_train.kernels.linear import COMPILED_QUANTIZER  # linear imports this module
-
-    return COMPILED_QUANTIZER == "custom"
+    return compiled_quantizer == "custom"
 
 
 _faking = threading.local()

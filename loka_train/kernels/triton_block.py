@@ -1,6 +1,6 @@
-"""Triton kernels for the rest of a LayerNorm -> Linear -> activation block's backward.
+"""Triton transposed FP8 quantization, for the GEMMs that contract over a tensor's first dim.
 
-1. :func:`transposed_quant` (op ``loka::transposed_quant``): ``x`` (R, C) -> its transpose
+:func:`transposed_quant` (op ``loka::transposed_quant``): ``x`` (R, C) -> its transpose
    (C, R) in FP8, in one read of ``x`` and one write, with either one tensor-wise scale or one
    scale per column of ``x`` (= per row of the transpose: row-wise scaling of ``x^T``), and
    optionally the column sums of ``x`` in fp32 (a bias gradient) from the same read. This is
@@ -11,19 +11,13 @@
    On an H100 at 8192x1024 / 8192x4096 bf16: a transposed copy then the row-wise kernel
    74.5 / 292.5 us; this kernel 27.2 / 85.1 us per column, 14.0 / 41.9 us tensor-wise
    (``python bench/gemm.py --parts b``, bench/results/h100_2026-11-23c/gemm_b).
-2. :func:`layernorm_backward` (op ``loka::layernorm_backward``): LayerNorm's input gradient
-   and its weight/bias gradients in one pass over ``dH`` and ``x`` (per-program partial sums,
-   reduced by a second small kernel): 35.9 / 93.7 us against
-   ``aten.native_layer_norm_backward``'s 71.2 / 174.7 us (same benchmark), which reduces the
-   weight/bias gradients in a kernel of their own.
 
-Both follow the reference numerics exactly where the reference is defined by a formula (the
-quantizer: :func:`formats.quantize` on the transpose, bit for bit on CPU; on a GPU the fp32
-division may put at most ~0.1 % of codes one step off, as in the row-wise kernel) and up to
-fp32 summation order where it is a reduction (column sums, LayerNorm's row and column sums).
-On CPU they run only under ``TRITON_INTERPRET=1``; otherwise they raise (no silent fallback).
+It follows :func:`formats.quantize` on the transpose exactly (bit for bit on CPU; on a GPU the
+fp32 division may put at most ~0.1 % of codes one step off, as in the row-wise kernel), and
+the column sums up to fp32 summation order. On CPU it runs only under ``TRITON_INTERPRET=1``;
+otherwise it raises (no silent fallback). LayerNorm's backward is ``triton_layernorm``.
 
-Shape legend: ``R`` rows, ``C`` columns of the input; ``M`` rows, ``K`` normalized features.
+Shape legend: ``R`` rows, ``C`` columns of the input.
 
 Example:
     >>> x_RC = torch.randn(64, 32)
@@ -32,8 +26,6 @@ Example:
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -45,18 +37,13 @@ from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 from loka_train.kernels.triton_kernels import (
     _cdiv,
     _check_runnable,
-    _next_pow2,
     _round_rne,
+    _sum_parts,
     _sw_round_args,
     _triton_fmt,
 )
 
-__all__ = [
-    "transposed_quant",
-    "transposed_quant_reference",
-    "layernorm_backward",
-    "layernorm_backward_reference",
-]
+__all__ = ["transposed_quant", "transposed_quant_reference"]
 
 _TILE = 64  # rows x columns of one transposed_quant program (measured: 64-128 all ~equal)
 # Rows per program of the column-amax kernel: its partial maxima (one row per program row)
@@ -65,51 +52,6 @@ _AMAX_ROWS = 256
 # Up to this many partial rows (R <= 4096: weights) the quantizing programs reduce them
 # themselves, which saves a launch; beyond, one reduction kernel runs first.
 _PARTS_IN_KERNEL = 16
-
-
-# --------------------------------------------------------------------------------------------
-# (1) transposed quantization
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _reduce_parts_kernel(
-    part_ptr, out0_ptr, out1_ptr, P, C,
-    MAX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, OUT_MANT: tl.constexpr,
-):
-    """out_j[c] = sum (or max, of values >= 0) over p of part[j, p, c] in fp32, fixed order,
-    written in out's dtype."""
-    pc = tl.program_id(0)
-    j = tl.program_id(1)
-    cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        ps = p0 + tl.arange(0, BLOCK_P)
-        mask = (ps[:, None] < P) & (cols[None, :] < C)
-        part = tl.load(part_ptr + (j * P + ps[:, None]).to(tl.int64) * C + cols[None, :], mask=mask, other=0.0)
-        if MAX:
-            acc = tl.maximum(acc, tl.max(part, axis=0))
-        else:
-            acc += tl.sum(part, axis=0)
-    if OUT_MANT > 0:
-        acc = _round_rne(acc, OUT_MANT, 0.0, 0.0)
-    if j == 0:
-        tl.store(out0_ptr + cols, acc.to(out0_ptr.dtype.element_ty), mask=cols < C)
-    else:
-        tl.store(out1_ptr + cols, acc.to(out1_ptr.dtype.element_ty), mask=cols < C)
-
-
-def _sum_parts(part_JPC: Tensor, dtype: torch.dtype, *, maximum: bool = False) -> list[Tensor]:
-    """``list(part.sum(1).to(dtype))`` (or ``amax(1)`` of non-negative parts; J <= 2) in one
-    launch, as separate tensors (torch: a slow column reduction plus a cast per output)."""
-    j, p, c = part_JPC.shape
-    assert j in (1, 2)
-    outs = [torch.empty((c,), device=part_JPC.device, dtype=dtype) for _ in range(j)]
-    _reduce_parts_kernel[(_cdiv(c, 32), j)](
-        part_JPC, outs[0], outs[-1], p, c, MAX=maximum, BLOCK_P=64, BLOCK_C=32,
-        OUT_MANT=_sw_round_args(dtype)["MANT"], num_warps=4,
-    )
-    return outs
 
 
 @triton.jit
@@ -411,228 +353,3 @@ def transposed_quant_reference(
     qt = quantize(x_RC.t(), fmt, Scaling.ROWWISE if per_column else Scaling.TENSORWISE, axis=-1)
     colsum = x_RC.float().sum(0) if return_colsum else x_RC.new_empty((0,), dtype=torch.float32)
     return qt.data.contiguous(), qt.scale, colsum
-
-
-# --------------------------------------------------------------------------------------------
-# (2) LayerNorm backward
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _layernorm_backward_kernel(
-    dy_ptr,
-    x_ptr,
-    w_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dw_part_ptr,
-    db_part_ptr,
-    M,
-    K,
-    rows_per_program,
-    stride_dym,
-    stride_xm,
-    stride_dxm,
-    HAS_W: tl.constexpr,
-    NEED_DX: tl.constexpr,
-    NEED_PARTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HP_MANT: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_K)
-    cmask = cols < K
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    else:
-        w = tl.where(cmask, 1.0, 0.0)
-    dw_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    first = pid * rows_per_program
-    for r0 in range(first, tl.minimum(first + rows_per_program, M), BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        dy = tl.load(dy_ptr + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-        mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
-        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
-        xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
-        if NEED_DX:
-            wdy = dy * w[None, :]
-            c1 = tl.sum(xhat * wdy, axis=1) / K
-            c2 = tl.sum(wdy, axis=1) / K
-            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            if HP_MANT > 0:
-                dx = _round_rne(dx, HP_MANT, 0.0, 0.0)
-            tl.store(
-                dx_ptr + rows64[:, None] * stride_dxm + cols[None, :],
-                dx.to(dx_ptr.dtype.element_ty),
-                mask=mask,
-            )
-        if NEED_PARTS:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-            db_acc += tl.sum(dy, axis=0)
-    if NEED_PARTS:
-        tl.store(dw_part_ptr + pid * K + cols, dw_acc, mask=cmask)
-        tl.store(db_part_ptr + pid * K + cols, db_acc, mask=cmask)
-
-
-@functools.cache
-def _num_programs_cap(device: torch.device) -> int:
-    if device.type == "cuda":
-        # A few programs per SM: enough to hide latency, few partial rows to reduce after.
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one by one
-
-
-def _layernorm_backward_impl(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    if x.ndim != 2 or dy.shape != x.shape:
-        raise ValueError(f"layernorm_backward: dy {tuple(dy.shape)} and x {tuple(x.shape)} must be equal 2-D")
-    m, k = x.shape
-    if mean.numel() != m or rstd.numel() != m:
-        raise ValueError(f"layernorm_backward: mean/rstd need {m} values")
-    if weight is not None and weight.shape != (k,):
-        raise ValueError(f"layernorm_backward: weight {tuple(weight.shape)} != ({k},)")
-    _check_runnable(x)
-    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    mean = mean.reshape(m).float()
-    rstd = rstd.reshape(m).float()
-    pdtype = x.dtype if weight is None else weight.dtype
-    dx = torch.empty((m, k) if need_dx else (0,), device=x.device, dtype=x.dtype)
-    need_parts = need_dw or need_db
-    dw = torch.empty((k,) if need_dw else (0,), device=x.device, dtype=pdtype)
-    db = torch.empty((k,) if need_db else (0,), device=x.device, dtype=pdtype)
-    if m == 0 or k == 0 or not (need_dx or need_parts):
-        dw.zero_()
-        db.zero_()
-        return dx, dw, db
-    block_k = _next_pow2(k)
-    block_m = max(1, min(16, 4096 // block_k))
-    num_warps = 4 if block_m * block_k <= 4096 else 8
-    row_blocks = _cdiv(m, block_m)
-    num_programs = min(row_blocks, _num_programs_cap(x.device))
-    rows_per_program = _cdiv(row_blocks, num_programs) * block_m
-    num_programs = _cdiv(m, rows_per_program)
-    parts = torch.empty((2, num_programs, k) if need_parts else (0,), device=x.device, dtype=torch.float32)
-    dummy = rstd
-    _layernorm_backward_kernel[(num_programs,)](
-        dy, x, weight if weight is not None else dummy, mean, rstd,
-        dx if need_dx else dummy,
-        parts[0] if need_parts else dummy,
-        parts[1] if need_parts else dummy,
-        m, k, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0) if need_dx else 0,
-        HAS_W=weight is not None, NEED_DX=need_dx, NEED_PARTS=need_parts,
-        BLOCK_M=block_m, BLOCK_K=block_k,
-        HP_MANT=_sw_round_args(x.dtype)["MANT"],
-        num_warps=num_warps,
-    )
-    if need_parts:
-        sums = _sum_parts(parts, pdtype)
-        if need_dw:
-            dw = sums[0]
-        if need_db:
-            db = sums[1]
-    return dx, dw, db
-
-
-@torch.library.custom_op("loka::layernorm_backward", mutates_args=())
-def _layernorm_backward_op(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _layernorm_backward_impl(dy, x, mean, rstd, weight, need_dx, need_dw, need_db)
-
-
-@_layernorm_backward_op.register_fake
-def _layernorm_backward_fake(dy, x, mean, rstd, weight, need_dx, need_dw, need_db):
-    m, k = x.shape
-    pdtype = x.dtype if weight is None else weight.dtype
-    return (
-        x.new_empty((m, k) if need_dx else (0,)),
-        x.new_empty((k,) if need_dw else (0,), dtype=pdtype),
-        x.new_empty((k,) if need_db else (0,), dtype=pdtype),
-    )
-
-
-def layernorm_backward(
-    dy_MK: Tensor,
-    x_MK: Tensor,
-    mean_M: Tensor,
-    rstd_M: Tensor,
-    weight_K: Tensor | None,
-    *,
-    need_dx: bool = True,
-    need_dw: bool = True,
-    need_db: bool = True,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """LayerNorm's backward over the last dim, one pass (op ``loka::layernorm_backward``).
-
-    ``dx = rstd * (w*dy - mean(w*dy) - xhat * mean(w*dy*xhat))`` per row with
-    ``xhat = (x - mean) * rstd``; ``dw = sum_rows(dy * xhat)``, ``db = sum_rows(dy)``, in fp32,
-    as ``aten.native_layer_norm_backward`` computes them.
-
-    Args:
-        dy_MK: gradient of the LayerNorm output.
-        x_MK: LayerNorm input.
-        mean_M: per-row mean (fp32, as the forward kernel wrote it).
-        rstd_M: per-row ``1 / sqrt(var + eps)``.
-        weight_K: the affine weight, or None.
-        need_dx / need_dw / need_db: which gradients to compute.
-
-    Returns:
-        ``(dx_MK, dw_K, db_K)``, each empty (shape (0,)) when not asked for; ``dw``/``db`` in
-        the weight's dtype (``x``'s without a weight).
-    """
-    args = (dy_MK, x_MK, mean_M, rstd_M, weight_K, need_dx, need_dw, need_db)
-    if opaque.tracing():
-        return torch.ops.loka.layernorm_backward(*args)
-    return _layernorm_backward_impl(*args)
-
-
-def layernorm_backward_reference(
-    dy_MK: Tensor,
-    x_MK: Tensor,
-    mean_M: Tensor,
-    rstd_M: Tensor,
-    weight_K: Tensor | None,
-    *,
-    need_dx: bool = True,
-    need_dw: bool = True,
-    need_db: bool = True,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Pure-PyTorch reference of :func:`layernorm_backward` (fp32 math)."""
-    k = x_MK.shape[1]
-    dy = dy_MK.float()
-    xhat = (x_MK.float() - mean_M.reshape(-1, 1).float()) * rstd_M.reshape(-1, 1).float()
-    w = torch.ones(k, device=x_MK.device) if weight_K is None else weight_K.float()
-    wdy = dy * w
-    dx = (wdy - xhat * (wdy * xhat).mean(1, keepdim=True) - wdy.mean(1, keepdim=True))
-    dx = (dx * rstd_M.reshape(-1, 1).float()).to(x_MK.dtype)
-    pdtype = x_MK.dtype if weight_K is None else weight_K.dtype
-    empty = x_MK.new_empty((0,))
-    return (
-        dx if need_dx else empty,
-        (dy * xhat).sum(0).to(pdtype) if need_dw else empty.to(pdtype),
-        dy.sum(0).to(pdtype) if need_db else empty.to(pdtype),
-    )

@@ -26,7 +26,6 @@ from loka_train.mods.config import INITIAL_PLANS, SITE_FAMILIES, ModsConfig
 from loka_train.mods.convert import ConvertReport, convert, sites, strip_wrapper_prefixes
 from loka_train.mods.interaction import CrossNet, DotInteraction
 from loka_train.mods.site import (
-    ROLES,
     BmmSite,
     Fp8Linear,
     FusedLinearSite,
@@ -40,7 +39,6 @@ from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
 
 __all__ = [
     "INITIAL_PLANS",
-    "ROLES",
     "SITE_FAMILIES",
     "BmmSite",
     "ConvertReport",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.settings import COMPILED_QUANTIZERS
 
 __all__ = ["SITE_FAMILIES", "INITIAL_PLANS", "ModsConfig"]
 
@@ -90,6 +91,13 @@ class ModsConfig:
     (``bmm``) sites run FP8 only on ``emulated``; with another backend they start in high
     precision (logged)."""
 
+    compiled_quantizer: str = "custom"
+    """What quantizes the sites' FP8 operands in code that ``torch.compile`` traces: ``custom``
+    (the FP8 Functions as opaque custom ops with the Triton quantizers inside) or ``inductor``
+    (traced, plain torch ops for inductor to fuse; measured slower). See
+    ``kernels.settings.KernelSettings.compiled_quantizer``; the environment variable
+    ``LOKA_COMPILED_QUANTIZER`` overrides it when ``convert`` runs."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"mods.enabled must be a bool, got {self.enabled!r}")
@@ -119,6 +127,10 @@ class ModsConfig:
             )
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"mods.backend must be a backend name, got {self.backend!r}")
+        if self.compiled_quantizer not in COMPILED_QUANTIZERS:
+            raise ValueError(
+                f"mods.compiled_quantizer={self.compiled_quantizer!r}: choose one of {COMPILED_QUANTIZERS}"
+            )
         # Builds the plan once so an unsupported backend/scaling pair fails here, not in convert.
         self.initial_linear_plan()
 

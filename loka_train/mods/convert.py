@@ -43,6 +43,7 @@ from torchrec.models.dlrm import InteractionArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
 from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.settings import KernelSettings
 from loka_train.models.wukong import WukongLayer
 from loka_train.mods.config import ModsConfig
 from loka_train.mods.interaction import CrossNet, DotInteraction
@@ -105,6 +106,8 @@ class _Converter:
         self.last_linear = last_linear
         self.plan = config.initial_linear_plan()
         self.pad = config.padding
+        kernels = KernelSettings(compiled_quantizer=config.compiled_quantizer).with_env_overrides()
+        self.compiled_quantizer = kernels.compiled_quantizer
         self.report = ConvertReport()
 
     # -------------------------------------------------------------------- decisions
@@ -123,6 +126,7 @@ class _Converter:
 
     def _register(self, site: Site, name: str, family: str) -> None:
         site.site_name = name
+        site.compiled_quantizer = self.compiled_quantizer
         ok, why = site.supports_plan(self.plan)
         if not ok:
             site.set_plan(LinearPlan.high_precision())

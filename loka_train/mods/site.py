@@ -35,7 +35,7 @@ Kinds of sites (``Site.kind``):
   has a batched FP8 GEMM); :meth:`Site.supports_plan` says so and ``set_plan`` refuses others.
 
 GEMM shapes (:meth:`Site.gemm_shapes`) use the backends' ``a @ b^T`` convention, i.e. the
-``(m, k, n)`` of :class:`~loka_train.kernels.registry.GemmProblem`, per role: forward
+``(m, k, n)`` of :class:`~loka_train.kernels.gemm.GemmProblem`, per role: forward
 ``(M, K, N)``, grad-input ``(M, N, K)``, grad-weight ``(N, M, K)``, where the layer computes
 ``(M, K) x (K, N)``. ``M`` is 0 until the first forward. For batched sites ``M`` counts the rows
 of all batches together (``B * rows``) while ``K`` and ``N`` are per batch.
@@ -76,10 +76,11 @@ from torch import Tensor, nn
 from loka_train.kernels import opaque
 from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import _compute_dtype, fp8_linear, inductor_quantizes
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.profiling import profiled
-from loka_train.kernels.registry import GemmProblem, get_backend
+from loka_train.kernels.registry import get_backend
 
 if TYPE_CHECKING:
     from loka_train.probe.probe import Probe
@@ -87,7 +88,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ROLES",
     "OBSERVED_BATCHES",
     "Site",
     "GemmSite",
@@ -98,9 +98,6 @@ __all__ = [
     "planned_bmm",
     "unobserved",
 ]
-
-ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
-"""The three GEMMs of a site."""
 
 OBSERVED_BATCHES = 8
 """Batches of a batched (bmm) site that are reported to the observer on a sampled step."""
@@ -199,6 +196,7 @@ def planned_linear(
     plan: LinearPlan,
     *,
     pad_to_multiple: int = 1,
+    compiled_quantizer: str = "custom",
 ) -> Tensor:
     """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded where needed.
 
@@ -213,6 +211,7 @@ def planned_linear(
         bias: ``(N,)`` or None (added in high precision).
         plan: per-GEMM plans.
         pad_to_multiple: pad multiple for FP8 GEMMs (1: no padding).
+        compiled_quantizer: what quantizes under ``torch.compile`` (``mods.compiled_quantizer``).
 
     Returns:
         ``(..., N)``.
@@ -225,13 +224,13 @@ def planned_linear(
     pad = _padding(plan, m, k, n, pad_to_multiple, x.device.type, _compute_dtype(x), False)
     if pad is None or pad == (0, 0, 0):
         # None: padding cannot help; fp8_linear raises with the backend's reason.
-        return fp8_linear(x, weight, bias, plan)
+        return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer)
     pad_m, pad_k, pad_n = pad
     with profiled("loka/mods/pad"):
         xp = F.pad(x_MK, (0, pad_k, 0, pad_m))
         wp = F.pad(weight, (0, pad_k, 0, pad_n))
         bp = None if bias is None else F.pad(bias, (0, pad_n))
-    y_MN = fp8_linear(xp, wp, bp, plan)[:m, :n]
+    y_MN = fp8_linear(xp, wp, bp, plan, compiled_quantizer=compiled_quantizer)[:m, :n]
     return y_MN.reshape(*x.shape[:-1], n)
 
 
@@ -307,7 +306,9 @@ _planned_bmm_op = opaque.define("planned_bmm", _PlannedBmmFn, _planned_bmm_impl,
 """``planned_bmm`` as one opaque op for compiled code (``kernels.opaque``)."""
 
 
-def planned_bmm(a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan) -> Tensor:
+def planned_bmm(
+    a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan, *, compiled_quantizer: str = "custom"
+) -> Tensor:
     """``torch.bmm(a, bt)`` with its three GEMMs as ``plan`` says (FP8 emulated).
 
     The roles are those of a linear layer with input ``a`` and weight ``bt^T`` per batch:
@@ -319,7 +320,7 @@ def planned_bmm(a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan) -> Tensor:
     """
     if not _any_fp8(plan):
         return torch.bmm(a_BMK, bt_BKN)
-    if opaque.opaque():
+    if opaque.opaque(compiled_quantizer):
         return _planned_bmm_op(
             a_BMK, bt_BKN, plan.key, opaque.autocast_dtype(a_BMK.device.type),
             opaque.needs_grad(a_BMK, bt_BKN),
@@ -345,6 +346,9 @@ class Site(nn.Module):
     plan: LinearPlan
     observer: Probe | None
     pad_to_multiple: int
+    compiled_quantizer: str
+    """What quantizes its FP8 GEMMs under ``torch.compile`` (``mods.compiled_quantizer``, set
+    by ``convert``): ``"custom"`` (default) or ``"inductor"``."""
 
     def __init__(self, *, plan: LinearPlan | None = None, pad_to_multiple: int = 1) -> None:
         super().__init__()
@@ -355,6 +359,7 @@ class Site(nn.Module):
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.site_name = ""
         self.pad_to_multiple = int(pad_to_multiple)
+        self.compiled_quantizer = "custom"
         self.observer = None
         self._mkn = (0, 0, 0)
         self.num_fallbacks = 0
@@ -495,7 +500,10 @@ class GemmSite(Site):
         """``y = x W^T + b`` as the plan says; reports to the observer on sampled steps."""
         n, k = weight.shape
         self._set_mkn((x.numel() // k if k else 0, k, n))
-        y = planned_linear(x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple)
+        y = planned_linear(
+            x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple,
+            compiled_quantizer=self.compiled_quantizer,
+        )
         if self._should_observe():
             self._observe(x.detach().reshape(-1, k), weight.detach(), y, None)
         return y
@@ -620,12 +628,12 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
-        if not plan.forward.is_fp8 or inductor_quantizes():
+        if not plan.forward.is_fp8 or inductor_quantizes(self.compiled_quantizer):
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
             # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site. Under
-            # torch.compile with LOKA_COMPILED_QUANTIZER=inductor, the same composition, for
-            # inductor to fuse (kernels.linear.COMPILED_QUANTIZER).
+            # torch.compile with compiled_quantizer "inductor", the same composition, for
+            # inductor to fuse (kernels.settings.KernelSettings.compiled_quantizer).
             return _act(self(norm(x)), activation)
         m = x.numel() // k if k else 0
         n = self.out_features
@@ -646,11 +654,12 @@ class Fp8Linear(GemmSite, nn.Linear):
             y = layernorm_linear(
                 x, norm.weight, norm.bias, F.pad(weight, (0, 0, 0, pad_n)),
                 None if bias is None else F.pad(bias, (0, pad_n)), plan,
-                activation=activation, eps=norm.eps,
+                activation=activation, eps=norm.eps, compiled_quantizer=self.compiled_quantizer,
             )[..., :n]
         else:
             y = layernorm_linear(
-                x, norm.weight, norm.bias, weight, bias, plan, activation=activation, eps=norm.eps
+                x, norm.weight, norm.bias, weight, bias, plan, activation=activation, eps=norm.eps,
+                compiled_quantizer=self.compiled_quantizer,
             )
         if self._should_observe():
             with torch.no_grad():
@@ -779,7 +788,7 @@ class BmmSite(Site):
     def forward(self, a_BMK: Tensor, bt_BKN: Tensor) -> Tensor:
         b, m, k = a_BMK.shape
         self._set_mkn((b * m, k, bt_BKN.shape[-1]))
-        y = planned_bmm(a_BMK, bt_BKN, self.plan)
+        y = planned_bmm(a_BMK, bt_BKN, self.plan, compiled_quantizer=self.compiled_quantizer)
         if self._should_observe():
             self._observe(a_BMK, bt_BKN, y)
         return y

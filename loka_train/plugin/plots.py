@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from loka_train.probe.config import ROLES
+from loka_train.kernels.roles import ROLES
 
 __all__ = ["plot_probe_sqnr"]
 

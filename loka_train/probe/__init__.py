@@ -6,12 +6,11 @@ Example:
 """
 
 from loka_train.probe.candidates import Candidate
-from loka_train.probe.config import ROLES, ProbeConfig, default_sqnr_budget_db
+from loka_train.probe.config import ProbeConfig, default_sqnr_budget_db
 from loka_train.probe.probe import Probe
 from loka_train.probe.verdicts import Verdict, VerdictKey
 
 __all__ = [
-    "ROLES",
     "Candidate",
     "Probe",
     "ProbeConfig",

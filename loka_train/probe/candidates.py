@@ -1,7 +1,7 @@
 """What the Probe measures for every GEMM: the FP8 candidates and the operand conventions.
 
 A *site* is one dense GEMM of the model (a Linear of an MLP, an interaction); each site has
-three GEMMs, called *roles* (:data:`~loka_train.probe.config.ROLES`). Each role has two
+three GEMMs, called *roles* (:data:`~loka_train.kernels.roles.ROLES`). Each role has two
 operands, ``a`` and ``b`` (:data:`OPERANDS`); a *candidate* is one (format of ``a``, scaling)
 pair, and the format of ``b`` follows from the role (:func:`operand_b_format`).
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loka_train.kernels.formats import Fp8Format, Scaling
-from loka_train.probe.config import ROLES, ProbeConfig
+from loka_train.kernels.roles import ROLES
+from loka_train.probe.config import ProbeConfig
 
 __all__ = ["OPERANDS", "ROLE_INDEX", "Candidate", "candidates_of", "operand_b_format"]
 

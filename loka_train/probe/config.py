@@ -30,12 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.roles import ROLES
 
-__all__ = ["ROLES", "ProbeConfig", "default_sqnr_budget_db"]
-
-ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
-"""The three GEMMs of a site: forward ``y = x W^T`` (contraction K), grad-input ``dX = dY W``
-(contraction N), grad-weight ``dW = dY^T X`` (contraction M)."""
+__all__ = ["ProbeConfig", "default_sqnr_budget_db"]
 
 
 def default_sqnr_budget_db() -> dict[str, float]:

@@ -30,7 +30,8 @@ groups.
 Example:
     >>> import torch
     >>> from loka_train.probe.candidates import candidates_of
-    >>> from loka_train.probe.config import ROLES, ProbeConfig
+    >>> from loka_train.kernels.roles import ROLES
+from loka_train.probe.config import ProbeConfig
     >>> from loka_train.probe.window import WindowLayout
     >>> cfg = ProbeConfig(formats=("e4m3",), scalings=("rowwise",))
     >>> m = Measurement(cfg, candidates_of(cfg), WindowLayout(1), device=torch.device("cpu"))
@@ -59,8 +60,9 @@ from loka_train.kernels.formats import (
     saturation_fraction,
     underflow_fraction,
 )
+from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import Candidate, operand_b_format
-from loka_train.probe.config import ROLES, ProbeConfig
+from loka_train.probe.config import ProbeConfig
 from loka_train.probe.window import WindowLayout
 
 logger = logging.getLogger(__name__)

@@ -42,8 +42,9 @@ from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import ROLE_INDEX, Candidate, candidates_of
-from loka_train.probe.config import ROLES, ProbeConfig
+from loka_train.probe.config import ProbeConfig
 from loka_train.probe.measurement import Measurement, operands_2d
 from loka_train.probe.sampling import Sampler, select
 from loka_train.probe.verdicts import KeyState, Verdict, VerdictKey, jsonable, judge, unjudged

@@ -46,8 +46,9 @@ import torch
 from torch import Tensor
 
 from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import OPERANDS, Candidate, operand_b_format
-from loka_train.probe.config import ROLES, ProbeConfig
+from loka_train.probe.config import ProbeConfig
 
 __all__ = [
     "KeyState",

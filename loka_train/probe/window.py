@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from loka_train.kernels.formats import SQNR_CAP_DB
+from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import OPERANDS
-from loka_train.probe.config import ROLES
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loka_train.kernels.dispatch import ROLES, Dispatcher, PlanChange
+from loka_train.dispatch import Dispatcher, PlanChange
+from loka_train.kernels.roles import ROLES
 from loka_train.mods import convert, sites
 from loka_train.plugin.plots import plot_probe_sqnr
 from loka_train.probe import Probe

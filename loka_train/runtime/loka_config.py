@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loka_train.comm.config import CommConfig
-from loka_train.kernels.dispatch import DispatchConfig
+from loka_train.dispatch.config import DispatchConfig
 from loka_train.mods.config import ModsConfig
 from loka_train.probe.config import ProbeConfig
 
@@ -58,7 +58,7 @@ class LokaConfig:
     """Which dense GEMMs become FP8-capable sites, and the adaptations (loka_train.mods)."""
 
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
-    """How each GEMM's plan is chosen (loka_train.kernels.dispatch)."""
+    """How each GEMM's plan is chosen (loka_train.dispatch)."""
 
     comm: CommConfig = field(default_factory=CommConfig)
     """Embedding all-to-all and dense-gradient precision, and its policy (loka_train.comm)."""

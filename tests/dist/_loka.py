@@ -8,7 +8,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from loka_train.kernels.dispatch import ROLES
+from loka_train.kernels.roles import ROLES
 from loka_train.runtime import Callback
 from loka_train.runtime.loka import LokaCallback
 from loka_train.runtime.loka_config import LokaConfig

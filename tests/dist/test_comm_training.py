@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from loka_train.comm import CommChannel, CommConfig, CommPrecision, PrecisionSource
-from loka_train.kernels.dispatch import DispatchConfig
+from loka_train.dispatch import DispatchConfig
 from loka_train.mods.config import ModsConfig
 from loka_train.probe import ProbeConfig
 from loka_train.runtime import Callback, LokaConfig

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from loka_train.kernels import LinearPlan, Scaling
-from loka_train.kernels.registry import fp8_available
+from loka_train.kernels.capability import fp8_available
 from loka_train.mods import Fp8Linear
 from loka_train.runtime.graphs import DenseGraphs
 from tests.gpu._graphs_runs import MODELS, train_losses
@@ -261,14 +261,14 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
 
 
 def test_dispatch_times_candidates_graphed_when_the_step_is_graphed() -> None:
-    from loka_train.kernels.dispatch import DispatchConfig, Dispatcher
+    from loka_train.dispatch import DispatchConfig, Dispatcher
 
     plan = _fp8_plan().forward
     timed = {}
     for graphed in (False, True):
         d = Dispatcher(DispatchConfig(timing="measure", bench_iters=6), device="cuda",
                        out_dtype=torch.bfloat16, graphed=graphed)
-        timed[graphed] = (d._measure((4096, 1024, 1024), plan), d._measure((4096, 1024, 1024), None))
+        timed[graphed] = (d.timer.measure((4096, 1024, 1024), plan), d.timer.measure((4096, 1024, 1024), None))
         assert ("CUDA graph" in d.timing_source) == graphed
         assert not d.measure_failures
     for t in (*timed[False], *timed[True]):

@@ -16,16 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loka_train.kernels.capability import fp8_available
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize, sqnr_db
 from loka_train.kernels.fused import layernorm_linear
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import fp8_linear
 from loka_train.kernels.plan import LinearPlan
-from loka_train.kernels.registry import (
-    GemmProblem,
-    fp8_available,
-    get_backend,
-    registered_backends,
-)
+from loka_train.kernels.registry import get_backend, registered_backends
 
 pytestmark = [
     pytest.mark.gpu,
@@ -207,7 +204,7 @@ def test_transposed_quant_vs_reference(fmt, per_column, r, c):
 
 @pytest.mark.parametrize(("m", "k"), [(8192, 1024), (1000, 4096), (4096, 96)])
 def test_layernorm_backward_vs_aten(m, k):
-    from loka_train.kernels import triton_block as tb
+    from loka_train.kernels import triton_layernorm as tln
 
     _require_fp8()
     x = (2 + 3 * _gauss(m, k)).bfloat16()
@@ -216,7 +213,7 @@ def test_layernorm_backward_vs_aten(m, k):
     dy = _gauss(m, k, seed=3).bfloat16()
     _, mean, rstd = torch.native_layer_norm(x, [k], w, b, 1e-5)  # fp32 statistics on CUDA
     ref = torch.ops.aten.native_layer_norm_backward(dy, x, [k], mean, rstd, w, b, [True] * 3)
-    got = tb.layernorm_backward(dy, x, mean.reshape(-1), rstd.reshape(-1), w)
+    got = tln.layernorm_backward(dy, x, mean.reshape(-1), rstd.reshape(-1), w)
     # Both compute in fp32 and round once to bf16: they differ in summation order only.
     for name, r, o in zip(["dx", "dw", "db"], ref, got):
         assert o.dtype == r.dtype and o.shape == r.shape, name
@@ -225,6 +222,7 @@ def test_layernorm_backward_vs_aten(m, k):
 
 def test_opcheck_block_kernels_on_cuda():
     from loka_train.kernels import triton_block as tb  # noqa: F401  (registers the ops)
+    from loka_train.kernels import triton_layernorm as tln  # noqa: F401  (registers the ops)
 
     _require_fp8()
     x = _gauss(256, 128, dtype=torch.bfloat16)
@@ -242,15 +240,17 @@ def test_opcheck_block_kernels_on_cuda():
 @pytest.mark.parametrize("activation", ["none", "relu"])
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["precise", "fast"])
 def test_triton_gemm_vs_reference(m, k, n, activation, fast_accum):
-    from loka_train.kernels import triton_kernels as tk
+    from loka_train.kernels import triton_gemm as tg
 
     _require_fp8()
     a = quantize(_gauss(m, k), Fp8Format.E4M3, Scaling.ROWWISE)
     b = quantize(_gauss(n, k, seed=1), Fp8Format.E4M3, Scaling.ROWWISE)
     bias = _gauss(n, seed=2)
-    out, _ = tk.fp8_gemm(a.data, b.data, a.scale, b.scale, bias_N=bias, activation=activation,
-                         out_dtype=torch.bfloat16, fast_accum=fast_accum)
-    ref, _ = tk.fp8_gemm_reference(a.data, b.data, a.scale, b.scale, bias_N=bias,
+    # Tuned or not as the registry's triton backend (LOKA_TRITON_AUTOTUNE=0: untuned).
+    out, _ = tg.fp8_gemm(a.data, b.data, a.scale, b.scale, bias_N=bias, activation=activation,
+                         out_dtype=torch.bfloat16, fast_accum=fast_accum,
+                         autotune=get_backend("triton").autotune)
+    ref, _ = tg.fp8_gemm_reference(a.data, b.data, a.scale, b.scale, bias_N=bias,
                                    activation=activation, out_dtype=torch.float32)
     assert float(sqnr_db(ref, out)) > (35 if fast_accum else 45)
 
@@ -267,7 +267,7 @@ def test_opcheck_rowwise_quant_on_cuda():
 
 
 def test_opcheck_fp8_gemm_on_cuda():
-    from loka_train.kernels import triton_kernels as tk  # noqa: F401  (registers the ops)
+    from loka_train.kernels import triton_gemm as tg  # noqa: F401  (registers the ops)
 
     _require_fp8()
     a = quantize(_gauss(64, 128), Fp8Format.E4M3, Scaling.ROWWISE)
@@ -275,7 +275,8 @@ def test_opcheck_fp8_gemm_on_cuda():
     # test_schema does arithmetic on the (FP8) inputs, which torch does not implement.
     torch.library.opcheck(
         torch.ops.loka.fp8_gemm.default,
-        (a.data, b.data, a.scale, b.scale, torch.ones(32, device=DEV), "relu", torch.bfloat16, False, True),
+        (a.data, b.data, a.scale, b.scale, torch.ones(32, device=DEV), "relu", torch.bfloat16, False, True,
+         get_backend("triton").autotune),
         test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from loka_train.kernels import Fp8Format, LinearPlan, Scaling, fp8_linear, sqnr_db
+from loka_train.kernels.capability import fp8_available
 from loka_train.kernels.fused import layernorm_linear
-from loka_train.kernels.registry import fp8_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

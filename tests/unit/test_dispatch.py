@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loka_train.kernels.dispatch import ROLES, DispatchConfig, Dispatcher, GpuCostModel
+from loka_train.dispatch import DispatchConfig, Dispatcher, GemmTimer, GpuCostModel
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
+from loka_train.kernels.roles import ROLES
 from loka_train.probe import Probe, ProbeConfig
 
 M, K, N = 256, 64, 32
@@ -210,14 +211,14 @@ def test_padding_site_takes_a_backend_that_refuses_its_unpadded_shape() -> None:
 
 def test_a_candidate_whose_benchmark_raises_is_excluded_and_logged(caplog, monkeypatch) -> None:
     d = _one_site_dispatcher("emulated", 1, (M, K, N))
-    monkeypatch.setattr(Dispatcher, "timing_mode", "measure")  # the CUDA micro-benchmark...
+    monkeypatch.setattr(GemmTimer, "mode", "measure")  # the CUDA micro-benchmark...
 
     def measure_once(shape, plan, role="forward"):  # type: ignore[no-untyped-def]
         if plan is not None:
             raise RuntimeError("cutlass cannot implement")
         return 1e-3
 
-    monkeypatch.setattr(d, "_measure_once", measure_once)  # ...replaced by a failing one
+    monkeypatch.setattr(d.timer, "measure_once", measure_once)  # ...replaced by a failing one
     with caplog.at_level("WARNING"):
         d.replan(step=0, verdicts=_AllSafe())
     assert not d.plans["s"].forward.is_fp8  # the run goes on in high precision
@@ -247,7 +248,7 @@ def test_timing_quantizes_the_operands_each_role_really_has(monkeypatch, role) -
     d = _one_site_dispatcher("emulated", 1, (M, K, N))
     plan = GemmPlan(precision=Precision.FP8, fmt=Fp8Format.E5M2, fmt_b=Fp8Format.E4M3,
                     scaling=Scaling.ROWWISE, backend="emulated")
-    assert d._measure_once((64, 96, 32), plan, role) > 0
+    assert d.timer.measure_once((64, 96, 32), plan, role) > 0
     a_shape, a_contig, b_shape, b_contig, kw = seen[-1]
     assert (a_shape, b_shape) == ((64, 96), (32, 96))
     assert kw["role"] == role
@@ -321,7 +322,7 @@ def test_restored_plans_the_config_does_not_allow_are_reset(
 ) -> None:
     d = Dispatcher(config, device="cpu")
     d.register("s", plan=LinearPlan.high_precision(), shapes={"forward": (M, K, N)})
-    with caplog.at_level("WARNING", logger="loka_train.kernels.dispatch"):
+    with caplog.at_level("WARNING", logger="loka_train.dispatch"):
         resets = d.load_state_dict(_saved_fp8_state(), step=41)
     assert [(c.step, c.site, c.role) for c in resets] == [(41, "s", r) for r in reset_roles]
     for role in ROLES:

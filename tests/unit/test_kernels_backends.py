@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from loka_train.kernels import backends as be
+from loka_train.kernels.capability import fp8_available
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize, sqnr_db
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.kernels.registry import (
-    GemmProblem,
     available_backends,
-    fp8_available,
     get_backend,
     register_backend,
     registered_backends,

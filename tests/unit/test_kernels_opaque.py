@@ -79,7 +79,7 @@ def test_eager_code_keeps_the_autograd_functions() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     y = fp8_linear(x, torch.randn(3, 8), None, LinearPlan.fp8())
     assert type(y.grad_fn).__name__ == "_PlannedLinearFnBackward"
-    assert not opaque.opaque()
+    assert not opaque.opaque("custom")
 
 
 def test_the_ops_run_eagerly_with_the_functions_gradients() -> None:

@@ -11,6 +11,7 @@ Shapes are tiny and not multiples of the tiles: the interpreter is slow.
 import pytest
 import torch
 
+from loka_train.kernels import triton_gemm as tg
 from loka_train.kernels import triton_kernels as tk
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize, sqnr_db
 
@@ -115,9 +116,9 @@ def _gemm_operands(fmt_a, fmt_b, m=45, k=70, n=38, tensorwise=False):
 def test_fp8_gemm_matches_reference(fmt_a, fmt_b, activation, out_dtype):
     a, b = _gemm_operands(fmt_a, fmt_b)
     bias = _gauss(38, seed=2)
-    out, pre = tk.fp8_gemm(a.data, b.data, a.scale, b.scale, bias_N=bias, activation=activation,
+    out, pre = tg.fp8_gemm(a.data, b.data, a.scale, b.scale, bias_N=bias, activation=activation,
                            out_dtype=out_dtype, return_preact=True)
-    ref, ref_pre = tk.fp8_gemm_reference(a.data, b.data, a.scale, b.scale, bias_N=bias,
+    ref, ref_pre = tg.fp8_gemm_reference(a.data, b.data, a.scale, b.scale, bias_N=bias,
                                          activation=activation, out_dtype=out_dtype, return_preact=True)
     assert out.dtype == out_dtype and out.shape == (45, 38)
     threshold = 120.0 if out_dtype == torch.float32 else 45.0
@@ -129,20 +130,20 @@ def test_fp8_gemm_matches_reference(fmt_a, fmt_b, activation, out_dtype):
 
 def test_fp8_gemm_tensorwise_scales_and_no_bias():
     a, b = _gemm_operands(Fp8Format.E4M3, Fp8Format.E4M3, tensorwise=True)
-    out, pre = tk.fp8_gemm(a.data, b.data, a.scale, b.scale, out_dtype=torch.float32)
+    out, pre = tg.fp8_gemm(a.data, b.data, a.scale, b.scale, out_dtype=torch.float32)
     assert pre.numel() == 0
-    ref, _ = tk.fp8_gemm_reference(a.data, b.data, a.scale, b.scale, out_dtype=torch.float32)
+    ref, _ = tg.fp8_gemm_reference(a.data, b.data, a.scale, b.scale, out_dtype=torch.float32)
     assert float(sqnr_db(ref, out)) > 120
 
 
 def test_fp8_gemm_rejects_bad_input():
     a, b = _gemm_operands(Fp8Format.E4M3, Fp8Format.E4M3, m=8, k=16, n=8)
     with pytest.raises(ValueError, match="FP8"):
-        tk.fp8_gemm(a.data.float(), b.data, a.scale, b.scale)
+        tg.fp8_gemm(a.data.float(), b.data, a.scale, b.scale)
     with pytest.raises(ValueError, match="b_scale"):
-        tk.fp8_gemm(a.data, b.data, a.scale, torch.ones(3))
+        tg.fp8_gemm(a.data, b.data, a.scale, torch.ones(3))
     with pytest.raises(ValueError, match="bias"):
-        tk.fp8_gemm(a.data, b.data, a.scale, b.scale, bias_N=torch.ones(3))
+        tg.fp8_gemm(a.data, b.data, a.scale, b.scale, bias_N=torch.ones(3))
 
 
 def test_opcheck_rowwise_quant():
@@ -163,7 +164,7 @@ _CPU_FP8_INPUT_CHECKS = ("test_autograd_registration", "test_faketensor", "test_
 def test_opcheck_fp8_gemm():
     a, b = _gemm_operands(Fp8Format.E4M3, Fp8Format.E4M3, m=16, k=32, n=16)
     op = torch.ops.loka.fp8_gemm.default
-    args = (a.data, b.data, a.scale, b.scale, torch.ones(16), "relu", torch.float32, False, True)
+    args = (a.data, b.data, a.scale, b.scale, torch.ones(16), "relu", torch.float32, False, True, True)
     torch.library.opcheck(op, args, test_utils=_CPU_FP8_INPUT_CHECKS)
-    args = (a.data, b.data, a.scale, b.scale, None, "none", torch.bfloat16, True, False)
+    args = (a.data, b.data, a.scale, b.scale, None, "none", torch.bfloat16, True, False, False)
     torch.library.opcheck(op, args, test_utils=_CPU_FP8_INPUT_CHECKS)

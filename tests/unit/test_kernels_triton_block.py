@@ -14,6 +14,7 @@ import torch
 
 from loka_train.kernels import triton_block as tb
 from loka_train.kernels import triton_kernels as tk
+from loka_train.kernels import triton_layernorm as tln
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize, sqnr_db
 
 FMTS = [Fp8Format.E4M3, Fp8Format.E5M2]
@@ -176,8 +177,8 @@ def test_layernorm_backward_matches_reference_and_aten(dtype, affine, m, k):
     xf = x.float()
     mean = xf.mean(1)
     rstd = torch.rsqrt(xf.var(1, unbiased=False) + 1e-5)
-    got = tb.layernorm_backward(dy, x, mean, rstd, w)
-    ref = tb.layernorm_backward_reference(dy, x, mean, rstd, w)
+    got = tln.layernorm_backward(dy, x, mean, rstd, w)
+    ref = tln.layernorm_backward_reference(dy, x, mean, rstd, w)
     threshold = 120 if dtype == torch.float32 else 100
     for name, r, o in zip(["dx", "dw", "db"], ref, got):
         assert o.dtype == r.dtype and o.shape == r.shape, name
@@ -187,7 +188,7 @@ def test_layernorm_backward_matches_reference_and_aten(dtype, affine, m, k):
         wf = torch.ones(k) if w is None else w
         _, amean, arstd = torch.native_layer_norm(x, [k], wf, None, 1e-5)
         aten = torch.ops.aten.native_layer_norm_backward(dy, x, [k], amean, arstd, wf, None, [True, True, False])
-        got2 = tb.layernorm_backward(dy, x, amean.reshape(-1), arstd.reshape(-1), wf, need_db=False)
+        got2 = tln.layernorm_backward(dy, x, amean.reshape(-1), arstd.reshape(-1), wf, need_db=False)
         assert float(sqnr_db(aten[0], got2[0])) > 120
         assert float(sqnr_db(aten[1], got2[1])) > 120
         assert got2[2].numel() == 0
@@ -196,7 +197,7 @@ def test_layernorm_backward_matches_reference_and_aten(dtype, affine, m, k):
 def test_layernorm_backward_computes_only_what_is_asked():
     x, dy = _gauss(6, 8), _gauss(6, 8, seed=1)
     mean, rstd = x.mean(1), torch.rsqrt(x.var(1, unbiased=False) + 1e-5)
-    dx, dw, db = tb.layernorm_backward(dy, x, mean, rstd, torch.ones(8), need_dx=False, need_dw=False)
+    dx, dw, db = tln.layernorm_backward(dy, x, mean, rstd, torch.ones(8), need_dx=False, need_dw=False)
     assert dx.numel() == 0 and dw.numel() == 0 and db.shape == (8,)
     torch.testing.assert_close(db, dy.sum(0))
 
@@ -205,11 +206,11 @@ def test_layernorm_backward_rejects_bad_input():
     x = _gauss(6, 8)
     stats = (x.mean(1), torch.ones(6))
     with pytest.raises(ValueError, match="2-D"):
-        tb.layernorm_backward(_gauss(6, 4), x, *stats, None)
+        tln.layernorm_backward(_gauss(6, 4), x, *stats, None)
     with pytest.raises(ValueError, match="mean/rstd"):
-        tb.layernorm_backward(x, x, torch.zeros(5), torch.ones(5), None)
+        tln.layernorm_backward(x, x, torch.zeros(5), torch.ones(5), None)
     with pytest.raises(ValueError, match="weight"):
-        tb.layernorm_backward(x, x, *stats, torch.ones(7))
+        tln.layernorm_backward(x, x, *stats, torch.ones(7))
 
 
 def test_opcheck_block_ops():

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from loka_train.kernels.dispatch import ROLES, DispatchConfig
+from loka_train.dispatch import DispatchConfig
 from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.roles import ROLES
 from loka_train.mods.config import ModsConfig
 from loka_train.probe.config import ProbeConfig
 from loka_train.runtime.context import RunContext

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import candidates_of
-from loka_train.probe.config import ROLES, ProbeConfig
+from loka_train.probe.config import ProbeConfig
 from loka_train.probe.verdicts import KeyState, Verdict, VerdictKey, judge
 
 BUDGET = 20.0

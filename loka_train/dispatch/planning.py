@@ -1,0 +1,410 @@
+"""Dispatch's decisions as pure functions of the config, the Probe's verdicts and GEMM times.
+
+For one GEMM (a site's role at its ``(M, K, N)``):
+
+1. :func:`candidates`: every FP8 (scaling, backend) pair of the config whose backend
+   ``supports`` the problem on this device (zero-padded where the site pads) and that the site
+   can run; the others with why they cannot.
+2. :func:`eligible`: the candidates whose verdict for exactly their operand formats is safe;
+   only these are timed.
+3. :func:`target`: from the times of the eligible candidates and of high precision, the plan
+   this GEMM should have now. With ``objective="speed"`` FP8 must beat high precision by
+   ``margin`` (a speed-up of at least ``1 + margin``); ``"coverage"`` takes the fastest safe
+   candidate whatever its speed. A current FP8 plan whose verdict is unsafe (or missing) makes
+   the target *urgent*.
+4. :func:`hysteresis`: an urgent target is applied at once; any other needs the same target
+   for ``hysteresis_intervals`` consecutive intervals, so plans do not flap.
+
+:func:`disallowed` says which restored (checkpointed) plan the current config does not allow.
+Nothing here measures, touches a device or talks to other ranks: equal inputs give equal
+plans on every rank.
+
+Example:
+    >>> cfg = DispatchConfig(objective="speed", margin=0.05)
+    >>> plan = plan_for(cfg, "forward", "rowwise", "emulated")
+    >>> t = target(site="s", role="forward", current=GemmPlan(), shape=(256, 64, 32),
+    ...            candidates=[plan], verdicts=verdicts, times={plan: 1e-5}, t_high=1.2e-5,
+    ...            objective="speed", margin=cfg.margin, measured=True)
+    >>> t.plan == plan  # a 1.2x speed-up clears the 5% margin
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loka_train.dispatch.config import DispatchConfig
+from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.gemm import GemmProblem
+from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
+from loka_train.kernels.registry import get_backend
+from loka_train.kernels.roles import ROLES
+
+__all__ = [
+    "GRAD_WEIGHT_OUT_DTYPE",
+    "HysteresisStep",
+    "Shape",
+    "SiteSupports",
+    "Target",
+    "candidates",
+    "disallowed",
+    "eligible",
+    "gemm_problem",
+    "hysteresis",
+    "padded",
+    "parse_plan_key",
+    "plan_for",
+    "roles_of",
+    "target",
+    "verdict_of",
+]
+
+Shape = tuple[int, int, int]
+"""(M, K, N) of one GEMM: ``(M, K) x (N, K)^T``."""
+
+SiteSupports = Callable[[LinearPlan], tuple[bool, str]]
+"""A site's own check of a whole plan: (ok, why not)."""
+
+GRAD_WEIGHT_OUT_DTYPE = torch.float32
+"""FP8 weight gradients are written in the weight's dtype (``kernels.linear.grad_weight_dtype``):
+fp32 for the fp32 master weights of bf16-autocast training, which is what is planned and timed."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The plan one GEMM should have now, why, and whether it must move at once."""
+
+    plan: GemmPlan
+    reason: str
+    urgent: bool
+    """The current plan's verdict is unsafe (or missing): no hysteresis."""
+
+
+@dataclass(frozen=True)
+class HysteresisStep:
+    """What :func:`hysteresis` decided for one GEMM at one interval."""
+
+    apply: bool
+    """Change the plan to the target now."""
+    pending: tuple[str, int] | None
+    """The pending entry to keep for the next interval: (target, consecutive intervals), or
+    None to drop it."""
+    held: int | None
+    """Intervals the target was held before it was applied (None: applied at once or not yet)."""
+
+
+def roles_of(plan: LinearPlan) -> dict[str, GemmPlan]:
+    """``{role: plan of that GEMM}`` of a whole-layer plan."""
+    return {r: getattr(plan, r) for r in ROLES}
+
+
+def padded(shape: Shape, multiple: int) -> Shape:
+    """``shape`` with every dim rounded up to ``multiple`` (what a padding site runs)."""
+    m, k, n = (d + (-d) % multiple for d in shape)
+    return (m, k, n)
+
+
+def plan_for(cfg: DispatchConfig, role: str, scaling: str, backend: str) -> GemmPlan:
+    """The FP8 plan Dispatch gives ``role`` with ``scaling`` on ``backend``: ``fmt_forward`` for
+    both forward operands; ``fmt_backward`` for the output gradient and ``fmt_forward`` for the
+    other operand of a backward GEMM.
+
+    Raises:
+        ValueError: if the formats and scaling do not make a valid plan.
+    """
+    if role == "forward":
+        return GemmPlan(
+            precision=Precision.FP8, fmt=Fp8Format(cfg.fmt_forward), scaling=Scaling(scaling),
+            backend=backend,
+        )
+    return GemmPlan(
+        precision=Precision.FP8,
+        fmt=Fp8Format(cfg.fmt_backward),
+        fmt_b=Fp8Format(cfg.fmt_forward),
+        scaling=Scaling(scaling),
+        backend=backend,
+    )
+
+
+def parse_plan_key(cfg: DispatchConfig, role: str, plan_s: str) -> GemmPlan | None:
+    """The plan whose ``str`` is ``plan_s`` among the config's (scaling, backend) pairs; None for
+    ``"high"``.
+
+    Raises:
+        ValueError: if no plan of the config prints as ``plan_s``.
+    """
+    if plan_s == "high":
+        return None
+    for scaling in cfg.scalings:
+        for backend in cfg.backends:
+            try:
+                plan = plan_for(cfg, role, scaling, backend)
+            except ValueError:
+                continue
+            if str(plan) == plan_s:
+                return plan
+    raise ValueError(f"unknown plan key {plan_s!r}")
+
+
+def gemm_problem(
+    role: str, shape: Shape, plan: GemmPlan, *, device_type: str, out_dtype: torch.dtype
+) -> GemmProblem:
+    """The GEMM a site runs for ``role`` under ``plan`` (grad-weight writes fp32, see
+    ``kernels.linear``), as backends' ``supports`` see it."""
+    return GemmProblem(
+        m=shape[0], k=shape[1], n=shape[2], fmt=plan.fmt, fmt_b=plan.fmt_b, scaling=plan.scaling,
+        device_type=device_type, role=role, fast_accum=plan.fast_accum,
+        out_dtype=GRAD_WEIGHT_OUT_DTYPE if role == "grad_weight" else out_dtype,
+    )
+
+
+def candidates(
+    cfg: DispatchConfig,
+    role: str,
+    shape: Shape,
+    *,
+    device_type: str,
+    out_dtype: torch.dtype,
+    pad_to_multiple: int = 1,
+    current: LinearPlan,
+    site_supports: SiteSupports | None = None,
+) -> tuple[list[GemmPlan], dict[str, str]]:
+    """The FP8 plans ``role`` may take at ``shape``, in config order (scalings, then backends).
+
+    A backend that refuses ``shape`` is a candidate when the site pads (``pad_to_multiple > 1``)
+    and it takes the padded shape. A plan the site cannot run (``site_supports`` of ``current``
+    with this role replaced) is left out without a reason: it is a property of the site, not a
+    fallback.
+
+    Returns:
+        ``(plans, unsupported)``: ``unsupported`` maps ``"backend/scaling"`` to why it cannot
+        run here (first reason per pair).
+    """
+    out: list[GemmPlan] = []
+    unsupported: dict[str, str] = {}
+    if role not in cfg.fp8_roles:
+        return out, unsupported
+    backends = cfg.cpu_backends if device_type == "cpu" else cfg.backends
+    for scaling in cfg.scalings:
+        for backend_name in backends:
+            try:
+                plan = plan_for(cfg, role, scaling, backend_name)
+                backend = get_backend(backend_name)
+            except (KeyError, ValueError) as exc:
+                unsupported.setdefault(f"{backend_name}/{scaling}", str(exc))
+                continue
+            problem = gemm_problem(role, shape, plan, device_type=device_type, out_dtype=out_dtype)
+            ok, why = backend.supports(problem)
+            if not ok and pad_to_multiple > 1:
+                m, k, n = padded(shape, pad_to_multiple)
+                ok = backend.supports(dataclasses.replace(problem, m=m, k=k, n=n))[0]
+            if ok and site_supports is not None:
+                ok, why = site_supports(LinearPlan(**{**roles_of(current), role: plan}))
+                if not ok:
+                    continue
+            if ok:
+                out.append(plan)
+            else:
+                unsupported.setdefault(f"{backend_name}/{scaling}", why)
+    return out, unsupported
+
+
+def verdict_of(verdicts: Mapping[Any, Any], site: str, role: str, plan: GemmPlan) -> tuple[Any, str]:
+    """(the Probe's verdict for exactly this plan's operand formats, or None; why not).
+
+    A verdict measured with another operand-b format says nothing of this plan (align
+    ``probe.backward_fmt_b`` with ``dispatch.fmt_forward``).
+    """
+    v = verdicts.get((site, role, plan.fmt, plan.scaling))
+    if v is None:
+        return None, "no verdict"
+    fmt_b = v.fmt_b
+    if fmt_b is not plan.operand_b_fmt:
+        return None, (
+            f"no verdict for operand b in {plan.operand_b_fmt.value} (the Probe measured "
+            f"{fmt_b.value}: align loka.probe.backward_fmt_b and loka.dispatch.fmt_forward)"
+        )
+    return v, ""
+
+
+def eligible(
+    verdicts: Mapping[Any, Any], site: str, role: str, plans: Sequence[GemmPlan]
+) -> list[GemmPlan]:
+    """The plans of ``plans`` whose verdict is safe, in order: the ones worth timing."""
+    out = []
+    for plan in plans:
+        v, _ = verdict_of(verdicts, site, role, plan)
+        if v is not None and v.safe:
+            out.append(plan)
+    return out
+
+
+def target(
+    *,
+    site: str,
+    role: str,
+    current: GemmPlan,
+    shape: Shape,
+    candidates: Sequence[GemmPlan],
+    verdicts: Mapping[Any, Any],
+    times: Mapping[GemmPlan, float],
+    t_high: float,
+    objective: str,
+    margin: float,
+    measured: bool,
+    failures: Mapping[GemmPlan, str] | None = None,
+) -> Target:
+    """The plan one GEMM should have now.
+
+    Args:
+        site: the site's name.
+        role: the GEMM.
+        current: its plan now.
+        shape: its (M, K, N).
+        candidates: its FP8 candidates (:func:`candidates`), in order of preference on equal
+            time.
+        verdicts: the Probe's verdicts by ``(site, role, fmt, scaling)``.
+        times: seconds of each eligible candidate (:func:`eligible`); ``inf`` when its
+            benchmark failed.
+        t_high: seconds of the high-precision GEMM.
+        objective: ``"speed"`` or ``"coverage"``.
+        margin: relative speed-up FP8 must show under ``"speed"``.
+        measured: the times were measured (else a cost model's), for the reason.
+        failures: why a candidate's benchmark failed, for the reason.
+
+    Returns:
+        The :class:`Target`: the fastest safe candidate (the earlier one on equal time), or high
+        precision when none is safe, or when under ``"speed"`` its speed-up over high precision
+        is below ``1 + margin``.
+    """
+    current_unsafe = False
+    unsafe_reason = ""
+    if current.is_fp8:
+        v, why_none = verdict_of(verdicts, site, role, current)
+        if v is None or not v.safe:
+            current_unsafe = True
+            unsafe_reason = v.reason if v is not None else f"{why_none} for the current plan"
+
+    safe: list[tuple[float, int, GemmPlan, Any]] = []
+    rejected = []
+    for i, plan in enumerate(candidates):
+        v, why_none = verdict_of(verdicts, site, role, plan)
+        if v is None or not v.safe:
+            rejected.append(f"{plan.scaling.value}: {v.reason if v is not None else why_none}")
+            continue
+        t = times[plan]
+        if not math.isfinite(t):
+            failure = (failures or {}).get(plan, "no time")
+            rejected.append(f"{plan}: its benchmark failed ({failure})")
+            continue
+        safe.append((t, i, plan, v))
+    src = "measured" if measured else "cost model"
+    if not safe:
+        why = "; ".join(dict.fromkeys(rejected)) or f"no FP8 candidate for {role}"
+        reason = f"unsafe: {unsafe_reason}" if current_unsafe else f"no safe FP8: {why}"
+        return Target(GemmPlan(), reason, current_unsafe)
+    t_best, _, best, v = min(safe, key=lambda x: (x[0], x[1]))
+    speedup = t_high / t_best if t_best > 0 else math.inf
+    shape_s = "x".join(map(str, shape))
+    if objective == "speed" and speedup < 1.0 + margin:
+        return Target(
+            GemmPlan(),
+            f"FP8 speed-up {speedup:.2f}x over high at {shape_s} ({src}) < 1+margin "
+            f"{1 + margin:.2f}",
+            current_unsafe,
+        )
+    reason = f"safe (SQNR p-lo {v.sqnr_lo_db:.1f} dB >= {v.budget_db:.1f}); speed-up {speedup:.2f}x over high at {shape_s} ({src})"
+    if objective == "coverage" and speedup < 1.0:
+        reason += "; taken for coverage although slower"
+    if current_unsafe:
+        reason = f"{unsafe_reason}; moved to {best} which is {reason}"
+    return Target(best, reason, current_unsafe)
+
+
+def hysteresis(
+    current: GemmPlan,
+    target: Target,
+    pending: tuple[str, int] | None,
+    *,
+    intervals: int,
+) -> HysteresisStep:
+    """Whether one GEMM moves to ``target`` at this interval.
+
+    The current plan as target clears any pending move. An urgent target moves at once. Any
+    other target is counted while it stays the same from interval to interval (another target
+    restarts the count at 1) and moves when the count reaches ``intervals``.
+
+    Args:
+        current: the GEMM's plan now.
+        target: this interval's :class:`Target`.
+        pending: the entry the previous interval left: (target, consecutive intervals).
+        intervals: ``dispatch.hysteresis_intervals``.
+    """
+    if target.plan == current:
+        return HysteresisStep(apply=False, pending=None, held=None)
+    if target.urgent:
+        return HysteresisStep(apply=True, pending=None, held=None)
+    key = str(target.plan)
+    key_s, count = pending if pending is not None else (key, 0)
+    count = count + 1 if key_s == key else 1
+    if count < intervals:
+        return HysteresisStep(apply=False, pending=(key, count), held=None)
+    return HysteresisStep(apply=True, pending=None, held=count)
+
+
+def disallowed(
+    cfg: DispatchConfig,
+    role: str,
+    plan: GemmPlan,
+    *,
+    others: Mapping[str, GemmPlan],
+    initial: GemmPlan,
+    device_type: str,
+    site_supports: SiteSupports | None = None,
+) -> tuple[GemmPlan, str]:
+    """(reset target, why) for a restored FP8 ``plan`` that is not the site's initial one;
+    ``why`` is empty when the config allows it.
+
+    Args:
+        cfg: the current config.
+        role: the GEMM.
+        plan: its restored plan.
+        others: the site's plans of the other roles (already checked).
+        initial: the site's initial plan of this role (the reset target when dispatch is off).
+        device_type: where the run is (which backends the config allows).
+        site_supports: the site's own check of a whole plan.
+    """
+    if not cfg.enabled:
+        return initial, "dispatch.enabled=false keeps every site on its initial plan"
+    if role not in cfg.fp8_roles:
+        return GemmPlan(), f"{role} is not in dispatch.fp8_roles={list(cfg.fp8_roles)}"
+    if plan.scaling.value not in cfg.scalings:
+        return GemmPlan(), (
+            f"{plan.scaling.value} scaling is not in dispatch.scalings={list(cfg.scalings)}"
+        )
+    on_cpu = device_type == "cpu"
+    backends = cfg.cpu_backends if on_cpu else cfg.backends
+    if plan.backend not in backends:
+        name = "cpu_backends" if on_cpu else "backends"
+        return GemmPlan(), (
+            f"backend {plan.backend!r} is not in dispatch.{name}={list(backends)} "
+            f"(device {device_type})"
+        )
+    fmts = f"dispatch.fmt_forward={cfg.fmt_forward}, fmt_backward={cfg.fmt_backward}"
+    try:
+        expected = plan_for(cfg, role, plan.scaling.value, plan.backend)
+    except ValueError as exc:
+        return GemmPlan(), f"the configured formats ({fmts}) do not fit it: {exc}"
+    if plan != expected:
+        return GemmPlan(), f"dispatch chooses {expected} there ({fmts}), not {plan}"
+    if site_supports is not None:
+        ok, why = site_supports(LinearPlan(**{**others, role: plan}))
+        if not ok:
+            return GemmPlan(), f"the site cannot run it: {why}"
+    return GemmPlan(), ""

@@ -1,0 +1,275 @@
+"""GEMM times for Dispatch: measured on the device, or from a cost model of the target GPU.
+
+:class:`GemmTimer` gives the seconds of one GEMM of a role at its ``(M, K, N)``, for high
+precision or an FP8 plan, cached by :func:`timing_key`:
+
+* ``measure`` (CUDA): a micro-benchmark of the GEMM as the site's autograd function runs it,
+  quantization of both operands from the role's real layouts included (CUDA events, the
+  fastest round's median); when the step replays the sites as CUDA graphs, the candidates are
+  timed replayed in a CUDA graph too (:meth:`GemmTimer.time_graphed`). A candidate whose
+  benchmark raises gets ``inf`` (never chosen), logged and kept in ``failures``.
+* ``cost_model``: :class:`GpuCostModel`, a roofline of the H100 (only relative times matter).
+
+Example:
+    >>> timer = GemmTimer(timing="auto", device="cpu", out_dtype=torch.float32)
+    >>> timer.mode
+    'cost_model'
+    >>> timer.estimate("forward", (8192, 4096, 4096), None) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from loka_train.dispatch.planning import GRAD_WEIGHT_OUT_DTYPE, Shape, gemm_problem, padded
+from loka_train.kernels import linear as kernels_linear
+from loka_train.kernels.capture import reset_capture_state
+from loka_train.kernels.plan import GemmPlan
+from loka_train.kernels.registry import get_backend
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GemmTimer", "GpuCostModel", "parse_timing_key", "timing_key"]
+
+
+@dataclass(frozen=True)
+class GpuCostModel:
+    """Roofline estimate of one GEMM on the target GPU, used where none is present.
+
+    Defaults are fitted to the H100 figures of ../shared/design.md (bf16 8192x4096x4096 in
+    375 us, FP8 GEMM alone 1.1-1.8x, a separate quantization pass erasing the gain below
+    about 2048 wide). Only relative times matter to Dispatch; on a GPU it measures instead.
+
+    Example:
+        >>> cm = GpuCostModel()
+        >>> cm.high(8192, 512, 512) < cm.fp8(8192, 512, 512, "rowwise", "emulated")
+        True
+    """
+
+    bf16_flops: float = 730e12
+    fp8_flops: float = 1300e12
+    bandwidth: float = 2.8e12
+    launch_s: float = 4e-6
+
+    def high(self, m: int, k: int, n: int) -> float:
+        """Seconds of the high-precision GEMM."""
+        flops = 2.0 * m * k * n / self.bf16_flops
+        io = 2.0 * (m * k + n * k + m * n) / self.bandwidth
+        return max(flops, io) + self.launch_s
+
+    def fp8(self, m: int, k: int, n: int, scaling: str, backend: str) -> float:
+        """Seconds of the FP8 GEMM, quantization of both operands included."""
+        flops = 2.0 * m * k * n / self.fp8_flops
+        io = (m * k + n * k + 2.0 * m * n) / self.bandwidth
+        gemm = max(flops, io) + self.launch_s
+        # Quantizing both operands: read high precision, write FP8 (+ scales). The Triton
+        # quantizer is one fused pass; others take an amax pass and a cast pass.
+        passes = 1 if backend == "triton" else 2
+        elems = m * k + n * k
+        quant = passes * (3.0 * elems / self.bandwidth + self.launch_s)
+        return gemm + quant
+
+
+def timing_key(role: str, shape: Shape, plan: GemmPlan | None) -> str:
+    """``"role:MxKxN:plan"`` (``plan`` printed, ``high`` for high precision): the cache key of a
+    time, identical on every rank."""
+    return f"{role}:{shape[0]}x{shape[1]}x{shape[2]}:{plan or 'high'}"
+
+
+def parse_timing_key(key: str) -> tuple[str, Shape, str]:
+    """``(role, shape, plan string)`` of a :func:`timing_key`."""
+    role, dims, plan_s = key.split(":", 2)
+    m, k, n = (int(x) for x in dims.split("x"))
+    return role, (m, k, n), plan_s
+
+
+class GemmTimer:
+    """Seconds of one GEMM per (role, shape, plan), measured or from the cost model, cached.
+
+    Args:
+        timing: ``dispatch.timing``: ``"measure"`` (needs CUDA), ``"cost_model"`` or ``"auto"``
+            (measure on CUDA, else the cost model).
+        device: where the GEMMs run.
+        out_dtype: output dtype of the forward and grad-input GEMMs (grad-weight writes fp32).
+        graphed: the step replays the sites as CUDA graphs: time candidates graph-replayed.
+        bench_iters: timed repetitions of each micro-benchmark (after 3 warm-up runs).
+        cost_model: the model used where nothing is measured.
+    """
+
+    def __init__(
+        self,
+        *,
+        timing: str,
+        device: torch.device | str,
+        out_dtype: torch.dtype,
+        graphed: bool = False,
+        bench_iters: int = 20,
+        cost_model: GpuCostModel | None = None,
+    ) -> None:
+        self.timing = timing
+        self.device = torch.device(device)
+        self.out_dtype = out_dtype
+        self.graphed = graphed
+        self.bench_iters = bench_iters
+        self.cost_model = GpuCostModel() if cost_model is None else cost_model
+        self.timings: dict[str, float] = {}
+        """Timing key -> seconds."""
+        self.failures: dict[str, str] = {}
+        """Timing key -> error of a candidate whose micro-benchmark raised (excluded, logged)."""
+
+    @property
+    def mode(self) -> str:
+        """``"measure"`` or ``"cost_model"``, as ``timing`` resolves on this device.
+
+        Raises:
+            ValueError: for ``timing="measure"`` without a CUDA device.
+        """
+        if self.timing == "auto":
+            return "measure" if self.device.type == "cuda" else "cost_model"
+        if self.timing == "measure" and self.device.type != "cuda":
+            raise ValueError(
+                "dispatch.timing=measure needs a CUDA device; use timing=auto or cost_model on CPU"
+            )
+        return self.timing
+
+    @property
+    def source(self) -> str:
+        """Where the times come from: timing mode, device and output dtype. Cached times are
+        only reused (e.g. from a checkpoint) by a timer of the same source."""
+        mode = self.mode
+        if mode == "measure":
+            on_gpu = self.device.type == "cuda" and torch.cuda.is_available()
+            where = torch.cuda.get_device_name(self.device) if on_gpu else self.device.type
+        else:
+            model = self.cost_model
+            where = f"cost model {model.bf16_flops:g}/{model.fp8_flops:g} flops, {model.bandwidth:g} B/s"
+        launch = ", CUDA graph" if mode == "measure" and self.graphed else ""
+        return f"{mode}: {where}, out {str(self.out_dtype).removeprefix('torch.')}{launch}"
+
+    def estimate(self, role: str, shape: Shape, plan: GemmPlan | None) -> float:
+        """Seconds of one GEMM of ``role`` at ``shape`` (high precision for ``plan=None``),
+        from the cache, else measured or modelled and cached."""
+        key = timing_key(role, shape, plan)
+        if key not in self.timings:
+            m, k, n = shape
+            if self.mode == "cost_model":
+                t = (
+                    self.cost_model.high(m, k, n)
+                    if plan is None
+                    else self.cost_model.fp8(m, k, n, plan.scaling.value, plan.backend)
+                )
+            else:
+                t = self.measure(shape, plan, role)
+            self.timings[key] = t
+        return self.timings[key]
+
+    def measure(self, shape: Shape, plan: GemmPlan | None, role: str = "forward") -> float:
+        """Seconds of one GEMM of `role` as the site's autograd function runs it: for FP8,
+        quantize both operands (from the role's real layouts) and call the backend; for high
+        precision, the matmul on the same layouts.
+
+        A backend that refuses `shape` is timed on it zero-padded to multiples of 16 (what a
+        padding site runs). A candidate whose benchmark raises gets ``inf`` (never chosen); the
+        error is logged and kept in ``failures``.
+        """
+        key = timing_key(role, shape, plan)
+        try:
+            return self.measure_once(shape, plan, role)
+        except Exception as exc:  # a backend bug must not end the training run
+            self.failures[key] = f"{type(exc).__name__}: {exc}"
+            logger.warning("dispatch: timing %s failed (%s); the candidate is excluded", key, exc)
+            return math.inf
+
+    def _role_operands(self, role: str, m: int, k: int, n: int) -> tuple[Tensor, Tensor, bool, torch.dtype]:
+        """``(a_MK, b_NK, b_is_weight, out_dtype)`` laid out as ``kernels.linear`` passes them.
+
+        forward: ``x`` (M, K) and the weight (N, K), both contiguous; grad-input: ``dY``
+        (M, K=N_out) and ``W^T`` (a transposed view of the (K, N) weight); grad-weight: ``dY^T``
+        and ``X^T``, transposed views of the (K=batch, M) and (K=batch, N) activations, with an
+        fp32 output. The views matter: on the backends that take the Triton quantizers they go
+        through the transposing one (no transposed copy), elsewhere the reference quantizer
+        copies them.
+        """
+        dtype = torch.bfloat16  # the compute dtype of the sites under bf16 autocast
+        gen = torch.Generator(device=self.device).manual_seed(0)
+
+        def randn(*size: int) -> Tensor:
+            return torch.randn(*size, device=self.device, dtype=dtype, generator=gen)
+
+        if role == "grad_input":
+            return randn(m, k), randn(k, n).t(), True, dtype
+        if role == "grad_weight":
+            return randn(k, m).t(), randn(k, n).t(), False, GRAD_WEIGHT_OUT_DTYPE
+        return randn(m, k), randn(n, k), True, dtype
+
+    def measure_once(self, shape: Shape, plan: GemmPlan | None, role: str = "forward") -> float:
+        """:meth:`measure` without catching a benchmark's error."""
+        m, k, n = shape
+        if plan is not None:
+            problem = gemm_problem(role, shape, plan, device_type=self.device.type, out_dtype=self.out_dtype)
+            if not get_backend(plan.backend).supports(problem)[0]:
+                m, k, n = padded(shape, 16)
+        a, b, b_is_weight, out_dtype = self._role_operands(role, m, k, n)
+
+        def run() -> torch.Tensor:
+            if plan is None:
+                return a @ b.t()
+            return kernels_linear.fp8_gemm_planned(
+                a, b, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight
+            )
+
+        for _ in range(3):
+            run()
+        if self.graphed and self.device.type == "cuda":
+            return self.time_graphed(run)
+        # Rounds of back-to-back runs; the fastest round's median. An eager step is launch-
+        # bound, so single runs jitter by tens of microseconds with the host; the minimum over
+        # rounds of the median drops rounds that a host hiccup slowed down.
+        rounds = 3 if self.bench_iters >= 6 else 1
+        per_round = max(1, self.bench_iters // rounds)
+        best = math.inf
+        for _ in range(rounds):
+            times = sorted(self._time_one(run) for _ in range(per_round))
+            best = min(best, times[len(times) // 2])
+        return best
+
+    def _time_one(self, run: Callable[[], object]) -> float:
+        """Seconds of one ``run()``: CUDA events on a GPU, the host clock elsewhere (tests)."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            run()
+            return time.perf_counter() - t0
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+    def time_graphed(self, run: Callable[[], Tensor], reps: int = 10) -> float:
+        """Seconds of one ``run()`` as a graphed step runs it: `reps` runs captured in one CUDA
+        graph, the median replay of ``bench_iters`` divided by `reps`. A run that cannot be
+        captured raises (the candidate is then excluded, as the step could not graph it)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            try:
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    for _ in range(reps):
+                        run()
+            except BaseException:
+                reset_capture_state()
+                raise
+            graph.replay()
+            times = sorted(self._time_one(graph.replay) for _ in range(max(1, self.bench_iters)))
+        finally:
+            graph.reset()
+        return times[len(times) // 2] / reps
