@@ -7,8 +7,8 @@ only the comm codecs (no FP8 compute sites, no probe) so the comm precision is t
 difference. The 16 train batches are generated once and cycled (data.cache_batches) so that
 the CPU input pipeline stays out of the timing; eval NE is on fresh held-out batches. Bytes are counted by the codec in encode (what each rank puts on the wire).
 
-Run (2 GPUs):  python bench/comm.py --out bench/results/h200x2_comm
-Dry run (CPU): python bench/comm.py --dry-run --out /tmp/comm
+Run (2 GPUs):  python -m bench.comm --out bench/results/h200x2_comm
+Dry run (CPU): python -m bench.comm --dry-run --out /tmp/comm
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: on the PYTHONPATH of the torchrun workers, which import ``bench.comm``."""
 
 
 def job(out: str, precision: str, steps: int, batch: int, tables: int, dim: int, rows: int) -> None:
     """One run (called on every rank by torchrun)."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from loka_train.comm import CommConfig, CommPrecision
@@ -75,7 +75,7 @@ def job(out: str, precision: str, steps: int, batch: int, tables: int, dim: int,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.comm", description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16384)
@@ -97,7 +97,7 @@ def main() -> int:
     for prec in args.precisions.split(","):
         run_dir = out / prec
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               __file__, "--out", str(out), "--job", str(run_dir), prec, str(args.steps), str(args.batch),
+               "-m", "bench.comm", "--out", str(out), "--job", str(run_dir), prec, str(args.steps), str(args.batch),
                str(args.tables), str(args.dim), str(args.rows)]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -110,7 +110,7 @@ def main() -> int:
               f"a2a fwd {r['a2a_bytes_per_step_rank0']['a2a_fwd'] / 1e6:.2f} MB/step", flush=True)
     base = results[0]
     lines = [f"# Embedding all-to-all precision, 2 GPUs ({base['gpu']}, torch {base['torch']})", "",
-             f"Command: `python {' '.join(sys.argv)}` ({args.tables} tables x {args.dim}, "
+             f"Command: `python -m bench.comm {' '.join(sys.argv[1:])}` ({args.tables} tables x {args.dim}, "
              f"{args.rows} rows, batch {args.batch}/GPU, {args.steps} steps, table-wise).", "",
              "| precision | samples/s | vs FP32 | eval NE | NE vs FP32 | a2a fwd MB/step | a2a bwd MB/step |",
              "|---|---|---|---|---|---|---|"]

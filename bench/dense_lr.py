@@ -4,23 +4,20 @@ Adagrad's first step moves every dense weight by about the learning rate; this s
 that does to MLPerf-sized towers (the loss at step 2) and what a warm-up changes.
 
 Usage (1 process, CPU):
-    .venv/bin/torchrun --standalone --nproc_per_node=1 bench/dense_lr.py --model dcn --lr 0.05 --warmup 0
+    .venv/bin/torchrun --standalone --nproc_per_node=1 -m bench.dense_lr --model dcn --lr 0.05 --warmup 0
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loka_train.data import DataConfig  # noqa: E402
-from loka_train.models import ModelConfig  # noqa: E402
-from loka_train.runtime import TrainerConfig  # noqa: E402
-from loka_train.runtime.trainer import Trainer  # noqa: E402
+from loka_train.data import DataConfig
+from loka_train.models import ModelConfig
+from loka_train.runtime import TrainerConfig
+from loka_train.runtime.trainer import Trainer
 
 MODELS = {
     "dlrm": ModelConfig(kind="dlrm", embedding_dim=128, dense_arch_layer_sizes=[512, 256, 128],
@@ -31,7 +28,7 @@ MODELS = {
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.dense_lr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="dlrm")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=0)

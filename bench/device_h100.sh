@@ -9,7 +9,7 @@
 # for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
 # "Next device session"). One 600 s call each for: `tests`, `e2e` with
 # E2E_CONFIGS of one or two configs (2026-11-23: wukong+dcn, 5 variants, 40 timed steps took
-# 231 s). e2e.py's defaults are now 100 timed steps and NE after 2000 steps on 32 eval batches;
+# 231 s). bench.e2e's defaults are now 100 timed steps and NE after 2000 steps on 32 eval batches;
 # the parts below pin NE after 200 steps on 8 batches (E2E_NE) where their time limits assume it,
 # except ne_floor. One call for `dispatch mods`, `gemm_a`,
 # `gemm_bc` (gemm_bc appends to gemm_a's report, so run them on the same warm machine).
@@ -46,14 +46,14 @@ if has tests; then
   save
 fi
 if has e2e; then
-  (timeout ${E2E_TIMEOUT:-400} python bench/e2e.py --configs ${E2E_CONFIGS:-wukong,dcn} $E2E_NE \
+  (timeout ${E2E_TIMEOUT:-400} python -m bench.e2e --configs ${E2E_CONFIGS:-wukong,dcn} $E2E_NE \
       ${E2E_ARGS:-} --out $w/e2e; echo "rc=$?") > $w/e2e.txt 2>&1
   save
 fi
 if has dispatch; then
   for cfg in dlrm dcn wukong; do
     # cuBLAS/CUTLASS/FBGEMM candidates: the Triton GEMM's autotuning alone outlasts the call.
-    (timeout ${DISPATCH_TIMEOUT:-90} python bench/dispatch.py --iters 20 --configs $cfg --backends "$DISPATCH_BACKENDS" \
+    (timeout ${DISPATCH_TIMEOUT:-90} python -m bench.dispatch --iters 20 --configs $cfg --backends "$DISPATCH_BACKENDS" \
         --out $w/dispatch_$cfg; \
         echo "rc=$?") > $w/dispatch_$cfg.txt 2>&1
     save
@@ -61,7 +61,7 @@ if has dispatch; then
 fi
 if has mods; then
   for model in ${MODS_MODELS:-wukong dcn}; do
-    (timeout ${MODS_TIMEOUT:-150} python bench/mods.py --models $model --out $w/mods_$model; echo "rc=$?") \
+    (timeout ${MODS_TIMEOUT:-150} python -m bench.mods --models $model --out $w/mods_$model; echo "rc=$?") \
         > $w/mods_$model.txt 2>&1
     save
   done
@@ -69,7 +69,7 @@ fi
 gemm_pieces() {
   for piece in "$@"; do
     append=$([ -e $w/gemm/gemm.json ] && echo --append)
-    (timeout 170 python bench/gemm.py $piece $append --out $w/gemm; echo "rc=$?") \
+    (timeout 170 python -m bench.gemm $piece $append --out $w/gemm; echo "rc=$?") \
         >> $w/gemm.txt 2>&1
     save
   done
@@ -80,7 +80,7 @@ if has gemm_bc; then gemm_pieces "--parts b" "--parts c"; fi
 # custom-op quantizers (default) and with LOKA_COMPILED_QUANTIZER=inductor, traced.
 if has quant_ab; then
   for mode in custom inductor; do
-    (LOKA_COMPILED_QUANTIZER=$mode timeout 280 python bench/e2e.py --configs wukong $E2E_NE \
+    (LOKA_COMPILED_QUANTIZER=$mode timeout 280 python -m bench.e2e --configs wukong $E2E_NE \
         --variants bf16+compile+graphs,loka_safe+compile+graphs --profile-variants loka_safe+compile+graphs \
         --trace $w/traces_$mode --out $w/e2e_quant_$mode; echo "rc=$?") > $w/e2e_quant_$mode.txt 2>&1
     save
@@ -88,7 +88,7 @@ if has quant_ab; then
 fi
 # torchao's recipes compiled and CUDA-graphed, beside LoKA's fastest setting.
 if has torchao; then
-  (timeout 560 python bench/e2e.py --configs ${E2E_CONFIGS:-wukong} --no-profile $E2E_NE \
+  (timeout 560 python -m bench.e2e --configs ${E2E_CONFIGS:-wukong} --no-profile $E2E_NE \
       --variants bf16,bf16+compile+graphs,loka_safe+compile+graphs,torchao_tensorwise+graphs,torchao_rowwise+graphs \
       --out $w/e2e_torchao; echo "rc=$?") > $w/e2e_torchao.txt 2>&1
   save
@@ -97,7 +97,7 @@ fi
 # after 2000 steps is noise (2000 distinct train batches of 8192: about 7 GB of host memory).
 # LoKA at that horizon is a second call: E2E_NE_VARIANTS=bf16,loka_safe+compile+graphs.
 if has ne_floor; then
-  (timeout 560 python bench/e2e.py --configs wukong --no-profile --ne-steps 2000 --eval-batches 32 \
+  (timeout 560 python -m bench.e2e --configs wukong --no-profile --ne-steps 2000 --eval-batches 32 \
       --repeats 3 --variants ${E2E_NE_VARIANTS:-bf16,bf16+graphs} \
       --out $w/e2e_ne_floor; echo "rc=$?") > $w/e2e_ne_floor.txt 2>&1
   save
@@ -109,7 +109,7 @@ fi
 ROTATED_VARIANTS=${ROTATED_VARIANTS:-bf16,bf16+compile+graphs,torchao_tensorwise+graphs,loka_safe+compile+graphs}
 if has rotated; then
   r=e2e_rotated_${E2E_CONFIGS:-wukong}_b${E2E_BATCHES:-8192}
-  (timeout ${E2E_TIMEOUT:-560} python bench/e2e.py --configs ${E2E_CONFIGS:-wukong} --ne-steps 0 --repeats 3 \
+  (timeout ${E2E_TIMEOUT:-560} python -m bench.e2e --configs ${E2E_CONFIGS:-wukong} --ne-steps 0 --repeats 3 \
       --batches ${E2E_BATCHES:-8192} --variants $ROTATED_VARIANTS \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs ${ROTATED_ARGS:-} \
       --out $w/$r; echo "rc=$?") > $w/$r.txt 2>&1
@@ -117,7 +117,7 @@ if has rotated; then
 fi
 # Issue 9's other batch sizes (E2E_BATCHES, default 4096 and 32768), one round each.
 if has batches; then
-  (timeout ${E2E_TIMEOUT:-560} python bench/e2e.py --configs ${E2E_CONFIGS:-dlrm,dcn,wukong} --ne-steps 0 \
+  (timeout ${E2E_TIMEOUT:-560} python -m bench.e2e --configs ${E2E_CONFIGS:-dlrm,dcn,wukong} --ne-steps 0 \
       --batches ${E2E_BATCHES:-4096,32768} --variants $ROTATED_VARIANTS \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
       ${BATCHES_ARGS:-} --out $w/e2e_batches; echo "rc=$?") > $w/e2e_batches.txt 2>&1
@@ -127,7 +127,7 @@ fi
 # host-bound configs; the pinning GPU test first.
 if has pin; then
   (timeout 60 python -m pytest tests/gpu/test_data_gpu.py -q -p no:cacheprovider; echo "rc=$?") > $w/pin_test.txt 2>&1
-  (timeout ${E2E_TIMEOUT:-500} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn,dlrm} --ne-steps 0 --repeats 3 \
+  (timeout ${E2E_TIMEOUT:-500} python -m bench.e2e --configs ${E2E_CONFIGS:-dcn,dlrm} --ne-steps 0 --repeats 3 \
       --variants bf16+compile+graphs,bf16+compile+graphs+pageable \
       --profile-variants bf16+compile+graphs,bf16+compile+graphs+pageable \
       --out $w/e2e_pin; echo "rc=$?") > $w/e2e_pin.txt 2>&1
@@ -142,25 +142,25 @@ if has fix; then
       ${FIX_TESTS:-tests/gpu/test_opaque_gpu.py tests/gpu/test_graphs_gpu.py tests/gpu/test_data_gpu.py} \
       -q -p no:cacheprovider -rfs; echo "rc=$?") > $w/fix_tests.txt 2>&1
   save
-  (timeout ${E2E_TIMEOUT:-420} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn,wukong} --ne-steps 0 \
+  (timeout ${E2E_TIMEOUT:-420} python -m bench.e2e --configs ${E2E_CONFIGS:-dcn,wukong} --ne-steps 0 \
       --batches ${E2E_BATCHES:-32768} --variants ${FIX_VARIANTS:-bf16+compile+graphs,loka_safe+compile+graphs} \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
       --out $w/e2e_fix; echo "rc=$?") > $w/e2e_fix.txt 2>&1
   save
 fi
 # Kernel attribution: the profiled windows written as traces and attributed to the aten operator
-# that launched each kernel (bench/trace_ops.py). Without +graphs, since a graph's kernels all
+# that launched each kernel (bench.trace_ops). Without +graphs, since a graph's kernels all
 # correlate to one cudaGraphLaunch. The traces stay out of the archive (tens of MB each).
 if has trace; then
   t=/tmp/h100_traces
   rm -rf $t
-  (timeout ${TRACE_TIMEOUT:-170} python bench/e2e.py --configs ${TRACE_CONFIGS:-dcn} --ne-steps 0 \
+  (timeout ${TRACE_TIMEOUT:-170} python -m bench.e2e --configs ${TRACE_CONFIGS:-dcn} --ne-steps 0 \
       --batches ${TRACE_BATCHES:-32768} --steps 30 --variants ${TRACE_VARIANTS:-bf16+compile,loka_safe+compile} \
       --profile-variants ${TRACE_VARIANTS:-bf16+compile,loka_safe+compile} --trace $t \
       --out $w/e2e_trace; echo "rc=$?") > $w/e2e_trace.txt 2>&1
   for f in $t/*.json.gz; do
     [ -e "$f" ] || continue
-    (timeout 45 python bench/trace_ops.py "$f" --steps 5 --top 40; echo "rc=$?") > "$w/ops_$(basename "$f" .json.gz).txt" 2>&1
+    (timeout 45 python -m bench.trace_ops "$f" --steps 5 --top 40; echo "rc=$?") > "$w/ops_$(basename "$f" .json.gz).txt" 2>&1
   done
   save
 fi
@@ -174,18 +174,18 @@ fi
 V=loka_safe+compile+graphs,bf16,bf16+compile+graphs,torchao_tensorwise+graphs,torchao_rowwise+graphs
 if has next_a; then
   for cfg in wukong dlrm; do
-    (timeout $([ $cfg = wukong ] && echo 340 || echo 150) python bench/e2e.py --configs $cfg --ne-steps 0 \
+    (timeout $([ $cfg = wukong ] && echo 340 || echo 150) python -m bench.e2e --configs $cfg --ne-steps 0 \
         --batches 32768 --steps 50 --variants $V --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
         --out $w/e2e_next_$cfg; echo "rc=$?") > $w/e2e_next_$cfg.txt 2>&1
     save
   done
 fi
 if has next_b; then
-  (timeout 170 python bench/e2e.py --configs dcn --ne-steps 0 --batches 32768 --steps 400 --no-profile \
+  (timeout 170 python -m bench.e2e --configs dcn --ne-steps 0 --batches 32768 --steps 400 --no-profile \
       --variants loka_safe+compile+graphs,bf16+compile+graphs --out $w/e2e_next_probe; echo "rc=$?") \
       > $w/e2e_next_probe.txt 2>&1
   save
-  (timeout 250 python bench/e2e.py --configs dcn --ne-steps 0 --batches 8192 --repeats 2 \
+  (timeout 250 python -m bench.e2e --configs dcn --ne-steps 0 --batches 8192 --repeats 2 \
       --variants loka_safe+compile+graphs,bf16,bf16+compile+graphs \
       --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
       --out $w/e2e_next_dcn8192; echo "rc=$?") > $w/e2e_next_dcn8192.txt 2>&1
@@ -195,7 +195,7 @@ fi
 # bf16 trains 1000 steps of DCN at 8192, then bf16 (the resume itself), bf16+graphs (the noise
 # floor: the same kernels) and LoKA safe + graphs each train 300 more steps from it (~260 s).
 if has ne_pairs; then
-  (timeout ${NE_PAIRS_TIMEOUT:-500} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn} --ne-from 1000 --ne-steps 300 \
+  (timeout ${NE_PAIRS_TIMEOUT:-500} python -m bench.e2e --configs ${E2E_CONFIGS:-dcn} --ne-from 1000 --ne-steps 300 \
       --eval-batches 32 --repeats 3 --no-profile --variants bf16,bf16+graphs,loka_safe+graphs \
       --out $w/e2e_ne_pairs; echo "rc=$?") > $w/e2e_ne_pairs.txt 2>&1
   save
@@ -205,7 +205,7 @@ fi
 # to 0.05-0.06%. Per seed bf16 trains 1000 steps of DCN at 8192, then each variant 300 decaying
 # steps from it. NE_REPEATS seeds (default 4), NE_VARIANTS as below.
 if has ne_decay; then
-  (timeout ${NE_DECAY_TIMEOUT:-540} python bench/e2e.py --configs ${E2E_CONFIGS:-dcn} --ne-from 1000 --ne-steps 300 \
+  (timeout ${NE_DECAY_TIMEOUT:-540} python -m bench.e2e --configs ${E2E_CONFIGS:-dcn} --ne-from 1000 --ne-steps 300 \
       --ne-decay 1.0 --eval-batches 32 --repeats ${NE_REPEATS:-4} --no-profile --batches 8192 \
       --variants ${NE_VARIANTS:-bf16,bf16+compile+graphs,loka_safe+compile+graphs} \
       --out $w/e2e_ne_decay; echo "rc=$?") > $w/e2e_ne_decay.txt 2>&1
@@ -214,11 +214,11 @@ fi
 # Wukong at 32768 against torchao row-wise (next_a ran out of time before it), then where LoKA's
 # slow steps on DCN come from (--step-diag: host time and allocator calls of each slow step).
 if has next_c; then
-  (timeout 300 python bench/e2e.py --configs wukong --ne-steps 0 --batches 32768 --steps 50 --no-profile \
+  (timeout 300 python -m bench.e2e --configs wukong --ne-steps 0 --batches 32768 --steps 50 --no-profile \
       --variants loka_safe+compile+graphs,torchao_rowwise+graphs,bf16+compile+graphs \
       --out $w/e2e_next_wukong_rowwise; echo "rc=$?") > $w/e2e_next_wukong_rowwise.txt 2>&1
   save
-  (timeout 150 python bench/e2e.py --configs dcn --ne-steps 0 --batches 32768 --steps 400 --no-profile --step-diag \
+  (timeout 150 python -m bench.e2e --configs dcn --ne-steps 0 --batches 32768 --steps 400 --no-profile --step-diag \
       --variants loka_safe+compile+graphs,bf16+compile+graphs --out $w/e2e_step_diag; echo "rc=$?") \
       > $w/e2e_step_diag.txt 2>&1
   save
@@ -227,7 +227,7 @@ fi
 # (2026-11-25: every variant sped up over a host-bound process's first runs). ~2026-11-25 timings:
 # LoKA ~100 s for its first run (decision + compile), then ~20 s; torchao 5-20 s a run.
 if has dlrm_torchao; then
-  (timeout 500 python bench/e2e.py --configs dlrm --ne-steps 0 --batches 32768 --steps 50 --repeats 4 \
+  (timeout 500 python -m bench.e2e --configs dlrm --ne-steps 0 --batches 32768 --steps 50 --repeats 4 \
       --no-profile --warm-run --variants loka_safe+compile+graphs,torchao_rowwise+graphs,torchao_tensorwise+graphs,bf16+compile+graphs \
       --out $w/e2e_dlrm_torchao; echo "rc=$?") > $w/e2e_dlrm_torchao.txt 2>&1
   save

@@ -24,15 +24,15 @@ if has multigpu; then
   save
 fi
 if has comm; then
-  (timeout 130 python bench/comm.py --steps 60 --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
+  (timeout 130 python -m bench.comm --steps 60 --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
   save
 fi
 if has dispatch; then
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/dispatch.py --iters 20 \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python -m bench.dispatch --iters 20 \
       --backends fbgemm_rowwise,torch_scaled_mm --out "$w/single/dispatch" > "$w/single/dispatch.txt" 2>&1 &
 fi
 if has probe; then
-  CUDA_VISIBLE_DEVICES=1 timeout 150 python bench/probe_overhead.py --out "$w/single/probe.json" \
+  CUDA_VISIBLE_DEVICES=1 timeout 150 python -m bench.probe_overhead --out "$w/single/probe.json" \
       > "$w/single/probe.txt" 2>&1 &
 fi
 wait

@@ -1,6 +1,6 @@
 """Dispatch versus fixed kernel choices, per site, on the GPU (issue: Dispatch acceptance).
 
-For the GEMM sites of the DLRM, DCN and Wukong-style configs of ``bench/e2e.py`` (batch 8192,
+For the GEMM sites of the DLRM, DCN and Wukong-style configs of ``bench.e2e`` (batch 8192,
 bf16 autocast; the DCN cross layers' low-rank V/W and the Wukong LCB projections timed as the
 Linear GEMMs they are, with their real row counts), every site is timed forward + backward in isolation with
 (a) each fixed plan applied to all three of its GEMMs (high precision, FP8 row-wise on each
@@ -9,8 +9,8 @@ its own on-device micro-benchmarks (all verdicts taken as safe here: this measur
 speed side of the decision; the Probe tests cover the safety side). The check: the chosen
 plan is never slower than the best fixed choice for that site by more than 3%.
 
-Run (GPU):  python bench/dispatch.py --out bench/results/h100_dispatch
-Dry run:    python bench/dispatch.py --dry-run --out /tmp/dispatch
+Run (GPU):  python -m bench.dispatch --out bench/results/h100_dispatch
+Dry run:    python -m bench.dispatch --dry-run --out /tmp/dispatch
 On an H100 the default run takes ~3-4 min, mostly compiling and autotuning the Triton GEMM
 (~35 shape keys, ~9 configs each); the JSON/Markdown are rewritten after every site, so a run
 stopped by a time limit keeps the sites it finished. In ~3 min calls, one config per call:
@@ -33,16 +33,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loka_train.dispatch import DispatchConfig, Dispatcher  # noqa: E402
-from loka_train.kernels.formats import Fp8Format, Scaling  # noqa: E402
-from loka_train.kernels.plan import LinearPlan  # noqa: E402
-from loka_train.kernels.roles import ROLES  # noqa: E402
-from loka_train.mods import Fp8Linear  # noqa: E402
+from loka_train.dispatch import DispatchConfig, Dispatcher
+from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.roles import ROLES
+from loka_train.mods import Fp8Linear
 
 CONFIGS: dict[str, list[tuple[str, int, int, int]]] = {
-    # (site, K, N, rows per sample): the Linear sites of bench/e2e.py's configs at MLPerf-like
+    # (site, K, N, rows per sample): the Linear sites of bench.e2e's configs at MLPerf-like
     # sizes, with their real shapes (one entry per distinct shape). Batched-GEMM sites (the
     # DLRM dot, the Wukong FM bmm) are left out: their only FP8 backend is `emulated`.
     "dlrm": [("bottom.0", 13, 512, 1), ("bottom.1", 512, 256, 1), ("bottom.2", 256, 128, 1),
@@ -137,7 +135,7 @@ def time_plans(site: nn.Module, x: torch.Tensor, plans: dict[str, LinearPlan], i
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.dispatch", description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=50, help="timed steps per plan and round")

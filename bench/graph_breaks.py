@@ -2,7 +2,7 @@
 
 Run with dynamo's graph-break log on:
 
-    TORCH_LOGS=graph_breaks .venv/bin/python bench/graph_breaks.py [--model dcn] [--plan high]
+    TORCH_LOGS=graph_breaks .venv/bin/python -m bench.graph_breaks [--model dcn] [--plan high]
 
 It trains a tiny model for 4 steps on one gloo process with ``trainer.compile_dense=true`` and
 LoKA's sites converted (aggressive preset; Probe, Dispatch, guard and comm off, so the plan
@@ -18,13 +18,9 @@ shows no graph break and no skipped frame for any of the three models.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-_REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_REPO))
 
 BACKEND = "loka_graph_breaks_count"
 
@@ -65,7 +61,7 @@ def _train(rank: int, world_size: int, out: str, model: str, plan: str) -> list[
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.graph_breaks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="dcn", choices=("dlrm", "dcn", "wukong"))
     p.add_argument("--plan", default="fp8_rowwise", choices=("high", "fp8_rowwise", "fp8_tensorwise"))
     args = p.parse_args()

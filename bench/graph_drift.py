@@ -1,6 +1,6 @@
 """How far two runs of the same small trainer drift apart on the GPU, with and without graphs.
 
-    python bench/graph_drift.py [--kind wukong] [--loka] [--compiled] [--repeats 2]
+    python -m bench.graph_drift [--kind wukong] [--loka] [--compiled] [--repeats 2]
                                 [--no-shared-outputs] [--out DIR]
 
 `tests/gpu/test_graphs_gpu.py::test_trainer_with_graphs_trains_like_eager` compares a graphed
@@ -22,13 +22,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-_REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_REPO))
 
 
 def max_gap(a: list[float], b: list[float]) -> tuple[float, int]:
@@ -50,7 +46,7 @@ def pair_gaps(runs: dict[str, list[list[float]]]) -> dict[str, list[tuple[float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.graph_drift", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", default="wukong", choices=("dcn", "wukong"))
     p.add_argument("--loka", action="store_true", help="the LoKA callback on (the test's safe preset)")
     p.add_argument("--compiled", action="store_true", help="trainer.compile_dense too")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Step-time effect of each mods adaptation on the Wukong-style and DCN dense towers (issue 5).
 
 The dense part of each model (bottom MLP, interaction, top MLP; the embeddings are a random
@@ -28,8 +27,8 @@ Writes ``mods.json`` (every row, device, versions, sizes, command) and ``mods.md
 Times are medians of ``triton.testing.do_bench`` (CUDA events) in microseconds per step.
 
 Usage:
-    python bench/mods.py --out bench/results/h100_mods          # H100, ~3-4 min
-    python bench/mods.py --out /tmp/m --dry-run                  # CPU, tiny, interpreter
+    python -m bench.mods --out bench/results/h100_mods          # H100, ~3-4 min
+    python -m bench.mods --out /tmp/m --dry-run                  # CPU, tiny, interpreter
 
 Most of the GPU time is compiling and autotuning the Triton GEMM (~50 shape keys over both
 models, ~400 configs at ~0.13 s each, plus ~100 compiles); the 15 timed variants take ~10 s.
@@ -53,10 +52,6 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("bench.mods")
-
-_REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(_REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(_REPO_ROOT))
 
 # MLPerf DLRM-DCNv2-like dense sizes; the Wukong tower uses the same embedding side.
 FULL = dict(
@@ -90,7 +85,7 @@ class Row:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.mods", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="directory for mods.json and mods.md")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreter")
     p.add_argument("--batch", type=int, default=None, help="override the batch size")
@@ -408,7 +403,7 @@ def _pairs(rows: list[Row]) -> list[tuple[str, str, str, float]]:
 def write_report(rows: list[Row], env: dict[str, Any], sizes: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     _speedups(rows)
-    cmd = "python bench/mods.py " + " ".join(sys.argv[1:])
+    cmd = "python -m bench.mods " + " ".join(sys.argv[1:])
     data = {"environment": env, "command": cmd, "sizes": sizes, "rows": [asdict(r) for r in rows],
             "adaptation_effects": [dict(model=m, adaptation=a, compared=c, speedup=s) for m, a, c, s in _pairs(rows)]}
     (out / "mods.json").write_text(json.dumps(data, indent=1))

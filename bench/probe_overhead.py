@@ -21,9 +21,9 @@ Measured, in alternating repeats (median of the paired ratios):
 Writes a JSON with the figures (``--out``) and prints it.
 
 Usage:
-    python bench/probe_overhead.py                  # GPU, defaults
-    python bench/probe_overhead.py --dry-run        # CPU, tiny, a few seconds
-    python bench/probe_overhead.py --every-k 50 --sites-per-step 3 --out $OUT/probe.json
+    python -m bench.probe_overhead                  # GPU, defaults
+    python -m bench.probe_overhead --dry-run        # CPU, tiny, a few seconds
+    python -m bench.probe_overhead --every-k 50 --sites-per-step 3 --out $OUT/probe.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import json
 import math
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,11 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from loka_train.probe import Probe, ProbeConfig
 
-from loka_train.probe import Probe, ProbeConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DLRM_BOTTOM = (13, 512, 256, 128)
 DLRM_TOP = (479, 1024, 1024, 512, 256, 1)
@@ -300,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.probe_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU, a few steps")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=8192, help="samples per step")

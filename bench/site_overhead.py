@@ -7,26 +7,22 @@ the site in high precision and the site with each FP8 plan the device runs; and 
 a ``record_function`` range with no profiler running (why ``kernels.profiling.profiled``).
 
 Usage:
-    python bench/site_overhead.py                 # CPU or the current CUDA device
-    python bench/site_overhead.py --m 8192 --k 512 --n 512
+    python -m bench.site_overhead                 # CPU or the current CUDA device
+    python -m bench.site_overhead --m 8192 --k 512 --n 512
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loka_train.kernels.formats import Fp8Format, Scaling  # noqa: E402
-from loka_train.kernels.plan import LinearPlan  # noqa: E402
-from loka_train.mods import Fp8Linear  # noqa: E402
+from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.plan import LinearPlan
+from loka_train.mods import Fp8Linear
 
 
 def _timed(fn, device: torch.device, calls: int, repeats: int) -> float:
@@ -47,7 +43,7 @@ def _timed(fn, device: torch.device, calls: int, repeats: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.site_overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, default=32)
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--n", type=int, default=64)

@@ -1,6 +1,6 @@
 """GPU kernel time per step by the aten operator (and the annotations) that launched it.
 
-Reads a gzipped Chrome trace written by ``bench/e2e.py --trace DIR`` (torch.profiler with CUDA
+Reads a gzipped Chrome trace written by ``python -m bench.e2e --trace DIR`` (torch.profiler with CUDA
 activity) and attributes each kernel and memcpy to the CPU operators on the launching thread
 at its launch (a runtime or driver API call: cuBLAS and Triton launch through the driver; a
 graph's kernels correlate to their ``cudaGraphLaunch``): the outermost and innermost
@@ -9,7 +9,7 @@ autograd's ``evaluate_function``, ``loka/...``). A kernel whose launch is not in
 shows as ``?`` with its name.
 
 Usage:
-    python bench/trace_ops.py bench/results/h100_2026-11-23e/traces/wukong_b8192_bf16.json.gz --steps 5
+    python -m bench.trace_ops bench/results/h100_2026-11-23e/traces/wukong_b8192_bf16.json.gz --steps 5
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def attribute(events: list[dict[str, Any]]) -> tuple[float, collections.Counter,
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="gzipped Chrome trace (bench/e2e.py --trace)")
+    p = argparse.ArgumentParser(prog="python -m bench.trace_ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="gzipped Chrome trace (python -m bench.e2e --trace)")
     p.add_argument("--steps", type=float, default=5, help="steps in the trace (e2e's --profile-steps)")
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)

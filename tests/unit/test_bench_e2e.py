@@ -1,4 +1,4 @@
-"""bench/e2e.py's aggregation of repeated runs (``--repeats``): medians, means and NE deltas
+"""bench.e2e's aggregation of repeated runs (``--repeats``): medians, means and NE deltas
 paired by seed."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from tests.bench_modules import BENCH, load_bench
+from bench.e2e.cli import main, parse_args
+from bench.e2e.measure import StepClock
+from bench.e2e.protocol import aggregate, run_order
+from bench.e2e.report import _fp8_cell, _ne_delta_cell, _slow_steps_section
+from bench.e2e.variants import job_overrides, resolve_variants, torchao_modules
+from bench.e2e.verdicts import SPEED_ONLY, add_ratios, evaluate_targets, fp8_ceiling, ne_measured
 
-
-@pytest.fixture(scope="module")
-def e2e():
-    return load_bench("e2e")
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def _run(variant: str, seed: int, ms: float, ne: float, status: str = "ok") -> dict:
@@ -27,14 +29,14 @@ def _run(variant: str, seed: int, ms: float, ne: float, status: str = "ok") -> d
     }
 
 
-def test_repeats_aggregate_and_pair_by_seed(e2e) -> None:
+def test_repeats_aggregate_and_pair_by_seed() -> None:
     raw = [
         _run("bf16", 0, 10.0, 0.70), _run("loka_safe", 0, 8.0, 0.707),
         _run("bf16", 1, 12.0, 0.66), _run("loka_safe", 1, 9.0, 0.6666),
         _run("bf16", 2, 11.0, 0.68), _run("loka_safe", 2, 20.0, 0.6868),
     ]
-    results = e2e.aggregate(raw)
-    e2e.add_ratios(results)
+    results = aggregate(raw)
+    add_ratios(results)
     base, loka = results
     assert (base["variant"], loka["variant"]) == ("bf16", "loka_safe")
     assert base["step_ms_median"] == 11.0 and loka["step_ms_median"] == 9.0
@@ -47,88 +49,88 @@ def test_repeats_aggregate_and_pair_by_seed(e2e) -> None:
     assert [x["seed"] for x in loka["repeats"]] == [0, 1, 2]
 
 
-def test_the_fp8_cell_shows_each_round_s_coverage_when_dispatch_chose_differently(e2e) -> None:
+def test_the_fp8_cell_shows_each_round_s_coverage_when_dispatch_chose_differently() -> None:
     def loka(seed: int, coverage: float, num_fp8: int) -> dict:
         return {**_run("loka_safe", seed, 9.0, 0.7),
                 "loka": {"fp8_coverage": coverage, "num_fp8_gemms": num_fp8, "num_gemms": 39}}
 
-    (same,) = e2e.aggregate([loka(0, 0.0, 0), loka(1, 0.0, 0)])
-    assert e2e._fp8_cell(same) == "0% (0/39 GEMMs)"
-    (differ,) = e2e.aggregate([loka(0, 0.0, 0), loka(1, 1 / 39, 1)])
+    (same,) = aggregate([loka(0, 0.0, 0), loka(1, 0.0, 0)])
+    assert _fp8_cell(same) == "0% (0/39 GEMMs)"
+    (differ,) = aggregate([loka(0, 0.0, 0), loka(1, 1 / 39, 1)])
     assert [x["fp8_coverage"] for x in differ["repeats"]] == [0.0, 1 / 39]
-    assert e2e._fp8_cell(differ) == "0% (0/39 GEMMs); by round 0%, 3%"
+    assert _fp8_cell(differ) == "0% (0/39 GEMMs); by round 0%, 3%"
 
 
-def test_a_failed_repeat_fails_the_variant(e2e) -> None:
-    results = e2e.aggregate([_run("bf16", 0, 10.0, 0.7), _run("bf16", 1, 10.0, 0.7, status="error")])
+def test_a_failed_repeat_fails_the_variant() -> None:
+    results = aggregate([_run("bf16", 0, 10.0, 0.7), _run("bf16", 1, 10.0, 0.7, status="error")])
     assert results[0]["status"] == "error"
     assert "1 of 2 runs failed" in results[0]["error"]
 
 
-def test_a_single_run_is_passed_through(e2e) -> None:
+def test_a_single_run_is_passed_through() -> None:
     run = _run("bf16", 0, 10.0, 0.7)
-    assert e2e.aggregate([run]) == [run]
+    assert aggregate([run]) == [run]
 
 
-def test_a_baseline_that_fails_in_a_later_round_leaves_no_stale_ratio(e2e) -> None:
+def test_a_baseline_that_fails_in_a_later_round_leaves_no_stale_ratio() -> None:
     # add_ratios writes into the records aggregate() returns; this fails if those were the
     # raw runs themselves (round 0's ratio would survive into round 1's report).
     raw = [_run("bf16", 0, 10.0, 0.7), _run("loka_safe", 0, 5.0, 0.84)]
-    e2e.add_ratios(e2e.aggregate(raw))  # the report after round 0
+    add_ratios(aggregate(raw))  # the report after round 0
     raw += [_run("bf16", 1, 10.0, 0.7, status="error"), _run("loka_safe", 1, 5.0, 0.84)]
-    results = e2e.aggregate(raw)
-    e2e.add_ratios(results)
+    results = aggregate(raw)
+    add_ratios(results)
     assert results[0]["status"] == "error"
     assert "speedup_vs_bf16" not in results[1] and "ne_delta_rel_vs_bf16" not in results[1]
 
 
-def _wukong_target(e2e, raw: list[dict]) -> str:
+def _wukong_target(raw: list[dict]) -> str:
     for r in raw:
         r["config"] = "wukong"
-    results = e2e.aggregate(raw)
-    e2e.add_ratios(results)
-    targets = e2e.evaluate_targets(results, ["wukong"], 64)
+    results = aggregate(raw)
+    add_ratios(results)
+    targets = evaluate_targets(results, ["wukong"], 64)
     (status,) = [t["status"] for t in targets if t["target"].startswith("dense-heavy")]
     return status
 
 
-def test_a_speed_target_with_an_unresolved_ne_is_not_called_missed(e2e) -> None:
+def test_a_speed_target_with_an_unresolved_ne_is_not_called_missed() -> None:
     base = _run("bf16", 0, 15.0, 0.70)
     # 1.5x faster, NE 2% worse in one run: within one run's noise (SINGLE_RUN_NE_NOISE).
-    assert _wukong_target(e2e, [dict(base), _run("loka_safe", 0, 10.0, 0.714)]) == "unresolved"
+    assert _wukong_target([dict(base), _run("loka_safe", 0, 10.0, 0.714)]) == "unresolved"
     # 10% worse in one run: beyond that noise, missed.
-    assert _wukong_target(e2e, [dict(base), _run("loka_safe", 0, 10.0, 0.77)]) == "missed"
+    assert _wukong_target([dict(base), _run("loka_safe", 0, 10.0, 0.77)]) == "missed"
     # Too slow: missed whatever the NE.
-    assert _wukong_target(e2e, [dict(base), _run("loka_safe", 0, 14.0, 0.70)]) == "missed"
+    assert _wukong_target([dict(base), _run("loka_safe", 0, 14.0, 0.70)]) == "missed"
     # Within the tolerance, or better: met.
-    assert _wukong_target(e2e, [dict(base), _run("loka_safe", 0, 10.0, 0.7003)]) == "met"
-    assert _wukong_target(e2e, [dict(base), _run("loka_safe", 0, 10.0, 0.68)]) == "met"
+    assert _wukong_target([dict(base), _run("loka_safe", 0, 10.0, 0.7003)]) == "met"
+    assert _wukong_target([dict(base), _run("loka_safe", 0, 10.0, 0.68)]) == "met"
     # 1% worse on every seed (no spread): resolved, and missed.
     raw = [_run(v, s, ms, ne) for s, b in enumerate((0.70, 0.66, 0.68))
            for v, ms, ne in (("bf16", 15.0, b), ("loka_safe", 10.0, b * 1.01))]
-    assert _wukong_target(e2e, raw) == "missed"
+    assert _wukong_target(raw) == "missed"
 
 
-def test_a_speed_only_run_judges_no_ne(e2e) -> None:
+def test_a_speed_only_run_judges_no_ne() -> None:
     raw = [_run("bf16", 0, 15.0, 0.70), _run("loka_safe", 0, 10.0, 0.90),  # NE 29% worse
            _run("torchao_tensorwise", 0, 11.0, 0.60), _run("torchao_rowwise", 0, 12.0, 0.60)]
     for r in raw:
         r["config"] = "wukong"
-    results = e2e.aggregate(raw)
-    e2e.add_ratios(results)
-    judged = {t["target"][:12]: t for t in e2e.evaluate_targets(results, ["wukong"], 64)}
-    speed_only = {t["target"][:12]: t for t in e2e.evaluate_targets(results, ["wukong"], 64, ne_measured=False)}
+    results = aggregate(raw)
+    add_ratios(results)
+    judged = {t["target"][:12]: t for t in evaluate_targets(results, ["wukong"], 64)}
+    speed_only = {t["target"][:12]: t for t in evaluate_targets(results, ["wukong"], 64, ne_measured=False)}
     assert judged["dense-heavy "]["status"] == judged["LoKA faster "]["status"] == "missed"
-    assert speed_only["dense-heavy "]["status"] == speed_only["LoKA faster "]["status"] == e2e.SPEED_ONLY
+    assert speed_only["dense-heavy "]["status"] == speed_only["LoKA faster "]["status"] == SPEED_ONLY
     assert "NE" not in speed_only["dense-heavy "]["detail"] and "NE" not in speed_only["LoKA faster "]["detail"]
     # Which runs measure NE: --ne-steps, or continuations of a trained checkpoint (--ne-from).
-    assert not e2e.ne_measured({"ne_steps": 0}) and not e2e.ne_measured({"ne_steps": 0, "ne_from": 0})
-    assert e2e.ne_measured({"ne_steps": 200}) and e2e.ne_measured({"ne_steps": 0, "ne_from": 1000})
+    assert not ne_measured({"ne_steps": 0}) and not ne_measured({"ne_steps": 0, "ne_from": 0})
+    assert ne_measured({"ne_steps": 200}) and ne_measured({"ne_steps": 0, "ne_from": 1000})
     # The speed side still misses on its own.
     raw[1]["step_ms_median"] = raw[1]["step_ms_p10"] = raw[1]["step_ms_p90"] = 12.0  # 1.25x of bf16
-    results = e2e.aggregate(raw)
-    e2e.add_ratios(results)
-    slow = {t["target"][:12]: t["status"] for t in e2e.evaluate_targets(results, ["wukong"], 64, ne_measured=False)}
+    results = aggregate(raw)
+    add_ratios(results)
+    slow = {t["target"][:12]: t["status"] for t in evaluate_targets(results, ["wukong"], 64, ne_measured=False)}
     assert slow["dense-heavy "] == "missed" and slow["LoKA faster "] == "missed"
 
 
@@ -137,74 +139,74 @@ def _rounds(spec: dict[str, list[float]], config: str = "dlrm") -> list[dict]:
     return [dict(_run(v, seed, ms, 0.70), config=config) for v, times in spec.items() for seed, ms in enumerate(times)]
 
 
-def _targets(e2e, raw: list[dict], config: str = "dlrm") -> dict[str, dict]:
-    results = e2e.aggregate(raw)
-    e2e.add_ratios(results)
-    return {t["target"][:12]: t for t in e2e.evaluate_targets(results, [config], 64)}
+def _targets(raw: list[dict], config: str = "dlrm") -> dict[str, dict]:
+    results = aggregate(raw)
+    add_ratios(results)
+    return {t["target"][:12]: t for t in evaluate_targets(results, [config], 64)}
 
 
-def test_rotated_rounds_turn_a_tie_within_their_spread_into_unresolved(e2e) -> None:
+def test_rotated_rounds_turn_a_tie_within_their_spread_into_unresolved() -> None:
     # DLRM at 32768 on 2026-11-25 (four rounds, ms): LoKA's median of the runs is 1.02x of
     # tensor-wise's, but the paired ratios of the rounds run 0.70-1.22: a tie, not a win.
     tie = {"bf16": [14.0, 14.0, 14.0, 14.0], "loka_safe": [6.61, 9.57, 10.22, 8.20],
            "torchao_tensorwise": [9.47, 8.58, 8.35, 9.85], "torchao_rowwise": [8.47, 8.63, 9.89, 9.37]}
-    t = _targets(e2e, _rounds(tie))
+    t = _targets(_rounds(tie))
     assert t["LoKA faster "]["status"] == "unresolved"
     assert "dlrm/torchao_tensorwise: 1.02x faster [" in t["LoKA faster "]["detail"]
     assert t["LoKA is neve"]["status"] == "met"  # 1.5x of bf16 in every round
     # The same medians with every round agreeing: resolved, met.
     steady = {"bf16": [14.0] * 4, "loka_safe": [8.2, 8.2, 8.3, 8.2],
               "torchao_tensorwise": [9.0, 9.1, 9.0, 9.0], "torchao_rowwise": [9.4, 9.3, 9.4, 9.4]}
-    assert _targets(e2e, _rounds(steady))["LoKA faster "]["status"] == "met"
+    assert _targets(_rounds(steady))["LoKA faster "]["status"] == "met"
     # Slower in every round: missed.
     slower = dict(steady, loka_safe=[9.5, 9.6, 9.5, 9.6])
-    assert _targets(e2e, _rounds(slower))["LoKA faster "]["status"] == "missed"
+    assert _targets(_rounds(slower))["LoKA faster "]["status"] == "missed"
 
 
-def test_never_slower_is_unresolved_within_the_rounds_and_missed_beyond_them(e2e) -> None:
+def test_never_slower_is_unresolved_within_the_rounds_and_missed_beyond_them() -> None:
     noisy = {"bf16": [11.8, 12.9, 11.6], "loka_safe": [12.2, 12.7, 9.8]}  # 0.97x by the medians
-    assert _targets(e2e, _rounds(noisy))["LoKA is neve"]["status"] == "unresolved"
+    assert _targets(_rounds(noisy))["LoKA is neve"]["status"] == "unresolved"
     slow = {"bf16": [11.8, 12.9, 11.6], "loka_safe": [12.6, 13.8, 12.4]}  # 7% slower in each
-    assert _targets(e2e, _rounds(slow))["LoKA is neve"]["status"] == "missed"
+    assert _targets(_rounds(slow))["LoKA is neve"]["status"] == "missed"
     # A speed-up target too: 1.3x needed, rounds between 1.1x and 1.6x.
     spread = {"bf16": [15.0, 15.0, 15.0], "loka_safe": [13.6, 9.4, 11.0]}
-    assert _targets(e2e, _rounds(spread, "wukong"), "wukong")["dense-heavy "]["status"] == "unresolved"
+    assert _targets(_rounds(spread, "wukong"), "wukong")["dense-heavy "]["status"] == "unresolved"
     # One run each: the median ratio alone decides, as before.
     one = {"bf16": [11.8], "loka_safe": [12.2]}
-    assert _targets(e2e, _rounds(one))["LoKA is neve"]["status"] == "missed"
+    assert _targets(_rounds(one))["LoKA is neve"]["status"] == "missed"
 
 
-def test_variant_suffixes_combine(e2e) -> None:
-    (v,) = e2e.resolve_variants(["loka_safe+compile+graphs"], "torch_scaled_mm")
+def test_variant_suffixes_combine() -> None:
+    (v,) = resolve_variants(["loka_safe+compile+graphs"], "torch_scaled_mm")
     assert (v.name, v.compile, v.graphs, v.loka) == ("loka_safe+compile+graphs", True, True, "safe")
-    (ao,) = e2e.resolve_variants(["torchao_rowwise+graphs"], "torch_scaled_mm")
+    (ao,) = resolve_variants(["torchao_rowwise+graphs"], "torch_scaled_mm")
     assert ao.compile and ao.graphs and ao.torchao == "rowwise"
     for bad in ("torchao_rowwise+compile", "bf16+graphs+graphs", "bf16+fast"):
         with pytest.raises(SystemExit):
-            e2e.resolve_variants([bad], "torch_scaled_mm")
+            resolve_variants([bad], "torch_scaled_mm")
     # Suffix order does not make a new variant (the ratios look names up).
-    (same,) = e2e.resolve_variants(["bf16+graphs+compile"], "torch_scaled_mm")
+    (same,) = resolve_variants(["bf16+graphs+compile"], "torch_scaled_mm")
     assert same.name == "bf16+compile+graphs"
     with pytest.raises(SystemExit, match="duplicates"):
-        e2e.resolve_variants(["bf16+graphs+compile", "bf16+compile+graphs"], "torch_scaled_mm")
+        resolve_variants(["bf16+graphs+compile", "bf16+compile+graphs"], "torch_scaled_mm")
 
 
-def test_torchao_target_takes_the_faster_recipe_run_and_lists_a_failed_one(e2e) -> None:
+def test_torchao_target_takes_the_faster_recipe_run_and_lists_a_failed_one() -> None:
     raw = [_run("bf16", 0, 15.0, 0.70), _run("loka_safe", 0, 10.0, 0.70),
            _run("torchao_rowwise", 0, 12.0, 0.70), _run("torchao_rowwise+graphs", 0, 9.0, 0.70),
            _run("torchao_tensorwise", 0, 11.0, 0.70), _run("torchao_tensorwise+graphs", 0, 9.0, 0.70, status="error")]
     for r in raw:
         r["config"] = "wukong"
-    results = e2e.aggregate(raw)
-    e2e.add_ratios(results)
-    (t,) = [t for t in e2e.evaluate_targets(results, ["wukong"], 64) if "torchao" in t["target"]]
+    results = aggregate(raw)
+    add_ratios(results)
+    (t,) = [t for t in evaluate_targets(results, ["wukong"], 64) if "torchao" in t["target"]]
     assert t["status"] == "missed"  # slower than torchao_rowwise+graphs (9 ms)
     assert "wukong/torchao_rowwise+graphs: 0.90x" in t["detail"]
     assert "wukong/torchao_tensorwise: 1.10x" in t["detail"]
     assert "wukong/torchao_tensorwise+graphs: boom" in t["detail"]
 
 
-def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_inputs(e2e) -> None:
+def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_inputs() -> None:
     # The benchmark's Wukong shape (2 layers, 16 FM + 16 LCB outputs), small dims that are
     # multiples of 16 so that the 16-multiple rule alone would convert the 3-D-input Linears.
     from loka_train.models import ModelConfig, build_model
@@ -231,8 +233,8 @@ def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_input
     three_d = {fqn for fqn, yes in transposed_3d.items() if yes}
     assert three_d, "the Wukong layers have Linears over transposed 3-D inputs"
 
-    row_converted, row_skipped = e2e.torchao_modules(model, "rowwise")
-    tensor_converted, _ = e2e.torchao_modules(model, "tensorwise")
+    row_converted, row_skipped = torchao_modules(model, "rowwise")
+    tensor_converted, _ = torchao_modules(model, "tensorwise")
     assert not three_d & set(row_converted)
     assert all("transposed 3-D input" in row_skipped[f] for f in three_d & set(tensor_converted))
     # Nothing else is left out: the row-wise recipe converts every other Linear tensor-wise takes.
@@ -240,9 +242,9 @@ def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_input
     assert three_d & set(tensor_converted), "some 3-D-input Linears have 16-multiple dims here"
 
 
-def test_rounds_rotate_the_variant_order(e2e) -> None:
-    variants = e2e.resolve_variants(["bf16", "loka_high", "fp8_everywhere"], "emulated")
-    order = [(v.name, i) for v, i in e2e.run_order(variants, 3)]
+def test_rounds_rotate_the_variant_order() -> None:
+    variants = resolve_variants(["bf16", "loka_high", "fp8_everywhere"], "emulated")
+    order = [(v.name, i) for v, i in run_order(variants, 3)]
     assert order == [
         ("bf16", 0), ("loka_high", 0), ("fp8_everywhere", 0),
         ("loka_high", 1), ("fp8_everywhere", 1), ("bf16", 1),
@@ -252,44 +254,44 @@ def test_rounds_rotate_the_variant_order(e2e) -> None:
     assert sorted(order) == sorted((v.name, i) for v in variants for i in range(3))
 
 
-def test_the_pageable_suffix_turns_batch_pinning_off(e2e) -> None:
-    args = e2e.parse_args(["--dry-run", "--out", "unused", "--variants", "bf16+compile,bf16+compile+pageable"])
-    pinned, pageable = e2e.resolve_variants(args.variant_names, "emulated")
+def test_the_pageable_suffix_turns_batch_pinning_off() -> None:
+    args = parse_args(["--dry-run", "--out", "unused", "--variants", "bf16+compile,bf16+compile+pageable"])
+    pinned, pageable = resolve_variants(args.variant_names, "emulated")
     assert pageable.name == "bf16+compile+pageable" and pageable.pageable and not pinned.pageable
-    assert "trainer.pin_memory=false" in e2e.job_overrides(args, "dcn", 64, pageable, "o", steps=1, eval_batches=1)
+    assert "trainer.pin_memory=false" in job_overrides(args, "dcn", 64, pageable, "o", steps=1, eval_batches=1)
     assert not any("pin_memory" in o
-                   for o in e2e.job_overrides(args, "dcn", 64, pinned, "o", steps=1, eval_batches=1))
+                   for o in job_overrides(args, "dcn", 64, pinned, "o", steps=1, eval_batches=1))
 
 
-def test_the_fp8_ceiling_is_what_halving_every_gemm_would_save(e2e) -> None:
+def test_the_fp8_ceiling_is_what_halving_every_gemm_would_save() -> None:
     def profiled(variant: str, **extra: object) -> dict:
         return {**_run(variant, 0, 10.0, 0.7), **extra,
                 "profile": {"categories": {"gemm": {"ms_per_step": 4.0, "share": 0.4}}}}
 
     # 4 ms of GEMMs at twice the speed save 2 ms of a 10 ms step.
-    assert math.isclose(e2e.fp8_ceiling(profiled("bf16+compile+graphs")), 10.0 / 8.0)
+    assert math.isclose(fp8_ceiling(profiled("bf16+compile+graphs")), 10.0 / 8.0)
     # Runs with FP8 GEMMs of their own, or without a profile, have no ceiling.
-    assert e2e.fp8_ceiling(profiled("loka_safe+compile+graphs", loka={"fp8_coverage": 0.2})) is None
-    assert e2e.fp8_ceiling(profiled("torchao_tensorwise+graphs")) is None
-    assert e2e.fp8_ceiling(_run("bf16", 0, 10.0, 0.7)) is None
+    assert fp8_ceiling(profiled("loka_safe+compile+graphs", loka={"fp8_coverage": 0.2})) is None
+    assert fp8_ceiling(profiled("torchao_tensorwise+graphs")) is None
+    assert fp8_ceiling(_run("bf16", 0, 10.0, 0.7)) is None
 
 
-def test_render_rewrites_the_report_from_its_json(e2e, tmp_path: Path) -> None:
-    source = BENCH / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
+def test_render_rewrites_the_report_from_its_json(tmp_path: Path) -> None:
+    source = RESULTS / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
     (tmp_path / "e2e.json").write_text(source.read_text())
-    assert e2e.main(["--render", str(tmp_path)]) == 0
+    assert main(["--render", str(tmp_path)]) == 0
     report = (tmp_path / "e2e.md").read_text()
     # bf16+compile+graphs: GEMMs 1.27 ms of a 9.19 ms step -> 9.19 / (9.19 - 0.635) = 1.07x.
     assert "| dcn | bf16+compile+graphs | 4.48 | 49% | 28% | 0% | 6% | 16% | 50% | 1.07x |" in report
     assert "FP8 GEMM ceiling over bf16+compile+graphs 1.07x" in report
     with pytest.raises(SystemExit, match="no .*e2e.json"):
-        e2e.main(["--render", str(tmp_path / "missing")])
+        main(["--render", str(tmp_path / "missing")])
 
 
-def test_the_step_clock_times_gc_pauses_only_in_the_timed_window(e2e) -> None:
+def test_the_step_clock_times_gc_pauses_only_in_the_timed_window() -> None:
     import gc
 
-    clock = e2e.StepClock(warmup=1, timed=2, profile_steps=0, device=torch.device("cpu"), timing="sync")
+    clock = StepClock(warmup=1, timed=2, profile_steps=0, device=torch.device("cpu"), timing="sync")
     gc.collect()
     assert clock.gc_pauses_ms == []  # before the window
     clock.on_step_end(None, 0, {})  # the warm-up step ends: the timed window opens
@@ -301,10 +303,10 @@ def test_the_step_clock_times_gc_pauses_only_in_the_timed_window(e2e) -> None:
     assert len(clock.gc_pauses_ms) == 1 and clock._on_gc not in gc.callbacks
 
 
-def test_step_diag_times_the_host_per_timed_step_and_lists_the_slow_steps(e2e) -> None:
+def test_step_diag_times_the_host_per_timed_step_and_lists_the_slow_steps() -> None:
     import time
 
-    clock = e2e.StepClock(warmup=1, timed=3, profile_steps=0, device=torch.device("cpu"), timing="sync",
+    clock = StepClock(warmup=1, timed=3, profile_steps=0, device=torch.device("cpu"), timing="sync",
                           step_diag=True)
     clock.first_step = 100  # a resumed run
     for step in range(100, 104):
@@ -319,33 +321,33 @@ def test_step_diag_times_the_host_per_timed_step_and_lists_the_slow_steps(e2e) -
            "step_diag": [dict(d, cuda_malloc=0, cuda_free=0) for d in diag]}
     run["step_diag"][1].update(cuda_malloc=3, alloc_retries=1)
     quiet = dict(run, variant="bf16", step_ms=[10.0, 10.0, 11.0], step_diag=[dict(d, cuda_malloc=0) for d in diag])
-    lines = e2e._slow_steps_section({"results": [run, quiet]})
+    lines = _slow_steps_section({"results": [run, quiet]})
     (loka,) = [line for line in lines if "loka_safe" in line]
     assert "| 1 | 10.00 |" in loka  # one slow step, 30 ms over the median / 3 steps
     assert "102: 40 ms (host " in loka and "3 cudaMalloc" in loka and "1 retries" in loka
     (bf16,) = [line for line in lines if "| bf16 |" in line]
     assert bf16.endswith("| 0 | 0.00 | 0 | - |")
-    assert e2e._slow_steps_section({"results": [dict(run, step_diag=None)]}) == []
+    assert _slow_steps_section({"results": [dict(run, step_diag=None)]}) == []
 
 
-def test_a_frame_dynamo_runs_eagerly_is_named_in_the_row(e2e, tmp_path: Path) -> None:
-    source = BENCH / "results" / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
+def test_a_frame_dynamo_runs_eagerly_is_named_in_the_row(tmp_path: Path) -> None:
+    source = RESULTS / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
     data = json.loads(source.read_text())
     (row,) = [r for r in data["results"] if r["variant"] == "loka_safe+compile+graphs"]
     row["fallbacks"] = ["compile_dense: torch.compile runs forward (...) eagerly for the rest of the run"]
     row["compile_skipped_frames"] = ["forward (/x/loka_train/mods/interaction.py line 161)"]
     (tmp_path / "e2e.json").write_text(json.dumps(data))
-    assert e2e.main(["--render", str(tmp_path)]) == 0
+    assert main(["--render", str(tmp_path)]) == 0
     rows = [x for x in (tmp_path / "e2e.md").read_text().splitlines()
             if x.startswith("| dcn | loka_safe+compile+graphs | ") and "fallbacks" in x]
     assert len(rows) == 1 and "1 fallbacks; run eagerly by dynamo: forward (interaction.py line 161)" in rows[0]
 
 
-def test_paired_continuations_resume_the_shared_checkpoint(e2e, tmp_path: Path) -> None:
+def test_paired_continuations_resume_the_shared_checkpoint(tmp_path: Path) -> None:
     common = ["--dry-run", "--configs", "dlrm", "--warmup", "2", "--steps", "2", "--eval-batches", "1",
               "--no-profile", "--ne-steps", "6"]
-    assert e2e.main([*common, "--variants", "bf16,bf16+compile", "--ne-from", "4", "--out", str(tmp_path / "c")]) == 0
-    assert e2e.main([*common[:-1], "10", "--variants", "bf16", "--out", str(tmp_path / "s")]) == 0
+    assert main([*common, "--variants", "bf16,bf16+compile", "--ne-from", "4", "--out", str(tmp_path / "c")]) == 0
+    assert main([*common[:-1], "10", "--variants", "bf16", "--out", str(tmp_path / "s")]) == 0
     cont = json.loads((tmp_path / "c" / "e2e.json").read_text())
     scratch = json.loads((tmp_path / "s" / "e2e.json").read_text())
     (base,) = cont["ne_bases"]
@@ -358,11 +360,11 @@ def test_paired_continuations_resume_the_shared_checkpoint(e2e, tmp_path: Path) 
     assert "paired continuations" in (tmp_path / "c" / "e2e.md").read_text()
 
 
-def test_the_warm_run_runs_first_and_stays_out_of_the_results(e2e, tmp_path: Path) -> None:
+def test_the_warm_run_runs_first_and_stays_out_of_the_results(tmp_path: Path) -> None:
     args = ["--dry-run", "--configs", "dlrm", "--warmup", "2", "--steps", "3", "--eval-batches", "1",
             "--no-profile", "--variants", "bf16,bf16+compile", "--repeats", "2", "--warm-run",
             "--out", str(tmp_path)]
-    assert e2e.main(args) == 0
+    assert main(args) == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     (warm,) = report["warm_runs"]
     assert (warm["variant"], warm["status"]) == ("bf16", "ok") and warm["step_ms_median"] > 0
@@ -374,18 +376,18 @@ def test_the_warm_run_runs_first_and_stays_out_of_the_results(e2e, tmp_path: Pat
     assert "discarded warm run of bf16" in (tmp_path / "e2e.md").read_text()
 
 
-def test_the_ne_cell_shows_the_seed_paired_standard_error_when_there_is_one(e2e) -> None:
-    assert e2e._ne_delta_cell({"ne_delta_rel_vs_bf16": 0.000068, "ne_delta_rel_se_vs_bf16": 0.00001}) == (
+def test_the_ne_cell_shows_the_seed_paired_standard_error_when_there_is_one() -> None:
+    assert _ne_delta_cell({"ne_delta_rel_vs_bf16": 0.000068, "ne_delta_rel_se_vs_bf16": 0.00001}) == (
         "+0.007% ± 0.0010%")
-    assert e2e._ne_delta_cell({"ne_delta_rel_vs_bf16": -0.01}) == "-1.000%"  # one run: no s.e.
-    assert e2e._ne_delta_cell({}) == "n/a"
+    assert _ne_delta_cell({"ne_delta_rel_vs_bf16": -0.01}) == "-1.000%"  # one run: no s.e.
+    assert _ne_delta_cell({}) == "n/a"
 
 
-def test_ratios_are_recomputed_from_scratch_when_a_report_is_re_rendered(e2e) -> None:
+def test_ratios_are_recomputed_from_scratch_when_a_report_is_re_rendered() -> None:
     # A reference run read back from an older JSON still carries a paired s.e. against itself.
     ref = {"config": "dcn", "batch": 8, "variant": "bf16", "status": "ok", "step_ms_median": 2.0, "eval_ne": 0.5,
            "ne_delta_rel_se_vs_bf16": 0.0, "speedup_vs_bf16_compile": 9.9}
-    e2e.add_ratios([ref])
+    add_ratios([ref])
     assert ref["speedup_vs_bf16"] == 1.0 and ref["ne_delta_rel_vs_bf16"] == 0.0
     assert "ne_delta_rel_se_vs_bf16" not in ref and "speedup_vs_bf16_compile" not in ref
-    assert e2e._ne_delta_cell(ref) == "+0.000%"
+    assert _ne_delta_cell(ref) == "+0.000%"

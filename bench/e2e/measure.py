@@ -1,0 +1,308 @@
+"""What one run measures: its step times, and the profile of a window of its steps.
+
+:class:`StepClock` is a training callback that times every step after the warm-up (CUDA events
+at step ends, or the wall clock with a sync), records the garbage collector's pauses and, with
+``step_diag``, each step's host time and CUDA allocator calls; then profiles a window of steps
+with torch.profiler (and cProfile). :func:`summarize_profile` splits that window's GPU kernel
+time into GEMM / FP8 quantization / embedding / copies / other and sums the host side.
+
+Example:
+    >>> kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32")
+    'gemm'
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 0.5)
+    2.5
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loka_train.runtime.callbacks import Callback
+
+
+# ------------------------------------------------------------------------ the clock
+class StepClock(Callback):
+    """Times every step after the warm-up; profiles a window of steps after the timed ones.
+
+    Add it last, so the other callbacks' step work falls inside the step it measures.
+    """
+
+    def __init__(
+        self, *, warmup: int, timed: int, profile_steps: int, device: torch.device, timing: str,
+        pyprofile: bool = False, step_diag: bool = False,
+    ) -> None:
+        self.warmup = warmup
+        self.timed = timed
+        self.profile_steps = profile_steps
+        self.cuda = device.type == "cuda"
+        self.timing = timing if self.cuda else "sync"
+        self.ends: list[float] = []
+        self.events: list[Any] = []
+        self.profiler: Any = None
+        self.profile: Any = None
+        self.profile_wall_s = math.nan
+        self._profile_t0 = 0.0
+        self.pyprofile = pyprofile
+        self._cprofile: Any = None
+        self.pystats = ""
+        """cProfile's report of the profiled window (``pyprofile``)."""
+        self.gc_pauses_ms: list[float] = []
+        """Python garbage-collector pauses in the timed window (host time a step may wait for)."""
+        self.gpu_reserved_gb = math.nan
+        """GPU memory the caching allocator holds at the end of the timed window."""
+        self._gc_t0 = 0.0
+        self.first_step = 0
+        """The run's first step (a resumed run, ``--ne-from``, starts past 0)."""
+        self.step_diag = step_diag
+        self.diag: list[tuple[float, int, int, int]] = []
+        """``step_diag``: per step end, (host perf_counter, and the CUDA caching allocator's
+        cumulative cudaMalloc calls, cudaFree calls and allocation retries)."""
+
+    def on_train_start(self, trainer: Any) -> None:
+        self.first_step = trainer.step
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_pauses_ms.append(1000.0 * (time.perf_counter() - self._gc_t0))
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if self.step_diag:
+            stats = torch.cuda.memory_stats() if self.cuda else {}
+            self.diag.append((time.perf_counter(), stats.get("num_device_alloc", 0),
+                              stats.get("num_device_free", 0), stats.get("num_alloc_retries", 0)))
+        if self.timing == "events":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+        else:
+            self._sync()
+            self.ends.append(time.perf_counter())
+        step -= self.first_step
+        last_timed = self.warmup + self.timed - 1
+        if step == self.warmup - 1:
+            gc.callbacks.append(self._on_gc)
+        elif step == last_timed:
+            self._stop_gc_timing()
+            if self.cuda:
+                self.gpu_reserved_gb = torch.cuda.memory_reserved() / 2**30
+        if self.profile_steps and step == last_timed:
+            self._start_profiler()
+        elif self.profiler is not None and step == last_timed + self.profile_steps:
+            self.close()
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._sync()
+        self.profiler = profile(activities=activities)
+        self.profiler.__enter__()
+        if self.pyprofile:
+            import cProfile
+
+            self._cprofile = cProfile.Profile()
+            self._cprofile.enable()
+        self._profile_t0 = time.perf_counter()
+
+    def _stop_gc_timing(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def close(self) -> None:
+        """Stop the profiler if it runs, and the GC timing (also after a failed run)."""
+        self._stop_gc_timing()
+        if self.profiler is None:
+            return
+        self._sync()
+        self.profile_wall_s = time.perf_counter() - self._profile_t0
+        prof, self.profiler = self.profiler, None
+        if self._cprofile is not None:
+            self._cprofile.disable()
+            self.pystats = _pstats_text(self._cprofile, self.profile_steps)
+            self._cprofile = None
+        prof.__exit__(None, None, None)
+        self.profile = prof
+
+    def step_diagnostics(self) -> list[dict[str, float]]:
+        """``step_diag``: per timed step, its host wall time (ms, previous step end to its own)
+        and the cudaMalloc / cudaFree calls and allocator retries inside it. With ``--timing
+        events`` (the CUDA default) nothing syncs at step ends, so a step's host time is its
+        own; with ``sync`` it includes waiting for the previous step's GPU work."""
+        d = self.diag
+        return [
+            {"host_ms": 1000.0 * (d[i][0] - d[i - 1][0]), "cuda_malloc": d[i][1] - d[i - 1][1],
+             "cuda_free": d[i][2] - d[i - 1][2], "alloc_retries": d[i][3] - d[i - 1][3]}
+            for i in range(self.warmup, min(self.warmup + self.timed, len(d)))
+        ]
+
+    def step_ms(self) -> list[float]:
+        """Milliseconds of each timed step (from the previous step's end to its own)."""
+        if self.timing == "events":
+            self._sync()
+            marks = self.events
+            return [
+                marks[i - 1].elapsed_time(marks[i])
+                for i in range(self.warmup, min(self.warmup + self.timed, len(marks)))
+            ]
+        ends = self.ends
+        return [
+            1000.0 * (ends[i] - ends[i - 1])
+            for i in range(self.warmup, min(self.warmup + self.timed, len(ends)))
+        ]
+
+
+def _pstats_text(cprofile: Any, steps: int, top: int = 45) -> str:
+    """cProfile's functions by own time, then by cumulative time (totals over `steps` steps)."""
+    import pstats
+
+    text = io.StringIO()
+    text.write(f"cProfile over {steps} profiled steps (times are totals; divide by {steps} per step)\n")
+    stats = pstats.Stats(cprofile, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
+def rss_gb() -> float:
+    """This process's resident host memory (Linux; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):
+        return math.nan
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+# ----------------------------------------------------------------------- the profile
+_CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("memcpy", re.compile(r"memcpy|memset", re.I)),
+    ("gemm", re.compile(
+        # (?<!fb): FBGEMM's embedding, jagged and permute kernels live in namespace fbgemm_gpu::
+        r"(?<!fb)gemm|sm90|cutlass|matmul|scaled_mm|f8f8|wgmma|xmma|nvjet|cublas|(^|[_:])b?mm([_:]|$)|addmm|"
+        r"aten::(mm|bmm|addmm|_scaled_mm|baddbmm)$", re.I)),
+    ("quantize", re.compile(r"quant|amax|fp8|float8|e4m3|e5m2|scale", re.I)),
+    ("embedding", re.compile(r"embedding|tbe|bounds_check|jagged|permute_|segment|index_select|fbgemm", re.I)),
+)
+CATEGORY_NAMES = ("gemm", "quantize", "embedding", "memcpy", "other")
+
+
+_SYNC_WAIT = re.compile(r"^cuda(Device|Stream|Event)Synchronize$")
+
+
+def kernel_category(name: str) -> str:
+    for category, pattern in _CATEGORIES:
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def _merged_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def export_trace(prof: Any, directory: Path, config: str, batch: int, variant: str) -> str:
+    """Write `prof` as a gzipped Chrome trace (torch.profiler gzips a ``.gz`` path); returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / (re.sub(r"[^A-Za-z0-9._-]", "_", f"{config}_b{batch}_{variant}") + ".json.gz")
+    prof.export_chrome_trace(str(path))
+    return str(path)
+
+
+def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
+    """GPU kernel time per step by category, top kernels, and the busy fraction."""
+    prof, steps = clock.profile, clock.profile_steps
+    per_name: dict[str, float] = {}
+    intervals: list[tuple[float, float]] = []
+    if clock.cuda:
+        from torch.autograd import DeviceType
+
+        for evt in prof.events():
+            # GPU-side user annotations (record_function ranges such as TorchRec's
+            # "## forward ##" or "loka/interval", mirrored on the GPU timeline) are CUDA events
+            # too, spanning idle gaps: not kernels (torch's own tables skip them likewise).
+            if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
+                continue
+            start, end = float(evt.time_range.start), float(evt.time_range.end)
+            per_name[evt.name] = per_name.get(evt.name, 0.0) + (end - start)
+            intervals.append((start, end))
+        if not intervals:
+            raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI unavailable?)")
+        source = "CUDA kernels (time on the GPU)"
+    else:
+        # CPU: self time of each operator, no device.
+        for avg in prof.key_averages():
+            if avg.key.startswith("aten::") and avg.self_cpu_time_total > 0:
+                per_name[avg.key] = per_name.get(avg.key, 0.0) + float(avg.self_cpu_time_total)
+        source = "CPU operators' self time"
+    # Host side: which operators the CPU spends its time on, and how many it launches per step
+    # (a launch-bound step is paid in host time, not GPU time).
+    host: dict[str, tuple[float, int]] = {}
+    sync_us = 0.0
+    for avg in prof.key_averages():
+        if _SYNC_WAIT.search(avg.key):
+            # Waiting for the GPU (the step clock's own synchronize): not host work.
+            sync_us += float(avg.self_cpu_time_total)
+        elif avg.self_cpu_time_total > 0:
+            us, n = host.get(avg.key, (0.0, 0))
+            host[avg.key] = (us + float(avg.self_cpu_time_total), n + int(avg.count))
+    host_aten_calls = sum(n for k, (_, n) in host.items() if k.startswith("aten::"))
+    host_top = sorted(host.items(), key=lambda kv: -kv[1][0])[:15]
+    total_us = sum(per_name.values())
+    categories = {c: 0.0 for c in CATEGORY_NAMES}
+    for name, us in per_name.items():
+        categories[kernel_category(name)] += us
+    busy_us = _merged_us(intervals) if intervals else total_us
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "source": source,
+        "steps": steps,
+        "wall_ms_per_step_profiled": 1000.0 * clock.profile_wall_s / steps,
+        "kernel_ms_per_step": total_us / 1000.0 / steps,
+        "busy_ms_per_step": busy_us / 1000.0 / steps,
+        "busy_fraction": (busy_us / 1000.0 / steps) / median_ms if median_ms > 0 else math.nan,
+        "categories": {
+            c: {"ms_per_step": us / 1000.0 / steps, "share": us / total_us if total_us else math.nan}
+            for c, us in categories.items()
+        },
+        "host_aten_calls_per_step": host_aten_calls / steps,
+        "host_self_cpu_ms_per_step": sum(us for us, _ in host.values()) / 1000.0 / steps,
+        "host_sync_wait_ms_per_step": sync_us / 1000.0 / steps,
+        "top_host_ops": [
+            {"name": k[:120], "self_cpu_ms_per_step": us / 1000.0 / steps, "calls_per_step": n / steps}
+            for k, (us, n) in host_top
+        ],
+        "top_kernels": [
+            {"name": name[:120], "category": kernel_category(name), "ms_per_step": us / 1000.0 / steps}
+            for name, us in top
+        ],
+    }
+

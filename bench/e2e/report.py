@@ -1,0 +1,340 @@
+"""The benchmark's report: ``e2e.json`` (everything) and ``e2e.md`` (tables and verdicts).
+
+:func:`report_data` assembles the report from the runs so far (the ratios and targets
+recomputed), :func:`write_report` writes both files, and :func:`render` rewrites ``e2e.md``
+from an ``e2e.json`` already written (``--render``). The Markdown has the command, GPU and
+versions, per batch size a table of every variant (step time, samples/s, speed-up and NE delta
+against bf16, FP8 coverage), where the GPU and host time goes in the profiled steps, the targets
+of issue 9, the shared checkpoints of ``--ne-from``, the slow steps of ``--step-diag``, the runs
+in the order they ran, and the errors.
+
+Example:
+    >>> _ne_delta_cell({"ne_delta_rel_vs_bf16": 0.000068, "ne_delta_rel_se_vs_bf16": 0.00001})
+    '+0.007% ± 0.0010%'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.e2e.protocol import Runs, decayed_steps
+from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Variant
+from bench.e2e.verdicts import (
+    FP8_GEMM_PEAK,
+    add_ratios,
+    all_targets,
+    fmt_pct,
+    fmt_x,
+    fp8_ceiling,
+    ne_measured,
+)
+
+
+def _version(module: str, dist_names: tuple[str, ...]) -> str | None:
+    from importlib import metadata
+
+    for name in dist_names:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(name)
+    with contextlib.suppress(Exception):
+        mod = __import__(module)
+        return str(getattr(mod, "__version__", "?"))
+    return None
+
+
+def environment(device: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "torchrec": _version("torchrec", ("torchrec",)),
+        "fbgemm_gpu": _version("fbgemm_gpu", ("fbgemm-gpu", "fbgemm_gpu", "fbgemm-gpu-cpu", "fbgemm_gpu_cpu")),
+        "fbgemm_gpu_genai": _version("fbgemm_gpu", ("fbgemm-gpu-genai", "fbgemm_gpu_genai")),
+        "triton": _version("triton", ("triton",)),
+        "torchao": _version("torchao", ("torchao",)),
+        "hydra": _version("hydra", ("hydra-core",)),
+        "host": platform.node(),
+    }
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability())
+    else:
+        env["gpu"] = f"none (CPU, {torch.get_num_threads()} threads)"
+    return env
+
+
+def _fp8_cell(r: dict[str, Any]) -> str:
+    if "loka" in r:
+        lk = r["loka"]
+        cell = f"{lk['fp8_coverage']:.0%} ({lk['num_fp8_gemms']}/{lk['num_gemms']} GEMMs)"
+        per_round = [x["fp8_coverage"] for x in r.get("repeats", []) if "fp8_coverage" in x]
+        if len(set(per_round)) > 1:  # the plans above are round 1's
+            cell += "; by round " + ", ".join(f"{c:.0%}" for c in per_round)
+        return cell
+    if "torchao" in r:
+        t = r["torchao"]
+        return f"{len(t['converted'])}/{len(t['converted']) + len(t['skipped'])} Linear"
+    return "-"
+
+
+def write_report(out: Path, data: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(data, indent=1, default=str))
+    env, args = data["environment"], data["args"]
+    lines = [
+        "# End-to-end training step time and quality (issue 9)",
+        "",
+        f"- command: `{data['command']}`",
+        f"- GPU: **{env['gpu']}**" + (f" ({env['capability']})" if "capability" in env else ""),
+        f"- torch {env['torch']} (CUDA {env['cuda']}), torchrec {env['torchrec']}, fbgemm_gpu "
+        f"{env['fbgemm_gpu']} (genai {env['fbgemm_gpu_genai']}), triton {env['triton']}, "
+        f"torchao {env['torchao'] or 'not installed'}, python {env['python']}",
+        f"- 1 rank, TorchRec DMP (table-wise, fused row-wise Adagrad), TrainPipelineSparseDist, bf16 "
+        f"autocast; {args['warmup']} warm-up + {args['steps']} timed steps "
+        f"({'wall clock, synchronize at each step end' if args['timing'] == 'sync' else 'CUDA events at step ends'})"
+        + ("; train batches pinned (trainer.pin_memory), not in +pageable variants" if data.get("pinned_batches") else "")
+        + f", then {args['profile_steps']} profile steps; eval NE on {args['eval_batches']} held-out "
+        f"batches after {args.get('ne_from', 0) + args['train_steps']} steps; train data "
+        f"cycles {args['cache_batches']} batches; same data and seeds for every variant"
+        + (f"; **paired continuations**: per seed, {args['ne_base']} trained {args['ne_from']} steps and "
+           f"saved a checkpoint, and every variant of that seed resumed it (fresh callbacks) for its "
+           f"{args['train_steps']} steps" if args.get("ne_from") else "")
+        + ("; first a discarded warm run of " + ", ".join(
+               f"{w['variant']} ({w['config']} b{w['batch']}, {w['status']})" for w in data["warm_runs"])
+           + " (--warm-run)" if data.get("warm_runs") else "")
+        + (f"; both learning rates decay to 0 (power 2) over each variant's last "
+           f"{decayed_steps(args['ne_decay'], args['train_steps'])} steps (--ne-decay {args['ne_decay']})"
+           if args.get("ne_decay") else "")
+        + (f"; {args['repeats']} interleaved runs per variant (trainer.seed 0..{args['repeats'] - 1}): "
+           "median step time over runs, mean NE, NE deltas paired by seed (s.e. in the targets)" if args["repeats"] > 1 else ""),
+        f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
+        f"every step, probe interval {args['decide_interval']}), then the timed run from fresh "
+        "weights with the decided plans and the preset's own sampling schedule",
+        f"- wall time of the whole benchmark: {data['wall_s']:.0f} s",
+        "",
+        "## Configs",
+        "",
+    ]
+    for name, overrides in data["configs"].items():
+        lines.append(f"- **{name}**: `{' '.join(overrides)}`")
+    for batch in args["batch_sizes"]:
+        rows = [r for r in data["results"] if r["batch"] == batch]
+        lines += [
+            "",
+            f"## Batch {batch} per GPU",
+            "",
+            "| config | variant | step ms median [p10, p90] | samples/s | vs bf16 | eval NE | NE vs bf16 | FP8 | notes |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if r["status"] != "ok":
+                err = r.get("error", r["status"]).replace("|", "/").replace("\n", " ")
+                lines.append(f"| {r['config']} | {r['variant']} | {r['status']} | | | | | | {err[:200]} |")
+                continue
+            notes = []
+            if "repeats" in r:
+                notes.append(
+                    f"{len(r['repeats'])} runs (seeds {', '.join(str(x['seed']) for x in r['repeats'])}); "
+                    f"NE sd {r.get('eval_ne_std', math.nan):.5f}"
+                )
+            slow = [t for t in r.get("step_ms", []) if t > 3 * r["step_ms_median"]]
+            if slow:
+                # The median hides them; the mean (what a long run's wall time follows) does not.
+                notes.append(f"mean {r['step_ms_mean']:.2f} ms: {len(slow)} steps > 3x the median "
+                             f"(max {max(slow):.0f} ms)")
+            if "decide" in r:
+                notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
+            if r.get("cuda_graphs"):
+                g = r["cuda_graphs"]
+                eager = ", ".join(f"{k} {v}" for k, v in g["eager"].items())
+                notes.append(f"graphs: {g['captures']} captures, {g['replays']} replays"
+                             + (f", eager calls: {eager}" if eager else ""))
+            if r.get("loka", {}).get("guard_trips"):
+                notes.append(f"guard trips {r['loka']['guard_trips']}")
+            if r.get("fallbacks"):
+                notes.append(f"{len(r['fallbacks'])} fallbacks")
+            if r.get("compile_skipped_frames"):
+                # A compiled frame run eagerly changes what the row measures: name it.
+                frames = (re.sub(r"\(.*/", "(", f) for f in r["compile_skipped_frames"])
+                notes.append("run eagerly by dynamo: " + ", ".join(frames).replace("|", "/"))
+            if r.get("profile_error"):
+                notes.append(f"profile failed: {r['profile_error'][:120]}".replace("|", "/"))
+            lines.append(
+                f"| {r['config']} | {r['variant']} | {r['step_ms_median']:.2f} [{r['step_ms_p10']:.2f}, "
+                f"{r['step_ms_p90']:.2f}] | {r['samples_per_s']:,.0f} | {fmt_x(r.get('speedup_vs_bf16'))} | "
+                f"{r['eval_ne']:.5f} | {_ne_delta_cell(r)} | {_fp8_cell(r)} | "
+                f"{'; '.join(notes)} |"
+            )
+        noise = [r for r in rows if r["variant"] == "bf16+compile" and "ne_delta_rel_vs_bf16" in r]
+        if noise:
+            lines += ["", "NE noise floor (bf16+compile vs bf16, same numerics up to kernel order): "
+                      + ", ".join(f"{r['config']} {fmt_pct(r['ne_delta_rel_vs_bf16'], 3)}" for r in noise)]
+        profiled = [r for r in rows if "profile" in r]
+        if profiled:
+            lines += [
+                "",
+                "### Where the GPU time goes (profiled steps)",
+                "",
+                "| config | variant | kernel ms/step | busy | GEMM | FP8 quant | embedding | copies | other (elementwise, norm, ...) | FP8 ceiling | top kernels |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in profiled:
+                p = r["profile"]
+                cats = p["categories"]
+                ceiling = fp8_ceiling(r)
+                top = "; ".join(f"{k['name'][:48]} ({k['category']}, {k['ms_per_step']:.2f})" for k in p["top_kernels"][:3])
+                lines.append(
+                    f"| {r['config']} | {r['variant']} | {p['kernel_ms_per_step']:.2f} | {p['busy_fraction']:.0%} | "
+                    + " | ".join(f"{cats[c]['share']:.0%}" for c in ("gemm", "quantize", "embedding", "memcpy", "other"))
+                    + f" | {'-' if ceiling is None else fmt_x(ceiling)} | {top.replace('|', '/')} |"
+                )
+            lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
+                      "steps; shares are of the summed kernel time. FP8 ceiling (high-precision runs) = the "
+                      f"speed-up if every GEMM ran {FP8_GEMM_PEAK:g}x faster (FP8 peak) with free quantization "
+                      f"and nothing else changed: step / (step - GEMM ms x {1 - 1 / FP8_GEMM_PEAK:g}); a target above it needs more "
+                      "than FP8 GEMMs.", "",
+                      "### Where the host time goes (profiled steps)", "",
+                      "| config | variant | aten calls/step | self CPU ms/step | GPU sync wait ms/step | top host ops (self CPU ms/step, calls/step) |",
+                      "|---|---|---|---|---|---|"]
+            for r in profiled:
+                p = r["profile"]
+                if "top_host_ops" not in p:
+                    continue
+                top = "; ".join(f"{o['name'][:40]} ({o['self_cpu_ms_per_step']:.2f}, {o['calls_per_step']:.0f})"
+                                for o in p["top_host_ops"][:6])
+                lines.append(f"| {r['config']} | {r['variant']} | {p['host_aten_calls_per_step']:.0f} | "
+                             f"{p['host_self_cpu_ms_per_step']:.2f} | {p.get('host_sync_wait_ms_per_step', 0.0):.2f} | "
+                             f"{top.replace('|', '/')} |")
+        everywhere = [r for r in rows if r["variant"].startswith("fp8_everywhere") and "loka" in r]
+        for r in everywhere:
+            lk = r["loka"]
+            lines += ["", f"FP8 everywhere, {r['config']}: {lk['num_fp8_gemms']}/{lk['num_gemms']} site GEMMs in FP8."]
+            lines += [f"- not FP8: {h}" for h in lk["high_gemms"]]
+            lines += [f"- at conversion: {f}" for f in lk["mods_fallbacks"]]
+            lines += [f"- not a site: {k}: {v}" for k, v in lk["not_sites"].items()]
+        targets = [t for t in data["targets"] if t["batch"] == batch]
+        if targets:
+            lines += ["", "### Targets of issue 9", ""]
+            for t in targets:
+                lines.append(f"- **{t['status']}** [{t['variant']}] {t['target']}: {t['detail']}")
+    if data.get("ne_bases"):
+        lines += ["", "## Shared checkpoints (`--ne-from`)", "",
+                  "| config | batch | seed | trained by | steps | eval NE there | s |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {b['config']} | {b['batch']} | {b['seed']} | {b['variant']} | {b['steps']} | "
+                  f"{b['eval_ne']:.5f} | {b['wall_s']:.1f} |" for b in data["ne_bases"]]
+    lines += _slow_steps_section(data)
+    in_order = [r for r in (data.get("runs") or data["results"]) if "gc_ms_per_step" in r]
+    if in_order:
+        lines += ["", "## Runs in the order they ran (drift diagnostics)", "",
+                  "| # | config | batch | variant | seed | step ms median [p10] | GC ms/step | GPU reserved GB | host RSS GB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for i, r in enumerate(sorted(in_order, key=lambda r: r.get("started_unix", 0.0)), 1):
+            lines.append(f"| {i} | {r['config']} | {r['batch']} | {r['variant']} | {r['seed']} | "
+                         f"{r['step_ms_median']:.2f} [{r['step_ms_p10']:.2f}] | {r['gc_ms_per_step']:.3f} | "
+                         f"{r['gpu_reserved_gb']:.1f} | {r['host_rss_gb']:.1f} |")
+    errors = [r for r in data["results"] if r["status"] == "error"]
+    if errors:
+        lines += ["", "## Errors", ""]
+        for r in errors:
+            lines += [f"### {r['config']} b{r['batch']} {r['variant']}", "", "```", r.get("traceback", r["error"]).rstrip(), "```"]
+    (out / "e2e.md").write_text("\n".join(lines) + "\n")
+
+
+def _ne_delta_cell(r: dict[str, Any]) -> str:
+    """NE vs bf16: the relative delta, with its seed-paired standard error when there is one."""
+    se = r.get("ne_delta_rel_se_vs_bf16")
+    return fmt_pct(r.get("ne_delta_rel_vs_bf16"), 3) + (f" ± {100 * se:.4f}%" if se is not None else "")
+
+
+SLOW_STEP = 1.5
+"""``--step-diag``'s report lists the timed steps slower than this many times their run's median."""
+
+
+def _slow_steps_section(data: dict[str, Any]) -> list[str]:
+    """``--step-diag``: each run's slow steps with their host time and allocator calls."""
+    rows = []
+    for r in data.get("runs") or data["results"]:
+        if not r.get("step_diag"):
+            continue
+        med = r["step_ms_median"]
+        host_med = statistics.median(d["host_ms"] for d in r["step_diag"])
+        slow = [(i, t, d) for i, (t, d) in enumerate(zip(r["step_ms"], r["step_diag"])) if t > SLOW_STEP * med]
+        excess = sum(t - med for _, t, _ in slow)
+        cells = "; ".join(
+            f"{r['first_timed_step'] + i}: {t:.0f} ms (host {d['host_ms']:.0f}"
+            + (f", {d['cuda_malloc']} cudaMalloc" if d["cuda_malloc"] else "")
+            + (f", {d['cuda_free']} cudaFree" if d["cuda_free"] else "")
+            + (f", {d['alloc_retries']} retries" if d["alloc_retries"] else "") + ")"
+            for i, t, d in slow[:24]
+        ) + (f"; ... {len(slow) - 24} more" if len(slow) > 24 else "")
+        mallocs = sum(d["cuda_malloc"] + d["cuda_free"] for d in r["step_diag"])
+        rows.append(f"| {r['config']} | {r['batch']} | {r['variant']} | {r['seed']} | {med:.2f} | {host_med:.2f} | "
+                    f"{len(slow)} | {excess / len(r['step_ms']):.2f} | {mallocs} | {cells or '-'} |")
+    if not rows:
+        return []
+    return ["", f"## Slow steps (`--step-diag`: timed steps > {SLOW_STEP}x their run's median)", "",
+            "| config | batch | variant | seed | median ms | host median ms | slow steps | their excess ms/step "
+            "| cudaMalloc+cudaFree in the timed steps | step: GPU time (host time, allocator calls) |",
+            "|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def render(directory: Path) -> None:
+    """Rewrite `directory`/e2e.md from its e2e.json (ratios and targets recomputed), e.g. after
+    the report gained a column."""
+    path = directory / "e2e.json"
+    if not path.is_file():
+        raise SystemExit(f"--render: no {path}; point it at a directory an e2e run wrote")
+    data = json.loads(path.read_text())
+    add_ratios(data["results"])
+    args = data["args"]
+    data["targets"] = all_targets(data["results"], args["config_names"], args["batch_sizes"],
+                                  ne_measured=ne_measured(args))
+    write_report(directory, data)
+
+
+
+def report_data(
+    args: argparse.Namespace, *, command: str, env: dict[str, Any], variants: list[Variant], runs: Runs,
+    t0: float,
+) -> dict[str, Any]:
+    """The report (what ``e2e.json`` holds) from the runs so far, ratios and targets recomputed.
+
+    Args:
+        args: the parsed command line (``bench.e2e.cli.parse_args``).
+        command: the command line that ran the benchmark.
+        env: the machine and versions (:func:`environment`).
+        variants: the variants of the benchmark.
+        runs: the runs so far (their aggregated records get their ratios here).
+        t0: the benchmark's start (``time.perf_counter()``), for its wall time.
+    """
+    add_ratios(runs.results)
+    configs, data = (DRY_CONFIGS, DRY_DATA) if args.dry_run else (CONFIGS, DATA)
+    return {
+        "command": command,
+        "environment": env,
+        "args": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items() if k != "out"},
+        "configs": {c: list(configs[c]) + list(data) for c in args.config_names},
+        "variants": {v.name: {"description": v.description, "loka": v.loka,
+                              "loka_overrides": list(v.loka_overrides), "compile": v.compile,
+                              "graphs": v.graphs, "torchao": v.torchao, "decide": v.decide,
+                              "pageable": v.pageable} for v in variants},
+        "results": runs.results,
+        "runs": runs.raw if args.repeats > 1 else [],
+        "ne_bases": runs.bases,
+        "warm_runs": runs.warm_runs,
+        "targets": all_targets(runs.results, args.config_names, args.batch_sizes,
+                               ne_measured=ne_measured(vars(args))),
+        "wall_s": time.perf_counter() - t0,
+        "pinned_batches": args.device == "cuda",
+    }

@@ -1,0 +1,348 @@
+"""The model variants of the benchmark and the job each of them runs.
+
+A variant is a name (``bf16``, ``fp8_everywhere``, ``loka_safe``, ``torchao_rowwise``, ...) with
+suffixes (``+compile``, ``+graphs``, ``+pageable``); :func:`resolve_variants` turns names into
+:class:`Variant` records, and :func:`job_overrides` into the hydra overrides of one run, composed
+by :class:`Composer` from ``conf/`` exactly as ``launch/train.py`` composes them. The torchao
+variants convert the dense Linears with :class:`TorchaoFloat8`.
+
+Example:
+    >>> (v,) = resolve_variants(["loka_safe+compile+graphs"], "torch_scaled_mm")
+    >>> (v.loka, v.compile, v.graphs)
+    ('safe', True, True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from loka_train.runtime.callbacks import Callback
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+# ---------------------------------------------------------------------------- the grid
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "dlrm": ("model=dlrm",),
+    "dcn": (
+        "model=dcn",
+        "model.embedding_dim=128",
+        "model.dense_arch_layer_sizes=[512,256,128]",
+        "model.over_arch_layer_sizes=[1024,1024,512,256,1]",
+        "model.dcn_num_layers=3",
+        "model.dcn_low_rank_dim=512",
+    ),
+    "wukong": (
+        "model=wukong",
+        "model.embedding_dim=128",
+        "model.dense_arch_layer_sizes=[512,256,128]",
+        "model.over_arch_layer_sizes=[4096,2048,1024,1]",
+        "model.wukong_num_layers=2",
+        "model.wukong_num_fm_out=16",
+        "model.wukong_fm_rank=16",
+        "model.wukong_num_lcb_out=16",
+        "model.wukong_mlp_hidden=4096",
+    ),
+}
+DATA: tuple[str, ...] = ("data=synthetic",)
+"""26 Criteo-like sparse features of 10k rows, 13 dense (conf/data/synthetic.yaml)."""
+
+# Tiny, but with some dims that are multiples of 16 (torchao converts only those).
+DRY_CONFIGS: dict[str, tuple[str, ...]] = {
+    "dlrm": (
+        "model=dlrm",
+        "model.embedding_dim=16",
+        "model.dense_arch_layer_sizes=[32,16]",
+        "model.over_arch_layer_sizes=[32,1]",
+    ),
+    "dcn": (
+        "model=dcn",
+        "model.embedding_dim=16",
+        "model.dense_arch_layer_sizes=[32,16]",
+        "model.over_arch_layer_sizes=[32,1]",
+        "model.dcn_num_layers=2",
+        "model.dcn_low_rank_dim=4",
+    ),
+    "wukong": (
+        "model=wukong",
+        "model.embedding_dim=16",
+        "model.dense_arch_layer_sizes=[32,16]",
+        "model.over_arch_layer_sizes=[32,1]",
+        "model.wukong_num_layers=1",
+        "model.wukong_num_fm_out=4",
+        "model.wukong_fm_rank=4",
+        "model.wukong_num_lcb_out=4",
+        "model.wukong_mlp_hidden=16",
+    ),
+}
+DRY_DATA: tuple[str, ...] = (
+    "data=synthetic",
+    "data.num_sparse=4",
+    "data.num_embeddings=200",
+    "data.chunk_size=16",
+    "data.max_pooling=3",
+)
+
+DEFAULT_VARIANTS = (
+    "bf16",
+    "bf16+compile",
+    "fp8_everywhere",
+    "torchao_tensorwise",
+    "torchao_rowwise",
+    "loka_safe",
+    "loka_aggressive",
+)
+REFERENCE = "bf16"
+LOKA_VARIANTS = ("loka_safe", "loka_aggressive")
+TORCHAO_VARIANTS = ("torchao_tensorwise", "torchao_rowwise")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of training the same job."""
+
+    name: str
+    description: str
+    loka: str = "off"
+    """conf/loka preset."""
+    loka_overrides: tuple[str, ...] = ()
+    """Hydra overrides of the preset (``loka.*``)."""
+    compile: bool = False
+    """``trainer.compile_dense``."""
+    graphs: bool = False
+    """``trainer.cuda_graphs``."""
+    torchao: str | None = None
+    """torchao float8 recipe name, or None."""
+    decide: bool = False
+    """LoKA: a decision run before the timed run (see the module docstring)."""
+    pageable: bool = False
+    """``trainer.pin_memory=false``: batches copied to the GPU from pageable memory."""
+
+
+def base_variants(fp8_backend: str) -> dict[str, Variant]:
+    everywhere = (
+        "loka.enabled=true",
+        "loka.mods.initial_plan=fp8_tensorwise",
+        f"loka.mods.backend={fp8_backend}",
+        "loka.probe.enabled=false",
+        "loka.dispatch.enabled=false",
+        "loka.guard.enabled=false",
+        "loka.comm_enabled=false",
+    )
+    return {
+        "bf16": Variant(name="bf16", description="bf16 autocast, eager, LoKA off"),
+        "fp8_everywhere": Variant(
+            name="fp8_everywhere",
+            description=f"every site FP8 tensor-wise on {fp8_backend}, no probe/dispatch/guard/comm",
+            loka_overrides=everywhere,
+        ),
+        "loka_high": Variant(
+            name="loka_high",
+            description="LoKA's converted sites, all in high precision; probe, dispatch, guard and comm "
+            "off (what the conversion alone costs and changes)",
+            loka_overrides=(
+                "loka.enabled=true",
+                "loka.mods.initial_plan=high",
+                "loka.probe.enabled=false",
+                "loka.dispatch.enabled=false",
+                "loka.guard.enabled=false",
+                "loka.comm_enabled=false",
+            ),
+        ),
+        "torchao_tensorwise": Variant(
+            name="torchao_tensorwise",
+            description="torchao convert_to_float8_training, tensorwise recipe, compiled",
+            compile=True,
+            torchao="tensorwise",
+        ),
+        "torchao_rowwise": Variant(
+            name="torchao_rowwise",
+            description="torchao convert_to_float8_training, rowwise recipe, compiled",
+            compile=True,
+            torchao="rowwise",
+        ),
+        "loka_safe": Variant(
+            name="loka_safe", description="LoKA, conf/loka/safe.yaml", loka="safe", decide=True
+        ),
+        "loka_aggressive": Variant(
+            name="loka_aggressive",
+            description="LoKA, conf/loka/aggressive.yaml",
+            loka="aggressive",
+            decide=True,
+        ),
+    }
+
+
+SUFFIXES = ("compile", "graphs", "pageable")
+"""Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
+both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
+measures what pinning the batches gains (on by default on CUDA)."""
+
+
+def canonical_name(name: str) -> str:
+    """`name` with its suffixes in SUFFIXES order: one name per variant whatever the order
+    typed (the ratios and --profile-variants look variants up by name)."""
+    stem, *suffixes = name.split("+")
+    known = [s for s in SUFFIXES if s in suffixes]
+    return "+".join([stem, *known, *(s for s in suffixes if s not in SUFFIXES)])
+
+
+def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
+    base = base_variants(fp8_backend)
+    out = []
+    for name in names:
+        stem, *suffixes = name.split("+")
+        if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
+            allowed = sorted(base) + [
+                f"{b}+{s}" for b in sorted(base) for s in SUFFIXES if not (base[b].compile and s == "compile")
+            ] + ["<variant>+compile+graphs"]
+            raise SystemExit(f"--variants: unknown variant {name!r}; choose from {allowed}")
+        v = base[stem]
+        if "compile" in suffixes and v.compile:
+            raise SystemExit(f"--variants: {stem} is always compiled; drop '+compile'")
+        if "compile" in suffixes:
+            v = replace(v, description=v.description + ", dense submodules compiled", compile=True)
+        if "graphs" in suffixes:
+            v = replace(v, description=v.description + ", dense step CUDA-graphed", graphs=True)
+        if "pageable" in suffixes:
+            v = replace(v, description=v.description + ", batches not pinned", pageable=True)
+        out.append(replace(v, name=canonical_name(name)))
+    if len({v.name for v in out}) != len(out):
+        raise SystemExit(f"--variants: duplicates in {names}")
+    return out
+
+
+# ----------------------------------------------------------------------- composition
+class Composer:
+    """Composes JobConfigs from conf/ (validated by the schema), like launch/train.py."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        from hydra import initialize_config_dir
+
+        import launch.train  # noqa: F401  (registers the JobConfig schema)
+
+        stack.enter_context(initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"))
+
+    def job(self, overrides: list[str]) -> Any:
+        from hydra import compose
+        from omegaconf import OmegaConf
+
+        from loka_train.runtime.job import JobConfig
+
+        job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+        assert isinstance(job, JobConfig)
+        return job
+
+
+def job_overrides(
+    args: argparse.Namespace,
+    config: str,
+    batch: int,
+    variant: Variant,
+    out_dir: str,
+    *,
+    steps: int,
+    eval_batches: int,
+    extra: tuple[str, ...] = (),
+    resume: str = "never",
+    checkpoint_at_end: bool = False,
+) -> list[str]:
+    """Hydra overrides of one run (also valid for ``launch/train.py``). ``resume="must"``
+    continues the checkpoint under `out_dir` whatever callbacks it was written with."""
+    configs, data = (DRY_CONFIGS, DRY_DATA) if args.dry_run else (CONFIGS, DATA)
+    return [
+        *configs[config],
+        *data,
+        f"data.cache_batches={args.cache_batches}",
+        "trainer=gpu",
+        f"trainer.device={args.device}",
+        f"trainer.batch_size={batch}",
+        f"trainer.steps={steps}",
+        "trainer.dense_dtype=bf16",
+        "trainer.sharding=table_wise",
+        "trainer.pipeline=sparse_dist",
+        "trainer.eval_every=0",
+        f"trainer.eval_batches={eval_batches}",
+        f"trainer.log_every={steps}",
+        f"trainer.out_dir={out_dir}",
+        f"trainer.resume={resume}",
+        *(["trainer.resume_new_callbacks=true"] if resume != "never" else []),
+        "trainer.tensorboard=false",
+        "trainer.progress_bar=false",
+        f"trainer.checkpoint_at_end={str(checkpoint_at_end).lower()}",
+        f"trainer.compile_dense={str(variant.compile).lower()}",
+        f"trainer.cuda_graphs={str(variant.graphs).lower()}",
+        *(["trainer.pin_memory=false"] if variant.pageable else []),
+        f"trainer.compile_backend={args.compile_backend}",
+        f"loka={variant.loka}",
+        *variant.loka_overrides,
+        *extra,
+    ]
+
+
+# ------------------------------------------------------------------------ torchao
+def torchao_status() -> str | None:
+    """None when torchao's float8 training imports, else why not."""
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as exc:  # any import failure means: not run, with the reason
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+TORCHAO_ROWWISE_TRANSPOSED_INPUT = ("proj", "mix", "residual")
+"""Leaf names of the Linears that take a transposed 3-D input (Wukong's FM projection, LCB and
+residual: ``Linear(x_BND.transpose(1, 2))``). torchao 0.17's row-wise recipe cannot compile
+them ("aten.clone.default with axiswise scaling is not supported yet", H100, 2026-11-23 and
+2026-11-24), so that recipe leaves them in bf16 and runs on every other Linear."""
+
+
+def torchao_modules(model: nn.Module, recipe: str) -> tuple[list[str], dict[str, str]]:
+    """The Linear layers torchao ``recipe`` converts, and the others with why.
+
+    Same rules for both recipes (the final logit layer stays high precision, like LoKA's; torchao
+    needs both dims multiples of 16), plus, for ``rowwise``, no Linear of
+    :data:`TORCHAO_ROWWISE_TRANSPOSED_INPUT`.
+    """
+    linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    last = linears[-1][0] if linears else None
+    converted: list[str] = []
+    skipped: dict[str, str] = {}
+    for fqn, module in linears:
+        if fqn == last:
+            skipped[fqn] = "final logit layer (high precision, like LoKA)"
+        elif module.in_features % 16 or module.out_features % 16:
+            skipped[fqn] = f"{module.in_features}x{module.out_features}: not multiples of 16"
+        elif recipe == "rowwise" and fqn.rsplit(".", 1)[-1] in TORCHAO_ROWWISE_TRANSPOSED_INPUT:
+            skipped[fqn] = "transposed 3-D input: torchao's row-wise recipe does not compile it"
+        else:
+            converted.append(fqn)
+    return converted, skipped
+
+
+class TorchaoFloat8(Callback):
+    """Converts the dense Linear layers with torchao ``convert_to_float8_training``
+    (the layers :func:`torchao_modules` names)."""
+
+    def __init__(self, recipe: str) -> None:
+        self.recipe = recipe
+        self.converted: list[str] = []
+        self.skipped: dict[str, str] = {}
+
+    def on_before_shard(self, trainer: Any) -> None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        self.converted, self.skipped = torchao_modules(trainer.model, self.recipe)
+        chosen = set(self.converted)
+
+        def keep(module: nn.Module, fqn: str) -> bool:
+            return not isinstance(module, nn.Linear) or fqn in chosen
+
+        config = Float8LinearConfig.from_recipe_name(self.recipe)
+        trainer.model = convert_to_float8_training(trainer.model, config=config, module_filter_fn=keep)
+
