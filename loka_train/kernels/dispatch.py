@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loka_train.kernels.capture import reset_capture_state
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.kernels.registry import GemmProblem, get_backend, registered_backends
+from loka_train.utils.capture import reset_capture_state
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ Example:
 """
 
 from loka_train.mods.config import INITIAL_PLANS, SITE_FAMILIES, ModsConfig
-from loka_train.mods.convert import ConvertReport, convert, sites, strip_wrapper_prefixes
+from loka_train.mods.convert import ConvertReport, convert, sites
 from loka_train.mods.interaction import CrossNet, DotInteraction
 from loka_train.mods.site import (
     ROLES,
@@ -57,6 +57,5 @@ __all__ = [
     "planned_bmm",
     "planned_linear",
     "sites",
-    "strip_wrapper_prefixes",
     "unobserved",
 ]

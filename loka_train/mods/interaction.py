@@ -43,8 +43,8 @@ from torchrec.models.dlrm import InteractionArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
 from loka_train.kernels.plan import LinearPlan
-from loka_train.kernels.profiling import profiled
 from loka_train.mods.site import BmmSite, GemmSite
+from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
 

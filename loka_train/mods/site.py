@@ -78,8 +78,8 @@ from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
 from loka_train.kernels.linear import _compute_dtype, fp8_linear, inductor_quantizes
 from loka_train.kernels.plan import GemmPlan, LinearPlan
-from loka_train.kernels.profiling import profiled
 from loka_train.kernels.registry import GemmProblem, get_backend
+from loka_train.utils.profiling import profiled
 
 if TYPE_CHECKING:
     from loka_train.probe.probe import Probe

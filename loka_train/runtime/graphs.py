@@ -72,9 +72,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from loka_train.kernels.capture import reset_capture_state
-from loka_train.kernels.profiling import profiled
-from loka_train.mods import Site, strip_wrapper_prefixes, unobserved
+from loka_train.mods import Site, unobserved
+from loka_train.utils.capture import reset_capture_state
+from loka_train.utils.names import strip_wrapper_prefixes
+from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
 
