@@ -14,6 +14,8 @@ Registering the sites with a Probe (the LoKA callback)::
     for name, site in sites(model).items():
         probe.register_site(name, **site.probe_spec())
         site.attach_observer(probe)
+    # at every step start: which sites report (and must run eagerly) on this step
+    sampled = mark_sampled(sites(model).values(), step)
 
 Example:
     >>> from loka_train.mods import ModsConfig, convert, sites
@@ -32,9 +34,9 @@ from loka_train.mods.site import (
     FusedLinearSite,
     GemmSite,
     Site,
+    mark_sampled,
     planned_bmm,
     planned_linear,
-    unobserved,
 )
 from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
 
@@ -55,7 +57,7 @@ __all__ = [
     "Site",
     "convert",
     "planned_bmm",
+    "mark_sampled",
     "planned_linear",
     "sites",
-    "unobserved",
 ]

@@ -7,19 +7,24 @@ grad-weight. Every site is an :class:`nn.Module` deriving from :class:`Site` and
   ``DistributedModelParallel`` do not change it; :func:`loka_train.mods.sites` finds it);
 * ``plan``: a :class:`~loka_train.kernels.plan.LinearPlan`, one ``GemmPlan`` per role, that
   Dispatch replaces between steps with :meth:`Site.set_plan` (validated, nothing reallocated);
-* ``observer``: an optional :class:`~loka_train.probe.Probe`. When set, the forward is a
-  training one (module in training mode, autograd on: evaluation forwards never take window
-  slots) and ``observer.should_sample(observer.step, site_name)`` holds, the site reports its GEMM
-  operands as ``observer.observe(site_name, role, a, b)`` for all three roles, the gradient
-  roles from a hook on the output's gradient, in the Probe's operand convention:
+* ``observer``: an optional :class:`~loka_train.probe.Probe`, and ``sampling``: whether the
+  observer samples the site on the current step, set at every step start by
+  :func:`mark_sampled` (the one place that asks the observer). On a sampled step a training
+  forward (module in training mode, autograd on: evaluation forwards never take window slots)
+  reports its GEMM operands as ``observer.observe(site_name, role, a, b)`` for all three roles,
+  the gradient roles from a hook on the output's gradient, in the Probe's operand convention:
   ``forward (x_MK, w_NK)``, ``grad_input (dy_MN, w_NK)``, ``grad_weight (dy_MN, x_MK)``.
   Operands are the logical (unpadded) ones.
 
-Registering sites with a Probe (what the LoKA callback does)::
+Registering sites with a Probe, and sampling them (what the LoKA callback does)::
 
     for name, site in mods.sites(model).items():
         probe.register_site(name, **site.probe_spec())
         site.attach_observer(probe)
+    for step in ...:
+        probe.begin_step(step)
+        sampled = mods.mark_sampled(mods.sites(model).values(), step)  # run these eagerly
+        ...  # forward, backward
 
 ``probe_spec()`` returns the keyword arguments of ``Probe.register_site`` (``weight_shape``:
 the ``(N, K)`` of the weight the forward and grad-input GEMMs see, or None for batched sites
@@ -63,10 +68,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -96,7 +100,7 @@ __all__ = [
     "BmmSite",
     "planned_linear",
     "planned_bmm",
-    "unobserved",
+    "mark_sampled",
 ]
 
 ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
@@ -104,31 +108,6 @@ ROLES: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
 
 OBSERVED_BATCHES = 8
 """Batches of a batched (bmm) site that are reported to the observer on a sampled step."""
-
-
-_OBSERVING = True
-"""False inside :func:`unobserved`. A plain module global: dynamo guards on its value, so the
-code compiled for an unobserved call has no graph break at the sites' sampling check."""
-
-
-@contextlib.contextmanager
-def unobserved() -> Iterator[None]:
-    """No site consults its observer inside this context (no Probe sampling check, no report).
-
-    For callers that know no site samples in the calls it covers: ``runtime.graphs`` captures
-    a module only for steps on which none of its sites samples, and its captures run in this
-    context, so that under ``torch.compile`` the captured code is one fused graph per module
-    instead of a graph break at every site.
-
-    The flag is process-wide, not per thread: forwards run on the main thread (autograd's
-    backward threads and the data prefetch thread never read it).
-    """
-    global _OBSERVING
-    before, _OBSERVING = _OBSERVING, False
-    try:
-        yield
-    finally:
-        _OBSERVING = before
 
 
 def _any_fp8(plan: LinearPlan) -> bool:
@@ -344,6 +323,7 @@ class Site(nn.Module):
     site_name: str
     plan: LinearPlan
     observer: Probe | None
+    sampling: bool
     pad_to_multiple: int
 
     def __init__(self, *, plan: LinearPlan | None = None, pad_to_multiple: int = 1) -> None:
@@ -356,6 +336,8 @@ class Site(nn.Module):
         self.site_name = ""
         self.pad_to_multiple = int(pad_to_multiple)
         self.observer = None
+        self.sampling = False
+        """Whether this site reports to its observer on the current step (see :func:`mark_sampled`)."""
         self._mkn = (0, 0, 0)
         self.num_fallbacks = 0
         """Times this site took a logged fallback (e.g. an unfusable padded shape)."""
@@ -408,12 +390,26 @@ class Site(nn.Module):
 
     # ----------------------------------------------------------------------- observer
     def attach_observer(self, probe: Probe) -> None:
-        """Report operands to ``probe`` on its sampled steps (the site must be registered)."""
+        """Report operands to ``probe`` on the steps it samples this site (the site must be
+        registered with it; :func:`mark_sampled` turns the reports on per step)."""
         self.observer = probe
 
     def detach_observer(self) -> None:
         """Stop reporting."""
         self.observer = None
+        self.set_sampling(False)
+
+    def set_sampling(self, on: bool) -> None:
+        """Report (``on``) or not on the current step's training forwards (:func:`mark_sampled`
+        sets it for every site at each step start)."""
+        # nn.Module.__setattr__ costs microseconds; the flag changes on few steps.
+        if on != self.sampling:
+            self.sampling = on
+
+    def forward_key(self) -> LinearPlan:
+        """What, besides the parameters and inputs, decides what the forward computes: the plan.
+        A loop that captures or compiles the forward runs it again (re-captures) when it changes."""
+        return self.plan
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
         # Not in compiled code: a module attribute written there is a guard that fails on the
@@ -427,29 +423,17 @@ class Site(nn.Module):
             self._mkn = mkn
 
     def _should_observe(self) -> bool:
-        """Whether this forward reports to the observer: only training forwards do.
+        """Whether this forward reports to the observer: a training forward on a sampled step.
 
         Evaluation runs between steps (``Trainer.evaluate`` puts the model in eval mode under
-        ``no_grad`` after step ``s``, while the Probe's step is still ``s``); its batches must
-        not take the window slots of a sampled training step. Both checks are plain attribute
-        and grad-mode reads, which dynamo guards on like any module flag, so an eval-mode or
-        no-grad forward skips the eager ``_sampling`` call (and its graph break) entirely.
+        ``no_grad`` after step ``s``, while step ``s`` may still be a sampled one); its batches
+        must not take the window slots of a sampled training step. All checks are plain attribute
+        and grad-mode reads, which dynamo guards on like any module flag: code compiled for an
+        unsampled training step or for an evaluation has no graph break here, and the sampled
+        steps run the eager ``_observe`` (compiled code recompiles for them, or, as the runtime
+        does, runs them uncompiled).
         """
-        return (
-            _OBSERVING
-            and self.observer is not None
-            and self.training
-            and torch.is_grad_enabled()
-            and self._sampling()
-        )
-
-    # The Probe's bookkeeping (step counters, window slots) is host state that changes every
-    # step: under torch.compile it runs eagerly (a graph break) so that dynamo neither guards
-    # on it (a recompile per step) nor traces the statistics into the model's graph.
-    @torch.compiler.disable
-    def _sampling(self) -> bool:
-        obs = self.observer
-        return obs is not None and obs.should_sample(obs.step, self.site_name)
+        return self.training and torch.is_grad_enabled() and self.sampling and self.observer is not None
 
     def _fallback(self, key: str, message: str) -> None:
         """Count a fallback and log it once per site and kind."""
@@ -460,6 +444,30 @@ class Site(nn.Module):
 
     def extra_repr(self) -> str:
         return f"site={self.site_name!r}, plan=({self.plan})"
+
+
+def mark_sampled(sites: Iterable[Site], step: int) -> list[Site]:
+    """Ask each site's observer whether it samples the site on ``step`` and set the site's
+    ``sampling`` flag to that; return the sites that sample.
+
+    The one place where "does this site report on this step" is decided: call it at every step
+    start, after ``probe.begin_step(step)``. A loop that compiles or graphs the dense modules
+    must run the returned sites eagerly (their reports are host work that compiled code and
+    graph replays skip); the LoKA callback hands them to the loop as ``eager_modules``. A site
+    without an observer never samples.
+
+    Example:
+        >>> probe.begin_step(step)
+        >>> sampled = mark_sampled(sites(model).values(), step)
+    """
+    sampled = []
+    for site in sites:
+        obs = site.observer
+        on = obs is not None and obs.should_sample(step, site.site_name)
+        site.set_sampling(on)
+        if on:
+            sampled.append(site)
+    return sampled
 
 
 class GemmSite(Site):

@@ -10,31 +10,33 @@ The sharded embeddings, their all-to-all, the loss and the optimizer stay eager.
 What runs eagerly, and why (every call is counted by reason in :meth:`DenseGraphs.stats`):
 
 * ``eval`` / ``no_grad``: evaluation and no-grad forwards (graphs hold training forwards);
-* ``probe``: a step on which the Probe samples one of the module's sites (its statistics and
-  gradient hooks are host work that a replay would skip);
+* ``requested``: a step on which a callback asked for the module to run eagerly
+  (:meth:`Callback.eager_modules <loka_train.runtime.callbacks.Callback.eager_modules>`, through
+  :class:`~loka_train.runtime.eager.EagerSteps`: the LoKA Probe samples one of its FP8 sites,
+  whose statistics and gradient hooks are host work that a replay would skip);
 * ``warmup``: the first ``warmup_calls`` calls of each new signature, so lazy set-up (cuBLAS
   handles, Triton compilation and autotuning, allocator growth) happens outside a capture
   (with ``compile``, the capture's own compiled variant compiles in the capture's warm-up
   iterations, ``capture_warmup_iters >= 1``);
 * ``unchained``: a module captured on a producer's shared output buffer (``shared_outputs``)
-  whose input is another tensor this time, because the producer did not replay (its Probe
+  whose input is another tensor this time, because the producer did not replay (a requested
   step or its warm-up);
 * fallbacks (logged once, counted, listed in the run report): an input that is not a tensor,
   or a capture that failed (e.g. an op that synchronises with the host); the module then
   stays eager for the run.
 
-With ``compile``, a ``probe`` call runs the module's own uncompiled forward, and every other
-unreplayed call the compiled one with the sites' sampling check off (:func:`observing_forward`
-says why: a sampling check inside a layer loop made dynamo skip the whole frame).
+With ``compile``, a ``requested`` call runs the module's own uncompiled forward, and every
+other unreplayed call the compiled one (:func:`loka_train.runtime.compile.eager_or_compiled`
+says why: host work inside a layer loop made dynamo skip the whole frame).
 
-A signature is: autocast state, the input shapes / dtypes / requires-grad, the sites' plans
-and the parameters' storage. When it changes (Dispatch switched a plan, the guard moved
-sites back to high precision, the batch shape changed) the module is captured again.
+A signature is: autocast state, the input shapes / dtypes / requires-grad, the
+``forward_key()`` of the module's :class:`~loka_train.runtime.eager.Keyed` submodules (an FP8
+site's plan) and the parameters' storage. When it changes (a plan switched, the batch shape
+changed) the module is captured again.
 
 Replays compute exactly what the eager module computes with the same kernels (with
-``compile``, what the variant compiled for the capture computes: it skips the sites' Probe
-check, see :func:`loka_train.mods.unobserved`, and may round apart from the compiled code of
-eager calls). The inputs are copied into the graph's static buffers, except an input that is
+``compile``, what the variant compiled for the capture computes, which may round apart from the
+compiled code of eager calls). The inputs are copied into the graph's static buffers, except an input that is
 a graphed producer's shared output buffer (below). Outputs are returned as copies of the static
 buffers, except for modules in ``shared_outputs`` (``install``: the bottom MLP and the
 interaction, whose outputs only the model's next submodule reads), whose replays return the
@@ -72,7 +74,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from loka_train.mods import Site, unobserved
+from loka_train.runtime.eager import EagerSteps, Keyed, keyed_modules
 from loka_train.utils.capture import reset_capture_state
 from loka_train.utils.names import strip_wrapper_prefixes
 from loka_train.utils.profiling import profiled
@@ -86,7 +88,7 @@ INNER_SUBMODULES = ("dense_arch", "inter_arch")
 """The dense parts whose output only the model's own forward reads (the interaction, the top
 MLP), never its caller: their replays share their output buffers (see `DenseGraphs`)."""
 
-EAGER_REASONS = ("eval", "no_grad", "probe", "warmup", "unchained", "unsupported_input", "capture_failed")
+EAGER_REASONS = ("eval", "no_grad", "requested", "warmup", "unchained", "unsupported_input", "capture_failed")
 """Why a call ran eagerly; the last two are fallbacks."""
 
 
@@ -154,12 +156,11 @@ class _Entry:
     module: nn.Module
     forward: Callable[..., Any]
     """The module's own forward (compiled when :class:`DenseGraphs` got ``compile``): what
-    captures and the calls on steps without Probe sampling run (those inside
-    :func:`~loka_train.mods.unobserved`)."""
+    captures and the unreplayed calls of steps that do not request it eagerly run."""
     eager: Callable[..., Any]
-    """The module's own forward, never compiled: what a step on which one of its sites samples
-    runs (see :func:`observing_forward`)."""
-    sites: tuple[Site, ...]
+    """The module's own forward, never compiled: what a requested step runs."""
+    keyed: tuple[Keyed, ...]
+    """Its submodules whose ``forward_key()`` is part of the signature."""
     shadowed: Any
     """An instance-level ``forward`` the module had before install (restored by `remove`)."""
     params: tuple[nn.Parameter, ...] = ()
@@ -208,6 +209,9 @@ class DenseGraphs:
             ms of DCN's 14 ms step at batch 32768 on an H100; see the module docstring). A
             buffer is valid until its module's next training forward (the next step): keep no
             reference to it across steps.
+        eager: which modules run eagerly on the current step (default: a fresh one, that the
+            loop updates as ``graphs.eager.begin_step(callbacks.eager_modules(...))`` at every
+            step start); the graphed modules are watched in it.
 
     Use :meth:`install` on a model; :meth:`remove` restores the modules' own forwards.
     """
@@ -221,6 +225,7 @@ class DenseGraphs:
         capture: CaptureFn | None = None,
         compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
         shared_outputs: Iterable[str] = (),
+        eager: EagerSteps | None = None,
     ) -> None:
         if warmup_calls < 1 or capture_warmup_iters < (1 if compile is not None else 0):
             # With `compile`, the capture's own variant compiles in those iterations: without
@@ -244,15 +249,18 @@ class DenseGraphs:
         self.fallbacks: list[str] = []
         """One line per fallback kind and module (also logged)."""
         self.num_captures = 0
+        self.eager = EagerSteps() if eager is None else eager
+        """Which graphed modules run eagerly on the current step."""
         self._entries: list[_Entry] = []
         for name, module in modules.items():
+            self.eager.watch(module)
             entry = _Entry(
                 name=name,
                 module=module,
                 forward=module.forward if compile is None else compile(module.forward),
                 eager=module.forward,
                 shadowed=vars(module).get("forward"),
-                sites=tuple(m for m in module.modules() if isinstance(m, Site)),
+                keyed=keyed_modules(module),
                 shares_outputs=name in shared_outputs,
             )
             entry.refresh_params()
@@ -362,13 +370,12 @@ class DenseGraphs:
             return _unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
 
     def _unreplayed(self, entry: _Entry, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call that is not replayed: on a step where one of the module's sites samples, its
-        own uncompiled forward; otherwise its (compiled) forward with the sampling check off,
-        which is also the variant that the capture compiles and records."""
-        if reason == "probe" or (reason == "capture_failed" and _samples(entry.sites)):
+        """A call that is not replayed: on a step that requests the module eagerly (also when
+        its capture failed), its own uncompiled forward; otherwise its (compiled) forward, the
+        variant that the capture compiles and records."""
+        if reason == "requested" or (reason == "capture_failed" and self.eager.runs_eagerly(entry.module)):
             return entry.eager(*args, **kwargs)
-        with unobserved():
-            return entry.forward(*args, **kwargs)
+        return entry.forward(*args, **kwargs)
 
     def _eager_reason(self, entry: _Entry) -> str:
         if entry.disabled:
@@ -377,7 +384,7 @@ class DenseGraphs:
             return "eval"
         if not torch.is_grad_enabled():
             return "no_grad"
-        return "probe" if _samples(entry.sites) else ""
+        return "requested" if self.eager.runs_eagerly(entry.module) else ""
 
     @staticmethod
     def _signature(entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec) -> Hashable:
@@ -390,7 +397,7 @@ class DenseGraphs:
             autocast,
             spec,
             tuple((t.shape, t.dtype, t.device, t.requires_grad, t.stride()) for t in inputs),
-            tuple(site.plan for site in entry.sites),
+            tuple(m.forward_key() for m in entry.keyed),
             tuple((p.data_ptr(), p.requires_grad) for p in entry.params),
         )
 
@@ -408,12 +415,9 @@ class DenseGraphs:
             args, kwargs = _unflatten_inputs(flat, spec)
             entry.capturing = True  # functional_call goes through module.__call__: no routing
             try:
-                # Captured for steps on which no site samples (see _eager_reason): the sites
-                # skip their sampling check, so compiled code has no graph break there.
-                with unobserved():
-                    return torch.func.functional_call(
-                        entry.module, dict(zip(entry.param_names, params)), args, kwargs
-                    )
+                # Captured on a step that does not request the module eagerly (see
+                # _eager_reason): no host work of a callback runs inside it.
+                return torch.func.functional_call(entry.module, dict(zip(entry.param_names, params)), args, kwargs)
             finally:
                 entry.capturing = False
 
@@ -435,8 +439,8 @@ class DenseGraphs:
             self._shared[_storage(buffer)] = entry.name
         self.num_captures += 1
         entry.counts["capture"] += 1
-        logger.info("cuda_graphs: %s %s (%d sites)", "re-captured" if recapture else "captured",
-                    entry.name, len(entry.sites))
+        logger.info("cuda_graphs: %s %s (%d keyed submodules)", "re-captured" if recapture else "captured",
+                    entry.name, len(entry.keyed))
         return True
 
     def _is_shared(self, t: Tensor) -> bool:
@@ -480,72 +484,9 @@ class DenseGraphs:
             logger.warning("%s", line)
 
 
-_FRAME_SKIPPED = re.compile(r"frame skipped: (\S+) \((.+) line (\d+)\)")
-_RECOMPILE_LIMIT = re.compile(r"exceeding the (\w+) cache size limit \(currently set to (\d+)\)")
-
-
-def dynamo_frame_skips() -> dict[str, int]:
-    """The frames torch.compile gave up on in this process, which it then runs eagerly for
-    good, as ``{"function (file line N)": times}``: a graph break inside a for/while loop
-    skips the whole frame. A frame that hit dynamo's recompile limit (a module whose sites
-    went through more plans than ``trainer.compile_dense`` allows for) runs only the graphs it
-    has, else eagerly; dynamo's counters do not name it (its warning in the log does), so it
-    reads ``"a frame past dynamo's recompile_limit=N"``. Compare two readings to see what a
-    span of work skipped.
-
-    Read from dynamo's graph-break counters (``torch._dynamo.utils.counters``, filled whether
-    or not ``TORCH_LOGS`` is set; no public API exposes them). Empty if that internal ever
-    changes shape."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:  # pragma: no cover - a torch without dynamo's counters
-        return {}
-    found: Counter[str] = Counter()
-    for reason, times in list(counters.get("unimplemented", {}).items()):
-        for fn, path, line in _FRAME_SKIPPED.findall(str(reason)):
-            found[f"{fn} ({path} line {line})"] += int(times)
-        for kind, limit in _RECOMPILE_LIMIT.findall(str(reason)):
-            found[f"a frame past dynamo's {kind}={limit}"] += int(times)
-    return dict(found)
-
-
 def _storage(t: Tensor) -> int:
     """The address of `t`'s storage (views of one buffer share it)."""
     return t.untyped_storage().data_ptr()
-
-
-def _samples(sites: Iterable[Site]) -> bool:
-    """Whether one of `sites` is sampled by its Probe on the current step."""
-    for site in sites:
-        obs = site.observer
-        if obs is not None and obs.should_sample(obs.step, site.site_name):
-            return True
-    return False
-
-
-def observing_forward(
-    module: nn.Module, compiled: Callable[..., Any], eager: Callable[..., Any]
-) -> Callable[..., Any]:
-    """A forward for a compiled module that holds FP8 sites (``trainer.compile_dense`` without
-    CUDA graphs): training calls on steps where one of its sites samples run `eager`, the
-    module's own uncompiled forward; every other call runs `compiled` inside
-    :func:`~loka_train.mods.unobserved`.
-
-    Why: a site's sampling check is host state that compiled code reads through a graph break.
-    Inside a loop over layers (DCN's cross layers, Wukong's layers, ``nn.Sequential``) dynamo
-    cannot resume after a break, so it skips the whole frame for good: the module then ran
-    eagerly on every step, unfused (DCN at batch 32768 on an H100: 23 ms per step against
-    14 ms for the same model in bf16, ``bench/results/README.md``). Unobserved, the compiled
-    code has no break; the Probe's steps, eager either way, keep their statistics."""
-    sites = tuple(m for m in module.modules() if isinstance(m, Site))
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if module.training and torch.is_grad_enabled() and _samples(sites):
-            return eager(*args, **kwargs)
-        with unobserved():
-            return compiled(*args, **kwargs)
-
-    return forward
 
 
 def _has_hooks(module: nn.Module) -> bool:

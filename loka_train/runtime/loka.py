@@ -7,7 +7,9 @@ One object a user adds to the trainer's callbacks:
   the embedding all-to-all codecs are handed to the sharder.
 * `on_train_start`: sites are registered with the Probe and Dispatch; a checkpointed state
   (probe windows, plans, history) is applied to the sites; the dense-gradient hook is installed.
-* every step: the Probe samples on its schedule (inside the sites, no host sync);
+* every step (`on_step_start`): the Probe's schedule picks the sites it samples
+  (`mods.mark_sampled`), which report inside their forwards (no host sync) and which the loop
+  runs eagerly (`eager_modules`);
 * every Probe interval (`on_step_end`): statistics are all-reduced, verdicts updated, Dispatch
   re-plans (collectively, so every rank applies the same plan at the same step), the comm
   policy moves precisions, metrics are logged and the progress bar shows FP8 coverage;
@@ -28,13 +30,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from loka_train.kernels.dispatch import ROLES, Dispatcher, PlanChange
-from loka_train.mods import convert, sites
+from loka_train.mods import convert, mark_sampled, sites
 from loka_train.probe import Probe
 from loka_train.runtime.callbacks import Callback
 from loka_train.runtime.loka_config import LokaConfig
@@ -55,6 +59,8 @@ class LokaCallback(Callback):
     def __init__(self, config: LokaConfig) -> None:
         self.config = config
         self.sites: dict[str, Any] = {}
+        self._sampled: Collection[nn.Module] = ()
+        """The sites the Probe samples on the current step."""
         self.probe: Probe | None = None
         self.dispatcher: Dispatcher | None = None
         self.comm_state: Any = None
@@ -143,8 +149,14 @@ class LokaCallback(Callback):
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         assert self.probe is not None
         self.probe.begin_step(step)
+        self._sampled = mark_sampled(self.sites.values(), step)
         if self.comm_state is not None:
             self.comm_state.begin_step(step)
+
+    def eager_modules(self, trainer: Trainer, step: int) -> Collection[nn.Module]:
+        """The sites the Probe samples on `step`: their statistics are host work that compiled
+        code and CUDA graph replays would skip."""
+        return self._sampled
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         assert self.probe is not None and self.dispatcher is not None

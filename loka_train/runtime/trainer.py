@@ -43,19 +43,23 @@ from loka_train.data.pinning import PinnedBatches, pin_batch
 from loka_train.data.prefetch import Prefetcher
 from loka_train.data.protocol import CachedBatches
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
-from loka_train.mods import Site
 from loka_train.runtime._paths import set_aside
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
+from loka_train.runtime.compile import (
+    FrameSkips,
+    allow_recompiles,
+    compile_in_place,
+    compile_options,
+)
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.distributed import DistInfo, init_distributed
+from loka_train.runtime.eager import EagerSteps
 from loka_train.runtime.graphs import (
     DENSE_SUBMODULES,
     INNER_SUBMODULES,
     DenseGraphs,
     dense_submodules,
-    dynamo_frame_skips,
-    observing_forward,
 )
 from loka_train.runtime.metrics import MetricsLogger
 
@@ -131,13 +135,13 @@ class Trainer:
         """Every fallback taken during the run (logged and reported)."""
         self.compiled_modules: list[str] = []
         """Dense submodules compiled by ``trainer.compile_dense`` (names without wrappers)."""
-        self.compile_skipped_frames: list[str] = []
-        """Frames of the compiled dense modules that dynamo gave up on during the run and runs
-        eagerly, as ``"function (file line N)"`` (each also a fallback)."""
-        self._frame_skips: dict[str, int] = {}
-        """dynamo's skipped-frame counts at the last reading (see ``_report_frame_skips``)."""
+        self._frame_skips: FrameSkips | None = None
+        """Frames of the compiled dense modules that dynamo gave up on (``compile_skipped_frames``)."""
         self.graphs: DenseGraphs | None = None
         """The CUDA graphs of the dense submodules (``trainer.cuda_graphs``)."""
+        self.eager = EagerSteps()
+        """Which compiled or graphed dense submodules run eagerly on the current step (the
+        callbacks' ``eager_modules``)."""
 
         self.dist: DistInfo = init_distributed(trainer.device)
         self.rank = self.dist.rank
@@ -283,55 +287,25 @@ class Trainer:
         """``trainer.cuda_graphs``: graph the dense submodules, the inner ones sharing their
         outputs unless ``trainer.cuda_graphs_share_outputs=false``."""
         inner = INNER_SUBMODULES if self.cfg.cuda_graphs_share_outputs else ()
-        return DenseGraphs.install(self.model, names=DENSE_SUBMODULES, inner=inner, **kwargs)
+        return DenseGraphs.install(self.model, names=DENSE_SUBMODULES, inner=inner, eager=self.eager, **kwargs)
 
     def _compile_dense(self) -> None:
-        """Compile the dense submodules, after sharding.
-
-        Without CUDA graphs, a module without FP8 sites in place (``nn.Module.compile``), and one
-        with sites through an instance ``forward`` (``graphs.observing_forward``: the Probe's
-        sampled steps run uncompiled, the rest compiled); either way parameter names, the
-        optimizer and checkpoints are unchanged. With ``cuda_graphs``, each module's forward is compiled
-        under the graphs' router instead (the router's bookkeeping stays outside the compiled
-        code, and the captures record the compiled kernels). TorchRec's train pipeline treats
-        modules without a sharded child as FX leaves, so its tracing calls these modules
-        without entering them.
+        """Compile the dense submodules, after sharding (``runtime.compile``): without CUDA graphs
+        in place or behind :func:`~loka_train.runtime.compile.eager_or_compiled`; with
+        ``cuda_graphs``, each module's forward under the graphs' router (the router's
+        bookkeeping stays outside the compiled code, and the captures record the compiled
+        kernels). TorchRec's train pipeline treats modules without a sharded child as FX leaves,
+        so its tracing calls these modules without entering them.
         """
-        self._frame_skips = dynamo_frame_skips()
-        # Static shapes: a train and an eval batch size each get their own graph instead of one
-        # graph with a symbolic batch dim, which dynamo's DDP optimizer could not split (an H100
-        # Wukong run failed with "'int' object has no attribute 'meta'", 2026-11-24) and which
-        # CUDA graphs replay per shape anyway.
-        options: dict[str, Any] = {"backend": self.cfg.compile_backend, "dynamic": False}
-        if self.cfg.compile_backend == "inductor":
-            # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
-            # and skip the rounding: compiled FP8 codes would differ from the eager ones the
-            # Probe measured and the backends are tested against (40 dB apart on an H100).
-            options["options"] = {"emulate_precision_casts": True}
+        self._frame_skips = FrameSkips()
+        options = compile_options(self.cfg.compile_backend)
         if self.cfg.cuda_graphs:
             self.graphs = self._install_graphs(compile=lambda fn: torch.compile(fn, **options))
             self.compiled_modules.extend(self.graphs.names)
         else:
             found = dense_submodules(self.model, DENSE_SUBMODULES, setting="trainer.compile_dense", verb="compile")
-            for name, module in found.items():
-                if any(isinstance(m, Site) for m in module.modules()):
-                    # An instance attribute shadows the class's forward (as under the graphs):
-                    # Probe steps run eagerly, the rest compiled without the sampling check.
-                    module.forward = observing_forward(  # type: ignore[method-assign]
-                        module, torch.compile(module.forward, **options), module.forward
-                    )
-                else:
-                    module.compile(**options)
-                self.compiled_modules.append(name)
-        # Compiled code runs unobserved (no graph break at the sites), but a module's frame
-        # guards on its sites' plans: every plan combination Dispatch installs (and each batch
-        # shape and grad mode) is one more cache entry of that frame. Allow that many.
-        num_sites = sum(isinstance(m, Site) for m in self.model.modules())
-        limit = max(torch._dynamo.config.recompile_limit, 4 * num_sites)
-        if limit != torch._dynamo.config.recompile_limit:
-            logger.info("compile_dense: dynamo recompile_limit %d -> %d (%d FP8 sites)",
-                        torch._dynamo.config.recompile_limit, limit, num_sites)
-            torch._dynamo.config.recompile_limit = limit
+            self.compiled_modules.extend(compile_in_place(found, options=options, eager=self.eager))
+        allow_recompiles(self.model)
         logger.info(
             "compiled %s with torch.compile(backend=%r)%s",
             ", ".join(self.compiled_modules),
@@ -339,21 +313,17 @@ class Trainer:
             " under CUDA graphs" if self.graphs is not None else "",
         )
 
+    @property
+    def compile_skipped_frames(self) -> list[str]:
+        """Frames of the compiled dense modules that dynamo gave up on during the run and runs
+        eagerly, as ``"function (file line N)"`` (each also a fallback)."""
+        return list(self._frame_skips.frames) if self._frame_skips is not None else []
+
     def _report_frame_skips(self) -> None:
         """A frame of the compiled dense modules that dynamo gave up on since they were compiled
         runs eagerly (unfused) for the rest of the run: a fallback, logged and listed."""
-        if not self.compiled_modules:
-            return
-        now = dynamo_frame_skips()
-        for frame, times in now.items():
-            if times > self._frame_skips.get(frame, 0) and frame not in self.compile_skipped_frames:
-                self.compile_skipped_frames.append(frame)
-                line = (f"compile_dense: torch.compile runs {frame} eagerly for the rest of the run "
-                        "(a graph break inside a loop, or too many recompiles; TORCH_LOGS=graph_breaks,recompiles "
-                        "shows which)")
-                self.fallbacks.append(line)
-                logger.warning("%s", line)
-        self._frame_skips = now
+        if self._frame_skips is not None:
+            self._frame_skips.report(self.fallbacks)
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -640,6 +610,7 @@ class Trainer:
                 step = self.step
                 self._set_lrs(step)
                 self.callbacks.call("on_step_start", self, step)
+                self.eager.begin_step(self.callbacks.eager_modules(self, step))
                 # TorchRec pipelines return the model output's second element.
                 with self._autocast():
                     try:
