@@ -199,7 +199,8 @@ class DenseGraphs:
         modules: name -> module to graph (each must take and return tensors).
         warmup_calls: eager calls with a new signature before it is captured (>= 1).
         capture_warmup_iters: forward + backward runs on a side stream before each capture.
-        capture: the capture function (default: :func:`capture_cuda_graphs`); tests pass a
+        capture: the capture function (default: :func:`capture_cuda_graphs`, which needs a
+            CUDA device: on the CPU every capture fails, a logged fallback); tests pass a
             stand-in to check the routing on CPU.
         compile: applied to each module's own forward (e.g. ``torch.compile``): eager calls
             and captures then run the compiled code, and this router stays outside it.
@@ -235,8 +236,6 @@ class DenseGraphs:
                 f"{capture_warmup_iters} >= {1 if compile is not None else 0}"
                 + (" (with compile)" if compile is not None else "")
             )
-        if capture is None and not torch.cuda.is_available():
-            raise ValueError("CUDA graphs need a CUDA device; set trainer.cuda_graphs=false on CPU")
         shared_outputs = set(shared_outputs)
         unknown = shared_outputs - set(modules)
         if unknown:
@@ -665,12 +664,12 @@ class _CudaGraphed:
             ps = [p.detach().requires_grad_() for p in params]
             return ins, ps, [t for t in ins if t.requires_grad] + ps
 
+        stream = torch.cuda.Stream()  # raises without CUDA, before any state changes
+        stream.wait_stream(torch.cuda.current_stream())
         # Autocast's cast cache would keep weight casts made during the capture (stale after
         # the first optimizer step): the graphs cast inside, as the eager forward does.
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(stream):
                 for _ in range(warmup_iters):

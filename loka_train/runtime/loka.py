@@ -100,7 +100,7 @@ class LokaCallback(Callback):
         self.dispatcher = Dispatcher(
             self.config.dispatch,
             device=trainer.device,
-            out_dtype=torch.bfloat16 if trainer.device.type == "cuda" else torch.float32,
+            out_dtype=trainer.dense_dtype,
             graphed=trainer.graphs is not None,
         )
         for name, site in self.sites.items():

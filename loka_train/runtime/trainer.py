@@ -82,6 +82,16 @@ class _FiniteData(Protocol):
         ...
 
 
+def _check_cuda_graphs(cfg: TrainerConfig, device: torch.device) -> None:
+    """``trainer.cuda_graphs`` against the device the run resolved ``trainer.device`` to (the one
+    check of that setting: ``auto`` resolves to the CPU on a machine without CUDA)."""
+    if cfg.cuda_graphs and device.type != "cuda":
+        raise ValueError(
+            f"trainer.cuda_graphs=true needs a CUDA device, this run is on {device}: "
+            "set trainer.cuda_graphs=false"
+        )
+
+
 class _StepHook:
     """Optimizer facade for the train pipelines: runs `on_after_backward` before stepping.
 
@@ -147,11 +157,10 @@ class Trainer:
         self.rank = self.dist.rank
         self.world_size = self.dist.world_size
         self.device = self.dist.device
-        if trainer.cuda_graphs and self.device.type != "cuda":
-            raise ValueError(
-                f"trainer.cuda_graphs=true needs a CUDA device, this run is on {self.device}: "
-                "set trainer.cuda_graphs=false"
-            )
+        _check_cuda_graphs(trainer, self.device)
+        self.dense_dtype = torch.bfloat16 if trainer.dense_dtype == "bf16" else torch.float32
+        """The dtype the dense towers compute in (``trainer.dense_dtype``): bf16 autocast around
+        forward and backward, or fp32. Callbacks read it (`LoopState.dense_dtype`)."""
         if trainer.pin_memory and self.device.type != "cuda":
             raise ValueError(
                 f"trainer.pin_memory=true needs a CUDA device, this run is on {self.device}: "
@@ -533,9 +542,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- train
     def _autocast(self) -> torch.autocast:
-        """bf16 autocast when ``trainer.dense_dtype="bf16"``, else a disabled one."""
+        """bf16 autocast when the dense dtype is bf16, else a disabled one."""
         return torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dense_dtype == "bf16"
+            self.device.type, dtype=torch.bfloat16, enabled=self.dense_dtype == torch.bfloat16
         )
 
     def _set_lrs(self, step: int) -> None:

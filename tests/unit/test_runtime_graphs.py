@@ -218,11 +218,28 @@ def test_install_finds_the_dense_submodules_and_refuses_models_without_them() ->
         DenseGraphs.install(nn.Sequential(nn.Linear(2, 2)), capture=lambda *a, **kw: FakeGraphed(*a, [], **kw))
 
 
-def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
+def test_cpu_without_a_capture_function_falls_back_to_eager_and_reports_it() -> None:
+    """``trainer.cuda_graphs`` is refused on a CPU run by the Trainer (one check, against the
+    resolved device); the graphs themselves, built on the CPU, fail each capture: a logged
+    fallback, and the module runs eagerly."""
     if torch.cuda.is_available():
-        pytest.skip("checks the CPU-only refusal")
-    with pytest.raises(ValueError, match="trainer.cuda_graphs=false"):
-        DenseGraphs({"tower": Tower()})
+        pytest.skip("checks the CPU-only fallback")
+    tower = Tower()
+    graphs = DenseGraphs({"tower": tower}, warmup_calls=1)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close([tower(x) for _ in range(3)][-1], Tower.forward(tower, x), rtol=0, atol=0)
+    assert graphs.stats()["eager"] == {"warmup": 1, "capture_failed": 2}
+    assert len(graphs.fallbacks) == 1 and "capture failed" in graphs.fallbacks[0]
+    assert torch.is_autocast_cache_enabled()
+
+
+def test_the_trainer_refuses_cuda_graphs_on_a_cpu_device() -> None:
+    from loka_train.runtime.trainer import _check_cuda_graphs
+
+    with pytest.raises(ValueError, match="this run is on cpu: set trainer.cuda_graphs=false"):
+        _check_cuda_graphs(TrainerConfig(cuda_graphs=True, device="cpu"), torch.device("cpu"))
+    _check_cuda_graphs(TrainerConfig(cuda_graphs=True, device="auto"), torch.device("cuda", 0))
+    _check_cuda_graphs(TrainerConfig(cuda_graphs=False, device="cpu"), torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
@@ -230,7 +247,6 @@ def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
     [
         ({"cuda_graphs": "yes"}, "must be a bool"),
         ({"cuda_graphs_share_outputs": "no"}, "trainer.cuda_graphs_share_outputs must be a bool"),
-        ({"cuda_graphs": True, "device": "cpu"}, "needs trainer.device=cuda"),
     ],
 )
 def test_trainer_config_refuses_impossible_graph_settings(kwargs: dict, match: str) -> None:
