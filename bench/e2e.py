@@ -463,7 +463,7 @@ class Composer:
         from hydra import compose
         from omegaconf import OmegaConf
 
-        from loka_train.runtime.job import JobConfig
+        from loka_train.job import JobConfig
 
         job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
         assert isinstance(job, JobConfig)
@@ -1051,7 +1051,7 @@ def run_one(
     """Decision run (LoKA), then the timed run; every figure of one (config, batch, variant),
     with ``trainer.seed=seed`` in both. With `warm_start` (a base run's out_dir, ``--ne-from``)
     the timed run resumes its checkpoint instead of starting from fresh weights."""
-    from loka_train.runtime.loka import LokaCallback
+    from loka_train.plugin.callback import LokaCallback
     from loka_train.runtime.trainer import Trainer
 
     rec: dict[str, Any] = {

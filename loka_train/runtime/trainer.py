@@ -719,30 +719,3 @@ class Trainer:
         """Destroy the process group if this Trainer created it."""
         if self.dist.owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """A short human-readable table of a run summary."""
-    rows = [
-        ("steps", f"{summary['steps']}"),
-        ("ranks x batch", f"{summary['world_size']} x {summary['global_batch'] // summary['world_size']}"),
-        ("steps/s", f"{summary['train/steps_per_s']:.2f}"),
-        ("train loss", f"{summary['train/loss']:.4f}"),
-    ]
-    if "eval/ne" in summary:
-        rows += [("eval NE", f"{summary['eval/ne']:.4f}"), ("eval AUC", f"{summary['eval/auc']:.4f}")]
-    rows.append(("fallbacks", str(len(summary["fallbacks"]))))
-    if summary.get("compiled"):
-        rows.append(("compiled", ", ".join(summary["compiled"])))
-    if "cuda_graphs" in summary:
-        graphs = summary["cuda_graphs"]
-        eager = ", ".join(f"{reason} {n}" for reason, n in graphs["eager"].items()) or "none"
-        rows.append(("CUDA graphs", f"{graphs['replays']} replays, {graphs['captures']} captures; "
-                                    f"eager calls: {eager}"))
-    if "loka/fp8_coverage" in summary:
-        rows.append(("LoKA FP8", f"{summary['loka/fp8_coverage']:.0%} of GEMMs, "
-                                 f"{summary['loka/plan_changes']} plan changes"))
-    if "loka/report" in summary:
-        rows.append(("LoKA report", str(summary["loka/report"])))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -18,7 +18,7 @@ import pytest
 
 from loka_train.mods import sites
 from loka_train.runtime.compile import dynamo_frame_skips
-from loka_train.runtime.loka import LokaCallback
+from loka_train.plugin.callback import LokaCallback
 from loka_train.runtime.trainer import Trainer
 from tests.dist._loka import preset
 from tests.dist._multiprocess import run_multiprocess

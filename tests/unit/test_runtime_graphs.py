@@ -752,7 +752,7 @@ def test_an_observing_site_in_a_layer_loop_no_longer_leaves_the_module_uncompile
 
 
 def test_the_run_summary_table_shows_compiled_modules_and_graph_counts() -> None:
-    from loka_train.runtime.trainer import format_summary
+    from loka_train.runtime.summary import format_summary
 
     summary = {
         "steps": 10, "world_size": 1, "global_batch": 8, "train/steps_per_s": 2.0, "train/loss": 0.5,
