@@ -20,7 +20,8 @@ from loka_train.mods import Fp8Linear, mark_sampled
 from loka_train.probe import Probe, ProbeConfig
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.eager import EagerSteps
-from loka_train.runtime.graphs import DenseGraphs, _flatten_output
+from loka_train.runtime.graph_capture import flatten_output
+from loka_train.runtime.graphs import DenseGraphs
 from tests.cpu_graphs import CpuGraphs
 
 FP8_PLAN = LinearPlan.fp8(backend="emulated")
@@ -45,7 +46,7 @@ class FakeGraphed:
                  chained: tuple[bool, ...] = ()) -> None:
         self.run, self.log, self.params, self.module = run, log, params, module
         self.shared_buffers: tuple[Tensor, ...] = ()
-        self.out_spec = _flatten_output(run(params, *inputs))[1]
+        self.out_spec = flatten_output(run(params, *inputs))[1]
         self.released = False
         self.state = _state(self._params(), inputs)
         self.plans = self._plans()
@@ -64,7 +65,7 @@ class FakeGraphed:
         assert _state(self._params(), flat_inputs) == self.state, "replayed a capture whose state changed"
         assert self._plans() == self.plans, "replayed a capture taken under another plan"
         self.log.append(("replay",))
-        return _flatten_output(self.run(self.params, *flat_inputs))[0]
+        return flatten_output(self.run(self.params, *flat_inputs))[0]
 
     def release(self) -> None:
         self.released = True
@@ -300,7 +301,7 @@ def test_remove_restores_an_instance_forward_set_before_install() -> None:
 
 
 def test_replayed_gradients_accumulate_like_eager_ones() -> None:
-    from loka_train.runtime.graphs import _Replay
+    from loka_train.runtime.graph_capture import _Replay
 
     w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     graphs = CpuGraphs(w)
@@ -317,7 +318,7 @@ def test_replayed_gradients_accumulate_like_eager_ones() -> None:
 
 
 def test_shared_outputs_and_inner_input_gradients_are_the_static_buffers() -> None:
-    from loka_train.runtime.graphs import _Replay
+    from loka_train.runtime.graph_capture import _Replay
 
     w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     dy = torch.tensor([1.0, -2.0, 0.5])
@@ -352,7 +353,7 @@ def test_shared_outputs_and_inner_input_gradients_are_the_static_buffers() -> No
 
 
 def test_a_shared_output_changed_in_place_is_refused_in_the_backward() -> None:
-    from loka_train.runtime.graphs import _Replay
+    from loka_train.runtime.graph_capture import _Replay
 
     w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     (y,) = _Replay.apply(CpuGraphs(w, shared_outputs=True), torch.ones(3, requires_grad=True), w)
@@ -370,7 +371,7 @@ class SharingFake:
     def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list,
                  name: str, *, shared_outputs: bool = False, chained: tuple[bool, ...] = ()) -> None:
         self.run, self.params, self.shared = run, params, shared_outputs
-        outs, self.out_spec = _flatten_output(run(params, *inputs))
+        outs, self.out_spec = flatten_output(run(params, *inputs))
         self.buffers = [o.detach().clone() for o in outs]
         self.shared_buffers = tuple(self.buffers) if shared_outputs else ()
         self.static_inputs = [t.detach() if c else t.detach().clone() for t, c in zip(inputs, chained, strict=True)]
@@ -381,7 +382,7 @@ class SharingFake:
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         with torch.no_grad():
-            for buffer, out in zip(self.buffers, _flatten_output(self.run(self.params, *self.static_inputs))[0]):
+            for buffer, out in zip(self.buffers, flatten_output(self.run(self.params, *self.static_inputs))[0]):
                 buffer.copy_(out)
         # Like a replay's outputs: tensors that require grad (aliases of the buffers if shared).
         return [(b.detach() if self.shared else b.clone()).requires_grad_() for b in self.buffers]
@@ -465,7 +466,7 @@ def test_install_shares_the_outputs_of_the_inner_dense_parts_only() -> None:
 
 
 def test_a_second_forward_before_the_backward_raises() -> None:
-    from loka_train.runtime.graphs import _Replay
+    from loka_train.runtime.graph_capture import _Replay
 
     w = nn.Parameter(torch.ones(3))
     graphs = CpuGraphs(w)
