@@ -235,12 +235,12 @@ def test_cpu_without_a_capture_function_falls_back_to_eager_and_reports_it() -> 
 
 
 def test_the_trainer_refuses_cuda_graphs_on_a_cpu_device() -> None:
-    from loka_train.runtime.trainer import _check_cuda_graphs
+    from loka_train.runtime.preflight import check_cuda_graphs
 
     with pytest.raises(ValueError, match="this run is on cpu: set trainer.cuda_graphs=false"):
-        _check_cuda_graphs(TrainerConfig(cuda_graphs=True, device="cpu"), torch.device("cpu"))
-    _check_cuda_graphs(TrainerConfig(cuda_graphs=True, device="auto"), torch.device("cuda", 0))
-    _check_cuda_graphs(TrainerConfig(cuda_graphs=False, device="cpu"), torch.device("cpu"))
+        check_cuda_graphs(TrainerConfig(cuda_graphs=True, device="cpu"), torch.device("cpu"))
+    check_cuda_graphs(TrainerConfig(cuda_graphs=True, device="auto"), torch.device("cuda", 0))
+    check_cuda_graphs(TrainerConfig(cuda_graphs=False, device="cpu"), torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
