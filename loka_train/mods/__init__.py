@@ -3,7 +3,9 @@
 Modules:
     config: ``ModsConfig`` (which site families, which adaptations, the initial plan).
     site: ``Site`` (the base of every converted module: plan, observer, GEMM shapes),
-        ``Fp8Linear``, ``GemmSite``, ``FusedLinearSite`` (horizontal fusion), ``BmmSite``.
+        ``Fp8Linear``, ``GemmSite``, ``FusedLinearSite`` (horizontal fusion), ``mark_sampled``.
+    bmm_site: ``BmmSite`` (a batched GEMM of two activations).
+    planned: ``planned_linear``, ``planned_bmm`` (the GEMMs as a plan says, FP8 dims padded).
     interaction: ``DotInteraction`` (DLRM dot ``bmm``), ``CrossNet`` (DCN low-rank cross net
         with per-layer ``V``/``W`` sites and the fused epilogue).
     wukong: ``Fp8FMBlock``, ``Fp8WukongLayer`` (FM block, LCB, residual; horizontal fusion).
@@ -24,19 +26,18 @@ Example:
     ...     print(name, site.plan)
 """
 
+from loka_train.mods.bmm_site import BmmSite
 from loka_train.mods.config import INITIAL_PLANS, SITE_FAMILIES, ModsConfig
 from loka_train.mods.convert import ConvertReport, convert, sites
 from loka_train.mods.interaction import CrossNet, DotInteraction
+from loka_train.mods.planned import planned_bmm, planned_linear
 from loka_train.mods.site import (
     ROLES,
-    BmmSite,
     Fp8Linear,
     FusedLinearSite,
     GemmSite,
     Site,
     mark_sampled,
-    planned_bmm,
-    planned_linear,
 )
 from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
 
