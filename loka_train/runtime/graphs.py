@@ -36,8 +36,8 @@ changed) the module is captured again.
 
 Replays compute exactly what the eager module computes with the same kernels (with
 ``compile``, what the variant compiled for the capture computes, which may round apart from the
-compiled code of eager calls). The inputs are copied into the graph's static buffers, except an input that is
-a graphed producer's shared output buffer (below). Outputs are returned as copies of the static
+compiled code of eager calls). The inputs are copied into the graph's static buffers, except an
+input that is a graphed producer's shared output buffer (below). Outputs are returned as copies of the static
 buffers, except for modules in ``shared_outputs`` (``install``: the bottom MLP and the
 interaction, whose outputs only the model's next submodule reads), whose replays return the
 buffers themselves. Gradients of parameters, and of inputs whose gradient may reach a leaf's
@@ -57,7 +57,10 @@ the DLRM family: no BatchNorm or dropout).
 
 Example:
     >>> graphs = DenseGraphs.install(model)          # after sharding, on a CUDA device
-    >>> ...                                          # train as usual
+    >>> for step in range(steps):
+    ...     callbacks.call("on_step_start", trainer, step)
+    ...     graphs.eager.begin_step(callbacks.eager_modules(trainer, step))
+    ...     ...                                      # forward, backward, optimizer step
     >>> graphs.stats()["replays"], graphs.fallbacks
 """
 
