@@ -33,9 +33,10 @@ def job(out: str, precision: str, steps: int, batch: int, tables: int, dim: int,
     from loka_train.dispatch import DispatchConfig
     from loka_train.models import ModelConfig
     from loka_train.mods.config import ModsConfig
+    from loka_train.plugin.callback import LokaCallback
+    from loka_train.plugin.config import LokaConfig
     from loka_train.probe import ProbeConfig
-    from loka_train.runtime import LokaConfig, TrainerConfig
-    from loka_train.runtime.loka import LokaCallback
+    from loka_train.runtime import TrainerConfig
     from loka_train.runtime.trainer import Trainer
 
     p = CommPrecision(precision)

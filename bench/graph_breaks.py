@@ -30,7 +30,7 @@ def _train(rank: int, world_size: int, out: str, model: str, plan: str) -> list[
     from torch._dynamo import list_backends, register_backend
     from torch._dynamo.backends.common import aot_autograd
 
-    from loka_train.runtime.loka import LokaCallback
+    from loka_train.plugin.callback import LokaCallback
     from loka_train.runtime.trainer import Trainer
     from tests.dist._loka import preset
     from tests.dist._tiny import tiny_data, tiny_model, tiny_trainer

@@ -4,7 +4,7 @@ Small shapes (default 32 x 64 -> 64) so that the kernels cost next to nothing an
 the Python and launch overhead that a launch-bound DLRM step pays per site. Measured: forward
 under ``no_grad`` and forward + backward, median of repeated timed loops, for ``nn.Linear``,
 the site in high precision and the site with each FP8 plan the device runs; and the cost of
-a ``record_function`` range with no profiler running (why ``kernels.profiling.profiled``).
+a ``record_function`` range with no profiler running (why ``utils.profiling.profiled``).
 
 Usage:
     python -m bench.site_overhead                 # CPU or the current CUDA device

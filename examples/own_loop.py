@@ -6,7 +6,9 @@ Run on CPU with 2 processes:
 The LoKA callback needs five calls: `on_before_shard` (convert the dense GEMMs, maybe set
 comm codecs), `on_train_start` (after DistributedModelParallel), `on_step_start` /
 `on_step_end` around each step, and `on_train_end` for the report. `on_after_backward` is
-not needed by LoKA. Its state goes into your checkpoint with `state_dict()`.
+not needed by LoKA. Its state goes into your checkpoint with `state_dict()`. A loop that
+compiles or CUDA-graphs its dense modules must also run the modules that
+`eager_modules(ctx, step)` names (after `on_step_start`) eagerly: the sites the Probe samples.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from loka_train.data import DataConfig, make_dataset
 from loka_train.models import ModelConfig, build_model
-from loka_train.runtime import LokaConfig, RunContext
-from loka_train.runtime.loka import LokaCallback
+from loka_train.plugin.callback import LokaCallback
+from loka_train.plugin.config import LokaConfig
+from loka_train.runtime import RunContext
 
 
 def main(steps: int = 60, out_dir: str = "runs/own_loop") -> dict[str, float]:

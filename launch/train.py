@@ -16,8 +16,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from loka_train.job import JobConfig, run_job
 from loka_train.runtime.checkpoint import CheckpointError
-from loka_train.runtime.job import JobConfig, run_job
 
 ConfigStore.instance().store(name="job_schema", node=JobConfig)
 

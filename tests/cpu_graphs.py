@@ -1,4 +1,4 @@
-"""A CPU stand-in for ``runtime.graphs._CudaGraphed``: the static-buffer protocol of
+"""A CPU stand-in for ``runtime.graph_capture._CudaGraphed``: the static-buffer protocol of
 ``_Replay`` with "graphs" that compute ``y = x * w`` (unit and 2-rank DDP tests)."""
 
 from __future__ import annotations

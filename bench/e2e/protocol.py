@@ -241,7 +241,7 @@ def run_one(
     """Decision run (LoKA), then the timed run; every figure of one (config, batch, variant),
     with ``trainer.seed=seed`` in both. With `warm_start` (a base run's out_dir, ``--ne-from``)
     the timed run resumes its checkpoint instead of starting from fresh weights."""
-    from loka_train.runtime.loka import LokaCallback
+    from loka_train.plugin.callback import LokaCallback
     from loka_train.runtime.trainer import Trainer
 
     rec: dict[str, Any] = {

@@ -232,7 +232,7 @@ class Composer:
         from hydra import compose
         from omegaconf import OmegaConf
 
-        from loka_train.runtime.job import JobConfig
+        from loka_train.job import JobConfig
 
         job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
         assert isinstance(job, JobConfig)

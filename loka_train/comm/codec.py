@@ -34,7 +34,7 @@ from torchrec.distributed.types import CommOp, QuantizedCommCodecs
 from loka_train.comm.config import CommChannel, CommPrecision
 from loka_train.comm.formats import WireFormat, native_dtype
 from loka_train.comm.state import CommState
-from loka_train.kernels.profiling import profiled
+from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from loka_train.comm.config import CommChannel, CommPrecision
 from loka_train.comm.state import CommState
-from loka_train.kernels.profiling import profiled
+from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
 

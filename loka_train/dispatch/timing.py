@@ -31,9 +31,9 @@ from torch import Tensor
 
 from loka_train.dispatch.planning import GRAD_WEIGHT_OUT_DTYPE, Shape, gemm_problem, padded
 from loka_train.kernels import linear as kernels_linear
-from loka_train.kernels.capture import reset_capture_state
 from loka_train.kernels.plan import GemmPlan
 from loka_train.kernels.registry import get_backend
+from loka_train.utils.capture import reset_capture_state
 
 logger = logging.getLogger(__name__)
 

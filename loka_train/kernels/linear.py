@@ -41,8 +41,8 @@ from loka_train.kernels.backends import TRITON_INSTALLED
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, quantize
 from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.plan import GemmPlan, LinearPlan
-from loka_train.kernels.profiling import profiled
 from loka_train.kernels.registry import get_backend
+from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
 

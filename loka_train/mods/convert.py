@@ -49,14 +49,13 @@ from loka_train.mods.config import ModsConfig
 from loka_train.mods.interaction import CrossNet, DotInteraction
 from loka_train.mods.site import Fp8Linear, Site
 from loka_train.mods.wukong import Fp8WukongLayer
+from loka_train.utils.names import strip_wrapper_prefixes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConvertReport", "convert", "sites", "strip_wrapper_prefixes"]
+__all__ = ["ConvertReport", "convert", "sites"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
-
-_WRAPPER_PREFIXES = ("_dmp_wrapped_module.", "module.")
 
 
 @dataclass
@@ -69,18 +68,6 @@ class ConvertReport:
     """Module fqn -> why it was left alone."""
     fallbacks: list[str] = field(default_factory=list)
     """Sites that could not take the initial plan and start in high precision, with why."""
-
-
-def strip_wrapper_prefixes(fqn: str) -> str:
-    """``fqn`` without leading ``_dmp_wrapped_module.`` / ``module.`` (DMP / DDP wrappers)."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if fqn.startswith(prefix):
-                fqn = fqn[len(prefix) :]
-                changed = True
-    return fqn
 
 
 def _is_embedding(module: nn.Module) -> bool:

@@ -1,7 +1,7 @@
 """The DLRM dot interaction and the DCN low-rank cross network, with their GEMMs as sites.
 
 * :class:`DotInteraction` replaces TorchRec's ``InteractionArch``: the batched ``E E^T`` of the
-  combined embeddings is a :class:`~loka_train.mods.site.BmmSite` (child ``bmm``).
+  combined embeddings is a :class:`~loka_train.mods.bmm_site.BmmSite` (child ``bmm``).
 * :class:`CrossNet` replaces TorchRec's ``LowRankCrossNet``, which computes its layers with
   ``F.linear`` on ``ParameterList`` entries (no module swap reaches them). It keeps the same
   ``W_kernels`` / ``V_kernels`` / ``bias`` ParameterLists (state dict unchanged) and makes each
@@ -43,8 +43,9 @@ from torchrec.models.dlrm import InteractionArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
 from loka_train.kernels.plan import LinearPlan
-from loka_train.kernels.profiling import profiled
-from loka_train.mods.site import BmmSite, GemmSite
+from loka_train.mods.bmm_site import BmmSite
+from loka_train.mods.site import GemmSite
+from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
 

@@ -7,19 +7,24 @@ grad-weight. Every site is an :class:`nn.Module` deriving from :class:`Site` and
   ``DistributedModelParallel`` do not change it; :func:`loka_train.mods.sites` finds it);
 * ``plan``: a :class:`~loka_train.kernels.plan.LinearPlan`, one ``GemmPlan`` per role, that
   Dispatch replaces between steps with :meth:`Site.set_plan` (validated, nothing reallocated);
-* ``observer``: an optional :class:`~loka_train.probe.Probe`. When set, the forward is a
-  training one (module in training mode, autograd on: evaluation forwards never take window
-  slots) and ``observer.should_sample(observer.step, site_name)`` holds, the site reports its GEMM
-  operands as ``observer.observe(site_name, role, a, b)`` for all three roles, the gradient
-  roles from a hook on the output's gradient, in the Probe's operand convention:
+* ``observer``: an optional :class:`~loka_train.probe.Probe`, and ``sampling``: whether the
+  observer samples the site on the current step, set at every step start by
+  :func:`mark_sampled` (the one place that asks the observer). On a sampled step a training
+  forward (module in training mode, autograd on: evaluation forwards never take window slots)
+  reports its GEMM operands as ``observer.observe(site_name, role, a, b)`` for all three roles,
+  the gradient roles from a hook on the output's gradient, in the Probe's operand convention:
   ``forward (x_MK, w_NK)``, ``grad_input (dy_MN, w_NK)``, ``grad_weight (dy_MN, x_MK)``.
   Operands are the logical (unpadded) ones.
 
-Registering sites with a Probe (what the LoKA callback does)::
+Registering sites with a Probe, and sampling them (what the LoKA callback does)::
 
     for name, site in mods.sites(model).items():
         probe.register_site(name, **site.probe_spec())
         site.attach_observer(probe)
+    for step in ...:
+        probe.begin_step(step)
+        sampled = mods.mark_sampled(mods.sites(model).values(), step)  # run these eagerly
+        ...  # forward, backward
 
 ``probe_spec()`` returns the keyword arguments of ``Probe.register_site`` (``weight_shape``:
 the ``(N, K)`` of the weight the forward and grad-input GEMMs see, or None for batched sites
@@ -30,7 +35,7 @@ Kinds of sites (``Site.kind``):
 * ``"linear"`` (:class:`GemmSite` and its subclasses): ``y = x W^T (+ b)``; every backend that
   supports the problem can run its FP8 GEMMs. All-HIGH plans call ``F.linear`` itself, so a
   high-precision site is bit-identical to the module it replaced.
-* ``"bmm"`` (:class:`BmmSite`): a batched GEMM ``torch.bmm(a, b)`` of two activations (DLRM dot
+* ``"bmm"`` (:class:`~loka_train.mods.bmm_site.BmmSite`): a batched GEMM ``torch.bmm(a, b)`` of two activations (DLRM dot
   interaction, Wukong FM). FP8 runs only on the ``emulated`` backend (no registered backend
   has a batched FP8 GEMM); :meth:`Site.supports_plan` says so and ``set_plan`` refuses others.
 
@@ -40,15 +45,8 @@ GEMM shapes (:meth:`Site.gemm_shapes`) use the backends' ``a @ b^T`` convention,
 ``(M, K) x (K, N)``. ``M`` is 0 until the first forward. For batched sites ``M`` counts the rows
 of all batches together (``B * rows``) while ``K`` and ``N`` are per batch.
 
-Padding (``pad_to_multiple > 1``): when a backend of an FP8 plan refuses the unpadded shape
-(``torch._scaled_mm`` on CUDA needs ``K`` and ``N`` divisible by 16), the GEMM dims ``K``, ``N``
-and, when the grad-weight GEMM (which contracts over ``M``) is FP8, ``M`` are zero-padded to the
-multiple at call time (``F.pad`` of the input, weight and bias: one copy of each per step) and
-the output is sliced back. Backends that take ragged shapes (``emulated``, ``triton``) run
-unpadded; the answer is cached per (plan, shape). Zero rows and columns change neither the
-amax of any scaling group nor any dot product, so the result equals the unpadded FP8 GEMM up
-to fp32 summation order (bit-equal when the arithmetic is exact, see the tests).
-High-precision GEMMs are never padded.
+Padding (``pad_to_multiple > 1``): FP8 GEMM dims that a backend refuses are zero-padded at call
+time (:mod:`loka_train.mods.planned`); high-precision GEMMs are never padded.
 
 Shape legend: ``B`` batches, ``M`` rows, ``K`` contraction (in features), ``N`` out features.
 
@@ -63,24 +61,19 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loka_train.kernels import opaque
-from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
-from loka_train.kernels.gemm import GemmProblem
-from loka_train.kernels.linear import _compute_dtype, fp8_linear, inductor_quantizes
-from loka_train.kernels.plan import GemmPlan, LinearPlan
-from loka_train.kernels.profiling import profiled
+from loka_train.kernels.linear import _compute_dtype, inductor_quantizes
+from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.registry import get_backend
+from loka_train.mods.planned import any_fp8, fp8_padding, gemm_plans, planned_linear
 
 if TYPE_CHECKING:
     from loka_train.probe.probe import Probe
@@ -88,245 +81,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "OBSERVED_BATCHES",
     "Site",
     "GemmSite",
     "Fp8Linear",
     "FusedLinearSite",
-    "BmmSite",
-    "planned_linear",
-    "planned_bmm",
-    "unobserved",
+    "mark_sampled",
 ]
-
-OBSERVED_BATCHES = 8
-"""Batches of a batched (bmm) site that are reported to the observer on a sampled step."""
-
-
-_OBSERVING = True
-"""False inside :func:`unobserved`. A plain module global: dynamo guards on its value, so the
-code compiled for an unobserved call has no graph break at the sites' sampling check."""
-
-
-@contextlib.contextmanager
-def unobserved() -> Iterator[None]:
-    """No site consults its observer inside this context (no Probe sampling check, no report).
-
-    For callers that know no site samples in the calls it covers: ``runtime.graphs`` captures
-    a module only for steps on which none of its sites samples, and its captures run in this
-    context, so that under ``torch.compile`` the captured code is one fused graph per module
-    instead of a graph break at every site.
-
-    The flag is process-wide, not per thread: forwards run on the main thread (autograd's
-    backward threads and the data prefetch thread never read it).
-    """
-    global _OBSERVING
-    before, _OBSERVING = _OBSERVING, False
-    try:
-        yield
-    finally:
-        _OBSERVING = before
-
-
-def _any_fp8(plan: LinearPlan) -> bool:
-    return plan.forward.is_fp8 or plan.grad_input.is_fp8 or plan.grad_weight.is_fp8
-
-
-def _gemm_plans(plan: LinearPlan) -> dict[str, GemmPlan]:
-    return {"forward": plan.forward, "grad_input": plan.grad_input, "grad_weight": plan.grad_weight}
-
-
-# --------------------------------------------------------------------------------- linear
-
-
-def _pad_to(n: int, multiple: int) -> int:
-    return (-n) % multiple if multiple > 1 else 0
-
-
-def _role_problem(role: str, gp: GemmPlan, m: int, k: int, n: int, device_type: str, cdtype: torch.dtype) -> GemmProblem:
-    """The backend problem of one role of a ``(M, K) x (K, N)`` linear layer."""
-    dims = {"forward": (m, k, n), "grad_input": (m, n, k), "grad_weight": (n, m, k)}[role]
-    out_dtype = torch.float32 if role == "grad_weight" else cdtype
-    return GemmProblem(
-        m=dims[0], k=dims[1], n=dims[2], fmt=gp.fmt, fmt_b=gp.operand_b_fmt, scaling=gp.scaling,
-        device_type=device_type, out_dtype=out_dtype, role=role, fast_accum=gp.fast_accum,
-    )
-
-
-def _backends_accept(plan: LinearPlan, m: int, k: int, n: int, device_type: str, cdtype: torch.dtype) -> bool:
-    for role, gp in _gemm_plans(plan).items():
-        if gp.is_fp8 and not get_backend(gp.backend).supports(
-            _role_problem(role, gp, m, k, n, device_type, cdtype)
-        )[0]:
-            return False
-    return True
-
-
-def _padding(
-    plan: LinearPlan, m: int, k: int, n: int, multiple: int, device_type: str, cdtype: torch.dtype,
-    n_only: bool,
-) -> tuple[int, int, int] | None:
-    """:func:`_padding_for`, cached; keyed also by the backend objects (not only their names),
-    so a backend registered anew under the same name is asked again."""
-    backends = tuple(get_backend(gp.backend) for gp in _gemm_plans(plan).values() if gp.is_fp8)
-    return _padding_for(plan, backends, m, k, n, multiple, device_type, cdtype, n_only)
-
-
-@functools.lru_cache(maxsize=4096)
-def _padding_for(
-    plan: LinearPlan, backends: tuple[object, ...], m: int, k: int, n: int, multiple: int,
-    device_type: str, cdtype: torch.dtype, n_only: bool,
-) -> tuple[int, int, int] | None:
-    """Zero rows/cols ``(pad_m, pad_k, pad_n)`` the plan's FP8 backends need: ``(0, 0, 0)`` when
-    they take the shape as it is, None when padding (only ``N`` with ``n_only``) does not help."""
-    if multiple <= 1 or _backends_accept(plan, m, k, n, device_type, cdtype):
-        return (0, 0, 0)
-    pad_m = _pad_to(m, multiple) if plan.grad_weight.is_fp8 and not n_only else 0
-    pad_k = 0 if n_only else _pad_to(k, multiple)
-    pad = (pad_m, pad_k, _pad_to(n, multiple))
-    if pad != (0, 0, 0) and _backends_accept(plan, m + pad[0], k + pad[1], n + pad[2], device_type, cdtype):
-        return pad
-    return None
-
-
-def planned_linear(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    plan: LinearPlan,
-    *,
-    pad_to_multiple: int = 1,
-    compiled_quantizer: str = "custom",
-) -> Tensor:
-    """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded where needed.
-
-    An all-HIGH plan calls ``F.linear`` (bit-identical to ``nn.Linear``, also in its
-    gradients); otherwise :func:`loka_train.kernels.fp8_linear` runs, on zero-padded operands
-    when ``pad_to_multiple > 1`` and a backend of the plan refuses the unpadded shape (see the
-    module docstring).
-
-    Args:
-        x: ``(..., K)``.
-        weight: ``(N, K)``.
-        bias: ``(N,)`` or None (added in high precision).
-        plan: per-GEMM plans.
-        pad_to_multiple: pad multiple for FP8 GEMMs (1: no padding).
-        compiled_quantizer: what quantizes under ``torch.compile`` (``mods.compiled_quantizer``).
-
-    Returns:
-        ``(..., N)``.
-    """
-    if not _any_fp8(plan):
-        return F.linear(x, weight, bias)
-    n, k = weight.shape
-    x_MK = x.reshape(-1, k)
-    m = x_MK.shape[0]
-    pad = _padding(plan, m, k, n, pad_to_multiple, x.device.type, _compute_dtype(x), False)
-    if pad is None or pad == (0, 0, 0):
-        # None: padding cannot help; fp8_linear raises with the backend's reason.
-        return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer)
-    pad_m, pad_k, pad_n = pad
-    with profiled("loka/mods/pad"):
-        xp = F.pad(x_MK, (0, pad_k, 0, pad_m))
-        wp = F.pad(weight, (0, pad_k, 0, pad_n))
-        bp = None if bias is None else F.pad(bias, (0, pad_n))
-    y_MN = fp8_linear(xp, wp, bp, plan, compiled_quantizer=compiled_quantizer)[:m, :n]
-    return y_MN.reshape(*x.shape[:-1], n)
-
-
-# ------------------------------------------------------------------------------------ bmm
-
-
-def _fp8_bmm(a_BMK: Tensor, b_BNK: Tensor, plan: GemmPlan, axes: tuple[int, int]) -> Tensor:
-    """``a @ b^T`` per batch with both operands quantized along ``axes`` (emulated backend)."""
-    qa = quantize(a_BMK, plan.fmt, plan.scaling, axis=axes[0])
-    qb = quantize(b_BNK, plan.operand_b_fmt, plan.scaling, axis=axes[1])
-    return torch.bmm(dequantize(qa), dequantize(qb).transpose(1, 2))
-
-
-class _PlannedBmmFn(torch.autograd.Function):
-    """``torch.bmm(a, bt)`` whose three GEMMs follow a LinearPlan (roles as for a linear layer
-    with ``x = a`` and ``W = bt^T`` per batch)."""
-
-    @staticmethod
-    def forward(ctx, a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan) -> Tensor:
-        dev = a_BMK.device.type
-        cdtype = _compute_dtype(a_BMK)
-        with torch.autocast(dev, enabled=False):
-            a = a_BMK.to(cdtype)
-            bt = bt_BKN.to(cdtype)
-            if plan.forward.is_fp8:
-                # Both operands along K: a is (B, M, K), b = bt^T is (B, N, K).
-                y = _fp8_bmm(a, bt.transpose(1, 2), plan.forward, (-1, -1)).to(cdtype)
-            else:
-                y = torch.bmm(a, bt)
-        ctx.save_for_backward(a, bt)
-        ctx.plan = plan
-        ctx.dtypes = (a_BMK.dtype, bt_BKN.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor):
-        a, bt = ctx.saved_tensors
-        plan: LinearPlan = ctx.plan
-        need_a, need_b = ctx.needs_input_grad[:2]
-        grad_a = grad_bt = None
-        with torch.autocast(grad_y.device.type, enabled=False):
-            g_BMN = grad_y.to(a.dtype)
-            if need_a:
-                # dA = dY @ b: contraction over N (dY along its last dim, b = bt^T along dim 1).
-                if plan.grad_input.is_fp8:
-                    grad_a = _fp8_bmm(g_BMN, bt, plan.grad_input, (-1, -1))
-                else:
-                    grad_a = g_BMN.bmm(bt.transpose(1, 2))
-                grad_a = grad_a.to(ctx.dtypes[0])
-            if need_b:
-                # d(bt) = a^T @ dY: contraction over M.
-                if plan.grad_weight.is_fp8:
-                    grad_b_BNK = _fp8_bmm(
-                        g_BMN.transpose(1, 2), a.transpose(1, 2), plan.grad_weight, (-1, -1)
-                    )
-                    grad_bt = grad_b_BNK.transpose(1, 2)
-                else:
-                    grad_bt = a.transpose(1, 2).bmm(g_BMN)
-                grad_bt = grad_bt.to(ctx.dtypes[1])
-        return grad_a, grad_bt, None
-
-
-def _planned_bmm_impl(
-    a_BMK: Tensor, bt_BKN: Tensor, plan: str, autocast_dtype: torch.dtype | None, needs_grad: list[bool]
-) -> list[Tensor]:
-    return opaque.run_forward(
-        "planned_bmm", (a_BMK, bt_BKN, LinearPlan.from_key(plan)), needs_grad, autocast_dtype,
-        a_BMK.device.type,
-    )
-
-
-_planned_bmm_op = opaque.define("planned_bmm", _PlannedBmmFn, _planned_bmm_impl, num_extra_args=2)
-"""``planned_bmm`` as one opaque op for compiled code (``kernels.opaque``)."""
-
-
-def planned_bmm(
-    a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan, *, compiled_quantizer: str = "custom"
-) -> Tensor:
-    """``torch.bmm(a, bt)`` with its three GEMMs as ``plan`` says (FP8 emulated).
-
-    The roles are those of a linear layer with input ``a`` and weight ``bt^T`` per batch:
-    forward ``a @ bt``, grad-input ``dY @ bt^T``, grad-weight ``a^T @ dY`` (the gradient of
-    ``bt``). An all-HIGH plan calls ``torch.bmm`` itself.
-
-    Example:
-        >>> y = planned_bmm(torch.randn(2, 5, 8), torch.randn(2, 8, 5), LinearPlan.fp8())
-    """
-    if not _any_fp8(plan):
-        return torch.bmm(a_BMK, bt_BKN)
-    if opaque.opaque(compiled_quantizer):
-        return _planned_bmm_op(
-            a_BMK, bt_BKN, plan.key, opaque.autocast_dtype(a_BMK.device.type),
-            opaque.needs_grad(a_BMK, bt_BKN),
-        )[0]
-    return _PlannedBmmFn.apply(a_BMK, bt_BKN, plan)
-
 
 # ----------------------------------------------------------------------------------- sites
 
@@ -345,6 +105,7 @@ class Site(nn.Module):
     site_name: str
     plan: LinearPlan
     observer: Probe | None
+    sampling: bool
     pad_to_multiple: int
     compiled_quantizer: str
     """What quantizes its FP8 GEMMs under ``torch.compile`` (``mods.compiled_quantizer``, set
@@ -361,6 +122,8 @@ class Site(nn.Module):
         self.pad_to_multiple = int(pad_to_multiple)
         self.compiled_quantizer = "custom"
         self.observer = None
+        self.sampling = False
+        """Whether this site reports to its observer on the current step (see :func:`mark_sampled`)."""
         self._mkn = (0, 0, 0)
         self.num_fallbacks = 0
         """Times this site took a logged fallback (e.g. an unfusable padded shape)."""
@@ -374,7 +137,7 @@ class Site(nn.Module):
         """Whether this site can run ``plan``, and why not (backend not registered, ...)."""
         if not isinstance(plan, LinearPlan):
             return False, f"plan must be a LinearPlan, got {type(plan).__name__}"
-        for role, gp in _gemm_plans(plan).items():
+        for role, gp in gemm_plans(plan).items():
             if not gp.is_fp8:
                 continue
             try:
@@ -385,7 +148,7 @@ class Site(nn.Module):
 
     def has_fp8(self) -> bool:
         """Whether any of this site's GEMMs runs in FP8 under its current plan."""
-        return _any_fp8(self.plan)
+        return any_fp8(self.plan)
 
     def set_plan(self, plan: LinearPlan) -> None:
         """Replace the plan (Dispatch calls this between steps; nothing is reallocated).
@@ -413,12 +176,26 @@ class Site(nn.Module):
 
     # ----------------------------------------------------------------------- observer
     def attach_observer(self, probe: Probe) -> None:
-        """Report operands to ``probe`` on its sampled steps (the site must be registered)."""
+        """Report operands to ``probe`` on the steps it samples this site (the site must be
+        registered with it; :func:`mark_sampled` turns the reports on per step)."""
         self.observer = probe
 
     def detach_observer(self) -> None:
         """Stop reporting."""
         self.observer = None
+        self.set_sampling(False)
+
+    def set_sampling(self, on: bool) -> None:
+        """Report (``on``) or not on the current step's training forwards (:func:`mark_sampled`
+        sets it for every site at each step start)."""
+        # nn.Module.__setattr__ costs microseconds; the flag changes on few steps.
+        if on != self.sampling:
+            self.sampling = on
+
+    def forward_key(self) -> LinearPlan:
+        """What, besides the parameters and inputs, decides what the forward computes: the plan.
+        A loop that captures or compiles the forward runs it again (re-captures) when it changes."""
+        return self.plan
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
         # Not in compiled code: a module attribute written there is a guard that fails on the
@@ -432,29 +209,17 @@ class Site(nn.Module):
             self._mkn = mkn
 
     def _should_observe(self) -> bool:
-        """Whether this forward reports to the observer: only training forwards do.
+        """Whether this forward reports to the observer: a training forward on a sampled step.
 
         Evaluation runs between steps (``Trainer.evaluate`` puts the model in eval mode under
-        ``no_grad`` after step ``s``, while the Probe's step is still ``s``); its batches must
-        not take the window slots of a sampled training step. Both checks are plain attribute
-        and grad-mode reads, which dynamo guards on like any module flag, so an eval-mode or
-        no-grad forward skips the eager ``_sampling`` call (and its graph break) entirely.
+        ``no_grad`` after step ``s``, while step ``s`` may still be a sampled one); its batches
+        must not take the window slots of a sampled training step. All checks are plain attribute
+        and grad-mode reads, which dynamo guards on like any module flag: code compiled for an
+        unsampled training step or for an evaluation has no graph break here, and the sampled
+        steps run the eager ``_observe`` (compiled code recompiles for them, or, as the runtime
+        does, runs them uncompiled).
         """
-        return (
-            _OBSERVING
-            and self.observer is not None
-            and self.training
-            and torch.is_grad_enabled()
-            and self._sampling()
-        )
-
-    # The Probe's bookkeeping (step counters, window slots) is host state that changes every
-    # step: under torch.compile it runs eagerly (a graph break) so that dynamo neither guards
-    # on it (a recompile per step) nor traces the statistics into the model's graph.
-    @torch.compiler.disable
-    def _sampling(self) -> bool:
-        obs = self.observer
-        return obs is not None and obs.should_sample(obs.step, self.site_name)
+        return self.training and torch.is_grad_enabled() and self.sampling and self.observer is not None
 
     def _fallback(self, key: str, message: str) -> None:
         """Count a fallback and log it once per site and kind."""
@@ -465,6 +230,30 @@ class Site(nn.Module):
 
     def extra_repr(self) -> str:
         return f"site={self.site_name!r}, plan=({self.plan})"
+
+
+def mark_sampled(sites: Iterable[Site], step: int) -> list[Site]:
+    """Ask each site's observer whether it samples the site on ``step`` and set the site's
+    ``sampling`` flag to that; return the sites that sample.
+
+    The one place where "does this site report on this step" is decided: call it at every step
+    start, after ``probe.begin_step(step)``. A loop that compiles or graphs the dense modules
+    must run the returned sites eagerly (their reports are host work that compiled code and
+    graph replays skip); the LoKA callback hands them to the loop as ``eager_modules``. A site
+    without an observer never samples.
+
+    Example:
+        >>> probe.begin_step(step)
+        >>> sampled = mark_sampled(sites(model).values(), step)
+    """
+    sampled = []
+    for site in sites:
+        obs = site.observer
+        on = obs is not None and obs.should_sample(step, site.site_name)
+        site.set_sampling(on)
+        if on:
+            sampled.append(site)
+    return sampled
 
 
 class GemmSite(Site):
@@ -638,8 +427,8 @@ class Fp8Linear(GemmSite, nn.Linear):
         m = x.numel() // k if k else 0
         n = self.out_features
         pad_n = 0
-        if _any_fp8(plan):
-            pad = _padding(plan, m, k, n, self.pad_to_multiple, x.device.type, _compute_dtype(x), True)
+        if any_fp8(plan):
+            pad = fp8_padding(plan, m, k, n, self.pad_to_multiple, x.device.type, _compute_dtype(x), True)
             if pad is None:
                 self._fallback(
                     "fused_norm_pad",
@@ -752,62 +541,3 @@ class FusedLinearSite(GemmSite):
 
     def extra_repr(self) -> str:
         return f"split_sizes={self.split_sizes}, {super().extra_repr()}"
-
-
-class BmmSite(Site):
-    """A batched GEMM of two activations, ``site(a, bt) == torch.bmm(a, bt)`` in high precision.
-
-    Roles as for a linear layer with input ``a`` (B, M, K) and weight ``bt^T`` (B, N, K) per
-    batch. FP8 runs on the ``emulated`` backend only. On a sampled step the observer gets
-    the first ``OBSERVED_BATCHES`` batches as 2-D GEMMs: forward ``(a_rows, b_rows)`` stacked
-    over those batches (the cross-batch products it adds have the same per-element error as
-    the per-batch ones under row-wise scaling), and for the gradient roles ``dY`` as a
-    block-diagonal matrix, so their products are exactly the per-batch ones; per-column
-    scales of the second operand then span those batches.
-
-    Example:
-        >>> site = BmmSite()
-        >>> site(torch.randn(2, 5, 8), torch.randn(2, 8, 5)).shape
-        torch.Size([2, 5, 5])
-    """
-
-    kind: ClassVar[str] = "bmm"
-
-    def supports_plan(self, plan: LinearPlan) -> tuple[bool, str]:
-        ok, why = super().supports_plan(plan)
-        if not ok:
-            return ok, why
-        for role, gp in _gemm_plans(plan).items():
-            if gp.is_fp8 and gp.backend != "emulated":
-                return False, (
-                    f"{role}: backend {gp.backend!r} has no batched FP8 GEMM; bmm sites run FP8 "
-                    "only on 'emulated' (or keep them in high precision)"
-                )
-        return True, ""
-
-    def forward(self, a_BMK: Tensor, bt_BKN: Tensor) -> Tensor:
-        b, m, k = a_BMK.shape
-        self._set_mkn((b * m, k, bt_BKN.shape[-1]))
-        y = planned_bmm(a_BMK, bt_BKN, self.plan, compiled_quantizer=self.compiled_quantizer)
-        if self._should_observe():
-            self._observe(a_BMK, bt_BKN, y)
-        return y
-
-    @torch.compiler.disable
-    def _observe(self, a_BMK: Tensor, bt_BKN: Tensor, y: Tensor) -> None:
-        obs, name = self.observer, self.site_name
-        assert obs is not None
-        s = min(a_BMK.shape[0], OBSERVED_BATCHES)
-        k = a_BMK.shape[-1]
-        x_MK = a_BMK[:s].detach().reshape(-1, k)
-        w_NK = bt_BKN[:s].detach().transpose(1, 2).reshape(-1, k)
-        obs.observe(name, "forward", x_MK, w_NK)
-        if not y.requires_grad:
-            return
-
-        def hook(grad: Tensor) -> None:
-            dy_MN = torch.block_diag(*grad[:s].detach())
-            obs.observe(name, "grad_input", dy_MN, w_NK)
-            obs.observe(name, "grad_weight", dy_MN, x_MK)
-
-        y.register_hook(hook)

@@ -41,9 +41,10 @@ import torch
 from torch import Tensor, nn
 
 from loka_train.kernels.plan import LinearPlan
-from loka_train.kernels.profiling import profiled
 from loka_train.models.wukong import FactorizationMachineBlock, WukongLayer
-from loka_train.mods.site import BmmSite, Fp8Linear, FusedLinearSite
+from loka_train.mods.bmm_site import BmmSite
+from loka_train.mods.site import Fp8Linear, FusedLinearSite
+from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
 

@@ -11,13 +11,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from loka_train.kernels.roles import ROLES
 
-__all__ = ["plot_probe_sqnr"]
+__all__ = ["Timeline", "plot_probe_sqnr", "plot_timeline"]
+
+Timeline = Sequence[tuple[int, Mapping[str, str]]]
+"""(step, site -> short plan such as ``"row/row/hi"``) at every Probe interval."""
 
 
 def plot_probe_sqnr(probe_report: Mapping[str, Any], path: str | Path) -> Path:
@@ -65,3 +68,24 @@ def plot_probe_sqnr(probe_report: Mapping[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)
     return path
+
+
+def plot_timeline(site_names: Sequence[str], timeline: Timeline, path: Path) -> None:
+    """GEMMs in FP8 per site (0-3) at each interval, as a PNG at `path` (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(site_names)
+    fig, ax = plt.subplots(figsize=(10, 0.35 * max(len(names), 4) + 1.5))
+    for i, name in enumerate(names):
+        xs = [step for step, _ in timeline]
+        fp8 = [plans[name].count("hi") for _, plans in timeline]
+        ax.scatter(xs, [i] * len(xs), c=[3 - f for f in fp8], cmap="viridis", vmin=0, vmax=3, s=25)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_title("GEMMs in FP8 per site (0-3) at each interval")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

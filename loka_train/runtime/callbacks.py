@@ -1,4 +1,4 @@
-"""The callback seam: hooks the Trainer calls, and that the LoKA plugin plugs into.
+"""The callback seam: hooks the Trainer calls, and that plug-ins (the LoKA callback) implement.
 
 A callback subclasses `Callback` and overrides the hooks it needs; every hook has a no-op
 default. Its `state_dict()` is saved in every checkpoint under `callback.name` and handed
@@ -6,13 +6,19 @@ back to `load_state_dict()` on resume, before `on_train_start`.
 
 Order within a run:
     on_before_shard -> (resume) load_state_dict -> on_train_start ->
-    [on_step_start -> forward/backward -> on_after_backward -> optimizer.step ->
-     on_step_end]* -> on_eval_end (whenever an evaluation ran) -> on_train_end
+    [on_step_start -> eager_modules -> forward/backward -> on_after_backward ->
+     optimizer.step -> on_step_end]* -> on_eval_end (whenever an evaluation ran) -> on_train_end
+
+(`on_eval_start` / `on_eval_end` bracket every evaluation, which runs between a step's
+optimizer update and its `on_step_end`.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
+
+from torch import nn
 
 if TYPE_CHECKING:
     from loka_train.runtime.context import LoopState as Trainer
@@ -47,6 +53,17 @@ class Callback:
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         """Step `step` (0-based) is about to run."""
+
+    def eager_modules(self, trainer: Trainer, step: int) -> Collection[nn.Module]:
+        """Modules that must run eagerly on step `step` (asked right after `on_step_start`).
+
+        A callback names the modules inside which it does host work on that step that compiled
+        code or a CUDA graph replay would skip (the LoKA callback: the FP8 sites its Probe
+        samples). A loop that compiles or graphs its dense submodules runs each one that holds
+        a named module uncompiled and unreplayed on that step (`runtime.eager.EagerSteps`); a
+        plain eager loop may ignore the answer. Default: none.
+        """
+        return ()
 
     def on_after_backward(self, trainer: Trainer, step: int) -> None:
         """Gradients of step `step` are ready; the dense optimizer has not stepped yet.
@@ -99,6 +116,10 @@ class CallbackList:
     def call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(*args)
+
+    def eager_modules(self, trainer: Trainer, step: int) -> list[nn.Module]:
+        """Every callback's `eager_modules` for `step`, together."""
+        return [m for cb in self.callbacks for m in cb.eager_modules(trainer, step)]
 
     def state_dict(self) -> dict[str, Any]:
         return {cb.name: cb.state_dict() for cb in self.callbacks}

@@ -91,7 +91,8 @@ class TrainerConfig:
     dense_dtype: str = "fp32"
     """Compute dtype of the dense towers: "fp32", or "bf16" (torch.autocast around forward and
     backward, in training and eval; parameters, optimizer state and embedding tables stay
-    fp32). FP8 sites take their high-precision GEMMs in this dtype."""
+    fp32). Callbacks read it as ``trainer.dense_dtype``, a ``torch.dtype`` (the LoKA callback
+    times its GEMMs with that output dtype)."""
 
     compile_dense: bool = False
     """After sharding, compile the dense submodules with ``torch.compile``: the bottom MLP
@@ -107,12 +108,14 @@ class TrainerConfig:
     cuda_graphs: bool = False
     """After sharding, replay the forward and the backward of each dense submodule (bottom MLP,
     interaction, top MLP) as CUDA graphs (``loka_train.runtime.graphs``): a handful of launches
-    per step instead of thousands, for host-bound steps. Needs a CUDA device. Evaluation, the
-    Probe's sampled steps and the first calls after a plan change run eagerly; a plan change
-    re-captures. Replays are bit-identical to the eager module. With ``compile_dense`` the
-    graphs replay the compiled forward and backward (fused kernels, and none of the compiled
-    code's host work on replayed steps); the capture's compiled variant (no Probe check,
-    parameters as plain tensors) may round apart from the compiled code of eager calls."""
+    per step instead of thousands, for host-bound steps. Needs a CUDA device (checked against the
+    resolved ``device`` when the Trainer starts). Evaluation, the steps on which a callback
+    requests a module eagerly (the LoKA Probe's sampled steps) and the first calls after a
+    change of a ``forward_key()`` (a plan) run eagerly; such a change re-captures. Replays are
+    bit-identical to the eager module. With ``compile_dense`` the graphs replay the compiled
+    forward and backward (fused kernels, and none of the compiled code's host work on replayed
+    steps); the capture's compiled variant (parameters as plain tensors) may round apart from the
+    compiled code of eager calls."""
 
     cuda_graphs_share_outputs: bool = True
     """With ``cuda_graphs``: the bottom MLP's and the interaction's replays return their graphs'
@@ -232,8 +235,6 @@ class TrainerConfig:
                 "trainer.pin_memory=true needs trainer.device=cuda (pinned memory serves copies to a "
                 "GPU): set trainer.pin_memory=null or false"
             )
-        if self.cuda_graphs and self.device == "cpu":
-            raise ValueError("trainer.cuda_graphs=true needs trainer.device=cuda (or auto on a GPU machine)")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(
                 f"trainer.compile_backend must name a torch.compile backend (e.g. \"inductor\"), "

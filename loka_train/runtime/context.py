@@ -35,6 +35,10 @@ class RunContext:
     device: torch.device
     """Device of the dense computation."""
 
+    dense_dtype: torch.dtype = torch.float32
+    """The dtype the dense computation runs in: ``torch.bfloat16`` when the loop runs the dense
+    towers under bf16 autocast, else ``torch.float32``."""
+
     rank: int = 0
     """Global rank of this process."""
 
@@ -66,6 +70,7 @@ class LoopState(Protocol):
 
     model: nn.Module
     device: torch.device
+    dense_dtype: torch.dtype
     rank: int
     world_size: int
     out_dir: Path

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from loka_train.runtime.checkpoint import CheckpointError
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,3 +69,25 @@ def init_distributed(requested_device: str) -> DistInfo:
         backend=backend,
         owns_group=owns,
     )
+
+
+def raise_on_all_ranks(error: Exception | None, *, world_size: int, device: torch.device) -> None:
+    """Collective: when `error` is set on any rank, every rank raises.
+
+    The rank (or ranks) that failed raise their own exception; the others raise a
+    `CheckpointError` or `ValueError` (as the first failing rank's) with the first failing
+    rank's message, so no rank is left waiting in the next collective. `device` is where the
+    process group's collectives run (the CPU for gloo).
+    """
+    ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item():
+        return
+    reports: list[tuple[str, str] | None] = [None] * world_size
+    local = None if error is None else (type(error).__name__, str(error))
+    dist.all_gather_object(reports, local)
+    if error is not None:
+        raise error
+    rank, (kind, message) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+    cls = CheckpointError if kind == CheckpointError.__name__ else ValueError
+    raise cls(f"rank {rank} failed: {message}")

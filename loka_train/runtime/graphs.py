@@ -10,32 +10,34 @@ The sharded embeddings, their all-to-all, the loss and the optimizer stay eager.
 What runs eagerly, and why (every call is counted by reason in :meth:`DenseGraphs.stats`):
 
 * ``eval`` / ``no_grad``: evaluation and no-grad forwards (graphs hold training forwards);
-* ``probe``: a step on which the Probe samples one of the module's sites (its statistics and
-  gradient hooks are host work that a replay would skip);
+* ``requested``: a step on which a callback asked for the module to run eagerly
+  (:meth:`Callback.eager_modules <loka_train.runtime.callbacks.Callback.eager_modules>`, through
+  :class:`~loka_train.runtime.eager.EagerSteps`: the LoKA Probe samples one of its FP8 sites,
+  whose statistics and gradient hooks are host work that a replay would skip);
 * ``warmup``: the first ``warmup_calls`` calls of each new signature, so lazy set-up (cuBLAS
   handles, Triton compilation and autotuning, allocator growth) happens outside a capture
   (with ``compile``, the capture's own compiled variant compiles in the capture's warm-up
   iterations, ``capture_warmup_iters >= 1``);
 * ``unchained``: a module captured on a producer's shared output buffer (``shared_outputs``)
-  whose input is another tensor this time, because the producer did not replay (its Probe
+  whose input is another tensor this time, because the producer did not replay (a requested
   step or its warm-up);
 * fallbacks (logged once, counted, listed in the run report): an input that is not a tensor,
   or a capture that failed (e.g. an op that synchronises with the host); the module then
   stays eager for the run.
 
-With ``compile``, a ``probe`` call runs the module's own uncompiled forward, and every other
-unreplayed call the compiled one with the sites' sampling check off (:func:`observing_forward`
-says why: a sampling check inside a layer loop made dynamo skip the whole frame).
+With ``compile``, a ``requested`` call runs the module's own uncompiled forward, and every
+other unreplayed call the compiled one (:func:`loka_train.runtime.compile.eager_or_compiled`
+says why: host work inside a layer loop made dynamo skip the whole frame).
 
-A signature is: autocast state, the input shapes / dtypes / requires-grad, the sites' plans
-and the parameters' storage. When it changes (Dispatch switched a plan, the guard moved
-sites back to high precision, the batch shape changed) the module is captured again.
+A signature is: autocast state, the input shapes / dtypes / requires-grad, the
+``forward_key()`` of the module's :class:`~loka_train.runtime.eager.Keyed` submodules (an FP8
+site's plan) and the parameters' storage. When it changes (a plan switched, the batch shape
+changed) the module is captured again.
 
 Replays compute exactly what the eager module computes with the same kernels (with
-``compile``, what the variant compiled for the capture computes: it skips the sites' Probe
-check, see :func:`loka_train.mods.unobserved`, and may round apart from the compiled code of
-eager calls). The inputs are copied into the graph's static buffers, except an input that is
-a graphed producer's shared output buffer (below). Outputs are returned as copies of the static
+``compile``, what the variant compiled for the capture computes, which may round apart from the
+compiled code of eager calls). The inputs are copied into the graph's static buffers, except an
+input that is a graphed producer's shared output buffer (below). Outputs are returned as copies of the static
 buffers, except for modules in ``shared_outputs`` (``install``: the bottom MLP and the
 interaction, whose outputs only the model's next submodule reads), whose replays return the
 buffers themselves. Gradients of parameters, and of inputs whose gradient may reach a leaf's
@@ -55,26 +57,34 @@ the DLRM family: no BatchNorm or dropout).
 
 Example:
     >>> graphs = DenseGraphs.install(model)          # after sharding, on a CUDA device
-    >>> ...                                          # train as usual
+    >>> for step in range(steps):
+    ...     callbacks.call("on_step_start", trainer, step)
+    ...     graphs.eager.begin_step(callbacks.eager_modules(trainer, step))
+    ...     ...                                      # forward, backward, optimizer step
     >>> graphs.stats()["replays"], graphs.fallbacks
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from loka_train.kernels.capture import reset_capture_state
-from loka_train.kernels.profiling import profiled
-from loka_train.mods import Site, strip_wrapper_prefixes, unobserved
+from loka_train.runtime.eager import EagerSteps, Keyed, keyed_modules
+from loka_train.runtime.graph_capture import (
+    CaptureFn,
+    Graphed,
+    capture_cuda_graphs,
+    unflatten_output,
+)
+from loka_train.utils.names import strip_wrapper_prefixes
+from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +95,7 @@ INNER_SUBMODULES = ("dense_arch", "inter_arch")
 """The dense parts whose output only the model's own forward reads (the interaction, the top
 MLP), never its caller: their replays share their output buffers (see `DenseGraphs`)."""
 
-EAGER_REASONS = ("eval", "no_grad", "probe", "warmup", "unchained", "unsupported_input", "capture_failed")
+EAGER_REASONS = ("eval", "no_grad", "requested", "warmup", "unchained", "unsupported_input", "capture_failed")
 """Why a call ran eagerly; the last two are fallbacks."""
 
 
@@ -120,45 +130,17 @@ def dense_submodules(
     return found
 
 
-class Graphed(Protocol):
-    """A captured forward + backward of one module (what a capture function returns)."""
-
-    out_spec: Any
-    """Pytree spec of the module's output (`forward` returns it flattened)."""
-
-    @property
-    def shared_buffers(self) -> tuple[Tensor, ...]:
-        """The buffers that `forward` returns as outputs themselves (shared outputs), else ()."""
-        ...
-
-    def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
-        """Outputs (flattened) for `flat_inputs`, with autograd to the inputs and parameters."""
-        ...
-
-    def release(self) -> None:
-        """Free the graphs and their memory pool."""
-        ...
-
-
-CaptureFn = Callable[..., Graphed]
-"""``capture(run, sample_inputs, params, *, shared_outputs, chained) -> Graphed`` (the arguments
-of :func:`capture_cuda_graphs`): ``run(param_values, *flat_inputs)`` calls the module's forward
-(compiled when :class:`DenseGraphs` got ``compile``) with `param_values` in place of `params`
-(same order); gradients flow to the inputs that require grad and to the parameters."""
-
-
 @dataclass
 class _Entry:
     name: str
     module: nn.Module
     forward: Callable[..., Any]
     """The module's own forward (compiled when :class:`DenseGraphs` got ``compile``): what
-    captures and the calls on steps without Probe sampling run (those inside
-    :func:`~loka_train.mods.unobserved`)."""
+    captures and the unreplayed calls of steps that do not request it eagerly run."""
     eager: Callable[..., Any]
-    """The module's own forward, never compiled: what a step on which one of its sites samples
-    runs (see :func:`observing_forward`)."""
-    sites: tuple[Site, ...]
+    """The module's own forward, never compiled: what a requested step runs."""
+    keyed: tuple[Keyed, ...]
+    """Its submodules whose ``forward_key()`` is part of the signature."""
     shadowed: Any
     """An instance-level ``forward`` the module had before install (restored by `remove`)."""
     params: tuple[nn.Parameter, ...] = ()
@@ -197,7 +179,9 @@ class DenseGraphs:
         modules: name -> module to graph (each must take and return tensors).
         warmup_calls: eager calls with a new signature before it is captured (>= 1).
         capture_warmup_iters: forward + backward runs on a side stream before each capture.
-        capture: the capture function (default: :func:`capture_cuda_graphs`); tests pass a
+        capture: the capture function (default:
+            :func:`~loka_train.runtime.graph_capture.capture_cuda_graphs`, which needs a
+            CUDA device: on the CPU every capture fails, a logged fallback); tests pass a
             stand-in to check the routing on CPU.
         compile: applied to each module's own forward (e.g. ``torch.compile``): eager calls
             and captures then run the compiled code, and this router stays outside it.
@@ -207,6 +191,9 @@ class DenseGraphs:
             ms of DCN's 14 ms step at batch 32768 on an H100; see the module docstring). A
             buffer is valid until its module's next training forward (the next step): keep no
             reference to it across steps.
+        eager: which modules run eagerly on the current step (default: a fresh one, that the
+            loop updates as ``graphs.eager.begin_step(callbacks.eager_modules(...))`` at every
+            step start); the graphed modules are watched in it.
 
     Use :meth:`install` on a model; :meth:`remove` restores the modules' own forwards.
     """
@@ -220,6 +207,7 @@ class DenseGraphs:
         capture: CaptureFn | None = None,
         compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
         shared_outputs: Iterable[str] = (),
+        eager: EagerSteps | None = None,
     ) -> None:
         if warmup_calls < 1 or capture_warmup_iters < (1 if compile is not None else 0):
             # With `compile`, the capture's own variant compiles in those iterations: without
@@ -229,8 +217,6 @@ class DenseGraphs:
                 f"{capture_warmup_iters} >= {1 if compile is not None else 0}"
                 + (" (with compile)" if compile is not None else "")
             )
-        if capture is None and not torch.cuda.is_available():
-            raise ValueError("CUDA graphs need a CUDA device; set trainer.cuda_graphs=false on CPU")
         shared_outputs = set(shared_outputs)
         unknown = shared_outputs - set(modules)
         if unknown:
@@ -243,15 +229,18 @@ class DenseGraphs:
         self.fallbacks: list[str] = []
         """One line per fallback kind and module (also logged)."""
         self.num_captures = 0
+        self.eager = EagerSteps() if eager is None else eager
+        """Which graphed modules run eagerly on the current step."""
         self._entries: list[_Entry] = []
         for name, module in modules.items():
+            self.eager.watch(module)
             entry = _Entry(
                 name=name,
                 module=module,
                 forward=module.forward if compile is None else compile(module.forward),
                 eager=module.forward,
                 shadowed=vars(module).get("forward"),
-                sites=tuple(m for m in module.modules() if isinstance(m, Site)),
+                keyed=keyed_modules(module),
                 shares_outputs=name in shared_outputs,
             )
             entry.refresh_params()
@@ -358,16 +347,15 @@ class DenseGraphs:
         assert entry.graphed is not None
         entry.counts["replay"] += 1
         with profiled(entry.range_name):
-            return _unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
+            return unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
 
     def _unreplayed(self, entry: _Entry, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call that is not replayed: on a step where one of the module's sites samples, its
-        own uncompiled forward; otherwise its (compiled) forward with the sampling check off,
-        which is also the variant that the capture compiles and records."""
-        if reason == "probe" or (reason == "capture_failed" and _samples(entry.sites)):
+        """A call that is not replayed: on a step that requests the module eagerly (also when
+        its capture failed), its own uncompiled forward; otherwise its (compiled) forward, the
+        variant that the capture compiles and records."""
+        if reason == "requested" or (reason == "capture_failed" and self.eager.runs_eagerly(entry.module)):
             return entry.eager(*args, **kwargs)
-        with unobserved():
-            return entry.forward(*args, **kwargs)
+        return entry.forward(*args, **kwargs)
 
     def _eager_reason(self, entry: _Entry) -> str:
         if entry.disabled:
@@ -376,7 +364,7 @@ class DenseGraphs:
             return "eval"
         if not torch.is_grad_enabled():
             return "no_grad"
-        return "probe" if _samples(entry.sites) else ""
+        return "requested" if self.eager.runs_eagerly(entry.module) else ""
 
     @staticmethod
     def _signature(entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec) -> Hashable:
@@ -389,7 +377,7 @@ class DenseGraphs:
             autocast,
             spec,
             tuple((t.shape, t.dtype, t.device, t.requires_grad, t.stride()) for t in inputs),
-            tuple(site.plan for site in entry.sites),
+            tuple(m.forward_key() for m in entry.keyed),
             tuple((p.data_ptr(), p.requires_grad) for p in entry.params),
         )
 
@@ -407,12 +395,9 @@ class DenseGraphs:
             args, kwargs = _unflatten_inputs(flat, spec)
             entry.capturing = True  # functional_call goes through module.__call__: no routing
             try:
-                # Captured for steps on which no site samples (see _eager_reason): the sites
-                # skip their sampling check, so compiled code has no graph break there.
-                with unobserved():
-                    return torch.func.functional_call(
-                        entry.module, dict(zip(entry.param_names, params)), args, kwargs
-                    )
+                # Captured on a step that does not request the module eagerly (see
+                # _eager_reason): no host work of a callback runs inside it.
+                return torch.func.functional_call(entry.module, dict(zip(entry.param_names, params)), args, kwargs)
             finally:
                 entry.capturing = False
 
@@ -434,8 +419,8 @@ class DenseGraphs:
             self._shared[_storage(buffer)] = entry.name
         self.num_captures += 1
         entry.counts["capture"] += 1
-        logger.info("cuda_graphs: %s %s (%d sites)", "re-captured" if recapture else "captured",
-                    entry.name, len(entry.sites))
+        logger.info("cuda_graphs: %s %s (%d keyed submodules)", "re-captured" if recapture else "captured",
+                    entry.name, len(entry.keyed))
         return True
 
     def _is_shared(self, t: Tensor) -> bool:
@@ -479,72 +464,9 @@ class DenseGraphs:
             logger.warning("%s", line)
 
 
-_FRAME_SKIPPED = re.compile(r"frame skipped: (\S+) \((.+) line (\d+)\)")
-_RECOMPILE_LIMIT = re.compile(r"exceeding the (\w+) cache size limit \(currently set to (\d+)\)")
-
-
-def dynamo_frame_skips() -> dict[str, int]:
-    """The frames torch.compile gave up on in this process, which it then runs eagerly for
-    good, as ``{"function (file line N)": times}``: a graph break inside a for/while loop
-    skips the whole frame. A frame that hit dynamo's recompile limit (a module whose sites
-    went through more plans than ``trainer.compile_dense`` allows for) runs only the graphs it
-    has, else eagerly; dynamo's counters do not name it (its warning in the log does), so it
-    reads ``"a frame past dynamo's recompile_limit=N"``. Compare two readings to see what a
-    span of work skipped.
-
-    Read from dynamo's graph-break counters (``torch._dynamo.utils.counters``, filled whether
-    or not ``TORCH_LOGS`` is set; no public API exposes them). Empty if that internal ever
-    changes shape."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:  # pragma: no cover - a torch without dynamo's counters
-        return {}
-    found: Counter[str] = Counter()
-    for reason, times in list(counters.get("unimplemented", {}).items()):
-        for fn, path, line in _FRAME_SKIPPED.findall(str(reason)):
-            found[f"{fn} ({path} line {line})"] += int(times)
-        for kind, limit in _RECOMPILE_LIMIT.findall(str(reason)):
-            found[f"a frame past dynamo's {kind}={limit}"] += int(times)
-    return dict(found)
-
-
 def _storage(t: Tensor) -> int:
     """The address of `t`'s storage (views of one buffer share it)."""
     return t.untyped_storage().data_ptr()
-
-
-def _samples(sites: Iterable[Site]) -> bool:
-    """Whether one of `sites` is sampled by its Probe on the current step."""
-    for site in sites:
-        obs = site.observer
-        if obs is not None and obs.should_sample(obs.step, site.site_name):
-            return True
-    return False
-
-
-def observing_forward(
-    module: nn.Module, compiled: Callable[..., Any], eager: Callable[..., Any]
-) -> Callable[..., Any]:
-    """A forward for a compiled module that holds FP8 sites (``trainer.compile_dense`` without
-    CUDA graphs): training calls on steps where one of its sites samples run `eager`, the
-    module's own uncompiled forward; every other call runs `compiled` inside
-    :func:`~loka_train.mods.unobserved`.
-
-    Why: a site's sampling check is host state that compiled code reads through a graph break.
-    Inside a loop over layers (DCN's cross layers, Wukong's layers, ``nn.Sequential``) dynamo
-    cannot resume after a break, so it skips the whole frame for good: the module then ran
-    eagerly on every step, unfused (DCN at batch 32768 on an H100: 23 ms per step against
-    14 ms for the same model in bf16, ``bench/results/README.md``). Unobserved, the compiled
-    code has no break; the Probe's steps, eager either way, keep their statistics."""
-    sites = tuple(m for m in module.modules() if isinstance(m, Site))
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if module.training and torch.is_grad_enabled() and _samples(sites):
-            return eager(*args, **kwargs)
-        with unobserved():
-            return compiled(*args, **kwargs)
-
-    return forward
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -568,230 +490,3 @@ def _flatten_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[l
 def _unflatten_inputs(flat: tuple[Tensor, ...], spec: _InputSpec) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
     num_args, names = spec
     return flat[:num_args], dict(zip(names, flat[num_args:]))
-
-
-def _flatten_output(out: Any) -> tuple[list[Tensor], Hashable]:
-    """A tensor, or a tuple / list of tensors, as a list and how to rebuild it."""
-    if isinstance(out, Tensor):
-        return [out], None
-    if isinstance(out, tuple | list) and all(isinstance(o, Tensor) for o in out):
-        return list(out), type(out)
-    raise TypeError(
-        f"a graphed module must return a tensor or a tuple / list of tensors, got {type(out).__name__}"
-    )
-
-
-def _unflatten_output(flat: list[Tensor], spec: Hashable) -> Any:
-    return flat[0] if spec is None else spec(flat)  # type: ignore[operator]
-
-
-# ----------------------------------------------------------------------------- capture
-class _Replay(torch.autograd.Function):
-    """Autograd node of one replay: forward graph now, backward graph in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, graphs: _CudaGraphed, *inputs_and_params: Tensor) -> tuple[Tensor, ...]:
-        graphs.generation += 1
-        ctx.graphs, ctx.generation = graphs, graphs.generation
-        inputs = inputs_and_params[: len(graphs.static_inputs)]
-        # A gradient that may become a leaf's .grad (directly or through views) gets a copy of
-        # the static buffer; an inner node's gradient is consumed within this backward.
-        ctx.copy_grad = tuple(_grad_may_reach_a_leaf(t) for t in inputs)
-        for static, given in zip(graphs.static_inputs, inputs):
-            if static.data_ptr() != given.data_ptr():  # equal: chained to a producer's output
-                static.copy_(given)
-        graphs.fwd.replay()
-        # Shared outputs are the static buffers themselves (valid until this module's next
-        # training forward); fresh ones are copies the caller may keep.
-        outs = tuple(o.detach() if graphs.shared_outputs else o.clone() for o in graphs.static_outputs)
-        # A shared output changed in place would corrupt this module's backward (e.g. a ReLU's
-        # reads its output): its version counter, shared with the buffer, tells.
-        ctx.versions = tuple(o._version for o in outs) if graphs.shared_outputs else ()
-        ctx.mark_non_differentiable(*(o for o, d in zip(outs, graphs.differentiable) if not d))
-        return outs
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        graphs: _CudaGraphed = ctx.graphs
-        if ctx.generation != graphs.generation:
-            # The activations this backward needs were overwritten by a later replay.
-            raise RuntimeError(
-                "cuda_graphs: a graphed module ran its forward again before the backward of an "
-                "earlier forward; graphed modules take one forward, then its backward. Call the "
-                "module once per step, or set trainer.cuda_graphs=false"
-            )
-        if ctx.versions and ctx.versions != tuple(o._version for o in graphs.static_outputs):
-            raise RuntimeError(
-                "cuda_graphs: an output of a graphed module that shares its outputs (the bottom "
-                "MLP or the interaction) was changed in place before its backward, which reads "
-                "it; change a copy (out = out.clone()) instead"
-            )
-        diff_grads = [g for g, d in zip(grads, graphs.differentiable) if d]
-        for static, g in zip(graphs.static_grad_outputs, diff_grads):
-            if g is None:
-                static.zero_()
-            elif static.data_ptr() != g.data_ptr():
-                static.copy_(g)
-        graphs.bwd.replay()
-        num_inputs = len(graphs.static_inputs)
-        result: list[Tensor | None] = [None] * (num_inputs + len(graphs.params))
-        for index, grad in zip(graphs.grad_targets, graphs.static_grads):
-            if grad is None:
-                continue
-            # Copies for parameters and inputs whose gradient may reach a leaf through views:
-            # a leaf's .grad must not be (a view of) the static buffer, which the next replay
-            # overwrites (and adds to itself when .grad is kept, e.g. with
-            # zero_grad(set_to_none=False) or gradient accumulation). An inner node's gradient
-            # is read by the backward in progress: no copy (DCN at batch 32768: 32768 x 3456
-            # values per graphed module and step).
-            inner = index < num_inputs and not ctx.copy_grad[index]
-            result[index] = grad if inner else grad.clone()
-        return (None, *result)
-
-
-_PASS_THROUGH = re.compile(
-    r"(View|UnsafeView|Reshape\w*|Alias|Transpose|T|Permute|Expand|Squeeze\w*|Unsqueeze\w*|Clone|"
-    r"ToCopy|AsStrided|Detach|Unfold|ViewAs\w*|Conj|Flatten\w*|Cat|Stack|Add|Sub)Backward\d*"
-)
-"""Autograd nodes that may hand their gradient on as the same memory: views of it (view,
-transpose, cat's slices, ...) or the tensor itself (clone, add, same-dtype ``to``)."""
-
-
-def _grad_may_reach_a_leaf(t: Tensor, depth: int = 8) -> bool:
-    """Whether the gradient returned for `t` may become a leaf's ``.grad`` without a copy: `t`
-    is a leaf, or a leaf is reached through nodes that pass the gradient on unchanged or as a
-    view (view, reshape, transpose, clone, same-dtype ``to``, ...). Past `depth` such nodes,
-    yes (a copy is always safe)."""
-    if not t.requires_grad:
-        return False
-    if t.grad_fn is None:
-        return True
-    frontier: list[Any] = [t.grad_fn]
-    seen: set[int] = set()
-    for _ in range(depth):
-        next_frontier: list[Any] = []
-        for node in frontier:
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if type(node).__name__ == "AccumulateGrad":
-                return True
-            if _PASS_THROUGH.fullmatch(type(node).__name__):
-                next_frontier.extend(n for n, _ in node.next_functions if n is not None)
-        if not next_frontier:
-            return False
-        frontier = next_frontier
-    return True
-
-
-class _CudaGraphed:
-    """The two CUDA graphs of one module and their static buffers.
-
-    Warm-up and both captures run on one side stream, on fresh leaf aliases of the inputs and
-    parameters (``detach()``: the same storage, no copy). Autograd binds a leaf's gradient
-    accumulator to the stream it was created on; the parameters' own accumulators live on the
-    default stream (and DDP keeps them alive), and a backward captured into them would wait
-    on that stream, which invalidates the capture."""
-
-    def __init__(
-        self,
-        run: Callable[..., Any],
-        inputs: tuple[Tensor, ...],
-        params: tuple[nn.Parameter, ...],
-        *,
-        warmup_iters: int,
-        shared_outputs: bool = False,
-        chained: tuple[bool, ...] = (),
-    ) -> None:
-        self.params = params
-        self.generation = 0
-        """Forward replays so far; a backward checks that no later replay overwrote its state."""
-        self.shared_outputs = shared_outputs
-        """Replays return the static output buffers themselves, not copies (see `capture_cuda_graphs`)."""
-        chained = chained or (False,) * len(inputs)
-        # A chained input is another graph's shared output buffer: the capture reads it in
-        # place, so a replay fed that buffer copies nothing.
-        self.static_inputs = tuple(t.detach() if c else t.detach().clone() for t, c in zip(inputs, chained, strict=True))
-        needs_grad = tuple(t.requires_grad for t in inputs)
-        self.grad_targets = [i for i, g in enumerate(needs_grad) if g] + [
-            len(inputs) + j for j in range(len(params))
-        ]
-
-        def leaves() -> tuple[tuple[Tensor, ...], list[Tensor], list[Tensor]]:
-            ins = tuple(t.detach().requires_grad_(g) for t, g in zip(self.static_inputs, needs_grad))
-            ps = [p.detach().requires_grad_() for p in params]
-            return ins, ps, [t for t in ins if t.requires_grad] + ps
-
-        # Autocast's cast cache would keep weight casts made during the capture (stale after
-        # the first optimizer step): the graphs cast inside, as the eager forward does.
-        cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(stream):
-                for _ in range(warmup_iters):
-                    ins, ps, targets = leaves()
-                    outs = [o for o in _flatten_output(run(tuple(ps), *ins))[0] if o.requires_grad]
-                    if outs and targets:
-                        torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs],
-                                            allow_unused=True)
-                    del outs
-            self.pool = torch.cuda.graph_pool_handle()
-            self.fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.fwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                ins, ps, targets = leaves()
-                flat_out, spec = _flatten_output(run(tuple(ps), *ins))
-            self.static_outputs = tuple(flat_out)
-            self.differentiable = tuple(o.requires_grad for o in flat_out)
-            diff_outs = [o for o in flat_out if o.requires_grad]
-            self.static_grad_outputs = tuple(torch.empty_like(o) for o in diff_outs)
-            self.bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.bwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                grads = torch.autograd.grad(
-                    diff_outs, targets, self.static_grad_outputs, allow_unused=True
-                ) if diff_outs and targets else ()
-            self.static_grads = tuple(grads)
-        except BaseException:
-            reset_capture_state()
-            raise
-        finally:
-            torch.set_autocast_cache_enabled(cache)
-            torch.cuda.current_stream().wait_stream(stream)
-        self.out_spec = spec
-
-    @property
-    def shared_buffers(self) -> tuple[Tensor, ...]:
-        return self.static_outputs if self.shared_outputs else ()
-
-    def forward(self, flat_inputs: tuple[Tensor, ...]) -> list[Tensor]:
-        return list(_Replay.apply(self, *flat_inputs, *self.params))
-
-    def release(self) -> None:
-        for graph in (self.fwd, self.bwd):
-            graph.reset()
-        self.static_outputs = self.static_grads = self.static_inputs = self.static_grad_outputs = ()
-
-
-def capture_cuda_graphs(
-    run: Callable[..., Any],
-    inputs: tuple[Tensor, ...],
-    params: tuple[nn.Parameter, ...],
-    *,
-    warmup_iters: int = 3,
-    shared_outputs: bool = False,
-    chained: tuple[bool, ...] = (),
-) -> Graphed:
-    """Capture ``run(*inputs)``'s forward and its backward (to `inputs` that require grad and
-    `params`) as two CUDA graphs sharing one private memory pool.
-
-    Args:
-        shared_outputs: replays return the static output buffers, not copies of them: valid
-            until the module's next training forward (for outputs that only the model's next
-            graphed module reads).
-        chained: per input, whether it is another graph's shared output buffer, which this
-            capture then reads in place (no copy on replay while the producer keeps it).
-    """
-    return _CudaGraphed(run, inputs, params, warmup_iters=warmup_iters, shared_outputs=shared_outputs,
-                        chained=chained)

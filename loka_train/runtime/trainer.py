@@ -3,7 +3,9 @@
 It is deliberately a thin, explicit loop around TorchRec's public pieces
 (`DistributedModelParallel`, a sharding planner or an explicit plan, fused row-wise
 Adagrad on the tables, `TrainPipelineSparseDist`), with a `Callback` seam that the LoKA
-plugin uses. One code path serves CPU (gloo) and GPU (nccl).
+plugin uses. One code path serves CPU (gloo) and GPU (nccl). Its parts: `runtime.sharding`
+(sharder and plan), `runtime.compile` and `runtime.graphs` (compiled and CUDA-graphed dense
+modules), `runtime.preflight` (checks before training), `runtime.checkpoint`.
 
 Shape legend: B batch (per rank), G global batch.
 """
@@ -15,25 +17,14 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from torchrec.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_wise,
-)
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -43,39 +34,37 @@ from loka_train.data.pinning import PinnedBatches, pin_batch
 from loka_train.data.prefetch import Prefetcher
 from loka_train.data.protocol import CachedBatches
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
-from loka_train.mods import Site
-from loka_train.runtime._paths import set_aside
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
+from loka_train.runtime.compile import (
+    FrameSkips,
+    allow_recompiles,
+    compile_in_place,
+    compile_options,
+)
 from loka_train.runtime.config import TrainerConfig
-from loka_train.runtime.distributed import DistInfo, init_distributed
+from loka_train.runtime.distributed import DistInfo, init_distributed, raise_on_all_ranks
+from loka_train.runtime.eager import EagerSteps
 from loka_train.runtime.graphs import (
     DENSE_SUBMODULES,
     INNER_SUBMODULES,
     DenseGraphs,
     dense_submodules,
-    dynamo_frame_skips,
-    observing_forward,
 )
 from loka_train.runtime.metrics import MetricsLogger
+from loka_train.runtime.preflight import (
+    check_cuda_graphs,
+    check_eval_data,
+    check_resumable,
+    set_aside_earlier_checkpoints,
+    short_data_error,
+)
+from loka_train.runtime.sharding import make_sharder, make_sharding_plan
 
 logger = logging.getLogger(__name__)
 
 _WARMUP_STEPS = 3
 """Steps excluded from the steps/s figure (first-step allocations, pipeline fill)."""
-
-
-@runtime_checkable
-class _FiniteData(Protocol):
-    """A dataset that ends (Criteo files); synthetic data is endless and has no `num_steps`."""
-
-    def num_steps(self) -> int:
-        """Full global batches in the data."""
-        ...
-
-    def batch(self, step: int) -> Batch:
-        """The local batch of `step`; raises IndexError when the data ends before it."""
-        ...
 
 
 class _StepHook:
@@ -131,23 +120,22 @@ class Trainer:
         """Every fallback taken during the run (logged and reported)."""
         self.compiled_modules: list[str] = []
         """Dense submodules compiled by ``trainer.compile_dense`` (names without wrappers)."""
-        self.compile_skipped_frames: list[str] = []
-        """Frames of the compiled dense modules that dynamo gave up on during the run and runs
-        eagerly, as ``"function (file line N)"`` (each also a fallback)."""
-        self._frame_skips: dict[str, int] = {}
-        """dynamo's skipped-frame counts at the last reading (see ``_report_frame_skips``)."""
+        self._frame_skips: FrameSkips | None = None
+        """Frames of the compiled dense modules that dynamo gave up on (``compile_skipped_frames``)."""
         self.graphs: DenseGraphs | None = None
         """The CUDA graphs of the dense submodules (``trainer.cuda_graphs``)."""
+        self.eager = EagerSteps()
+        """Which compiled or graphed dense submodules run eagerly on the current step (the
+        callbacks' ``eager_modules``)."""
 
         self.dist: DistInfo = init_distributed(trainer.device)
         self.rank = self.dist.rank
         self.world_size = self.dist.world_size
         self.device = self.dist.device
-        if trainer.cuda_graphs and self.device.type != "cuda":
-            raise ValueError(
-                f"trainer.cuda_graphs=true needs a CUDA device, this run is on {self.device}: "
-                "set trainer.cuda_graphs=false"
-            )
+        check_cuda_graphs(trainer, self.device)
+        self.dense_dtype = torch.bfloat16 if trainer.dense_dtype == "bf16" else torch.float32
+        """The dtype the dense towers compute in (``trainer.dense_dtype``): bf16 autocast around
+        forward and backward, or fp32. Callbacks read it (`LoopState.dense_dtype`)."""
         if trainer.pin_memory and self.device.type != "cuda":
             raise ValueError(
                 f"trainer.pin_memory=true needs a CUDA device, this run is on {self.device}: "
@@ -196,64 +184,13 @@ class Trainer:
         self.fallbacks.extend(self.metrics.fallbacks)
 
     # ----------------------------------------------------------------------------- set-up
-    def _sharder(self) -> EmbeddingBagCollectionSharder:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
-        fused_params = {
-            "optimizer": {
-                "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                "adagrad": EmbOptimType.EXACT_ADAGRAD,
-            }[self.cfg.sparse_optimizer],
-            "learning_rate": self.cfg.sparse_lr,
-            "eps": self.cfg.eps,
-        }
-        return EmbeddingBagCollectionSharder(
-            fused_params=fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry
-        )
-
-    def _plan(self, sharder: EmbeddingBagCollectionSharder) -> ShardingPlan:
-        kind = self.cfg.sharding
-        if kind == "auto":
-            planner = EmbeddingShardingPlanner(
-                topology=Topology(
-                    world_size=self.world_size,
-                    compute_device=self.device.type,
-                    local_world_size=self.dist.local_world_size,
-                )
-            )
-            return planner.collective_plan(self.model, [sharder], dist.GroupMember.WORLD)
-        plans = {}
-        for fqn, module in self.model.named_modules():
-            if not isinstance(module, EmbeddingBagCollection):
-                continue
-            per_param = {}
-            fused = EmbeddingComputeKernel.FUSED.value
-            for i, cfg in enumerate(module.embedding_bag_configs()):
-                if kind == "table_wise":
-                    per_param[cfg.name] = table_wise(rank=i % self.world_size, compute_kernel=fused)
-                elif kind == "column_wise":
-                    per_param[cfg.name] = column_wise(
-                        ranks=list(range(self.world_size)), compute_kernel=fused
-                    )
-                elif kind == "row_wise":
-                    per_param[cfg.name] = row_wise(compute_kernel=fused)
-                else:
-                    # Replicated tables train with the dense kernel and the dense optimizer.
-                    per_param[cfg.name] = data_parallel()
-            plans[fqn] = construct_module_sharding_plan(
-                module,
-                per_param_sharding=per_param,
-                local_size=self.dist.local_world_size,
-                world_size=self.world_size,
-                device_type=self.device.type,
-                sharder=sharder,
-            )
-        return ShardingPlan(plans)
-
     def _shard(self) -> None:
         self.callbacks.call("on_before_shard", self)
-        sharder = self._sharder()
-        self.sharding_plan = self._plan(sharder)
+        sharder = make_sharder(self.cfg, qcomm_codecs_registry=self.qcomm_codecs_registry)
+        self.sharding_plan = make_sharding_plan(
+            self.model, sharder, kind=self.cfg.sharding, world_size=self.world_size,
+            local_world_size=self.dist.local_world_size, device=self.device,
+        )
         kwargs: dict[str, Any] = {}
         if self.data_parallel_wrapper is not None:
             kwargs["data_parallel_wrapper"] = self.data_parallel_wrapper
@@ -283,55 +220,25 @@ class Trainer:
         """``trainer.cuda_graphs``: graph the dense submodules, the inner ones sharing their
         outputs unless ``trainer.cuda_graphs_share_outputs=false``."""
         inner = INNER_SUBMODULES if self.cfg.cuda_graphs_share_outputs else ()
-        return DenseGraphs.install(self.model, names=DENSE_SUBMODULES, inner=inner, **kwargs)
+        return DenseGraphs.install(self.model, names=DENSE_SUBMODULES, inner=inner, eager=self.eager, **kwargs)
 
     def _compile_dense(self) -> None:
-        """Compile the dense submodules, after sharding.
-
-        Without CUDA graphs, a module without FP8 sites in place (``nn.Module.compile``), and one
-        with sites through an instance ``forward`` (``graphs.observing_forward``: the Probe's
-        sampled steps run uncompiled, the rest compiled); either way parameter names, the
-        optimizer and checkpoints are unchanged. With ``cuda_graphs``, each module's forward is compiled
-        under the graphs' router instead (the router's bookkeeping stays outside the compiled
-        code, and the captures record the compiled kernels). TorchRec's train pipeline treats
-        modules without a sharded child as FX leaves, so its tracing calls these modules
-        without entering them.
+        """Compile the dense submodules, after sharding (``runtime.compile``): without CUDA graphs
+        in place or behind :func:`~loka_train.runtime.compile.eager_or_compiled`; with
+        ``cuda_graphs``, each module's forward under the graphs' router (the router's
+        bookkeeping stays outside the compiled code, and the captures record the compiled
+        kernels). TorchRec's train pipeline treats modules without a sharded child as FX leaves,
+        so its tracing calls these modules without entering them.
         """
-        self._frame_skips = dynamo_frame_skips()
-        # Static shapes: a train and an eval batch size each get their own graph instead of one
-        # graph with a symbolic batch dim, which dynamo's DDP optimizer could not split (an H100
-        # Wukong run failed with "'int' object has no attribute 'meta'", 2026-11-24) and which
-        # CUDA graphs replay per shape anyway.
-        options: dict[str, Any] = {"backend": self.cfg.compile_backend, "dynamic": False}
-        if self.cfg.compile_backend == "inductor":
-            # Inductor would otherwise fuse "x.to(bf16)" into the FP8 quantizer's division
-            # and skip the rounding: compiled FP8 codes would differ from the eager ones the
-            # Probe measured and the backends are tested against (40 dB apart on an H100).
-            options["options"] = {"emulate_precision_casts": True}
+        self._frame_skips = FrameSkips()
+        options = compile_options(self.cfg.compile_backend)
         if self.cfg.cuda_graphs:
             self.graphs = self._install_graphs(compile=lambda fn: torch.compile(fn, **options))
             self.compiled_modules.extend(self.graphs.names)
         else:
             found = dense_submodules(self.model, DENSE_SUBMODULES, setting="trainer.compile_dense", verb="compile")
-            for name, module in found.items():
-                if any(isinstance(m, Site) for m in module.modules()):
-                    # An instance attribute shadows the class's forward (as under the graphs):
-                    # Probe steps run eagerly, the rest compiled without the sampling check.
-                    module.forward = observing_forward(  # type: ignore[method-assign]
-                        module, torch.compile(module.forward, **options), module.forward
-                    )
-                else:
-                    module.compile(**options)
-                self.compiled_modules.append(name)
-        # Compiled code runs unobserved (no graph break at the sites), but a module's frame
-        # guards on its sites' plans: every plan combination Dispatch installs (and each batch
-        # shape and grad mode) is one more cache entry of that frame. Allow that many.
-        num_sites = sum(isinstance(m, Site) for m in self.model.modules())
-        limit = max(torch._dynamo.config.recompile_limit, 4 * num_sites)
-        if limit != torch._dynamo.config.recompile_limit:
-            logger.info("compile_dense: dynamo recompile_limit %d -> %d (%d FP8 sites)",
-                        torch._dynamo.config.recompile_limit, limit, num_sites)
-            torch._dynamo.config.recompile_limit = limit
+            self.compiled_modules.extend(compile_in_place(found, options=options, eager=self.eager))
+        allow_recompiles(self.model)
         logger.info(
             "compiled %s with torch.compile(backend=%r)%s",
             ", ".join(self.compiled_modules),
@@ -339,21 +246,17 @@ class Trainer:
             " under CUDA graphs" if self.graphs is not None else "",
         )
 
+    @property
+    def compile_skipped_frames(self) -> list[str]:
+        """Frames of the compiled dense modules that dynamo gave up on during the run and runs
+        eagerly, as ``"function (file line N)"`` (each also a fallback)."""
+        return list(self._frame_skips.frames) if self._frame_skips is not None else []
+
     def _report_frame_skips(self) -> None:
         """A frame of the compiled dense modules that dynamo gave up on since they were compiled
         runs eagerly (unfused) for the rest of the run: a fallback, logged and listed."""
-        if not self.compiled_modules:
-            return
-        now = dynamo_frame_skips()
-        for frame, times in now.items():
-            if times > self._frame_skips.get(frame, 0) and frame not in self.compile_skipped_frames:
-                self.compile_skipped_frames.append(frame)
-                line = (f"compile_dense: torch.compile runs {frame} eagerly for the rest of the run "
-                        "(a graph break inside a loop, or too many recompiles; TORCH_LOGS=graph_breaks,recompiles "
-                        "shows which)")
-                self.fallbacks.append(line)
-                logger.warning("%s", line)
-        self._frame_skips = now
+        if self._frame_skips is not None:
+            self._frame_skips.report(self.fallbacks)
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -381,26 +284,6 @@ class Trainer:
         """Save the whole run state at the current step (collective)."""
         return self._checkpoints.save(self.step, self.state_dict(), self._meta())
 
-    def _raise_on_all_ranks(self, error: Exception | None) -> None:
-        """Collective: when `error` is set on any rank, every rank raises.
-
-        The rank (or ranks) that failed raise their own exception; the others raise a
-        `CheckpointError` or `ValueError` (as the first failing rank's) with the first failing
-        rank's message, so no rank is left waiting in the next collective.
-        """
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=self._coll_device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item():
-            return
-        reports: list[tuple[str, str] | None] = [None] * self.world_size
-        local = None if error is None else (type(error).__name__, str(error))
-        dist.all_gather_object(reports, local)
-        if error is not None:
-            raise error
-        rank, (kind, message) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
-        cls = CheckpointError if kind == CheckpointError.__name__ else ValueError
-        raise cls(f"rank {rank} failed: {message}")
-
     def _preflight(self) -> None:
         """Refuse, before anything is trained or written, a run that cannot go as configured.
 
@@ -412,34 +295,12 @@ class Trainer:
                 step()
             except Exception as exc:  # raised below on every rank
                 error = exc
-            self._raise_on_all_ranks(error)
+            raise_on_all_ranks(error, world_size=self.world_size, device=self._coll_device)
 
     def _set_aside_earlier_checkpoints(self) -> None:
-        """``resume=never`` in an out_dir that holds an earlier run's checkpoints: move them to
-        ``checkpoints.before-<time>`` (rank 0; logged), so this run neither mixes with nor
-        prunes them and nothing is lost. The main job can be run again in the same out_dir."""
-        if self.cfg.resume != "never" or self.rank != 0:
-            return
-        root = self._checkpoints.root
-        found = self._checkpoints.existing()
-        if not found:
-            return
-        target = set_aside(root)
-        logger.warning(
-            "trainer.resume=never: %s held checkpoints of an earlier run (%s%s); moved them to %s "
-            "(delete it if unneeded; trainer.resume=auto continues a run instead)",
-            root, ", ".join(p.name for p in found[:4]), ", ..." if len(found) > 4 else "", target,
-        )
-
-    def _short_data_error(self, needed: int, have: int, needed_key: str, source_key: str, source: object) -> ValueError:
-        global_batch = self.cfg.batch_size * self.world_size
-        lower = f"lower {needed_key} to {have} or less, " if have else ""
-        return ValueError(
-            f"{needed_key}={needed} needs {needed} full global batches of {global_batch} "
-            f"samples ({self.world_size} ranks x trainer.batch_size={self.cfg.batch_size}), "
-            f"but {source_key}={source!r} holds only {have}: {lower}lower "
-            f"trainer.batch_size, or point {source_key} at more data"
-        )
+        """``resume=never``: an earlier run's checkpoints are moved aside (rank 0)."""
+        if self.rank == 0:
+            set_aside_earlier_checkpoints(self._checkpoints, resume=self.cfg.resume)
 
     def _check_data_length(self) -> None:
         """Finite eval data must hold `trainer.eval_batches` batches: checked before training
@@ -447,21 +308,15 @@ class Trainer:
         that would read all of it, on every rank, before step 0): when it ends before
         `trainer.steps`, training stops there with the same kind of error
         (`_short_train_data`)."""
-        data = self.eval_data
-        if not isinstance(data, _FiniteData):
-            return  # endless (synthetic) data
-        needed = self.cfg.eval_batches
-        try:
-            data.batch(needed - 1)
-        except IndexError:
-            raise self._short_data_error(
-                needed, data.num_steps(), "trainer.eval_batches", "data.eval_path", self.data_cfg.eval_path
-            ) from None
+        check_eval_data(self.eval_data, self.cfg, self.data_cfg, world_size=self.world_size)
 
     def _short_train_data(self, step: int) -> ValueError:
         """The train data ended at `step` (0-based): every rank reads equal slices of each global
         batch, so all ranks reach this at the same step."""
-        return self._short_data_error(self.cfg.steps, step, "trainer.steps", "data.path", self.data_cfg.path)
+        return short_data_error(
+            self.cfg, self.world_size, needed=self.cfg.steps, have=step, needed_key="trainer.steps",
+            source_key="data.path", source=self.data_cfg.path,
+        )
 
     def _maybe_resume(self) -> int:
         if self.cfg.resume == "never":
@@ -478,19 +333,7 @@ class Trainer:
         step = -1
         try:
             step = int(saved["step"])
-            if meta.get("batch_size") != self.cfg.batch_size:
-                raise CheckpointError(
-                    f"checkpoint {path} used trainer.batch_size={meta.get('batch_size')}, this run "
-                    f"{self.cfg.batch_size}: the data position would not match. Use the same batch "
-                    "size or trainer.resume=never"
-                )
-            if step > self.cfg.steps:
-                raise CheckpointError(
-                    f"checkpoint {path} is at step {step}, past trainer.steps={self.cfg.steps}: "
-                    "this run has nothing to train and would report steps it did not run. Set "
-                    f"trainer.steps to {step} or more to continue that run, or start fresh with "
-                    "trainer.resume=never and another trainer.out_dir"
-                )
+            check_resumable(path, self.cfg, batch_size=meta.get("batch_size"), step=step)
             assert self.optimizer is not None
             copy_into(self.model.state_dict(), saved["model"], "model")
             live_opt = self.optimizer.state_dict()
@@ -512,7 +355,7 @@ class Trainer:
         except Exception as exc:  # any failure, so no rank waits alone in the agreement below
             error = CheckpointError(f"cannot restore {path}: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-        self._raise_on_all_ranks(error)
+        raise_on_all_ranks(error, world_size=self.world_size, device=self._coll_device)
         logger.info("resumed from %s at step %d", path, step)
         return step
 
@@ -563,9 +406,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- train
     def _autocast(self) -> torch.autocast:
-        """bf16 autocast when ``trainer.dense_dtype="bf16"``, else a disabled one."""
+        """bf16 autocast when the dense dtype is bf16, else a disabled one."""
         return torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dense_dtype == "bf16"
+            self.device.type, dtype=torch.bfloat16, enabled=self.dense_dtype == torch.bfloat16
         )
 
     def _set_lrs(self, step: int) -> None:
@@ -640,6 +483,7 @@ class Trainer:
                 step = self.step
                 self._set_lrs(step)
                 self.callbacks.call("on_step_start", self, step)
+                self.eager.begin_step(self.callbacks.eager_modules(self, step))
                 # TorchRec pipelines return the model output's second element.
                 with self._autocast():
                     try:
@@ -739,30 +583,3 @@ class Trainer:
         """Destroy the process group if this Trainer created it."""
         if self.dist.owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """A short human-readable table of a run summary."""
-    rows = [
-        ("steps", f"{summary['steps']}"),
-        ("ranks x batch", f"{summary['world_size']} x {summary['global_batch'] // summary['world_size']}"),
-        ("steps/s", f"{summary['train/steps_per_s']:.2f}"),
-        ("train loss", f"{summary['train/loss']:.4f}"),
-    ]
-    if "eval/ne" in summary:
-        rows += [("eval NE", f"{summary['eval/ne']:.4f}"), ("eval AUC", f"{summary['eval/auc']:.4f}")]
-    rows.append(("fallbacks", str(len(summary["fallbacks"]))))
-    if summary.get("compiled"):
-        rows.append(("compiled", ", ".join(summary["compiled"])))
-    if "cuda_graphs" in summary:
-        graphs = summary["cuda_graphs"]
-        eager = ", ".join(f"{reason} {n}" for reason, n in graphs["eager"].items()) or "none"
-        rows.append(("CUDA graphs", f"{graphs['replays']} replays, {graphs['captures']} captures; "
-                                    f"eager calls: {eager}"))
-    if "loka/fp8_coverage" in summary:
-        rows.append(("LoKA FP8", f"{summary['loka/fp8_coverage']:.0%} of GEMMs, "
-                                 f"{summary['loka/plan_changes']} plan changes"))
-    if "loka/report" in summary:
-        rows.append(("LoKA report", str(summary["loka/report"])))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

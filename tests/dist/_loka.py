@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from loka_train.kernels.roles import ROLES
 from loka_train.runtime import Callback
-from loka_train.runtime.loka import LokaCallback
-from loka_train.runtime.loka_config import LokaConfig
+from loka_train.plugin.callback import LokaCallback
+from loka_train.plugin.config import LokaConfig
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 

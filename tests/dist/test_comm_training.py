@@ -13,8 +13,9 @@ from loka_train.comm import CommChannel, CommConfig, CommPrecision, PrecisionSou
 from loka_train.dispatch import DispatchConfig
 from loka_train.mods.config import ModsConfig
 from loka_train.probe import ProbeConfig
-from loka_train.runtime import Callback, LokaConfig
-from loka_train.runtime.loka import LokaCallback
+from loka_train.plugin.config import LokaConfig
+from loka_train.runtime import Callback
+from loka_train.plugin.callback import LokaCallback
 from loka_train.runtime.trainer import Trainer
 from tests.dist._multiprocess import run_multiprocess
 from tests.dist._tiny import LossRecorder, tiny_data, tiny_model, tiny_trainer

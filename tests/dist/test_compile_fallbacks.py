@@ -5,8 +5,8 @@ The known issue this guards against (bench/results/README.md, "Found: compiled F
 layer loop"): a graph break inside DCN's loop over cross layers (the sites' Probe check, and on
 torch 2.11 one inside the traced FP8 backward) made dynamo run the whole cross network eagerly
 for the rest of the run (on an H100 it cost DCN at batch 32768 8.6 ms per step). Now the FP8
-Functions are opaque custom ops (``kernels.opaque``) and compiled code runs unobserved (the
-Probe's steps take the uncompiled forward), so no frame is skipped.
+Functions are opaque custom ops (``kernels.opaque``) and compiled code runs only on steps where no
+site samples (the Probe's steps take the uncompiled forward), so no frame is skipped.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from loka_train.mods import sites
-from loka_train.runtime.graphs import dynamo_frame_skips
-from loka_train.runtime.loka import LokaCallback
+from loka_train.runtime.compile import dynamo_frame_skips
+from loka_train.plugin.callback import LokaCallback
 from loka_train.runtime.trainer import Trainer
 from tests.dist._loka import preset
 from tests.dist._multiprocess import run_multiprocess

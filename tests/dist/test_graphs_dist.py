@@ -23,7 +23,7 @@ class Replayed(nn.Module):
         self.graphs = CpuGraphs(self.w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from loka_train.runtime.graphs import _Replay
+        from loka_train.runtime.graph_capture import _Replay
 
         (y,) = _Replay.apply(self.graphs, x, self.w)
         return y

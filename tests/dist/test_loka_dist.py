@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from loka_train.runtime.loka import LokaCallback
+from loka_train.plugin.callback import LokaCallback
 from loka_train.runtime.trainer import Trainer
 from tests.dist._loka import PlanRecorder, num_fp8, preset
 from tests.dist._multiprocess import run_multiprocess

@@ -21,7 +21,7 @@ import torch
 
 from loka_train.data import DataConfig
 from loka_train.models import ModelConfig
-from loka_train.runtime.loka import LokaCallback
+from loka_train.plugin.callback import LokaCallback
 from loka_train.runtime.trainer import Trainer
 from tests.dist._loka import num_fp8, preset
 from tests.dist._multiprocess import run_multiprocess

@@ -22,8 +22,8 @@ def train_losses(
     ``bench/graph_drift.py`` repeats it to measure the run-to-run drift. Needs CUDA."""
     from loka_train.data import DataConfig
     from loka_train.models import ModelConfig
+    from loka_train.plugin.callback import LokaCallback
     from loka_train.runtime import Callback, TrainerConfig
-    from loka_train.runtime.loka import LokaCallback
     from loka_train.runtime.trainer import Trainer
     from tests.dist._loka import preset
 

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loka_train.data import DataConfig  # noqa: E402
 from loka_train.models import ModelConfig  # noqa: E402
+from loka_train.plugin.callback import LokaCallback  # noqa: E402
 from loka_train.runtime import TrainerConfig  # noqa: E402
-from loka_train.runtime.loka import LokaCallback  # noqa: E402
 from loka_train.runtime.trainer import Trainer  # noqa: E402
 from tests.dist._loka import PlanRecorder, preset  # noqa: E402
 

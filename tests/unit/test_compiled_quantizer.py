@@ -16,7 +16,7 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs
 from loka_train.kernels import LinearPlan
 from loka_train.kernels import linear as linear_mod
 from loka_train.kernels.settings import KernelSettings
-from loka_train.mods import Fp8Linear, ModsConfig, convert, sites, unobserved
+from loka_train.mods import Fp8Linear, ModsConfig, convert, sites
 
 
 def _plan() -> LinearPlan:
@@ -39,8 +39,7 @@ def _run_compiled(mode: str) -> tuple[set[str], torch.Tensor, list]:
     x = torch.randn(64, 32, requires_grad=True)
     backend = AotEagerAndRecordGraphs()
     fn = torch.compile(lambda t: site.forward_layernorm(t, norm), backend=backend)
-    with unobserved():
-        y = fn(x)
+    y = fn(x)
     y.sum().backward()
     return _custom_ops(backend.fw_graphs + backend.bw_graphs), y.detach(), [x.grad, site.weight.grad]
 
@@ -112,8 +111,7 @@ def test_inductor_mode_computes_what_the_eager_fused_path_computes() -> None:
         def fn(t: torch.Tensor) -> torch.Tensor:
             return site.forward_layernorm(t, norm)
 
-        with unobserved():
-            y = (torch.compile(fn, backend="aot_eager") if compiled else fn)(x)
+        y = (torch.compile(fn, backend="aot_eager") if compiled else fn)(x)
         y.square().sum().backward()
         return [y.detach(), x.grad, site.weight.grad, norm.weight.grad]
 

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 
 import launch.train  # noqa: F401  (registers the schema in the ConfigStore)
 from loka_train.data import DataConfig, make_dataset
+from loka_train.job import JobConfig
 from loka_train.models import ModelConfig
 from loka_train.runtime.config import TrainerConfig
-from loka_train.runtime.job import JobConfig
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 

@@ -12,7 +12,7 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 from loka_train.kernels import LinearPlan, Scaling, fp8_linear, opaque
 from loka_train.kernels.fused import layernorm_linear
-from loka_train.mods.site import planned_bmm
+from loka_train.mods.planned import planned_bmm
 
 
 def _tower(

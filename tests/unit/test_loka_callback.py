@@ -14,10 +14,10 @@ from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.roles import ROLES
 from loka_train.mods.config import ModsConfig
+from loka_train.plugin.callback import LokaCallback
+from loka_train.plugin.config import LokaConfig
 from loka_train.probe.config import ProbeConfig
 from loka_train.runtime.context import RunContext
-from loka_train.runtime.loka import LokaCallback
-from loka_train.runtime.loka_config import LokaConfig
 
 
 def _started(config: LokaConfig, out_dir: Path) -> tuple[LokaCallback, RunContext]:

@@ -25,7 +25,7 @@ from torch import nn
 from loka_train.data import DataConfig, make_dataset
 from loka_train.kernels import LinearPlan, sqnr_db
 from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
-from loka_train.mods import BmmSite, Fp8Linear, ModsConfig, Site, convert, sites
+from loka_train.mods import BmmSite, Fp8Linear, ModsConfig, Site, convert, mark_sampled, sites
 from loka_train.probe import Probe, ProbeConfig
 
 FP8 = LinearPlan.fp8(backend="emulated")
@@ -324,6 +324,7 @@ def test_observer_gets_three_roles_on_sampled_steps(kind: str, originals: dict) 
         site.attach_observer(probe)
     for step in range(3):
         probe.step = step
+        mark_sampled(found.values(), step)
         run_step(model, step)
     assert {c[0] for c in probe.calls} == {0, 2}
     for name, site in found.items():
@@ -346,6 +347,7 @@ def test_observer_gets_three_roles_on_sampled_steps(kind: str, originals: dict) 
         site.detach_observer()
     before = len(probe.calls)
     probe.step = 4
+    assert mark_sampled(found.values(), 4) == []
     run_step(model, 4)
     assert len(probe.calls) == before
 
@@ -359,6 +361,7 @@ def test_real_probe_registers_and_measures_every_site(originals: dict) -> None:
         site.attach_observer(probe)
     for step in range(2):
         probe.begin_step(step)
+        mark_sampled(sites(model).values(), step)
         run_step(model, step)
     report = probe.report()
     assert set(report["sites"]) == set(sites(model))

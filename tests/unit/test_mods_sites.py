@@ -43,6 +43,7 @@ from loka_train.mods import (
     FusedLinearSite,
     GemmSite,
     ModsConfig,
+    mark_sampled,
     planned_linear,
 )
 from loka_train.probe import Probe, ProbeConfig
@@ -579,7 +580,7 @@ def test_compiled_sites_with_a_probe_do_not_recompile_per_step() -> None:
     import torch._dynamo
 
     from loka_train.kernels.formats import Fp8Format, Scaling
-    from loka_train.mods import Fp8Linear
+    from loka_train.mods import Fp8Linear, mark_sampled
     from loka_train.probe import Probe, ProbeConfig
 
     def run(compiled: bool, steps: int) -> tuple[Probe, int]:
@@ -600,6 +601,7 @@ def test_compiled_sites_with_a_probe_do_not_recompile_per_step() -> None:
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
         for step in range(steps):
             probe.begin_step(step)
+            mark_sampled((a, b), step)
             net(x).sum().backward()
             if probe.should_reduce(step):
                 probe.reduce()
@@ -646,6 +648,12 @@ def _observed_net() -> tuple[_ObservedNet, Probe]:
     return net, probe
 
 
+def _begin(net: _ObservedNet, probe: Probe, step: int) -> None:
+    """Step `step` starts: the Probe's step, and which sites sample on it (all, here)."""
+    probe.begin_step(step)
+    assert len(mark_sampled([net.a, net.b, net.inter], step)) == 3
+
+
 def _window(probe: Probe) -> tuple[list, list]:
     """(num_obs, slot_steps) of the Probe's window, per site and role."""
     state = probe.state_dict()
@@ -658,7 +666,7 @@ def test_evaluation_forwards_do_not_take_probe_slots(mode: str) -> None:
     its forwards (eval mode under no_grad, or either alone) leave the window untouched."""
     net, probe = _observed_net()
     x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
-    probe.begin_step(99)
+    _begin(net, probe, 99)
     net(x).sum().backward()
     after_train = _window(probe)
     assert after_train[0] == [[1, 1, 1]] * 3  # every site observed all three roles
@@ -681,7 +689,7 @@ def test_compiled_evaluation_does_not_take_probe_slots() -> None:
     net.compile(backend="aot_eager")
     torch._dynamo.reset()
     x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
-    probe.begin_step(99)
+    _begin(net, probe, 99)
     net(x).sum().backward()
     after_train = _window(probe)
     assert after_train[0] == [[1, 1, 1]] * 3

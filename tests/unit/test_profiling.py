@@ -2,7 +2,7 @@
 
 import torch
 
-from loka_train.kernels.profiling import profiled
+from loka_train.utils.profiling import profiled
 
 
 def test_range_recorded_only_while_profiling() -> None:

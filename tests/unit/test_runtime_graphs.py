@@ -16,10 +16,12 @@ import torch
 from torch import Tensor, nn
 
 from loka_train.kernels import LinearPlan
-from loka_train.mods import Fp8Linear
+from loka_train.mods import Fp8Linear, mark_sampled
 from loka_train.probe import Probe, ProbeConfig
 from loka_train.runtime.config import TrainerConfig
-from loka_train.runtime.graphs import DenseGraphs, _flatten_output
+from loka_train.runtime.eager import EagerSteps
+from loka_train.runtime.graph_capture import flatten_output
+from loka_train.runtime.graphs import DenseGraphs
 from tests.cpu_graphs import CpuGraphs
 
 FP8_PLAN = LinearPlan.fp8(backend="emulated")
@@ -44,7 +46,7 @@ class FakeGraphed:
                  chained: tuple[bool, ...] = ()) -> None:
         self.run, self.log, self.params, self.module = run, log, params, module
         self.shared_buffers: tuple[Tensor, ...] = ()
-        self.out_spec = _flatten_output(run(params, *inputs))[1]
+        self.out_spec = flatten_output(run(params, *inputs))[1]
         self.released = False
         self.state = _state(self._params(), inputs)
         self.plans = self._plans()
@@ -63,7 +65,7 @@ class FakeGraphed:
         assert _state(self._params(), flat_inputs) == self.state, "replayed a capture whose state changed"
         assert self._plans() == self.plans, "replayed a capture taken under another plan"
         self.log.append(("replay",))
-        return _flatten_output(self.run(self.params, *flat_inputs))[0]
+        return flatten_output(self.run(self.params, *flat_inputs))[0]
 
     def release(self) -> None:
         self.released = True
@@ -114,14 +116,15 @@ def test_eval_no_grad_and_sampled_steps_run_eagerly() -> None:
     x = torch.randn(3, 8)
     for step in range(6):
         probe.begin_step(step)
+        graphs.eager.begin_step(mark_sampled([tower.site], step))
         tower(x).sum().backward()
     with torch.no_grad():
         tower(x)
     tower.eval()
     tower(x)
     eager = graphs.stats()["eager"]
-    assert eager["probe"] == 3  # steps 0, 2, 4 sample
-    assert eager == {"probe": 3, "warmup": 1, "no_grad": 1, "eval": 1}
+    assert eager["requested"] == 3  # steps 0, 2, 4 sample
+    assert eager == {"requested": 3, "warmup": 1, "no_grad": 1, "eval": 1}
     assert graphs.stats()["replays"] == 2
     assert probe.report()["sites"]["tower.site"]["num_observations"]["forward"] == 3
 
@@ -216,11 +219,28 @@ def test_install_finds_the_dense_submodules_and_refuses_models_without_them() ->
         DenseGraphs.install(nn.Sequential(nn.Linear(2, 2)), capture=lambda *a, **kw: FakeGraphed(*a, [], **kw))
 
 
-def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
+def test_cpu_without_a_capture_function_falls_back_to_eager_and_reports_it() -> None:
+    """``trainer.cuda_graphs`` is refused on a CPU run by the Trainer (one check, against the
+    resolved device); the graphs themselves, built on the CPU, fail each capture: a logged
+    fallback, and the module runs eagerly."""
     if torch.cuda.is_available():
-        pytest.skip("checks the CPU-only refusal")
-    with pytest.raises(ValueError, match="trainer.cuda_graphs=false"):
-        DenseGraphs({"tower": Tower()})
+        pytest.skip("checks the CPU-only fallback")
+    tower = Tower()
+    graphs = DenseGraphs({"tower": tower}, warmup_calls=1)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close([tower(x) for _ in range(3)][-1], Tower.forward(tower, x), rtol=0, atol=0)
+    assert graphs.stats()["eager"] == {"warmup": 1, "capture_failed": 2}
+    assert len(graphs.fallbacks) == 1 and "capture failed" in graphs.fallbacks[0]
+    assert torch.is_autocast_cache_enabled()
+
+
+def test_the_trainer_refuses_cuda_graphs_on_a_cpu_device() -> None:
+    from loka_train.runtime.preflight import check_cuda_graphs
+
+    with pytest.raises(ValueError, match="this run is on cpu: set trainer.cuda_graphs=false"):
+        check_cuda_graphs(TrainerConfig(cuda_graphs=True, device="cpu"), torch.device("cpu"))
+    check_cuda_graphs(TrainerConfig(cuda_graphs=True, device="auto"), torch.device("cuda", 0))
+    check_cuda_graphs(TrainerConfig(cuda_graphs=False, device="cpu"), torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
@@ -228,7 +248,6 @@ def test_cpu_without_a_capture_function_is_refused_naming_the_setting() -> None:
     [
         ({"cuda_graphs": "yes"}, "must be a bool"),
         ({"cuda_graphs_share_outputs": "no"}, "trainer.cuda_graphs_share_outputs must be a bool"),
-        ({"cuda_graphs": True, "device": "cpu"}, "needs trainer.device=cuda"),
     ],
 )
 def test_trainer_config_refuses_impossible_graph_settings(kwargs: dict, match: str) -> None:
@@ -282,7 +301,7 @@ def test_remove_restores_an_instance_forward_set_before_install() -> None:
 
 
 def test_replayed_gradients_accumulate_like_eager_ones() -> None:
-    from loka_train.runtime.graphs import _Replay
+    from loka_train.runtime.graph_capture import _Replay
 
     w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     graphs = CpuGraphs(w)
@@ -299,7 +318,7 @@ def test_replayed_gradients_accumulate_like_eager_ones() -> None:
 
 
 def test_shared_outputs_and_inner_input_gradients_are_the_static_buffers() -> None:
-    from loka_train.runtime.graphs import _Replay
+    from loka_train.runtime.graph_capture import _Replay
 
     w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     dy = torch.tensor([1.0, -2.0, 0.5])
@@ -334,7 +353,7 @@ def test_shared_outputs_and_inner_input_gradients_are_the_static_buffers() -> No
 
 
 def test_a_shared_output_changed_in_place_is_refused_in_the_backward() -> None:
-    from loka_train.runtime.graphs import _Replay
+    from loka_train.runtime.graph_capture import _Replay
 
     w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     (y,) = _Replay.apply(CpuGraphs(w, shared_outputs=True), torch.ones(3, requires_grad=True), w)
@@ -352,7 +371,7 @@ class SharingFake:
     def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list,
                  name: str, *, shared_outputs: bool = False, chained: tuple[bool, ...] = ()) -> None:
         self.run, self.params, self.shared = run, params, shared_outputs
-        outs, self.out_spec = _flatten_output(run(params, *inputs))
+        outs, self.out_spec = flatten_output(run(params, *inputs))
         self.buffers = [o.detach().clone() for o in outs]
         self.shared_buffers = tuple(self.buffers) if shared_outputs else ()
         self.static_inputs = [t.detach() if c else t.detach().clone() for t, c in zip(inputs, chained, strict=True)]
@@ -363,7 +382,7 @@ class SharingFake:
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         with torch.no_grad():
-            for buffer, out in zip(self.buffers, _flatten_output(self.run(self.params, *self.static_inputs))[0]):
+            for buffer, out in zip(self.buffers, flatten_output(self.run(self.params, *self.static_inputs))[0]):
                 buffer.copy_(out)
         # Like a replay's outputs: tensors that require grad (aliases of the buffers if shared).
         return [(b.detach() if self.shared else b.clone()).requires_grad_() for b in self.buffers]
@@ -447,7 +466,7 @@ def test_install_shares_the_outputs_of_the_inner_dense_parts_only() -> None:
 
 
 def test_a_second_forward_before_the_backward_raises() -> None:
-    from loka_train.runtime.graphs import _Replay
+    from loka_train.runtime.graph_capture import _Replay
 
     w = nn.Parameter(torch.ones(3))
     graphs = CpuGraphs(w)
@@ -513,10 +532,11 @@ def test_with_compile_a_sampled_step_runs_the_uncompiled_forward() -> None:
     calls = []
     for step in range(4):  # probe, warm-up, probe, capture (+ its replay)
         probe.begin_step(step)
+        graphs.eager.begin_step(mark_sampled([tower.site], step))
         tower(x).sum().backward()
         calls.append(len(compiled_calls))
     assert calls == [0, 1, 1, 3]
-    assert graphs.stats()["eager"] == {"probe": 2, "warmup": 1}
+    assert graphs.stats()["eager"] == {"requested": 2, "warmup": 1}
     assert probe.report()["sites"]["tower.site"]["num_observations"]["forward"] == 2
 
 
@@ -545,12 +565,13 @@ def test_trainer_compiles_under_the_graphs_router(monkeypatch: pytest.MonkeyPatc
     fake.model = nn.Sequential(Tower(), Tower())  # two FP8-capable sites
     fake.graphs = None
     fake.compiled_modules = []
+    fake.eager = EagerSteps()
     fake._install_graphs = lambda **kwargs: trainer_mod.Trainer._install_graphs(fake, **kwargs)
     with torch._dynamo.config.patch(recompile_limit=1):
         trainer_mod.Trainer._compile_dense(fake)
         assert torch._dynamo.config.recompile_limit == 4 * 2
     assert isinstance(fake.graphs, Recorder) and fake.compiled_modules == ["dense_arch"]
-    assert seen["names"] == DENSE_SUBMODULES and seen["inner"] == INNER_SUBMODULES
+    assert seen["names"] == DENSE_SUBMODULES and seen["inner"] == INNER_SUBMODULES and seen["eager"] is fake.eager
     assert seen["compile"](lambda x: x + 1)(torch.ones(1)).item() == 2.0
     # Static shapes: a symbolic batch dim broke dynamo's DDP optimizer on an H100.
     assert compiled == [{"backend": "inductor", "dynamic": False, "options": {"emulate_precision_casts": True}}]
@@ -573,14 +594,16 @@ def test_trainer_graphs_share_outputs_unless_configured_off(share: bool, monkeyp
     monkeypatch.setattr(trainer_mod, "DenseGraphs", Recorder)
     fake = type("T", (), {})()
     fake.cfg = TrainerConfig(cuda_graphs=True, device="cuda", cuda_graphs_share_outputs=share)
-    fake.model = nn.Linear(2, 2)
+    fake.model, fake.eager = nn.Linear(2, 2), EagerSteps()
     assert trainer_mod.Trainer._install_graphs(fake) == "graphs"
-    assert seen == {"names": DENSE_SUBMODULES, "inner": INNER_SUBMODULES if share else (), "model": fake.model}
+    assert seen == {"names": DENSE_SUBMODULES, "inner": INNER_SUBMODULES if share else (), "model": fake.model,
+                    "eager": fake.eager}
 
 
-def test_trainer_compiles_modules_with_sites_behind_the_probe_router(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``compile_dense`` without graphs: a module holding FP8 sites gets ``observing_forward``
-    (its instance forward), one without keeps the in-place ``nn.Module.compile``."""
+def test_trainer_compiles_modules_with_sites_behind_the_eager_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_dense`` without graphs: a module holding FP8 sites (keyed modules) gets
+    ``eager_or_compiled`` (its instance forward), one without keeps the in-place
+    ``nn.Module.compile``."""
     from loka_train.runtime import trainer as trainer_mod
 
     compiled: list[Any] = []
@@ -592,7 +615,7 @@ def test_trainer_compiles_modules_with_sites_behind_the_probe_router(monkeypatch
     monkeypatch.setattr(nn.Linear, "compile", lambda self, **kwargs: in_place.append("over_arch"), raising=False)
     fake = type("T", (), {})()
     fake.cfg = TrainerConfig(compile_dense=True, device="cpu", compile_backend="eager")
-    fake.model, fake.graphs, fake.compiled_modules = model, None, []
+    fake.model, fake.graphs, fake.compiled_modules, fake.eager = model, None, [], EagerSteps()
     trainer_mod.Trainer._compile_dense(fake)
     assert fake.compiled_modules == ["dense_arch", "over_arch"] and in_place == ["over_arch"]
     assert "forward" in vars(model.dense_arch) and len(compiled) == 1
@@ -600,65 +623,59 @@ def test_trainer_compiles_modules_with_sites_behind_the_probe_router(monkeypatch
     torch.testing.assert_close(model.dense_arch(x), Tower.forward(model.dense_arch, x))
 
 
-def test_captures_run_unobserved_so_compiled_captures_have_no_graph_break() -> None:
-    """A site consults its Probe through a graph break (``torch.compiler.disable``); the
-    graphs capture inside ``mods.unobserved()`` (no site samples on a captured step), so the
-    compiled code they record is one graph."""
-    from loka_train.mods import unobserved
-
+def test_captures_run_with_sampling_off_so_compiled_captures_have_no_graph_break() -> None:
+    """A sampled site reports to its Probe through a graph break (``torch.compiler.disable``);
+    the graphs capture only on steps that do not request the module eagerly, on which no site
+    inside it samples, so the compiled code they record is one graph."""
     tower = Tower()
     probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, interval=100, window=2, min_samples=1))
     tower.site.site_name = "tower.site"
     probe.register_site("tower.site", **tower.site.probe_spec())
     tower.site.attach_observer(probe)
     probe.begin_step(0)
+    assert mark_sampled([tower.site], 0) == [tower.site]
     x = torch.randn(3, 8)
     observed = torch._dynamo.explain(Tower.forward)(tower, x)
-    with unobserved():
-        plain = torch._dynamo.explain(Tower.forward)(tower, x)
+    tower.site.set_sampling(False)
+    plain = torch._dynamo.explain(Tower.forward)(tower, x)
     assert observed.graph_break_count >= 1 and plain.graph_break_count == 0, (observed, plain)
 
     # The router's warm-up call, its captures (and the stand-in's replays, which re-run them)
-    # are unobserved: none of them is on a sampled step.
-    from loka_train.mods import site as site_mod
-
+    # run with the site's sampling off: none of them is on a sampled step.
     seen: list[bool] = []
     site_forward = tower.site.forward
-    tower.site.forward = lambda t: (seen.append(site_mod._OBSERVING), site_forward(t))[1]  # type: ignore[method-assign]
+    tower.site.forward = lambda t: (seen.append(tower.site.sampling), site_forward(t))[1]  # type: ignore[method-assign]
     probe.config.every_k_steps = 1000  # steps 1-3 do not sample: warm-up, capture, replay
-    _graphs(tower, [], warmup_calls=1)
+    graphs = _graphs(tower, [], warmup_calls=1)
     for step in (1, 2, 3):
         probe.begin_step(step)
+        graphs.eager.begin_step(mark_sampled([tower.site], step))
         tower(x)
-    assert seen == [False, False, False, False] and site_mod._OBSERVING is True
+    assert seen == [False, False, False, False]
 
 
-def test_code_compiled_unobserved_is_not_reused_on_a_sampled_step() -> None:
-    """dynamo guards on the unobserved flag: code traced inside ``unobserved()`` (no sampling
-    check) recompiles, and observes, on a step where the Probe samples; the flag comes back
-    after an exception."""
-    from loka_train.mods import site as site_mod
-    from loka_train.mods import unobserved
-
+def test_code_compiled_for_an_unsampled_step_is_not_reused_on_a_sampled_step() -> None:
+    """dynamo guards on the site's sampling flag: code traced with sampling off recompiles, and
+    observes, on a step where the Probe samples the site."""
     tower = Tower()
-    probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, interval=100, window=2, min_samples=1))
+    probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, interval=100, window=2, min_samples=1))
     tower.site.site_name = "tower.site"
     probe.register_site("tower.site", **tower.site.probe_spec())
     tower.site.attach_observer(probe)
-    asked: list[str] = []
-    should_sample = probe.should_sample
-    probe.should_sample = lambda step, name: asked.append(name) or should_sample(step, name)  # type: ignore[method-assign]
     forward = torch.compile(tower.forward, backend="eager")
     x = torch.randn(3, 8)
-    probe.begin_step(0)
-    with unobserved():
-        forward(x)
-    assert asked == []
+
+    def observations() -> int:
+        return probe.report()["sites"]["tower.site"]["num_observations"]["forward"]
+
+    probe.begin_step(1)
+    assert mark_sampled([tower.site], 1) == []
     forward(x)
-    assert asked and set(asked) == {"tower.site"}
-    with pytest.raises(RuntimeError), unobserved():
-        raise RuntimeError("boom")
-    assert site_mod._OBSERVING is True
+    assert observations() == 0
+    probe.begin_step(2)
+    assert mark_sampled([tower.site], 2) == [tower.site]
+    forward(x)
+    assert observations() == 1
 
 
 class Stack(nn.Module):
@@ -689,12 +706,12 @@ def _linears(graphs: list[torch.fx.GraphModule]) -> list[int]:
     return [sum("linear" in str(n.target) for n in gm.graph.nodes if n.op == "call_function") for gm in graphs]
 
 
-def test_a_sampling_check_in_a_layer_loop_no_longer_leaves_the_module_uncompiled() -> None:
-    """Compiled as is, the sites' sampling check (a graph break) inside the loop makes dynamo
+def test_an_observing_site_in_a_layer_loop_no_longer_leaves_the_module_uncompiled() -> None:
+    """Compiled as is, a sampled site's report (a graph break) inside the loop makes dynamo
     skip the whole forward: the layers run eagerly, unfused (DCN on an H100 ran 23 ms per step
-    instead of 14). ``observing_forward`` compiles it unobserved: one graph with every layer,
-    and the Probe's own steps run the uncompiled forward, observed."""
-    from loka_train.runtime.graphs import observing_forward
+    instead of 14). ``eager_or_compiled`` compiles it for the unsampled steps only: one graph with
+    every layer, and the Probe's own steps run the uncompiled forward, observed."""
+    from loka_train.runtime.compile import eager_or_compiled
 
     x = torch.randn(4, 8)
     seen: list[torch.fx.GraphModule] = []
@@ -704,31 +721,39 @@ def test_a_sampling_check_in_a_layer_loop_no_longer_leaves_the_module_uncompiled
         return gm.forward
 
     torch._dynamo.reset()
-    stack, probe = _observed_stack(every_k_steps=1000)  # step 1 samples nothing
-    probe.begin_step(1)
+    stack, probe = _observed_stack(every_k_steps=1)  # step 0 samples every layer
+    probe.begin_step(0)
+    mark_sampled(stack.layers, 0)
     torch.compile(stack.forward, backend=backend)(x)
     assert max(_linears(seen), default=0) < 3  # as is: no graph holds the layers together
 
     torch._dynamo.reset()
     seen.clear()
     stack, probe = _observed_stack(every_k_steps=2)  # step 0 samples, step 1 does not
-    forward = observing_forward(stack, torch.compile(stack.forward, backend=backend), stack.forward)
-    probe.begin_step(1)
+    eager = EagerSteps()
+    eager.watch(stack)
+    forward = eager_or_compiled(stack, torch.compile(stack.forward, backend=backend), stack.forward, eager)
+
+    def begin(step: int) -> None:
+        probe.begin_step(step)
+        eager.begin_step(mark_sampled(stack.layers, step))
+
+    begin(1)
     expected = Stack.forward(stack, x)
     torch.testing.assert_close(forward(x), expected)
     assert _linears(seen) == [3]
-    probe.begin_step(0)
+    begin(0)
     forward(x).sum().backward()
     assert _linears(seen) == [3]  # the sampled step ran the uncompiled forward...
     observations = probe.report()["sites"]["stack.0"]["num_observations"]
     assert observations["forward"] == 1 and observations["grad_input"] == 1  # ... observed
-    probe.begin_step(1)
+    begin(1)
     forward(x)  # the next step samples nothing: the same compiled graph again
     assert len(seen) == 1
 
 
 def test_the_run_summary_table_shows_compiled_modules_and_graph_counts() -> None:
-    from loka_train.runtime.trainer import format_summary
+    from loka_train.runtime.summary import format_summary
 
     summary = {
         "steps": 10, "world_size": 1, "global_batch": 8, "train/steps_per_s": 2.0, "train/loss": 0.5,
@@ -745,7 +770,7 @@ def test_the_run_summary_table_shows_compiled_modules_and_graph_counts() -> None
 def test_dynamo_frame_skips_names_a_frame_given_up_in_a_loop() -> None:
     """A graph break inside a loop makes dynamo run the whole frame eagerly for good; the
     trainer reports such frames as fallbacks from these readings."""
-    from loka_train.runtime.graphs import dynamo_frame_skips
+    from loka_train.runtime.compile import dynamo_frame_skips
 
     @torch.compiler.disable
     def host_check() -> bool:
@@ -774,7 +799,7 @@ def test_dynamo_frame_skips_names_a_frame_given_up_in_a_loop() -> None:
 def test_dynamo_frame_skips_counts_a_frame_past_the_recompile_limit() -> None:
     """Past dynamo's recompile limit a frame runs only the graphs it has, else eagerly (a plan
     change per call would get there): a fallback the trainer must list like a skipped frame."""
-    from loka_train.runtime.graphs import dynamo_frame_skips
+    from loka_train.runtime.compile import dynamo_frame_skips
 
     def double(x: Tensor) -> Tensor:
         return x * 2

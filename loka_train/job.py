@@ -1,7 +1,13 @@
-"""The whole job's configuration and the function that runs it (no hydra here).
+"""The whole job: its configuration and the function that runs it (no hydra here).
 
-`launch/train.py` turns the hydra YAML into a `JobConfig` and calls `run_job`; a user's
-own script can build a `JobConfig` in Python and call `run_job` the same way.
+The composition root above the runtime and the plugin: it wires the LoKA callback into a
+`Trainer`. `launch/train.py` turns the hydra YAML into a `JobConfig` and calls `run_job`; a
+user's own script can build a `JobConfig` in Python and call `run_job` the same way.
+
+Example:
+    >>> from loka_train.job import JobConfig, run_job
+    >>> from loka_train.runtime import TrainerConfig
+    >>> summary = run_job(JobConfig(trainer=TrainerConfig(steps=20)))
 """
 
 from __future__ import annotations
@@ -12,11 +18,13 @@ from typing import Any
 
 from loka_train.data import DataConfig
 from loka_train.models import ModelConfig
+from loka_train.plugin.config import LokaConfig
 from loka_train.runtime.callbacks import Callback
 from loka_train.runtime.config import TrainerConfig
-from loka_train.runtime.loka_config import LokaConfig
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["JobConfig", "make_callbacks", "run_job"]
 
 
 @dataclass(kw_only=True)
@@ -44,14 +52,16 @@ def make_callbacks(job: JobConfig) -> list[Callback]:
     """The callbacks a job runs with: the LoKA callback when `loka.enabled`."""
     if not job.loka.enabled:
         return []
-    from loka_train.runtime.loka import LokaCallback
+    from loka_train.plugin.callback import LokaCallback
 
     return [LokaCallback(job.loka)]
 
 
 def run_job(job: JobConfig) -> dict[str, Any]:
     """Train as `job` says; returns the run summary (printed on rank 0)."""
-    from loka_train.runtime.trainer import Trainer, format_summary
+    from loka_train.plugin.report import summary_rows
+    from loka_train.runtime.summary import format_summary
+    from loka_train.runtime.trainer import Trainer
 
     trainer = Trainer(
         model=job.model, data=job.data, trainer=job.trainer, callbacks=make_callbacks(job)
@@ -59,7 +69,8 @@ def run_job(job: JobConfig) -> dict[str, Any]:
     try:
         summary = trainer.fit()
         if trainer.rank == 0:
-            print(f"\nrun summary ({trainer.out_dir}/summary.json)\n{format_summary(summary)}")
+            table = format_summary(summary, summary_rows(summary))
+            print(f"\nrun summary ({trainer.out_dir}/summary.json)\n{table}")
         return summary
     finally:
         trainer.close()

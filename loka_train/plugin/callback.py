@@ -7,7 +7,9 @@ One object a user adds to the trainer's callbacks:
   the embedding all-to-all codecs are handed to the sharder.
 * `on_train_start`: sites are registered with the Probe and Dispatch; a checkpointed state
   (probe windows, plans, history) is applied to the sites; the dense-gradient hook is installed.
-* every step: the Probe samples on its schedule (inside the sites, no host sync);
+* every step (`on_step_start`): the Probe's schedule picks the sites it samples
+  (`mods.mark_sampled`), which report inside their forwards (no host sync) and which the loop
+  runs eagerly (`eager_modules`);
 * every Probe interval (`on_step_end`): statistics are all-reduced, verdicts updated, Dispatch
   re-plans (collectively, so every rank applies the same plan at the same step), the comm
   policy moves precisions, metrics are logged and the progress bar shows FP8 coverage;
@@ -19,27 +21,28 @@ Using it in your own TorchRec loop (TrainPipelineSparseDist or not) takes the sa
 Trainer makes; see `examples/own_loop.py`.
 
 Example:
-    >>> from loka_train.runtime import LokaConfig
+    >>> from loka_train.plugin import LokaCallback, LokaConfig
     >>> trainer = Trainer(model=..., data=..., trainer=...,
     ...                   callbacks=[LokaCallback(LokaConfig(enabled=True))])
 """
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from loka_train.dispatch import Dispatcher, PlanChange
 from loka_train.kernels.roles import ROLES
-from loka_train.mods import convert, sites
-from loka_train.plugin.plots import plot_probe_sqnr
+from loka_train.mods import convert, mark_sampled, sites
+from loka_train.plugin.config import LokaConfig
+from loka_train.plugin.report import run_report, write_report
 from loka_train.probe import Probe
 from loka_train.runtime.callbacks import Callback
-from loka_train.runtime.loka_config import LokaConfig
 
 if TYPE_CHECKING:
     from loka_train.runtime.context import LoopState as Trainer
@@ -57,6 +60,8 @@ class LokaCallback(Callback):
     def __init__(self, config: LokaConfig) -> None:
         self.config = config
         self.sites: dict[str, Any] = {}
+        self._sampled: Collection[nn.Module] = ()
+        """The sites the Probe samples on the current step."""
         self.probe: Probe | None = None
         self.dispatcher: Dispatcher | None = None
         self.comm_state: Any = None
@@ -96,7 +101,7 @@ class LokaCallback(Callback):
         self.dispatcher = Dispatcher(
             self.config.dispatch,
             device=trainer.device,
-            out_dtype=torch.bfloat16 if trainer.device.type == "cuda" else torch.float32,
+            out_dtype=trainer.dense_dtype,
             graphed=trainer.graphs is not None,
         )
         for name, site in self.sites.items():
@@ -145,8 +150,14 @@ class LokaCallback(Callback):
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         assert self.probe is not None
         self.probe.begin_step(step)
+        self._sampled = mark_sampled(self.sites.values(), step)
         if self.comm_state is not None:
             self.comm_state.begin_step(step)
+
+    def eager_modules(self, trainer: Trainer, step: int) -> Collection[nn.Module]:
+        """The sites the Probe samples on `step`: their statistics are host work that compiled
+        code and CUDA graph replays would skip."""
+        return self._sampled
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         assert self.probe is not None and self.dispatcher is not None
@@ -226,120 +237,26 @@ class LokaCallback(Callback):
 
     # ------------------------------------------------------------------------ reporting
     def report(self, trainer: Trainer | None = None) -> dict[str, Any]:
-        """The run report as plain data (rank-independent content)."""
+        """The run report as plain data (rank-independent content; :mod:`loka_train.plugin.report`)."""
         assert self.probe is not None and self.dispatcher is not None
-        d = self.dispatcher
-        verdicts = self.probe.verdicts()
-        site_rows = {}
-        for name in sorted(self.sites):
-            roles = {}
-            for role in ROLES:
-                plan = getattr(d.plans[name], role)
-                shape = d.shapes[name].get(role)
-                entry: dict[str, Any] = {"plan": str(plan), "shape": list(shape) if shape else None}
-                if plan.is_fp8:
-                    v = verdicts.get((name, role, plan.fmt, plan.scaling))
-                    if v is not None:
-                        entry["sqnr_lo_db"] = v.sqnr_lo_db
-                        entry["verdict"] = v.reason
-                    if shape:
-                        t_hi = d._estimate(role, shape, None)
-                        entry["est_speedup"] = t_hi / d._estimate(role, shape, plan)
-                entry["why"] = d._reasons.get((name, role), "initial plan")
-                entry["history"] = [str(c) for c in d.history if c.site == name and c.role == role]
-                roles[role] = entry
-            site_rows[name] = roles
-        comm = self.comm_state.report() if self.comm_state is not None else {"enabled": False}
-        fallbacks = [f"backend unavailable: {k}: {v}" for k, v in sorted(d.unsupported.items())]
-        fallbacks += [
-            f"candidate excluded, its benchmark failed: {k}: {v}" for k, v in sorted(d.measure_failures.items())
-        ]
-        fallbacks += [
-            f"site {name}: {site.num_fallbacks} GEMMs ran in high precision instead of their plan"
-            for name, site in sorted(self.sites.items())
-            if getattr(site, "num_fallbacks", 0)
-        ]
-        fallbacks += [
-            f"dense grad hook {i}: {comp.num_dropped_residuals} restored error-feedback "
-            "residual(s) dropped"
-            for i, comp in enumerate(self.compressors) if comp.num_dropped_residuals
-        ]
-        if trainer is not None:
-            fallbacks += list(trainer.fallbacks)
-        return {
-            "fp8_coverage": d.fp8_coverage(),
-            "timing": d.timing_mode,
-            "plan_changes": d.num_changes,
-            "guard_trips": self.guard_trips,
-            "sites": site_rows,
-            "probe": self.probe.report(),
-            "comm": comm,
-            "fallbacks": fallbacks,
-            "plan_export": d.export(),
-        }
+        return run_report(
+            sites=self.sites, probe=self.probe, dispatcher=self.dispatcher, comm_state=self.comm_state,
+            compressors=self.compressors, guard_trips=self.guard_trips,
+            fallbacks=trainer.fallbacks if trainer is not None else (),
+        )
 
     def write_report(self, trainer: Trainer) -> Path | None:
         """Write loka_report.{json,md} and PNG plots under out_dir/loka (rank 0 only)."""
         report = self.report(trainer)
         if trainer.rank != 0:
             return None
+        assert self.probe is not None and self.dispatcher is not None
         out = trainer.out_dir / "loka"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "loka_report.json").write_text(json.dumps(report, indent=2, default=str))
-        (out / "loka_report.md").write_text(self._markdown(report))
-        assert self.probe is not None
-        try:
-            plot_probe_sqnr(report["probe"], out / "sqnr.png")
-            self._plot_timeline(out / "plan_timeline.png")
-        except ImportError as exc:
-            msg = f"report plots skipped: {exc} (pip install matplotlib)"
-            logger.warning(msg)
-            trainer.fallbacks.append(msg)
+        trainer.fallbacks.extend(write_report(
+            report, out, history=self.dispatcher.history, timeline=self.timeline,
+            site_names=sorted(self.sites),
+        ))
         return out
-
-    def _markdown(self, report: dict[str, Any]) -> str:
-        assert self.dispatcher is not None
-        lines = [
-            "# LoKA run report",
-            "",
-            f"FP8 coverage: {report['fp8_coverage']:.0%} of GEMMs; plan changes: "
-            f"{report['plan_changes']}; timing: {report['timing']}; quality-guard trips: "
-            f"{len(report['guard_trips'])}",
-            "",
-            "| site | GEMM | M x K x N | plan | SQNR lo (dB) | est. speed-up | why |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for site, roles in report["sites"].items():
-            for role, e in roles.items():
-                shape = "x".join(map(str, e["shape"])) if e["shape"] else "-"
-                sq = f"{e['sqnr_lo_db']:.1f}" if "sqnr_lo_db" in e else "-"
-                sp = f"{e['est_speedup']:.2f}x" if "est_speedup" in e else "-"
-                lines.append(f"| {site} | {role} | {shape} | {e['plan']} | {sq} | {sp} | {e['why']} |")
-        lines += ["", "## Plan changes", ""]
-        lines += [f"- {c}" for c in self.dispatcher.history] or ["- none"]
-        lines += ["", "## Communication", "", "```", json.dumps(report["comm"], indent=2, default=str), "```"]
-        lines += ["", "## Fallbacks", ""]
-        lines += [f"- {f}" for f in report["fallbacks"]] or ["- none"]
-        return "\n".join(lines) + "\n"
-
-    def _plot_timeline(self, path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        names = sorted(self.sites)
-        fig, ax = plt.subplots(figsize=(10, 0.35 * max(len(names), 4) + 1.5))
-        for i, name in enumerate(names):
-            xs = [step for step, _ in self.timeline]
-            fp8 = [plans[name].count("hi") for _, plans in self.timeline]
-            ax.scatter(xs, [i] * len(xs), c=[3 - f for f in fp8], cmap="viridis", vmin=0, vmax=3, s=25)
-        ax.set_yticks(range(len(names)), names, fontsize=7)
-        ax.set_xlabel("step")
-        ax.set_title("GEMMs in FP8 per site (0-3) at each interval")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         assert self.dispatcher is not None

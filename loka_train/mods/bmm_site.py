@@ -1,0 +1,84 @@
+"""The batched GEMM site: ``bmm(a, bt)`` of two activations (DLRM dot interaction, Wukong FM).
+
+FP8 runs on the ``emulated`` backend only (no registered backend has a batched FP8 GEMM).
+
+Example:
+    >>> site = BmmSite()
+    >>> site(torch.randn(2, 5, 8), torch.randn(2, 8, 5)).shape
+    torch.Size([2, 5, 5])
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from loka_train.kernels.plan import LinearPlan
+from loka_train.mods.planned import gemm_plans, planned_bmm
+from loka_train.mods.site import Site
+
+__all__ = ["OBSERVED_BATCHES", "BmmSite"]
+
+OBSERVED_BATCHES = 8
+"""Batches of a batched (bmm) site that are reported to the observer on a sampled step."""
+
+
+class BmmSite(Site):
+    """A batched GEMM of two activations, ``site(a, bt) == torch.bmm(a, bt)`` in high precision.
+
+    Roles as for a linear layer with input ``a`` (B, M, K) and weight ``bt^T`` (B, N, K) per
+    batch. FP8 runs on the ``emulated`` backend only. On a sampled step the observer gets
+    the first ``OBSERVED_BATCHES`` batches as 2-D GEMMs: forward ``(a_rows, b_rows)`` stacked
+    over those batches (the cross-batch products it adds have the same per-element error as
+    the per-batch ones under row-wise scaling), and for the gradient roles ``dY`` as a
+    block-diagonal matrix, so their products are exactly the per-batch ones; per-column
+    scales of the second operand then span those batches.
+
+    Example:
+        >>> site = BmmSite()
+        >>> site(torch.randn(2, 5, 8), torch.randn(2, 8, 5)).shape
+        torch.Size([2, 5, 5])
+    """
+
+    kind: ClassVar[str] = "bmm"
+
+    def supports_plan(self, plan: LinearPlan) -> tuple[bool, str]:
+        ok, why = super().supports_plan(plan)
+        if not ok:
+            return ok, why
+        for role, gp in gemm_plans(plan).items():
+            if gp.is_fp8 and gp.backend != "emulated":
+                return False, (
+                    f"{role}: backend {gp.backend!r} has no batched FP8 GEMM; bmm sites run FP8 "
+                    "only on 'emulated' (or keep them in high precision)"
+                )
+        return True, ""
+
+    def forward(self, a_BMK: Tensor, bt_BKN: Tensor) -> Tensor:
+        b, m, k = a_BMK.shape
+        self._set_mkn((b * m, k, bt_BKN.shape[-1]))
+        y = planned_bmm(a_BMK, bt_BKN, self.plan, compiled_quantizer=self.compiled_quantizer)
+        if self._should_observe():
+            self._observe(a_BMK, bt_BKN, y)
+        return y
+
+    @torch.compiler.disable
+    def _observe(self, a_BMK: Tensor, bt_BKN: Tensor, y: Tensor) -> None:
+        obs, name = self.observer, self.site_name
+        assert obs is not None
+        s = min(a_BMK.shape[0], OBSERVED_BATCHES)
+        k = a_BMK.shape[-1]
+        x_MK = a_BMK[:s].detach().reshape(-1, k)
+        w_NK = bt_BKN[:s].detach().transpose(1, 2).reshape(-1, k)
+        obs.observe(name, "forward", x_MK, w_NK)
+        if not y.requires_grad:
+            return
+
+        def hook(grad: Tensor) -> None:
+            dy_MN = torch.block_diag(*grad[:s].detach())
+            obs.observe(name, "grad_input", dy_MN, w_NK)
+            obs.observe(name, "grad_weight", dy_MN, x_MK)
+
+        y.register_hook(hook)

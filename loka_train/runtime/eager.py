@@ -1,0 +1,74 @@
+"""Which dense submodules run eagerly on the current step, and what keys a module's forward.
+
+A loop that compiles or graphs its dense submodules (``trainer.compile_dense``,
+``trainer.cuda_graphs``) runs a submodule's uncompiled, unreplayed forward on the steps where a
+callback does host work inside it that compiled code or a replay would skip. The callbacks
+name those modules once per step (:meth:`Callback.eager_modules
+<loka_train.runtime.callbacks.Callback.eager_modules>`); :class:`EagerSteps` turns that into one
+answer per watched submodule, which :class:`~loka_train.runtime.graphs.DenseGraphs` and the
+compiled forwards (:mod:`loka_train.runtime.compile`) read on every call. Nothing else decides
+it.
+
+A module whose forward depends on state other than its parameters and inputs (a plan, say)
+declares it with ``forward_key()`` (:class:`Keyed`): the graphs re-capture a module when a key
+inside it changes, and compiled code keeps one cache entry per key.
+
+Example:
+    >>> eager = EagerSteps()
+    >>> eager.watch(model.dense_arch)
+    >>> eager.begin_step(callbacks.eager_modules(trainer, step))   # every step
+    >>> eager.runs_eagerly(model.dense_arch)
+    False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+__all__ = ["EagerSteps", "Keyed", "keyed_modules"]
+
+
+@runtime_checkable
+class Keyed(Protocol):
+    """A module whose forward depends on state besides its parameters and inputs."""
+
+    def forward_key(self) -> Hashable:
+        """That state, hashable: two calls with equal keys (and equal inputs and parameters)
+        compute the same."""
+        ...
+
+
+def keyed_modules(module: nn.Module) -> tuple[Keyed, ...]:
+    """The :class:`Keyed` modules in `module` (itself included), in ``modules()`` order."""
+    return tuple(m for m in module.modules() if isinstance(m, Keyed))
+
+
+class EagerSteps:
+    """The watched submodules that run eagerly on the current step.
+
+    A watched submodule runs eagerly when a module named in :meth:`begin_step` is inside it
+    (or is it). Until the first :meth:`begin_step`, none does.
+    """
+
+    def __init__(self) -> None:
+        self._members: dict[nn.Module, frozenset[nn.Module]] = {}
+        self._eager: frozenset[nn.Module] = frozenset()
+
+    def watch(self, module: nn.Module) -> None:
+        """Answer :meth:`runs_eagerly` for `module` from the next :meth:`begin_step` on."""
+        self._members[module] = frozenset(module.modules())
+
+    def begin_step(self, requested: Iterable[nn.Module]) -> None:
+        """The modules that must run eagerly on the step about to run (the callbacks'
+        ``eager_modules``)."""
+        wanted = set(requested)
+        self._eager = frozenset(
+            module for module, members in self._members.items() if not members.isdisjoint(wanted)
+        )
+
+    def runs_eagerly(self, module: nn.Module) -> bool:
+        """Whether the watched `module` runs eagerly on the current step."""
+        return module in self._eager

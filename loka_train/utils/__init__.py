@@ -1,0 +1,7 @@
+"""Small helpers with no loka_train dependencies, shared by every layer (kernels/ to runtime/).
+
+Modules:
+    capture: ``reset_capture_state`` (after a failed CUDA graph capture).
+    profiling: ``profiled`` (profiler ranges that cost nothing when no profiler runs).
+    names: ``strip_wrapper_prefixes`` (module names without DMP / DDP wrapper prefixes).
+"""
