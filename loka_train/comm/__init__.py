@@ -5,6 +5,8 @@
 * `DenseGradCompressor` / `install_dense_grad_hook`: DDP comm hook for dense gradients, with
   error feedback.
 * `CommState`: precision per channel, bytes on the wire, fallbacks, SQNR measurements.
+* `WireFormat` / `CodecImpl`: the payload of each precision and the kernels that encode it
+  (the PyTorch reference, fused Triton kernels in `comm.triton_codec`, FBGEMM's ops).
 * `CommPolicy`: lowers/raises each channel's precision from measured SQNR, on all ranks at once.
 
 Example:
@@ -18,7 +20,7 @@ Example:
 """
 
 from loka_train.comm.codec import CommContext, SwitchableCodec, make_qcomm_codecs_registry
-from loka_train.comm.config import CommChannel, CommConfig, CommPrecision
+from loka_train.comm.config import CodecImpl, CommChannel, CommConfig, CommPrecision
 from loka_train.comm.dense import DenseGradCompressor, dense_grad_comm_hook, install_dense_grad_hook
 from loka_train.comm.formats import WireFormat
 from loka_train.comm.policy import Action, CommPolicy, Proposal
@@ -33,6 +35,7 @@ from loka_train.comm.state import (
 
 __all__ = [
     "Action",
+    "CodecImpl",
     "CommChannel",
     "CommConfig",
     "CommContext",

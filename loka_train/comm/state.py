@@ -31,7 +31,7 @@ import torch.distributed as dist
 from packaging.version import Version
 
 from loka_train.comm.config import CommChannel, CommConfig, CommPrecision
-from loka_train.comm.formats import WireFormat
+from loka_train.comm.formats import WireFormat, check_codec_impl
 
 logger = logging.getLogger(__name__)
 
@@ -245,8 +245,9 @@ class CommState:
             unsupported one raises here.
         backend: "gloo" or "nccl"; None: the default process group's backend if initialized,
             else "nccl" for a CUDA `device` and "gloo" otherwise.
-        device: where the SQNR buffer lives (the device collectives run on); None: the
-            current CUDA device for nccl, else CPU.
+        device: where the SQNR buffer lives (the device collectives run on; an explicit
+            `config.codec_impl` must run there); None: the current CUDA device for nccl,
+            else CPU.
 
     Example:
         >>> state = CommState(CommConfig(reduce_scatter_forward=CommPrecision.FP16),
@@ -275,12 +276,7 @@ class CommState:
                 if backend == "nccl"
                 else torch.device("cpu")
             )
-        if config.use_fbgemm_ops and device.type != "cuda":
-            raise ValueError(
-                "comm.use_fbgemm_ops=True needs a CUDA device (FBGEMM's FP8 row-wise ops have "
-                f"no CPU kernel); got device={device}. Set use_fbgemm_ops=False to use the "
-                "reference encoder."
-            )
+        check_codec_impl(config.codec_impl, device, config.row_dim)
         self.config = config
         self.backend = backend
         self.device = device
@@ -400,7 +396,7 @@ class CommState:
                 precision=precision,
                 row_dim=self.config.row_dim,
                 fp8_format=self.config.fp8_format(channel),
-                use_fbgemm=self.config.use_fbgemm_ops,
+                impl=self.config.codec_impl,
             )
             self._formats[key] = fmt
         return fmt
