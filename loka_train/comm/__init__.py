@@ -4,7 +4,10 @@
   embedding all-to-all and reduce-scatter (FP32, FP16, BF16, FP8 row-wise, INT8 row-wise).
 * `DenseGradCompressor` / `install_dense_grad_hook`: DDP comm hook for dense gradients, with
   error feedback.
-* `CommState`: precision per channel, bytes on the wire, fallbacks, SQNR measurements.
+* `CommState`: precision per channel and SQNR measurements; its `CommStats`: bytes on the
+  wire, fallbacks, switches.
+* `WireFormat` / `CodecImpl`: the payload of each precision and the kernels that encode it
+  (the PyTorch reference, fused Triton kernels in `comm.triton_codec`, FBGEMM's ops).
 * `CommPolicy`: lowers/raises each channel's precision from measured SQNR, on all ranks at once.
 
 Example:
@@ -18,21 +21,16 @@ Example:
 """
 
 from loka_train.comm.codec import CommContext, SwitchableCodec, make_qcomm_codecs_registry
-from loka_train.comm.config import CommChannel, CommConfig, CommPrecision
+from loka_train.comm.config import CodecImpl, CommChannel, CommConfig, CommPrecision
 from loka_train.comm.dense import DenseGradCompressor, dense_grad_comm_hook, install_dense_grad_hook
 from loka_train.comm.formats import WireFormat
 from loka_train.comm.policy import Action, CommPolicy, Proposal
-from loka_train.comm.state import (
-    CommState,
-    CommStats,
-    FallbackEvent,
-    PrecisionSource,
-    SwitchEvent,
-    channel_supports,
-)
+from loka_train.comm.state import CommState, PrecisionSource, channel_supports
+from loka_train.comm.stats import CommStats, FallbackEvent, SwitchEvent
 
 __all__ = [
     "Action",
+    "CodecImpl",
     "CommChannel",
     "CommConfig",
     "CommContext",

@@ -75,6 +75,26 @@ _PRECISION_ORDER = {
 }
 
 
+class CodecImpl(Enum):
+    """Which kernels encode and decode FP8 and 16-bit payloads (see `CommConfig.codec_impl`)."""
+
+    AUTO = "auto"
+    """TRITON where the Triton codec runs on the tensor's device (CUDA, sm_89+), else
+    REFERENCE. Never FBGEMM: its FP8 payload has another layout."""
+
+    REFERENCE = "reference"
+    """Pure PyTorch (several elementwise kernels per call); the numerical oracle."""
+
+    FBGEMM = "fbgemm"
+    """FBGEMM's row-wise quantize ops for FP8 and INT8 (CUDA only; FBGEMM's FP8 layout and
+    variants, see `comm.formats`); 16-bit payloads as REFERENCE."""
+
+    TRITON = "triton"
+    """One fused Triton kernel per FP8 encode, FP8 decode and 16-bit encode
+    (`comm.triton_codec`), bit-identical to REFERENCE on the same device; INT8 as REFERENCE.
+    Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (tests)."""
+
+
 class CommChannel(Enum):
     """One direction of one collective; each has its own precision (see module docstring)."""
 
@@ -198,10 +218,14 @@ class CommConfig:
     """Dense gradients: keep, per DDP bucket, the error the lossy encoding made and add it to
     the next step's gradient (error feedback), so no update is lost over time."""
 
-    use_fbgemm_ops: bool = False
-    """Encode FP8/INT8 with FBGEMM's row-wise quantize ops (CUDA only) instead of the
-    pure-PyTorch reference. The FP8 payload then has FBGEMM's layout (8 bytes of scale per
-    row) and FBGEMM's FP8 variants (e4m3 bias 15 forward, e5m2 bias 31 backward)."""
+    codec_impl: CodecImpl = CodecImpl.AUTO
+    """Kernels of the FP8 / FP16 / BF16 (and INT8) encoders and decoders: AUTO (fused Triton
+    kernels where they run on the collective's device, else the pure-PyTorch reference),
+    REFERENCE, TRITON (same payload, same numbers as REFERENCE, one kernel per encode and per
+    FP8 decode; CUDA sm_89+) or FBGEMM (FBGEMM's row-wise ops, CUDA only: the FP8 payload then
+    has FBGEMM's layout, 8 bytes of scale per row, and its FP8 variants, e4m3 bias 15 forward
+    and e5m2 bias 31 backward; every rank must use it). An explicit TRITON or FBGEMM that
+    cannot run on the device raises when the comm state is built."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -221,6 +245,7 @@ class CommConfig:
                     f"comm.{name}={fmt.name}: choose one of {[f.name for f in COMM_FP8_FORMATS]}"
                 )
             setattr(self, name, fmt)
+        self.codec_impl = _coerce_enum(CodecImpl, self.codec_impl, "codec_impl")
         self.adaptive_channels = tuple(
             _coerce_enum(CommChannel, c, "adaptive_channels") for c in self.adaptive_channels
         )
@@ -263,10 +288,10 @@ class CommConfig:
                 "comm.adaptive_channels is set but comm.sample_every=0: the policy needs "
                 "measurements; set sample_every >= 1"
             )
-        if self.use_fbgemm_ops and self.row_dim % 4 != 0:
+        if self.codec_impl is CodecImpl.FBGEMM and self.row_dim % 4 != 0:
             raise ValueError(
-                f"comm.row_dim={self.row_dim} must be a multiple of 4 with use_fbgemm_ops=True "
-                "(FBGEMM aligns each row's payload to 4 bytes)"
+                f"comm.row_dim={self.row_dim} must be a multiple of 4 with "
+                "codec_impl=FBGEMM (FBGEMM aligns each row's payload to 4 bytes)"
             )
 
     def initial_precision(self, channel: CommChannel) -> CommPrecision:

@@ -33,7 +33,8 @@ from enum import Enum
 import torch.distributed as dist
 
 from loka_train.comm.config import CommChannel, CommPrecision
-from loka_train.comm.state import CommState, PrecisionSource, SwitchEvent
+from loka_train.comm.state import CommState, PrecisionSource
+from loka_train.comm.stats import SwitchEvent
 
 logger = logging.getLogger(__name__)
 

@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from packaging.version import Version
 
 from loka_train.comm.config import CommChannel, CommConfig, CommPrecision
-from loka_train.comm.formats import WireFormat
+from loka_train.comm.formats import WireFormat, check_codec_impl
+from loka_train.comm.stats import CommStats, FallbackEvent
 
 logger = logging.getLogger(__name__)
 
@@ -57,38 +56,6 @@ class PrecisionSource(Enum):
 
     POLICY = "policy"
     """The policy: an unsupported request falls back upward, logged and counted."""
-
-
-@dataclass(frozen=True)
-class FallbackEvent:
-    """A precision that was asked for but could not be used."""
-
-    step: int
-    """Training step (-1: at setup)."""
-    channel: CommChannel
-    """Where."""
-    requested: CommPrecision
-    """What was asked for."""
-    used: CommPrecision
-    """What is used instead."""
-    reason: str
-    """Why the request could not be honoured."""
-
-
-@dataclass(frozen=True)
-class SwitchEvent:
-    """A precision change applied by the policy (same step on every rank)."""
-
-    step: int
-    """Step after which it was applied (the new precision is used from the next step)."""
-    channel: CommChannel
-    """Which channel."""
-    old: CommPrecision
-    """Precision before."""
-    new: CommPrecision
-    """Precision after."""
-    reason: str
-    """Measured SQNRs that motivated it."""
 
 
 @cache
@@ -126,111 +93,6 @@ def channel_supports(
     return True, ""
 
 
-class CommStats:
-    """Counters of what went over the wire: the metrics and the run report.
-
-    Bytes are payload bytes this rank handed to a collective (for an all-to-all this includes
-    the slice it sends to itself), counted in the encoder from the payload's size, so no
-    device sync is needed.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.step_bytes: dict[CommChannel, int] = dict.fromkeys(_CHANNELS, 0)
-        """Bytes per channel in the current step (reset by `end_step`)."""
-        self.step_calls: dict[CommChannel, int] = dict.fromkeys(_CHANNELS, 0)
-        """Encoder calls per channel in the current step."""
-        self.total_bytes: dict[CommChannel, int] = dict.fromkeys(_CHANNELS, 0)
-        """Bytes per channel since the start."""
-        self.bytes_by_precision: dict[CommChannel, dict[CommPrecision, int]] = {
-            c: {} for c in _CHANNELS
-        }
-        """Bytes per channel and precision actually used."""
-        self.calls_by_precision: dict[CommChannel, dict[CommPrecision, int]] = {
-            c: {} for c in _CHANNELS
-        }
-        """Encoder calls per channel and precision actually used."""
-        self.eval_bytes: dict[CommChannel, int] = dict.fromkeys(_CHANNELS, 0)
-        """Bytes per channel moved by evaluation forwards (kept out of the training counters)."""
-        self.evaluating = False
-        """True while an evaluation runs: `record` counts into `eval_bytes` only."""
-        self.fallbacks: list[FallbackEvent] = []
-        """Every fallback, in order."""
-        self.switches: list[SwitchEvent] = []
-        """Every policy switch, in order."""
-
-    def record(self, channel: CommChannel, precision: CommPrecision, num_bytes: int) -> None:
-        """Count one encoded payload of `num_bytes` on `channel`."""
-        with self._lock:
-            if self.evaluating:
-                self.eval_bytes[channel] += num_bytes
-                return
-            self.step_bytes[channel] += num_bytes
-            self.step_calls[channel] += 1
-            self.total_bytes[channel] += num_bytes
-            by_precision = self.bytes_by_precision[channel]
-            by_precision[precision] = by_precision.get(precision, 0) + num_bytes
-            calls = self.calls_by_precision[channel]
-            calls[precision] = calls.get(precision, 0) + 1
-
-    def state_dict(self) -> dict[str, object]:
-        """Totals and events since the start (the current step's counters are not kept)."""
-        with self._lock:
-            return {
-                "total_bytes": {c.value: n for c, n in self.total_bytes.items()},
-                "eval_bytes": {c.value: n for c, n in self.eval_bytes.items()},
-                "bytes_by_precision": {
-                    c.value: {p.value: n for p, n in d.items()} for c, d in self.bytes_by_precision.items()
-                },
-                "calls_by_precision": {
-                    c.value: {p.value: n for p, n in d.items()} for c, d in self.calls_by_precision.items()
-                },
-                "fallbacks": [
-                    [e.step, e.channel.value, e.requested.value, e.used.value, e.reason]
-                    for e in self.fallbacks
-                ],
-                "switches": [
-                    [e.step, e.channel.value, e.old.value, e.new.value, e.reason] for e in self.switches
-                ],
-            }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved (the run report of a resumed run covers it all)."""
-        with self._lock:
-            for name, n in state["total_bytes"].items():
-                self.total_bytes[CommChannel(name)] = int(n)
-            for name, n in state["eval_bytes"].items():
-                self.eval_bytes[CommChannel(name)] = int(n)
-            for key, target in (
-                ("bytes_by_precision", self.bytes_by_precision),
-                ("calls_by_precision", self.calls_by_precision),
-            ):
-                for name, per in state[key].items():
-                    target[CommChannel(name)] = {CommPrecision(p): int(n) for p, n in per.items()}
-            self.fallbacks = [
-                FallbackEvent(
-                    step=int(st), channel=CommChannel(c), requested=CommPrecision(r),
-                    used=CommPrecision(u), reason=str(why),
-                )
-                for st, c, r, u, why in state["fallbacks"]
-            ]
-            self.switches = [
-                SwitchEvent(
-                    step=int(st), channel=CommChannel(c), old=CommPrecision(o),
-                    new=CommPrecision(n), reason=str(why),
-                )
-                for st, c, o, n, why in state["switches"]
-            ]
-
-    def take_step(self) -> tuple[dict[CommChannel, int], dict[CommChannel, int]]:
-        """Return (bytes, calls) per channel of the step and start a new one."""
-        with self._lock:
-            step_bytes, step_calls = self.step_bytes, self.step_calls
-            self.step_bytes = dict.fromkeys(_CHANNELS, 0)
-            self.step_calls = dict.fromkeys(_CHANNELS, 0)
-        return step_bytes, step_calls
-
-
 @dataclass
 class _ChannelState:
     precision: CommPrecision
@@ -245,8 +107,9 @@ class CommState:
             unsupported one raises here.
         backend: "gloo" or "nccl"; None: the default process group's backend if initialized,
             else "nccl" for a CUDA `device` and "gloo" otherwise.
-        device: where the SQNR buffer lives (the device collectives run on); None: the
-            current CUDA device for nccl, else CPU.
+        device: where the SQNR buffer lives (the device collectives run on; an explicit
+            `config.codec_impl` must run there); None: the current CUDA device for nccl,
+            else CPU.
 
     Example:
         >>> state = CommState(CommConfig(reduce_scatter_forward=CommPrecision.FP16),
@@ -275,12 +138,7 @@ class CommState:
                 if backend == "nccl"
                 else torch.device("cpu")
             )
-        if config.use_fbgemm_ops and device.type != "cuda":
-            raise ValueError(
-                "comm.use_fbgemm_ops=True needs a CUDA device (FBGEMM's FP8 row-wise ops have "
-                f"no CPU kernel); got device={device}. Set use_fbgemm_ops=False to use the "
-                "reference encoder."
-            )
+        check_codec_impl(config.codec_impl, device, config.row_dim)
         self.config = config
         self.backend = backend
         self.device = device
@@ -400,7 +258,7 @@ class CommState:
                 precision=precision,
                 row_dim=self.config.row_dim,
                 fp8_format=self.config.fp8_format(channel),
-                use_fbgemm=self.config.use_fbgemm_ops,
+                impl=self.config.codec_impl,
             )
             self._formats[key] = fmt
         return fmt

@@ -12,8 +12,10 @@ apart). Checked:
       differs by at most one step of the coarser grid: 2^-m * |x| (m mantissa bits);
     * e5m2: the two agree to > 100 dB;
     * INT8 (the same algorithm as FBGEMM's fused 8-bit row-wise): > 60 dB apart;
-    * the codec with use_fbgemm_ops=True: payload sizes agree with calc_quantized_size and
-      the round trip is within the CPU floors.
+    * the codec with each codec_impl (REFERENCE, FBGEMM, TRITON, AUTO): payload sizes agree
+      with calc_quantized_size and the round trip is within the CPU floors.
+
+The Triton codec against the reference and FBGEMM: tests/gpu/test_comm_codec_gpu.py.
 
 Shape legend: R rows, C values per row (row_dim).
 """
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from loka_train.comm import (
+    CodecImpl,
     CommChannel,
     CommConfig,
     CommPrecision,
@@ -61,9 +64,14 @@ def _rows(seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("fp8_format", [Fp8Format.E4M3, Fp8Format.E5M2])
 def test_reference_fp8_matches_fbgemm(fp8_format: Fp8Format) -> None:
     x_RC = _rows()
-    ours = WireFormat(precision=CommPrecision.FP8, row_dim=ROW_DIM, fp8_format=fp8_format)
+    ours = WireFormat(
+        precision=CommPrecision.FP8,
+        row_dim=ROW_DIM,
+        fp8_format=fp8_format,
+        impl=CodecImpl.REFERENCE,
+    )
     fbgemm = WireFormat(
-        precision=CommPrecision.FP8, row_dim=ROW_DIM, fp8_format=fp8_format, use_fbgemm=True
+        precision=CommPrecision.FP8, row_dim=ROW_DIM, fp8_format=fp8_format, impl=CodecImpl.FBGEMM
     )
     payload = fbgemm.encode_bytes(x_RC)
     assert payload.dtype == torch.uint8 and payload.is_cuda
@@ -92,22 +100,24 @@ def test_reference_fp8_matches_fbgemm(fp8_format: Fp8Format) -> None:
 
 def test_reference_int8_matches_fbgemm() -> None:
     x_RC = _rows(seed=1)
-    ours = WireFormat(precision=CommPrecision.INT8, row_dim=ROW_DIM).roundtrip(x_RC)
-    theirs = WireFormat(precision=CommPrecision.INT8, row_dim=ROW_DIM, use_fbgemm=True).roundtrip(
-        x_RC
-    )
+    ours = WireFormat(
+        precision=CommPrecision.INT8, row_dim=ROW_DIM, impl=CodecImpl.REFERENCE
+    ).roundtrip(x_RC)
+    theirs = WireFormat(
+        precision=CommPrecision.INT8, row_dim=ROW_DIM, impl=CodecImpl.FBGEMM
+    ).roundtrip(x_RC)
     assert float(sqnr_db(theirs, ours)) > 60
 
 
-@pytest.mark.parametrize("use_fbgemm_ops", [False, True])
+@pytest.mark.parametrize("codec_impl", list(CodecImpl), ids=lambda i: i.value)
 @pytest.mark.parametrize("precision", [CommPrecision.FP8, CommPrecision.INT8, CommPrecision.BF16])
-def test_codec_on_cuda(precision: CommPrecision, use_fbgemm_ops: bool) -> None:
+def test_codec_on_cuda(precision: CommPrecision, codec_impl: CodecImpl) -> None:
     state = CommState(
         CommConfig(
             a2a_forward=precision,
             a2a_backward=precision,
             row_dim=ROW_DIM,
-            use_fbgemm_ops=use_fbgemm_ops,
+            codec_impl=codec_impl,
         ),
         backend="nccl",
         device="cuda",

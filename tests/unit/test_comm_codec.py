@@ -17,6 +17,7 @@ from fbgemm_gpu.quantize_comm import QuantizationContext
 from torchrec.distributed.types import CommOp, QuantizedCommCodecs
 
 from loka_train.comm import (
+    CodecImpl,
     CommChannel,
     CommConfig,
     CommContext,
@@ -265,9 +266,9 @@ def test_measure_marks_rowwise_unusable_when_rows_do_not_fit() -> None:
     assert sqnr[CommPrecision.BF16] > 40
 
 
-def test_use_fbgemm_ops_needs_cuda() -> None:
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        CommState(CommConfig(use_fbgemm_ops=True), backend="gloo", device="cpu")
+def test_fbgemm_codec_needs_cuda() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device.*AUTO or REFERENCE"):
+        CommState(CommConfig(codec_impl=CodecImpl.FBGEMM), backend="gloo", device="cpu")
 
 
 def test_state_dict_roundtrip() -> None:
@@ -290,7 +291,8 @@ def test_state_dict_roundtrip() -> None:
         ({"forward_lower_sqnr_db": 10.0, "forward_raise_sqnr_db": 20.0}, "hysteresis band"),
         ({"lower_patience": 0}, "lower_patience=0 must be >= 1"),
         ({"adaptive_channels": ("a2a_fwd",), "sample_every": 0}, "needs measurements"),
-        ({"use_fbgemm_ops": True, "row_dim": 6}, "multiple of 4"),
+        ({"codec_impl": "fbgemm", "row_dim": 6}, "multiple of 4"),
+        ({"codec_impl": "fast"}, "comm.codec_impl='fast': choose one of"),
     ],
 )
 def test_config_validation(overrides: dict[str, object], message: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loka_train.comm import CommPrecision, WireFormat
+from loka_train.comm import CodecImpl, CommPrecision, WireFormat
 from loka_train.kernels.formats import Fp8Format, sqnr_db
 
 # Round-trip SQNR floors (dB) on N(0, 1) data, row_dim=32. Measured on this data: FP16 73.7,
@@ -88,7 +88,7 @@ def test_int8_matches_fbgemm_cpu_op() -> None:
     # x * inv_scale at .5 boundaries).
     assert torch.equal(ours[:, 32:], theirs[:, 32:])
     assert (ours[:, :32].int() - theirs[:, :32].int()).abs().max() <= 1
-    fbgemm_fmt = WireFormat(precision=CommPrecision.INT8, row_dim=32, use_fbgemm=True)
+    fbgemm_fmt = WireFormat(precision=CommPrecision.INT8, row_dim=32, impl=CodecImpl.FBGEMM)
     ours_decoded = WireFormat(precision=CommPrecision.INT8, row_dim=32).decode_bytes(theirs)
     torch.testing.assert_close(ours_decoded, fbgemm_fmt.decode_bytes(theirs), rtol=0, atol=1e-6)
 

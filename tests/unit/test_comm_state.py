@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from loka_train.comm import CommChannel, CommConfig, CommPrecision, CommState
-from loka_train.comm.state import PrecisionSource, SwitchEvent
+from loka_train.comm.state import PrecisionSource
+from loka_train.comm.stats import SwitchEvent
 
 
 def _roundtrip(state: dict) -> dict:
