@@ -58,6 +58,42 @@ def candidates(role: str, backends: list[str], scalings: list[Scaling]) -> tuple
     return tuple(out)
 
 
+def site_plans(backends: list[str], scalings: list[Scaling]) -> list[LinearPlan]:
+    """Whole-site plans (all three GEMMs in FP8 with one scaling and backend)."""
+    out = []
+    for scaling in scalings:
+        for backend in backends:
+            for fmt_bwd in (None, LinearPlan.fp8().forward.fmt):
+                try:
+                    plan = LinearPlan.fp8(scaling=scaling, backend=backend) if fmt_bwd is None else \
+                        LinearPlan.fp8(fmt_bwd=fmt_bwd, scaling=scaling, backend=backend)
+                except ValueError:
+                    continue
+                out.append(plan)
+                break
+    return out
+
+
+def site_table(ledger_rows: list, batch: int) -> list[str]:
+    """Per shape and whole-site plan: the three GEMMs with the quantization the site pays
+    (tensor-wise payloads reused across GEMMs) against high precision."""
+    groups: dict[tuple[str, str], list] = {}
+    for row in ledger_rows:
+        name, _, plan = row.site.partition("|")
+        groups.setdefault((name, plan), []).append(row)
+    lines = ["| shape | site plan | high ms | FP8 GEMMs ms | quant ms | FP8 total ms | speed-up |",
+             "|---|---|---|---|---|---|---|"]
+    for (name, plan), rows in groups.items():
+        if len(rows) != 3 or any(r.chosen is None for r in rows):
+            lines.append(f"| {name} | {plan} | failed: {'; '.join(f for r in rows for f in r.failures)[:160]} | | | | |")
+            continue
+        high = sum(r.high_ms for r in rows)
+        gemm = sum(r.chosen.gemm_ms for r in rows)
+        quant = sum(r.chosen.quant_ms for r in rows)
+        lines.append(f"| {name} | {plan} | {high:.3f} | {gemm:.3f} | {quant:.3f} | {gemm + quant:.3f} | {high / (gemm + quant):.2f}x |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -75,6 +111,16 @@ def main() -> None:
             cands = candidates(role, args.backends, scalings)
             gemms.append(LedgerGemm(name, role, role_shape(role, args.batch, k, n), GemmPlan(), cands))
     ledger = measure_ledger(gemms, device=device)
+    # Whole sites: every GEMM of the layer under one plan, so tensor-wise reuse counts.
+    site_gemms = []
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        for plan in site_plans(args.backends, scalings):
+            label = f"{name}|{plan.forward.scaling.value}@{plan.forward.backend}"
+            for role in ROLES:
+                p = getattr(plan, role)
+                site_gemms.append(LedgerGemm(label, role, role_shape(role, args.batch, k, n), p, (p,), plan))
+    sites = measure_ledger(site_gemms, device=device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = ledger.to_dict()
@@ -101,10 +147,15 @@ def main() -> None:
         "",
         ledger.markdown(),
         "",
+        "## Whole sites (one plan for all three GEMMs, tensor-wise payloads reused)",
+        "",
+        *site_table(sites.rows, args.batch),
+        "",
         "## Every candidate",
         "",
         *lines,
     ]
+    result["sites"] = sites.to_dict()
     result.update(batch=args.batch, torch=torch.__version__, command=vars(args))
     (out / "ledger.json").write_text(json.dumps(result, indent=2, default=str))
     (out / "ledger.md").write_text("\n".join(md) + "\n")
