@@ -6,7 +6,7 @@ traffic per bf16 element. Here three launches move 5: one pass reads ``x`` for p
 amaxes, one program turns them into the scale, one pass reads ``x`` again and writes the FP8
 payload. Results are bit-identical to the reference: the scale is ``amax / fmt.max`` (1 for an
 all-zero tensor, NaN when a value is non-finite), the codes ``x / scale`` rounded to nearest
-even, both divisions IEEE-rounded (``div_rn``), values saturating at ``fmt.max``.
+even, the division of ``x`` IEEE-rounded (``div_rn``), values saturating at ``fmt.max``.
 
 A tensor-wise payload is what lets a site reuse its forward's ``x`` and ``W`` and its
 grad-input's ``dY`` transposed in the backward (``kernels.linear.transposed_reuse``): with this
@@ -55,13 +55,20 @@ def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scale_kernel(partial_ptr, scale_ptr, P, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_kernel(partial_ptr, scale_ptr, P, inv_max, FP8_MAX: tl.constexpr, RECIPROCAL: tl.constexpr,
+                  BLOCK: tl.constexpr):
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, P, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < P, other=0.0))
     amax = tl.max(acc, axis=0)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), 1.1754943508222875e-38)
+    # As the reference computes ``amax / fmt.max`` on this device: PyTorch divides by a Python
+    # scalar as a product with its fp32 reciprocal on CUDA, as a true division on the CPU.
+    if RECIPROCAL:
+        scale = amax * inv_max
+    else:
+        scale = tl.math.div_rn(amax, FP8_MAX)
+    scale = tl.maximum(scale, 1.1754943508222875e-38)
     scale = tl.where(amax == 0.0, 1.0, scale)
     scale = tl.where(amax == float("inf"), float("nan"), scale)
     tl.store(scale_ptr, scale)
@@ -90,6 +97,11 @@ def _cast_kernel(
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+def _reciprocal(v: float) -> float:
+    """``1 / v`` rounded to fp32, as PyTorch's CUDA division by a scalar computes it."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / v)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -108,7 +120,10 @@ def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     num_blocks = _cdiv(n, _BLOCK)
     partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
     _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8)
-    _scale_kernel[(1,)](partial, scale, num_blocks, FP8_MAX=fmt_.max, BLOCK=_FINAL_BLOCK, num_warps=4)
+    _scale_kernel[(1,)](
+        partial, scale, num_blocks, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
+        RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK, num_warps=4,
+    )
     qr = _sw_round_args(q.dtype)
     _cast_kernel[(num_blocks,)](
         x, scale, q, n, FP8_MAX=fmt_.max, BLOCK=_BLOCK, Q_MANT=qr["MANT"],
