@@ -16,7 +16,7 @@ high precision with quantization paid ("best as paid"), and the ceiling if quant
 free ("quantization free": the FP8 GEMM alone). ``quant / saved`` per GEMM says how much of
 what the FP8 GEMM saves its quantization eats (1.0 or more: FP8 cannot pay there).
 
-The times come from :func:`time_run`: CUDA-graph replays on a GPU (what a graphed step runs),
+The times come from ``GemmTimer.time``: CUDA-graph replays on a GPU (what a graphed step runs),
 the host clock elsewhere (the emulated backend on a CPU: the numbers say nothing of a GPU).
 
 Example:
@@ -28,8 +28,6 @@ Example:
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loka_train.dispatch.planning import reused_operands
+from loka_train.dispatch.timing import GemmTimer, role_operands
 from loka_train.kernels.formats import QTensor
 from loka_train.kernels.linear import quantize_operand, run_backend
 from loka_train.kernels.plan import GemmPlan, LinearPlan
@@ -49,9 +49,6 @@ __all__ = [
     "LedgerRow",
     "Fp8Times",
     "measure_ledger",
-    "reused_operands",
-    "role_operands",
-    "time_run",
 ]
 
 Shape = tuple[int, int, int]
@@ -305,94 +302,17 @@ def _ratio(v: float) -> str:
 
 
 # ------------------------------------------------------------------------------ measurement
-def role_operands(
-    role: str, shape: Shape, *, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
-) -> tuple[Tensor, Tensor, bool, torch.dtype]:
-    """``(a_MK, b_NK, b_is_weight, out_dtype)`` of one GEMM, laid out as the sites pass them.
-
-    forward: ``x`` (M, K) and the weight (N, K), both contiguous; grad-input: ``dY`` and
-    ``W^T`` (a transposed view); grad-weight: ``dY^T`` and ``X^T``, transposed views of the
-    (K=batch, M) and (K=batch, N) activations, written in fp32 (the master weights' dtype).
-    The views matter: the backends that take the Triton quantizers quantize them with the
-    transposing kernel, the others copy them first.
-    """
-    m, k, n = shape
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*size: int) -> Tensor:
-        return torch.randn(*size, device=device, dtype=dtype, generator=gen)
-
-    if role == "grad_input":
-        return randn(m, k), randn(k, n).t(), True, dtype
-    if role == "grad_weight":
-        return randn(k, m).t(), randn(k, n).t(), False, torch.float32
-    return randn(m, k), randn(n, k), True, dtype
-
-
-def reused_operands(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple[bool, bool]:
-    """Which of ``(a, b)`` the site takes over, already quantized, from another of its GEMMs
-    instead of quantizing it for ``role`` (``kernels.linear``: tensor-wise payloads are reused
-    transposed when the formats agree)."""
-    if site_plan is None or not plan.is_fp8 or plan.scaling.value != "tensorwise":
-        return False, False
-
-    def tensorwise(p: GemmPlan) -> bool:
-        return p.is_fp8 and p.scaling.value == "tensorwise"
-
-    fwd, gi = site_plan.forward, site_plan.grad_input
-    if role == "grad_input":  # W^T from the forward's W
-        return False, tensorwise(fwd) and fwd.operand_b_fmt is plan.operand_b_fmt
-    if role == "grad_weight":  # dY^T from grad-input's dY, X^T from the forward's x
-        return (
-            tensorwise(gi) and gi.fmt is plan.fmt,
-            tensorwise(fwd) and fwd.fmt is plan.operand_b_fmt,
-        )
-    return False, False
-
-
-def time_run(run: Callable[[], object], device: torch.device, *, iters: int = 20, reps: int = 10) -> float:
-    """Median milliseconds of one ``run()``: on a GPU, ``reps`` runs captured in one CUDA graph
-    and replayed ``iters`` times (what a graphed step runs); elsewhere the host clock.
-
-    Raises:
-        RuntimeError: if ``run`` cannot be captured in a CUDA graph.
-    """
-    for _ in range(3):
-        run()
-    if device.type != "cuda":
-        times = []
-        for _ in range(max(1, iters)):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(reps):
-                run()
-        graph.replay()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(max(1, iters)):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / reps)
-    finally:
-        graph.reset()
-    return statistics.median(times)
-
-
 Timer = Callable[[Callable[[], object]], float]
+"""``timer(run) -> milliseconds`` of one ``run()``."""
+
+
+def _reused(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple[bool, bool]:
+    return (False, False) if site_plan is None else reused_operands(role, plan, site_plan)
 
 
 def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer) -> Fp8Times:
     a, b, b_is_weight, out_dtype = role_operands(gemm.role, gemm.shape, device=device)
-    reuse_a, reuse_b = reused_operands(gemm.role, plan, gemm.site_plan)
+    reuse_a, reuse_b = _reused(gemm.role, plan, gemm.site_plan)
 
     def quant_a() -> QTensor:
         return quantize_operand(a, plan.fmt, plan, is_weight=False)
@@ -429,28 +349,38 @@ def measure_ledger(
     Args:
         gemms: the GEMMs, e.g. from ``LokaCallback.ledger_gemms()``.
         device: where to measure.
-        timer: ``timer(run) -> ms``; default :func:`time_run` on ``device``.
+        timer: ``timer(run) -> ms``; default ``GemmTimer.time``, graph-replayed on a GPU (what
+            a graphed step runs), the host clock elsewhere.
         high_dtype: the high-precision compute dtype (bf16 under autocast on a GPU).
     """
-    time_ms: Timer = timer or (lambda run: time_run(run, device))
+    time_ms: Timer
+    if timer is None:
+        gemm_timer = GemmTimer(timing="auto", device=device, out_dtype=high_dtype, graphed=True)
+        time_ms = _milliseconds(gemm_timer)
+    else:
+        time_ms = timer
     cache: dict[tuple[Any, ...], Any] = {}
     rows = []
     for g in gemms:
         key_high = ("high", g.role, g.shape)
         if key_high not in cache:
             a, b, _, _ = role_operands(g.role, g.shape, device=device, dtype=high_dtype)
-            cache[key_high] = time_ms(lambda a=a, b=b: a @ b.t())
+            cache[key_high] = time_ms(_matmul(a, b))
         candidates = list(dict.fromkeys([*g.candidates, *([g.plan] if g.plan.is_fp8 else [])]))
-        times, failures = [], []
+        times: list[Fp8Times] = []
+        failures: list[str] = []
         for plan in candidates:
-            key = (str(plan), g.role, g.shape, reused_operands(g.role, plan, g.site_plan))
+            key = (str(plan), g.role, g.shape, _reused(g.role, plan, g.site_plan))
             if key not in cache:
                 try:
                     cache[key] = _fp8_times(g, plan, device, time_ms)
                 except Exception as exc:  # one backend's failure must not lose the ledger
                     cache[key] = f"{plan}: {type(exc).__name__}: {exc}"
             value = cache[key]
-            (times if isinstance(value, Fp8Times) else failures).append(value)
+            if isinstance(value, Fp8Times):
+                times.append(value)
+            else:
+                failures.append(value)
         rows.append(
             LedgerRow(
                 site=g.site, role=g.role, shape=g.shape, plan=str(g.plan) if g.plan.is_fp8 else "high",
@@ -462,6 +392,14 @@ def measure_ledger(
     if device.type != "cuda":
         notes.append("measured on the CPU: FP8 is emulated there; the times say nothing of a GPU")
     return Ledger(rows=rows, device=_device_name(device), timing=timing if timer is None else "custom", notes=notes)
+
+
+def _milliseconds(gemm_timer: GemmTimer) -> Timer:
+    return lambda run: gemm_timer.time(run) * 1e3
+
+
+def _matmul(a: Tensor, b: Tensor) -> Callable[[], Tensor]:
+    return lambda: a @ b.t()
 
 
 def _device_name(device: torch.device) -> str:

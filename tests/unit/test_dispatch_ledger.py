@@ -14,8 +14,8 @@ from loka_train.dispatch.ledger import (
     LedgerGemm,
     LedgerRow,
     measure_ledger,
-    reused_operands,
 )
+from loka_train.dispatch.planning import reused_operands
 from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 
@@ -74,7 +74,6 @@ def test_reused_operands_follow_the_site_plan():
     # The forward in high precision quantizes no x or W to reuse.
     mixed = LinearPlan(grad_input=tw.grad_input, grad_weight=tw.grad_weight)
     assert reused_operands("grad_weight", mixed.grad_weight, mixed) == (True, False)
-    assert reused_operands("grad_weight", tw.grad_weight, None) == (False, False)
 
 
 def _emulated(scaling: Scaling) -> LinearPlan:
@@ -97,6 +96,7 @@ def test_measure_on_cpu_times_every_part_and_skips_reused_operands(scaling):
         (t,) = row.fp8
         assert t.plan == row.plan and t.gemm_ms > 0
         reuse_a, reuse_b = reused_operands(row.role, getattr(plan, row.role), plan)
+        assert reuse_a or reuse_b or row.role != "grad_weight" or scaling is not Scaling.TENSORWISE
         assert (t.quant_a_ms == 0) == reuse_a and (t.quant_b_ms == 0) == reuse_b
     gw = ledger.rows[2].fp8[0]
     assert (gw.quant_ms == 0) == (scaling is Scaling.TENSORWISE)
