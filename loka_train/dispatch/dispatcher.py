@@ -166,8 +166,8 @@ class Dispatcher:
 
     def _measure_key(self, key: str) -> float:
         """Seconds of the GEMM a timing key names, measured here (for the agreement)."""
-        role, shape, plan_s = parse_timing_key(key)
-        return self.timer.measure(shape, planning.parse_plan_key(self.config, role, plan_s), role)
+        role, shape, plan_s, reuse = parse_timing_key(key)
+        return self.timer.measure(shape, planning.parse_plan_key(self.config, role, plan_s), role, reuse)
 
     def _candidates(self, site: str, role: str, shape: Shape) -> list[GemmPlan]:
         plans, unsupported = planning.candidates(
@@ -199,6 +199,27 @@ class Dispatcher:
             margin=self.config.margin, measured=self.timing_mode == "measure", failures=failures,
         )
 
+    def _site_targets(self, site: str, verdicts: Mapping[Any, Any]) -> dict[str, Target]:
+        """Every role's target; under the speed objective the site's GEMMs are then weighed
+        together (``planning.joint_targets``), as tensor-wise plans share quantized operands."""
+        targets = {role: self._target(site, role, verdicts) for role in ROLES}
+        if self.objective != "speed":
+            return targets
+        shapes = self.shapes[site]
+        seen = [r for r in ROLES if r in shapes]
+        options = {}
+        for role in seen:
+            plans = planning.eligible(verdicts, site, role, self._candidates(site, role, shapes[role]))
+            options[role] = [p for p in plans if math.isfinite(self._estimate(role, shapes[role], p))]
+
+        def time(role: str, plan: GemmPlan | None, reuse: tuple[bool, bool]) -> float:
+            return self.timer.estimate(role, shapes[role], plan, reuse)
+
+        joint = planning.joint_targets(
+            targets={r: targets[r] for r in seen}, options=options, time=time, margin=self.config.margin
+        )
+        return {**targets, **joint}
+
     def replan(self, *, step: int, verdicts: Mapping[Any, Any]) -> list[PlanChange]:
         """Re-plan every site; returns the changes applied (identical on every rank).
 
@@ -208,14 +229,15 @@ class Dispatcher:
             return []
         targets: dict[tuple[str, str], Target] = {}
         for site in sorted(self.plans):
-            for role in ROLES:
-                targets[(site, role)] = self._target(site, role, verdicts)
+            for role, target in self._site_targets(site, verdicts).items():
+                targets[(site, role)] = target
         if self.timer.timings and self.timing_mode != "cost_model":
             # A cost model is a pure function of the shapes: its times already agree.
             agree_on_timings(self.timer.timings, measure=self._measure_key, device=self.device)
         # Re-evaluate with agreed timings (cheap: everything is cached now).
-        for key in targets:
-            targets[key] = self._target(key[0], key[1], verdicts)
+        for site in sorted(self.plans):
+            for role, target in self._site_targets(site, verdicts).items():
+                targets[(site, role)] = target
 
         changes: list[PlanChange] = []
         for (site, role), target in targets.items():

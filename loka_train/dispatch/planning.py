@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,10 +58,13 @@ __all__ = [
     "eligible",
     "gemm_problem",
     "hysteresis",
+    "joint_targets",
     "padded",
     "parse_plan_key",
     "plan_for",
+    "reused_operands",
     "roles_of",
+    "site_total",
     "target",
     "verdict_of",
 ]
@@ -408,3 +412,100 @@ def disallowed(
         if not ok:
             return GemmPlan(), f"the site cannot run it: {why}"
     return GemmPlan(), ""
+
+
+def reused_operands(role: str, plan: GemmPlan, site_plan: LinearPlan) -> tuple[bool, bool]:
+    """Which operands ``(a, b)`` of ``role`` the site takes over already quantized from another
+    of its GEMMs under ``site_plan`` instead of quantizing them (``kernels.linear``: tensor-wise
+    payloads are reused transposed where the formats agree): grad-input's ``W^T`` from the
+    forward's ``W``; grad-weight's ``dY^T`` from grad-input's ``dY`` and its ``X^T`` from the
+    forward's ``x``."""
+    if not (plan.is_fp8 and plan.scaling is Scaling.TENSORWISE):
+        return False, False
+
+    def tensorwise(p: GemmPlan) -> bool:
+        return p.is_fp8 and p.scaling is Scaling.TENSORWISE
+
+    fwd, gi = site_plan.forward, site_plan.grad_input
+    if role == "grad_input":
+        return False, tensorwise(fwd) and fwd.operand_b_fmt is plan.operand_b_fmt
+    if role == "grad_weight":
+        return (
+            tensorwise(gi) and gi.fmt is plan.fmt,
+            tensorwise(fwd) and fwd.fmt is plan.operand_b_fmt,
+        )
+    return False, False
+
+
+SiteTime = Callable[[str, GemmPlan | None, tuple[bool, bool]], float]
+"""``time(role, plan or None for high precision, reused operands) -> seconds`` of one GEMM."""
+
+
+def site_total(plans: Mapping[str, GemmPlan], time: SiteTime) -> float:
+    """Seconds of a site's GEMMs under ``plans`` (role -> plan), with the quantization each
+    pays given what it reuses from the others."""
+    site_plan = LinearPlan(**{**roles_of(LinearPlan()), **plans})
+    return sum(
+        time(role, plan, reused_operands(role, plan, site_plan)) if plan.is_fp8 else time(role, None, (False, False))
+        for role, plan in plans.items()
+    )
+
+
+def joint_targets(
+    *,
+    targets: Mapping[str, Target],
+    options: Mapping[str, Sequence[GemmPlan]],
+    time: SiteTime,
+    margin: float,
+) -> dict[str, Target]:
+    """A site's plans chosen together, where one GEMM's plan changes what another pays.
+
+    :func:`target` picks each GEMM on its own time. A tensor-wise forward, though, lets
+    grad-input reuse ``W`` and grad-weight reuse ``x`` (and a tensor-wise grad-input lets
+    grad-weight reuse ``dY``), so a slightly slower tensor-wise forward can make the site
+    faster. This compares the per-GEMM choice (``targets``, with the reuse it gets) with every
+    assignment of high precision or a safe candidate (``options``) to each role in which some
+    operand is reused, and takes the fastest when it is faster than the per-GEMM choice and
+    at least ``1 + margin`` faster than the site in high precision (the speed rule of
+    :func:`target`, applied to the site).
+
+    Args:
+        targets: each role's :func:`target` (the roles of the site whose shape is known).
+        options: each role's safe candidates with a finite time (:func:`eligible`).
+        time: the GEMM times (see :data:`SiteTime`).
+        margin: the relative speed-up FP8 must show.
+
+    Returns:
+        ``targets`` with the roles the joint choice changes replaced (same urgency; the reason
+        says what the site gains), or ``targets`` unchanged.
+
+    Example:
+        >>> joint_targets(targets=ts, options={"forward": [tw_fwd], ...}, time=t, margin=0.05)
+    """
+    roles = list(targets)
+    if not any(p.scaling is Scaling.TENSORWISE for r in roles for p in options.get(r, ())):
+        return dict(targets)
+    per_gemm = {r: targets[r].plan for r in roles}
+    t_per_gemm = site_total(per_gemm, time)
+    t_high = site_total({r: GemmPlan() for r in roles}, time)
+    best: tuple[float, dict[str, GemmPlan]] | None = None
+    for combo in itertools.product(*([GemmPlan(), *options.get(r, ())] for r in roles)):
+        plans = dict(zip(roles, combo))
+        site_plan = LinearPlan(**{**roles_of(LinearPlan()), **plans})
+        if not any(any(reused_operands(r, p, site_plan)) for r, p in plans.items()):
+            continue  # no reuse: the per-GEMM choice already judged these
+        t = site_total(plans, time)
+        if best is None or t < best[0]:
+            best = (t, plans)
+    if best is None or not best[0] < t_per_gemm or t_high < (1.0 + margin) * best[0]:
+        return dict(targets)
+    t_best, plans = best
+    why = (
+        f"chosen with the site's other GEMMs (tensor-wise payloads reused across them): site "
+        f"{t_best * 1e3:.3f} ms against {t_per_gemm * 1e3:.3f} ms chosen GEMM by GEMM, "
+        f"{t_high / t_best:.2f}x over high"
+    )
+    return {
+        r: targets[r] if plans[r] == targets[r].plan else Target(plans[r], why, targets[r].urgent)
+        for r in roles
+    }

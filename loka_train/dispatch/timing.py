@@ -37,7 +37,7 @@ from loka_train.utils.capture import reset_capture_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GemmTimer", "GpuCostModel", "parse_timing_key", "timing_key"]
+__all__ = ["NO_REUSE", "GemmTimer", "GpuCostModel", "Reuse", "parse_timing_key", "role_operands", "timing_key"]
 
 
 @dataclass(frozen=True)
@@ -65,30 +65,74 @@ class GpuCostModel:
         io = 2.0 * (m * k + n * k + m * n) / self.bandwidth
         return max(flops, io) + self.launch_s
 
-    def fp8(self, m: int, k: int, n: int, scaling: str, backend: str) -> float:
-        """Seconds of the FP8 GEMM, quantization of both operands included."""
+    def fp8(
+        self, m: int, k: int, n: int, scaling: str, backend: str, *, quant_a: bool = True, quant_b: bool = True
+    ) -> float:
+        """Seconds of the FP8 GEMM, with the quantization of the operands it quantizes itself
+        (both by default)."""
         flops = 2.0 * m * k * n / self.fp8_flops
         io = (m * k + n * k + 2.0 * m * n) / self.bandwidth
         gemm = max(flops, io) + self.launch_s
         # Quantizing both operands: read high precision, write FP8 (+ scales). The Triton
         # quantizer is one fused pass; others take an amax pass and a cast pass.
         passes = 1 if backend == "triton" else 2
-        elems = m * k + n * k
-        quant = passes * (3.0 * elems / self.bandwidth + self.launch_s)
+        quant = sum(
+            passes * (3.0 * elems / self.bandwidth + self.launch_s)
+            for elems, quantized in ((m * k, quant_a), (n * k, quant_b))
+            if quantized
+        )
         return gemm + quant
 
 
-def timing_key(role: str, shape: Shape, plan: GemmPlan | None) -> str:
-    """``"role:MxKxN:plan"`` (``plan`` printed, ``high`` for high precision): the cache key of a
-    time, identical on every rank."""
-    return f"{role}:{shape[0]}x{shape[1]}x{shape[2]}:{plan or 'high'}"
+Reuse = tuple[bool, bool]
+"""Which operands ``(a, b)`` of a GEMM the site takes over already quantized from another of its
+GEMMs (``kernels.linear.transposed_reuse``), so that timing them leaves their quantization out."""
+
+NO_REUSE: Reuse = (False, False)
 
 
-def parse_timing_key(key: str) -> tuple[str, Shape, str]:
-    """``(role, shape, plan string)`` of a :func:`timing_key`."""
+def timing_key(role: str, shape: Shape, plan: GemmPlan | None, reuse: Reuse = NO_REUSE) -> str:
+    """``"role:MxKxN:plan"`` (``plan`` printed, ``high`` for high precision), with
+    ``"|reuse=a"``, ``"b"`` or ``"ab"`` appended for reused operands: the cache key of a time,
+    identical on every rank."""
+    key = f"{role}:{shape[0]}x{shape[1]}x{shape[2]}:{plan or 'high'}"
+    if plan is not None and any(reuse):
+        key += "|reuse=" + "a" * reuse[0] + "b" * reuse[1]
+    return key
+
+
+def parse_timing_key(key: str) -> tuple[str, Shape, str, Reuse]:
+    """``(role, shape, plan string, reuse)`` of a :func:`timing_key`."""
+    key, _, reused = key.partition("|reuse=")
     role, dims, plan_s = key.split(":", 2)
     m, k, n = (int(x) for x in dims.split("x"))
-    return role, (m, k, n), plan_s
+    return role, (m, k, n), plan_s, ("a" in reused, "b" in reused)
+
+
+def role_operands(
+    role: str, shape: Shape, *, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> tuple[Tensor, Tensor, bool, torch.dtype]:
+    """``(a_MK, b_NK, b_is_weight, out_dtype)`` of one GEMM laid out as ``kernels.linear``
+    passes them, random (never zeros: they time faster than real data).
+
+    forward: ``x`` (M, K) and the weight (N, K), both contiguous; grad-input: ``dY``
+    (M, K=N_out) and ``W^T`` (a transposed view of the (K, N) weight); grad-weight: ``dY^T``
+    and ``X^T``, transposed views of the (K=batch, M) and (K=batch, N) activations, with an
+    fp32 output. The views matter: on the backends that take the Triton quantizers they go
+    through the transposing one (no transposed copy), elsewhere the reference quantizer
+    copies them. ``dtype`` is the sites' compute dtype (bf16 under autocast).
+    """
+    m, k, n = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size: int) -> Tensor:
+        return torch.randn(*size, device=device, dtype=dtype, generator=gen)
+
+    if role == "grad_input":
+        return randn(m, k), randn(k, n).t(), True, dtype
+    if role == "grad_weight":
+        return randn(k, m).t(), randn(k, n).t(), False, GRAD_WEIGHT_OUT_DTYPE
+    return randn(m, k), randn(n, k), True, dtype
 
 
 class GemmTimer:
@@ -154,78 +198,75 @@ class GemmTimer:
         launch = ", CUDA graph" if mode == "measure" and self.graphed else ""
         return f"{mode}: {where}, out {str(self.out_dtype).removeprefix('torch.')}{launch}"
 
-    def estimate(self, role: str, shape: Shape, plan: GemmPlan | None) -> float:
+    def estimate(self, role: str, shape: Shape, plan: GemmPlan | None, reuse: Reuse = NO_REUSE) -> float:
         """Seconds of one GEMM of ``role`` at ``shape`` (high precision for ``plan=None``),
-        from the cache, else measured or modelled and cached."""
-        key = timing_key(role, shape, plan)
+        from the cache, else measured or modelled and cached. ``reuse`` names the operands the
+        site takes over already quantized from another of its GEMMs (not quantized here)."""
+        key = timing_key(role, shape, plan, reuse)
         if key not in self.timings:
             m, k, n = shape
             if self.mode == "cost_model":
                 t = (
                     self.cost_model.high(m, k, n)
                     if plan is None
-                    else self.cost_model.fp8(m, k, n, plan.scaling.value, plan.backend)
+                    else self.cost_model.fp8(
+                        m, k, n, plan.scaling.value, plan.backend, quant_a=not reuse[0], quant_b=not reuse[1]
+                    )
                 )
             else:
-                t = self.measure(shape, plan, role)
+                t = self.measure(shape, plan, role, reuse)
             self.timings[key] = t
         return self.timings[key]
 
-    def measure(self, shape: Shape, plan: GemmPlan | None, role: str = "forward") -> float:
+    def measure(
+        self, shape: Shape, plan: GemmPlan | None, role: str = "forward", reuse: Reuse = NO_REUSE
+    ) -> float:
         """Seconds of one GEMM of `role` as the site's autograd function runs it: for FP8,
         quantize both operands (from the role's real layouts) and call the backend; for high
-        precision, the matmul on the same layouts.
+        precision, the matmul on the same layouts. An operand in ``reuse`` is quantized before
+        the timed run: the site takes it over from another of its GEMMs.
 
         A backend that refuses `shape` is timed on it zero-padded to multiples of 16 (what a
         padding site runs). A candidate whose benchmark raises gets ``inf`` (never chosen); the
         error is logged and kept in ``failures``.
         """
-        key = timing_key(role, shape, plan)
+        key = timing_key(role, shape, plan, reuse)
         try:
-            return self.measure_once(shape, plan, role)
+            return self.measure_once(shape, plan, role, reuse)
         except Exception as exc:  # a backend bug must not end the training run
             self.failures[key] = f"{type(exc).__name__}: {exc}"
             logger.warning("dispatch: timing %s failed (%s); the candidate is excluded", key, exc)
             return math.inf
 
-    def _role_operands(self, role: str, m: int, k: int, n: int) -> tuple[Tensor, Tensor, bool, torch.dtype]:
-        """``(a_MK, b_NK, b_is_weight, out_dtype)`` laid out as ``kernels.linear`` passes them.
-
-        forward: ``x`` (M, K) and the weight (N, K), both contiguous; grad-input: ``dY``
-        (M, K=N_out) and ``W^T`` (a transposed view of the (K, N) weight); grad-weight: ``dY^T``
-        and ``X^T``, transposed views of the (K=batch, M) and (K=batch, N) activations, with an
-        fp32 output. The views matter: on the backends that take the Triton quantizers they go
-        through the transposing one (no transposed copy), elsewhere the reference quantizer
-        copies them.
-        """
-        dtype = torch.bfloat16  # the compute dtype of the sites under bf16 autocast
-        gen = torch.Generator(device=self.device).manual_seed(0)
-
-        def randn(*size: int) -> Tensor:
-            return torch.randn(*size, device=self.device, dtype=dtype, generator=gen)
-
-        if role == "grad_input":
-            return randn(m, k), randn(k, n).t(), True, dtype
-        if role == "grad_weight":
-            return randn(k, m).t(), randn(k, n).t(), False, GRAD_WEIGHT_OUT_DTYPE
-        return randn(m, k), randn(n, k), True, dtype
-
-    def measure_once(self, shape: Shape, plan: GemmPlan | None, role: str = "forward") -> float:
+    def measure_once(
+        self, shape: Shape, plan: GemmPlan | None, role: str = "forward", reuse: Reuse = NO_REUSE
+    ) -> float:
         """:meth:`measure` without catching a benchmark's error."""
         m, k, n = shape
         if plan is not None:
             problem = gemm_problem(role, shape, plan, device_type=self.device.type, out_dtype=self.out_dtype)
             if not get_backend(plan.backend).supports(problem)[0]:
                 m, k, n = padded(shape, 16)
-        a, b, b_is_weight, out_dtype = self._role_operands(role, m, k, n)
+        a, b, b_is_weight, out_dtype = role_operands(role, (m, k, n), device=self.device)
+        a_q = b_q = None
+        if plan is not None:
+            if reuse[0]:
+                a_q = kernels_linear.quantize_operand(a, plan.fmt, plan, is_weight=False)
+            if reuse[1]:
+                b_q = kernels_linear.quantize_operand(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
 
         def run() -> torch.Tensor:
             if plan is None:
                 return a @ b.t()
             return kernels_linear.fp8_gemm_planned(
-                a, b, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight
+                a, b, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight, a_q=a_q, b_q=b_q
             )
 
+        return self.time(run)
+
+    def time(self, run: Callable[[], object]) -> float:
+        """Seconds of one ``run()`` after 3 warm-up runs: graph-replayed (:meth:`time_graphed`)
+        when the step is graphed on a GPU, else the fastest of a few rounds' medians."""
         for _ in range(3):
             run()
         if self.graphed and self.device.type == "cuda":
@@ -255,7 +296,7 @@ class GemmTimer:
         end.synchronize()
         return start.elapsed_time(end) * 1e-3
 
-    def time_graphed(self, run: Callable[[], Tensor], reps: int = 10) -> float:
+    def time_graphed(self, run: Callable[[], object], reps: int = 10) -> float:
         """Seconds of one ``run()`` as a graphed step runs it: `reps` runs captured in one CUDA
         graph, the median replay of ``bench_iters`` divided by `reps`. A run that cannot be
         captured raises (the candidate is then excluded, as the step could not graph it)."""

@@ -56,6 +56,7 @@ __all__ = [
     "run_backend",
     "transposed_reuse",
     "use_fused_quantizer",
+    "use_tensorwise_quantizer",
     "use_transposed_quantizer",
 ]
 
@@ -136,6 +137,15 @@ def use_transposed_quantizer(
     )
 
 
+def use_tensorwise_quantizer(
+    plan: GemmPlan, t: Tensor, fmt: Fp8Format, *, reference_quantizer: bool = False
+) -> bool:
+    """Whether :func:`quantize_operand` takes the Triton tensor-wise quantizer for ``t`` (a
+    contiguous operand of a tensor-wise plan; transposed views take the transposing one;
+    never with ``reference_quantizer``)."""
+    return t.is_contiguous() and _triton_quantizes(plan, t, fmt, (Scaling.TENSORWISE,), reference_quantizer)
+
+
 def quantize_operand(
     t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool, reference_quantizer: bool = False
 ) -> QTensor:
@@ -145,11 +155,13 @@ def quantize_operand(
     fused one-pass quantizer (``loka::rowwise_quant``) where Triton runs, and row-wise or
     tensor-wise operands that are transposed views (the backward GEMMs' ``W^T``, ``dY^T``,
     ``X^T``) through the transposing one (``loka::transposed_quant``: no transposed copy);
-    everything else through the reference :func:`formats.quantize`. Both kernels give the
-    reference's scales and codes (on a GPU at most ~0.1 % of codes one step off: fp32
-    division). Under block scaling, weights get 128x128 tiles
-    and activations/gradients 1x128 groups. ``reference_quantizer`` (code traced for inductor
-    to fuse, see :func:`inductor_quantizes`) always takes :func:`formats.quantize`.
+    contiguous tensor-wise operands of those backends through the tensor-wise one
+    (``loka::tensorwise_quant``, bit-identical to the reference); everything else through the
+    reference :func:`formats.quantize`. The row-wise kernels give the reference's scales and
+    codes (on a GPU at most ~0.1 % of codes one step off: fp32 division). Under block scaling,
+    weights get 128x128 tiles and activations/gradients 1x128 groups. ``reference_quantizer``
+    (code traced for inductor to fuse, see :func:`inductor_quantizes`) always takes
+    :func:`formats.quantize`.
     """
     if use_transposed_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_block import transposed_quant
@@ -157,6 +169,11 @@ def quantize_operand(
         rowwise = plan.scaling is Scaling.ROWWISE
         q, scale, _ = transposed_quant(t_RC.t(), fmt=fmt, per_column=rowwise)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=plan.scaling, axis=1)
+    if use_tensorwise_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
+        from loka_train.kernels.triton_tensorwise import tensorwise_quant
+
+        q, scale = tensorwise_quant(t_RC, fmt=fmt)
+        return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
     if use_fused_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_kernels import fused_rowwise_quant
 

@@ -213,7 +213,7 @@ def test_a_candidate_whose_benchmark_raises_is_excluded_and_logged(caplog, monke
     d = _one_site_dispatcher("emulated", 1, (M, K, N))
     monkeypatch.setattr(GemmTimer, "mode", "measure")  # the CUDA micro-benchmark...
 
-    def measure_once(shape, plan, role="forward"):  # type: ignore[no-untyped-def]
+    def measure_once(shape, plan, role="forward", reuse=(False, False)):  # type: ignore[no-untyped-def]
         if plan is not None:
             raise RuntimeError("cutlass cannot implement")
         return 1e-3

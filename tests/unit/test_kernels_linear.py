@@ -392,8 +392,11 @@ def test_reused_tensorwise_operands_are_bit_identical_to_per_role_quantization(p
 
 def _amax_passes(plan: LinearPlan, *, need_x_grad: bool = True) -> tuple[int, list[tuple[int, ...]]]:
     """(amax reductions in one forward + backward, shapes of the floating tensors saved for
-    backward)."""
+    backward). An amax is the reference quantizer's vector norm or a call of the Triton
+    tensor-wise quantizer (which runs on its own, not through the dispatcher, in eager code)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loka_train.kernels import triton_tensorwise
 
     class Count(TorchDispatchMode):
         num = 0
@@ -412,10 +415,20 @@ def _amax_passes(plan: LinearPlan, *, need_x_grad: bool = True) -> tuple[int, li
             saved.append(tuple(t.shape))
         return t
 
-    with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fp8_linear(x, w, None, plan)
-    with Count():
-        y.backward(_gauss(64, 16, seed=2))
+    triton_quant = triton_tensorwise.tensorwise_quant
+
+    def counted(*args, **kwargs):
+        Count.num += 1
+        return triton_quant(*args, **kwargs)
+
+    triton_tensorwise.tensorwise_quant = counted
+    try:
+        with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fp8_linear(x, w, None, plan)
+        with Count():
+            y.backward(_gauss(64, 16, seed=2))
+    finally:
+        triton_tensorwise.tensorwise_quant = triton_quant
     return Count.num, saved
 
 

@@ -1,0 +1,408 @@
+"""The per-GEMM ledger: where FP8 can pay in a model, and what eats the gain.
+
+For every site and GEMM role (forward, grad-input, grad-weight) at the shapes the run saw, the
+ledger measures, the way the site runs them:
+
+* the high-precision GEMM (the compute dtype: bf16 under autocast on a GPU);
+* for each FP8 candidate Dispatch may choose, the FP8 GEMM alone on pre-quantized operands, and
+  the quantization of each operand (from the role's real layouts: ``x``, ``W``; ``dY``,
+  ``W^T``; ``dY^T``, ``X^T``); an operand that the site takes over from another of its GEMMs
+  (tensor-wise payloads reused transposed, :func:`loka_train.kernels.linear.transposed_reuse`)
+  costs nothing, as in the site.
+
+From these it predicts what FP8 does to a step (Amdahl, from measured times): the saving of the
+plan the run chose, the saving if every GEMM took its fastest FP8 candidate where that beats
+high precision with quantization paid ("best as paid"), and the ceiling if quantization were
+free ("quantization free": the FP8 GEMM alone). ``quant / saved`` per GEMM says how much of
+what the FP8 GEMM saves its quantization eats (1.0 or more: FP8 cannot pay there).
+
+The times come from ``GemmTimer.time``: CUDA-graph replays on a GPU (what a graphed step runs),
+the host clock elsewhere (the emulated backend on a CPU: the numbers say nothing of a GPU).
+
+Example:
+    >>> gemms = [LedgerGemm("mlp.0", "forward", (4096, 512, 512), GemmPlan(), (fp8_plan,))]
+    >>> ledger = measure_ledger(gemms, device=torch.device("cuda"))
+    >>> print(ledger.markdown(step_ms=10.0))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loka_train.dispatch.planning import reused_operands
+from loka_train.dispatch.timing import GemmTimer, role_operands
+from loka_train.kernels.formats import QTensor
+from loka_train.kernels.linear import quantize_operand, run_backend
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.kernels.registry import GemmProblem, get_backend
+
+__all__ = [
+    "FP8_GEMM_CEILING",
+    "Ledger",
+    "LedgerGemm",
+    "LedgerRow",
+    "Fp8Times",
+    "measure_ledger",
+]
+
+Shape = tuple[int, int, int]
+
+FP8_GEMM_CEILING = 2.0
+"""The FP8 tensor-core rate over bf16's on Hopper: no FP8 GEMM runs more than this faster."""
+
+
+@dataclass(frozen=True)
+class LedgerGemm:
+    """One GEMM to put in the ledger: where it is, its shape, the plan the run chose and the
+    FP8 candidates Dispatch may choose from."""
+
+    site: str
+    role: str
+    shape: Shape
+    """(M, K, N) as Dispatch records it for the role."""
+    plan: GemmPlan
+    """The plan the run holds for this GEMM now."""
+    candidates: tuple[GemmPlan, ...]
+    """FP8 plans to time (Dispatch's candidates; the chosen one is added if missing)."""
+    site_plan: LinearPlan | None = None
+    """The site's whole plan, to tell which operands the site reuses across its GEMMs."""
+
+
+@dataclass(frozen=True)
+class Fp8Times:
+    """Milliseconds of one FP8 candidate of a GEMM, as the site runs it."""
+
+    plan: str
+    gemm_ms: float
+    """The backend alone, operands already quantized."""
+    quant_a_ms: float
+    """Quantizing operand ``a`` (0 when the site reuses it from another GEMM)."""
+    quant_b_ms: float
+    """Quantizing operand ``b`` (the weight in forward and grad-input: every step today)."""
+
+    @property
+    def total_ms(self) -> float:
+        """GEMM plus the quantization the site pays."""
+        return self.gemm_ms + self.quant_a_ms + self.quant_b_ms
+
+    @property
+    def quant_ms(self) -> float:
+        return self.quant_a_ms + self.quant_b_ms
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """One GEMM's line of the ledger."""
+
+    site: str
+    role: str
+    shape: Shape
+    plan: str
+    """The chosen plan (``high`` or an FP8 plan's key)."""
+    high_ms: float
+    fp8: tuple[Fp8Times, ...]
+    """Every timed FP8 candidate (a failed one is left out and named in ``failures``)."""
+    failures: tuple[str, ...] = ()
+
+    def _times(self, plan: str) -> Fp8Times | None:
+        return next((t for t in self.fp8 if t.plan == plan), None)
+
+    @property
+    def chosen(self) -> Fp8Times | None:
+        """The chosen FP8 candidate's times (None when the GEMM runs in high precision)."""
+        return self._times(self.plan)
+
+    @property
+    def best(self) -> Fp8Times | None:
+        """The FP8 candidate fastest with its quantization paid."""
+        return min(self.fp8, key=lambda t: t.total_ms, default=None)
+
+    @property
+    def fastest_gemm(self) -> Fp8Times | None:
+        """The FP8 candidate with the fastest GEMM alone."""
+        return min(self.fp8, key=lambda t: t.gemm_ms, default=None)
+
+    @property
+    def saved_as_planned_ms(self) -> float:
+        """High-precision time minus the chosen plan's (0 in high precision; negative when the
+        chosen FP8 plan is slower than high precision)."""
+        c = self.chosen
+        return 0.0 if c is None else self.high_ms - c.total_ms
+
+    @property
+    def saved_best_ms(self) -> float:
+        """What the fastest FP8 candidate saves with its quantization paid (never negative:
+        a GEMM where FP8 loses stays in high precision)."""
+        b = self.best
+        return 0.0 if b is None else max(0.0, self.high_ms - b.total_ms)
+
+    @property
+    def saved_ceiling_ms(self) -> float:
+        """What FP8 would save with quantization free (the GEMM alone)."""
+        g = self.fastest_gemm
+        return 0.0 if g is None else max(0.0, self.high_ms - g.gemm_ms)
+
+    @property
+    def quant_over_saved(self) -> float:
+        """For the candidate with the fastest GEMM: its quantization over what its GEMM saves
+        (inf when the FP8 GEMM alone saves nothing)."""
+        g = self.fastest_gemm
+        if g is None:
+            return math.nan
+        saved = self.high_ms - g.gemm_ms
+        return g.quant_ms / saved if saved > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d.update(
+            saved_as_planned_ms=self.saved_as_planned_ms,
+            saved_best_ms=self.saved_best_ms,
+            saved_ceiling_ms=self.saved_ceiling_ms,
+            quant_over_saved=self.quant_over_saved,
+        )
+        return d
+
+
+@dataclass
+class Ledger:
+    """The ledger of a model's GEMMs and the step speed-ups it predicts."""
+
+    rows: list[LedgerRow]
+    device: str
+    timing: str
+    """``cuda_graph`` (replays on a GPU) or ``host_clock`` (elsewhere)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def high_ms(self) -> float:
+        """High-precision GEMM time of one step, summed over the ledger's GEMMs."""
+        return sum(r.high_ms for r in self.rows)
+
+    def totals(self) -> dict[str, float]:
+        """Per-step sums (ms): high-precision GEMMs, and the savings as planned, at best with
+        quantization paid, and with quantization free."""
+        return {
+            "high_ms": self.high_ms,
+            "saved_as_planned_ms": sum(r.saved_as_planned_ms for r in self.rows),
+            "saved_best_ms": sum(r.saved_best_ms for r in self.rows),
+            "saved_ceiling_ms": sum(r.saved_ceiling_ms for r in self.rows),
+        }
+
+    def predict(self, step_ms: float, *, planned_step: bool = True) -> dict[str, float]:
+        """Step speed-ups over an all-high-precision step (Amdahl, from measured GEMM times).
+
+        Args:
+            step_ms: a measured step time.
+            planned_step: True when ``step_ms`` is a step that ran this ledger's chosen plans
+                (the all-high step is then ``step_ms`` plus what the plan saved); False when it
+                is a step with every GEMM in high precision (a bf16 run with the same settings).
+
+        Returns:
+            ``high_step_ms`` and the speed-ups ``as_planned``, ``best_as_paid`` and
+            ``quant_free`` (``high_step_ms`` over the step with that saving), plus
+            ``gemm_ceiling``: the step with every GEMM ``FP8_GEMM_CEILING`` times faster.
+        """
+        if not step_ms > 0:
+            raise ValueError(f"step_ms must be > 0, got {step_ms}")
+        t = self.totals()
+        high_step = step_ms + t["saved_as_planned_ms"] if planned_step else step_ms
+
+        def speedup(saved: float) -> float:
+            rest = high_step - saved
+            return high_step / rest if rest > 0 else math.inf
+
+        ceiling_saved = t["high_ms"] * (1.0 - 1.0 / FP8_GEMM_CEILING)
+        return {
+            "high_step_ms": high_step,
+            "as_planned": speedup(t["saved_as_planned_ms"]),
+            "best_as_paid": speedup(t["saved_best_ms"]),
+            "quant_free": speedup(t["saved_ceiling_ms"]),
+            "gemm_ceiling": speedup(ceiling_saved),
+        }
+
+    def to_dict(self, step_ms: float | None = None, *, planned_step: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "device": self.device,
+            "timing": self.timing,
+            "rows": [r.to_dict() for r in self.rows],
+            "totals": self.totals(),
+            "notes": list(self.notes),
+        }
+        if step_ms is not None:
+            out["step_ms"] = step_ms
+            out["prediction"] = self.predict(step_ms, planned_step=planned_step)
+        return out
+
+    def markdown(self, step_ms: float | None = None, *, planned_step: bool = True, top: int | None = None) -> str:
+        """The ledger as a Markdown table, largest high-precision GEMMs first, then the
+        predicted step speed-ups when ``step_ms`` is given."""
+        rows = sorted(self.rows, key=lambda r: -r.high_ms)
+        if top is not None:
+            rows = rows[:top]
+        lines = [
+            "| site | GEMM | M x K x N | plan | high ms | FP8 GEMM ms | quant a ms | quant b ms "
+            "| FP8 total ms | speed-up as paid | quant / saved |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            f = r.chosen or r.best
+            if f is None:
+                cells = ["-"] * 6
+            else:
+                cells = [
+                    f"{f.gemm_ms:.3f}", f"{f.quant_a_ms:.3f}", f"{f.quant_b_ms:.3f}",
+                    f"{f.total_ms:.3f}", _x(r.high_ms / f.total_ms if f.total_ms > 0 else math.inf),
+                    _ratio(r.quant_over_saved),
+                ]
+            lines.append(
+                f"| {r.site} | {r.role} | {'x'.join(map(str, r.shape))} | {r.plan} | "
+                f"{r.high_ms:.3f} | " + " | ".join(cells) + " |"
+            )
+        if top is not None and len(self.rows) > top:
+            lines.append(f"\n{len(self.rows) - top} smaller GEMMs not shown (all in the JSON).")
+        t = self.totals()
+        lines += [
+            "",
+            f"Per step: high-precision GEMMs {t['high_ms']:.3f} ms; FP8 saves "
+            f"{t['saved_as_planned_ms']:.3f} ms as planned, {t['saved_best_ms']:.3f} ms at best "
+            f"with quantization paid, {t['saved_ceiling_ms']:.3f} ms with quantization free.",
+        ]
+        if step_ms is not None:
+            p = self.predict(step_ms, planned_step=planned_step)
+            lines.append(
+                f"Predicted step speed-up over high precision (step {p['high_step_ms']:.2f} ms): "
+                f"as planned {_x(p['as_planned'])}, best as paid {_x(p['best_as_paid'])}, "
+                f"quantization free {_x(p['quant_free'])}, every GEMM at the {FP8_GEMM_CEILING:g}x "
+                f"FP8 rate {_x(p['gemm_ceiling'])}."
+            )
+        lines.append(
+            f"Timing: {self.timing} on {self.device}. The chosen plan's times are shown where the "
+            "GEMM runs in FP8, the fastest candidate's otherwise; 'quant / saved': what quantizing "
+            "costs over what the FP8 GEMM saves (>= 1: FP8 cannot pay there)."
+        )
+        lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _x(v: float) -> str:
+    return "-" if not math.isfinite(v) else f"{v:.2f}x"
+
+
+def _ratio(v: float) -> str:
+    if math.isnan(v):
+        return "-"
+    return "inf" if math.isinf(v) else f"{v:.2f}"
+
+
+# ------------------------------------------------------------------------------ measurement
+Timer = Callable[[Callable[[], object]], float]
+"""``timer(run) -> milliseconds`` of one ``run()``."""
+
+
+def _reused(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple[bool, bool]:
+    return (False, False) if site_plan is None else reused_operands(role, plan, site_plan)
+
+
+def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer) -> Fp8Times:
+    a, b, b_is_weight, out_dtype = role_operands(gemm.role, gemm.shape, device=device)
+    reuse_a, reuse_b = _reused(gemm.role, plan, gemm.site_plan)
+
+    def quant_a() -> QTensor:
+        return quantize_operand(a, plan.fmt, plan, is_weight=False)
+
+    def quant_b() -> QTensor:
+        return quantize_operand(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
+
+    a_q, b_q = quant_a(), quant_b()
+    problem = GemmProblem.from_operands(a_q, b_q, out_dtype=out_dtype, role=gemm.role, fast_accum=plan.fast_accum)
+    ok, why = get_backend(plan.backend).supports(problem)
+    if not ok:
+        raise RuntimeError(f"{plan.backend} cannot run {'x'.join(map(str, gemm.shape))}: {why}")
+    return Fp8Times(
+        plan=str(plan),
+        gemm_ms=timer(lambda: run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=gemm.role)),
+        quant_a_ms=0.0 if reuse_a else timer(quant_a),
+        quant_b_ms=0.0 if reuse_b else timer(quant_b),
+    )
+
+
+def measure_ledger(
+    gemms: Sequence[LedgerGemm],
+    *,
+    device: torch.device,
+    timer: Timer | None = None,
+    high_dtype: torch.dtype = torch.bfloat16,
+) -> Ledger:
+    """Time every GEMM of ``gemms`` in high precision and with each FP8 candidate.
+
+    Shapes repeat across sites (a tower's layers); each distinct measurement runs once.
+    A candidate whose measurement raises is left out of its row and named in its
+    ``failures`` (it would never be chosen: Dispatch excludes it the same way).
+
+    Args:
+        gemms: the GEMMs, e.g. from ``LokaCallback.ledger_gemms()``.
+        device: where to measure.
+        timer: ``timer(run) -> ms``; default ``GemmTimer.time``, graph-replayed on a GPU (what
+            a graphed step runs), the host clock elsewhere.
+        high_dtype: the high-precision compute dtype (bf16 under autocast on a GPU).
+    """
+    time_ms: Timer
+    if timer is None:
+        gemm_timer = GemmTimer(timing="auto", device=device, out_dtype=high_dtype, graphed=True)
+        time_ms = _milliseconds(gemm_timer)
+    else:
+        time_ms = timer
+    cache: dict[tuple[Any, ...], Any] = {}
+    rows = []
+    for g in gemms:
+        key_high = ("high", g.role, g.shape)
+        if key_high not in cache:
+            a, b, _, _ = role_operands(g.role, g.shape, device=device, dtype=high_dtype)
+            cache[key_high] = time_ms(_matmul(a, b))
+        candidates = list(dict.fromkeys([*g.candidates, *([g.plan] if g.plan.is_fp8 else [])]))
+        times: list[Fp8Times] = []
+        failures: list[str] = []
+        for plan in candidates:
+            key = (str(plan), g.role, g.shape, _reused(g.role, plan, g.site_plan))
+            if key not in cache:
+                try:
+                    cache[key] = _fp8_times(g, plan, device, time_ms)
+                except Exception as exc:  # one backend's failure must not lose the ledger
+                    cache[key] = f"{plan}: {type(exc).__name__}: {exc}"
+            value = cache[key]
+            if isinstance(value, Fp8Times):
+                times.append(value)
+            else:
+                failures.append(value)
+        rows.append(
+            LedgerRow(
+                site=g.site, role=g.role, shape=g.shape, plan=str(g.plan) if g.plan.is_fp8 else "high",
+                high_ms=cache[key_high], fp8=tuple(times), failures=tuple(failures),
+            )
+        )
+    timing = "cuda_graph" if device.type == "cuda" and timer is None else "host_clock"
+    notes = []
+    if device.type != "cuda":
+        notes.append("measured on the CPU: FP8 is emulated there; the times say nothing of a GPU")
+    return Ledger(rows=rows, device=_device_name(device), timing=timing if timer is None else "custom", notes=notes)
+
+
+def _milliseconds(gemm_timer: GemmTimer) -> Timer:
+    return lambda run: gemm_timer.time(run) * 1e3
+
+
+def _matmul(a: Tensor, b: Tensor) -> Callable[[], Tensor]:
+    return lambda: a @ b.t()
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type

@@ -1,0 +1,169 @@
+"""Tensor-wise FP8 quantization in Triton at memory bandwidth (op ``loka::tensorwise_quant``).
+
+The reference (:func:`loka_train.kernels.formats.quantize`) takes an amax reduction, an fp32
+division that writes a full fp32 temporary, and a cast that reads it again: about 13 bytes of
+traffic per bf16 element. Here three launches move 5: one pass reads ``x`` for per-block
+amaxes, one program turns them into the scale, one pass reads ``x`` again and writes the FP8
+payload. Results are bit-identical to the reference: the scale is ``amax / fmt.max`` (1 for an
+all-zero tensor, NaN when a value is non-finite), the codes ``x / scale`` rounded to nearest
+even, the division of ``x`` IEEE-rounded (``div_rn``), values saturating at ``fmt.max``.
+
+A tensor-wise payload is what lets a site reuse its forward's ``x`` and ``W`` and its
+grad-input's ``dY`` transposed in the backward (``kernels.linear.transposed_reuse``): with this
+quantizer a tensor-wise linear layer quantizes two large tensors a step instead of four.
+
+Example:
+    >>> q, scale = tensorwise_quant(torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16))
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from loka_train.kernels import opaque
+from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+from loka_train.kernels.triton_kernels import (
+    _check_runnable,
+    _round_rne,
+    _sw_round_args,
+    _triton_fmt,
+)
+
+__all__ = ["tensorwise_quant", "tensorwise_quant_reference"]
+
+_BLOCK = 8192
+"""Elements per program of the two passes (8 warps, 32 elements a thread)."""
+_FINAL_BLOCK = 1024
+"""Partial amaxes the finishing program reads per iteration."""
+_TINY = 1.1754943508222875e-38
+"""``torch.finfo(torch.float32).tiny``: the smallest scale (keeps tiny tensors finite)."""
+
+
+@triton.jit
+def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    # tl.max drops NaN: a block with a non-finite value reports inf (the scale is then NaN).
+    num_bad = tl.sum(((x != x) | (ax == float("inf"))).to(tl.int32), axis=0)
+    amax = tl.max(ax, axis=0)
+    tl.store(partial_ptr + pid, tl.where(num_bad > 0, float("inf"), amax))
+
+
+@triton.jit
+def _scale_kernel(partial_ptr, scale_ptr, P, inv_max, FP8_MAX: tl.constexpr, RECIPROCAL: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, P, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < P, other=0.0))
+    amax = tl.max(acc, axis=0)
+    # As the reference computes ``amax / fmt.max`` on this device: PyTorch divides by a Python
+    # scalar as a product with its fp32 reciprocal on CUDA, as a true division on the CPU.
+    if RECIPROCAL:
+        scale = amax * inv_max
+    else:
+        scale = tl.math.div_rn(amax, FP8_MAX)
+    scale = tl.maximum(scale, 1.1754943508222875e-38)
+    scale = tl.where(amax == 0.0, 1.0, scale)
+    scale = tl.where(amax == float("inf"), float("nan"), scale)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr,
+    scale_ptr,
+    q_ptr,
+    N,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    Q_MANT: tl.constexpr,
+    Q_SUB_MAGIC: tl.constexpr,
+    Q_MIN_NORMAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if Q_MANT > 0:  # the interpreter's software rounding; NaN and signed zeros pass as they are
+        q = tl.where((q == 0.0) | (q != q), q, _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL))
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def _reciprocal(v: float) -> float:
+    """``1 / v`` rounded to fp32, as PyTorch's CUDA division by a scalar computes it."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / v)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    fmt_ = _triton_fmt(fmt)
+    _check_runnable(x)
+    if not x.is_contiguous():
+        raise ValueError("tensorwise_quant needs a contiguous input (transposed views take loka::transposed_quant)")
+    q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
+    scale = torch.empty((), device=x.device, dtype=torch.float32)
+    n = x.numel()
+    if n == 0:
+        scale.fill_(1.0)
+        return q, scale
+    num_blocks = _cdiv(n, _BLOCK)
+    partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
+    _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8)
+    _scale_kernel[(1,)](
+        partial, scale, num_blocks, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
+        RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK, num_warps=4,
+    )
+    qr = _sw_round_args(q.dtype)
+    _cast_kernel[(num_blocks,)](
+        x, scale, q, n, FP8_MAX=fmt_.max, BLOCK=_BLOCK, Q_MANT=qr["MANT"],
+        Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"], num_warps=8,
+    )
+    return q, scale
+
+
+@torch.library.custom_op("loka::tensorwise_quant", mutates_args=())
+def _tensorwise_quant_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    return _tensorwise_quant_impl(x, fmt)
+
+
+@_tensorwise_quant_op.register_fake
+def _tensorwise_quant_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape, dtype=Fp8Format(fmt).dtype), x.new_empty((), dtype=torch.float32)
+
+
+def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:
+    """Quantize a contiguous float tensor to FP8 with one scale for the whole tensor.
+
+    Args:
+        x: fp32, bf16 or fp16, contiguous, any shape.
+        fmt: e4m3 or e5m2.
+
+    Returns:
+        ``(q, scale)``: the FP8 payload shaped like ``x`` and the 0-dim fp32 dequantization
+        scale, bit-identical to :func:`tensorwise_quant_reference`.
+
+    Raises:
+        ValueError: for a non-contiguous input or another format.
+        RuntimeError: where Triton cannot run.
+    """
+    fmt_s = Fp8Format(fmt).value
+    if opaque.tracing():
+        return torch.ops.loka.tensorwise_quant(x, fmt_s)
+    return _tensorwise_quant_impl(x, fmt_s)
+
+
+def tensorwise_quant_reference(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:
+    """The reference quantizer's tensor-wise result, as ``(q, scale)``."""
+    qt = quantize(x, Fp8Format(fmt), Scaling.TENSORWISE)
+    return qt.data, qt.scale

@@ -1,0 +1,172 @@
+"""Dispatch weighs a site's GEMMs together where tensor-wise plans share quantized operands:
+which operands a role reuses, the joint choice's edges (faster than per-GEMM, the margin, no
+tensor-wise option), the timer leaving reused operands' quantization out, and a Dispatcher
+that picks a tensor-wise site over row-wise GEMMs chosen one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loka_train.dispatch import DispatchConfig, Dispatcher
+from loka_train.dispatch.planning import Target, joint_targets, reused_operands, site_total
+from loka_train.dispatch.timing import GemmTimer, GpuCostModel, parse_timing_key, timing_key
+from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+
+TW = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated")
+RW = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
+ROLES3 = ("forward", "grad_input", "grad_weight")
+
+
+def test_reused_operands_follow_the_site_plan() -> None:
+    assert reused_operands("forward", TW.forward, TW) == (False, False)
+    assert reused_operands("grad_input", TW.grad_input, TW) == (False, True)
+    assert reused_operands("grad_weight", TW.grad_weight, TW) == (True, True)
+    assert reused_operands("grad_weight", RW.grad_weight, RW) == (False, False)
+    # The forward in high precision quantizes no x or W to hand over.
+    mixed = LinearPlan(grad_input=TW.grad_input, grad_weight=TW.grad_weight)
+    assert reused_operands("grad_weight", mixed.grad_weight, mixed) == (True, False)
+    assert reused_operands("grad_input", mixed.grad_input, mixed) == (False, False)
+    # Formats must agree: an e5m2 forward W is not grad-input's e4m3 W^T.
+    e5_fwd = LinearPlan(forward=GemmPlan(precision="fp8", fmt=Fp8Format.E5M2, scaling=Scaling.TENSORWISE,
+                                         backend="emulated"), grad_input=TW.grad_input)
+    assert reused_operands("grad_input", e5_fwd.grad_input, e5_fwd) == (False, False)
+
+
+def _times(gw_reused: float) -> dict:
+    """ms of each (role, plan, reuse): high 1.0; row-wise 0.80 / 0.80 / 0.95; tensor-wise
+    0.82 alone, grad-input 0.80 with W^T reused, grad-weight `gw_reused` with both reused and
+    half-way with one."""
+    t = {}
+    for role in ROLES3:
+        t[(role, None, (False, False))] = 1.0
+        t[(role, str(getattr(RW, role)), (False, False))] = {"grad_weight": 0.95}.get(role, 0.80)
+        t[(role, str(getattr(TW, role)), (False, False))] = {"grad_weight": 0.95}.get(role, 0.82)
+    t[("grad_input", str(TW.grad_input), (False, True))] = 0.80
+    t[("grad_weight", str(TW.grad_weight), (True, True))] = gw_reused
+    t[("grad_weight", str(TW.grad_weight), (True, False))] = (0.95 + gw_reused) / 2
+    t[("grad_weight", str(TW.grad_weight), (False, True))] = (0.95 + gw_reused) / 2
+    return t
+
+
+def _time_fn(table: dict):
+    def time(role, plan, reuse):  # type: ignore[no-untyped-def]
+        return table[(role, None if plan is None else str(plan), reuse)]
+
+    return time
+
+
+def _per_gemm(urgent: bool = False) -> dict[str, Target]:
+    return {r: Target(getattr(RW, r), "per-GEMM", urgent) for r in ROLES3}
+
+
+OPTIONS = {r: [getattr(RW, r), getattr(TW, r)] for r in ROLES3}
+
+
+def test_a_tensor_wise_site_is_taken_when_reuse_makes_it_faster() -> None:
+    time = _time_fn(_times(gw_reused=0.60))
+    assert site_total({r: getattr(RW, r) for r in ROLES3}, time) == pytest.approx(2.55)
+    assert site_total({r: getattr(TW, r) for r in ROLES3}, time) == pytest.approx(2.22)
+    out = joint_targets(targets=_per_gemm(urgent=True), options=OPTIONS, time=time, margin=0.05)
+    assert {r: out[r].plan for r in ROLES3} == {r: getattr(TW, r) for r in ROLES3}
+    assert all("reused across them" in out[r].reason and "1.35x over high" in out[r].reason
+               for r in ROLES3)
+    assert all(out[r].urgent for r in ROLES3)  # urgency is the per-GEMM verdict's
+
+
+def test_per_gemm_choice_stays_when_the_joint_one_is_not_faster() -> None:
+    time = _time_fn(_times(gw_reused=0.95))  # reuse saves nothing in grad-weight: 2.57 > 2.55
+    targets = _per_gemm()
+    assert joint_targets(targets=targets, options=OPTIONS, time=time, margin=0.05) == targets
+
+
+def test_the_site_must_clear_the_margin_over_high_precision() -> None:
+    table = _times(gw_reused=0.60)
+    for key in table:
+        table[key] = max(table[key], 0.97) if key[1] is not None else table[key]
+    # Best joint site 0.97 * 3 = 2.91 ms against 3.0 in high precision: 1.03x < 1.05.
+    targets = {r: Target(GemmPlan(), "high", False) for r in ROLES3}
+    out = joint_targets(targets=targets, options=OPTIONS, time=_time_fn(table), margin=0.05)
+    assert out == targets
+    out = joint_targets(targets=targets, options=OPTIONS, time=_time_fn(table), margin=0.02)
+    assert any(t.plan.is_fp8 for t in out.values())
+
+
+def test_without_a_tensor_wise_option_nothing_is_weighed() -> None:
+    calls = []
+
+    def time(role, plan, reuse):  # type: ignore[no-untyped-def]
+        calls.append(role)
+        return 1.0
+
+    targets = _per_gemm()
+    options = {r: [getattr(RW, r)] for r in ROLES3}
+    assert joint_targets(targets=targets, options=options, time=time, margin=0.05) == targets
+    assert calls == []
+
+
+def test_timing_keys_name_the_reused_operands() -> None:
+    plan = TW.grad_weight
+    assert timing_key("grad_weight", (8, 16, 32), plan) == f"grad_weight:8x16x32:{plan}"
+    key = timing_key("grad_weight", (8, 16, 32), plan, (True, True))
+    assert key.endswith("|reuse=ab")
+    assert parse_timing_key(key) == ("grad_weight", (8, 16, 32), str(plan), (True, True))
+    assert parse_timing_key(timing_key("forward", (8, 16, 32), None)) == ("forward", (8, 16, 32), "high", (False, False))
+
+
+def test_the_timer_leaves_reused_operands_quantization_out(monkeypatch) -> None:
+    import loka_train.kernels.linear as linear
+
+    calls = []
+    real = linear.quantize_operand
+
+    def counting(t, fmt, plan, **kw):  # type: ignore[no-untyped-def]
+        calls.append(tuple(t.shape))
+        return real(t, fmt, plan, **kw)
+
+    monkeypatch.setattr(linear, "quantize_operand", counting)
+    timer = GemmTimer(timing="measure", device="cpu", out_dtype=torch.float32, bench_iters=1)
+    timer.measure_once((16, 32, 24), TW.grad_weight, "grad_weight", (True, True))
+    # Both quantized once, before the timed runs (3 warm-up + 1 timed: none quantizes).
+    assert len(calls) == 2
+    calls.clear()
+    timer.measure_once((16, 32, 24), TW.grad_weight, "grad_weight")
+    assert len(calls) == 2 * 4
+    cm = GpuCostModel()
+    full = cm.fp8(4096, 4096, 4096, "tensorwise", "torch_scaled_mm")
+    assert cm.fp8(4096, 4096, 4096, "tensorwise", "torch_scaled_mm", quant_a=False, quant_b=False) < full
+
+
+class _AllSafe(dict):
+    class _V:
+        safe, reason, sqnr_lo_db, budget_db = True, "safe", 40.0, 20.0
+
+        def __init__(self, fmt_b: Fp8Format) -> None:
+            self.fmt_b = fmt_b
+
+    def get(self, key, default=None):  # type: ignore[no-untyped-def, override]
+        _, role, fmt, _ = key
+        return self._V(fmt if role == "forward" else Fp8Format.E4M3)
+
+
+def test_dispatcher_plans_a_site_jointly_under_the_speed_objective(monkeypatch) -> None:
+    """Per GEMM, row-wise wins every role; with the reuse a tensor-wise forward enables, the
+    whole site is faster in tensor-wise, and the Dispatcher takes it."""
+    table = _times(gw_reused=0.60)
+
+    def estimate(self, role, shape, plan, reuse=(False, False)):  # type: ignore[no-untyped-def]
+        return table[(role, None if plan is None else str(plan), reuse)]
+
+    monkeypatch.setattr(GemmTimer, "estimate", estimate)
+    shape = (64, 32, 48)
+    shapes = {"forward": shape, "grad_input": shape, "grad_weight": shape}
+    for objective, expect in (("speed", TW), ("coverage", RW)):
+        d = Dispatcher(
+            DispatchConfig(objective=objective, scalings=("rowwise", "tensorwise"), cpu_backends=("emulated",),
+                           hysteresis_intervals=1, margin=0.05),
+            device="cpu",
+        )
+        d.register("s", plan=LinearPlan.high_precision(), shapes=shapes)
+        d.replan(step=0, verdicts=_AllSafe())
+        assert d.plans["s"] == expect, objective

@@ -1,0 +1,130 @@
+"""The per-GEMM ledger: its arithmetic (savings, quantization share, Amdahl predictions) and its
+measurement on the CPU with the emulated backend (what is timed, what the site reuses)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loka_train.dispatch.ledger import (
+    Fp8Times,
+    Ledger,
+    LedgerGemm,
+    LedgerRow,
+    measure_ledger,
+)
+from loka_train.dispatch.planning import reused_operands
+from loka_train.kernels.formats import Scaling
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+
+CPU = torch.device("cpu")
+
+
+def _row(plan: str, high: float, *fp8: Fp8Times) -> LedgerRow:
+    return LedgerRow(site="s", role="forward", shape=(8, 8, 8), plan=plan, high_ms=high, fp8=fp8)
+
+
+def test_row_savings_as_planned_best_and_ceiling():
+    slow = Fp8Times(plan="a", gemm_ms=0.5, quant_a_ms=0.4, quant_b_ms=0.3)  # total 1.2
+    fast = Fp8Times(plan="b", gemm_ms=0.6, quant_a_ms=0.1, quant_b_ms=0.0)  # total 0.7
+    row = _row("a", 1.0, slow, fast)
+    assert row.saved_as_planned_ms == pytest.approx(-0.2)  # the chosen plan loses
+    assert row.best is fast
+    assert row.saved_best_ms == pytest.approx(0.3)
+    assert row.fastest_gemm is slow
+    assert row.saved_ceiling_ms == pytest.approx(0.5)
+    assert row.quant_over_saved == pytest.approx(0.7 / 0.5)
+    high = _row("high", 1.0, slow, fast)
+    assert high.saved_as_planned_ms == 0.0
+    losing = _row("high", 0.4, slow)
+    assert losing.saved_best_ms == 0.0 and losing.saved_ceiling_ms == 0.0
+    assert math.isinf(losing.quant_over_saved)
+    assert math.isnan(_row("high", 1.0).quant_over_saved)
+
+
+def test_prediction_from_a_planned_step_and_from_a_high_step():
+    fp8 = Fp8Times(plan="p", gemm_ms=1.0, quant_a_ms=0.5, quant_b_ms=0.5)
+    ledger = Ledger(rows=[_row("p", 4.0, fp8), _row("high", 1.0)], device="cpu", timing="custom")
+    t = ledger.totals()
+    assert t["high_ms"] == 5.0 and t["saved_as_planned_ms"] == 2.0
+    assert t["saved_best_ms"] == 2.0 and t["saved_ceiling_ms"] == 3.0
+    # A step of 8 ms that ran the plan: all-high would take 10 ms.
+    p = ledger.predict(8.0)
+    assert p["high_step_ms"] == 10.0
+    assert p["as_planned"] == pytest.approx(10 / 8)
+    assert p["quant_free"] == pytest.approx(10 / 7)
+    assert p["gemm_ceiling"] == pytest.approx(10 / 7.5)  # 5 ms of GEMMs at 2x
+    # The same 10 ms measured on an all-high step.
+    assert ledger.predict(10.0, planned_step=False)["as_planned"] == pytest.approx(10 / 8)
+    with pytest.raises(ValueError, match="step_ms"):
+        ledger.predict(0.0)
+    md = ledger.markdown(step_ms=8.0)
+    assert "as planned 1.25x" in md and "| s | forward | 8x8x8 | p | 4.000 |" in md
+
+
+def test_reused_operands_follow_the_site_plan():
+    tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated")
+    rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
+    assert reused_operands("forward", tw.forward, tw) == (False, False)
+    assert reused_operands("grad_input", tw.grad_input, tw) == (False, True)
+    assert reused_operands("grad_weight", tw.grad_weight, tw) == (True, True)
+    assert reused_operands("grad_weight", rw.grad_weight, rw) == (False, False)
+    # The forward in high precision quantizes no x or W to reuse.
+    mixed = LinearPlan(grad_input=tw.grad_input, grad_weight=tw.grad_weight)
+    assert reused_operands("grad_weight", mixed.grad_weight, mixed) == (True, False)
+
+
+def _emulated(scaling: Scaling) -> LinearPlan:
+    return LinearPlan.fp8(scaling=scaling, backend="emulated")
+
+
+@pytest.mark.parametrize("scaling", [Scaling.ROWWISE, Scaling.TENSORWISE])
+def test_measure_on_cpu_times_every_part_and_skips_reused_operands(scaling):
+    plan = _emulated(scaling)
+    gemms = [
+        LedgerGemm(site="mlp.0", role=role, shape=(32, 16, 24), plan=getattr(plan, role),
+                   candidates=(getattr(plan, role),), site_plan=plan)
+        for role in ("forward", "grad_input", "grad_weight")
+    ]
+    ledger = measure_ledger(gemms, device=CPU, high_dtype=torch.float32)
+    assert [r.role for r in ledger.rows] == ["forward", "grad_input", "grad_weight"]
+    assert ledger.timing == "host_clock" and "emulated" in ledger.notes[0]
+    for row in ledger.rows:
+        assert row.high_ms > 0 and not row.failures
+        (t,) = row.fp8
+        assert t.plan == row.plan and t.gemm_ms > 0
+        reuse_a, reuse_b = reused_operands(row.role, getattr(plan, row.role), plan)
+        assert reuse_a or reuse_b or row.role != "grad_weight" or scaling is not Scaling.TENSORWISE
+        assert (t.quant_a_ms == 0) == reuse_a and (t.quant_b_ms == 0) == reuse_b
+    gw = ledger.rows[2].fp8[0]
+    assert (gw.quant_ms == 0) == (scaling is Scaling.TENSORWISE)
+
+
+def test_measure_keeps_the_ledger_when_a_backend_cannot_run():
+    bad = GemmPlan(precision="fp8", scaling=Scaling.ROWWISE, backend="fbgemm_rowwise")
+    good = _emulated(Scaling.ROWWISE).forward
+    ledger = measure_ledger(
+        [LedgerGemm("s", "forward", (16, 16, 16), GemmPlan(), (bad, good))],
+        device=CPU, high_dtype=torch.float32,
+    )
+    (row,) = ledger.rows
+    assert [t.plan for t in row.fp8] == [str(good)]
+    assert len(row.failures) == 1 and "fbgemm_rowwise" in row.failures[0]
+
+
+def test_measure_times_each_distinct_gemm_once():
+    calls = []
+
+    def timer(run):
+        calls.append(run)
+        run()
+        return 1.0
+
+    plan = _emulated(Scaling.ROWWISE).forward
+    gemms = [LedgerGemm(f"tower.{i}", "forward", (16, 32, 32), plan, (plan,)) for i in range(3)]
+    ledger = measure_ledger(gemms, device=CPU, timer=timer, high_dtype=torch.float32)
+    assert len(calls) == 4  # high, FP8 GEMM, quant a, quant b: once for the three sites
+    assert ledger.timing == "custom" and len(ledger.rows) == 3
+    assert all(r.saved_as_planned_ms == pytest.approx(-2.0) for r in ledger.rows)

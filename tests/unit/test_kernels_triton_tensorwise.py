@@ -1,0 +1,85 @@
+"""The tensor-wise Triton quantizer (under TRITON_INTERPRET=1) against the reference quantizer:
+bit-identical codes and scales, edge values, several blocks, non-finite and all-zero tensors,
+and the path ``quantize_operand`` takes for tensor-wise operands."""
+
+import pytest
+import torch
+
+from loka_train.kernels import triton_tensorwise as tt
+from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+from loka_train.kernels.linear import quantize_operand, use_tensorwise_quantizer
+from loka_train.kernels.plan import GemmPlan
+
+FMTS = [Fp8Format.E4M3, Fp8Format.E5M2]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bit_identical_to_the_reference_over_several_blocks(fmt, dtype, monkeypatch):
+    monkeypatch.setattr(tt, "_BLOCK", 256)  # 3 programs and a ragged last one, kept small
+    monkeypatch.setattr(tt, "_FINAL_BLOCK", 2)  # the finishing loop runs more than once
+    g = torch.Generator().manual_seed(0)
+    x = (5 * torch.randn(13, 47, generator=g)).to(dtype)
+    x[11, 3] = 300.0  # the amax sits in the last block, read in the second finishing chunk
+    q, scale = tt.tensorwise_quant(x, fmt=fmt)
+    rq, rs = tt.tensorwise_quant_reference(x, fmt=fmt)
+    assert q.shape == x.shape and q.dtype == fmt.dtype and scale.shape == ()
+    assert torch.equal(scale, rs)
+    assert _same(q, rq)
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
+def test_edge_values_round_like_torch(fmt):
+    x = torch.tensor([fmt.max, 124.7, 125.0, 31.4, 0.75 * fmt.min_normal, 1.5 * fmt.min_subnormal,
+                      0.49 * fmt.min_subnormal, -31.4, 57.0, 59.0, 61.0, 63.0, 0.0, -0.0])
+    q, scale = tt.tensorwise_quant(x, fmt=fmt)
+    rq, rs = tt.tensorwise_quant_reference(x, fmt=fmt)
+    assert torch.equal(scale, rs) and _same(q, rq)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_value_gives_a_nan_scale(bad):
+    x = torch.randn(9, 33)
+    x[4, 5] = bad
+    q, scale = tt.tensorwise_quant(x)
+    rq, rs = tt.tensorwise_quant_reference(x)
+    assert torch.isnan(scale) and torch.isnan(rs)
+    # Every dequantized value is NaN through the scale. (The interpreter casts NaN to a finite
+    # FP8 code, so the codes themselves are compared on the GPU only.)
+    assert torch.isnan(q.float() * scale).all()
+    if torch.cuda.is_available():
+        assert torch.isnan(q.float()).all() and torch.isnan(rq.float()).all()
+
+
+def test_all_zero_and_empty_tensors_get_scale_one():
+    q, scale = tt.tensorwise_quant(torch.zeros(4, 8))
+    assert scale.item() == 1.0 and (q.float() == 0).all()
+    q, scale = tt.tensorwise_quant(torch.zeros(0, 8))
+    assert scale.item() == 1.0 and q.shape == (0, 8)
+
+
+def test_refuses_a_transposed_view():
+    with pytest.raises(ValueError, match="contiguous"):
+        tt.tensorwise_quant(torch.randn(8, 4).t())
+
+
+def test_quantize_operand_takes_it_for_contiguous_tensorwise_operands():
+    plan = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="triton")
+    x = torch.randn(16, 24)
+    assert use_tensorwise_quantizer(plan, x, plan.fmt)
+    assert not use_tensorwise_quantizer(plan, x.t(), plan.fmt)  # the transposing kernel's
+    emulated = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="emulated")
+    assert not use_tensorwise_quantizer(emulated, x, plan.fmt)  # the oracle keeps the reference
+    got = quantize_operand(x, plan.fmt, plan, is_weight=False)
+    ref = quantize(x, plan.fmt, Scaling.TENSORWISE)
+    assert got.scaling is Scaling.TENSORWISE and got.axis == 1
+    assert torch.equal(got.scale, ref.scale) and _same(got.data, ref.data)
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.loka.tensorwise_quant.default, (torch.randn(5, 7), "e4m3"),
+                          test_utils=("test_schema", "test_faketensor"))
