@@ -41,8 +41,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-
 SIZES = ((8192, 26, 64), (16384, 26, 128), (16384, 52, 128), (32768, 52, 64))
 """(per-GPU batch, tables, dim): 54.5 MB, 218 MB, 436 MB (the 2 x H200 job: 52 x 128 at
 batch 16384) and 436 MB again at dim 64 (shorter rows, twice as many scales)."""
@@ -308,7 +306,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         # Before triton is imported: the kernels then run in the interpreter on CPU.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, str(ROOT))
     import torch
     import triton
 

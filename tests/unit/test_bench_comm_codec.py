@@ -1,4 +1,4 @@
-"""bench/comm_codec.py: its per-MB arithmetic, its verdicts, and its CPU dry run end to end."""
+"""bench.comm_codec: its per-MB arithmetic, its verdicts, and its CPU dry run end to end."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from tests.bench_modules import load_bench
+from bench import comm_codec
 
 
 @pytest.fixture(scope="module")
 def bench():  # type: ignore[no-untyped-def]
-    return load_bench("comm_codec")
+    return comm_codec
 
 
 def test_per_mb_arithmetic(bench) -> None:  # type: ignore[no-untyped-def]
