@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 100; dry run 4)")
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps after the timed ones (default 5; dry run 2)")
     p.add_argument("--no-profile", action="store_true", help="no profiler window (and no extra steps)")
+    p.add_argument("--ledger", action="store_true",
+                   help="LoKA variants measure the per-GEMM ledger after training (loka.ledger=true): "
+                        "in the JSON and the report, with the step speed-ups it predicts")
     p.add_argument("--profile-variants", default="bf16,loka_aggressive", help="variants whose steps are profiled")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also write each profiled window (first round) as a gzipped Chrome trace "

@@ -129,6 +129,7 @@ def _loka_summary(cb: Any, trainer: Any) -> dict[str, Any]:
         "plans": {
             site: {role: e["plan"] for role, e in roles.items()} for site, roles in report["sites"].items()
         },
+        "ledger": None if cb.ledger is None else cb.ledger.to_dict(cb.step_ms),
     }
 
 
@@ -317,7 +318,10 @@ def run_one(
             overrides = job_overrides(
                 args, config, batch, variant, f"{tmp}/run",
                 steps=end, eval_batches=args.eval_batches,
-                extra=(f"trainer.seed={seed}", *decay_overrides(args, end, total_steps)),
+                extra=(
+                    f"trainer.seed={seed}", *decay_overrides(args, end, total_steps),
+                    *(("loka.ledger=true",) if args.ledger and variant.loka != "off" else ()),
+                ),
                 resume="must" if warm_start is not None else "never",
             )
             rec["overrides"] = overrides
@@ -339,6 +343,8 @@ def run_one(
                 pyprofile=bool(args.pyprofile) and seed == 0,
                 step_diag=args.step_diag,
             )
+            if device_type == "cuda":
+                torch.cuda.reset_peak_memory_stats()  # cleanup() emptied the cache of the last run
             setup_t, started_unix = time.perf_counter(), time.time()
             trainer = Trainer(
                 model=job.model, data=job.data, trainer=job.trainer, callbacks=[*callbacks, clock]
@@ -373,6 +379,9 @@ def run_one(
                 gc_pauses=len(clock.gc_pauses_ms),
                 gc_ms_per_step=sum(clock.gc_pauses_ms) / len(times),
                 gpu_reserved_gb=clock.gpu_reserved_gb,
+                # Peaks of this run (reset before it): the memory figure of issue 26.
+                gpu_peak_allocated_gb=torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else math.nan,
+                gpu_peak_reserved_gb=torch.cuda.max_memory_reserved() / 2**30 if device_type == "cuda" else math.nan,
                 host_rss_gb=rss_gb(),
                 started_unix=started_unix,
             )

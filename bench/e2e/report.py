@@ -216,6 +216,8 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 lines.append(f"| {r['config']} | {r['variant']} | {p['host_aten_calls_per_step']:.0f} | "
                              f"{p['host_self_cpu_ms_per_step']:.2f} | {p.get('host_sync_wait_ms_per_step', 0.0):.2f} | "
                              f"{top.replace('|', '/')} |")
+        lines += _ledger_section(rows)
+        lines += _memory_section(rows)
         everywhere = [r for r in rows if r["variant"].startswith("fp8_everywhere") and "loka" in r]
         for r in everywhere:
             lk = r["loka"]
@@ -249,6 +251,64 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         for r in errors:
             lines += [f"### {r['config']} b{r['batch']} {r['variant']}", "", "```", r.get("traceback", r["error"]).rstrip(), "```"]
     (out / "e2e.md").write_text("\n".join(lines) + "\n")
+
+
+LEDGER_ROWS = 8
+"""Largest GEMMs of each ledger shown in the report (all of them are in the JSON)."""
+
+
+def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The per-GEMM ledger of each LoKA run that measured one (``--ledger``): its largest GEMMs
+    and the step speed-ups it predicts against the same run's measured step."""
+    out: list[str] = []
+    for r in rows:
+        ledger = (r.get("loka") or {}).get("ledger")
+        if not ledger:
+            continue
+        t = ledger["totals"]
+        p = ledger.get("prediction") or {}
+        out += [
+            "", f"### Per-GEMM ledger: {r['config']} {r['variant']} ({ledger['timing']} on {ledger['device']})", "",
+            f"High-precision GEMMs {t['high_ms']:.3f} ms a step; FP8 saves {t['saved_as_planned_ms']:.3f} ms "
+            f"as planned, {t['saved_best_ms']:.3f} ms at best with quantization paid, "
+            f"{t['saved_ceiling_ms']:.3f} ms with quantization free."
+            + (f" Predicted over an all-high step of {p['high_step_ms']:.2f} ms: as planned "
+               f"{fmt_x(p['as_planned'])}, best as paid {fmt_x(p['best_as_paid'])}, quantization free "
+               f"{fmt_x(p['quant_free'])}." if p else ""),
+            "",
+            "| site | GEMM | M x K x N | plan | high ms | FP8 GEMM ms | quant ms | FP8 total ms | quant / saved |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in sorted(ledger["rows"], key=lambda x: -x["high_ms"])[:LEDGER_ROWS]:
+            times = [f for f in row["fp8"] if f["plan"] == row["plan"]] or sorted(
+                row["fp8"], key=lambda f: f["gemm_ms"] + f["quant_a_ms"] + f["quant_b_ms"])[:1]
+            if times:
+                f = times[0]
+                quant = f["quant_a_ms"] + f["quant_b_ms"]
+                cells = f"{f['gemm_ms']:.3f} | {quant:.3f} | {f['gemm_ms'] + quant:.3f} | {row['quant_over_saved']:.2f}"
+            else:
+                cells = "- | - | - | -"
+            out.append(f"| {row['site']} | {row['role']} | {'x'.join(map(str, row['shape']))} | {row['plan']} | "
+                       f"{row['high_ms']:.3f} | {cells} |")
+    return out
+
+
+def _memory_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Peak GPU memory of each run (reset before it), against bf16 with the same settings."""
+    with_peaks = [r for r in rows if r["status"] == "ok" and math.isfinite(r.get("gpu_peak_reserved_gb", math.nan))]
+    if not with_peaks:
+        return []
+    base = {(r["config"], r["variant"].removeprefix("bf16")): r for r in with_peaks if r["variant"].startswith("bf16")}
+    out = ["", "### Peak GPU memory (per run, reset before it; variants share one process)", "",
+           "| config | variant | peak allocated GB | peak reserved GB | reserved vs bf16 same settings |",
+           "|---|---|---|---|---|"]
+    for r in with_peaks:
+        suffix = "+" + r["variant"].split("+", 1)[1] if "+" in r["variant"] else ""
+        b = base.get((r["config"], suffix))
+        ratio = fmt_x(r["gpu_peak_reserved_gb"] / b["gpu_peak_reserved_gb"]) if b else "-"
+        out.append(f"| {r['config']} | {r['variant']} | {r['gpu_peak_allocated_gb']:.2f} | "
+                   f"{r['gpu_peak_reserved_gb']:.2f} | {ratio} |")
+    return out
 
 
 def _ne_delta_cell(r: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ import torch
 from loka_train.dispatch import planning
 from loka_train.dispatch.agreement import agree_on_timings
 from loka_train.dispatch.config import DispatchConfig, PlanChange
+from loka_train.dispatch.ledger import LedgerGemm
 from loka_train.dispatch.planning import Shape, SiteSupports, Target
 from loka_train.dispatch.timing import GemmTimer, parse_timing_key, timing_key
 from loka_train.kernels.plan import GemmPlan, LinearPlan
@@ -99,6 +100,7 @@ class Dispatcher:
         self.history: list[PlanChange] = []
         self.num_changes = 0
         self._pad: dict[str, int] = {}
+        self._shares_operands: set[str] = set()
         self.unsupported: dict[str, str] = {}
         """backend/scaling -> why it cannot run here (reported once)."""
         self._pending: dict[tuple[str, str], tuple[str, int]] = {}
@@ -136,6 +138,7 @@ class Dispatcher:
         shapes: Mapping[str, Shape] | None = None,
         supports: SiteSupports | None = None,
         pad_to_multiple: int = 1,
+        shares_operands: bool = False,
     ) -> None:
         """Add a site with its initial plan (and GEMM shapes, if already known).
 
@@ -148,8 +151,15 @@ class Dispatcher:
             pad_to_multiple: the site zero-pads FP8 GEMM dims to this multiple when a backend
                 refuses the unpadded shape (``Fp8Linear.pad_to_multiple``); such a backend is
                 then a candidate, timed on the padded shape.
+            shares_operands: its GEMMs hand tensor-wise FP8 operands to one another
+                (``Site.shares_operands``): under the speed objective they are planned together
+                (``planning.joint_targets``).
         """
         self.plans[site] = plan
+        if shares_operands:
+            self._shares_operands.add(site)
+        else:
+            self._shares_operands.discard(site)
         self.shapes[site] = dict(shapes or {})
         self._pad[site] = max(1, int(pad_to_multiple))
         if supports is not None:
@@ -203,7 +213,7 @@ class Dispatcher:
         """Every role's target; under the speed objective the site's GEMMs are then weighed
         together (``planning.joint_targets``), as tensor-wise plans share quantized operands."""
         targets = {role: self._target(site, role, verdicts) for role in ROLES}
-        if self.objective != "speed":
+        if self.objective != "speed" or site not in self._shares_operands:
             return targets
         shapes = self.shapes[site]
         seen = [r for r in ROLES if r in shapes]
@@ -281,6 +291,24 @@ class Dispatcher:
         return changes
 
     # ------------------------------------------------------------------------ reports
+    def ledger_gemms(self) -> list[LedgerGemm]:
+        """Every GEMM whose shape the run has seen, with its plan and every FP8 candidate the
+        config allows for it (safe or not: the ledger shows where FP8 could pay), for
+        :func:`~loka_train.dispatch.ledger.measure_ledger`."""
+        out = []
+        for site in sorted(self.plans):
+            plan = self.plans[site]
+            for role in ROLES:
+                shape = self.shapes[site].get(role)
+                if shape is None:
+                    continue
+                out.append(LedgerGemm(
+                    site=site, role=role, shape=shape, plan=getattr(plan, role),
+                    candidates=tuple(self._candidates(site, role, shape)),
+                    site_plan=plan if site in self._shares_operands else None,
+                ))
+        return out
+
     def fp8_coverage(self) -> float:
         """Fraction of (site, role) GEMMs currently planned in FP8."""
         total = len(self.plans) * len(ROLES)

@@ -76,11 +76,8 @@ class GpuCostModel:
         # Quantizing both operands: read high precision, write FP8 (+ scales). The Triton
         # quantizer is one fused pass; others take an amax pass and a cast pass.
         passes = 1 if backend == "triton" else 2
-        quant = sum(
-            passes * (3.0 * elems / self.bandwidth + self.launch_s)
-            for elems, quantized in ((m * k, quant_a), (n * k, quant_b))
-            if quantized
-        )
+        elems = m * k * quant_a + n * k * quant_b
+        quant = passes * (3.0 * elems / self.bandwidth + self.launch_s) if elems else 0.0
         return gemm + quant
 
 

@@ -48,7 +48,7 @@ from loka_train.models.wukong import WukongLayer
 from loka_train.mods.config import ModsConfig
 from loka_train.mods.interaction import CrossNet, DotInteraction
 from loka_train.mods.site import Fp8Linear, Site
-from loka_train.mods.wukong import Fp8WukongLayer
+from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
 from loka_train.utils.names import strip_wrapper_prefixes
 
 logger = logging.getLogger(__name__)
@@ -235,6 +235,12 @@ def convert(
     if isinstance(model, Site):
         raise ValueError("convert needs a model that contains the sites, not a site itself")
     converter.walk(model, "")
+    for module in model.modules():
+        if isinstance(module, Fp8FMBlock) and module._fusable():
+            first = module.mlp[0]
+            assert isinstance(first, Fp8Linear)  # _fusable checks it
+            # The fused LayerNorm -> FP8 op feeds this site, not fp8_linear: nothing is reused.
+            first.shares_operands = False
     report = converter.report
     setattr(model, "loka_mods_report", report)  # noqa: B010 - a plain attribute
     logger.info(

@@ -102,6 +102,12 @@ class Site(nn.Module):
     kind: ClassVar[str] = "linear"
     """``"linear"`` or ``"bmm"`` (see the module docstring)."""
 
+    shares_operands: bool = False
+    """Whether its GEMMs hand tensor-wise FP8 operands to one another (the backward reuses the
+    forward's ``x`` and ``W`` and grad-input's ``dY``, see ``kernels.linear``), so that Dispatch
+    weighs them together. True for sites that run ``fp8_linear``; ``convert`` turns it off for
+    a site fed by the fused LayerNorm op, which does not."""
+
     site_name: str
     plan: LinearPlan
     observer: Probe | None
@@ -270,6 +276,8 @@ class GemmSite(Site):
         >>> site.linear(torch.randn(2, 8), torch.randn(4, 8)).shape
         torch.Size([2, 4])
     """
+
+    shares_operands = True
 
     def __init__(
         self,

@@ -28,7 +28,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,12 +39,14 @@ import torch
 from torch import nn
 
 from loka_train.dispatch import Dispatcher, PlanChange
+from loka_train.dispatch.ledger import Ledger, measure_ledger
 from loka_train.kernels.roles import ROLES
 from loka_train.mods import convert, mark_sampled, sites
 from loka_train.plugin.config import LokaConfig
 from loka_train.plugin.report import run_report, write_report
 from loka_train.probe import Probe
 from loka_train.runtime.callbacks import Callback
+from loka_train.utils.profiling import profiled
 
 if TYPE_CHECKING:
     from loka_train.runtime.context import LoopState as Trainer
@@ -76,6 +80,10 @@ class LokaCallback(Callback):
         self.compressors: list[Any] = []
         self._out_dir: Path | None = None
         self._rank = 0
+        self.ledger: Ledger | None = None
+        """The per-GEMM ledger (``config.ledger``, rank 0, measured at the end of training)."""
+        self.step_ms: float | None = None
+        """The run's mean step time, for the ledger's predictions."""
 
     # ------------------------------------------------------------------------- set-up
     def on_before_shard(self, trainer: Trainer) -> None:
@@ -109,7 +117,7 @@ class LokaCallback(Callback):
             site.attach_observer(self.probe)
             self.dispatcher.register(
                 name, plan=site.plan, supports=site.supports_plan,
-                pad_to_multiple=getattr(site, "pad_to_multiple", 1),
+                pad_to_multiple=getattr(site, "pad_to_multiple", 1), shares_operands=site.shares_operands,
             )
         if self._pending_state is not None:
             self.probe.load_state_dict(self._pending_state["probe"])
@@ -256,6 +264,9 @@ class LokaCallback(Callback):
             report, out, history=self.dispatcher.history, timeline=self.timeline,
             site_names=sorted(self.sites),
         ))
+        if self.ledger is not None:
+            (out / "ledger.json").write_text(json.dumps(self.ledger.to_dict(self.step_ms), indent=2))
+            (out / "ledger.md").write_text("# LoKA per-GEMM ledger\n\n" + self.ledger.markdown(self.step_ms) + "\n")
         return out
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
@@ -263,10 +274,23 @@ class LokaCallback(Callback):
         summary["loka/fp8_coverage"] = self.dispatcher.fp8_coverage()
         summary["loka/plan_changes"] = self.dispatcher.num_changes
         summary["loka/guard_trips"] = len(self.guard_trips)
+        if self.config.ledger and trainer.rank == 0:
+            steps_per_s = summary.get("train/steps_per_s", math.nan)
+            self.step_ms = 1e3 / steps_per_s if steps_per_s and math.isfinite(steps_per_s) else None
+            for name, site in self.sites.items():  # the shapes of the last step, interval or not
+                self.dispatcher.update_shapes(name, site.gemm_shapes())
+            with profiled("loka/ledger"):
+                self.ledger = measure_ledger(
+                    self.dispatcher.ledger_gemms(), device=trainer.device, high_dtype=trainer.dense_dtype
+                )
         out = self.write_report(trainer)
         if out is not None:
             summary["loka/report"] = str(out / "loka_report.md")
             print("\nLoKA plan\n" + self.dispatcher.table())
+            if self.ledger is not None:
+                summary["loka/ledger"] = str(out / "ledger.md")
+                print("\nLoKA per-GEMM ledger (15 largest GEMMs; all in ledger.md)\n"
+                      + self.ledger.markdown(self.step_ms, top=15))
 
     # ---------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -73,6 +73,13 @@ class LokaConfig:
     """Steps between on-demand reports, independent of the Probe interval (0: only at the end
     of training)."""
 
+    ledger: bool = False
+    """At the end of training, measure the per-GEMM ledger on rank 0 (each GEMM's high-precision
+    time, every FP8 candidate's GEMM and quantization time as the site runs them, and the step
+    speed-ups they predict; ``loka_train.dispatch.ledger``), print it and write it to the report
+    (``ledger.md``, ``ledger.json``). On a GPU it takes a few seconds per distinct GEMM shape;
+    on a CPU FP8 is emulated and the times say nothing of a GPU."""
+
     def __post_init__(self) -> None:
         # Dispatch may only pick formats the Probe measures, with the same operand-b format in
         # the backward GEMMs, or its "safe" would rest on another GEMM's SQNR.

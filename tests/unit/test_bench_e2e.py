@@ -391,3 +391,29 @@ def test_ratios_are_recomputed_from_scratch_when_a_report_is_re_rendered() -> No
     assert ref["speedup_vs_bf16"] == 1.0 and ref["ne_delta_rel_vs_bf16"] == 0.0
     assert "ne_delta_rel_se_vs_bf16" not in ref and "speedup_vs_bf16_compile" not in ref
     assert _ne_delta_cell(ref) == "+0.000%"
+
+
+def test_loka_runs_measure_the_ledger_when_asked(tmp_path: Path) -> None:
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "2", "--steps", "3", "--eval-batches", "1",
+            "--no-profile", "--variants", "loka_aggressive", "--ledger", "--out", str(tmp_path)]
+    assert main(args) == 0
+    (run,) = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert "loka.ledger=true" in run["overrides"]
+    ledger = run["loka"]["ledger"]
+    assert ledger["rows"] and ledger["timing"] == "host_clock" and ledger["prediction"]["high_step_ms"] > 0
+    assert {r["role"] for r in ledger["rows"]} == {"forward", "grad_input", "grad_weight"}
+    assert "### Per-GEMM ledger: dlrm loka_aggressive" in (tmp_path / "e2e.md").read_text()
+
+
+def test_the_memory_section_compares_with_bf16_under_the_same_settings() -> None:
+    from bench.e2e.report import _memory_section
+
+    def row(variant: str, reserved: float) -> dict:
+        return {"config": "dcn", "variant": variant, "status": "ok",
+                "gpu_peak_allocated_gb": reserved / 2, "gpu_peak_reserved_gb": reserved}
+
+    lines = _memory_section([row("bf16+compile+graphs", 10.0), row("loka_safe+compile+graphs", 13.0),
+                             row("bf16", 8.0), row("loka_safe", 8.4)])
+    assert "| dcn | loka_safe+compile+graphs | 6.50 | 13.00 | 1.30x |" in lines
+    assert "| dcn | loka_safe | 4.20 | 8.40 | 1.05x |" in lines
+    assert _memory_section([{**row("bf16", 1.0), "gpu_peak_reserved_gb": math.nan}]) == []

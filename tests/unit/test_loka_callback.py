@@ -97,3 +97,40 @@ def test_resume_resets_plans_the_new_dispatch_config_does_not_allow(tmp_path: Pa
     assert report["plan_changes"] == len(resumed.sites) * len(ROLES)
     row = next(iter(report["sites"].values()))["forward"]
     assert "enabled=false" in row["why"] and len(row["history"]) == 1
+
+
+def test_the_ledger_is_measured_printed_and_written_at_the_end(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    cb, ctx = _started(_config(ledger=True), tmp_path)
+    x = torch.randn(8, 16)
+    for step in range(3):
+        cb.on_step_start(ctx, step)
+        ctx.model(x).sum().backward()
+        cb.on_step_end(ctx, step, {})
+    assert cb.dispatcher is not None
+    assert not any(cb.dispatcher.shapes.values())  # no interval yet: the ledger reads the sites
+    summary = {"train/steps_per_s": 50.0}
+    cb.on_train_end(ctx, summary)
+    assert cb.ledger is not None and cb.step_ms == pytest.approx(20.0)
+    # Every GEMM of every site, each FP8 candidate the config allows timed on the CPU.
+    assert {(r.site, r.role) for r in cb.ledger.rows} == {(s, r) for s in cb.sites for r in ROLES}
+    assert all(r.high_ms > 0 and r.fp8 for r in cb.ledger.rows)
+    assert summary["loka/ledger"] == str(tmp_path / "loka" / "ledger.md")
+    written = (tmp_path / "loka" / "ledger.md").read_text()
+    assert "FP8 is emulated" in written and "Predicted step speed-up" in written
+    assert "prediction" in __import__("json").loads((tmp_path / "loka" / "ledger.json").read_text())
+    assert "LoKA per-GEMM ledger" in capsys.readouterr().out
+
+
+def test_no_ledger_unless_asked(tmp_path: Path) -> None:
+    cb, ctx = _started(_config(), tmp_path)
+    summary: dict = {"train/steps_per_s": 50.0}
+    cb.on_train_end(ctx, summary)
+    assert cb.ledger is None and "loka/ledger" not in summary
+    assert not (tmp_path / "loka" / "ledger.md").exists()
+
+
+def test_sites_that_run_fp8_linear_share_operands_with_dispatch(tmp_path: Path) -> None:
+    cb, _ = _started(_config(), tmp_path)
+    assert cb.dispatcher is not None and cb.sites
+    assert all(site.shares_operands for site in cb.sites.values())
+    assert cb.dispatcher._shares_operands == set(cb.sites)

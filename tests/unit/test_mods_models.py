@@ -445,3 +445,16 @@ def test_sites_through_wrappers(originals: dict) -> None:
     bare = Fp8Linear.from_linear(nn.Linear(4, 4))
     outer._dmp_wrapped_module.module.extra = bare
     assert sites(outer)["extra"] is bare
+
+
+@pytest.mark.parametrize("fused_norm_quant", [False, True])
+def test_sites_fed_by_the_fused_layernorm_op_share_no_operands(fused_norm_quant: bool, originals: dict) -> None:
+    """Dispatch plans a site's GEMMs together only where they hand tensor-wise operands to one
+    another: fp8_linear's sites do, the fused LayerNorm op's (Wukong's FM MLP input) and the
+    batched GEMMs do not."""
+    original, _ = originals["wukong"]
+    model, _ = convert_copy(original, fused_norm_quant=fused_norm_quant)
+    shares = {name: site.shares_operands for name, site in sites(model).items()}
+    fed_by_norm = {f"model.inter_arch.{i}.fmb.mlp.0" for i in range(2)}
+    bmm = {f"model.inter_arch.{i}.fmb.bmm" for i in range(2)}
+    assert {n for n, s in shares.items() if not s} == bmm | (fed_by_norm if fused_norm_quant else set())
