@@ -217,10 +217,16 @@ class Dispatcher:
             return targets
         shapes = self.shapes[site]
         seen = [r for r in ROLES if r in shapes]
-        options = {}
+        options: dict[str, list[GemmPlan]] = {}
         for role in seen:
-            plans = planning.eligible(verdicts, site, role, self._candidates(site, role, shapes[role]))
-            options[role] = [p for p in plans if math.isfinite(self._estimate(role, shapes[role], p))]
+            # The fastest safe candidate of each scaling: reuse depends on the scaling, not on
+            # the backend, and it keeps the joint search (and what it times) small.
+            fastest: dict[object, tuple[float, GemmPlan]] = {}
+            for p in planning.eligible(verdicts, site, role, self._candidates(site, role, shapes[role])):
+                t = self._estimate(role, shapes[role], p)
+                if math.isfinite(t) and (p.scaling not in fastest or t < fastest[p.scaling][0]):
+                    fastest[p.scaling] = (t, p)
+            options[role] = [p for _, p in fastest.values()]
 
         def time(role: str, plan: GemmPlan | None, reuse: tuple[bool, bool]) -> float:
             return self.timer.estimate(role, shapes[role], plan, reuse)

@@ -152,7 +152,8 @@ class _AllSafe(dict):
 
 def test_dispatcher_plans_a_site_jointly_under_the_speed_objective(monkeypatch) -> None:
     """Per GEMM, row-wise wins every role; with the reuse a tensor-wise forward enables, the
-    whole site is faster in tensor-wise, and the Dispatcher takes it."""
+    whole site is faster in tensor-wise, and the Dispatcher takes it, for a site whose GEMMs
+    share operands and under the speed objective only."""
     table = _times(gw_reused=0.60)
 
     def estimate(self, role, shape, plan, reuse=(False, False)):  # type: ignore[no-untyped-def]
@@ -161,12 +162,13 @@ def test_dispatcher_plans_a_site_jointly_under_the_speed_objective(monkeypatch) 
     monkeypatch.setattr(GemmTimer, "estimate", estimate)
     shape = (64, 32, 48)
     shapes = {"forward": shape, "grad_input": shape, "grad_weight": shape}
-    for objective, expect in (("speed", TW), ("coverage", RW)):
+    cases = (("speed", True, TW), ("speed", False, RW), ("coverage", True, RW))
+    for objective, shares, expect in cases:
         d = Dispatcher(
             DispatchConfig(objective=objective, scalings=("rowwise", "tensorwise"), cpu_backends=("emulated",),
                            hysteresis_intervals=1, margin=0.05),
             device="cpu",
         )
-        d.register("s", plan=LinearPlan.high_precision(), shapes=shapes)
+        d.register("s", plan=LinearPlan.high_precision(), shapes=shapes, shares_operands=shares)
         d.replan(step=0, verdicts=_AllSafe())
-        assert d.plans["s"] == expect, objective
+        assert d.plans["s"] == expect, (objective, shares)
