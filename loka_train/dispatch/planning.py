@@ -463,11 +463,13 @@ def joint_targets(
     :func:`target` picks each GEMM on its own time. A tensor-wise forward, though, lets
     grad-input reuse ``W`` and grad-weight reuse ``x`` (and a tensor-wise grad-input lets
     grad-weight reuse ``dY``), so a slightly slower tensor-wise forward can make the site
-    faster. This compares the per-GEMM choice (``targets``, with the reuse it gets) with every
-    assignment of high precision or a safe candidate (``options``) to each role in which some
-    operand is reused, and takes the fastest when it is faster than the per-GEMM choice and
-    at least ``1 + margin`` faster than the site in high precision (the speed rule of
-    :func:`target`, applied to the site).
+    faster; and a reused operand is not always cheaper (its layout is the other GEMM's: a
+    transposed payload can cost a backend more than quantizing afresh). Where reuse happens in
+    the per-GEMM choice (``targets``) or in the fastest assignment of high precision or a safe
+    candidate (``options``) to each role, the fastest assignment, timed with the reuse it
+    gets, replaces the per-GEMM choice when it is faster and, unless it is all high
+    precision, at least ``1 + margin`` faster than the site in high precision (the speed rule
+    of :func:`target`, applied to the site).
 
     Args:
         targets: each role's :func:`target` (the roles of the site whose shape is known).
@@ -483,7 +485,9 @@ def joint_targets(
         >>> joint_targets(targets=ts, options={"forward": [tw_fwd], ...}, time=t, margin=0.05)
     """
     roles = list(targets)
-    if not any(p.scaling is Scaling.TENSORWISE for r in roles for p in options.get(r, ())):
+    if not any(p.scaling is Scaling.TENSORWISE for r in roles for p in options.get(r, ())) and not _reuses(
+        {r: targets[r].plan for r in roles}
+    ):
         return dict(targets)
     per_gemm = {r: targets[r].plan for r in roles}
     t_per_gemm = site_total(per_gemm, time)
@@ -491,15 +495,16 @@ def joint_targets(
     best: tuple[float, dict[str, GemmPlan]] | None = None
     for combo in itertools.product(*([GemmPlan(), *options.get(r, ())] for r in roles)):
         plans = dict(zip(roles, combo))
-        site_plan = LinearPlan(**{**roles_of(LinearPlan()), **plans})
-        if not any(any(reused_operands(r, p, site_plan)) for r, p in plans.items()):
-            continue  # no reuse: the per-GEMM choice already judged these
         t = site_total(plans, time)
         if best is None or t < best[0]:
             best = (t, plans)
-    if best is None or not best[0] < t_per_gemm or t_high < (1.0 + margin) * best[0]:
-        return dict(targets)
+    assert best is not None  # the all-high assignment is always there
     t_best, plans = best
+    if not (_reuses(per_gemm) or _reuses(plans)):
+        return dict(targets)  # no reuse either way: the per-GEMM choice judged these
+    all_high = not any(p.is_fp8 for p in plans.values())
+    if not t_best < t_per_gemm or (not all_high and t_high < (1.0 + margin) * t_best):
+        return dict(targets)
     why = (
         f"chosen with the site's other GEMMs (tensor-wise payloads reused across them): site "
         f"{t_best * 1e3:.3f} ms against {t_per_gemm * 1e3:.3f} ms chosen GEMM by GEMM, "
@@ -509,3 +514,9 @@ def joint_targets(
         r: targets[r] if plans[r] == targets[r].plan else Target(plans[r], why, targets[r].urgent)
         for r in roles
     }
+
+
+def _reuses(plans: Mapping[str, GemmPlan]) -> bool:
+    """Whether some GEMM of a site under ``plans`` takes an operand over from another."""
+    site_plan = LinearPlan(**{**roles_of(LinearPlan()), **plans})
+    return any(any(reused_operands(r, p, site_plan)) for r, p in plans.items())

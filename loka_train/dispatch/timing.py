@@ -31,6 +31,7 @@ from torch import Tensor
 
 from loka_train.dispatch.planning import GRAD_WEIGHT_OUT_DTYPE, Shape, gemm_problem, padded
 from loka_train.kernels import linear as kernels_linear
+from loka_train.kernels.formats import Fp8Format, QTensor
 from loka_train.kernels.plan import GemmPlan
 from loka_train.kernels.registry import get_backend
 from loka_train.utils.capture import reset_capture_state
@@ -130,6 +131,13 @@ def role_operands(
     if role == "grad_weight":
         return randn(k, m).t(), randn(k, n).t(), False, GRAD_WEIGHT_OUT_DTYPE
     return randn(m, k), randn(n, k), True, dtype
+
+
+def _reused(t: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:
+    """The operand ``t`` (a transposed view) as a site reuses it: quantized in the layout of the
+    GEMM that produced it (``t.t()``), then viewed transposed."""
+    q = kernels_linear.quantize_operand(t.t(), fmt, plan, is_weight=is_weight)
+    return QTensor(data=q.data.t(), scale=q.scale, fmt=fmt, scaling=q.scaling, axis=1)
 
 
 class GemmTimer:
@@ -238,25 +246,39 @@ class GemmTimer:
     def measure_once(
         self, shape: Shape, plan: GemmPlan | None, role: str = "forward", reuse: Reuse = NO_REUSE
     ) -> float:
-        """:meth:`measure` without catching a benchmark's error."""
+        """:meth:`measure` without catching a benchmark's error.
+
+        As the site runs it: a backend that refuses the shape runs it zero-padded to multiples
+        of 16, and the timed run pays the site's padding copies of both operands; a reused
+        operand is the transposed view of a payload quantized in the other GEMM's layout
+        (``kernels.linear.transposed_reuse``), so a backend that must copy it pays that too.
+        """
         m, k, n = shape
+        pad = False
         if plan is not None:
             problem = gemm_problem(role, shape, plan, device_type=self.device.type, out_dtype=self.out_dtype)
             if not get_backend(plan.backend).supports(problem)[0]:
+                pad = True
                 m, k, n = padded(shape, 16)
         a, b, b_is_weight, out_dtype = role_operands(role, (m, k, n), device=self.device)
         a_q = b_q = None
         if plan is not None:
             if reuse[0]:
-                a_q = kernels_linear.quantize_operand(a, plan.fmt, plan, is_weight=False)
+                a_q = _reused(a, plan.fmt, plan, is_weight=False)
             if reuse[1]:
-                b_q = kernels_linear.quantize_operand(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
+                b_q = _reused(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
+        a_src = a[: shape[0], : shape[1]].contiguous() if pad else a
+        b_src = b[: shape[2], : shape[1]].contiguous() if pad else b
 
         def run() -> torch.Tensor:
             if plan is None:
                 return a @ b.t()
+            a_run, b_run = a, b
+            if pad:  # the site's copies into padded operands (planned_linear's F.pad)
+                a_run = torch.nn.functional.pad(a_src, (0, k - shape[1], 0, m - shape[0]))
+                b_run = torch.nn.functional.pad(b_src, (0, k - shape[1], 0, n - shape[2]))
             return kernels_linear.fp8_gemm_planned(
-                a, b, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight, a_q=a_q, b_q=b_q
+                a_run, b_run, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight, a_q=a_q, b_q=b_q
             )
 
         return self.time(run)

@@ -85,7 +85,8 @@ def test_the_site_must_clear_the_margin_over_high_precision() -> None:
     table = _times(gw_reused=0.60)
     for key in table:
         table[key] = max(table[key], 0.97) if key[1] is not None else table[key]
-    # Best joint site 0.97 * 3 = 2.91 ms against 3.0 in high precision: 1.03x < 1.05.
+    table[("grad_weight", str(TW.grad_weight), (True, True))] = 0.96
+    # Best joint site 0.97 + 0.97 + 0.96 = 2.90 ms against 3.0 in high precision: 1.03x < 1.05.
     targets = {r: Target(GemmPlan(), "high", False) for r in ROLES3}
     out = joint_targets(targets=targets, options=OPTIONS, time=_time_fn(table), margin=0.05)
     assert out == targets
@@ -172,3 +173,46 @@ def test_dispatcher_plans_a_site_jointly_under_the_speed_objective(monkeypatch) 
         d.register("s", plan=LinearPlan.high_precision(), shapes=shapes, shares_operands=shares)
         d.replan(step=0, verdicts=_AllSafe())
         assert d.plans["s"] == expect, (objective, shares)
+
+
+def test_a_reuse_that_costs_more_than_it_saves_is_undone() -> None:
+    """Wukong's xt_proj on an H100: each GEMM alone is faster in tensor-wise FP8, but the
+    grad-weight GEMM fed the forward's and grad-input's transposed payloads (K = 4M rows) is
+    many times slower than high precision. The site keeps that GEMM high."""
+    table = {}
+    for role in ROLES3:
+        table[(role, None, (False, False))] = 1.0
+        table[(role, str(getattr(TW, role)), (False, False))] = 0.9
+    table[("grad_input", str(TW.grad_input), (False, True))] = 0.9
+    for reuse in ((True, True), (True, False), (False, True)):
+        table[("grad_weight", str(TW.grad_weight), reuse)] = 8.0
+    targets = {r: Target(getattr(TW, r), "per-GEMM", False) for r in ROLES3}
+    options = {r: [getattr(TW, r)] for r in ROLES3}
+    out = joint_targets(targets=targets, options=options, time=_time_fn(table), margin=0.05)
+    assert {r: out[r].plan for r in ROLES3} == {"forward": TW.forward, "grad_input": TW.grad_input,
+                                               "grad_weight": GemmPlan()}
+    assert "1.07x over high" in out["grad_weight"].reason
+
+
+def test_the_timer_hands_reused_operands_over_in_the_site_s_layout(monkeypatch) -> None:
+    """A reused operand is the transposed view of a payload quantized in the other GEMM's
+    layout, as kernels.linear.transposed_reuse makes it: a backend that must copy such a view
+    pays for it in the timing too."""
+    import loka_train.kernels.linear as linear
+
+    seen = []
+    real = linear.fp8_gemm_planned
+
+    def recording(a, b, plan, **kw):  # type: ignore[no-untyped-def]
+        seen.append((kw["a_q"], kw["b_q"]))
+        return real(a, b, plan, **kw)
+
+    monkeypatch.setattr(linear, "fp8_gemm_planned", recording)
+    timer = GemmTimer(timing="measure", device="cpu", out_dtype=torch.float32, bench_iters=1)
+    timer.measure_once((16, 32, 24), TW.grad_weight, "grad_weight", (True, True))
+    a_q, b_q = seen[-1]
+    assert a_q.data.shape == (16, 32) and b_q.data.shape == (24, 32)
+    assert not a_q.data.is_contiguous() and a_q.data.t().is_contiguous()
+    assert not b_q.data.is_contiguous() and b_q.data.t().is_contiguous()
+    timer.measure_once((16, 32, 24), TW.grad_weight, "grad_weight")
+    assert seen[-1] == (None, None)
