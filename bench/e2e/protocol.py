@@ -99,8 +99,10 @@ def shared_datasets() -> Iterator[Any]:
 
 
 # ------------------------------------------------------------------------- the runs
-def _loka_summary(cb: Any, trainer: Any) -> dict[str, Any]:
-    """FP8 coverage and the GEMMs left in high precision (with why) of a LoKA callback."""
+def _loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[str, Any]:
+    """FP8 coverage and the GEMMs left in high precision (with why) of a LoKA callback, and its
+    ledger (``--ledger``) with predictions against ``step_ms``, the run's median timed step
+    (the callback's own figure is the mean over the whole run, set-up and evaluations included)."""
     report = cb.report(trainer)
     high = []
     num_gemms = 0
@@ -129,7 +131,7 @@ def _loka_summary(cb: Any, trainer: Any) -> dict[str, Any]:
         "plans": {
             site: {role: e["plan"] for role, e in roles.items()} for site, roles in report["sites"].items()
         },
-        "ledger": None if cb.ledger is None else cb.ledger.to_dict(cb.step_ms),
+        "ledger": None if cb.ledger is None else cb.ledger.to_dict(step_ms or cb.step_ms),
     }
 
 
@@ -389,7 +391,7 @@ def run_one(
                 rec["step_diag"] = clock.step_diagnostics()
                 rec["first_timed_step"] = clock.first_step + clock.warmup
             if loka_cb is not None:
-                rec["loka"] = _loka_summary(loka_cb, trainer)
+                rec["loka"] = _loka_summary(loka_cb, trainer, median)
             if torchao_cb is not None:
                 rec["torchao"] = {"converted": torchao_cb.converted, "skipped": torchao_cb.skipped}
             if clock.pystats:

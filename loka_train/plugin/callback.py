@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+import statistics
+import time
+from collections import deque
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +54,9 @@ if TYPE_CHECKING:
     from loka_train.runtime.context import LoopState as Trainer
 
 logger = logging.getLogger(__name__)
+
+LEDGER_STEPS = 20
+"""Last steps whose median interval is the ledger's step time."""
 
 
 class LokaCallback(Callback):
@@ -83,7 +88,9 @@ class LokaCallback(Callback):
         self.ledger: Ledger | None = None
         """The per-GEMM ledger (``config.ledger``, rank 0, measured at the end of training)."""
         self.step_ms: float | None = None
-        """The run's mean step time, for the ledger's predictions."""
+        """The run's step time for the ledger's predictions: the median interval between the
+        last step ends (steady state: no compilation, capture or evaluation in it)."""
+        self._step_ends: deque[float] = deque(maxlen=LEDGER_STEPS + 1)
 
     # ------------------------------------------------------------------------- set-up
     def on_before_shard(self, trainer: Trainer) -> None:
@@ -169,6 +176,8 @@ class LokaCallback(Callback):
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         assert self.probe is not None and self.dispatcher is not None
+        if self.config.ledger:
+            self._step_ends.append(time.perf_counter())
         if self.comm_state is not None:
             metrics.update(self.comm_state.end_step())
             for event in self.comm_policy.maybe_update(step):
@@ -275,8 +284,9 @@ class LokaCallback(Callback):
         summary["loka/plan_changes"] = self.dispatcher.num_changes
         summary["loka/guard_trips"] = len(self.guard_trips)
         if self.config.ledger and trainer.rank == 0:
-            steps_per_s = summary.get("train/steps_per_s", math.nan)
-            self.step_ms = 1e3 / steps_per_s if steps_per_s and math.isfinite(steps_per_s) else None
+            ends = list(self._step_ends)
+            gaps = [b - a for a, b in zip(ends, ends[1:])]
+            self.step_ms = statistics.median(gaps) * 1e3 if gaps else None
             for name, site in self.sites.items():  # the shapes of the last step, interval or not
                 self.dispatcher.update_shapes(name, site.gemm_shapes())
             with profiled("loka/ledger"):
