@@ -277,7 +277,7 @@ def test_the_fp8_ceiling_is_what_halving_every_gemm_would_save() -> None:
 
 
 def test_render_rewrites_the_report_from_its_json(tmp_path: Path) -> None:
-    source = RESULTS / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
+    source = RESULTS / "e2e_torchao_ne_floor_h100_2026-11-24" / "e2e_dcn" / "e2e.json"
     (tmp_path / "e2e.json").write_text(source.read_text())
     assert main(["--render", str(tmp_path)]) == 0
     report = (tmp_path / "e2e.md").read_text()
@@ -331,7 +331,7 @@ def test_step_diag_times_the_host_per_timed_step_and_lists_the_slow_steps() -> N
 
 
 def test_a_frame_dynamo_runs_eagerly_is_named_in_the_row(tmp_path: Path) -> None:
-    source = RESULTS / "h100_2026-11-24" / "e2e_dcn" / "e2e.json"
+    source = RESULTS / "e2e_torchao_ne_floor_h100_2026-11-24" / "e2e_dcn" / "e2e.json"
     data = json.loads(source.read_text())
     (row,) = [r for r in data["results"] if r["variant"] == "loka_safe+compile+graphs"]
     row["fallbacks"] = ["compile_dense: torch.compile runs forward (...) eagerly for the rest of the run"]

@@ -1,13 +1,15 @@
 """Per-step training losses of a small Wukong on one GPU: eager / compiled, with and without
 CUDA graphs, with and without LoKA safe (what diag_compile_graphs_losses.txt holds).
-Run from the repo root: python bench/results/h100_2026-11-23e/diag_compile_graphs.py"""
+Run from the repo root:
+    python bench/results/e2e_compile_graphs_h100_2026-11-23e/diag_compile_graphs.py
+"""
 import sys
 import tempfile
 
 from loka_train.data import DataConfig
 from loka_train.models import ModelConfig
+from loka_train.plugin import LokaCallback
 from loka_train.runtime import Callback, TrainerConfig
-from loka_train.runtime.loka import LokaCallback
 from loka_train.runtime.trainer import Trainer
 
 sys.path.insert(0, ".")
