@@ -7,7 +7,7 @@ only the comm codecs (no FP8 compute sites, no probe) so the comm precision is t
 difference. The 16 train batches are generated once and cycled (data.cache_batches) so that
 the CPU input pipeline stays out of the timing; eval NE is on fresh held-out batches. Bytes are counted by the codec in encode (what each rank puts on the wire).
 
-Run (2 GPUs):  python -m bench.comm --out bench/results/h200x2_comm
+Run (2 GPUs):  python -m bench.comm --out bench/results/comm_a2a_h200x2_<date>
 Dry run (CPU): python -m bench.comm --dry-run --out /tmp/comm
 """
 

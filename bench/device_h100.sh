@@ -6,8 +6,7 @@
 # PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix trace
 # next_a next_b ne_pairs ne_decay next_c dlrm_torchao.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
-# for `quant_ab`, `torchao` and `ne_floor` (the fifth session's plan: bench/results/README.md,
-# "Next device session"). One 600 s call each for: `tests`, `e2e` with
+# for `quant_ab`, `torchao` and `ne_floor`. One 600 s call each for: `tests`, `e2e` with
 # E2E_CONFIGS of one or two configs (2026-11-23: wukong+dcn, 5 variants, 40 timed steps took
 # 231 s). bench.e2e's defaults are now 100 timed steps and NE after 2000 steps on 32 eval batches;
 # the parts below pin NE after 200 steps on 8 batches (E2E_NE) where their time limits assume it,
@@ -133,8 +132,7 @@ if has pin; then
       --out $w/e2e_pin; echo "rc=$?") > $w/e2e_pin.txt 2>&1
   save
 fi
-# To check a fix of the layer-loop frame skip (bench/results/README.md, 2026-11-24 second
-# session): the graphs and pinning GPU tests, then LoKA safe against bf16, both compiled and
+# To check a fix of the layer-loop frame skip (bench/results/e2e_rotated_batches_h100_2026-11-24b): the graphs and pinning GPU tests, then LoKA safe against bf16, both compiled and
 # graphed, at batch 32768 where Dispatch picks FP8 (DCN: 23 ms against 14 ms with the skip).
 # FIX_VARIANTS adds variants (2026-11-25: torchao tensor-wise, the fastest competitor at 32768).
 if has fix; then

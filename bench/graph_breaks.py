@@ -10,7 +10,8 @@ stays the one given; the sites still hold their observer). A counting AOTAutogra
 (eager kernels) records the compiled graphs. It prints, per compiled graph, how many of its
 ops are linears and cross-layer combines. A graph break inside a loop over layers makes dynamo
 skip that whole forward (the log says "frame skipped"), and those ops then appear in no graph:
-``bench/results/README.md`` ("Found: compiled FP8 sites in a layer loop") has the H100 case.
+``bench/results/e2e_rotated_batches_h100_2026-11-24b/NOTES.md`` ("Found: compiled FP8 sites in a
+layer loop") has the H100 case.
 Since 2026-11-25 (the FP8 Functions as opaque custom ops, compiled code unobserved) the log
 shows no graph break and no skipped frame for any of the three models.
 """

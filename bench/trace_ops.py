@@ -9,7 +9,7 @@ autograd's ``evaluate_function``, ``loka/...``). A kernel whose launch is not in
 shows as ``?`` with its name.
 
 Usage:
-    python -m bench.trace_ops bench/results/h100_2026-11-23e/traces/wukong_b8192_bf16.json.gz --steps 5
+    python -m bench.trace_ops bench/results/e2e_compile_graphs_h100_2026-11-23e/traces/wukong_b8192_bf16.json.gz --steps 5
 """
 
 from __future__ import annotations

@@ -38,9 +38,10 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
     dtype (all sites share one code object, hence ``compile_dense`` raises the recompile
     limit) and for eval's no-grad mode, and breaks the graph around the Probe on sampled
     steps (CPU dry run, ``TORCH_LOGS=recompiles``: 39 recompiles in the whole DCN run, none
-    per step). On an H100 (2026-11-23, fifth session) compiled alone was host-bound (LoKA safe
-    36.9 ms against 13.7 eager bf16 on Wukong); with ``+graphs`` the captures run
-    ``mods.unobserved()``, so the compiled capture has no graph break per site.
+    per step). On an H100 compiled alone was host-bound (LoKA safe 36.9 ms against 13.7 eager
+    bf16 on Wukong, bench/results/e2e_compile_graphs_h100_2026-11-23e); with ``+graphs`` the
+    captures run on steps the Probe does not sample, so the compiled capture has no graph
+    break per site.
 
 Measurement: ``--warmup`` steps, then ``--steps`` timed steps (on CUDA the time between CUDA
 events recorded at consecutive step ends, with no host sync, so the host runs ahead as in a real

@@ -28,7 +28,7 @@ SINGLE_RUN_NE_NOISE = 0.035
 """Relative eval-NE difference that one pair of runs cannot tell from noise (H100 figures):
 - after 200 steps, identical runs moved +-3.5%, and bf16 vs bf16+graphs (the same kernels)
   ended 3.4% apart (2026-11-23);
-- after 2000 steps on 32 eval batches (2026-11-24, bench/results/h100_2026-11-24), the same
+- after 2000 steps on 32 eval batches (bench/results/e2e_torchao_ne_floor_h100_2026-11-24), the same
   kernels were closer: Wukong bf16 vs bf16+graphs, seed-paired, -0.04% to -1.15% over 3 seeds.
   Across compilation modes they were still not: DCN bf16+compile+graphs vs eager bf16 +1.28%,
   and LoKA aggressive at 0% FP8 (compiled) +3.05%.

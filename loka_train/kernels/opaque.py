@@ -5,7 +5,7 @@ backward. Traced, LoKA's FP8 Functions (``kernels.linear``, ``kernels.fused``, t
 batched GEMM) broke the graph inside their backward on torch 2.11 (an enum call in the backend
 check), which inside DCN's loop over cross layers made dynamo run the whole cross network
 eagerly for good, and the traced backward's high-precision GEMMs ran as fp32 SIMT kernels
-(H100, 2026-11-24, ``bench/results/README.md``). As custom ops, dynamo and AOTAutograd see one
+(on an H100, ``bench/results/e2e_rotated_batches_h100_2026-11-24b/NOTES.md``). As custom ops, dynamo and AOTAutograd see one
 op for a Function's forward and one for its backward and never look inside: there is nothing
 in them to break on, and inside, the Function's own ``forward`` and ``backward`` run exactly
 as in eager code (the same kernels, dtypes and numerics).

@@ -61,7 +61,8 @@ class KernelSettings:
     $OUT quant_ab``) LoKA safe's compiled, CUDA-graphed Wukong step took 13.75 ms with
     ``inductor`` against 10.22 ms with ``custom``. Its backward had two fp32 SIMT GEMMs per step
     (2.6 ms each) that ``custom`` does not have; which GEMMs they replace is not identified. Its
-    eval NE was 8% worse than bf16's in the same run (bench/results/README.md)."""
+    eval NE was 8% worse than bf16's in the same run
+    (bench/results/e2e_torchao_ne_floor_h100_2026-11-24/NOTES.md)."""
 
     triton_autotune: bool = True
     """The Triton FP8 GEMM tunes its tile config for each new problem (~9 compiles and timings

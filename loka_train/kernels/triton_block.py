@@ -10,7 +10,7 @@
    from ``x`` and the forward's statistics, so the forward never writes ``H``.
    On an H100 at 8192x1024 / 8192x4096 bf16: a transposed copy then the row-wise kernel
    74.5 / 292.5 us; this kernel 27.2 / 85.1 us per column, 14.0 / 41.9 us tensor-wise
-   (``python bench/gemm.py --parts b``, bench/results/h100_2026-11-23c/gemm_b).
+   (``python -m bench.gemm --parts b``, bench/results/gemm_block_h100_2026-11-23c/gemm_b).
 
 It follows :func:`formats.quantize` on the transpose exactly (bit for bit on CPU; on a GPU the
 fp32 division may put at most ~0.1 % of codes one step off, as in the row-wise kernel), and

@@ -87,8 +87,7 @@ class ProbeConfig:
     A site's first sample captures its measurement CUDA graphs (a device sync each). On an H100
     (DCN at batch 32768, 13 sites, 2 per sampled step) the sampled steps 50 and 100 took 60-140
     ms against 14 ms in every timed run; 13 sites reach their first sample only on the seventh
-    sampled step. That the captures are the cost is read from the code, not yet measured
-    (``bench/results/README.md``). Primed, the captures cost one slow step, and every site has a
+    sampled step (``bench/results/e2e_pinning_h100_2026-11-25b/NOTES.md``). Primed, the captures cost one slow step, and every site has a
     first sample in the window at once. Identical on every rank (all start at the same step)."""
 
     window: int = 16

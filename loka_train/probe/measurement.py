@@ -282,7 +282,8 @@ class CudaGraphs:
     the probe's overhead. Captured once, a replay is one launch. Its inputs are the rows that
     :func:`~loka_train.probe.sampling.select` chose (at most ``max_rows``) and the two
     non-finite counts, copied into static buffers; the full operands never enter a graph (at
-    batch 32768 their copies were a large part of a sample's cost, ``bench/results/README.md``).
+    batch 32768 their copies were a large part of a sample's cost,
+    ``bench/results/e2e_graph_outputs_h100_2026-11-25d/NOTES.md``).
     Outputs are copied out of static buffers by the caller. All graphs share one memory pool:
     every tensor allocated during a capture is dead at its end (outputs are written into
     buffers allocated outside the pool), so replays in any order cannot clobber each other's

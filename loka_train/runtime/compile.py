@@ -105,7 +105,8 @@ def eager_or_compiled(
     code through a graph break. Inside a loop over layers (DCN's cross layers, Wukong's layers,
     ``nn.Sequential``) dynamo cannot resume after a break, so it skips the whole frame for good:
     the module then ran eagerly on every step, unfused (DCN at batch 32768 on an H100: 23 ms per
-    step against 14 ms for the same model in bf16, ``bench/results/README.md``). Compiled only
+    step against 14 ms for the same model in bf16,
+    ``bench/results/e2e_rotated_batches_h100_2026-11-24b/NOTES.md``). Compiled only
     for the other steps, the compiled code has no break; the requested steps, eager either way,
     do their host work.
     """

@@ -2,7 +2,7 @@
 
 An eager TorchRec step on an H100 is bound by the host: a dense-heavy model issues
 1,700 aten calls per step in bf16 and 3,400 with FP8 sites (quantizers, scales), and the GPU
-waits for them (``bench/results/README.md``). :class:`DenseGraphs` captures the forward and
+waits for them (``docs/performance.md``). :class:`DenseGraphs` captures the forward and
 the backward of each dense submodule (bottom MLP, interaction, top MLP) as two CUDA graphs
 and replays them, so a step launches a handful of graphs instead of thousands of kernels.
 The sharded embeddings, their all-to-all, the loss and the optimizer stay eager.

@@ -1,7 +1,7 @@
 """Compiled dense modules with FP8 sites compile whole, and a frame that torch.compile gives up
 on is a reported fallback, not silent.
 
-The known issue this guards against (bench/results/README.md, "Found: compiled FP8 sites in a
+The known issue this guards against (bench/results/e2e_rotated_batches_h100_2026-11-24b/NOTES.md, "Found: compiled FP8 sites in a
 layer loop"): a graph break inside DCN's loop over cross layers (the sites' Probe check, and on
 torch 2.11 one inside the traced FP8 backward) made dynamo run the whole cross network eagerly
 for the rest of the run (on an H100 it cost DCN at batch 32768 8.6 ms per step). Now the FP8

@@ -233,7 +233,7 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
     # from the compiled eager run too (3.1% at one step of a 16-step H100 run), hence 5%.
     # bench/graph_drift.py measures that gap alone: 0.79-0.82% in three fresh H100 processes
     # (2026-11-25), against one failure of this test at 5.4% (step 23) whose cause is open
-    # (bench/results/README.md). The messages are f-strings: pytest cuts long reprs, and
+    # (bench/results/e2e_torchao_h100_2026-11-25e/NOTES.md). The messages are f-strings: pytest cuts long reprs, and
     # that failure lost its losses past step 4.
     for loka, compiled in ((False, False), (True, False), (True, True)):
         if compiled and kind != "wukong":
