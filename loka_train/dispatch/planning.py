@@ -293,7 +293,8 @@ def target(
         v, why_none = verdict_of(verdicts, site, role, current)
         if v is None or not v.safe:
             current_unsafe = True
-            unsafe_reason = v.reason if v is not None else f"{why_none} for the current plan"
+            # The Probe's verdict reason already opens with "unsafe"; a missing one says why.
+            unsafe_reason = v.reason if v is not None else f"unsafe: {why_none} for the current plan"
 
     safe: list[tuple[float, int, GemmPlan, Any]] = []
     rejected = []
@@ -311,7 +312,7 @@ def target(
     src = "measured" if measured else "cost model"
     if not safe:
         why = "; ".join(dict.fromkeys(rejected)) or f"no FP8 candidate for {role}"
-        reason = f"unsafe: {unsafe_reason}" if current_unsafe else f"no safe FP8: {why}"
+        reason = unsafe_reason if current_unsafe else f"no safe FP8: {why}"
         return Target(GemmPlan(), reason, current_unsafe)
     t_best, _, best, v = min(safe, key=lambda x: (x[0], x[1]))
     speedup = t_high / t_best if t_best > 0 else math.inf

@@ -14,7 +14,8 @@ One object a user adds to the trainer's callbacks:
   re-plans (collectively, so every rank applies the same plan at the same step), the comm
   policy moves precisions, metrics are logged and the progress bar shows FP8 coverage;
 * `on_eval_end`: the quality guard compares held-out NE with its best so far and moves every
-  site back to high precision when it regresses beyond the tolerance;
+  site back to high precision when it regresses beyond the tolerance; the evaluation's NE and
+  AUC are kept for the report;
 * `on_train_end`: rank 0 writes the run report (JSON, Markdown, PNG plots).
 
 Using it in your own TorchRec loop (TrainPipelineSparseDist or not) takes the same calls a
@@ -78,6 +79,8 @@ class LokaCallback(Callback):
         self.timeline: list[tuple[int, dict[str, str]]] = []
         """(step, site -> short plan) at every interval, for the plan timeline."""
         self.guard_trips: list[dict[str, Any]] = []
+        self.evals: list[dict[str, float]] = []
+        """The run's evaluations (step, NE, AUC), for the report."""
         self.best_ne: float | None = None
         self._cooldown = 0
         self._pending_state: dict[str, Any] | None = None
@@ -235,6 +238,8 @@ class LokaCallback(Callback):
         if self._cooldown > 0:
             self._cooldown -= 1
         ne = metrics.get("eval/ne")
+        if ne is not None and "eval/auc" in metrics:
+            self.evals.append({"step": step, "ne": ne, "auc": metrics["eval/auc"]})
         if ne is None or not self.config.guard.enabled:
             return
         if self.best_ne is None or ne < self.best_ne:
@@ -259,7 +264,8 @@ class LokaCallback(Callback):
         return run_report(
             sites=self.sites, probe=self.probe, dispatcher=self.dispatcher, comm_state=self.comm_state,
             compressors=self.compressors, guard_trips=self.guard_trips,
-            fallbacks=trainer.fallbacks if trainer is not None else (),
+            fallbacks=trainer.fallbacks if trainer is not None else (), evals=self.evals,
+            timeline=self.timeline,
         )
 
     def write_report(self, trainer: Trainer) -> Path | None:
@@ -269,10 +275,7 @@ class LokaCallback(Callback):
             return None
         assert self.probe is not None and self.dispatcher is not None
         out = trainer.out_dir / "loka"
-        trainer.fallbacks.extend(write_report(
-            report, out, history=self.dispatcher.history, timeline=self.timeline,
-            site_names=sorted(self.sites),
-        ))
+        trainer.fallbacks.extend(write_report(report, out, history=self.dispatcher.history))
         if self.ledger is not None:
             (out / "ledger.json").write_text(json.dumps(self.ledger.to_dict(self.step_ms), indent=2))
             (out / "ledger.md").write_text("# LoKA per-GEMM ledger\n\n" + self.ledger.markdown(self.step_ms) + "\n")
@@ -313,6 +316,7 @@ class LokaCallback(Callback):
             "compressors": [c.state_dict() for c in self.compressors],
             "timeline": self.timeline,
             "guard": {"best_ne": self.best_ne, "cooldown": self._cooldown, "trips": self.guard_trips},
+            "evals": self.evals,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -322,6 +326,8 @@ class LokaCallback(Callback):
         self.best_ne = state["guard"]["best_ne"]
         self._cooldown = state["guard"]["cooldown"]
         self.guard_trips = state["guard"]["trips"]
+        # A checkpoint written without evaluations in its state restores none.
+        self.evals = [dict(e) for e in state["evals"]] if "evals" in state else []
         if self.comm_state is not None and state["comm"] is not None:
             self.comm_state.load_state_dict(state["comm"])
             self.comm_policy.load_state_dict(state["comm_policy"])

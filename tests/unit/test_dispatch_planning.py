@@ -145,7 +145,27 @@ def test_a_verdict_for_another_operand_b_format_is_not_used() -> None:
 def test_a_current_fp8_plan_turned_unsafe_moves_to_high_urgently() -> None:
     t = _target(10.0, current=ROWWISE, verdicts=_verdicts(rowwise=False))
     assert t.plan == HIGH and t.urgent
-    assert t.reason == "unsafe: unsafe: SQNR too low"
+    assert t.reason == "unsafe: SQNR too low"
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "reason"),
+    [
+        ({}, "unsafe: no verdict for the current plan"),
+        (
+            {("s", "forward", ROWWISE.fmt, ROWWISE.scaling): _Verdict(
+                safe=False, reason="unsafe (hysteresis): within the 1 dB margin")},
+            "unsafe (hysteresis): within the 1 dB margin",
+        ),
+    ],
+)
+def test_an_unsafe_current_plan_names_unsafe_once(verdicts: dict, reason: str) -> None:
+    """The reason reads ``unsafe: <why>`` whether the Probe's verdict already says "unsafe" or
+    there is no verdict at all; never ``unsafe: unsafe: ...``."""
+    t = _target(10.0, current=ROWWISE, verdicts=verdicts)
+    assert t.plan == HIGH and t.urgent
+    assert t.reason == reason
+    assert "unsafe: unsafe" not in t.reason
 
 
 def test_a_current_fp8_plan_turned_unsafe_moves_to_a_safe_one_urgently() -> None:

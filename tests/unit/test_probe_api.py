@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loka_train.kernels.formats import Fp8Format, Scaling
-from loka_train.plugin.plots import plot_probe_sqnr
+from loka_train.plugin.plots import margin_grid, plot_sqnr_margin
 from loka_train.probe import Probe, ProbeConfig
 
 M, K, N = 32, 64, 32
@@ -271,7 +271,7 @@ def test_report_is_json_and_plot_writes_png(tmp_path: Path) -> None:
     assert metrics["probe/a/forward/safe/e4m3_rowwise"] == 1.0
     assert metrics["probe/a/grad_input/safe/e4m3_rowwise"] == 0.0  # never observed
     assert metrics["probe/verdict_changes"] == 2 * 2 * 3  # 2 sites x 2 scalings x 3 changes
-    png = plot_probe_sqnr(probe.report(), tmp_path / "plots" / "sqnr.png")
+    png = plot_sqnr_margin(margin_grid(json.loads(text), []), tmp_path / "plots" / "sqnr_margin.png")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
