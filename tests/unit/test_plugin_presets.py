@@ -79,3 +79,19 @@ def test_presets_and_overrides_in_plain_python() -> None:
 def test_bad_presets_and_overrides_name_the_fix(name: str, overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         LokaConfig.preset(name, **overrides)
+
+
+def test_the_user_guide_example() -> None:
+    """The snippet of the user guide, as written there."""
+    import dataclasses
+
+    from loka_train.plugin import LokaCallback, LokaConfig
+
+    safe = LokaConfig.preset("safe")  # what conf/loka/safe.yaml gives hydra's loka=safe
+    short_run = LokaConfig.preset("aggressive", probe={"every_k_steps": 5, "interval": 50}, report_every=100)
+    with_ledger = dataclasses.replace(safe, ledger=True)
+    off = LokaConfig.preset("off")  # == LokaConfig(): the callback does nothing at all
+    callback = LokaCallback(safe)
+
+    assert short_run.probe.sqnr_budget_db["forward"] == 18.0  # the rest of the preset is kept
+    assert with_ledger.ledger and not off.enabled and callback.config is safe
