@@ -18,13 +18,16 @@ One object a user adds to the trainer's callbacks:
   AUC are kept for the report;
 * `on_train_end`: rank 0 writes the run report (JSON, Markdown, PNG plots).
 
+With ``LokaConfig(enabled=False)`` (the ``off`` preset) every hook returns at once: nothing is
+converted, no hook or codec installed, nothing sampled, no report written, no state kept.
+
 Using it in your own TorchRec loop (TrainPipelineSparseDist or not) takes the same calls a
 Trainer makes; see `examples/own_loop.py`.
 
 Example:
     >>> from loka_train.plugin import LokaCallback, LokaConfig
     >>> trainer = Trainer(model=..., data=..., trainer=...,
-    ...                   callbacks=[LokaCallback(LokaConfig(enabled=True))])
+    ...                   callbacks=[LokaCallback(LokaConfig.preset("safe"))])
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class LokaCallback(Callback):
     """Measures, decides and re-decides where FP8 runs, while the job trains.
 
     Args:
-        config: the plugin configuration (a conf/loka preset).
+        config: the plugin configuration (e.g. ``LokaConfig.preset("safe")``); with
+            ``enabled=False`` the callback does nothing at all.
     """
 
     def __init__(self, config: LokaConfig) -> None:
@@ -95,8 +99,21 @@ class LokaCallback(Callback):
         last step ends (steady state: no compilation, capture or evaluation in it)."""
         self._step_ends: deque[float] = deque(maxlen=LEDGER_STEPS + 1)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the callback does anything (``config.enabled``)."""
+        return self.config.enabled
+
+    @property
+    def stateful(self) -> bool:
+        """Only an enabled callback keeps state across a resume."""
+        return self.enabled
+
     # ------------------------------------------------------------------------- set-up
     def on_before_shard(self, trainer: Trainer) -> None:
+        if not self.enabled:
+            logger.info("LoKA off (LokaConfig.enabled=False): the callback changes nothing")
+            return
         if self.config.mods.enabled:
             convert(trainer.model, config=self.config.mods)
         if self.config.comm_enabled:
@@ -110,6 +127,8 @@ class LokaCallback(Callback):
             trainer.qcomm_codecs_registry = make_qcomm_codecs_registry(self.comm_state)
 
     def on_train_start(self, trainer: Trainer) -> None:
+        if not self.enabled:
+            return
         self._out_dir = trainer.out_dir
         self._rank = trainer.rank
         self.sites = sites(trainer.model)
@@ -138,9 +157,7 @@ class LokaCallback(Callback):
                 site.set_plan(self.dispatcher.plans[name])
             self._pending_state = None
         if self.comm_state is not None:
-            from loka_train.comm import install_dense_grad_hook
-
-            self.compressors = install_dense_grad_hook(trainer.model, self.comm_state)
+            self._install_dense_grad_hook(trainer)
             if self._pending_comp is not None:
                 if len(self._pending_comp) == len(self.compressors):
                     for comp, st in zip(self.compressors, self._pending_comp):
@@ -156,16 +173,40 @@ class LokaCallback(Callback):
                     trainer.fallbacks.append(msg)
                 self._pending_comp = None
         trainer.progress_postfix["fp8"] = f"{self.dispatcher.fp8_coverage():.0%}"
+        objective = self.dispatcher.objective
         logger.info(
-            "LoKA on: %d sites, probe every %d steps, interval %d, dispatch objective %s",
+            "LoKA on: %d sites, probe every %d steps, interval %d, dispatch objective %s%s",
             len(self.sites),
             self.config.probe.every_k_steps,
             self.config.probe.interval,
-            self.config.dispatch.objective,
+            objective,
+            f" ({_cpu_note(objective)})" if trainer.device.type == "cpu" else "",
         )
+
+    def _install_dense_grad_hook(self, trainer: Trainer) -> None:
+        """The dense-gradient comm hook on every DDP module of the model; a model without one
+        (not wrapped in DistributedModelParallel or DDP) goes without it: a logged fallback."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from loka_train.comm import install_dense_grad_hook
+
+        if any(isinstance(m, DistributedDataParallel) for m in trainer.model.modules()):
+            self.compressors = install_dense_grad_hook(trainer.model, self.comm_state)
+            return
+        msg = (
+            "LoKA comm: dense-gradient hook left out: no DistributedDataParallel inside "
+            f"{type(trainer.model).__name__}, so dense gradients are not all-reduced through a "
+            "DDP comm hook; wrap the model in DistributedModelParallel (or DDP) after "
+            "on_before_shard for LoKA to compress them"
+        )
+        logger.warning(msg)
+        trainer.fallbacks.append(msg)
+        self.compressors = []
 
     # ------------------------------------------------------------------------ per step
     def on_step_start(self, trainer: Trainer, step: int) -> None:
+        if not self.enabled:
+            return
         assert self.probe is not None
         self.probe.begin_step(step)
         self._sampled = mark_sampled(self.sites.values(), step)
@@ -178,6 +219,8 @@ class LokaCallback(Callback):
         return self._sampled
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
         assert self.probe is not None and self.dispatcher is not None
         if self.config.ledger:
             self._step_ends.append(time.perf_counter())
@@ -228,10 +271,14 @@ class LokaCallback(Callback):
 
     # --------------------------------------------------------------------- quality guard
     def on_eval_start(self, trainer: Trainer, step: int) -> None:
+        if not self.enabled:
+            return
         if self.comm_state is not None:
             self.comm_state.begin_eval()
 
     def on_eval_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
         if self.comm_state is not None:
             self.comm_state.end_eval()
         assert self.dispatcher is not None
@@ -259,7 +306,13 @@ class LokaCallback(Callback):
 
     # ------------------------------------------------------------------------ reporting
     def report(self, trainer: Trainer | None = None) -> dict[str, Any]:
-        """The run report as plain data (rank-independent content; :mod:`loka_train.plugin.report`)."""
+        """The run report as plain data (rank-independent content; :mod:`loka_train.plugin.report`).
+
+        Raises:
+            RuntimeError: the callback is off (``config.enabled=False``): there is no report.
+        """
+        if not self.enabled:
+            raise RuntimeError("LoKA is off (LokaConfig.enabled=False): it keeps no report")
         assert self.probe is not None and self.dispatcher is not None
         return run_report(
             sites=self.sites, probe=self.probe, dispatcher=self.dispatcher, comm_state=self.comm_state,
@@ -269,7 +322,10 @@ class LokaCallback(Callback):
         )
 
     def write_report(self, trainer: Trainer) -> Path | None:
-        """Write loka_report.{json,md} and PNG plots under out_dir/loka (rank 0 only)."""
+        """Write loka_report.{json,md} and PNG plots under out_dir/loka (rank 0 only; nothing
+        when the callback is off)."""
+        if not self.enabled:
+            return None
         report = self.report(trainer)
         if trainer.rank != 0:
             return None
@@ -282,6 +338,8 @@ class LokaCallback(Callback):
         return out
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         assert self.dispatcher is not None
         summary["loka/fp8_coverage"] = self.dispatcher.fp8_coverage()
         summary["loka/plan_changes"] = self.dispatcher.num_changes
@@ -307,6 +365,8 @@ class LokaCallback(Callback):
 
     # ---------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
+        if not self.enabled:
+            return {}
         assert self.probe is not None and self.dispatcher is not None
         return {
             "probe": self.probe.state_dict(),
@@ -321,6 +381,8 @@ class LokaCallback(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Called before on_train_start (sites not registered yet): keep and apply there.
+        if not self.enabled:
+            return
         self._pending_state = state
         self.timeline = [tuple(x) for x in state["timeline"]]  # type: ignore[misc]
         self.best_ne = state["guard"]["best_ne"]
@@ -332,6 +394,19 @@ class LokaCallback(Callback):
             self.comm_state.load_state_dict(state["comm"])
             self.comm_policy.load_state_dict(state["comm_policy"])
             self._pending_comp = state["compressors"]
+
+
+def _cpu_note(objective: str) -> str:
+    """What the dispatch objective means on a CPU, where FP8 is emulated."""
+    if objective == "coverage":
+        return (
+            "CPU: FP8 is emulated; the coverage objective puts FP8 wherever it is measured safe, "
+            "which exercises its numerics, not its speed"
+        )
+    return (
+        "CPU: FP8 is emulated; the speed objective weighs a GPU cost model's times, not this "
+        "CPU's, and takes FP8 only where that model predicts a gain"
+    )
 
 
 __all__ = ["LokaCallback"]

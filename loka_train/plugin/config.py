@@ -1,18 +1,43 @@
-"""Configuration of the LoKA plugin (the `loka:` group of the hydra config).
+"""Configuration of the LoKA plugin (the `loka:` group of the hydra config) and its presets.
 
-Presets live in conf/loka/: `off` (the library default: changes no numerics), `safe`
-and `aggressive`. Each sub-config is its component's own dataclass (ProbeConfig,
-ModsConfig, DispatchConfig, CommConfig) plus the quality guard here.
+Each sub-config is its component's own dataclass (ProbeConfig, ModsConfig, DispatchConfig,
+CommConfig) plus the quality guard here. The presets, in plain Python
+(``LokaConfig.preset(name)``), are defined here and nowhere else; ``conf/loka/<name>.yaml``
+(what hydra's ``loka=<name>`` selects) is written from them by ``python -m launch.presets``,
+and a test fails when a YAML file and its preset differ.
+
+* ``off``: the library default (``LokaConfig()``); the callback does nothing at all and no
+  numerics change.
+* ``safe``: FP8 only where the Probe's conservative SQNR bound fits a tight budget AND the GEMM
+  is faster than high precision by a 5% margin; row-wise scaling; forward and grad-input GEMMs
+  (weight gradients stay in high precision); FP32 comms. Sampling is sparse (every 50th step,
+  2 sites at a time), sized for long GPU runs.
+* ``aggressive``: FP8 wherever the Probe says it is safe under looser budgets and it is not
+  slower than high precision (margin 0); tensor-wise and row-wise scaling; all three GEMMs;
+  the embedding all-to-all moves down to FP8 when the comm policy measures it safe. On a CPU,
+  where FP8 is emulated, it takes FP8 wherever it is safe (``dispatch.cpu_objective=
+  "coverage"``): a CPU run exercises the numerics a GPU run would risk, not their speed.
+
+Example:
+    >>> cfg = LokaConfig.preset("aggressive", probe={"interval": 50}, report_every=100)
+    >>> cfg.probe.interval, cfg.probe.every_k_steps   # the rest of the preset is kept
+    (50, 20)
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from loka_train.comm.config import CommConfig
+from loka_train.comm.config import CommChannel, CommConfig, CommPrecision
 from loka_train.dispatch.config import DispatchConfig
+from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.mods.config import ModsConfig
 from loka_train.probe.config import ProbeConfig
+
+__all__ = ["PRESETS", "GuardConfig", "LokaConfig"]
 
 
 @dataclass(kw_only=True)
@@ -44,12 +69,17 @@ class GuardConfig:
 class LokaConfig:
     """What the LoKA callback does. The library default (`enabled=False`) changes nothing.
 
+    Start from a preset (:meth:`preset`) rather than from the defaults, which are the ``off``
+    preset's.
+
     Example:
+        >>> LokaConfig.preset("safe")
         >>> LokaConfig(enabled=True, dispatch=DispatchConfig(objective="speed"))
     """
 
     enabled: bool = False
-    """Attach the LoKA callback to the trainer."""
+    """Whether the LoKA callback does anything. Off: it converts no module, installs no hook or
+    codec, samples nothing and writes no report (and `run_job` does not add it)."""
 
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     """Online statistics: sampling, window, interval, budgets (loka_train.probe)."""
@@ -114,3 +144,120 @@ class LokaConfig:
             raise ValueError(
                 f"loka.report_every={self.report_every} must be >= 0 (0: report only at the end)"
             )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LokaConfig:
+        """The LoKA preset `name` (``"off"``, ``"safe"``, ``"aggressive"``; see the module
+        docstring), with fields replaced by `overrides`.
+
+        An override of a sub-config (``probe``, ``mods``, ``dispatch``, ``comm``, ``guard``) is
+        either a whole config object, which replaces the preset's, or a mapping of its fields,
+        which replaces only those (as hydra's ``loka.probe.interval=50`` does). The result is
+        validated as any `LokaConfig` is. ``dataclasses.replace`` works on the result too.
+
+        Args:
+            name: the preset.
+            **overrides: `LokaConfig` fields to replace.
+
+        Raises:
+            ValueError: an unknown preset or field, or a value the config refuses.
+
+        Example:
+            >>> LokaConfig.preset("safe", probe={"interval": 100}, ledger=True).probe.interval
+            100
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown LoKA preset {name!r}: choose one of {sorted(PRESETS)}")
+        config: LokaConfig = _replace(PRESETS[name](), overrides, prefix="loka")
+        return config
+
+
+def _replace(config: Any, overrides: Mapping[str, Any], *, prefix: str) -> Any:
+    """`config` with `overrides` applied; a mapping for a dataclass field replaces only the
+    fields it names, recursively."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"{prefix} has no field {', '.join(unknown)}; its fields: {sorted(fields)}")
+    resolved = {}
+    for key, value in overrides.items():
+        current = getattr(config, key)
+        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+            value = _replace(current, value, prefix=f"{prefix}.{key}")
+        resolved[key] = value
+    return dataclasses.replace(config, **resolved)
+
+
+def _off() -> LokaConfig:
+    return LokaConfig(enabled=False)
+
+
+def _safe() -> LokaConfig:
+    return LokaConfig(
+        enabled=True,
+        probe=ProbeConfig(
+            every_k_steps=50,  # sample every 50th step ...
+            sites_per_step=2,  # ... 2 sites at a time, rotating
+            window=16,  # samples per (site, GEMM) in the rolling window
+            interval=500,  # all-reduce, verdicts and re-plan every 500 steps
+            formats=(Fp8Format.E4M3, Fp8Format.E5M2),
+            scalings=(Scaling.ROWWISE,),
+            quantile=0.1,  # judge the 10th percentile of SQNR over the window
+            sqnr_budget_db={"forward": 24.0, "grad_input": 20.0, "grad_weight": 20.0},
+            hysteresis_intervals=2,
+            min_samples=4,
+        ),
+        mods=ModsConfig(enabled=True, keep_last_layer_high=True, initial_plan="high"),
+        dispatch=DispatchConfig(
+            objective="speed",  # FP8 only where faster than high precision by `margin`
+            margin=0.05,
+            scalings=("rowwise",),
+            fp8_roles=("forward", "grad_input"),  # weight gradients stay in high precision
+            hysteresis_intervals=2,
+        ),
+        guard=GuardConfig(enabled=True, ne_tolerance=0.005),
+        comm_enabled=False,
+    )
+
+
+def _aggressive() -> LokaConfig:
+    return LokaConfig(
+        enabled=True,
+        probe=ProbeConfig(
+            every_k_steps=20,
+            sites_per_step=4,
+            window=16,
+            interval=200,
+            formats=(Fp8Format.E4M3, Fp8Format.E5M2),
+            scalings=(Scaling.TENSORWISE, Scaling.ROWWISE),
+            quantile=0.1,
+            sqnr_budget_db={"forward": 18.0, "grad_input": 14.0, "grad_weight": 14.0},
+            hysteresis_intervals=1,
+            min_samples=4,
+        ),
+        mods=ModsConfig(enabled=True, keep_last_layer_high=True, initial_plan="high"),
+        dispatch=DispatchConfig(
+            objective="speed",
+            cpu_objective="coverage",  # CPU: FP8 is emulated; exercise its numerics
+            margin=0.0,
+            scalings=("tensorwise", "rowwise"),
+            fp8_roles=("forward", "grad_input", "grad_weight"),
+            hysteresis_intervals=1,
+        ),
+        guard=GuardConfig(enabled=True, ne_tolerance=0.01),
+        comm_enabled=True,
+        comm=CommConfig(
+            a2a_forward=CommPrecision.FP32,
+            a2a_backward=CommPrecision.FP32,
+            adaptive_channels=(CommChannel.A2A_FWD, CommChannel.A2A_BWD),
+            policy_interval=200,
+        ),
+    )
+
+
+PRESETS: dict[str, Callable[[], LokaConfig]] = {
+    "off": _off,
+    "safe": _safe,
+    "aggressive": _aggressive,
+}
+"""Preset name -> a function that builds a fresh `LokaConfig` of that preset."""

@@ -4,6 +4,7 @@ from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.context import RunContext
+from loka_train.runtime.trainer import Trainer
 
 __all__ = [
     "Callback",
@@ -11,5 +12,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "RunContext",
+    "Trainer",
     "TrainerConfig",
 ]

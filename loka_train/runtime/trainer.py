@@ -1,11 +1,13 @@
-"""The Trainer: shards a DLRM-family model with TorchRec, trains, evaluates, checkpoints.
+"""The Trainer: shards a DLRM-family model or your own TorchRec model, trains, evaluates, checkpoints.
 
 It is deliberately a thin, explicit loop around TorchRec's public pieces
 (`DistributedModelParallel`, a sharding planner or an explicit plan, fused row-wise
 Adagrad on the tables, `TrainPipelineSparseDist`), with a `Callback` seam that the LoKA
 plugin uses. One code path serves CPU (gloo) and GPU (nccl). Its parts: `runtime.sharding`
 (sharder and plan), `runtime.compile` and `runtime.graphs` (compiled and CUDA-graphed dense
-modules), `runtime.preflight` (checks before training), `runtime.checkpoint`.
+modules), `runtime.preflight` (checks before training), `runtime.checkpoint`, and
+`runtime.train_model` (the model: built from a `ModelConfig`, or your own, and what your own
+must provide).
 
 Shape legend: B batch (per rank), G global batch.
 """
@@ -33,7 +35,7 @@ from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.data.pinning import PinnedBatches, pin_batch
 from loka_train.data.prefetch import Prefetcher
 from loka_train.data.protocol import CachedBatches
-from loka_train.models import ModelConfig, build_model, init_embedding_tables, table_name
+from loka_train.models import init_embedding_tables
 from loka_train.runtime.callbacks import Callback, CallbackList
 from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
 from loka_train.runtime.compile import (
@@ -60,6 +62,7 @@ from loka_train.runtime.preflight import (
     short_data_error,
 )
 from loka_train.runtime.sharding import make_sharder, make_sharding_plan
+from loka_train.runtime.train_model import ModelSpec, check_train_output, prepare_model
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +90,15 @@ class _StepHook:
 
 
 class Trainer:
-    """Trains a sharded DLRM-family model with callbacks.
+    """Trains a sharded DLRM-family model, or your own TorchRec model, with callbacks.
 
     Args:
-        model: which model to build.
+        model: a `ModelConfig` (one of the DLRM family, built for the data), your own unsharded
+            model, or a function that builds it (called once per process with the RNG seeded
+            from ``trainer.seed``). Your own model is called as ``model(batch) -> (loss,
+            (loss, logits, labels))`` (TorchRec's ``DLRMTrain`` does so) and keeps its tables in
+            ``EmbeddingBagCollection`` modules over the data's features; `runtime.train_model` says
+            what else it must provide, and a model that lacks it is refused with the fix.
         data: which dataset to read.
         trainer: how to train (steps, batch, sharding, checkpoints, ...).
         callbacks: plug-ins called at each hook (the LoKA callback is one).
@@ -99,17 +107,18 @@ class Trainer:
         >>> summary = Trainer(model=ModelConfig(), data=DataConfig(),
         ...                   trainer=TrainerConfig(steps=50)).fit()
         >>> summary["eval/ne"]
+        >>> Trainer(model=lambda: DLRMTrain(DLRM(...)), data=DataConfig(),
+        ...         trainer=TrainerConfig(steps=50), callbacks=[LokaCallback(LokaConfig.preset("safe"))])
     """
 
     def __init__(
         self,
         *,
-        model: ModelConfig,
+        model: ModelSpec,
         data: DataConfig,
         trainer: TrainerConfig,
         callbacks: Sequence[Callback] = (),
     ) -> None:
-        self.model_cfg = model
         self.data_cfg = data
         self.cfg = trainer
         self.callbacks = CallbackList(list(callbacks))
@@ -153,19 +162,12 @@ class Trainer:
             data, split="eval", rank=self.rank, world_size=self.world_size,
             batch_size=trainer.batch_size,
         )
-        self.tables = {
-            table_name(f): (rows, model.embedding_dim)
-            for f, rows in zip(
-                self.train_data.feature_names, self.train_data.num_embeddings_per_feature
-            )
-        }
-        self.model: nn.Module = build_model(
-            model,
-            feature_names=self.train_data.feature_names,
-            num_embeddings_per_feature=self.train_data.num_embeddings_per_feature,
-            num_dense=self.train_data.num_dense,
-            seed=trainer.seed,
-        )
+        prepared = prepare_model(model, data=self.train_data, seed=trainer.seed)
+        self.model: nn.Module = prepared.module
+        self.model_name = prepared.name
+        """``ModelConfig.kind``, or your own model's class name."""
+        self.tables = prepared.tables
+        """Embedding table name -> (rows, dim): filled from ``trainer.seed`` after sharding."""
         # Callbacks may change these in on_before_shard (e.g. quantized comm codecs).
         self.qcomm_codecs_registry: dict[str, Any] | None = None
         self.data_parallel_wrapper: Any = None
@@ -274,7 +276,7 @@ class Trainer:
 
     def _meta(self) -> dict[str, Any]:
         return {
-            "model": self.model_cfg.kind,
+            "model": self.model_name,
             "sharding": self.cfg.sharding,
             "batch_size": self.cfg.batch_size,
             "seed": self.cfg.seed,
@@ -487,9 +489,12 @@ class Trainer:
                 # TorchRec pipelines return the model output's second element.
                 with self._autocast():
                     try:
-                        loss, _, _ = pipeline.progress(batches)
+                        output = pipeline.progress(batches)
                     except StopIteration:
                         raise self._short_train_data(step) from None
+                if step == start:
+                    check_train_output(output, self.model_name)
+                loss, _, _ = output
                 loss_sum += loss.detach()
                 loss_count += 1
                 self.step = step + 1
@@ -554,7 +559,7 @@ class Trainer:
             "world_size": self.world_size,
             "device": str(self.device),
             "dense_dtype": self.cfg.dense_dtype,
-            "model": self.model_cfg.kind,
+            "model": self.model_name,
             "sharding": self.cfg.sharding,
             "global_batch": self.cfg.batch_size * self.world_size,
             "train/loss": last_loss,

@@ -1,0 +1,143 @@
+"""The LoKA callback on TorchRec's own DLRM in a plain loop (RunContext, one CPU process):
+off does nothing at all, aggressive without DDP leaves the dense hook out as a counted
+fallback, and the start-up log names the objective that runs and what it means on a CPU."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from loka_train.data import DataConfig, make_dataset
+from loka_train.mods import sites
+from loka_train.plugin import LokaCallback, LokaConfig
+from loka_train.runtime import RunContext
+
+DATA = DataConfig(num_sparse=4, num_embeddings=100, chunk_size=16, max_pooling=3)
+DENSE_PROBE = {"every_k_steps": 1, "sites_per_step": None, "interval": 4, "min_samples": 2}
+"""Every site sampled every step, an interval every 4 steps: decisions within a few steps."""
+
+
+def _dlrm() -> DLRMTrain:
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name=f"t_cat_{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"cat_{i}"])
+        for i in range(DATA.num_sparse)
+    ]
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=EmbeddingBagCollection(tables=tables),
+            dense_in_features=DATA.num_dense,
+            dense_arch_layer_sizes=[16, 8],
+            over_arch_layer_sizes=[16, 1],
+        )
+    )
+
+
+def _train(cb: LokaCallback, ctx: RunContext, steps: int) -> dict[str, Any]:
+    """The five calls of a user's own loop around plain SGD steps; returns the summary."""
+    data = make_dataset(DATA, split="train", rank=0, world_size=1, batch_size=32)
+    cb.on_before_shard(ctx)
+    cb.on_train_start(ctx)
+    optimizer = torch.optim.SGD(ctx.model.parameters(), lr=0.05)
+    for step, batch in enumerate(data.batches(0, steps)):
+        cb.on_step_start(ctx, step)
+        loss, _ = ctx.model(batch)
+        loss.backward()
+        cb.on_after_backward(ctx, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        cb.on_step_end(ctx, step, {})
+    summary: dict[str, Any] = {}
+    cb.on_train_end(ctx, summary)
+    return summary
+
+
+def _module_types(model: nn.Module) -> list[tuple[str, type, int]]:
+    return [(name, type(m), id(m)) for name, m in model.named_modules()]
+
+
+def _hooks(model: nn.Module) -> int:
+    count = 0
+    for m in model.modules():
+        count += len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+    count += sum(len(getattr(p, "_backward_hooks", None) or {}) for p in model.parameters())
+    return count
+
+
+def test_off_does_nothing_at_all(tmp_path: Path) -> None:
+    model = _dlrm()
+    before = _module_types(model)
+    hooks = _hooks(model)
+    # Everything else configured as aggressive: enabled=False alone turns it all off.
+    cb = LokaCallback(LokaConfig.preset("aggressive", enabled=False, probe=DENSE_PROBE, report_every=2))
+    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path)
+    cb.on_before_shard(ctx)
+    assert sites(ctx.model) == {}
+    assert ctx.model is model and _module_types(model) == before
+    assert ctx.qcomm_codecs_registry is None and ctx.data_parallel_wrapper is None
+    summary = _train(cb, ctx, steps=6)
+    assert summary == {}
+    assert _module_types(model) == before and _hooks(model) == hooks
+    assert cb.probe is None and cb.dispatcher is None and cb.comm_state is None
+    assert cb.eager_modules(ctx, 5) == ()
+    assert ctx.fallbacks == [] and ctx.progress_postfix == {}
+    assert not (tmp_path / "loka").exists() and list(tmp_path.iterdir()) == []
+    assert cb.state_dict() == {} and not cb.stateful
+    cb.load_state_dict({"anything": 1})  # a checkpoint's state is ignored too
+    with pytest.raises(RuntimeError, match="LoKA is off"):
+        cb.report(ctx)
+
+
+def test_on_converts_torchrecs_dlrm(tmp_path: Path) -> None:
+    """The same model and loop with LoKA on: four sites (the bottom MLP's two Linears, the
+    interaction, the top MLP's first Linear; its last stays high), a report. So the test above
+    is not vacuous."""
+    cb = LokaCallback(LokaConfig.preset("safe", probe=DENSE_PROBE))
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path)
+    summary = _train(cb, ctx, steps=4)
+    assert len(cb.sites) == 4
+    assert "loka/fp8_coverage" in summary and (tmp_path / "loka" / "loka_report.json").exists()
+
+
+def test_aggressive_without_ddp_leaves_the_dense_hook_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cb = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger="loka_train"):
+        summary = _train(cb, ctx, steps=8)
+    assert cb.compressors == []
+    (fallback,) = [f for f in ctx.fallbacks if "dense-gradient hook left out" in f]
+    assert "no DistributedDataParallel inside DLRMTrain" in fallback
+    assert "wrap the model in DistributedModelParallel" in fallback
+    assert any(r.levelno == logging.WARNING and r.getMessage() == fallback for r in caplog.records)
+    assert fallback in cb.report(ctx)["fallbacks"]
+    # The rest of LoKA runs: on a CPU the coverage objective takes FP8 where it is safe.
+    assert summary["loka/fp8_coverage"] > 0
+
+
+@pytest.mark.parametrize(
+    ("preset", "says"),
+    [
+        ("aggressive", "dispatch objective coverage (CPU: FP8 is emulated; the coverage objective"),
+        ("safe", "dispatch objective speed (CPU: FP8 is emulated; the speed objective weighs a GPU cost model"),
+    ],
+)
+def test_the_start_up_log_names_the_objective_that_runs(
+    preset: str, says: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cb = LokaCallback(LokaConfig.preset(preset))
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path)
+    cb.on_before_shard(ctx)
+    with caplog.at_level(logging.INFO, logger="loka_train.plugin"):
+        cb.on_train_start(ctx)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LoKA on:")]
+    assert says in line, line
