@@ -1,7 +1,8 @@
 """The sharded DLRM on 2 gloo ranks trains like the unsharded model in 1 process, and a
-killed run resumed from its checkpoint ends where an uninterrupted one does. A run that
-cannot go as configured (earlier checkpoints with resume=never, a checkpoint past
-trainer.steps, too little data) is refused before it trains, on every rank."""
+killed run resumed from its checkpoint ends where an uninterrupted one does. Every fresh run
+writes into a new run directory; a run that cannot go as configured (a checkpoint past
+trainer.steps, too little data) is refused before it trains or changes anything on disk, on
+every rank."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from loka_train.data import DataConfig
 from loka_train.runtime import Callback
-from loka_train.runtime.checkpoint import CheckpointError
+from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager
 from loka_train.runtime.trainer import Trainer
 from tests.dist._multiprocess import run_multiprocess
 from tests.dist._tiny import LossRecorder, dense_params, tiny_data, tiny_model, tiny_trainer
@@ -233,7 +234,7 @@ def _finish_run(rank: int, world_size: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The out_dir of a finished 6-step run with its checkpoint (step 6)."""
+    """The runs root (trainer.out_dir) of a finished 6-step run with its checkpoint (step 6)."""
     out = tmp_path_factory.mktemp("finished")
     run_multiprocess(_finish_run, world_size=1, args=(str(out),))
     return out
@@ -262,18 +263,21 @@ def _rerun_fresh(rank: int, world_size: int, out: str) -> list[float]:
     return recorder.losses
 
 
-def test_resume_never_sets_an_earlier_runs_checkpoints_aside(finished_run: Path, tmp_path: Path) -> None:
-    """A fresh run in an out_dir with checkpoints trains from step 0, writes its own, and keeps
-    the earlier ones intact in checkpoints.before-<time> (neither mixed, pruned nor lost)."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+def test_a_fresh_run_writes_a_new_run_directory(finished_run: Path, tmp_path: Path) -> None:
+    """A fresh run (resume=never) beside a finished one trains from step 0 in a new directory
+    that `latest` then names; the earlier run is left as it was (neither mixed, pruned nor
+    moved)."""
+    out = tmp_path / "runs"
+    shutil.copytree(finished_run, out, symlinks=True)
+    [earlier] = [p for p in out.iterdir() if p.name != "latest"]
+    before = sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*"))
     [losses] = run_multiprocess(_rerun_fresh, world_size=1, args=(str(out),), timeout=120)
     assert len(losses) == 6  # all 6 steps trained, none resumed
-    [aside] = list(out.glob("checkpoints.before-*"))
-    assert sorted(p.name for p in aside.iterdir()) == before
-    assert (aside / "latest").read_text() == "step_00000006"
-    assert (out / "checkpoints" / "latest").read_text() == "step_00000006"  # this run's own
+    assert sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*")) == before
+    new = (out / "latest").resolve()
+    assert new.parent == out.resolve() and new.name != earlier.name
+    assert (new / "checkpoints" / "latest").read_text() == "step_00000006"  # this run's own
+    assert not list(out.glob("*.before-*")) and not list(earlier.glob("*.before-*"))
 
 
 def _resume_past_steps(rank: int, world_size: int, out: str) -> str:
@@ -282,10 +286,11 @@ def _resume_past_steps(rank: int, world_size: int, out: str) -> str:
 
 def test_checkpoint_past_trainer_steps_is_refused(finished_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
+    shutil.copytree(finished_run, out, symlinks=True)
     [message] = run_multiprocess(_resume_past_steps, world_size=1, args=(str(out),), timeout=60)
-    assert "at step 6, past trainer.steps=3" in message
-    assert "trainer.resume=never" in message
+    [run] = [p for p in out.iterdir() if p.name != "latest"]
+    assert f"checkpoint {run / 'checkpoints' / 'step_00000006'} is at step 6" in message, message
+    assert "past trainer.steps=3" in message and "trainer.resume=never" in message
 
 
 def _write_criteo(path: Path, num_lines: int, seed: int) -> None:
@@ -322,9 +327,10 @@ def _short_data(rank: int, world_size: int, out: str) -> dict[str, str]:
             num_embeddings=100,
         )
         recorder = LossRecorder()
-        # An earlier run's checkpoint in the out_dir: a refused run must leave it in place.
-        earlier = root / "run" / "checkpoints" / "step_00000001"
+        # An earlier run in the out_dir, the latest: a refused run must leave the runs as they are.
+        earlier = root / "run" / "20260101-000000" / "checkpoints" / "step_00000001"
         earlier.mkdir(parents=True)
+        (root / "run" / "latest").symlink_to("20260101-000000")
         trainer = Trainer(
             model=tiny_model(), data=data,
             trainer=tiny_trainer(root / "run", batch_size=16, steps=steps, eval_batches=eval_batches),
@@ -343,7 +349,9 @@ def _short_data(rank: int, world_size: int, out: str) -> dict[str, str]:
             assert len(recorder.losses) == 5, recorder.losses
         else:  # eval data is small: checked before any step, and before anything is moved
             assert recorder.losses == [], f"{name}: the run trained before it was refused"
-            assert earlier.is_dir() and not list((root / "run").glob("checkpoints.before-*")), name
+            assert earlier.is_dir(), name
+            assert sorted(p.name for p in (root / "run").iterdir()) == ["20260101-000000", "latest"], name
+            assert (root / "run" / "latest").resolve().name == "20260101-000000", name
         messages[name] = str(info.value)
     return messages
 
@@ -381,17 +389,17 @@ def _timed_run(rank: int, world_size: int, out: str) -> tuple[dict[str, Any], li
         trainer=tiny_trainer(Path(out), steps=6, eval_every=1, checkpoint_every=1),
         callbacks=[_SlowEvalLateFallback()],
     )
-    save = trainer._checkpoints.save
+    save = CheckpointManager.save
 
-    def slow_save(step: int, *args: Any) -> Path:
-        path = save(step, *args)
+    def slow_save(self: CheckpointManager, step: int, *args: Any) -> Path:
+        path = save(self, step, *args)
         if step >= 3:
             time.sleep(_PAUSE_S)
         return path
 
-    trainer._checkpoints.save = slow_save  # type: ignore[method-assign]
+    CheckpointManager.save = slow_save  # type: ignore[method-assign]  # this forked process only
     summary = trainer.fit()
-    logged = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (trainer.out_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, logged
 
 
@@ -415,7 +423,7 @@ def test_steps_per_s_excludes_eval_and_checkpoint_time(timed_run: tuple) -> None
 def test_fallbacks_from_on_train_end_reach_the_summary(timed_run: tuple) -> None:
     summary, _, out = timed_run
     assert "late fallback recorded in on_train_end" in summary["fallbacks"]
-    written = json.loads((out / "summary.json").read_text())
+    written = json.loads((out / "latest" / "summary.json").read_text())
     assert "late fallback recorded in on_train_end" in written["fallbacks"]
 
 
