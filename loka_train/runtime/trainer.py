@@ -371,6 +371,9 @@ class Trainer:
         self.callbacks.call("on_eval_start", self, self.step - 1)
         metrics = self._eval_with(pipeline)
         self.callbacks.call("on_eval_end", self, self.step - 1, metrics)
+        if self.rank == 0:
+            logger.info("step %d: eval NE %.4f, AUC %.4f (%d samples)", self.step, metrics["eval/ne"],
+                        metrics["eval/auc"], metrics["eval/samples"])
         return metrics
 
     def _clock(self) -> float:
