@@ -240,11 +240,11 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _refused(out: Path, **overrides: Any) -> str:
+def _refused(out: Path, model: str = "dlrm", **overrides: Any) -> str:
     """fit() of a tiny run must raise CheckpointError before any step; returns the message."""
     recorder = LossRecorder()
     trainer = Trainer(
-        model=tiny_model(), data=tiny_data(), trainer=tiny_trainer(out, **overrides),
+        model=tiny_model(model), data=tiny_data(), trainer=tiny_trainer(out, **overrides),
         callbacks=[recorder],
     )
     with pytest.raises(CheckpointError) as info:
@@ -291,6 +291,48 @@ def test_checkpoint_past_trainer_steps_is_refused(finished_run: Path, tmp_path: 
     [run] = [p for p in out.iterdir() if p.name != "latest"]
     assert f"checkpoint {run / 'checkpoints' / 'step_00000006'} is at step 6" in message, message
     assert "past trainer.steps=3" in message and "trainer.resume=never" in message
+
+
+def _resume_cases(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    runs = Path(out)
+    found: dict[str, Any] = {
+        "sharding": _refused(runs, resume="auto", steps=8, sharding="table_wise"),
+        "model": _refused(runs, "dcn", resume="auto", steps=8),
+    }
+    wider = tiny_model()
+    wider.over_arch_layer_sizes = [32, 1]  # a shape the checkpoint's meta does not record
+    recorder = LossRecorder()
+    trainer = Trainer(model=wider, data=tiny_data(), trainer=tiny_trainer(runs, resume="auto", steps=8),
+                      callbacks=[recorder])
+    with pytest.raises(CheckpointError) as info:
+        trainer.fit()
+    found["shape"] = str(info.value)
+    found["untouched"] = sorted(p.name for p in runs.iterdir())
+    [source] = [p for p in runs.iterdir() if p.name != "latest"]
+    recorder = LossRecorder()
+    trainer = Trainer(model=tiny_model(), data=tiny_data(),
+                      trainer=tiny_trainer(runs, resume=str(source), steps=8), callbacks=[recorder])
+    trainer.fit()
+    found["from_path"] = (len(recorder.losses), trainer.out_dir != source, (runs / "latest").resolve() == trainer.out_dir.resolve())
+    return found
+
+
+def test_a_resume_mismatch_names_the_checkpoint_and_the_fix(finished_run: Path, tmp_path: Path) -> None:
+    """The checkpoint's meta is checked before anything changes on disk; a state that does not
+    fit the model names the checkpoint too; resume=<path> starts a new run from it."""
+    out = tmp_path / "runs"
+    shutil.copytree(finished_run, out, symlinks=True)
+    [run] = [p for p in out.iterdir() if p.name != "latest"]
+    checkpoint = run / "checkpoints" / "step_00000006"
+    [found] = run_multiprocess(_resume_cases, world_size=1, args=(str(out),), timeout=120)
+    for case in ("sharding", "model", "shape"):
+        assert str(checkpoint) in found[case] and "trainer.resume=never" in found[case], found[case]
+    assert "written with trainer.sharding=auto, this run has trainer.sharding=table_wise" in found["sharding"]
+    assert "resume it with trainer.sharding=auto" in found["sharding"]
+    assert "written with model=dlrm, this run has model=dcn: resume it with model=dlrm" in found["model"]
+    assert f"cannot resume from {checkpoint}" in found["shape"] and "shape" in found["shape"]
+    assert found["untouched"] == sorted([run.name, "latest"]), "a refused resume changed the runs"
+    assert found["from_path"] == (2, True, True)  # steps 7 and 8, in a new run that latest names
 
 
 def _write_criteo(path: Path, num_lines: int, seed: int) -> None:
