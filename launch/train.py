@@ -183,14 +183,15 @@ def fail(exc: Exception, *, rank: int, log: LogFile | None = None, out_dir: str 
         origin = f"at {frame.filename}:{frame.lineno}" if frame else ""
         message = f"{type(exc).__name__}: {exc} ({origin})"
     waits = (user and rank != 0) or isinstance(exc, dist.DistError)
-    if not waits:
-        print(f"error: {message}" if rank == 0 else f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+    header = "error" if rank == 0 and not waits else f"error (rank {rank})"
+    if not waits:  # before anything else: torchrun stops the other processes once this one exits
+        print(f"{header}: {message}", file=sys.stderr, flush=True)
     where = log.write_failure(exc, out_dir) if log is not None else None
-    if not user and where is not None:
-        print(f"  traceback: {where}", file=sys.stderr, flush=True)
     if waits:
         time.sleep(WAIT_FOR_RANK_0_S)
-        print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+        print(f"{header}: {message}", file=sys.stderr, flush=True)
+    if not user and where is not None:
+        print(f"  traceback: {where}", file=sys.stderr, flush=True)
     sys.exit(2 if user else 1)
 
 
