@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from pathlib import Path
 
 from loka_train.data import DataConfig
 from loka_train.models import ModelConfig
@@ -45,7 +44,7 @@ def main() -> int:
             ),
         )
         summary = trainer.fit()
-        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+        lines = (trainer.out_dir / "metrics.jsonl").read_text().splitlines()
         losses = [round(r["train/loss"], 3) for r in map(json.loads, lines) if "train/loss" in r]
     if trainer.rank == 0:
         print(f"{args.model} lr {args.lr} warm-up {args.warmup}: first losses {losses[:5]}, "

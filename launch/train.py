@@ -1,55 +1,220 @@
 """Main job entry point: `torchrun ... launch/train.py [hydra overrides]`.
 
 The only module that imports hydra. The YAML under conf/ is validated against the
-dataclass schemas (a misspelled key fails composition) and turned into real dataclasses
-with `OmegaConf.to_object` before anything runs.
+dataclass schemas (a misspelled key fails composition, naming the nearest valid keys) and
+turned into real dataclasses with `OmegaConf.to_object` before anything runs.
+
+A failure prints one message, on rank 0 (``error: ...``, naming the setting or file and the
+fix), and exits non-zero: 2 for a config, data or checkpoint error, 1 for anything else. The
+traceback goes to the run's log, ``<run directory>/train.log`` (rank k > 0:
+``train.rank<k>.log``), or to ``<trainer.out_dir>/error.log`` when the run failed before its
+directory was made. ``launch/torchrun.py`` (what scripts/train.sh runs) starts the processes
+as torchrun does, without torchrun's own failure report.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import sys
+import time
+import traceback
 import warnings
+from pathlib import Path
+from typing import Any, NoReturn
 
 import hydra
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from loka_train.job import JobConfig, run_job
+from loka_train.runtime.callbacks import Callback
 from loka_train.runtime.checkpoint import CheckpointError
+from loka_train.utils.config_keys import unknown_key_message
 
 ConfigStore.instance().store(name="job_schema", node=JobConfig)
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError)
+"""Errors of the config, the data or a checkpoint: their message names the fix (exit code 2)."""
+WAIT_FOR_RANK_0_S = 5.0
+"""How long a rank other than 0 holds its report of an error that rank 0 reports too (torchrun
+stops it once rank 0 has exited); a rank that is still running after it prints its own."""
 
-def _configure_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    # Our messages at INFO on rank 0; third-party libraries (TorchRec's planner, fbgemm's
-    # TBE set-up) only from WARNING up.
-    logging.basicConfig(
-        level=logging.WARNING,
-        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
+
+# ------------------------------------------------------------------------------ config errors
+def config_error(overrides: list[str]) -> str | None:
+    """None when the config composes with `overrides`, else one message that names the key (and
+    the nearest valid ones) or the preset (and the valid ones)."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+        return None
+    except Exception as exc:  # every composition error is the user's to fix
+        return _explain(exc, overrides)
+
+
+def _explain(exc: Exception, overrides: list[str]) -> str:
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:
+        parsed = []
+    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir()}
+    for override in parsed:
+        key = override.key_or_group
+        if override.is_add() or override.is_delete() or override.is_force_add() or key.startswith("hydra"):
+            continue
+        value = override.value()
+        if key in groups and isinstance(value, str):
+            if value not in groups[key]:
+                close = difflib.get_close_matches(value, groups[key], n=1)
+                hint = f"did you mean {key}={close[0]}? " if close else ""
+                return f"{key}={value} is not a preset: {hint}the presets of {key} are {', '.join(groups[key])}"
+            continue
+        message = unknown_key_message(JobConfig, key)
+        if message is not None:
+            return message
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip():
+        lines[0] = f"{lines[0]}: {str(cause).strip().splitlines()[0]}"
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ logging
+class LogFile(logging.Handler):
+    """This process's log file: records are held until the run's directory exists, then written
+    to a file there (:meth:`open`), or to ``error.log`` beside the runs if the job fails first."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.path: Path | None = None
+        self._held: list[logging.LogRecord] = []
+        self._file: logging.FileHandler | None = None
+        self.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"))
+
+    def open(self, directory: Path, stem: str, *, append: bool) -> Path:
+        """Write to ``<directory>/<stem>.log`` (rank k > 0: ``<stem>.rank<k>.log``, made only
+        when it logs something), after an earlier attempt's lines with `append`; returns the path."""
+        self.path = directory / (f"{stem}.log" if self.rank == 0 else f"{stem}.rank{self.rank}.log")
+        self._file = logging.FileHandler(self.path, mode="a" if append else "w", encoding="utf-8", delay=True)
+        self._file.setFormatter(self.formatter)
+        for record in self._held:
+            self._file.handle(record)
+        self._held.clear()
+        return self.path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._file is None:
+            self._held.append(record)
+        else:
+            self._file.handle(record)
+
+    def write_failure(self, exc: BaseException, out_dir: str | None) -> Path | None:
+        """Log `exc` with its traceback to the file only (never the console); returns the file."""
+        if self._file is None:
+            if out_dir is None:
+                return None
+            try:
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                self.open(Path(out_dir), "error", append=False)
+            except OSError:
+                return None
+        record = logging.LogRecord(__name__, logging.ERROR, __file__, 0, "the job failed", None,
+                                   (type(exc), exc, exc.__traceback__))
+        self.emit(record)
+        self.close()
+        return self.path
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        super().close()
+
+
+class RunLog(Callback):
+    """Opens the log file in the run's directory once it exists and writes the composed config
+    there (rank 0: ``config.yaml``)."""
+
+    def __init__(self, log: LogFile, config_yaml: str) -> None:
+        self.log = log
+        self.config_yaml = config_yaml
+
+    def on_before_shard(self, trainer: Any) -> None:
+        self.log.open(trainer.out_dir, "train", append=True)  # a continued run: after its earlier lines
+        if trainer.rank == 0:
+            (trainer.out_dir / "config.yaml").write_text(self.config_yaml)
+
+
+def configure_logging(rank: int) -> LogFile:
+    """Console: our messages at INFO on rank 0, warnings and up otherwise (third-party
+    libraries: warnings and up); the same records go to the run's log file."""
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s"))
+    log = LogFile(rank)
+    logging.basicConfig(level=logging.WARNING, handlers=[console, log], force=True)
     logging.getLogger("loka_train").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    # The planner warns about how a Topology is constructed (not actionable for users).
+    # The planner warns about how a Topology is constructed, torch.fx about what is_fx_tracing
+    # means (TorchRec's train pipeline calls it): neither is actionable for users.
     logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     # Import-time deprecation notices of fbgemm/torchrec say nothing the user can act on.
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    return log
+
+
+# ------------------------------------------------------------------------------------ failure
+def fail(exc: Exception, *, rank: int, log: LogFile | None = None, out_dir: str | None = None) -> NoReturn:
+    """Report `exc` once and exit: rank 0 prints it; another rank (and a rank whose peer went
+    away) waits for rank 0 to report it, printing only if it is still running after
+    :data:`WAIT_FOR_RANK_0_S`. The traceback goes to the log file, not the console."""
+    user = isinstance(exc, USER_ERRORS)
+    if user:
+        message = str(exc)
+    else:
+        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        origin = f"at {frame.filename}:{frame.lineno}" if frame else ""
+        message = f"{type(exc).__name__}: {exc} ({origin})"
+    waits = (user and rank != 0) or isinstance(exc, dist.DistError)
+    header = "error" if rank == 0 and not waits else f"error (rank {rank})"
+    if not waits:  # before anything else: torchrun stops the other processes once this one exits
+        print(f"{header}: {message}", file=sys.stderr, flush=True)
+    where = log.write_failure(exc, out_dir) if log is not None else None
+    if waits:
+        time.sleep(WAIT_FOR_RANK_0_S)
+        print(f"{header}: {message}", file=sys.stderr, flush=True)
+    if not user and where is not None:
+        print(f"  traceback: {where}", file=sys.stderr, flush=True)
+    sys.exit(2 if user else 1)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    _configure_logging()
+    rank = int(os.environ.get("RANK", "0"))
+    log = configure_logging(rank)
     try:
         job = OmegaConf.to_object(cfg)
-        assert isinstance(job, JobConfig)
-        run_job(job)
-    except (ValueError, FileNotFoundError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as exc:  # a value the schema's checks refuse
+        fail(exc, rank=rank)
+    assert isinstance(job, JobConfig)
+    try:
+        with logging_redirect_tqdm():
+            run_job(job, callbacks=[RunLog(log, OmegaConf.to_yaml(cfg))])
+    except Exception as exc:
+        fail(exc, rank=rank, log=log, out_dir=job.trainer.out_dir)
 
 
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    if not any(arg.startswith("-") for arg in args):  # hydra's own flags (--cfg, --help): its parser
+        problem = config_error(args)
+        if problem is not None:
+            fail(ValueError(problem), rank=int(os.environ.get("RANK", "0")))
     main()

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,14 +58,15 @@ def make_callbacks(job: JobConfig) -> list[Callback]:
     return [LokaCallback(job.loka)]
 
 
-def run_job(job: JobConfig) -> dict[str, Any]:
-    """Train as `job` says; returns the run summary (printed on rank 0)."""
+def run_job(job: JobConfig, *, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+    """Train as `job` says, with `callbacks` (a launcher's, e.g. its log file) ahead of the job's
+    own; returns the run summary (printed on rank 0)."""
     from loka_train.plugin.report import summary_rows
     from loka_train.runtime.summary import format_summary
     from loka_train.runtime.trainer import Trainer
 
     trainer = Trainer(
-        model=job.model, data=job.data, trainer=job.trainer, callbacks=make_callbacks(job)
+        model=job.model, data=job.data, trainer=job.trainer, callbacks=[*callbacks, *make_callbacks(job)]
     )
     try:
         summary = trainer.fit()

@@ -6,4 +6,5 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/ensure_env.sh"
 cd "$root"
 nproc="${LOKA_NPROC:-2}"
-exec .venv/bin/torchrun --standalone --nproc_per_node="$nproc" launch/train.py "$@"
+# launch/torchrun.py: torchrun, without its failure report after the job's own message.
+exec .venv/bin/python launch/torchrun.py --standalone --nproc_per_node="$nproc" launch/train.py "$@"

@@ -315,7 +315,7 @@ def run_one(
                 state["timeline"] = []
 
             if warm_start is not None:
-                shutil.copytree(warm_start, f"{tmp}/run")
+                shutil.copytree(warm_start, f"{tmp}/run", symlinks=True)  # latest: a relative link
             end = args.ne_from + total_steps if warm_start is not None else total_steps
             overrides = job_overrides(
                 args, config, batch, variant, f"{tmp}/run",

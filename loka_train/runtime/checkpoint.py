@@ -1,6 +1,6 @@
 """Checkpoints of a sharded run: one file per rank, written atomically, loaded in place.
 
-Layout under `<out_dir>/checkpoints/`:
+Layout under `<run directory>/checkpoints/` (`runtime.rundirs`):
     step_00000100/rank_0.pt ... rank_{W-1}.pt, meta.json
     latest                      (text file naming the newest complete step directory)
 
@@ -29,7 +29,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from loka_train.runtime.callbacks import CallbackList
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,30 @@ def copy_into(live: Any, saved: Any, path: str) -> None:
             copy_into(live[key], saved[key], f"{path}.{key}")
 
 
+def restore(
+    saved: dict[str, Any], *, model: nn.Module, optimizer: torch.optim.Optimizer, callbacks: CallbackList,
+    device: torch.device, allow_new_callbacks: bool,
+) -> list[str]:
+    """Copy a loaded checkpoint (`saved`, this rank's state) into the live `model`, `optimizer`,
+    `callbacks` and RNG states; returns the callbacks that had no state in it (they start
+    fresh; only with `allow_new_callbacks`, else that raises). Raises `CheckpointError` for a
+    state that does not fit.
+
+    Example:
+        >>> saved, meta = manager.load(path)
+        >>> restore(saved, model=model, optimizer=opt, callbacks=cbs, device=dev, allow_new_callbacks=False)
+    """
+    copy_into(model.state_dict(), saved["model"], "model")
+    live_opt = optimizer.state_dict()
+    copy_into(live_opt["state"], saved["optimizer"]["state"], "optimizer.state")
+    optimizer.load_state_dict(live_opt)
+    fresh = callbacks.load_state_dict(saved["callbacks"], allow_missing=allow_new_callbacks)
+    torch.set_rng_state(saved["rng"]["torch"])
+    if "cuda" in saved["rng"] and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["rng"]["cuda"], device)
+    return fresh
+
+
 def _copy_tensor(live: torch.Tensor, saved: torch.Tensor, path: str) -> None:
     if live.shape != saved.shape:
         raise CheckpointError(
@@ -116,6 +143,43 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint (a ``step_*`` directory) that ``root/latest`` names, or None when `root`
+    holds no ``latest``; raises `CheckpointError` when it names a missing or incomplete one.
+
+    Example:
+        >>> latest_checkpoint(Path("runs/latest/checkpoints"))  # doctest: +SKIP
+        PosixPath('runs/latest/checkpoints/step_00000300')
+    """
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not (path / "meta.json").exists():
+        raise CheckpointError(
+            f"{pointer} names {name!r}, which is missing or incomplete. Delete {pointer} to "
+            "start fresh, or point it at an existing step_* directory."
+        )
+    return path
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The ``meta.json`` of checkpoint `path` (its step, world size and the settings that wrote
+    it); raises `CheckpointError` naming the file when it cannot be read."""
+    file = path / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} has no readable {file.name} ({type(exc).__name__}: {exc}): give "
+            "trainer.resume another checkpoint, or start fresh with trainer.resume=never"
+        ) from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file} does not hold a JSON object: it is not a checkpoint's meta.json")
+    return meta
+
+
 class CheckpointManager:
     """Writes, finds and restores checkpoints under one directory.
 
@@ -134,17 +198,7 @@ class CheckpointManager:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None when there is none."""
-        pointer = self.root / LATEST
-        if not pointer.exists():
-            return None
-        name = pointer.read_text().strip()
-        path = self.root / name
-        if not (path / "meta.json").exists():
-            raise CheckpointError(
-                f"{pointer} names {name!r}, which is missing or incomplete. Delete {pointer} to "
-                "start fresh, or point it at an existing step_* directory."
-            )
-        return path
+        return latest_checkpoint(self.root)
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Save this rank's `state` for `step`; collective: every rank must call it."""

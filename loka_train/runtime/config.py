@@ -136,8 +136,14 @@ class TrainerConfig:
     eval_batches: int = 16
     """Batches (per rank) in one evaluation."""
 
-    out_dir: str = "runs/latest"
-    """Directory for metrics.jsonl, TensorBoard events, checkpoints and the run summary."""
+    out_dir: str = "runs"
+    """Directory of the runs: each run writes into its own ``<out_dir>/<YYYYmmdd-HHMMSS>/``
+    (metrics.jsonl, TensorBoard events in tb/, checkpoints/, summary.json, train.log, the LoKA
+    report) and ``<out_dir>/latest`` points at the newest (``loka_train.runtime.rundirs``)."""
+
+    keep_runs: int = 10
+    """Run directories kept under ``out_dir``: when a new run starts, the oldest beyond this
+    number are deleted (never the run a checkpoint is resumed from). 0 keeps every run."""
 
     tensorboard: bool = True
     """Also write TensorBoard event files (needs the tensorboard package)."""
@@ -155,8 +161,11 @@ class TrainerConfig:
     """Number of most recent checkpoints kept; older ones are deleted after a good save."""
 
     resume: str = "auto"
-    """"auto" resumes from out_dir/checkpoints/latest when it exists, "never" starts fresh,
-    "must" fails when there is nothing to resume."""
+    """"auto": continue the latest run (``<out_dir>/latest``) in its directory when it holds a
+    checkpoint, else start a new run; "never": a new run from step 0; "must": as auto, but fail
+    when there is nothing to resume; any other value is the path of a checkpoint (a run
+    directory, its checkpoints/ or one checkpoints/step_* directory), from which a new run
+    starts."""
 
     resume_new_callbacks: bool = False
     """Resume a checkpoint that holds no state for some of this run's callbacks, such as a bf16
@@ -214,10 +223,15 @@ class TrainerConfig:
             ("pipeline", PIPELINES),
             ("device", DEVICES),
             ("dense_dtype", DENSE_DTYPES),
-            ("resume", RESUME_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"trainer.{name}={getattr(self, name)!r}: choose one of {allowed}")
+        if not isinstance(self.resume, str) or not self.resume.strip():
+            raise ValueError(
+                f"trainer.resume={self.resume!r}: choose one of {RESUME_MODES} or the path of a checkpoint"
+            )
+        if self.keep_runs < 0:
+            raise ValueError(f"trainer.keep_runs={self.keep_runs} must be >= 0 (0 keeps every run)")
         if not isinstance(self.resume_new_callbacks, bool):
             raise ValueError(f"trainer.resume_new_callbacks must be a bool, got {self.resume_new_callbacks!r}")
         if not isinstance(self.compile_dense, bool):

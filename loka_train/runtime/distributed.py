@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -13,6 +15,8 @@ import torch.distributed as dist
 from loka_train.runtime.checkpoint import CheckpointError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -91,3 +95,25 @@ def raise_on_all_ranks(error: Exception | None, *, world_size: int, device: torc
     rank, (kind, message) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
     cls = CheckpointError if kind == CheckpointError.__name__ else ValueError
     raise cls(f"rank {rank} failed: {message}")
+
+
+def on_rank_zero(fn: Callable[[], T], *, rank: int, world_size: int, device: torch.device) -> T:
+    """Collective: run `fn` on rank 0 alone and hand its result to every rank; when it raises,
+    every rank raises (:func:`raise_on_all_ranks`). For work on shared files that one process
+    must do (decide and create a run directory). `device` as in :func:`raise_on_all_ranks`.
+
+    Example:
+        >>> run_dir = on_rank_zero(lambda: runs.open(start), rank=rank, world_size=2,
+        ...                        device=torch.device("cpu"))
+    """
+    result: list[T | None] = [None]
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            result[0] = fn()
+        except Exception as exc:  # raised below on every rank
+            error = exc
+    raise_on_all_ranks(error, world_size=world_size, device=device)
+    if world_size > 1:
+        dist.broadcast_object_list(result, src=0, device=device)
+    return result[0]  # type: ignore[return-value]

@@ -1,5 +1,6 @@
-"""What the Trainer checks and prepares before it trains: settings against the resolved device,
-data that cannot last the run (errors that name the fix), an earlier run's checkpoints.
+"""What the Trainer checks before it trains or writes anything: settings against the resolved
+device, data that cannot last the run, a checkpoint that cannot continue into it (errors that
+name the fix).
 
 Example:
     >>> check_cuda_graphs(trainer_cfg, torch.device("cpu"))               # raises ValueError
@@ -9,20 +10,20 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torchrec.datasets.utils import Batch
 
 from loka_train.data import DataConfig
-from loka_train.runtime._paths import set_aside
-from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager
+from loka_train.runtime.checkpoint import CheckpointError
 from loka_train.runtime.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FiniteData", "check_cuda_graphs", "check_eval_data", "check_resumable", "set_aside_earlier_checkpoints", "short_data_error"]
+__all__ = ["FiniteData", "check_cuda_graphs", "check_eval_data", "check_resumable", "short_data_error"]
 
 
 def check_cuda_graphs(cfg: TrainerConfig, device: torch.device) -> None:
@@ -33,24 +34,6 @@ def check_cuda_graphs(cfg: TrainerConfig, device: torch.device) -> None:
             f"trainer.cuda_graphs=true needs a CUDA device, this run is on {device}: "
             "set trainer.cuda_graphs=false"
         )
-
-
-def set_aside_earlier_checkpoints(checkpoints: CheckpointManager, *, resume: str) -> None:
-    """``resume=never`` in an out_dir that holds an earlier run's checkpoints: move them to
-    ``checkpoints.before-<time>`` (logged), so this run neither mixes with nor prunes them and
-    nothing is lost. The main job can be run again in the same out_dir. Call it on one rank."""
-    if resume != "never":
-        return
-    root = checkpoints.root
-    found = checkpoints.existing()
-    if not found:
-        return
-    target = set_aside(root)
-    logger.warning(
-        "trainer.resume=never: %s held checkpoints of an earlier run (%s%s); moved them to %s "
-        "(delete it if unneeded; trainer.resume=auto continues a run instead)",
-        root, ", ".join(p.name for p in found[:4]), ", ..." if len(found) > 4 else "", target,
-    )
 
 
 @runtime_checkable
@@ -97,19 +80,34 @@ def check_eval_data(data: object, cfg: TrainerConfig, data_cfg: DataConfig, *, w
         ) from None
 
 
-def check_resumable(path: Path, cfg: TrainerConfig, *, batch_size: object, step: int) -> None:
-    """Raise a `CheckpointError` naming the fix when the checkpoint at `path` (written with
-    `batch_size`, at `step`) cannot continue into this run."""
-    if batch_size != cfg.batch_size:
+_RESUME_SETTINGS = {"model": "model", "sharding": "trainer.sharding", "batch_size": "trainer.batch_size"}
+"""Checkpoint meta that must match the run that resumes it, and the setting each one is."""
+
+
+def check_resumable(path: Path, cfg: TrainerConfig, *, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Raise a `CheckpointError` naming the checkpoint and the fix when checkpoint `path`
+    (its meta.json: `saved`) cannot continue into this run (`now`: this run's ``world_size``,
+    ``model``, ``sharding`` and ``batch_size``, where known; ``trainer.steps`` from `cfg`).
+
+    Example:
+        >>> check_resumable(path, cfg, saved=read_meta(path), now={"world_size": 2, "batch_size": 256})
+    """
+    fresh = "or start a new run with trainer.resume=never"
+    if "world_size" in now and saved.get("world_size") != now["world_size"]:
         raise CheckpointError(
-            f"checkpoint {path} used trainer.batch_size={batch_size}, this run "
-            f"{cfg.batch_size}: the data position would not match. Use the same batch "
-            "size or trainer.resume=never"
+            f"checkpoint {path} was written by {saved.get('world_size')} processes, this run has "
+            f"{now['world_size']}: resume it with {saved.get('world_size')} processes, {fresh}"
         )
-    if step > cfg.steps:
+    for key, setting in _RESUME_SETTINGS.items():
+        if key in now and saved.get(key) != now[key]:
+            raise CheckpointError(
+                f"checkpoint {path} was written with {setting}={saved.get(key)}, this run has "
+                f"{setting}={now[key]}: resume it with {setting}={saved.get(key)}, {fresh}"
+            )
+    step = saved.get("step")
+    if isinstance(step, int) and step > cfg.steps:
         raise CheckpointError(
             f"checkpoint {path} is at step {step}, past trainer.steps={cfg.steps}: "
             "this run has nothing to train and would report steps it did not run. Set "
-            f"trainer.steps to {step} or more to continue that run, or start fresh with "
-            "trainer.resume=never and another trainer.out_dir"
+            f"trainer.steps to {step} or more to continue that run, {fresh}"
         )

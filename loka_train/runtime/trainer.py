@@ -5,9 +5,9 @@ It is deliberately a thin, explicit loop around TorchRec's public pieces
 Adagrad on the tables, `TrainPipelineSparseDist`), with a `Callback` seam that the LoKA
 plugin uses. One code path serves CPU (gloo) and GPU (nccl). Its parts: `runtime.sharding`
 (sharder and plan), `runtime.compile` and `runtime.graphs` (compiled and CUDA-graphed dense
-modules), `runtime.preflight` (checks before training), `runtime.checkpoint`, and
-`runtime.train_model` (the model: built from a `ModelConfig`, or your own, and what your own
-must provide).
+modules), `runtime.preflight` (checks before training), `runtime.rundirs` (the run's
+directory), `runtime.checkpoint`, and `runtime.train_model` (the model: built from a
+`ModelConfig`, or your own, and what your own must provide).
 
 Shape legend: B batch (per rank), G global batch.
 """
@@ -37,7 +37,7 @@ from loka_train.data.prefetch import Prefetcher
 from loka_train.data.protocol import CachedBatches
 from loka_train.models import init_embedding_tables
 from loka_train.runtime.callbacks import Callback, CallbackList
-from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into
+from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, read_meta, restore
 from loka_train.runtime.compile import (
     FrameSkips,
     allow_recompiles,
@@ -45,7 +45,12 @@ from loka_train.runtime.compile import (
     compile_options,
 )
 from loka_train.runtime.config import TrainerConfig
-from loka_train.runtime.distributed import DistInfo, init_distributed, raise_on_all_ranks
+from loka_train.runtime.distributed import (
+    DistInfo,
+    init_distributed,
+    on_rank_zero,
+    raise_on_all_ranks,
+)
 from loka_train.runtime.eager import EagerSteps
 from loka_train.runtime.graphs import (
     DENSE_SUBMODULES,
@@ -58,9 +63,9 @@ from loka_train.runtime.preflight import (
     check_cuda_graphs,
     check_eval_data,
     check_resumable,
-    set_aside_earlier_checkpoints,
     short_data_error,
 )
+from loka_train.runtime.rundirs import RunDirs, RunStart
 from loka_train.runtime.sharding import make_sharder, make_sharding_plan
 from loka_train.runtime.train_model import ModelSpec, check_train_output, prepare_model
 
@@ -111,6 +116,12 @@ class Trainer:
         ...         trainer=TrainerConfig(steps=50), callbacks=[LokaCallback(LokaConfig.preset("safe"))])
     """
 
+    out_dir: Path
+    """This run's directory (``<trainer.out_dir>/<time>``, `runtime.rundirs`), set by `fit` once
+    the run's checks passed; every file of the run goes there."""
+    metrics: MetricsLogger
+    """The run's metrics (rank 0 writes them), set with `out_dir`."""
+
     def __init__(
         self,
         *,
@@ -152,7 +163,8 @@ class Trainer:
             )
         self.pins_memory = self.device.type == "cuda" if trainer.pin_memory is None else trainer.pin_memory
         """The train batches are pinned before the step (``trainer.pin_memory``)."""
-        self.out_dir = Path(trainer.out_dir)
+        self.runs = RunDirs(trainer.out_dir, keep=trainer.keep_runs)
+        """The run directories under ``trainer.out_dir``."""
 
         self.train_data = make_dataset(
             data, split="train", rank=self.rank, world_size=self.world_size,
@@ -173,17 +185,7 @@ class Trainer:
         self.data_parallel_wrapper: Any = None
         self.sharding_plan: ShardingPlan | None = None
         self.optimizer: CombinedOptimizer | None = None
-        self._checkpoints = CheckpointManager(
-            self.out_dir / "checkpoints",
-            rank=self.rank,
-            world_size=self.world_size,
-            keep=trainer.keep_checkpoints,
-        )
-        self.metrics = MetricsLogger(
-            self.out_dir if self.rank == 0 else None,
-            tensorboard=trainer.tensorboard,
-        )  # fit() calls start_at once the resume step is known
-        self.fallbacks.extend(self.metrics.fallbacks)
+        self._checkpoints: CheckpointManager | None = None
 
     # ----------------------------------------------------------------------------- set-up
     def _shard(self) -> None:
@@ -284,25 +286,42 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Save the whole run state at the current step (collective)."""
+        assert self._checkpoints is not None, "fit() opens the run directory first"
         return self._checkpoints.save(self.step, self.state_dict(), self._meta())
 
-    def _preflight(self) -> None:
-        """Refuse, before anything is trained or written, a run that cannot go as configured.
+    def _preflight(self) -> RunStart:
+        """Refuse, before anything is trained or written, a run that cannot go as configured:
+        the data (on every rank, agreed), then (rank 0) the checkpoint it would resume. Returns
+        where the run writes and what it resumes; nothing on disk has changed yet."""
+        error: Exception | None = None
+        try:
+            self._check_data_length()
+        except Exception as exc:  # raised below on every rank
+            error = exc
+        raise_on_all_ranks(error, world_size=self.world_size, device=self._coll_device)
+        return on_rank_zero(self._plan_run, rank=self.rank, world_size=self.world_size, device=self._coll_device)
 
-        The data is checked (on every rank, agreed) before an earlier run's checkpoints are
-        moved aside, so a refused run leaves the out_dir as it found it."""
-        for step in (self._check_data_length, self._set_aside_earlier_checkpoints):
-            error: Exception | None = None
-            try:
-                step()
-            except Exception as exc:  # raised below on every rank
-                error = exc
-            raise_on_all_ranks(error, world_size=self.world_size, device=self._coll_device)
+    def _plan_run(self) -> RunStart:
+        start = self.runs.plan(self.cfg.resume)
+        if start.checkpoint is not None:
+            now = {**self._meta(), "world_size": self.world_size}
+            check_resumable(start.checkpoint, self.cfg, saved=read_meta(start.checkpoint), now=now)
+        return start
 
-    def _set_aside_earlier_checkpoints(self) -> None:
-        """``resume=never``: an earlier run's checkpoints are moved aside (rank 0)."""
+    def _open_run(self, start: RunStart) -> None:
+        """Create (or, continuing a run, reuse) the run directory on rank 0 and open its
+        checkpoints and metrics on every rank."""
+        self.out_dir = on_rank_zero(
+            lambda: self.runs.open(start), rank=self.rank, world_size=self.world_size, device=self._coll_device
+        )
         if self.rank == 0:
-            set_aside_earlier_checkpoints(self._checkpoints, resume=self.cfg.resume)
+            how = "continues that run" if start.run_dir is not None else "new"
+            logger.info("run directory %s (%s; %s points at it)", self.out_dir, how, self.runs.root / "latest")
+        self._checkpoints = CheckpointManager(
+            self.out_dir / "checkpoints", rank=self.rank, world_size=self.world_size, keep=self.cfg.keep_checkpoints,
+        )
+        self.metrics = MetricsLogger(self.out_dir if self.rank == 0 else None, tensorboard=self.cfg.tensorboard)
+        self.fallbacks.extend(self.metrics.fallbacks)
 
     def _check_data_length(self) -> None:
         """Finite eval data must hold `trainer.eval_batches` batches: checked before training
@@ -320,44 +339,30 @@ class Trainer:
             source_key="data.path", source=self.data_cfg.path,
         )
 
-    def _maybe_resume(self) -> int:
-        if self.cfg.resume == "never":
-            return 0
-        path = self._checkpoints.latest()
+    def _maybe_resume(self, path: Path | None) -> int:
+        """Restore checkpoint `path` (checked by `_plan_run`) into the sharded run; returns its step."""
         if path is None:
-            if self.cfg.resume == "must":
-                raise CheckpointError(
-                    f"trainer.resume=must but there is no checkpoint under {self._checkpoints.root}"
-                )
             return 0
-        saved, meta = self._checkpoints.load(path)
+        assert self._checkpoints is not None and self.optimizer is not None
+        saved, _ = self._checkpoints.load(path)
         error: CheckpointError | None = None
-        step = -1
+        fresh: list[str] = []
         try:
-            step = int(saved["step"])
-            check_resumable(path, self.cfg, batch_size=meta.get("batch_size"), step=step)
-            assert self.optimizer is not None
-            copy_into(self.model.state_dict(), saved["model"], "model")
-            live_opt = self.optimizer.state_dict()
-            copy_into(live_opt["state"], saved["optimizer"]["state"], "optimizer.state")
-            self.optimizer.load_state_dict(live_opt)
-            fresh = self.callbacks.load_state_dict(
-                saved["callbacks"], allow_missing=self.cfg.resume_new_callbacks
-            )
-            if fresh:
-                logger.warning(
-                    "resumed %s without state for callbacks %s (trainer.resume_new_callbacks): "
-                    "they start fresh at step %d", path, fresh, step,
-                )
-            torch.set_rng_state(saved["rng"]["torch"])
-            if "cuda" in saved["rng"] and self.device.type == "cuda":
-                torch.cuda.set_rng_state(saved["rng"]["cuda"], self.device)
+            fresh = restore(saved, model=self.model, optimizer=self.optimizer, callbacks=self.callbacks,
+                            device=self.device, allow_new_callbacks=self.cfg.resume_new_callbacks)
         except CheckpointError as exc:
-            error = exc
+            error = CheckpointError(
+                f"cannot resume from {path}: {exc}: resume it with the settings that wrote it "
+                f"({path / 'meta.json'}), or start a new run with trainer.resume=never"
+            )
         except Exception as exc:  # any failure, so no rank waits alone in the agreement below
             error = CheckpointError(f"cannot restore {path}: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
         raise_on_all_ranks(error, world_size=self.world_size, device=self._coll_device)
+        step = int(saved["step"])
+        if fresh:
+            logger.warning("resumed %s without state for callbacks %s (trainer.resume_new_callbacks): "
+                           "they start fresh at step %d", path, fresh, step)
         logger.info("resumed from %s at step %d", path, step)
         return step
 
@@ -367,6 +372,9 @@ class Trainer:
         self.callbacks.call("on_eval_start", self, self.step - 1)
         metrics = self._eval_with(pipeline)
         self.callbacks.call("on_eval_end", self, self.step - 1, metrics)
+        if self.rank == 0:
+            logger.info("step %d: eval NE %.4f, AUC %.4f (%d samples)", self.step, metrics["eval/ne"],
+                        metrics["eval/auc"], metrics["eval/samples"])
         return metrics
 
     def _clock(self) -> float:
@@ -444,9 +452,10 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Run the training loop to `trainer.steps`; returns the run summary."""
-        self._preflight()
+        plan = self._preflight()
+        self._open_run(plan)
         self._shard()
-        start = self._maybe_resume()
+        start = self._maybe_resume(plan.checkpoint)
         self.metrics.start_at(start)
         self.step = start
         self.callbacks.call("on_train_start", self)

@@ -4,4 +4,5 @@ Modules:
     capture: ``reset_capture_state`` (after a failed CUDA graph capture).
     profiling: ``profiled`` (profiler ranges that cost nothing when no profiler runs).
     names: ``strip_wrapper_prefixes`` (module names without DMP / DDP wrapper prefixes).
+    config_keys: ``unknown_key_message`` (a misspelled setting and the nearest valid ones).
 """

@@ -55,8 +55,8 @@ def test_ranks_apply_identical_plans(tmp_path: Path) -> None:
     assert r0["history"] == r1["history"]
     # Meaningful only if Dispatch actually moved GEMMs to FP8 on both ranks.
     assert num_fp8(r0["plans"][-1][1]) > 0
-    assert (tmp_path / "loka" / "loka_report.md").exists()
-    assert (tmp_path / "loka" / "sqnr_margin.png").exists()
+    assert (tmp_path / "latest" / "loka" / "loka_report.md").exists()
+    assert (tmp_path / "latest" / "loka" / "sqnr_margin.png").exists()
 
 
 def test_resume_makes_same_decisions(tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def test_own_dlrm_trains_with_loka(world_size: int, tmp_path: Path) -> None:
     # Emulated FP8 on CPU under the coverage objective: some GEMMs moved to FP8, alike on all ranks.
     assert summary["loka/fp8_coverage"] > 0
     assert {r["summary"]["loka/fp8_coverage"] for r in results} == {summary["loka/fp8_coverage"]}
-    assert (tmp_path / "loka" / "loka_report.json").exists()
+    assert (tmp_path / "latest" / "loka" / "loka_report.json").exists()
     # Wrapped in DMP (hence DDP), the dense-gradient hook is installed: no fallback for it.
     assert not [f for f in summary["fallbacks"] if "dense-gradient hook" in f]
 
@@ -145,7 +145,7 @@ def test_the_user_guide_example(tmp_path: Path) -> None:
     """The snippet of the user guide, as written there."""
     (summary,) = run_multiprocess(_user_guide, world_size=1, args=(str(tmp_path),))
     assert summary["loka/fp8_coverage"] > 0
-    assert (tmp_path / "loka" / "loka_report.md").exists()
+    assert (tmp_path / "latest" / "loka" / "loka_report.md").exists()
 
 
 def _user_guide(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:

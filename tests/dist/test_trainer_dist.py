@@ -1,7 +1,8 @@
 """The sharded DLRM on 2 gloo ranks trains like the unsharded model in 1 process, and a
-killed run resumed from its checkpoint ends where an uninterrupted one does. A run that
-cannot go as configured (earlier checkpoints with resume=never, a checkpoint past
-trainer.steps, too little data) is refused before it trains, on every rank."""
+killed run resumed from its checkpoint ends where an uninterrupted one does. Every fresh run
+writes into a new run directory; a run that cannot go as configured (a checkpoint past
+trainer.steps, too little data) is refused before it trains or changes anything on disk, on
+every rank."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from loka_train.data import DataConfig
 from loka_train.runtime import Callback
-from loka_train.runtime.checkpoint import CheckpointError
+from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager
 from loka_train.runtime.trainer import Trainer
 from tests.dist._multiprocess import run_multiprocess
 from tests.dist._tiny import LossRecorder, dense_params, tiny_data, tiny_model, tiny_trainer
@@ -233,17 +234,17 @@ def _finish_run(rank: int, world_size: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The out_dir of a finished 6-step run with its checkpoint (step 6)."""
+    """The runs root (trainer.out_dir) of a finished 6-step run with its checkpoint (step 6)."""
     out = tmp_path_factory.mktemp("finished")
     run_multiprocess(_finish_run, world_size=1, args=(str(out),))
     return out
 
 
-def _refused(out: Path, **overrides: Any) -> str:
+def _refused(out: Path, model: str = "dlrm", **overrides: Any) -> str:
     """fit() of a tiny run must raise CheckpointError before any step; returns the message."""
     recorder = LossRecorder()
     trainer = Trainer(
-        model=tiny_model(), data=tiny_data(), trainer=tiny_trainer(out, **overrides),
+        model=tiny_model(model), data=tiny_data(), trainer=tiny_trainer(out, **overrides),
         callbacks=[recorder],
     )
     with pytest.raises(CheckpointError) as info:
@@ -262,18 +263,21 @@ def _rerun_fresh(rank: int, world_size: int, out: str) -> list[float]:
     return recorder.losses
 
 
-def test_resume_never_sets_an_earlier_runs_checkpoints_aside(finished_run: Path, tmp_path: Path) -> None:
-    """A fresh run in an out_dir with checkpoints trains from step 0, writes its own, and keeps
-    the earlier ones intact in checkpoints.before-<time> (neither mixed, pruned nor lost)."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+def test_a_fresh_run_writes_a_new_run_directory(finished_run: Path, tmp_path: Path) -> None:
+    """A fresh run (resume=never) beside a finished one trains from step 0 in a new directory
+    that `latest` then names; the earlier run is left as it was (neither mixed, pruned nor
+    moved)."""
+    out = tmp_path / "runs"
+    shutil.copytree(finished_run, out, symlinks=True)
+    [earlier] = [p for p in out.iterdir() if p.name != "latest"]
+    before = sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*"))
     [losses] = run_multiprocess(_rerun_fresh, world_size=1, args=(str(out),), timeout=120)
     assert len(losses) == 6  # all 6 steps trained, none resumed
-    [aside] = list(out.glob("checkpoints.before-*"))
-    assert sorted(p.name for p in aside.iterdir()) == before
-    assert (aside / "latest").read_text() == "step_00000006"
-    assert (out / "checkpoints" / "latest").read_text() == "step_00000006"  # this run's own
+    assert sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*")) == before
+    new = (out / "latest").resolve()
+    assert new.parent == out.resolve() and new.name != earlier.name
+    assert (new / "checkpoints" / "latest").read_text() == "step_00000006"  # this run's own
+    assert not list(out.glob("*.before-*")) and not list(earlier.glob("*.before-*"))
 
 
 def _resume_past_steps(rank: int, world_size: int, out: str) -> str:
@@ -282,10 +286,53 @@ def _resume_past_steps(rank: int, world_size: int, out: str) -> str:
 
 def test_checkpoint_past_trainer_steps_is_refused(finished_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
+    shutil.copytree(finished_run, out, symlinks=True)
     [message] = run_multiprocess(_resume_past_steps, world_size=1, args=(str(out),), timeout=60)
-    assert "at step 6, past trainer.steps=3" in message
-    assert "trainer.resume=never" in message
+    [run] = [p for p in out.iterdir() if p.name != "latest"]
+    assert f"checkpoint {run / 'checkpoints' / 'step_00000006'} is at step 6" in message, message
+    assert "past trainer.steps=3" in message and "trainer.resume=never" in message
+
+
+def _resume_cases(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    runs = Path(out)
+    found: dict[str, Any] = {
+        "sharding": _refused(runs, resume="auto", steps=8, sharding="table_wise"),
+        "model": _refused(runs, "dcn", resume="auto", steps=8),
+    }
+    wider = tiny_model()
+    wider.over_arch_layer_sizes = [32, 1]  # a shape the checkpoint's meta does not record
+    recorder = LossRecorder()
+    trainer = Trainer(model=wider, data=tiny_data(), trainer=tiny_trainer(runs, resume="auto", steps=8),
+                      callbacks=[recorder])
+    with pytest.raises(CheckpointError) as info:
+        trainer.fit()
+    found["shape"] = str(info.value)
+    found["untouched"] = sorted(p.name for p in runs.iterdir())
+    [source] = [p for p in runs.iterdir() if p.name != "latest"]
+    recorder = LossRecorder()
+    trainer = Trainer(model=tiny_model(), data=tiny_data(),
+                      trainer=tiny_trainer(runs, resume=str(source), steps=8), callbacks=[recorder])
+    trainer.fit()
+    found["from_path"] = (len(recorder.losses), trainer.out_dir != source, (runs / "latest").resolve() == trainer.out_dir.resolve())
+    return found
+
+
+def test_a_resume_mismatch_names_the_checkpoint_and_the_fix(finished_run: Path, tmp_path: Path) -> None:
+    """The checkpoint's meta is checked before anything changes on disk; a state that does not
+    fit the model names the checkpoint too; resume=<path> starts a new run from it."""
+    out = tmp_path / "runs"
+    shutil.copytree(finished_run, out, symlinks=True)
+    [run] = [p for p in out.iterdir() if p.name != "latest"]
+    checkpoint = run / "checkpoints" / "step_00000006"
+    [found] = run_multiprocess(_resume_cases, world_size=1, args=(str(out),), timeout=120)
+    for case in ("sharding", "model", "shape"):
+        assert str(checkpoint) in found[case] and "trainer.resume=never" in found[case], found[case]
+    assert "written with trainer.sharding=auto, this run has trainer.sharding=table_wise" in found["sharding"]
+    assert "resume it with trainer.sharding=auto" in found["sharding"]
+    assert "written with model=dlrm, this run has model=dcn: resume it with model=dlrm" in found["model"]
+    assert f"cannot resume from {checkpoint}" in found["shape"] and "shape" in found["shape"]
+    assert found["untouched"] == sorted([run.name, "latest"]), "a refused resume changed the runs"
+    assert found["from_path"] == (2, True, True)  # steps 7 and 8, in a new run that latest names
 
 
 def _write_criteo(path: Path, num_lines: int, seed: int) -> None:
@@ -322,9 +369,10 @@ def _short_data(rank: int, world_size: int, out: str) -> dict[str, str]:
             num_embeddings=100,
         )
         recorder = LossRecorder()
-        # An earlier run's checkpoint in the out_dir: a refused run must leave it in place.
-        earlier = root / "run" / "checkpoints" / "step_00000001"
+        # An earlier run in the out_dir, the latest: a refused run must leave the runs as they are.
+        earlier = root / "run" / "20260101-000000" / "checkpoints" / "step_00000001"
         earlier.mkdir(parents=True)
+        (root / "run" / "latest").symlink_to("20260101-000000")
         trainer = Trainer(
             model=tiny_model(), data=data,
             trainer=tiny_trainer(root / "run", batch_size=16, steps=steps, eval_batches=eval_batches),
@@ -343,7 +391,9 @@ def _short_data(rank: int, world_size: int, out: str) -> dict[str, str]:
             assert len(recorder.losses) == 5, recorder.losses
         else:  # eval data is small: checked before any step, and before anything is moved
             assert recorder.losses == [], f"{name}: the run trained before it was refused"
-            assert earlier.is_dir() and not list((root / "run").glob("checkpoints.before-*")), name
+            assert earlier.is_dir(), name
+            assert sorted(p.name for p in (root / "run").iterdir()) == ["20260101-000000", "latest"], name
+            assert (root / "run" / "latest").resolve().name == "20260101-000000", name
         messages[name] = str(info.value)
     return messages
 
@@ -381,17 +431,17 @@ def _timed_run(rank: int, world_size: int, out: str) -> tuple[dict[str, Any], li
         trainer=tiny_trainer(Path(out), steps=6, eval_every=1, checkpoint_every=1),
         callbacks=[_SlowEvalLateFallback()],
     )
-    save = trainer._checkpoints.save
+    save = CheckpointManager.save
 
-    def slow_save(step: int, *args: Any) -> Path:
-        path = save(step, *args)
+    def slow_save(self: CheckpointManager, step: int, *args: Any) -> Path:
+        path = save(self, step, *args)
         if step >= 3:
             time.sleep(_PAUSE_S)
         return path
 
-    trainer._checkpoints.save = slow_save  # type: ignore[method-assign]
+    CheckpointManager.save = slow_save  # type: ignore[method-assign]  # this forked process only
     summary = trainer.fit()
-    logged = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (trainer.out_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, logged
 
 
@@ -415,7 +465,7 @@ def test_steps_per_s_excludes_eval_and_checkpoint_time(timed_run: tuple) -> None
 def test_fallbacks_from_on_train_end_reach_the_summary(timed_run: tuple) -> None:
     summary, _, out = timed_run
     assert "late fallback recorded in on_train_end" in summary["fallbacks"]
-    written = json.loads((out / "summary.json").read_text())
+    written = json.loads((out / "latest" / "summary.json").read_text())
     assert "late fallback recorded in on_train_end" in written["fallbacks"]
 
 

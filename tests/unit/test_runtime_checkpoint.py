@@ -102,7 +102,7 @@ def test_rerun_stopping_at_a_lower_step_keeps_what_it_saved(tmp_path: Path) -> N
     assert torch.equal(state["w"], torch.full((1,), 150.0))
     names = sorted(p.name for p in tmp_path.glob("step_*"))
     # keep=2 of this run's steps below 150: step 100 stays, step 50 goes; higher steps are
-    # not pruned (the Trainer refuses such a mixed directory before training, resume=never).
+    # not pruned (the Trainer starts every fresh run in a new directory, so none mixes runs).
     assert names == ["step_00000100", "step_00000150", "step_00000200", "step_00000300"]
 
 
@@ -115,40 +115,44 @@ def test_existing_lists_step_dirs_and_latest(tmp_path: Path) -> None:
     assert [p.name for p in mgr.existing()] == ["latest", "step_00000007"]
 
 
-def test_fresh_metrics_log_sets_the_earlier_runs_lines_aside(tmp_path) -> None:
+def test_a_fresh_metrics_log_starts_empty(tmp_path) -> None:
     import json
 
     from loka_train.runtime.metrics import MetricsLogger
 
-    first = MetricsLogger(tmp_path, tensorboard=False)
-    first.log(1, {"train/loss": 0.5})
-    first.close()
-    resumed = MetricsLogger(tmp_path, tensorboard=False)  # a resumed run appends
-    resumed.log(2, {"train/loss": 0.4})
-    resumed.close()
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [1, 2]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 0.5}) + "\n")
     fresh = MetricsLogger(tmp_path, tensorboard=False)
     fresh.start_at(0)  # a run from step 0
     fresh.log(1, {"train/loss": 0.7})
     fresh.close()
     assert [json.loads(line)["train/loss"] for line in (tmp_path / "metrics.jsonl").open()] == [0.7]
-    [aside] = list(tmp_path.glob("metrics.before-*.jsonl"))
-    assert [json.loads(line)["step"] for line in aside.open()] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # nothing set aside
+    other_rank = MetricsLogger(None, tensorboard=True)
+    other_rank.start_at(0)
+    other_rank.log(1, {"train/loss": 0.1})
+    other_rank.close()
 
 
-def test_fresh_metrics_logs_in_the_same_second_keep_every_earlier_file(tmp_path) -> None:
-    import json
+def test_a_resumed_run_purges_tensorboard_events_past_its_checkpoint(tmp_path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from loka_train.runtime.metrics import MetricsLogger
 
-    for run in range(3):  # well within one second: the set-aside names would collide
-        logger = MetricsLogger(tmp_path, tensorboard=False)
-        logger.start_at(0)
-        logger.log(run, {"train/loss": float(run)})
-        logger.close()
-    kept = sorted(json.loads(p.read_text())["step"] for p in tmp_path.glob("metrics.before-*.jsonl"))
-    assert kept == [0, 1]
-    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 2
+    first = MetricsLogger(tmp_path, tensorboard=True)
+    first.start_at(0)
+    for step in range(1, 6):
+        first.log(step, {"train/loss": 1.0})
+    first.close()
+    resumed = MetricsLogger(tmp_path, tensorboard=True)
+    resumed.start_at(3)
+    for step in range(4, 7):
+        resumed.log(step, {"train/loss": 0.5})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert logged == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 0.5), (5, 0.5), (6, 0.5)]
 
 
 def test_a_resumed_metrics_log_survives_a_half_written_last_line(tmp_path) -> None:
@@ -171,7 +175,7 @@ def test_a_resumed_metrics_log_survives_a_half_written_last_line(tmp_path) -> No
 
 def test_a_resumed_metrics_log_keeps_each_step_once(tmp_path) -> None:
     """Interrupted at step 5 with a checkpoint at step 3: the resumed run redoes steps 4-5, so
-    their old lines go; from scratch (step 0) the whole earlier file is moved aside."""
+    their old lines go; from scratch (step 0) the file starts empty."""
     import json
 
     from loka_train.runtime.metrics import MetricsLogger
@@ -192,4 +196,3 @@ def test_a_resumed_metrics_log_keeps_each_step_once(tmp_path) -> None:
     again.start_at(0)
     again.close()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
-    assert len(list(tmp_path.glob("metrics.before-*.jsonl"))) == 1
