@@ -13,6 +13,7 @@ from loka_train.dispatch.planning import Target, joint_targets, reused_operands,
 from loka_train.dispatch.timing import GemmTimer, GpuCostModel, parse_timing_key, timing_key
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan
+from tests.unit.test_dispatch import _AllSafe
 
 TW = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated")
 RW = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
@@ -137,18 +138,6 @@ def test_the_timer_leaves_reused_operands_quantization_out(monkeypatch) -> None:
     cm = GpuCostModel()
     full = cm.fp8(4096, 4096, 4096, "tensorwise", "torch_scaled_mm")
     assert cm.fp8(4096, 4096, 4096, "tensorwise", "torch_scaled_mm", quant_a=False, quant_b=False) < full
-
-
-class _AllSafe(dict):
-    class _V:
-        safe, reason, sqnr_lo_db, budget_db = True, "safe", 40.0, 20.0
-
-        def __init__(self, fmt_b: Fp8Format) -> None:
-            self.fmt_b = fmt_b
-
-    def get(self, key, default=None):  # type: ignore[no-untyped-def, override]
-        _, role, fmt, _ = key
-        return self._V(fmt if role == "forward" else Fp8Format.E4M3)
 
 
 def test_dispatcher_plans_a_site_jointly_under_the_speed_objective(monkeypatch) -> None:
