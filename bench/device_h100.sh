@@ -3,12 +3,11 @@
 # benchmarks, each under its own time limit so that one slow part cannot eat the rest.
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
-# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin fix trace
-# next_a next_b ne_pairs ne_decay next_c dlrm_torchao.
+# PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin frame_skip
+# trace vs_torchao probe_steps ne_pairs ne_decay wukong_rowwise dlrm_torchao fp8_pays ledger_shapes comm_codec.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor`. One 600 s call each for: `tests`, `e2e` with
-# E2E_CONFIGS of one or two configs (2026-11-23: wukong+dcn, 5 variants, 40 timed steps took
-# 231 s). bench.e2e's defaults are now 100 timed steps and NE after 2000 steps on 32 eval batches;
+# E2E_CONFIGS of one or two configs (wukong+dcn, 5 variants, 40 timed steps: ~230 s). bench.e2e's defaults are now 100 timed steps and NE after 2000 steps on 32 eval batches;
 # the parts below pin NE after 200 steps on 8 batches (E2E_NE) where their time limits assume it,
 # except ne_floor. One call for `dispatch mods`, `gemm_a`,
 # `gemm_bc` (gemm_bc appends to gemm_a's report, so run them on the same warm machine).
@@ -37,7 +36,7 @@ nvidia-smi --query-gpu=$q --format=csv -l 1 > "$w/smi.csv" 2>&1 &
 smi=$!
 trap 'kill $smi 2> /dev/null' EXIT
 if has tests; then
-  # One fixed Triton GEMM config: the suite did not finish in 190 s on 2026-11-23, and tuning
+  # One fixed Triton GEMM config: with autotuning the suite did not finish in 190 s, and tuning
   # each test shape (~9 compiles) is the likely cost (not yet measured: see --durations).
   (LOKA_TRITON_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python -m pytest tests/gpu -m "not multigpu" -q \
       -p no:cacheprovider -rfs --durations=15; echo "rc=$?") \
@@ -102,7 +101,7 @@ if has ne_floor; then
   save
 fi
 # Speed in rotated rounds (the order confounds single runs: step times drift 30-50% within one
-# process, 2026-11-24): 3 rounds of bf16, its compiled + graphed form, torchao tensor-wise and
+# process on an H100): 3 rounds of bf16, its compiled + graphed form, torchao tensor-wise and
 # LoKA safe; NE only after the 120 timed steps (the NE protocol is ne_floor's). One config a call;
 # E2E_BATCHES picks the batch (default 8192).
 ROTATED_VARIANTS=${ROTATED_VARIANTS:-bf16,bf16+compile+graphs,torchao_tensorwise+graphs,loka_safe+compile+graphs}
@@ -132,10 +131,10 @@ if has pin; then
       --out $w/e2e_pin; echo "rc=$?") > $w/e2e_pin.txt 2>&1
   save
 fi
-# To check a fix of the layer-loop frame skip (bench/results/e2e_rotated_batches_h100_2026-11-24b): the graphs and pinning GPU tests, then LoKA safe against bf16, both compiled and
-# graphed, at batch 32768 where Dispatch picks FP8 (DCN: 23 ms against 14 ms with the skip).
-# FIX_VARIANTS adds variants (2026-11-25: torchao tensor-wise, the fastest competitor at 32768).
-if has fix; then
+# The layer-loop frame skip (bench/results/e2e_rotated_batches_h100_2026-11-24b): the graphs and
+# pinning GPU tests, then LoKA safe against bf16, both compiled and graphed, at batch 32768 where
+# Dispatch picks FP8 (DCN: 23 ms against 14 ms with the skip). FIX_VARIANTS adds variants.
+if has frame_skip; then
   (LOKA_TRITON_AUTOTUNE=0 timeout ${FIX_TESTS_TIMEOUT:-120} python -m pytest \
       ${FIX_TESTS:-tests/gpu/test_opaque_gpu.py tests/gpu/test_graphs_gpu.py tests/gpu/test_data_gpu.py} \
       -q -p no:cacheprovider -rfs; echo "rc=$?") > $w/fix_tests.txt 2>&1
@@ -162,15 +161,15 @@ if has trace; then
   done
   save
 fi
-# The next session's speed runs, LoKA first in every list (on 2026-11-25 three parts hit their
-# limits before LoKA ran). Each piece has its own limit and saves when it ends. Timings from
-# 2026-11-25 (H100): Wukong at 32768 takes ~8 s of data, then per variant LoKA ~100 s (decision
-# run included), bf16 12, bf16+c+g 50, torchao 75-80 s; DLRM at 32768 ~120 s for all five.
-#   next_a: Wukong, then DLRM, at 32768 against both torchao recipes (~450 s, one call)
-#   next_b: the Probe's sampled steps over 400 timed steps of DCN at 32768 (prime_all_sites),
-#           then DCN at 8192 in 2 rotated rounds against bf16 (~380 s, one call)
+# Speed runs, LoKA first in every list (a part that hits its limit then still has LoKA). Each
+# piece has its own limit and saves when it ends. H100 timings: Wukong at 32768 takes ~8 s of
+# data, then per variant LoKA ~100 s (decision run included), bf16 12, bf16+c+g 50, torchao
+# 75-80 s; DLRM at 32768 ~120 s for all five.
+#   vs_torchao: Wukong, then DLRM, at 32768 against both torchao recipes (~450 s, one call)
+#   probe_steps: the Probe's sampled steps over 400 timed steps of DCN at 32768, then DCN at
+#           8192 in 2 rotated rounds against bf16 (~380 s, one call)
 V=loka_safe+compile+graphs,bf16,bf16+compile+graphs,torchao_tensorwise+graphs,torchao_rowwise+graphs
-if has next_a; then
+if has vs_torchao; then
   for cfg in wukong dlrm; do
     (timeout $([ $cfg = wukong ] && echo 340 || echo 150) python -m bench.e2e --configs $cfg --ne-steps 0 \
         --batches 32768 --steps 50 --variants $V --profile-variants bf16+compile+graphs,loka_safe+compile+graphs \
@@ -178,7 +177,7 @@ if has next_a; then
     save
   done
 fi
-if has next_b; then
+if has probe_steps; then
   (timeout 170 python -m bench.e2e --configs dcn --ne-steps 0 --batches 32768 --steps 400 --no-profile \
       --variants loka_safe+compile+graphs,bf16+compile+graphs --out $w/e2e_next_probe; echo "rc=$?") \
       > $w/e2e_next_probe.txt 2>&1
@@ -209,9 +208,9 @@ if has ne_decay; then
       --out $w/e2e_ne_decay; echo "rc=$?") > $w/e2e_ne_decay.txt 2>&1
   save
 fi
-# Wukong at 32768 against torchao row-wise (next_a ran out of time before it), then where LoKA's
-# slow steps on DCN come from (--step-diag: host time and allocator calls of each slow step).
-if has next_c; then
+# Wukong at 32768 against torchao row-wise, then where LoKA's slow steps on DCN come from
+# (--step-diag: host time and allocator calls of each slow step).
+if has wukong_rowwise; then
   (timeout 300 python -m bench.e2e --configs wukong --ne-steps 0 --batches 32768 --steps 50 --no-profile \
       --variants loka_safe+compile+graphs,torchao_rowwise+graphs,bf16+compile+graphs \
       --out $w/e2e_next_wukong_rowwise; echo "rc=$?") > $w/e2e_next_wukong_rowwise.txt 2>&1
@@ -221,12 +220,33 @@ if has next_c; then
       > $w/e2e_step_diag.txt 2>&1
   save
 fi
-# DLRM at 32768 against both torchao recipes: 4 rotated rounds after a discarded warm run
-# (2026-11-25: every variant sped up over a host-bound process's first runs). ~2026-11-25 timings:
-# LoKA ~100 s for its first run (decision + compile), then ~20 s; torchao 5-20 s a run.
+# DLRM at 32768 against both torchao recipes: 4 rotated rounds after a discarded warm run (every
+# variant speeds up over a host-bound process's first runs). LoKA ~100 s for its first run
+# (decision + compile), then ~20 s; torchao 5-20 s a run.
 if has dlrm_torchao; then
   (timeout 500 python -m bench.e2e --configs dlrm --ne-steps 0 --batches 32768 --steps 50 --repeats 4 \
       --no-profile --warm-run --variants loka_safe+compile+graphs,torchao_rowwise+graphs,torchao_tensorwise+graphs,bf16+compile+graphs \
       --out $w/e2e_dlrm_torchao; echo "rc=$?") > $w/e2e_dlrm_torchao.txt 2>&1
+  save
+fi
+# Does FP8 pay against bf16 with the same settings? Each config at 32768, LoKA first, with the
+# per-GEMM ledger and peak memory in the report (~250-470 s for Wukong, one call per config).
+if has fp8_pays; then
+  for cfg in ${E2E_CONFIGS:-wukong}; do
+    (timeout ${E2E_TIMEOUT:-560} python -m bench.e2e --configs $cfg --batches ${E2E_BATCHES:-32768} --ne-steps 0 \
+        --steps 60 --no-profile --ledger \
+        --variants loka_aggressive+compile+graphs,loka_safe+compile+graphs,bf16+compile+graphs \
+        --out $w/e2e_fp8_pays_$cfg; echo "rc=$?") > $w/e2e_fp8_pays_$cfg.txt 2>&1
+    save
+  done
+fi
+# The ledger at named shapes (bench.ledger_shapes, ~110 s) and the comm codec per MB (~60 s).
+if has ledger_shapes; then
+  (timeout 300 python -m bench.ledger_shapes --out $w/ledger_shapes --batch ${LEDGER_BATCH:-32768} \
+      --backends torch_scaled_mm triton; echo "rc=$?") > $w/ledger_shapes.txt 2>&1
+  save
+fi
+if has comm_codec; then
+  (timeout 200 python -m bench.comm_codec --out $w/comm_codec; echo "rc=$?") > $w/comm_codec.txt 2>&1
   save
 fi

@@ -12,8 +12,8 @@ ops are linears and cross-layer combines. A graph break inside a loop over layer
 skip that whole forward (the log says "frame skipped"), and those ops then appear in no graph:
 ``bench/results/e2e_rotated_batches_h100_2026-11-24b/NOTES.md`` ("Found: compiled FP8 sites in a
 layer loop") has the H100 case.
-Since 2026-11-25 (the FP8 Functions as opaque custom ops, compiled code unobserved) the log
-shows no graph break and no skipped frame for any of the three models.
+With the FP8 Functions as opaque custom ops, and compiled code running only on steps the
+Probe does not sample, the log shows no graph break and no skipped frame for any of the three models.
 """
 
 from __future__ import annotations

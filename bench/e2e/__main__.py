@@ -9,7 +9,6 @@ if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Exit now: on the H100 the process stayed alive after its last line (both runs of
-    # 2026-11-23 sat idle until their time limit, likely a lingering non-daemon thread of
-    # torch.compile's workers), and device time is scarce. Everything is written by now.
+    # Exit now: on an H100 the process stayed alive after its last line (runs sat idle until
+    # their time limit, likely a lingering non-daemon thread of torch.compile's workers), and device time is scarce. Everything is written by now.
     os._exit(rc)

@@ -71,8 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-run", action="store_true",
                    help="before the first measured run, run the first variant once (20 timed steps, "
                         "from step 0) and keep it out of the results, so no variant pays for the "
-                        "process's first run (on the H100, host-bound DLRM ran slower in a process's "
-                        "first runs: 2026-11-25)")
+                        "process's first run (on an H100, host-bound DLRM ran slower in a process's "
+                        "first runs)")
     p.add_argument("--step-diag", action="store_true",
                    help="record per timed step its host time and the CUDA allocator's cudaMalloc / "
                         "cudaFree calls and retries (one memory_stats() call per step); the report lists "
@@ -111,8 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timing", choices=("sync", "events"), default=None,
                    help="events (default on CUDA): CUDA events at step ends, no host sync, so the host "
                         "runs ahead as in a real run and a step costs its GPU time unless the host is "
-                        "slower; sync (the only choice on the CPU; the default before 2026-11-23's fifth "
-                        "session): wall clock with torch.cuda.synchronize() at each step end, which "
+                        "slower; sync (the only choice on the CPU): wall clock with torch.cuda.synchronize() at each step end, which "
                         "serializes host and GPU work and overstates host-bound steps")
     args = p.parse_args(argv)
     if args.render is not None:
@@ -132,10 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = {
         "batches": "64" if dry else "8192",
         # 40 timed steps of one run could not resolve a few percent on an H100 (p10-p90 of bf16
-        # Wukong 16.9-23.9 ms on 2026-11-23); NE after 60 steps was still chaotic (Wukong NE
+        # Wukong 16.9-23.9 ms); NE after 60 steps was still chaotic (Wukong NE
         # moved 4% between bf16 and bf16+compile), and after 200 steps +-3.5% between identical
         # runs; after 2000 steps on 32 eval batches the same kernels stayed within about 1%
-        # (2026-11-24, SINGLE_RUN_NE_NOISE). 2000 cached batches of 8192 take ~7 GB of host memory.
+        # (SINGLE_RUN_NE_NOISE). 2000 cached batches of 8192 take ~7 GB of host memory.
         "warmup": 2 if dry else 20,
         "steps": 4 if dry else 100,
         "ne_steps": 0 if dry else 2000,

@@ -427,7 +427,7 @@ def run_order(variants: list[Variant], repeats: int) -> list[tuple[Variant, int]
     """(variant, round) in the order they run: round i runs every variant once, starting at
     variant ``i mod len(variants)`` (A B C, B C A, C A B, ...).
 
-    On the H100 (2026-11-24) the host-bound steps of one process drifted by 30-50% over minutes
+    On an H100 the host-bound steps of one process drifted by 30-50% over minutes
     (the same variant at 6.3 and 8.6 ms in two rounds, later variants slower within a round),
     so a fixed order within each round would charge that drift to the variants that come last.
     Every variant runs first equally often when ``repeats`` is a multiple of ``len(variants)``.

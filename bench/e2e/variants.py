@@ -298,8 +298,7 @@ def torchao_status() -> str | None:
 TORCHAO_ROWWISE_TRANSPOSED_INPUT = ("proj", "mix", "residual")
 """Leaf names of the Linears that take a transposed 3-D input (Wukong's FM projection, LCB and
 residual: ``Linear(x_BND.transpose(1, 2))``). torchao 0.17's row-wise recipe cannot compile
-them ("aten.clone.default with axiswise scaling is not supported yet", H100, 2026-11-23 and
-2026-11-24), so that recipe leaves them in bf16 and runs on every other Linear."""
+them ("aten.clone.default with axiswise scaling is not supported yet" on an H100), so that recipe leaves them in bf16 and runs on every other Linear."""
 
 
 def torchao_modules(model: nn.Module, recipe: str) -> tuple[list[str], dict[str, str]]:

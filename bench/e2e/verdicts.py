@@ -27,7 +27,7 @@ NE_TOLERANCE = 0.001
 SINGLE_RUN_NE_NOISE = 0.035
 """Relative eval-NE difference that one pair of runs cannot tell from noise (H100 figures):
 - after 200 steps, identical runs moved +-3.5%, and bf16 vs bf16+graphs (the same kernels)
-  ended 3.4% apart (2026-11-23);
+  ended 3.4% apart;
 - after 2000 steps on 32 eval batches (bench/results/e2e_torchao_ne_floor_h100_2026-11-24), the same
   kernels were closer: Wukong bf16 vs bf16+graphs, seed-paired, -0.04% to -1.15% over 3 seeds.
   Across compilation modes they were still not: DCN bf16+compile+graphs vs eager bf16 +1.28%,
@@ -78,7 +78,7 @@ def paired_speedup_interval(r: dict[str, Any], base: dict[str, Any]) -> list[flo
     """How much faster `r` is than `base` over rotated rounds, as an interval: the per-seed
     ratios of their median step times (round i of both ran with ``trainer.seed=i``), their
     geometric mean times exp(-/+ 2 standard errors of the log ratios). None under two pairs.
-    A host-bound config moves ±20% from run to run (DLRM, 2026-11-25): a single median ratio
+    A host-bound config moves ±20% from run to run (DLRM on an H100): a single median ratio
     cannot tell 1.02x from a tie, this interval can."""
     logs = [math.log(base_ms / ms) for ms, base_ms in seed_pairs(r, base, "step_ms_median")]
     if len(logs) < 2:
