@@ -1,5 +1,6 @@
-"""loka_train.data: synthetic Criteo-like data with a hidden teacher, a Criteo TSV reader,
-and the evaluation metrics (normalized entropy, AUC).
+"""loka_train.data: synthetic Criteo-like data with a hidden teacher, readers of Criteo TSV
+files and of the preprocessed Criteo 1TB .npy day files (TorchRec / MLPerf), and the
+evaluation metrics (normalized entropy, AUC).
 
 Every dataset obeys one determinism contract: the global batch of step s is the
 concatenation over ranks of the local batches, so runs on different numbers of ranks with

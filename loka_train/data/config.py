@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("synthetic", "criteo_tsv")
+KINDS = ("synthetic", "criteo_tsv", "criteo_npy")
 
 
 @dataclass(kw_only=True)
@@ -14,15 +14,28 @@ class DataConfig:
     Example:
         >>> DataConfig(kind="synthetic", num_embeddings=100_000, seed=1)
         >>> DataConfig(kind="criteo_tsv", path="/data/criteo/train", eval_path="/data/criteo/day_23.tsv")
+        >>> DataConfig(kind="criteo_npy", path="/data/criteo/npy", train_days=[0, 1], eval_day=23)
     """
 
     kind: str = "synthetic"
-    """"synthetic" (Criteo-like samples labelled by a hidden fixed teacher model) or
-    "criteo_tsv" (Criteo Terabyte / Kaggle text lines: label, 13 ints, 26 hex categories)."""
+    """"synthetic" (Criteo-like samples labelled by a hidden fixed teacher model),
+    "criteo_tsv" (Criteo Terabyte / Kaggle text lines: label, 13 ints, 26 hex categories) or
+    "criteo_npy" (the preprocessed Criteo 1TB day files of TorchRec and the MLPerf DLRM-DCN
+    reference: day_{i}_dense.npy, day_{i}_sparse.npy, day_{i}_labels.npy)."""
 
     path: str | None = None
     """criteo_tsv: the training split, a .tsv file or a directory whose *.tsv files are read
-    in sorted name order as one concatenated stream. Unused by synthetic."""
+    in sorted name order as one concatenated stream. criteo_npy: the directory that holds the
+    day_{i}_{dense,sparse,labels}.npy files of every day in train_days and of eval_day.
+    Unused by synthetic."""
+
+    train_days: list[int] | None = None
+    """criteo_npy: the days read, in this order, as one training stream (MLPerf trains on
+    days 0-22); None means days 0-22. Unused by the other kinds."""
+
+    eval_day: int = 23
+    """criteo_npy: the held-out day evaluated on (MLPerf holds out day 23); it must not be one of
+    train_days. Unused by the other kinds."""
 
     eval_path: str | None = None
     """criteo_tsv: the held-out split (file or directory, like path); required to evaluate
@@ -35,14 +48,14 @@ class DataConfig:
     """Categorical features per sample (named cat_0 .. cat_{num_sparse-1}); 26 for Criteo."""
 
     num_embeddings: int = 10_000
-    """Rows of every embedding table; criteo_tsv hashes each hex id modulo this."""
+    """Rows of every embedding table; criteo_tsv and criteo_npy hash each id modulo this."""
 
     num_embeddings_per_feature: list[int] | None = None
     """Rows per table, one entry per categorical feature; overrides num_embeddings when set."""
 
     seed: int = 0
     """Seed of the synthetic data: the feature schema, the hidden teacher (identical on every
-    rank) and the train/eval sample streams. Unused by criteo_tsv."""
+    rank) and the train/eval sample streams. Unused by the Criteo readers."""
 
     chunk_size: int = 64
     """Synthetic: the unit of the determinism contract; it must divide the per-rank batch size.
@@ -75,6 +88,8 @@ class DataConfig:
                 "data.path is required with data.kind='criteo_tsv': set it to a .tsv file "
                 "or a directory of *.tsv files"
             )
+        if self.kind == "criteo_npy":
+            self._check_npy_days()
         for name in ("num_dense", "num_sparse", "num_embeddings", "chunk_size", "max_pooling"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,6 +128,32 @@ class DataConfig:
                 f"data.teacher_scale={self.teacher_scale!r} must be >= 0 (0 = labels carry no "
                 "signal, 1 = default strength)"
             )
+
+    def _check_npy_days(self) -> None:
+        if not self.path:
+            raise ValueError(
+                "data.path is required with data.kind='criteo_npy': set it to the directory of "
+                "the day_{i}_dense.npy / day_{i}_sparse.npy / day_{i}_labels.npy files"
+            )
+        days = list(range(23)) if self.train_days is None else list(self.train_days)
+        bad = [d for d in days if isinstance(d, bool) or not isinstance(d, int) or d < 0]
+        if not days or bad:
+            raise ValueError(
+                f"data.train_days={self.train_days!r} must be a non-empty list of day numbers "
+                "(integers >= 0), e.g. data.train_days=[0,1,2]; leave it unset for days 0-22"
+            )
+        if len(set(days)) != len(days):
+            raise ValueError(
+                f"data.train_days={days} names a day twice: list each training day once"
+            )
+        if isinstance(self.eval_day, bool) or not isinstance(self.eval_day, int) or self.eval_day < 0:
+            raise ValueError(f"data.eval_day={self.eval_day!r} must be a day number (integer >= 0)")
+        if self.eval_day in days:
+            raise ValueError(
+                f"data.eval_day={self.eval_day} is also in data.train_days: evaluate on a held-out "
+                "day (remove it from data.train_days or pick another data.eval_day)"
+            )
+        self.train_days = days
 
     @property
     def rows_per_feature(self) -> list[int]:

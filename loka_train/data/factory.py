@@ -21,8 +21,9 @@ def make_dataset(
     Raises:
         ValueError: on a bad split/rank/world_size/batch_size, a chunk_size that does not divide
             the batch (synthetic), or an eval split without data.eval_path or whose files
-            overlap data.path (criteo_tsv).
-        FileNotFoundError: when the criteo_tsv path of the split does not exist.
+            overlap data.path (criteo_tsv), or a malformed day file (criteo_npy).
+        FileNotFoundError: when the criteo_tsv path of the split does not exist, or a day file
+            of criteo_npy is missing.
 
     Example:
         >>> ds = make_dataset(DataConfig(), split="train", rank=0, world_size=2, batch_size=256)
@@ -50,6 +51,12 @@ def make_dataset(
         from loka_train.data.criteo_tsv import CriteoTsvDataset
 
         return CriteoTsvDataset(
+            cfg, split=split, rank=rank, world_size=world_size, batch_size=batch_size
+        )
+    if cfg.kind == "criteo_npy":
+        from loka_train.data.criteo_npy import CriteoNpyDataset
+
+        return CriteoNpyDataset(
             cfg, split=split, rank=rank, world_size=world_size, batch_size=batch_size
         )
     raise AssertionError(f"DataConfig accepted an unknown kind {cfg.kind!r}")

@@ -1,4 +1,4 @@
-"""The dataset protocol shared by the synthetic generator and the Criteo TSV reader."""
+"""The dataset protocol shared by the synthetic generator and the Criteo readers."""
 
 from __future__ import annotations
 
