@@ -37,6 +37,11 @@ class DataConfig:
     """criteo_npy: the held-out day evaluated on (MLPerf holds out day 23); it must not be one of
     train_days. Unused by the other kinds."""
 
+    multi_hot: bool = False
+    """criteo_npy: read each day's categorical ids from day_{i}_sparse_multi_hot.npz (the MLPerf
+    DLRM-DCN v2 multi-hot data: arrays "0" .. "{num_sparse-1}", one N x pooling array per
+    feature) instead of day_{i}_sparse.npy. Unused by the other kinds."""
+
     eval_path: str | None = None
     """criteo_tsv: the held-out split (file or directory, like path); required to evaluate
     with criteo_tsv. Unused by synthetic (its eval split is a separate seed-derived stream)."""

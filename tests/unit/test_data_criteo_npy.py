@@ -29,10 +29,13 @@ def write_days(
     num_dense: int = NUM_DENSE,
     num_sparse: int = NUM_SPARSE,
     sparse_dtype: type = np.int32,
+    pooling: list[int] | None = None,
 ) -> dict[int, dict[str, np.ndarray]]:
     """Write day_{i}_dense.npy (float32, N x D), day_{i}_sparse.npy (N x F ids, some larger
     than the tables) and day_{i}_labels.npy (int32, N x 1) as TorchRec's preprocessing does;
-    returns the arrays by day and part."""
+    with `pooling` (ids per feature), day_{i}_sparse_multi_hot.npz instead of the sparse file,
+    as MLPerf's materialize_synthetic_multihot_dataset.py does (arrays "0".."F-1", N x
+    pooling[f], int64). Returns the arrays by day and part ("multi_hot": the list)."""
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     days = {}
@@ -42,8 +45,14 @@ def write_days(
             "sparse": rng.integers(0, 2**31 - 1, (n, num_sparse)).astype(sparse_dtype),
             "labels": rng.integers(0, 2, (n, 1)).astype(np.int32),
         }
+        if pooling is not None:
+            del arrays["sparse"]
+            multi_hot = [rng.integers(0, 2**40, (n, p)) for p in pooling]
+            np.savez(root / f"day_{day}_sparse_multi_hot.npz", **{str(f): a for f, a in enumerate(multi_hot)})
         for part, arr in arrays.items():
             np.save(root / f"day_{day}_{part}.npy", arr)
+        if pooling is not None:
+            arrays["multi_hot"] = multi_hot  # type: ignore[assignment]
         days[day] = arrays
     return days
 
@@ -282,3 +291,86 @@ def test_preset_composes(tmp_path: Path) -> None:
     assert data.train_days == list(range(23)) and data.eval_day == 23
     days = _compose("data=criteo_npy", f"data.path={tmp_path}", "data.train_days=[0,1]", "data.eval_day=2").data
     assert days.train_days == [0, 1] and days.eval_day == 2
+
+
+POOLING = [1, 3, 2, 5]
+
+
+def _multi_hot_cfg(root: Path, **kw) -> DataConfig:
+    return DataConfig(
+        kind="criteo_npy", path=str(root), train_days=[0, 1], eval_day=2, num_sparse=len(POOLING),
+        num_embeddings=ROWS, multi_hot=True, **kw,
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_multi_hot_batches(tmp_path: Path, world_size: int) -> None:
+    days = write_days(tmp_path, {0: 14, 1: 19, 2: 8}, num_sparse=len(POOLING), pooling=POOLING)
+    assert not (tmp_path / "day_0_sparse.npy").exists()
+    cfg = _multi_hot_cfg(tmp_path)
+    B = 4
+    for rank in range(world_size):
+        ds = _ds(cfg, rank=rank, world_size=world_size, batch_size=B)
+        assert ds.num_steps() == 33 // (B * world_size)
+        for step in range(ds.num_steps()):  # crosses from day 0 into day 1
+            batch = ds.batch(step)
+            lo = (step * world_size + rank) * B
+            kjt = batch.sparse_features
+            assert kjt.stride() == B and kjt.values().dtype == torch.int64
+            assert kjt.keys() == [f"cat_{f}" for f in range(len(POOLING))]
+            for f, p in enumerate(POOLING):
+                ids = np.concatenate([days[0]["multi_hot"][f], days[1]["multi_hot"][f]])[lo : lo + B]
+                assert torch.equal(kjt[f"cat_{f}"].lengths(), torch.full((B,), p, dtype=torch.int32))
+                assert torch.equal(kjt[f"cat_{f}"].values(), torch.from_numpy(ids.reshape(-1) % ROWS))
+            dense = np.concatenate([days[0]["dense"], days[1]["dense"]])[lo : lo + B]
+            assert torch.equal(batch.dense_features, torch.from_numpy(dense))
+            assert batch.labels.dtype == torch.float32 and batch.labels.shape == (B,)
+
+
+def _save_npz(root: Path, day: int, arrays: list[np.ndarray], compressed: bool = False) -> None:
+    save = np.savez_compressed if compressed else np.savez
+    save(root / f"day_{day}_sparse_multi_hot.npz", **{str(f): a for f, a in enumerate(arrays)})
+
+
+MALFORMED_MULTI_HOT = {
+    "compressed": (
+        lambda r, d: _save_npz(r, 1, d[1]["multi_hot"], compressed=True),
+        "array 0 is compressed (np.savez_compressed) and cannot be memory-mapped: write the archive with np.savez",
+    ),
+    "missing_feature": (
+        lambda r, d: _save_npz(r, 1, d[1]["multi_hot"][:3]),
+        "has no array(s) 3 of the 4 features",
+    ),
+    "float_ids": (
+        lambda r, d: _save_npz(r, 1, [a.astype(np.float64) for a in d[1]["multi_hot"]]),
+        "array 0 is float64 of shape (20, 1), expected integer ids of shape (rows, pooling)",
+    ),
+    "row_counts": (
+        lambda r, d: _save_npz(r, 1, d[1]["multi_hot"][:2] + [d[1]["multi_hot"][2][:-1], d[1]["multi_hot"][3]]),
+        "day_1_sparse_multi_hot.npz[2] 19",
+    ),
+    "not_npz": (
+        lambda r, d: (r / "day_1_sparse_multi_hot.npz").write_bytes(b"\x93NUMPY"),
+        "not a readable .npz archive",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_MULTI_HOT))
+def test_malformed_multi_hot_is_refused(tmp_path: Path, case: str) -> None:
+    days = write_days(tmp_path, {0: 20, 1: 20, 2: 8}, num_sparse=len(POOLING), pooling=POOLING)
+    breaks, message = MALFORMED_MULTI_HOT[case]
+    breaks(tmp_path, days)
+    with pytest.raises(ValueError) as info:
+        _ds(_multi_hot_cfg(tmp_path))
+    assert "day_1_sparse_multi_hot.npz" in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_multi_hot_missing_archive_names_the_setting(tmp_path: Path) -> None:
+    write_days(tmp_path, {0: 20, 1: 20, 2: 8}, num_sparse=len(POOLING))  # one-hot files only
+    with pytest.raises(FileNotFoundError, match="has no day_0_sparse_multi_hot.npz .*day_0_sparse.npy is "
+                       "there: set data.multi_hot=false to read it"):
+        _ds(_multi_hot_cfg(tmp_path))
+    (tmp_path / "day_0_sparse.npy").unlink()
+    with pytest.raises(FileNotFoundError, match="leave day 0 out of data.train_days$"):
+        _ds(_multi_hot_cfg(tmp_path))
