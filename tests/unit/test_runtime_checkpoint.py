@@ -208,3 +208,19 @@ def test_a_resumed_metrics_log_keeps_each_step_once(tmp_path) -> None:
     again.start_at(0)
     again.close()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_preflight_refuses_a_per_rank_checkpoint_on_another_world_size(tmp_path: Path) -> None:
+    from loka_train.runtime.config import TrainerConfig
+    from loka_train.runtime.preflight import check_resumable
+
+    cfg = TrainerConfig(steps=10, batch_size=32, device="cpu")
+    per_rank = {"step": 4, "world_size": 2, "batch_size": 32}
+    with pytest.raises(CheckpointError, match="per-rank format .* resume it once with 2 processes"):
+        check_resumable(tmp_path, cfg, saved=per_rank, now={"world_size": 1, "batch_size": 32})
+    check_resumable(tmp_path, cfg, saved=per_rank, now={"world_size": 2, "batch_size": 32})
+    # The distributed format resumes on another world size, with or without the global batch.
+    check_resumable(tmp_path, cfg, saved={**per_rank, "format": "dcp"}, now={"world_size": 1, "batch_size": 64})
+    check_resumable(tmp_path, cfg, saved={**per_rank, "format": "dcp"}, now={"world_size": 1, "batch_size": 32})
+    with pytest.raises(CheckpointError, match="trainer.batch_size=32"):
+        check_resumable(tmp_path, cfg, saved={**per_rank, "format": "dcp"}, now={"world_size": 2, "batch_size": 16})
