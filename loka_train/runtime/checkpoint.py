@@ -411,7 +411,8 @@ def _read_file(file: Path) -> dict[str, Any]:
 
 def _load_error(path: Path, exc: BaseException) -> str:
     """The message of a failed DCP load: a state that does not fit the model, or a corrupt one."""
-    failures = list(exc.failures.values()) if isinstance(exc, CheckpointException) else [exc]
+    found = list(exc.failures.values()) if isinstance(exc, CheckpointException) else [exc]
+    failures = [f[0] if isinstance(f, tuple) else f for f in found]  # (exception, traceback) or one
     for failure in failures:
         text = str(failure)
         if "Size mismatch" in text or "Missing key" in text:
