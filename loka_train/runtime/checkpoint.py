@@ -131,7 +131,8 @@ def restore(
         The callbacks that had no state in the checkpoint.
 
     Example:
-        >>> saved, meta = manager.load(path, into={"model": model.state_dict(), "optimizer": opt.state_dict()})
+        >>> live = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        >>> saved, meta = manager.load(path, into=live)
         >>> restore(saved, meta, path=path, manager=manager, model=model, optimizer=opt,
         ...         callbacks=cbs, device=dev, allow_new=False)
     """

@@ -571,6 +571,7 @@ class Trainer:
             "dense_dtype": self.cfg.dense_dtype,
             "model": self.model_name,
             "sharding": self.cfg.sharding,
+            "global_batch": self.cfg.batch_size * self.world_size,
             "train/loss": last_loss,
             "train/steps_per_s": timed_steps / train_s if timed_steps else math.nan,
             **eval_metrics,
