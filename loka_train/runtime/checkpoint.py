@@ -19,9 +19,9 @@ hands back this rank's local state, or, where the checkpoint was written by anot
 ranks, rank 0's (`CheckpointManager.rank_states` reads all of them for callbacks that merge).
 
 Checkpoints of the per-rank format (``rank_*.pt`` holding the local shards, no DCP metadata:
-``meta.json`` without ``format``) load into the same number of processes only
-(`restore` copies them in place); a checkpoint that fails to load raises `CheckpointError` naming the
-file and the fix, on every rank.
+``meta.json`` without ``format``) load into the same number of processes only (`restore`
+copies them in place); a checkpoint that fails to load raises `CheckpointError` naming the file
+and the fix, on every rank.
 
 Pruning after a save deletes only checkpoints of older steps than the one just saved (keeping
 `keep` in all), never the one just saved nor the one `latest` names.
@@ -109,8 +109,8 @@ def restore(
     optimizer: torch.optim.Optimizer, callbacks: CallbackList, device: torch.device, allow_new: bool,
 ) -> list[str]:
     """Apply checkpoint `path` that ``manager.load(path, into=live)`` read (`saved`, `meta`;
-    `live`: the model's and the optimizer's ``state_dict()``, loaded in place) to the run: the optimizer's loaded state dict into `optimizer` (the
-    model's tensors were loaded in place), then the callbacks' states and the RNG states.
+    `live`: the model's and the optimizer's ``state_dict()``, loaded in place) to the run: the
+    optimizer's loaded state dict into `optimizer`, then the callbacks' and the RNG states.
 
     A checkpoint of another number of processes hands every saved rank's callback states to
     `CallbackList.merge_rank_states`; ranks beyond the saved ones take rank 0's RNG state. A
