@@ -51,6 +51,7 @@ from loka_train.mods import convert, mark_sampled, sites
 from loka_train.plugin.config import LokaConfig
 from loka_train.plugin.report import run_report, write_report
 from loka_train.probe import Probe
+from loka_train.probe.window import merge_window_states
 from loka_train.runtime.callbacks import Callback
 from loka_train.utils.profiling import profiled
 
@@ -378,6 +379,29 @@ class LokaCallback(Callback):
             "guard": {"best_ne": self.best_ne, "cooldown": self._cooldown, "trips": self.guard_trips},
             "evals": self.evals,
         }
+
+    def merge_rank_states(self, states: list[dict[str, Any]], *, rank: int, world_size: int) -> dict[str, Any]:
+        """The LoKA state this rank loads from a checkpoint of another number of processes:
+        plans, verdicts and the guard are the same on every rank (rank 0's); the Probe window
+        is merged so that its next reduction is the one the saved run would have made
+        (`merge_window_states`); the dense-gradient error-feedback residuals, a rank's own
+        unflushed rounding, are dropped (logged)."""
+        state = dict(states[0])
+        if not self.enabled or not state:
+            return state
+        state["probe"] = merge_window_states([s["probe"] for s in states], rank=rank)
+        if state.get("compressors"):
+            if rank == 0:
+                logger.info(
+                    "LoKA: resuming %d processes' state on %d: the Probe window is merged, the "
+                    "dense-gradient error-feedback residuals (each rank's own) start empty",
+                    len(states), world_size,
+                )
+            state["compressors"] = []
+        elif rank == 0:
+            logger.info("LoKA: resuming %d processes' state on %d: plans restored, the Probe window merged",
+                        len(states), world_size)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Called before on_train_start (sites not registered yet): keep and apply there.

@@ -46,7 +46,7 @@ from loka_train.probe.candidates import OPERANDS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Window", "WindowLayout"]
+__all__ = ["Window", "WindowLayout", "merge_window_states"]
 
 
 class WindowLayout:
@@ -304,3 +304,28 @@ class Window:
         counters = state["counters"]
         self.num_nonfinite_events = int(counters["num_nonfinite_events"])
         self.num_misaligned_events = int(counters["num_misaligned_events"])
+
+
+def merge_window_states(states: Sequence[Mapping[str, Any]], *, rank: int) -> dict[str, Any]:
+    """The Probe state (``Probe.state_dict``) that `rank` of a run with another number of
+    processes loads, from the states every saved rank wrote (rank order).
+
+    The window's local buffers are what :meth:`Window.reduce` sums (SUM fields, non-finite
+    totals) and maxes (MAX fields) over ranks: rank 0 takes the sum and the max of all saved
+    ranks' buffers, every other rank empty ones (zeros, -inf), so the next reduction yields
+    the same global window as it would have in the run that wrote them. Counts, slot steps,
+    reduced copies, verdicts and history are the same on every rank: rank 0's.
+
+    Example:
+        >>> merged = merge_window_states([state_rank0, state_rank1], rank=0)
+    """
+    merged = dict(states[0])
+    if rank == 0:
+        merged["local_sum"] = torch.stack([s["local_sum"] for s in states]).sum(0)
+        merged["local_max"] = torch.stack([s["local_max"] for s in states]).amax(0)
+        merged["local_nonfinite_total"] = torch.stack([s["local_nonfinite_total"] for s in states]).sum(0)
+    else:
+        merged["local_sum"] = torch.zeros_like(states[0]["local_sum"])
+        merged["local_max"] = torch.full_like(states[0]["local_max"], -math.inf)
+        merged["local_nonfinite_total"] = torch.zeros_like(states[0]["local_nonfinite_total"])
+    return merged

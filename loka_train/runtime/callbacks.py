@@ -2,7 +2,8 @@
 
 A callback subclasses `Callback` and overrides the hooks it needs; every hook has a no-op
 default. Its `state_dict()` is saved in every checkpoint under `callback.name` and handed
-back to `load_state_dict()` on resume, before `on_train_start`.
+back to `load_state_dict()` on resume, before `on_train_start`; a resume on another number of
+processes first hands every saved rank's state to `merge_rank_states()`.
 
 Order within a run:
     on_before_shard -> (resume) load_state_dict -> on_train_start ->
@@ -99,6 +100,24 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
 
+    def merge_rank_states(self, states: list[dict[str, Any]], *, rank: int, world_size: int) -> dict[str, Any]:
+        """The state this rank loads from a checkpoint written by another number of processes.
+
+        Args:
+            states: what `state_dict` returned on each rank that wrote the checkpoint (rank order).
+            rank: this process's rank in the resumed run.
+            world_size: the resumed run's number of processes.
+
+        Default: rank 0's state, right for state that is the same on every rank. A callback
+        with rank-local state merges it here, or resets it and logs why.
+
+        Example:
+            >>> class Counter(Callback):
+            ...     def merge_rank_states(self, states, *, rank, world_size):
+            ...         return {"seen": sum(s["seen"] for s in states) if rank == 0 else 0}
+        """
+        return states[0]
+
 
 class CallbackList:
     """Calls each hook on every callback in order; names must be unique."""
@@ -123,6 +142,15 @@ class CallbackList:
 
     def state_dict(self) -> dict[str, Any]:
         return {cb.name: cb.state_dict() for cb in self.callbacks}
+
+    def merge_rank_states(self, states: list[dict[str, Any]], *, rank: int, world_size: int) -> dict[str, Any]:
+        """Each callback's `Callback.merge_rank_states` of `states` (every saved rank's
+        `state_dict()`, rank order) for this `rank` of a run with `world_size` processes."""
+        return {
+            cb.name: cb.merge_rank_states([s[cb.name] for s in states], rank=rank, world_size=world_size)
+            for cb in self.callbacks
+            if all(cb.name in s for s in states)
+        }
 
     def load_state_dict(self, state: dict[str, Any], *, allow_missing: bool = False) -> list[str]:
         """Restore each callback's state; returns the stateful callbacks `state` had nothing

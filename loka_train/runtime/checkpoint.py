@@ -1,17 +1,27 @@
-"""Checkpoints of a sharded run: one file per rank, written atomically, loaded in place.
+"""Checkpoints of a sharded run: written once through ``torch.distributed.checkpoint`` (DCP),
+atomically, and loaded onto any number of processes.
 
 Layout under `<run directory>/checkpoints/` (`runtime.rundirs`):
-    step_00000100/rank_0.pt ... rank_{W-1}.pt, meta.json
+    step_00000100/.metadata, __0_0.distcp ...   model and optimizer (DCP: each tensor once,
+                                                 sharded ones by their global offsets)
+    step_00000100/rank_0.pt ... rank_{W-1}.pt    rank-local state (RNG, callback states)
+    step_00000100/meta.json                      step, world size, format and settings
     latest                      (text file naming the newest complete step directory)
 
-Every rank saves its local view (sharded embedding weights and fused optimizer state as
-its local shards, dense parameters, dense optimizer state, RNG states, data position,
-callback states) into a temporary directory; only when every rank succeeded does rank 0
-rename it into place and then atomically repoint `latest`. A failed save therefore never
-touches the previous checkpoint. Loading copies tensors in place into the live state
-(so fused TorchRec optimizer state and ShardedTensor views are updated where they live)
-and requires the same world size and sharding; a mismatch or a corrupt file raises
-`CheckpointError` naming the file and the fix, on every rank.
+The sharded part (`SHARDED_KEYS` of the state: the model's and the optimizer's state dicts,
+TorchRec's ShardedTensors of the embedding tables and of their fused optimizer included) goes
+to `torch.distributed.checkpoint.save`, the rest of the state to one ``torch.save`` file per
+rank. Every rank writes into a temporary directory; only when every rank succeeded does rank
+0 rename it into place and then atomically repoint `latest`, so a failed save never touches
+the previous checkpoint. Loading reads the sharded part in place into the live state dicts
+(`torch.distributed.checkpoint.load` reshards it onto this run's world size and plan) and
+hands back this rank's local state, or, where the checkpoint was written by another number of
+ranks, rank 0's (`CheckpointManager.rank_states` reads all of them for callbacks that merge).
+
+Checkpoints of the per-rank format (``rank_*.pt`` holding the local shards, no DCP metadata:
+``meta.json`` without ``format``) load into the same number of processes only (`restore`
+copies them in place); a checkpoint that fails to load raises `CheckpointError` naming the file
+and the fix, on every rank.
 
 Pruning after a save deletes only checkpoints of older steps than the one just saved (keeping
 `keep` in all), never the one just saved nor the one `latest` names.
@@ -24,19 +34,26 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from loka_train.runtime.callbacks import CallbackList
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
+FORMAT = "dcp"
+"""``meta.json``'s ``format`` of a checkpoint written through DCP."""
+SHARDED_KEYS = ("model", "optimizer")
+"""Keys of a run's state that DCP saves (and reshards on load); the rest is rank-local."""
 
 
 class CheckpointError(RuntimeError):
@@ -88,23 +105,56 @@ def copy_into(live: Any, saved: Any, path: str) -> None:
 
 
 def restore(
-    saved: dict[str, Any], *, model: nn.Module, optimizer: torch.optim.Optimizer, callbacks: CallbackList,
-    device: torch.device, allow_new_callbacks: bool,
+    saved: dict[str, Any], meta: dict[str, Any], *, path: Path, manager: CheckpointManager, model: nn.Module,
+    optimizer: torch.optim.Optimizer, callbacks: CallbackList, device: torch.device, allow_new: bool,
 ) -> list[str]:
-    """Copy a loaded checkpoint (`saved`, this rank's state) into the live `model`, `optimizer`,
-    `callbacks` and RNG states; returns the callbacks that had no state in it (they start
-    fresh; only with `allow_new_callbacks`, else that raises). Raises `CheckpointError` for a
-    state that does not fit.
+    """Apply checkpoint `path` that ``manager.load(path, into=live)`` read (`saved`, `meta`;
+    `live`: the model's and the optimizer's ``state_dict()``, loaded in place) to the run: the
+    optimizer's loaded state dict into `optimizer`, then the callbacks' and the RNG states.
+
+    A checkpoint of another number of processes hands every saved rank's callback states to
+    `CallbackList.merge_rank_states`; ranks beyond the saved ones take rank 0's RNG state. A
+    per-rank-format checkpoint (this rank's local shards) is copied into the live state in place.
+
+    Args:
+        saved: this rank's state as `CheckpointManager.load` returned it.
+        meta: the checkpoint's meta.json.
+        path: the checkpoint.
+        manager: the manager that loaded it (it reads the other ranks' states).
+        model: the live (sharded) model.
+        optimizer: the live optimizer whose ``state_dict()`` the load filled.
+        callbacks: the run's callbacks.
+        device: this rank's device (its CUDA RNG state is restored on a GPU).
+        allow_new: stateful callbacks the checkpoint does not know start fresh (else raise).
+
+    Returns:
+        The callbacks that had no state in the checkpoint.
 
     Example:
-        >>> saved, meta = manager.load(path)
-        >>> restore(saved, model=model, optimizer=opt, callbacks=cbs, device=dev, allow_new_callbacks=False)
+        >>> live = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        >>> saved, meta = manager.load(path, into=live)
+        >>> restore(saved, meta, path=path, manager=manager, model=model, optimizer=opt,
+        ...         callbacks=cbs, device=dev, allow_new=False)
     """
-    copy_into(model.state_dict(), saved["model"], "model")
-    live_opt = optimizer.state_dict()
-    copy_into(live_opt["state"], saved["optimizer"]["state"], "optimizer.state")
-    optimizer.load_state_dict(live_opt)
-    fresh = callbacks.load_state_dict(saved["callbacks"], allow_missing=allow_new_callbacks)
+    if is_per_rank_format(meta):
+        copy_into(model.state_dict(), saved["model"], "model")
+        live_opt = optimizer.state_dict()
+        copy_into(live_opt["state"], saved["optimizer"]["state"], "optimizer.state")
+        optimizer.load_state_dict(live_opt)
+    else:
+        optimizer.load_state_dict(saved["optimizer"])
+    states = saved["callbacks"]
+    if meta["world_size"] != manager.world_size:
+        if manager.rank == 0:
+            logger.info(
+                "resuming %s, written by %d processes, on %d: the model and optimizer are "
+                "resharded, each callback merges its ranks' states, processes beyond the saved "
+                "ones take rank 0's RNG state", path, meta["world_size"], manager.world_size,
+            )
+        states = callbacks.merge_rank_states(
+            [s["callbacks"] for s in manager.rank_states(path)], rank=manager.rank, world_size=manager.world_size
+        )
+    fresh = callbacks.load_state_dict(states, allow_missing=allow_new)
     torch.set_rng_state(saved["rng"]["torch"])
     if "cuda" in saved["rng"] and device.type == "cuda":
         torch.cuda.set_rng_state(saved["rng"]["cuda"], device)
@@ -180,14 +230,37 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def is_per_rank_format(meta: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's `meta` (its meta.json) is of the per-rank format, which loads only
+    into the number of processes that wrote it."""
+    return meta.get("format") != FORMAT
+
+
+def per_rank_format_fix(path: Path, world_size: Any) -> str:
+    """How to resume a per-rank-format checkpoint `path` (written by `world_size` processes)."""
+    return (
+        f"checkpoint {path} is in the per-rank format (rank_*.pt files of local shards, no "
+        f"distributed-checkpoint metadata), which loads only into the {world_size} processes that "
+        f"wrote it: resume it once with {world_size} processes (its next checkpoint is written in "
+        "the distributed format, which resumes on any number of processes), or start a new run "
+        "with trainer.resume=never"
+    )
+
+
 class CheckpointManager:
     """Writes, finds and restores checkpoints under one directory.
 
     Args:
         root: the checkpoint directory (created on save).
         rank: this process's rank.
-        world_size: number of ranks; a checkpoint only loads into the same world size.
+        world_size: number of ranks.
         keep: number of most recent checkpoints to keep.
+
+    Example:
+        >>> mgr = CheckpointManager(run / "checkpoints", rank=0, world_size=2, keep=2)
+        >>> mgr.save(100, trainer.state_dict(), {"seed": 0})           # collective
+        >>> live = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        >>> saved, meta = mgr.load(mgr.latest(), into=live)             # collective
     """
 
     def __init__(self, root: str | os.PathLike, *, rank: int, world_size: int, keep: int) -> None:
@@ -201,24 +274,32 @@ class CheckpointManager:
         return latest_checkpoint(self.root)
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Save this rank's `state` for `step`; collective: every rank must call it."""
+        """Save `state` for `step`: its `SHARDED_KEYS` through DCP, the rest as this rank's
+        local file; collective: every rank must call it."""
         final = self.root / f"step_{step:08d}"
         # Every rank must write into the same temporary directory: derive it from rank 0.
         token = [uuid.uuid4().hex[:8]]
         if dist.is_initialized():
             dist.broadcast_object_list(token, src=0)
         tmp = self.root / f".tmp_step_{step:08d}_{token[0]}"
+        sharded = {k: v for k, v in state.items() if k in SHARDED_KEYS}
+        local = {k: v for k, v in state.items() if k not in SHARDED_KEYS}
         error: BaseException | None = None
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            torch.save(to_local(state), tmp / f"rank_{self.rank}.pt")
+            torch.save(to_local(local), tmp / f"rank_{self.rank}.pt")
         except Exception as exc:  # reported collectively below, then re-raised
             error = exc
+        if sharded and _all_ok(error is None):
+            try:  # collective; a failure on one rank raises on every rank
+                dcp.save(sharded, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+            except Exception as exc:
+                error = exc
         ok = _all_ok(error is None)
         if ok and self.rank == 0:
             try:
                 (tmp / "meta.json").write_text(
-                    json.dumps({**meta, "step": step, "world_size": self.world_size}, indent=2)
+                    json.dumps({**meta, "step": step, "world_size": self.world_size, "format": FORMAT}, indent=2)
                 )
                 if final.exists():
                     shutil.rmtree(final)
@@ -276,30 +357,78 @@ class CheckpointManager:
             except OSError as exc:
                 logger.warning("could not delete old checkpoint %s (%s); delete it by hand", old, exc)
 
-    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Read this rank's state and the meta of checkpoint `path`; collective."""
+    def load(self, path: Path, into: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Read checkpoint `path`; collective. Returns this rank's state and the meta.
+
+        The sharded part loads in place into `into` (live state dicts under `SHARDED_KEYS`,
+        resharded onto this run) and comes back in the state under the same keys. The local
+        part is this rank's file, or rank 0's when the checkpoint was written by fewer ranks. A
+        per-rank-format checkpoint returns this rank's whole file (`restore` copies it) and loads
+        only into the world size that wrote it.
+        """
         error: str | None = None
         state: dict[str, Any] = {}
         meta: dict[str, Any] = {}
         try:
             meta = json.loads((path / "meta.json").read_text())
-            if meta.get("world_size") != self.world_size:
-                error = (
-                    f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has "
-                    f"{self.world_size}; resume with the same number of processes or start fresh "
-                    "(trainer.resume=never)"
-                )
+            saved_world = meta.get("world_size")
+            if is_per_rank_format(meta) and saved_world != self.world_size:
+                error = per_rank_format_fix(path, saved_world)
             else:
-                file = path / f"rank_{self.rank}.pt"
-                state = torch.load(file, map_location="cpu", weights_only=False)
-                if not isinstance(state, dict):
-                    error = f"{file} does not hold a checkpoint dict"
+                state = self._read_local(path, meta)
         except Exception as exc:
-            error = (
-                f"checkpoint {path} is unreadable or corrupt ({type(exc).__name__}: {exc}). "
-                "Delete it (and fix 'latest') to resume from an earlier one, or start fresh "
-                "(trainer.resume=never)"
-            )
+            error = _corrupt(path, exc)
         if not _all_ok(error is None):
             raise CheckpointError(error or f"checkpoint {path} failed to load on another rank")
-        return state, meta
+        if is_per_rank_format(meta):
+            return state, meta
+        sharded = {k: v for k, v in (into or {}).items() if k in SHARDED_KEYS}
+        if sharded:
+            try:  # collective: a failure on one rank raises on every rank
+                dcp.load(sharded, checkpoint_id=path, no_dist=not dist.is_initialized())
+            except (Exception, CheckpointException) as exc:
+                raise CheckpointError(_load_error(path, exc)) from exc
+        return {**state, **sharded}, meta
+
+    def rank_states(self, path: Path) -> list[dict[str, Any]]:
+        """The local state of every rank that wrote checkpoint `path` (rank order)."""
+        meta = read_meta(path)
+        try:
+            return [_read_file(path / f"rank_{r}.pt") for r in range(int(meta["world_size"]))]
+        except Exception as exc:
+            raise CheckpointError(_corrupt(path, exc)) from exc
+
+    def _read_local(self, path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+        rank = self.rank if self.rank < int(meta.get("world_size", 0)) else 0
+        return _read_file(path / f"rank_{rank}.pt")
+
+
+def _read_file(file: Path) -> dict[str, Any]:
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict):
+        raise ValueError(f"{file} does not hold a checkpoint dict")
+    return state
+
+
+def _load_error(path: Path, exc: BaseException) -> str:
+    """The message of a failed DCP load: a state that does not fit the model, or a corrupt one."""
+    found = list(exc.failures.values()) if isinstance(exc, CheckpointException) else [exc]
+    failures = [f[0] if isinstance(f, tuple) else f for f in found]  # (exception, traceback) or one
+    for failure in failures:
+        text = str(failure)
+        if "Size mismatch" in text or "Missing key" in text:
+            return (
+                f"cannot resume from {path}: the model's state does not fit it (shape or key "
+                f"mismatch: {text.splitlines()[0][:300]}); the model config changed since this "
+                f"checkpoint: resume it with the settings that wrote it ({path / 'meta.json'}), "
+                "or start a new run with trainer.resume=never"
+            )
+    return _corrupt(path, failures[0] if failures else exc)
+
+
+def _corrupt(path: Path, exc: BaseException) -> str:
+    return (
+        f"checkpoint {path} is unreadable or corrupt ({type(exc).__name__}: {exc}). "
+        "Delete it (and fix 'latest') to resume from an earlier one, or start fresh "
+        "(trainer.resume=never)"
+    )

@@ -18,7 +18,7 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from loka_train.data import DataConfig
-from loka_train.runtime.checkpoint import CheckpointError
+from loka_train.runtime.checkpoint import CheckpointError, is_per_rank_format, per_rank_format_fix
 from loka_train.runtime.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def check_eval_data(data: object, cfg: TrainerConfig, data_cfg: DataConfig, *, w
         ) from None
 
 
-_RESUME_SETTINGS = {"model": "model", "sharding": "trainer.sharding", "batch_size": "trainer.batch_size"}
+_RESUME_SETTINGS = {"model": "model", "sharding": "trainer.sharding"}
 """Checkpoint meta that must match the run that resumes it, and the setting each one is."""
 
 
@@ -89,21 +89,33 @@ def check_resumable(path: Path, cfg: TrainerConfig, *, saved: Mapping[str, Any],
     (its meta.json: `saved`) cannot continue into this run (`now`: this run's ``world_size``,
     ``model``, ``sharding`` and ``batch_size``, where known; ``trainer.steps`` from `cfg`).
 
+    A checkpoint resumes on any number of processes (except one of the per-rank format, which
+    needs the number that wrote it); with another number, ``trainer.batch_size`` may change
+    too, and a run that keeps the global batch (processes x ``trainer.batch_size``) trains on
+    the samples the uninterrupted run would have (they are a function of the step and the
+    global batch). A global batch that changes is logged.
+
     Example:
         >>> check_resumable(path, cfg, saved=read_meta(path), now={"world_size": 2, "batch_size": 256})
     """
     fresh = "or start a new run with trainer.resume=never"
-    if "world_size" in now and saved.get("world_size") != now["world_size"]:
-        raise CheckpointError(
-            f"checkpoint {path} was written by {saved.get('world_size')} processes, this run has "
-            f"{now['world_size']}: resume it with {saved.get('world_size')} processes, {fresh}"
-        )
+    world = now.get("world_size")
+    if world is not None and saved.get("world_size") != world and is_per_rank_format(saved):
+        raise CheckpointError(per_rank_format_fix(path, saved.get("world_size")))
     for key, setting in _RESUME_SETTINGS.items():
         if key in now and saved.get(key) != now[key]:
             raise CheckpointError(
                 f"checkpoint {path} was written with {setting}={saved.get(key)}, this run has "
                 f"{setting}={now[key]}: resume it with {setting}={saved.get(key)}, {fresh}"
             )
+    saved_batch, saved_world = saved.get("batch_size"), saved.get("world_size")
+    if "batch_size" in now and (world is None or world == saved_world) and saved_batch != now["batch_size"]:
+        raise CheckpointError(
+            f"checkpoint {path} was written with trainer.batch_size={saved_batch}, this run has "
+            f"trainer.batch_size={now['batch_size']}: resume it with trainer.batch_size={saved_batch}, {fresh}"
+        )
+    if "batch_size" in now and world is not None and world != saved_world and isinstance(saved_batch, int):
+        _log_global_batch(path, saved_world, saved_batch, world, now["batch_size"])
     step = saved.get("step")
     if isinstance(step, int) and step > cfg.steps:
         raise CheckpointError(
@@ -111,3 +123,19 @@ def check_resumable(path: Path, cfg: TrainerConfig, *, saved: Mapping[str, Any],
             "this run has nothing to train and would report steps it did not run. Set "
             f"trainer.steps to {step} or more to continue that run, {fresh}"
         )
+
+
+def _log_global_batch(path: Path, saved_world: Any, saved_batch: int, world: int, batch: int) -> None:
+    """Log what a resume on another number of processes does to the global batch."""
+    before, after = saved_world * saved_batch, world * batch
+    if before == after:
+        logger.info("resuming %s on %d processes x trainer.batch_size=%d: the same global batch of %d as "
+                    "the %d x %d that wrote it", path, world, batch, after, saved_world, saved_batch)
+        return
+    per_rank = before // world if before % world == 0 else None
+    keep = f" (trainer.batch_size={per_rank} keeps it)" if per_rank else ""
+    logger.warning(
+        "resuming %s on %d processes x trainer.batch_size=%d changes the global batch from %d to %d%s: "
+        "each step from here trains on other samples than the run that wrote it would have, so "
+        "the losses do not continue that run's", path, world, batch, before, after, keep,
+    )

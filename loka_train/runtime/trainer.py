@@ -344,12 +344,13 @@ class Trainer:
         if path is None:
             return 0
         assert self._checkpoints is not None and self.optimizer is not None
-        saved, _ = self._checkpoints.load(path)
+        live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}  # loaded in place
+        saved, meta = self._checkpoints.load(path, into=live)
         error: CheckpointError | None = None
         fresh: list[str] = []
         try:
-            fresh = restore(saved, model=self.model, optimizer=self.optimizer, callbacks=self.callbacks,
-                            device=self.device, allow_new_callbacks=self.cfg.resume_new_callbacks)
+            fresh = restore(saved, meta, path=path, manager=self._checkpoints, model=self.model, optimizer=self.optimizer,
+                            callbacks=self.callbacks, device=self.device, allow_new=self.cfg.resume_new_callbacks)
         except CheckpointError as exc:
             error = CheckpointError(
                 f"cannot resume from {path}: {exc}: resume it with the settings that wrote it "

@@ -63,14 +63,26 @@ def test_dangling_latest_pointer(tmp_path: Path) -> None:
         mgr.latest()
 
 
-def test_world_size_mismatch(tmp_path: Path) -> None:
-    _manager(tmp_path).save(1, {"w": torch.ones(1)}, {})
-    other = CheckpointManager(tmp_path, rank=0, world_size=1, keep=2)
-    other.world_size = 2
-    path = other.latest()
-    assert path is not None
-    with pytest.raises(CheckpointError, match="written by 1 ranks"):
-        other.load(path)
+def test_sharded_state_goes_through_dcp_and_loads_in_place(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path)
+    mgr.save(2, {"model": {"w": torch.arange(4.0)}, "optimizer": {"state": {}}, "step": 2}, {})
+    path = mgr.latest()
+    assert path is not None and (path / ".metadata").is_file()
+    live = {"model": {"w": torch.zeros(4)}, "optimizer": {"state": {}}}
+    saved, meta = mgr.load(path, into=live)
+    assert meta["format"] == "dcp" and saved["step"] == 2
+    assert torch.equal(live["model"]["w"], torch.arange(4.0)) and saved["model"] is live["model"]
+
+
+def test_a_per_rank_checkpoint_of_another_world_size_names_the_way_on(tmp_path: Path) -> None:
+    path = tmp_path / "step_00000001"
+    path.mkdir()
+    torch.save({"w": torch.ones(1)}, path / "rank_0.pt")
+    (path / "meta.json").write_text('{"step": 1, "world_size": 2}')  # no "format": per-rank
+    (tmp_path / "latest").write_text(path.name)
+    mgr = _manager(tmp_path)
+    with pytest.raises(CheckpointError, match="per-rank format .* resume it once with 2 processes"):
+        mgr.load(path)
 
 
 def test_shape_mismatch_is_reported(tmp_path: Path) -> None:
@@ -196,3 +208,19 @@ def test_a_resumed_metrics_log_keeps_each_step_once(tmp_path) -> None:
     again.start_at(0)
     again.close()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_preflight_refuses_a_per_rank_checkpoint_on_another_world_size(tmp_path: Path) -> None:
+    from loka_train.runtime.config import TrainerConfig
+    from loka_train.runtime.preflight import check_resumable
+
+    cfg = TrainerConfig(steps=10, batch_size=32, device="cpu")
+    per_rank = {"step": 4, "world_size": 2, "batch_size": 32}
+    with pytest.raises(CheckpointError, match="per-rank format .* resume it once with 2 processes"):
+        check_resumable(tmp_path, cfg, saved=per_rank, now={"world_size": 1, "batch_size": 32})
+    check_resumable(tmp_path, cfg, saved=per_rank, now={"world_size": 2, "batch_size": 32})
+    # The distributed format resumes on another world size, with or without the global batch.
+    check_resumable(tmp_path, cfg, saved={**per_rank, "format": "dcp"}, now={"world_size": 1, "batch_size": 64})
+    check_resumable(tmp_path, cfg, saved={**per_rank, "format": "dcp"}, now={"world_size": 1, "batch_size": 32})
+    with pytest.raises(CheckpointError, match="trainer.batch_size=32"):
+        check_resumable(tmp_path, cfg, saved={**per_rank, "format": "dcp"}, now={"world_size": 2, "batch_size": 16})
