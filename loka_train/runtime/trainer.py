@@ -592,6 +592,8 @@ class Trainer:
 
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         self.metrics.close()
+        if dist.is_initialized():
+            dist.barrier()  # every rank done (rank 0 wrote the reports) before any tears down
         return summary
 
     def close(self) -> None:
