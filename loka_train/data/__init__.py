@@ -1,5 +1,5 @@
 """loka_train.data: synthetic Criteo-like data with a hidden teacher, a Criteo TSV reader,
-and the evaluation metrics (normalized entropy, AUC).
+and the evaluation metrics (normalized entropy, AUC, calibration).
 
 Every dataset obeys one determinism contract: the global batch of step s is the
 concatenation over ranks of the local batches, so runs on different numbers of ranks with
@@ -13,7 +13,7 @@ Example:
 
 from loka_train.data.config import DataConfig
 from loka_train.data.factory import make_dataset
-from loka_train.data.metrics import auc, normalized_entropy
+from loka_train.data.metrics import auc, calibration, normalized_entropy
 from loka_train.data.protocol import RecDataset
 
-__all__ = ["DataConfig", "RecDataset", "auc", "make_dataset", "normalized_entropy"]
+__all__ = ["DataConfig", "RecDataset", "auc", "calibration", "make_dataset", "normalized_entropy"]
