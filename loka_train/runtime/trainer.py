@@ -31,7 +31,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from loka_train.data import DataConfig, make_dataset
-from loka_train.data.metrics import auc, normalized_entropy
+from loka_train.data.metrics import auc, calibration, normalized_entropy
 from loka_train.data.pinning import PinnedBatches, pin_batch
 from loka_train.data.prefetch import Prefetcher
 from loka_train.data.protocol import CachedBatches
@@ -373,8 +373,8 @@ class Trainer:
         metrics = self._eval_with(pipeline)
         self.callbacks.call("on_eval_end", self, self.step - 1, metrics)
         if self.rank == 0:
-            logger.info("step %d: eval NE %.4f, AUC %.4f (%d samples)", self.step, metrics["eval/ne"],
-                        metrics["eval/auc"], metrics["eval/samples"])
+            logger.info("step %d: eval NE %.4f, AUC %.4f, calibration %.4f (%d samples)", self.step,
+                        metrics["eval/ne"], metrics["eval/auc"], metrics["eval/calibration"], metrics["eval/samples"])
         return metrics
 
     def _clock(self) -> float:
@@ -391,7 +391,7 @@ class Trainer:
     # ------------------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
-        """NE and AUC on `eval_batches` held-out batches per rank, gathered over ranks."""
+        """NE, AUC and calibration on `eval_batches` held-out batches per rank, gathered over ranks."""
         model = self.model if model is None else model
         was_training = model.training
         model.eval()
@@ -411,6 +411,7 @@ class Trainer:
         return {
             "eval/ne": normalized_entropy(both[0], both[1]),
             "eval/auc": auc(both[0], both[1]),
+            "eval/calibration": calibration(both[0], both[1]),
             "eval/samples": float(both.shape[1]),
         }
 
