@@ -1,6 +1,6 @@
 """loka_train.data: synthetic Criteo-like data with a hidden teacher, readers of Criteo TSV
 files and of the preprocessed Criteo 1TB .npy day files (TorchRec / MLPerf), and the
-evaluation metrics (normalized entropy, AUC).
+evaluation metrics (normalized entropy, AUC, calibration).
 
 Every dataset obeys one determinism contract: the global batch of step s is the
 concatenation over ranks of the local batches, so runs on different numbers of ranks with
@@ -14,7 +14,7 @@ Example:
 
 from loka_train.data.config import DataConfig
 from loka_train.data.factory import make_dataset
-from loka_train.data.metrics import auc, normalized_entropy
+from loka_train.data.metrics import auc, calibration, normalized_entropy
 from loka_train.data.protocol import RecDataset
 
-__all__ = ["DataConfig", "RecDataset", "auc", "make_dataset", "normalized_entropy"]
+__all__ = ["DataConfig", "RecDataset", "auc", "calibration", "make_dataset", "normalized_entropy"]

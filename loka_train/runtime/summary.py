@@ -22,7 +22,8 @@ def format_summary(summary: Mapping[str, Any], extra_rows: Iterable[tuple[str, s
         ("train loss", f"{summary['train/loss']:.4f}"),
     ]
     if "eval/ne" in summary:
-        rows += [("eval NE", f"{summary['eval/ne']:.4f}"), ("eval AUC", f"{summary['eval/auc']:.4f}")]
+        rows += [("eval NE", f"{summary['eval/ne']:.4f}"), ("eval AUC", f"{summary['eval/auc']:.4f}"),
+                 ("eval calibration", f"{summary['eval/calibration']:.4f}")]
     rows.append(("fallbacks", str(len(summary["fallbacks"]))))
     if summary.get("compiled"):
         rows.append(("compiled", ", ".join(summary["compiled"])))

@@ -1,19 +1,19 @@
 """The Trainer: shards a DLRM-family model or your own TorchRec model, trains, evaluates, checkpoints.
 
-It is deliberately a thin, explicit loop around TorchRec's public pieces
-(`DistributedModelParallel`, a sharding planner or an explicit plan, fused row-wise
-Adagrad on the tables, `TrainPipelineSparseDist`), with a `Callback` seam that the LoKA
-plugin uses. One code path serves CPU (gloo) and GPU (nccl). Its parts: `runtime.sharding`
-(sharder and plan), `runtime.compile` and `runtime.graphs` (compiled and CUDA-graphed dense
-modules), `runtime.preflight` (checks before training), `runtime.rundirs` (the run's
-directory), `runtime.checkpoint`, and `runtime.train_model` (the model: built from a
-`ModelConfig`, or your own, and what your own must provide).
+It is deliberately a thin, explicit loop around TorchRec's public pieces (DistributedModelParallel,
+a sharding planner or an explicit plan, fused row-wise Adagrad on the tables,
+TrainPipelineSparseDist), with a `Callback` seam that the LoKA plugin uses; one code path serves
+CPU (gloo) and GPU (nccl). Its parts: `runtime.sharding` (sharder and plan), `runtime.compile`
+and `runtime.graphs` (compiled and CUDA-graphed dense modules), `runtime.preflight` (checks),
+`runtime.rundirs` (the run's directory), `runtime.checkpoint`, and `runtime.train_model` (the
+model: built from a `ModelConfig`, or your own, and what your own must provide).
 
 Shape legend: B batch (per rank), G global batch.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -31,7 +31,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from loka_train.data import DataConfig, make_dataset
-from loka_train.data.metrics import auc, normalized_entropy
+from loka_train.data.metrics import auc, calibration, normalized_entropy
 from loka_train.data.pinning import PinnedBatches, pin_batch
 from loka_train.data.prefetch import Prefetcher
 from loka_train.data.protocol import CachedBatches
@@ -374,8 +374,8 @@ class Trainer:
         metrics = self._eval_with(pipeline)
         self.callbacks.call("on_eval_end", self, self.step - 1, metrics)
         if self.rank == 0:
-            logger.info("step %d: eval NE %.4f, AUC %.4f (%d samples)", self.step, metrics["eval/ne"],
-                        metrics["eval/auc"], metrics["eval/samples"])
+            logger.info("step %d: eval NE %.4f, AUC %.4f, calibration %.4f (%d samples)", self.step,
+                        metrics["eval/ne"], metrics["eval/auc"], metrics["eval/calibration"], metrics["eval/samples"])
         return metrics
 
     def _clock(self) -> float:
@@ -392,7 +392,7 @@ class Trainer:
     # ------------------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
-        """NE and AUC on `eval_batches` held-out batches per rank, gathered over ranks."""
+        """NE, AUC and calibration on `eval_batches` held-out batches per rank, gathered over ranks."""
         model = self.model if model is None else model
         was_training = model.training
         model.eval()
@@ -412,6 +412,7 @@ class Trainer:
         return {
             "eval/ne": normalized_entropy(both[0], both[1]),
             "eval/auc": auc(both[0], both[1]),
+            "eval/calibration": calibration(both[0], both[1]),
             "eval/samples": float(both.shape[1]),
         }
 
@@ -585,11 +586,8 @@ class Trainer:
             summary["cuda_graphs"] = self.graphs.stats()
             self.fallbacks.extend(f for f in self.graphs.fallbacks if f not in self.fallbacks)
         self.callbacks.call("on_train_end", self, summary)
-        # Again after on_train_end: callbacks may record fallbacks there (e.g. in their report).
-        summary["fallbacks"] = list(self.fallbacks)
+        summary["fallbacks"] = list(self.fallbacks)  # again: on_train_end may have added some
         if self.rank == 0:
-            import json
-
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         self.metrics.close()
         if dist.is_initialized():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import warnings
@@ -61,9 +62,14 @@ def test_main_job_learns(tmp_path: Path) -> None:
     assert any("train/loss" in json.loads(line) for line in lines)
     assert (run / "checkpoints" / "latest").exists()
     assert "run directory" in (run / "train.log").read_text() and (run / "config.yaml").exists()
-    # The intermediate evaluations (trainer.eval_every=100) on the console, once each (rank 0).
+    # The intermediate evaluations (trainer.eval_every=100) on the console, once each (rank 0),
+    # calibration next to NE and AUC there, in metrics.jsonl, the summary and its table.
     for step in (100, 200):
         assert proc.stderr.count(f"step {step}: eval NE") == 1, proc.stderr[-3000:]
+        assert re.search(rf"step {step}: eval NE [\d.]+, AUC [\d.]+, calibration [\d.]+ \(", proc.stderr)
+    assert 0.5 < summary["eval/calibration"] < 2.0, summary
+    assert json.loads(lines[-1])["eval/calibration"] == summary["eval/calibration"]
+    assert "eval calibration" in proc.stdout
     # The main job runs with LoKA on: it put GEMMs in FP8 and wrote its report.
     assert summary["loka/fp8_coverage"] > 0.5, summary
     assert (run / "loka" / "loka_report.md").exists()

@@ -1,4 +1,4 @@
-"""Normalized entropy and AUC against hand-computed cases and plain-Python references."""
+"""Normalized entropy, AUC and calibration against hand-computed cases and plain-Python references."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from loka_train.data import auc, normalized_entropy
+from loka_train.data import auc, calibration, normalized_entropy
 
 
 def _ne_reference(logits: list[float], labels: list[int]) -> float:
@@ -78,6 +78,20 @@ def test_auc_matches_reference_with_many_ties() -> None:
     assert 0.6 < got < 0.95
 
 
+def test_calibration_hand_computed() -> None:
+    # Predicting the base rate on every sample is perfectly calibrated.
+    labels = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert calibration(torch.full((4,), math.log(1 / 3)), labels) == pytest.approx(1.0)
+    # p = 0.5 on four samples with one click: 2 predicted clicks / 1 actual.
+    assert calibration(torch.zeros(2, 2), labels.view(2, 2)) == pytest.approx(2.0)
+    # logits (2, -1, 0) on labels (1, 1, 0): (sigmoid(2) + sigmoid(-1) + 1/2) / 2.
+    sig = [1.0 / (1.0 + math.exp(-z)) for z in (2.0, -1.0, 0.0)]
+    got = calibration(torch.tensor([2.0, -1.0, 0.0]), torch.tensor([1, 1, 0]))
+    assert got == pytest.approx(sum(sig) / 2, rel=1e-12)
+    # Under-predicting: far below 1.
+    assert calibration(torch.full((3,), -6.0), torch.tensor([1.0, 1.0, 0.0])) < 0.01
+
+
 def test_metric_errors() -> None:
     with pytest.raises(ValueError, match="both classes"):
         normalized_entropy(torch.zeros(3), torch.ones(3))
@@ -91,3 +105,7 @@ def test_metric_errors() -> None:
         auc(torch.tensor([float("nan"), 1.0]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="0 or 1"):
         normalized_entropy(torch.zeros(2), torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match="without positive labels"):
+        calibration(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        calibration(torch.tensor([float("inf"), 1.0]), torch.tensor([0, 1]))
