@@ -123,15 +123,16 @@ def _round_rne(v, MANT: tl.constexpr, SUB_MAGIC: tl.constexpr, MIN_NORMAL: tl.co
     """Round fp32 ``v`` to MANT mantissa bits (RNE); below MIN_NORMAL to the subnormal step
     (SUB_MAGIC = 1.5 * 2**23 * step makes ``(v + SUB_MAGIC) - SUB_MAGIC`` round to it)."""
     SHIFT: tl.constexpr = 23 - MANT
-    bits = v.to(tl.int32, bitcast=True)
-    lsb = (bits >> SHIFT) & 1
-    bits = (bits + ((1 << (SHIFT - 1)) - 1) + lsb) & ~((1 << SHIFT) - 1)
+    bits_in = v.to(tl.int32, bitcast=True)
+    lsb = (bits_in >> SHIFT) & 1
+    bits = (bits_in + ((1 << (SHIFT - 1)) - 1) + lsb) & ~((1 << SHIFT) - 1)
     normal = bits.to(tl.float32, bitcast=True)
     if MIN_NORMAL > 0.0:
         sub = (tl.abs(v) + SUB_MAGIC) - SUB_MAGIC
-        sub = tl.where(v < 0, -sub, sub)  # keep the sign of values that flush to zero
+        # The sign bit, not v < 0: -0.0 and negative values that flush to zero stay negative.
+        sub = tl.where(bits_in < 0, -sub, sub)
         normal = tl.where(tl.abs(v) < MIN_NORMAL, sub, normal)
-    return normal
+    return tl.where(v != v, v, normal)  # NaN stays NaN (rounding its payload bits can give inf)
 
 
 @functools.cache

@@ -92,8 +92,8 @@ def _cast_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr)
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    if Q_MANT > 0:  # the interpreter's software rounding; NaN and signed zeros pass as they are
-        q = tl.where((q == 0.0) | (q != q), q, _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL))
+    if Q_MANT > 0:
+        q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -58,7 +58,7 @@ def test_rowwise_quant_rounds_like_torch_at_binade_edges(fmt):
     # Values that round up into the next binade, ties, and subnormals: the cases the
     # interpreter's own fp8 cast gets wrong (the kernel pre-rounds there).
     row = torch.tensor([fmt.max, 124.7, 125.0, 31.4, 0.75 * fmt.min_normal, 1.5 * fmt.min_subnormal,
-                        0.49 * fmt.min_subnormal, -31.4, 57.0, 59.0, 61.0, 63.0])
+                        0.49 * fmt.min_subnormal, -31.4, 57.0, 59.0, 61.0, 63.0, -0.0, -0.49 * fmt.min_subnormal])
     x = row[None, :].repeat(3, 1) * torch.tensor([[1.0], [-1.0], [0.5]])
     q, s, _, _, _, _ = tk.fused_rowwise_quant(x, fmt=fmt)
     ref = quantize(x, fmt, Scaling.ROWWISE)
