@@ -35,12 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loka_train.dispatch.planning import reused_operands
-from loka_train.dispatch.timing import GemmTimer, role_operands
+from loka_train.dispatch.planning import gemm_problem, padded, reused_operands
+from loka_train.dispatch.timing import GemmTimer, reused_payload, role_operands
 from loka_train.kernels.formats import QTensor
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import quantize_operand, run_backend
 from loka_train.kernels.plan import GemmPlan, LinearPlan
-from loka_train.kernels.registry import GemmProblem, get_backend
+from loka_train.kernels.registry import get_backend
 
 __all__ = [
     "FP8_GEMM_CEILING",
@@ -311,7 +312,14 @@ def _reused(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple[bo
 
 
 def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer) -> Fp8Times:
-    a, b, b_is_weight, out_dtype = role_operands(gemm.role, gemm.shape, device=device)
+    """As the site runs it (``GemmTimer.measure_once``): a shape the backend refuses zero-padded
+    to multiples of 16 (the padding copies are not in these columns), a reused operand the
+    transposed view of a payload quantized in the other GEMM's layout."""
+    shape = gemm.shape
+    problem = gemm_problem(gemm.role, shape, plan, device_type=device.type, out_dtype=torch.bfloat16)
+    if not get_backend(plan.backend).supports(problem)[0]:
+        shape = padded(shape, 16)
+    a, b, b_is_weight, out_dtype = role_operands(gemm.role, shape, device=device)
     reuse_a, reuse_b = _reused(gemm.role, plan, gemm.site_plan)
 
     def quant_a() -> QTensor:
@@ -320,11 +328,13 @@ def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Ti
     def quant_b() -> QTensor:
         return quantize_operand(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
 
-    a_q, b_q = quant_a(), quant_b()
-    problem = GemmProblem.from_operands(a_q, b_q, out_dtype=out_dtype, role=gemm.role, fast_accum=plan.fast_accum)
-    ok, why = get_backend(plan.backend).supports(problem)
+    a_q = reused_payload(a, plan.fmt, plan, is_weight=False) if reuse_a else quant_a()
+    b_q = reused_payload(b, plan.operand_b_fmt, plan, is_weight=b_is_weight) if reuse_b else quant_b()
+    ok, why = get_backend(plan.backend).supports(
+        GemmProblem.from_operands(a_q, b_q, out_dtype=out_dtype, role=gemm.role, fast_accum=plan.fast_accum)
+    )
     if not ok:
-        raise RuntimeError(f"{plan.backend} cannot run {'x'.join(map(str, gemm.shape))}: {why}")
+        raise RuntimeError(f"{plan.backend} cannot run {'x'.join(map(str, shape))}: {why}")
     return Fp8Times(
         plan=str(plan),
         gemm_ms=timer(lambda: run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=gemm.role)),

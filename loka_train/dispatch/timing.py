@@ -38,7 +38,10 @@ from loka_train.utils.capture import reset_capture_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NO_REUSE", "GemmTimer", "GpuCostModel", "Reuse", "parse_timing_key", "role_operands", "timing_key"]
+__all__ = [
+    "NO_REUSE", "GemmTimer", "GpuCostModel", "Reuse", "parse_timing_key", "reused_payload", "role_operands",
+    "timing_key",
+]
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def role_operands(
     return randn(m, k), randn(n, k), True, dtype
 
 
-def _reused(t: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:
+def reused_payload(t: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:
     """The operand ``t`` (a transposed view) as a site reuses it: quantized in the layout of the
     GEMM that produced it (``t.t()``), then viewed transposed."""
     q = kernels_linear.quantize_operand(t.t(), fmt, plan, is_weight=is_weight)
@@ -264,9 +267,9 @@ class GemmTimer:
         a_q = b_q = None
         if plan is not None:
             if reuse[0]:
-                a_q = _reused(a, plan.fmt, plan, is_weight=False)
+                a_q = reused_payload(a, plan.fmt, plan, is_weight=False)
             if reuse[1]:
-                b_q = _reused(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
+                b_q = reused_payload(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
         a_src = a[: shape[0], : shape[1]].contiguous() if pad else a
         b_src = b[: shape[2], : shape[1]].contiguous() if pad else b
 
@@ -274,8 +277,11 @@ class GemmTimer:
             if plan is None:
                 return a @ b.t()
             a_run, b_run = a, b
-            if pad:  # the site's copies into padded operands (planned_linear's F.pad)
+            # The site's copies into padded operands (planned_linear's F.pad); a reused operand
+            # was padded where it was quantized.
+            if pad and a_q is None:
                 a_run = torch.nn.functional.pad(a_src, (0, k - shape[1], 0, m - shape[0]))
+            if pad and b_q is None:
                 b_run = torch.nn.functional.pad(b_src, (0, k - shape[1], 0, n - shape[2]))
             return kernels_linear.fp8_gemm_planned(
                 a_run, b_run, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight, a_q=a_q, b_q=b_q
