@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,7 @@ from torch import Tensor
 from loka_train.kernels import opaque
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 from loka_train.kernels.triton_kernels import (
+    _cdiv,
     _check_runnable,
     _round_rne,
     _sw_round_args,
@@ -38,9 +41,6 @@ _BLOCK = 8192
 """Elements per program of the two passes (8 warps, 32 elements a thread)."""
 _FINAL_BLOCK = 1024
 """Partial amaxes the finishing program reads per iteration."""
-_TINY = 1.1754943508222875e-38
-"""``torch.finfo(torch.float32).tiny``: the smallest scale (keeps tiny tensors finite)."""
-
 
 @triton.jit
 def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
@@ -97,13 +97,10 @@ def _cast_kernel(
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
 def _reciprocal(v: float) -> float:
     """``1 / v`` rounded to fp32, as PyTorch's CUDA division by a scalar computes it."""
     return float(torch.tensor(1.0, dtype=torch.float32) / v)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:

@@ -325,14 +325,14 @@ class LokaCallback(Callback):
     def write_report(self, trainer: Trainer) -> Path | None:
         """Write loka_report.{json,md} and PNG plots under out_dir/loka (rank 0 only; nothing
         when the callback is off)."""
-        if not self.enabled:
+        if not self.enabled or trainer.rank != 0:
             return None
         report = self.report(trainer)
-        if trainer.rank != 0:
-            return None
         assert self.probe is not None and self.dispatcher is not None
         out = trainer.out_dir / "loka"
-        trainer.fallbacks.extend(write_report(report, out, history=self.dispatcher.history))
+        # A periodic report (report_every) meets the same fallback (plots skipped) each time.
+        new = write_report(report, out, history=self.dispatcher.history)
+        trainer.fallbacks.extend(f for f in new if f not in trainer.fallbacks)
         if self.ledger is not None:
             (out / "ledger.json").write_text(json.dumps(self.ledger.to_dict(self.step_ms), indent=2))
             (out / "ledger.md").write_text("# LoKA per-GEMM ledger\n\n" + self.ledger.markdown(self.step_ms) + "\n")

@@ -78,9 +78,9 @@ def init_distributed(requested_device: str) -> DistInfo:
 def raise_on_all_ranks(error: Exception | None, *, world_size: int, device: torch.device) -> None:
     """Collective: when `error` is set on any rank, every rank raises.
 
-    The rank (or ranks) that failed raise their own exception; the others raise a
-    `CheckpointError` or `ValueError` (as the first failing rank's) with the first failing
-    rank's message, so no rank is left waiting in the next collective. `device` is where the
+    The rank (or ranks) that failed raise their own exception; the others raise the first failing
+    rank's `CheckpointError`, `ValueError` or `FileNotFoundError` (a user error), or a
+    `RuntimeError` for any other exception, with its message, so no rank is left waiting in the next collective. `device` is where the
     process group's collectives run (the CPU for gloo).
     """
     ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
@@ -93,7 +93,9 @@ def raise_on_all_ranks(error: Exception | None, *, world_size: int, device: torc
     if error is not None:
         raise error
     rank, (kind, message) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
-    cls = CheckpointError if kind == CheckpointError.__name__ else ValueError
+    # A user error (config, data, checkpoint) stays one on every rank; anything else is a bug.
+    cls = {CheckpointError.__name__: CheckpointError, ValueError.__name__: ValueError,
+           FileNotFoundError.__name__: FileNotFoundError}.get(kind, RuntimeError)
     raise cls(f"rank {rank} failed: {message}")
 
 
