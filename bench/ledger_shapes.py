@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -44,18 +45,8 @@ def role_shape(role: str, m: int, k: int, n: int) -> tuple[int, int, int]:
 
 
 def candidates(role: str, backends: list[str], scalings: list[Scaling]) -> tuple[GemmPlan, ...]:
-    out = []
-    for scaling in scalings:
-        for backend in backends:
-            try:
-                plan = LinearPlan.fp8(scaling=scaling, backend=backend)
-            except ValueError:  # e.g. fbgemm_rowwise has no e5m2 for the backward
-                try:
-                    plan = LinearPlan.fp8(fmt_bwd=LinearPlan.fp8().forward.fmt, scaling=scaling, backend=backend)
-                except ValueError:
-                    continue
-            out.append(getattr(plan, role))
-    return tuple(out)
+    """Every FP8 candidate of ``role``: that GEMM of each whole-site plan."""
+    return tuple(getattr(plan, role) for plan in site_plans(backends, scalings))
 
 
 def site_plans(backends: list[str], scalings: list[Scaling]) -> list[LinearPlan]:
@@ -142,7 +133,7 @@ def main() -> None:
     md = [
         f"# Ledger at named shapes, batch {args.batch}",
         "",
-        f"Command: `python -m bench.ledger_shapes --out {args.out} --batch {args.batch}`; "
+        f"Command: `python -m bench.ledger_shapes {' '.join(sys.argv[1:])}`; "
         f"{ledger.device}; torch {torch.__version__}; {platform.node()}.",
         "",
         ledger.markdown(),

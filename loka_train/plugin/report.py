@@ -271,25 +271,26 @@ def _comm(comm: Mapping[str, Any]) -> list[str]:
             f"| {name} | {COMM_CHANNELS.get(name, '')} | {c['precision']} | {ladder} | "
             f"{_bytes(c['total_bytes'])} | {_bytes(c['eval_bytes'])} | {by_bytes} | {by_calls} |"
         )
-    lines += ["", "Precision switches (the policy moves a channel down or up its ladder):", ""]
-    if comm["switches"]:
-        lines += ["| step | channel | change | reason |", "|---|---|---|---|"]
-        lines += [
-            f"| {s['step']} | {s['channel']} | {s['old']} -> {s['new']} | {s['reason']} |"
-            for s in comm["switches"]
-        ]
-    else:
-        lines.append("- none")
-    lines += ["", "Fallbacks (a precision requested but not available):", ""]
-    if comm["fallbacks"]:
-        lines += ["| step | channel | requested | used | reason |", "|---|---|---|---|---|"]
-        lines += [
-            f"| {f['step']} | {f['channel']} | {f['requested']} | {f['used']} | {f['reason']} |"
-            for f in comm["fallbacks"]
-        ]
-    else:
-        lines.append("- none")
+    lines += _table_or_none(
+        "Precision switches (the policy moves a channel down or up its ladder):",
+        ("step", "channel", "change", "reason"),
+        [(s["step"], s["channel"], f"{s['old']} -> {s['new']}", s["reason"]) for s in comm["switches"]],
+    )
+    lines += _table_or_none(
+        "Fallbacks (a precision requested but not available):",
+        ("step", "channel", "requested", "used", "reason"),
+        [(f["step"], f["channel"], f["requested"], f["used"], f["reason"]) for f in comm["fallbacks"]],
+    )
     return [*lines, ""]
+
+
+def _table_or_none(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """``title``, then a Markdown table of ``rows``, or "- none"."""
+    out = ["", title, ""]
+    if not rows:
+        return [*out, "- none"]
+    out += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 def markdown(report: dict[str, Any], history: Sequence[PlanChange]) -> str:
