@@ -90,6 +90,9 @@ class LokaCallback(Callback):
         self._cooldown = 0
         self._pending_state: dict[str, Any] | None = None
         self._pending_comp: list[dict[str, Any]] | None = None
+        self._dropped_residuals = ""
+        """Why the checkpoint's error-feedback residuals were dropped at a resume on another
+        number of processes (reported as a fallback at on_train_start), or ''."""
         self.compressors: list[Any] = []
         self._out_dir: Path | None = None
         self._rank = 0
@@ -157,6 +160,10 @@ class LokaCallback(Callback):
             for name, site in self.sites.items():
                 site.set_plan(self.dispatcher.plans[name])
             self._pending_state = None
+        if self._dropped_residuals:
+            logger.warning(self._dropped_residuals)
+            trainer.fallbacks.append(self._dropped_residuals)
+            self._dropped_residuals = ""
         if self.comm_state is not None:
             self._install_dense_grad_hook(trainer)
             if self._pending_comp is not None:
@@ -391,12 +398,12 @@ class LokaCallback(Callback):
             return state
         state["probe"] = merge_window_states([s["probe"] for s in states], rank=rank)
         if state.get("compressors"):
-            if rank == 0:
-                logger.info(
-                    "LoKA: resuming %d processes' state on %d: the Probe window is merged, the "
-                    "dense-gradient error-feedback residuals (each rank's own) start empty",
-                    len(states), world_size,
-                )
+            # Reported as a fallback once the trainer is there (on_train_start).
+            self._dropped_residuals = (
+                f"LoKA comm: resuming {len(states)} processes' state on {world_size}: the "
+                "dense-gradient error-feedback residuals (each rank's own) start empty (up to one "
+                "step of rounding error is not fed back)"
+            )
             state["compressors"] = []
         elif rank == 0:
             logger.info("LoKA: resuming %d processes' state on %d: plans restored, the Probe window merged",

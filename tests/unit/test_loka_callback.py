@@ -134,3 +134,20 @@ def test_sites_that_run_fp8_linear_share_operands_with_dispatch(tmp_path: Path) 
     assert cb.dispatcher is not None and cb.sites
     assert all(site.shares_operands for site in cb.sites.values())
     assert cb.dispatcher._shares_operands == set(cb.sites)
+
+
+def test_residuals_dropped_at_a_resume_on_another_world_size_are_a_fallback(tmp_path: Path) -> None:
+    first, _ = _started(_config(), tmp_path)
+    state = first.state_dict()
+    state["compressors"] = [{"residual": "rank 0's"}]  # the saved run had a dense-gradient hook
+    resumed = LokaCallback(_config())
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
+    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path)
+    resumed.on_before_shard(ctx)
+    merged = resumed.merge_rank_states([state, state], rank=0, world_size=1)
+    assert merged["compressors"] == []
+    resumed.load_state_dict(merged)
+    resumed.on_train_start(ctx)
+    assert [f for f in ctx.fallbacks if "error-feedback residuals" in f and "2 processes' state on 1" in f]
+    resumed.on_train_start(ctx)  # reported once
+    assert len([f for f in ctx.fallbacks if "error-feedback residuals" in f]) == 1
