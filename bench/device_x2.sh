@@ -4,16 +4,15 @@
 # benchmark. Usage on the device machine, from the repo root:
 #   source .device/activate.sh && bash bench/device_x2.sh "$OUT" [PART...]
 # PARTS: multigpu comm dispatch probe (default: all; dispatch and probe run side by side, one per GPU);
-# fp8_pays: bench.e2e LoKA against bf16 + compile + graphs, one config list per GPU, side by side
-# (E2E_GPU0, E2E_GPU1: config lists; E2E_T0, E2E_T1: seconds per run; E2E_BATCHES; each run its own
-# process and folder).
+# fp8_pays: bench.e2e LoKA against bf16 + compile + graphs, one list of runs per GPU, side by side
+# (E2E_GPU0, E2E_GPU1: runs as config:batch:seconds; E2E_VARIANTS; each run its own process,
+# folder and half of the host's cores).
 # $OUT returns at most 8 files: everything goes into x2.tgz, rewritten after every part, so a
 # call killed by its time limit still returns the parts it finished.
 set -u
 out=$1
 shift
 parts=${*:-multigpu comm dispatch probe}
-E2E_BATCHES=${E2E_BATCHES:-32768}
 has() { [[ " $parts " == *" $1 "* ]]; }
 w=/tmp/x2
 rm -rf "$w" /tmp/mg  # a warm machine still holds the last call's files
@@ -41,21 +40,23 @@ if has probe; then
       > "$w/single/probe.txt" 2>&1 &
 fi
 if has fp8_pays; then
-  # One GPU per config list; the ratios are within one process, so the neighbour does not bias them.
-  fp8_pays() {  # GPU, configs, seconds per run
-    for cfg in $2; do
-      for b in $E2E_BATCHES; do
-        (CUDA_VISIBLE_DEVICES=$1 timeout $3 python -m bench.e2e --configs $cfg --batches $b \
-            --ne-steps 0 --steps 60 --profile-steps 5 --ledger \
-            --profile-variants bf16+compile+graphs,loka_aggressive+compile+graphs \
-            --variants bf16+compile+graphs,loka_aggressive+compile+graphs,loka_safe+compile+graphs \
-            --out $w/fp8_pays_${cfg}_b$b; echo "rc=$?") > $w/fp8_pays_${cfg}_b$b.txt 2>&1
-        save
-      done
+  # One GPU, half the host's cores each (taskset): a host-bound run must not share cores with
+  # its neighbour's compilation. Ratios are taken within one process.
+  ncpu=$(nproc); half=$((ncpu / 2))
+  fp8_pays() {  # GPU, cpus, runs as config:batch:seconds
+    for run in $3; do
+      IFS=: read -r cfg b secs <<< "$run"
+      (CUDA_VISIBLE_DEVICES=$1 OMP_NUM_THREADS=$((half / 2)) TORCHINDUCTOR_COMPILE_THREADS=$((half / 2)) \
+          timeout $secs taskset -c $2 python -m bench.e2e --configs $cfg --batches $b \
+          --ne-steps 0 --steps 60 --profile-steps 5 --ledger \
+          --profile-variants bf16+compile+graphs,loka_aggressive+compile+graphs \
+          --variants ${E2E_VARIANTS:-bf16+compile+graphs,loka_aggressive+compile+graphs,loka_safe+compile+graphs} \
+          --out $w/fp8_pays_${cfg}_b$b; echo "rc=$?") > $w/fp8_pays_${cfg}_b$b.txt 2>&1
+      save
     done
   }
-  fp8_pays 0 "${E2E_GPU0:-wukong}" ${E2E_T0:-540} &
-  fp8_pays 1 "${E2E_GPU1:-dcn dlrm}" ${E2E_T1:-270} &
+  fp8_pays 0 0-$((half - 1)) "${E2E_GPU0:-wukong:32768:550}" &
+  fp8_pays 1 $half-$((ncpu - 1)) "${E2E_GPU1:-dcn:32768:300 dlrm:8192:130 dcn:8192:120}" &
 fi
 wait
 save
