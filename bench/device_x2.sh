@@ -42,11 +42,11 @@ fi
 if has fp8_pays; then
   # One GPU, half the host's cores each (taskset): a host-bound run must not share cores with
   # its neighbour's compilation. Ratios are taken within one process.
-  ncpu=$(nproc); half=$((ncpu / 2))
+  ncpu=$(nproc); half=$((ncpu / 2)); thr=$((half / 2 > 0 ? half / 2 : 1))
   fp8_pays() {  # GPU, cpus, runs as config:batch:seconds
     for run in $3; do
       IFS=: read -r cfg b secs <<< "$run"
-      (CUDA_VISIBLE_DEVICES=$1 OMP_NUM_THREADS=$((half / 2)) TORCHINDUCTOR_COMPILE_THREADS=$((half / 2)) \
+      (CUDA_VISIBLE_DEVICES=$1 OMP_NUM_THREADS=$thr TORCHINDUCTOR_COMPILE_THREADS=$thr \
           timeout $secs taskset -c $2 python -m bench.e2e --configs $cfg --batches $b \
           --ne-steps 0 --steps 60 --profile-steps 5 --ledger \
           --profile-variants bf16+compile+graphs,loka_aggressive+compile+graphs \
