@@ -6,7 +6,8 @@
 # PARTS: multigpu comm dispatch probe (default: all; dispatch and probe run side by side, one per GPU);
 # fp8_pays: bench.e2e LoKA against bf16 + compile + graphs, one config list per GPU, side by side
 # (E2E_GPU0, E2E_GPU1: config lists; E2E_T0, E2E_T1: seconds per run; E2E_BATCHES; each run its own
-# process and folder).
+# process and folder); scaling: bench.scaling, weak scaling of DLRM and Wukong on 1 and 2 GPUs
+# (both GPUs, before the side-by-side parts; the default run, 12 torchrun jobs, cut at 240 s).
 # $OUT returns at most 8 files: everything goes into x2.tgz, rewritten after every part, so a
 # call killed by its time limit still returns the parts it finished.
 set -u
@@ -30,6 +31,11 @@ if has multigpu; then
 fi
 if has comm; then
   (timeout 130 python -m bench.comm --steps 60 --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
+  save
+fi
+if has scaling; then
+  # SIGTERM from timeout: bench.scaling stops the running job's processes and keeps the jobs done.
+  (timeout 240 python -m bench.scaling --out "$w/scaling"; echo "rc=$?") > "$w/scaling.txt" 2>&1
   save
 fi
 if has dispatch; then
