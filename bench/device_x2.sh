@@ -6,7 +6,8 @@
 # PARTS: multigpu comm dispatch probe (default: all; dispatch and probe run side by side, one per GPU);
 # fp8_pays: bench.e2e LoKA against bf16 + compile + graphs, one list of runs per GPU, side by side
 # (E2E_GPU0, E2E_GPU1: runs as config:batch:seconds; E2E_VARIANTS; each run its own process,
-# folder and half of the host's cores).
+# folder and half of the host's cores); scaling: bench.scaling, weak scaling on 1 and 2 GPUs
+# (both GPUs, before the side-by-side parts; SCALING_ARGS, SCALING_TIMEOUT).
 # $OUT returns at most 8 files: everything goes into x2.tgz, rewritten after every part, so a
 # call killed by its time limit still returns the parts it finished.
 set -u
@@ -29,6 +30,11 @@ if has multigpu; then
 fi
 if has comm; then
   (timeout 130 python -m bench.comm --steps 60 --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
+  save
+fi
+if has scaling; then
+  # SIGTERM from timeout: bench.scaling stops the running job's processes and keeps the jobs done.
+  (timeout ${SCALING_TIMEOUT:-240} python -m bench.scaling --out "$w/scaling" ${SCALING_ARGS:-}; echo "rc=$?") > "$w/scaling.txt" 2>&1
   save
 fi
 if has dispatch; then

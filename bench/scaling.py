@@ -1,0 +1,513 @@
+"""Weak scaling on 1 and 2 GPUs: step time, samples/s, scaling efficiency, all-to-all bytes.
+
+For each config (``dlrm``: the main job's ``model=dlrm``; ``wukong``: the Wukong-style model
+of bench.e2e) and each variant, the same per-GPU batch trains on 1 and on 2 GPUs, each job in
+its own ``torchrun --standalone`` process group, one job after another. The jobs are composed
+from ``conf/`` with hydra overrides by bench.e2e's :class:`~bench.e2e.variants.Composer` and
+:func:`~bench.e2e.variants.job_overrides`, as ``launch/train.py`` composes them: synthetic data
+(``data=synthetic``, 26 tables of 10k rows), table-wise sharding, the sparse-dist pipeline,
+bf16 dense compute.
+
+Variants (``--variants``, run in the order given; default ``bf16 bf16_fp8comm loka_safe``), every one with
+``trainer.compile_dense=true trainer.cuda_graphs=true``, the fastest single-GPU setting:
+
+* ``bf16``: LoKA off, TorchRec's own FP32 embedding comms: the speed reference.
+* ``loka_safe``: ``loka=safe`` as it is. Its first re-plan comes at step 500 (``probe.interval``),
+  past these short runs, so every site runs its initial plan (high precision) and the Probe
+  samples steps 0 and 50: the figure is what LoKA's sites and Probe cost at scale, not what
+  FP8 GEMMs gain (bench.e2e measures that, with a decision run first).
+* ``bf16_fp8comm``: LoKA's comm codecs only (no sites, Probe, Dispatch or guard; no SQNR
+  sampling, ``loka.comm.sample_every=0``): the embedding all-to-all in FP8 both ways (e4m3
+  forward, e5m2 backward, one fp32 scale per ``loka.comm.row_dim`` = embedding-dim values);
+  dense gradients through the codec's DDP hook in FP32.
+* ``bf16_fp32comm``: the same codecs at FP32: the bytes and the codec's own cost of the FP32
+  all-to-all, the other side of ``bf16_fp8comm``.
+
+Measured per job on every rank (rank 0's figures in the table): the median step time over the
+timed steps after the warm-up (bench.e2e's ``StepClock``: CUDA events at step ends; on the CPU
+the wall clock), samples/s (global: per-GPU batch x GPUs / median step), and, for the variants
+that install LoKA's codecs, the bytes each rank hands the embedding all-to-all per step (what
+the codec counts in ``encode``: its whole payload, own slice included; forward plus backward,
+summed over ranks; 0 on 1 GPU, where TorchRec runs no all-to-all). Scaling efficiency = samples/s on 2 GPUs / (2 x samples/s on 1 GPU) of the
+same config and variant. The train batches are generated once and cycled
+(``data.cache_batches``), so the CPU generator does not bound the step; no NE is reported (the
+runs are too short, and the batches repeat).
+
+Time budget (2 x H100, default run: 2 configs x 3 variants x 2 process counts = 12 jobs, the
+configs in turn, each variant on 1 then 2 GPUs): 20 warm-up + 40 timed steps (the CUDA graphs are
+captured in the warm-up; 40 steps give a stable median, not a resolution of a few percent) of
+10-15 ms take about a second. A job's cost is its start (imports, sharding, the cached batches)
+and its compilation: cold, bench.e2e's H100 runs took about 17 s (DLRM) and 45 s (Wukong) for
+bf16 and up to twice that with LoKA's sites; the inductor cache on disk then serves the 2-GPU
+job (its per-GPU shapes are the 1-GPU job's) and ``bf16_fp8comm`` (``bf16``'s dense graphs). A
+cold machine may run past 200 s, the last jobs (Wukong ``loka_safe``) first; a job running past
+``--job-timeout`` is stopped and recorded as failed, and scaling.json and scaling.md are
+rewritten after every job, so a run cut short (SIGTERM: the running job is stopped and recorded)
+keeps what it measured.
+
+A failed job is recorded with its error (first line of the failing rank's exception, else the
+end of its log, ``<out>/<config>_<variant>_x<N>/log.txt``) and the others go on; the exit status
+is then 1.
+
+Run (2 GPUs):       python -m bench.scaling --out DIR
+Dry run (CPU, gloo): python -m bench.scaling --dry-run --out /tmp/scaling
+(tiny models, batch 64, 2 + 4 steps, eager: no compilation, no CUDA graphs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from bench.e2e.measure import percentile
+from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Variant, job_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: on the PYTHONPATH of the torchrun workers, which import ``bench.scaling``."""
+
+REFERENCE = "bf16"
+SCALED_CONFIGS = ("dlrm", "wukong")
+
+_CODECS_ONLY = (
+    "loka.enabled=true",
+    "loka.mods.enabled=false",
+    "loka.probe.enabled=false",
+    "loka.dispatch.enabled=false",
+    "loka.guard.enabled=false",
+    "loka.comm_enabled=true",
+    "loka.comm.sample_every=0",
+)
+"""LoKA with its comm codecs and nothing else (and no SQNR sampling on the timed steps)."""
+
+
+def _a2a(precision: str) -> tuple[str, ...]:
+    return (*_CODECS_ONLY, f"loka.comm.a2a_forward={precision}", f"loka.comm.a2a_backward={precision}")
+
+
+VARIANTS: dict[str, Variant] = {
+    "bf16": Variant(
+        name="bf16", description="bf16, LoKA off, TorchRec's FP32 embedding comms (the speed reference)",
+        compile=True, graphs=True,
+    ),
+    "loka_safe": Variant(
+        name="loka_safe", description="conf/loka/safe.yaml (FP32 comms; sites in their initial, "
+        "high-precision plan: the first re-plan is at step 500)",
+        loka="safe", compile=True, graphs=True,
+    ),
+    "bf16_fp8comm": Variant(
+        name="bf16_fp8comm", description="bf16 + LoKA's codecs only: embedding all-to-all FP8 "
+        "(e4m3 forward, e5m2 backward), dense gradients FP32 through the codec's DDP hook",
+        loka_overrides=_a2a("FP8"), compile=True, graphs=True,
+    ),
+    "bf16_fp32comm": Variant(
+        name="bf16_fp32comm", description="bf16 + LoKA's codecs only, all at FP32 (counts the FP32 "
+        "all-to-all's bytes)",
+        loka_overrides=_a2a("FP32"), compile=True, graphs=True,
+    ),
+}
+DEFAULT_VARIANTS = ("bf16", "bf16_fp8comm", "loka_safe")
+"""In this order: ``bf16_fp8comm`` right after ``bf16`` finds its dense graphs compiled (the
+inductor cache on disk); ``loka_safe``, the longest to compile, last."""
+
+
+def _uses_codecs(variant: Variant) -> bool:
+    return "loka.comm_enabled=true" in variant.loka_overrides
+
+
+def _progress(t0: float, msg: str) -> None:
+    print(f"[scaling {time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------ one job (a rank)
+def run_job(job_dir: Path) -> int:
+    """One job, on every rank that torchrun starts: trains as ``<job_dir>/job.json`` says and
+    writes ``rank<r>.json`` (its step times and bytes), or ``error.rank<r>.txt`` and raises."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        result = _measure(json.loads((job_dir / "job.json").read_text()), rank)
+    except Exception as exc:
+        (job_dir / f"error.rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        raise
+    (job_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    import torch
+
+    from bench.e2e.measure import StepClock
+    from bench.e2e.report import environment
+    from bench.e2e.variants import Composer
+    from loka_train.plugin.callback import LokaCallback
+    from loka_train.runtime.trainer import Trainer
+
+    with contextlib.ExitStack() as stack:
+        job = Composer(stack).job(spec["overrides"])
+    loka = LokaCallback(job.loka) if job.loka.enabled else None
+    device = torch.device(job.trainer.device)
+    clock = StepClock(warmup=spec["warmup"], timed=spec["steps"], profile_steps=0, device=device,
+                      timing=spec["timing"])
+    # The clock last: the other callbacks' step work falls inside the step it measures.
+    trainer: Any = Trainer(model=job.model, data=job.data, trainer=job.trainer,
+                           callbacks=[*([loka] if loka is not None else []), clock])
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # LoKA's plan table
+            summary = trainer.fit()
+        times = clock.step_ms()
+        if len(times) != spec["steps"]:
+            raise RuntimeError(f"timed {len(times)} steps, expected {spec['steps']}")
+        result: dict[str, Any] = {
+            "rank": rank,
+            "world_size": summary["world_size"],
+            "step_ms": times,
+            "train_loss": summary["train/loss"],
+            "fallbacks": summary["fallbacks"],
+            "compiled": summary.get("compiled", []),
+            "cuda_graphs": summary.get("cuda_graphs"),
+            "gpu_peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            "a2a_bytes_per_step": None,
+        }
+        if loka is not None and loka.comm_state is not None:
+            report = loka.comm_state.report()
+            channels = report["channels"]
+            assert isinstance(channels, dict)
+            # Per trained step: the pipeline shifts a batch's all-to-all into the step before, the
+            # total does not move.
+            result["a2a_bytes_per_step"] = {
+                c: channels[c]["total_bytes"] / summary["steps"] for c in ("a2a_fwd", "a2a_bwd")
+            }
+            # What the codec really sent: a fallback to another precision shows here.
+            result["a2a_bytes_by_precision"] = {c: channels[c]["bytes_by_precision"] for c in ("a2a_fwd", "a2a_bwd")}
+            result["comm_fallbacks"] = report["fallbacks"]
+        if rank == 0:
+            result["env"] = environment(device.type)
+        return result
+    finally:
+        clock.close()
+        trainer.close()
+
+
+# --------------------------------------------------------------------------- the jobs (parent)
+class _Terminated(SystemExit):
+    """SIGTERM (``timeout`` on the device machine): stop the running job's processes, then exit."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated(128 + signum)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a job's process group (torchrun and its workers), SIGKILL after 10 s."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _launch(job_dir: Path, nproc: int, timeout_s: float) -> tuple[int | None, bool]:
+    """Run one job under torchrun; returns (exit status, timed out)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "bench.scaling", "--job", str(job_dir)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    with open(job_dir / "log.txt", "wb") as log:
+        # Its own process group, so that a timeout or our own termination stops the workers too.
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                process_group=0)
+        try:
+            return proc.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            return proc.returncode, True
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
+
+
+def _job_error(job_dir: Path, rc: int | None, timed_out: bool, timeout_s: float) -> str:
+    if timed_out:
+        return f"timed out after {timeout_s:.0f} s (--job-timeout), stopped"
+    for path in sorted(job_dir.glob("error.rank*.txt")):
+        first = path.read_text().splitlines()[0]
+        return f"rank {path.stem.removeprefix('error.rank')}: {first}"
+    lines = [line for line in (job_dir / "log.txt").read_text(errors="replace").splitlines() if line.strip()]
+    return f"exit status {rc}: " + " | ".join(lines[-6:])
+
+
+def _row(spec: dict[str, Any], variant: Variant, job_dir: Path, rc: int | None, timed_out: bool,
+         timeout_s: float, wall_s: float) -> dict[str, Any]:
+    nproc = spec["nproc"]
+    row: dict[str, Any] = {
+        "config": spec["config"], "variant": variant.name, "description": variant.description,
+        "nproc": nproc, "batch_per_gpu": spec["batch"], "global_batch": spec["batch"] * nproc,
+        "wall_s": wall_s, "exit_status": rc, "overrides": spec["overrides"], "dir": str(job_dir),
+    }
+    paths = [job_dir / f"rank{r}.json" for r in range(nproc)]
+    if timed_out or not all(p.exists() for p in paths):
+        row.update(status="error", error=_job_error(job_dir, rc, timed_out, timeout_s))
+        return row
+    ranks = [json.loads(p.read_text()) for p in paths]
+    r0 = ranks[0]
+    times = r0["step_ms"]
+    median = statistics.median(times)
+    row.update(
+        status="ok",
+        step_ms_median=median,
+        step_ms_p10=percentile(times, 0.1),
+        step_ms_p90=percentile(times, 0.9),
+        step_ms_median_by_rank=[statistics.median(r["step_ms"]) for r in ranks],
+        step_ms=times,
+        samples_per_s=spec["batch"] * nproc * 1000.0 / median,
+        a2a_bytes_per_step=None,
+        a2a_bytes_per_step_by_rank=[r["a2a_bytes_per_step"] for r in ranks],
+        train_loss=r0["train_loss"],
+        fallbacks=r0["fallbacks"],
+        compiled=r0["compiled"],
+        cuda_graphs=r0["cuda_graphs"],
+        gpu_peak_allocated_gb=r0["gpu_peak_allocated_gb"],
+        env=r0.get("env"),
+    )
+    if all(r["a2a_bytes_per_step"] is not None for r in ranks):
+        row["a2a_bytes_per_step"] = sum(sum(r["a2a_bytes_per_step"].values()) for r in ranks)
+        row["a2a_bytes_by_precision_rank0"] = r0["a2a_bytes_by_precision"]
+        row["comm_fallbacks"] = [f for r in ranks for f in r["comm_fallbacks"]]
+    if rc != 0:  # every rank wrote its results: the measurement is whole; say how it ended
+        row["note"] = f"exit status {rc} after every rank wrote its results"
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Scaling efficiency (samples/s on N GPUs / (N x samples/s on 1 GPU), same config and
+    variant) and speed against the reference variant (same config and GPUs), where both ran."""
+    ok = {(r["config"], r["variant"], r["nproc"]): r for r in rows if r["status"] == "ok"}
+    for r in rows:
+        r["scaling_efficiency"] = r["speed_vs_" + REFERENCE] = None
+        if r["status"] != "ok":
+            continue
+        one = ok.get((r["config"], r["variant"], 1))
+        if r["nproc"] > 1 and one is not None:
+            r["scaling_efficiency"] = r["samples_per_s"] / (r["nproc"] * one["samples_per_s"])
+        ref = ok.get((r["config"], REFERENCE, r["nproc"]))
+        if ref is not None:
+            r["speed_vs_" + REFERENCE] = r["samples_per_s"] / ref["samples_per_s"]
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def render(report: dict[str, Any]) -> str:
+    """scaling.md: the settings, the table, the failed jobs."""
+    env, s = report["env"], report["settings"]
+    rows = report["rows"]
+    lines = [
+        f"# Weak scaling on {' and '.join(map(str, s['nprocs']))} GPUs ({env.get('gpu', '?')})", "",
+        f"Command: `{report['command']}`", "",
+        f"GPU: {env.get('gpu', '?')} ({env.get('capability', '-')}); torch {env.get('torch')}, CUDA "
+        f"{env.get('cuda')}, torchrec {env.get('torchrec')}, fbgemm_gpu {env.get('fbgemm_gpu')}, triton "
+        f"{env.get('triton')}, python {env.get('python')}; host {env.get('host')}.", "",
+        f"Per-GPU batch {s['batch']} (weak scaling: the global batch grows with the GPUs), "
+        f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the timed steps on rank 0 "
+        f"({s['timing']}), {s['cache_batches']} cached synthetic train batches cycled "
+        f"(data.cache_batches), table-wise sharding, sparse-dist pipeline, {s['device']}"
+        f"{'' if s['compile'] else ', eager (dry run: no compilation, no CUDA graphs)'}.", "",
+        "| config | variant | GPUs | step ms (median) | p10-p90 | samples/s (global) | vs bf16 | "
+        "scaling eff. | a2a MB/step | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ok = r["status"] == "ok"
+        spread = f"{r['step_ms_p10']:.2f}-{r['step_ms_p90']:.2f}" if ok else "-"
+        mb = r.get("a2a_bytes_per_step")
+        lines.append(
+            f"| {r['config']} | {r['variant']} | {r['nproc']} | {_fmt(r.get('step_ms_median'), '.2f')} | {spread} | "
+            f"{_fmt(r.get('samples_per_s'), ',.0f')} | {_fmt(r.get('speed_vs_' + REFERENCE), '.2f', 'x')} | "
+            f"{_fmt(r.get('scaling_efficiency'), '.0%')} | {_fmt(None if mb is None else mb / 1e6, '.2f')} | "
+            f"{r['status']} |"
+        )
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["", "Failed jobs:", ""]
+        lines += [f"- {r['config']} {r['variant']} x{r['nproc']}: {r['error']} ({r['dir']}/log.txt)" for r in failed]
+    notes = [r for r in rows if r.get("note")]
+    lines += [f"- {r['config']} {r['variant']} x{r['nproc']}: {r['note']}" for r in notes]
+    lines += ["", "Variants:", ""]
+    lines += [f"- `{name}`: {desc}" for name, desc in report["variants"].items()]
+    lines += [
+        "",
+        "Scaling efficiency: samples/s on N GPUs / (N x samples/s on 1 GPU), same config and variant "
+        "(1.0: perfect weak scaling). a2a MB/step: bytes the embedding all-to-all's codec encodes "
+        "per step, forward + backward, summed over ranks, each rank's whole payload (its own slice "
+        "included); on 1 GPU TorchRec runs no all-to-all (0). Only variants that install LoKA's "
+        "codecs count them (`-` otherwise).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="directory for scaling.json, scaling.md and one folder per job")
+    p.add_argument("--nprocs", type=int, nargs="+", default=[1, 2], help="processes (GPUs) per job (default 1 2)")
+    p.add_argument("--configs", nargs="+", default=list(SCALED_CONFIGS), choices=SCALED_CONFIGS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                   help=f"of {', '.join(VARIANTS)} (default {' '.join(DEFAULT_VARIANTS)})")
+    p.add_argument("--batch", type=int, default=None, help="per-GPU batch (default 8192; dry run 64)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 20; dry run 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 40; dry run 4)")
+    p.add_argument("--cache-batches", type=int, default=None, help="distinct train batches, cycled (default 16; dry run 4)")
+    p.add_argument("--job-timeout", type=float, default=180.0, help="seconds one job may run (default 180)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny models, eager")
+    p.add_argument("--job", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.job is not None:
+        return args
+    if args.out is None:
+        p.error("--out DIR is required")
+    dry = args.dry_run
+    for name, gpu, cpu in (("batch", 8192, 64), ("warmup", 20, 2), ("steps", 40, 4), ("cache_batches", 16, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if dry else gpu)
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    if any(n < 1 for n in args.nprocs) or len(set(args.nprocs)) != len(args.nprocs):
+        p.error(f"--nprocs {args.nprocs}: distinct process counts >= 1")
+    args.device = "cpu" if dry else "cuda"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every job, one after another; 0 when all succeeded, 1 when a job failed (recorded,
+    the others run), 2 without the GPUs asked for."""
+    args = parse_args(argv)
+    if args.job is not None:
+        return run_job(args.job)
+    import torch
+
+    if args.device == "cuda" and torch.cuda.device_count() < max(args.nprocs):
+        print(f"error: {max(args.nprocs)} GPUs asked for, {torch.cuda.device_count()} visible; "
+              "use --dry-run on a CPU", file=sys.stderr)
+        return 2
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run_all(args, argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
+    from bench.e2e.report import environment
+    from bench.e2e.variants import Composer
+
+    t0 = time.perf_counter()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    configs, data = (DRY_CONFIGS, DRY_DATA) if args.dry_run else (CONFIGS, DATA)
+    with contextlib.ExitStack() as stack:
+        composer = Composer(stack)
+        dims = {c: composer.job([*configs[c], *data]).model.embedding_dim for c in args.configs}
+    # job_overrides' arguments; the dry run has no compilation and no graphs.
+    e2e_args = argparse.Namespace(dry_run=args.dry_run, cache_batches=args.cache_batches, device=args.device,
+                                  compile_backend="inductor")
+    variants = [VARIANTS[v] for v in args.variants]
+    if args.dry_run:
+        variants = [replace(v, compile=False, graphs=False) for v in variants]
+    report: dict[str, Any] = {
+        "command": "python -m bench.scaling " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "env": environment("cpu"),  # versions; the GPU's name comes from the jobs
+        "settings": {"nprocs": args.nprocs, "batch": args.batch, "warmup": args.warmup, "steps": args.steps,
+                     "cache_batches": args.cache_batches, "device": args.device,
+                     "timing": "CUDA events" if args.device == "cuda" else "wall clock",
+                     "compile": not args.dry_run, "job_timeout_s": args.job_timeout},
+        "variants": {v.name: v.description for v in variants},
+        "rows": [],
+    }
+    rows: list[dict[str, Any]] = report["rows"]
+
+    def write() -> str:
+        add_ratios(rows)
+        gpu_env = next((r["env"] for r in rows if r.get("env")), None)
+        if gpu_env is not None:
+            report["env"] = gpu_env
+        text = render(report)
+        (out / "scaling.json").write_text(json.dumps(report, indent=2, default=str))
+        (out / "scaling.md").write_text(text)
+        return text
+
+    _progress(t0, f"{len(args.configs) * len(variants) * len(args.nprocs)} jobs, batch {args.batch}/GPU, "
+                  f"{args.warmup} + {args.steps} steps, {args.device}")
+    for config in args.configs:
+        for variant in variants:
+            extra = (f"loka.comm.row_dim={dims[config]}",) if _uses_codecs(variant) else ()
+            for nproc in args.nprocs:
+                job_dir = out / f"{config}_{variant.name}_x{nproc}"
+                if job_dir.exists():
+                    for stale in (*job_dir.glob("rank*.json"), *job_dir.glob("error.rank*.txt")):
+                        stale.unlink()
+                job_dir.mkdir(parents=True, exist_ok=True)
+                steps = args.warmup + args.steps
+                spec = {
+                    "config": config, "variant": variant.name, "nproc": nproc, "batch": args.batch,
+                    "warmup": args.warmup, "steps": args.steps,
+                    "timing": "events" if args.device == "cuda" else "sync",
+                    "overrides": job_overrides(e2e_args, config, args.batch, variant, str(job_dir / "run"),
+                                               steps=steps, eval_batches=1, extra=extra),
+                }
+                (job_dir / "job.json").write_text(json.dumps(spec, indent=1))
+                _progress(t0, f"{config} {variant.name} x{nproc}: start")
+                started = time.perf_counter()
+                try:
+                    rc, timed_out = _launch(job_dir, nproc, args.job_timeout)
+                except _Terminated:
+                    rows.append({"config": config, "variant": variant.name, "nproc": nproc, "status": "error",
+                                 "error": "stopped: the benchmark was terminated (SIGTERM)", "dir": str(job_dir),
+                                 "overrides": spec["overrides"], "wall_s": time.perf_counter() - started})
+                    write()
+                    raise
+                row = _row(spec, variant, job_dir, rc, timed_out, args.job_timeout, time.perf_counter() - started)
+                rows.append(row)
+                write()
+                if row["status"] == "ok":
+                    mb = row["a2a_bytes_per_step"]
+                    eff = row["scaling_efficiency"]
+                    _progress(t0, f"{config} {variant.name} x{nproc}: {row['step_ms_median']:.2f} ms/step, "
+                                  f"{row['samples_per_s']:,.0f} samples/s"
+                                  + (f", efficiency {eff:.0%}" if eff is not None else "")
+                                  + (f", a2a {mb / 1e6:.2f} MB/step" if mb is not None else "")
+                                  + f" ({row['wall_s']:.1f} s)")
+                else:
+                    _progress(t0, f"{config} {variant.name} x{nproc}: FAILED ({row['wall_s']:.1f} s): {row['error']}")
+    text = write()
+    print(text, flush=True)
+    failed = sum(r["status"] != "ok" for r in rows)
+    _progress(t0, f"wrote {out}/scaling.md and scaling.json: {len(rows)} jobs, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

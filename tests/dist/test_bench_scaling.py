@@ -1,0 +1,67 @@
+"""bench.scaling's dry run: each job under torchrun with 1 and 2 gloo processes; the JSON's rows,
+step times, samples/s, the efficiency computed from them and the all-to-all bytes; a job that
+fails is recorded with its error while the others run, and the exit status says so."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import scaling
+from bench.e2e.variants import Variant
+
+
+def test_dry_run_on_1_and_2_processes_records_a_failed_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A variant the trainer refuses on the CPU, once it has started: a job that fails in its ranks.
+    monkeypatch.setitem(scaling.VARIANTS, "broken", Variant(
+        name="broken", description="CUDA graphs on the CPU", loka_overrides=("trainer.cuda_graphs=true",),
+    ))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU codec is the reference one
+    rc = scaling.main(["--dry-run", "--out", str(tmp_path), "--configs", "dlrm",
+                       "--variants", "bf16_fp8comm", "broken", "--job-timeout", "120"])
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "scaling.json").read_text())
+    rows = {(r["variant"], r["nproc"]): r for r in report["rows"]}
+    assert rc == 1, printed
+    assert sorted(rows) == [("bf16_fp8comm", 1), ("bf16_fp8comm", 2), ("broken", 1), ("broken", 2)]
+
+    one, two = rows["bf16_fp8comm", 1], rows["bf16_fp8comm", 2]
+    for r in (one, two):
+        assert r["status"] == "ok", r.get("error")
+        assert len(r["step_ms"]) == 4 and r["step_ms_median"] > 0
+        assert len(r["step_ms_median_by_rank"]) == r["nproc"]
+        assert math.isclose(r["samples_per_s"], 64 * r["nproc"] * 1000.0 / r["step_ms_median"])
+    assert one["scaling_efficiency"] is None
+    assert math.isclose(two["scaling_efficiency"], two["samples_per_s"] / (2 * one["samples_per_s"]))
+    # 1 process: no all-to-all. 2: every rank sends FP8 both ways, counted by the codec.
+    assert one["a2a_bytes_per_step"] == 0
+    assert two["a2a_bytes_per_step"] > 0
+    assert all(set(p) == {"FP8"} for p in two["a2a_bytes_by_precision_rank0"].values())
+    assert not two["comm_fallbacks"]
+
+    for n in (1, 2):
+        broken = rows["broken", n]
+        assert broken["status"] == "error" and "cuda_graphs" in broken["error"], broken
+        assert broken["scaling_efficiency"] is None
+    md = (tmp_path / "scaling.md").read_text()
+    assert "Failed jobs" in md and "dlrm broken x2" in md
+    assert "| dlrm | bf16_fp8comm | 2 |" in md and "python -m bench.scaling --dry-run" in md
+    assert "dlrm broken x1: FAILED" in printed and "dlrm bf16_fp8comm x2:" in printed
+
+
+def test_efficiency_needs_both_runs() -> None:
+    def row(variant: str, nproc: int, sps: float | None) -> dict:
+        if sps is None:
+            return {"config": "dlrm", "variant": variant, "nproc": nproc, "status": "error"}
+        return {"config": "dlrm", "variant": variant, "nproc": nproc, "status": "ok", "samples_per_s": sps}
+
+    rows = [row("bf16", 1, 100.0), row("bf16", 2, 150.0), row("loka_safe", 1, None),
+            row("loka_safe", 2, 120.0)]
+    scaling.add_ratios(rows)
+    assert [r["scaling_efficiency"] for r in rows] == [None, 0.75, None, None]
+    assert [r["speed_vs_bf16"] for r in rows] == [1.0, 1.0, None, 0.8]
