@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loka_train.comm import CommChannel, CommConfig, CommPolicy, CommPrecision, CommState, ReplicaSync
+from loka_train.comm import (
+    CommChannel,
+    CommConfig,
+    CommPolicy,
+    CommPrecision,
+    CommState,
+    ReplicaSync,
+)
 from loka_train.kernels.formats import sqnr_db
 from loka_train.runtime.sparse2d import Sparse2DLayout, replica_process_group
 from tests.dist._multiprocess import run_multiprocess

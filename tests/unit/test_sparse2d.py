@@ -140,3 +140,13 @@ def test_hydra_composes_the_new_keys() -> None:
     assert (job.trainer.sharding_group_size, job.trainer.sharding_sync_every) == (1, 4)
     with pytest.raises(ValueError, match="needs CUDA"):
         _compose("trainer.sharding_group_size=1", "trainer.checkpoint_at_end=false")
+
+
+def test_comm_state_resumes_a_checkpoint_from_before_the_replica_sync_channel() -> None:
+    from loka_train.comm import CommChannel, CommConfig, CommState
+
+    state = CommState(CommConfig(), backend="gloo")
+    saved = state.state_dict()
+    older = saved["sqnr_sums"][: len(CommChannel) - 1] + 1.0  # five channels, with measurements
+    state.load_state_dict({**saved, "sqnr_sums": older})
+    assert torch.equal(state.sqnr_sums[:-1], older) and not state.sqnr_sums[-1].any()
