@@ -8,6 +8,8 @@
   wire, fallbacks, switches.
 * `WireFormat` / `CodecImpl`: the payload of each precision and the kernels that encode it
   (the PyTorch reference, fused Triton kernels in `comm.triton_codec`, FBGEMM's ops).
+* `ReplicaSync`: the replica sync of 2D sparse parallelism (``trainer.sharding_group_size``):
+  each replicated embedding shard's change since the last sync, averaged through the codecs.
 * `CommPolicy`: lowers/raises each channel's precision from measured SQNR, on all ranks at once.
 
 Example:
@@ -25,6 +27,7 @@ from loka_train.comm.config import CodecImpl, CommChannel, CommConfig, CommPreci
 from loka_train.comm.dense import DenseGradCompressor, dense_grad_comm_hook, install_dense_grad_hook
 from loka_train.comm.formats import WireFormat
 from loka_train.comm.policy import Action, CommPolicy, Proposal
+from loka_train.comm.replica import ReplicaSync
 from loka_train.comm.state import CommState, PrecisionSource, channel_supports
 from loka_train.comm.stats import CommStats, FallbackEvent, SwitchEvent
 
@@ -42,6 +45,7 @@ __all__ = [
     "FallbackEvent",
     "PrecisionSource",
     "Proposal",
+    "ReplicaSync",
     "SwitchEvent",
     "SwitchableCodec",
     "WireFormat",

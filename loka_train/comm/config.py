@@ -10,6 +10,8 @@ a2a_bwd        their gradients, embedding all-to-all, backward
 rs_fwd         pooled embeddings, reduce-scatter (row-wise / table-row-wise sharding), forward
 rs_bwd         their gradients (an all-gather), backward
 dense_grad     dense parameter gradients, DDP all-reduce (through a comm hook)
+replica_sync   2D sparse parallelism: each replicated embedding shard's change since the last
+               sync, averaged over its replica group (`comm.replica.ReplicaSync`)
 =============  ==============================================================================
 
 Example:
@@ -103,11 +105,15 @@ class CommChannel(Enum):
     RS_FWD = "rs_fwd"
     RS_BWD = "rs_bwd"
     DENSE_GRAD = "dense_grad"
+    REPLICA_SYNC = "replica_sync"
 
     @property
     def is_backward(self) -> bool:
-        """True for channels that carry gradients."""
-        return self in (CommChannel.A2A_BWD, CommChannel.RS_BWD, CommChannel.DENSE_GRAD)
+        """True for channels that carry gradients (a replica sync carries the sum of the
+        updates since the last sync, so it takes the gradient channels' thresholds)."""
+        return self in (
+            CommChannel.A2A_BWD, CommChannel.RS_BWD, CommChannel.DENSE_GRAD, CommChannel.REPLICA_SYNC,
+        )
 
 
 _E = TypeVar("_E", bound=Enum)
@@ -155,6 +161,13 @@ class CommConfig:
     """Initial precision of the dense-gradient all-reduce (DDP comm hook). FP8/INT8 travel as
     an all-gather of row-wise payloads that every rank decodes and averages in fp32."""
 
+    replica_sync: CommPrecision = CommPrecision.FP32
+    """Initial precision of the replica sync of 2D sparse parallelism
+    (``trainer.sharding_group_size``): the change of each replicated embedding shard since the
+    last sync, averaged over its replicas. FP32 averages the weights themselves (TorchRec's
+    ``DMPCollection.sync``); FP16/BF16 all-reduce the change, FP8/INT8 all-gather it row-wise.
+    Lossy precisions keep an error-feedback residual per tensor (``dense_error_feedback``)."""
+
     adaptive_channels: tuple[CommChannel, ...] = ()
     """Channels whose precision the policy may change during the run; empty: static."""
 
@@ -177,7 +190,7 @@ class CommConfig:
     below this. Must be below `forward_lower_sqnr_db` (the gap is the hysteresis band)."""
 
     backward_lower_sqnr_db: float = 20.0
-    """Gradient channels (a2a_bwd, rs_bwd, dense_grad): SQNR (dB) needed to lower."""
+    """Gradient channels (a2a_bwd, rs_bwd, dense_grad, replica_sync): SQNR (dB) needed to lower."""
 
     backward_raise_sqnr_db: float = 15.0
     """Gradient channels: raise below this SQNR (dB). Must be below `backward_lower_sqnr_db`."""
@@ -211,12 +224,14 @@ class CommConfig:
     """FP8 element format of the embedding-gradient channels (a2a_bwd)."""
 
     dense_fp8_format: Fp8Format = Fp8Format.E4M3
-    """FP8 element format of the dense-gradient hook (row-wise scaling bounds the range and
-    error feedback carries what is rounded away, so precision beats range here)."""
+    """FP8 element format of the dense-gradient hook and of the replica sync (row-wise scaling
+    bounds the range and error feedback carries what is rounded away, so precision beats range
+    here)."""
 
     dense_error_feedback: bool = True
     """Dense gradients: keep, per DDP bucket, the error the lossy encoding made and add it to
-    the next step's gradient (error feedback), so no update is lost over time."""
+    the next step's gradient (error feedback), so no update is lost over time. The replica sync
+    (``replica_sync``) keeps one such residual per replicated tensor under the same switch."""
 
     codec_impl: CodecImpl = CodecImpl.AUTO
     """Kernels of the FP8 / FP16 / BF16 (and INT8) encoders and decoders: AUTO (fused Triton
@@ -234,6 +249,7 @@ class CommConfig:
             "reduce_scatter_forward",
             "reduce_scatter_backward",
             "dense_grads",
+            "replica_sync",
             "min_precision",
             "max_precision",
         ):
@@ -302,11 +318,12 @@ class CommConfig:
             CommChannel.RS_FWD: self.reduce_scatter_forward,
             CommChannel.RS_BWD: self.reduce_scatter_backward,
             CommChannel.DENSE_GRAD: self.dense_grads,
+            CommChannel.REPLICA_SYNC: self.replica_sync,
         }[channel]
 
     def fp8_format(self, channel: CommChannel) -> Fp8Format:
         """FP8 element format used on `channel`."""
-        if channel is CommChannel.DENSE_GRAD:
+        if channel in (CommChannel.DENSE_GRAD, CommChannel.REPLICA_SYNC):
             return self.dense_fp8_format
         return self.backward_fp8_format if channel.is_backward else self.forward_fp8_format
 

@@ -86,7 +86,7 @@ def channel_supports(
             "count), so a row-wise scaled format cannot travel; use FP32, FP16 or BF16"
         )
     summed_natively = channel in _SUMMING_CHANNELS or (
-        channel is CommChannel.DENSE_GRAD and not precision.is_rowwise
+        channel in (CommChannel.DENSE_GRAD, CommChannel.REPLICA_SYNC) and not precision.is_rowwise
     )
     if summed_natively and precision is CommPrecision.BF16 and backend == "gloo":
         return _gloo_bf16_supported()
@@ -461,6 +461,10 @@ class CommState:
         if "sqnr_sums" in state:
             sums = state["sqnr_sums"]
             assert isinstance(sums, torch.Tensor)
+            if sums.shape[0] < self.sqnr_sums.shape[0] and sums.shape[1:] == self.sqnr_sums.shape[1:]:
+                # A checkpoint from before a channel was added (channels only ever append): the
+                # new channels start with no measurement.
+                sums = torch.cat([sums, sums.new_zeros(self.sqnr_sums.shape[0] - sums.shape[0], *sums.shape[1:])])
             if sums.shape != self.sqnr_sums.shape:
                 raise ValueError(
                     f"comm: checkpoint SQNR buffer has shape {tuple(sums.shape)}, this version "

@@ -5,6 +5,7 @@ from loka_train.models.build import (
     build_model,
     full_table,
     init_embedding_tables,
+    local_shards,
     table_name,
 )
 from loka_train.models.config import ModelConfig
@@ -17,5 +18,6 @@ __all__ = [
     "build_model",
     "full_table",
     "init_embedding_tables",
+    "local_shards",
     "table_name",
 ]

@@ -136,14 +136,46 @@ def full_table(seed: int, table: str, rows: int, dim: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def local_shards(value: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The local pieces of a (sharded) state_dict tensor and the offset of each in the whole.
+
+    A `ShardedTensor` (DistributedModelParallel) gives its local shards; a `DTensor` (TorchRec's
+    2D sparse parallelism, ``DMPCollection``) gives the shards of its ``LocalShardsWrapper`` (a
+    table-wise table this rank does not hold has none), or its local tensor when it is
+    replicated; a plain tensor is one piece at offset 0. The pieces are the live storage: a copy
+    into one changes the model.
+
+    Raises:
+        ValueError: a DTensor sharded without TorchRec's ``LocalShardsWrapper`` (its offsets are
+            not known here).
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(value, ShardedTensor):
+        return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if hasattr(local, "local_shards") and hasattr(local, "local_offsets"):
+            return [(t, tuple(int(o) for o in off)) for t, off in zip(local.local_shards(), local.local_offsets())]
+        if all(isinstance(p, Replicate) for p in value.placements):
+            return [(local, (0,) * local.dim())]
+        raise ValueError(
+            f"a DTensor with placements {value.placements} and no LocalShardsWrapper: its shards' "
+            "offsets are unknown (TorchRec's sharded embeddings always wrap theirs)"
+        )
+    return [(value, (0,) * value.dim())]
+
+
 def init_embedding_tables(
     model: nn.Module, *, seed: int, tables: dict[str, tuple[int, int]]
 ) -> int:
     """Fill every embedding weight (whole or sharded) from its table's seed.
 
-    Works on the unsharded EBC and on DistributedModelParallel's ShardedTensors alike: a
-    shard copies its slice of the deterministic full table, so any sharding plan starts from
-    the same values.
+    Works on the unsharded EBC, on DistributedModelParallel's ShardedTensors and on
+    DMPCollection's DTensors alike (`local_shards`): a shard copies its slice of the
+    deterministic full table, so any sharding plan starts from the same values, and the
+    replicas of 2D sparse parallelism start identical.
 
     Args:
         model: a model whose state_dict holds `...embedding_bags.<table>.weight` entries.
@@ -153,8 +185,6 @@ def init_embedding_tables(
     Returns:
         The number of weight tensors initialised (a check that every table was found).
     """
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
     count = 0
     for key, value in model.state_dict().items():
         parts = key.split(".")
@@ -163,12 +193,8 @@ def init_embedding_tables(
         table = parts[-2]
         rows, dim = tables[table]
         full = full_table(seed, table, rows, dim)
-        if isinstance(value, ShardedTensor):
-            for shard in value.local_shards():
-                r0, c0 = shard.metadata.shard_offsets
-                nr, nc = shard.metadata.shard_sizes
-                shard.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
-        else:
-            value.copy_(full.to(value.device))
+        for shard, (r0, c0) in local_shards(value):
+            nr, nc = shard.shape
+            shard.copy_(full[r0 : r0 + nr, c0 : c0 + nc].to(shard.device))
         count += 1
     return count

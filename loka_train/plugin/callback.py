@@ -81,6 +81,8 @@ class LokaCallback(Callback):
         self.dispatcher: Dispatcher | None = None
         self.comm_state: Any = None
         self.comm_policy: Any = None
+        self.replica_syncer: Any = None
+        """The replica sync of 2D sparse parallelism through the codecs (``comm.ReplicaSync``)."""
         self.timeline: list[tuple[int, dict[str, str]]] = []
         """(step, site -> short plan) at every interval, for the plan timeline."""
         self.guard_trips: list[dict[str, Any]] = []
@@ -166,6 +168,7 @@ class LokaCallback(Callback):
             self._dropped_residuals = ""
         if self.comm_state is not None:
             self._install_dense_grad_hook(trainer)
+            self._install_replica_sync(trainer)
             if self._pending_comp is not None:
                 if len(self._pending_comp) == len(self.compressors):
                     for comp, st in zip(self.compressors, self._pending_comp):
@@ -189,6 +192,32 @@ class LokaCallback(Callback):
             self.config.probe.interval,
             objective,
             f" ({_cpu_note(objective)})" if trainer.device.type == "cpu" else "",
+        )
+
+    def _install_replica_sync(self, trainer: Trainer) -> None:
+        """2D sparse parallelism: the replicas sync through LoKA's codecs (`comm.ReplicaSync`)
+        when the ``replica_sync`` channel may leave FP32; a static FP32 channel keeps
+        DMPCollection's own sync (the same mean, one coalesced all-reduce)."""
+        from loka_train.comm import CommChannel, CommPrecision, ReplicaSync
+        from loka_train.runtime.sparse2d import replica_process_group, replicated_shards
+
+        layout = trainer.sparse2d
+        if layout is None or trainer.replica_sync is None:
+            return
+        channel = CommChannel.REPLICA_SYNC
+        static_fp32 = channel not in self.config.comm.adaptive_channels
+        if static_fp32 and self.comm_state.precision(channel) is CommPrecision.FP32:
+            return
+        self.replica_syncer = ReplicaSync(
+            self.comm_state, group=replica_process_group(trainer.model, layout, trainer.rank)
+        )
+        model, fused = trainer.model, trainer.model.fused_optimizer
+        shards = replicated_shards(model, fused)  # live tensors: listed once
+        trainer.replica_sync = lambda step: self.replica_syncer.sync(*shards)
+        logger.info(
+            "LoKA comm: replica sync of %d embedding shards through the codecs (%s, %s)",
+            len(shards[0]), self.comm_state.precision(channel).name,
+            "adaptive" if not static_fp32 else "static",
         )
 
     def _install_dense_grad_hook(self, trainer: Trainer) -> None:

@@ -38,6 +38,7 @@ COMM_CHANNELS: dict[str, str] = {
     "rs_fwd": "reduce-scatter of row-wise sharded tables, forward",
     "rs_bwd": "its gradients (an all-gather), backward",
     "dense_grad": "dense gradients, DDP all-reduce (comm hook)",
+    "replica_sync": "2D sparse parallelism: embedding replicas' change since the last sync",
 }
 """What each communication channel carries (``loka_train.comm.CommChannel``)."""
 

@@ -72,6 +72,25 @@ class TrainerConfig:
     row_wise, data_parallel (replicated, dense optimizer). On CPU the planner offers no
     row_wise; forcing it here builds an explicit plan, which TorchRec honours."""
 
+    sharding_group_size: int | None = None
+    """2D sparse parallelism (TorchRec's ``DMPCollection``): shard the tables over groups of
+    this many ranks and replicate them across the ``world_size / sharding_group_size`` groups,
+    which average their replicas every ``sharding_sync_every`` steps. Fewer ranks per table
+    means smaller embedding all-to-alls; the price is a replica sync and a copy of the tables
+    per group. ``trainer.sharding`` then plans for one group. None: every table sharded over
+    all ranks (plain ``DistributedModelParallel``); 1: every rank holds every table. Needs CUDA
+    (nccl) and a world size it divides (`runtime.sparse2d`); checkpoints are refused with it
+    (DCP of the replicated shards is not verified yet): set ``checkpoint_every=0``,
+    ``checkpoint_at_end=false``, ``resume=never``. With the LoKA comm policy on, the sync goes
+    through LoKA's codecs (``loka.comm.replica_sync``), else through ``DMPCollection.sync``
+    (fp32 mean of the weights and the optimizer state)."""
+
+    sharding_sync_every: int = 1
+    """With ``sharding_group_size``: steps between replica syncs (after steps N-1, 2N-1, ...
+    and the last one). 1 syncs after every step, as TorchRec's ``DMPCollection`` is meant to
+    be used (its ``sync()`` has no interval of its own); more lets the replicas drift apart
+    for fewer syncs."""
+
     pipeline: str = "sparse_dist"
     """Train loop driver: "sparse_dist" (TorchRec TrainPipelineSparseDist, overlaps the
     sparse input dist with compute) or "base" (plain forward/backward/step)."""
@@ -258,8 +277,46 @@ class TrainerConfig:
             raise ValueError("trainer.dense_lr and trainer.sparse_lr must be positive")
         if not self.lr_decay_power > 0:
             raise ValueError(f"trainer.lr_decay_power={self.lr_decay_power} must be positive (MLPerf uses 2)")
+        self._check_sparse2d()
         if not self.lr_decay_steps and (self.lr_decay_start or self.lr_decay_power != MLPERF_DECAY_POWER):
             raise ValueError(
                 "trainer.lr_decay_start and trainer.lr_decay_power shape a decay that "
                 "trainer.lr_decay_steps=0 turns off: set trainer.lr_decay_steps=N (steps to reach 0)"
+            )
+
+    def _check_sparse2d(self) -> None:
+        """``sharding_group_size`` / ``sharding_sync_every``: what can be checked without the
+        world size (`runtime.sparse2d.check_sparse2d` checks the rest when the run starts)."""
+        group = self.sharding_group_size
+        if self.sharding_sync_every < 1:
+            raise ValueError(f"trainer.sharding_sync_every={self.sharding_sync_every} must be >= 1 (1: every step)")
+        if group is None:
+            if self.sharding_sync_every != 1:
+                raise ValueError(
+                    f"trainer.sharding_sync_every={self.sharding_sync_every} needs "
+                    "trainer.sharding_group_size (2D sparse parallelism): set it, or drop sharding_sync_every"
+                )
+            return
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(
+                f"trainer.sharding_group_size={group!r} must be an integer >= 1 that divides the world "
+                "size, or null for plain DistributedModelParallel"
+            )
+        if self.device == "cpu":
+            raise ValueError(
+                "trainer.sharding_group_size (2D sparse parallelism) needs CUDA: TorchRec's DMPCollection "
+                "runs only on CUDA with nccl. Run with trainer.device=cuda on GPUs, or set "
+                "trainer.sharding_group_size=null to shard every table over all ranks"
+            )
+        if self.sharding == "data_parallel":
+            raise ValueError(
+                "trainer.sharding=data_parallel replicates every table on every rank already: "
+                "trainer.sharding_group_size has nothing to shard; choose another trainer.sharding "
+                "or set trainer.sharding_group_size=null"
+            )
+        if self.checkpoint_every or self.checkpoint_at_end or self.resume != "never":
+            raise ValueError(
+                "trainer.sharding_group_size (2D sparse parallelism) does not checkpoint yet (DCP of "
+                "DMPCollection's replicated shards is not verified): set trainer.checkpoint_every=0 "
+                "trainer.checkpoint_at_end=false trainer.resume=never, or trainer.sharding_group_size=null"
             )

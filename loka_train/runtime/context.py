@@ -6,6 +6,7 @@ and passes it to the LoKA callback's hooks (see examples/own_loop.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -15,6 +16,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from loka_train.runtime.graphs import DenseGraphs
+    from loka_train.runtime.sparse2d import Sparse2DLayout
 
 
 @dataclass(kw_only=True)
@@ -64,6 +66,15 @@ class RunContext:
     """The loop's `loka_train.runtime.graphs.DenseGraphs` when it replays the dense step as CUDA
     graphs (set it before `on_train_start`), else None: Dispatch then times GEMMs graphed."""
 
+    sparse2d: Sparse2DLayout | None = None
+    """The layout when the model is a ``DMPCollection`` (2D sparse parallelism,
+    `loka_train.runtime.sparse2d`), else None."""
+
+    replica_sync: Callable[[int], None] | None = None
+    """With `sparse2d`: ``sync(step)`` of the tables' replicas, which the loop calls when
+    `loka_train.runtime.sparse2d.sync_due` says (start with ``lambda step: model.sync()``); a
+    callback may replace it in `on_train_start` (LoKA: through its codecs)."""
+
 
 class LoopState(Protocol):
     """What every callback hook receives: a `Trainer` or a `RunContext` (same attributes)."""
@@ -79,3 +90,5 @@ class LoopState(Protocol):
     progress_postfix: dict[str, str]
     fallbacks: list[str]
     graphs: DenseGraphs | None
+    sparse2d: Sparse2DLayout | None
+    replica_sync: Callable[[int], None] | None

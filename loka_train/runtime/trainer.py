@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -67,6 +66,7 @@ from loka_train.runtime.preflight import (
 )
 from loka_train.runtime.rundirs import RunDirs, RunStart
 from loka_train.runtime.sharding import make_sharder, make_sharding_plan
+from loka_train.runtime.sparse2d import check_sparse2d, model_parallel, sync_due
 from loka_train.runtime.train_model import ModelSpec, check_train_output, prepare_model
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,9 @@ class Trainer:
         self.world_size = self.dist.world_size
         self.device = self.dist.device
         check_cuda_graphs(trainer, self.device)
+        self.sparse2d = check_sparse2d(trainer, world_size=self.world_size, device=self.device)
+        self.replica_sync: Callable[[int], None] | None = None
+        """2D sparse parallelism (`sparse2d`): ``sync(step)`` of the replicas; a callback may replace it in on_train_start."""
         self.dense_dtype = torch.bfloat16 if trainer.dense_dtype == "bf16" else torch.float32
         """The dtype the dense towers compute in (``trainer.dense_dtype``): bf16 autocast around
         forward and backward, or fp32. Callbacks read it (`LoopState.dense_dtype`)."""
@@ -191,20 +194,14 @@ class Trainer:
     def _shard(self) -> None:
         self.callbacks.call("on_before_shard", self)
         sharder = make_sharder(self.cfg, qcomm_codecs_registry=self.qcomm_codecs_registry)
+        group = self.sparse2d.sharding_group_size if self.sparse2d is not None else self.world_size
         self.sharding_plan = make_sharding_plan(
-            self.model, sharder, kind=self.cfg.sharding, world_size=self.world_size,
-            local_world_size=self.dist.local_world_size, device=self.device,
+            self.model, sharder, kind=self.cfg.sharding, world_size=group,
+            local_world_size=min(self.dist.local_world_size, group), device=self.device,
         )
-        kwargs: dict[str, Any] = {}
-        if self.data_parallel_wrapper is not None:
-            kwargs["data_parallel_wrapper"] = self.data_parallel_wrapper
-        self.model = DistributedModelParallel(
-            module=self.model,
-            device=self.device,
-            plan=self.sharding_plan,
-            sharders=[sharder],
-            **kwargs,
-        )
+        self.model = model_parallel(self.model, device=self.device, plan=self.sharding_plan, sharders=[sharder], layout=self.sparse2d, data_parallel_wrapper=self.data_parallel_wrapper)
+        if self.sparse2d is not None:  # DMPCollection's own sync (fp32 mean) unless a callback sets one
+            self.replica_sync = lambda step: self.model.sync()  # type: ignore[operator]
         found = init_embedding_tables(self.model, seed=self.cfg.seed, tables=self.tables)
         # Each table appears once per weight key; a sharded model may split none of them.
         assert found >= len(self.tables), f"initialised {found} of {len(self.tables)} tables"
@@ -505,6 +502,8 @@ class Trainer:
                         raise self._short_train_data(step) from None
                 if step == start:
                     check_train_output(output, self.model_name)
+                if self.replica_sync is not None and sync_due(step, every=self.cfg.sharding_sync_every, last_step=self.cfg.steps - 1):
+                    self.replica_sync(step)
                 loss, _, _ = output
                 loss_sum += loss.detach()
                 loss_count += 1
@@ -572,6 +571,7 @@ class Trainer:
             "dense_dtype": self.cfg.dense_dtype,
             "model": self.model_name,
             "sharding": self.cfg.sharding,
+            "sharding_group_size": self.cfg.sharding_group_size,
             "global_batch": self.cfg.batch_size * self.world_size,
             "train/loss": last_loss,
             "train/steps_per_s": timed_steps / train_s if timed_steps else math.nan,

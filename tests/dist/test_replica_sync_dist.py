@@ -1,0 +1,142 @@
+"""LoKA's replica sync (`comm.ReplicaSync`) on gloo, on plain tensors: FP32 is the plain mean of
+the replicas, lossy syncs leave the replicas identical and near the mean, error feedback
+loses nothing, the policy picks the precision, and the groups come from the 2D layout.
+
+Shape legend: N values, R rows, D embedding dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loka_train.comm import (
+    CommChannel,
+    CommConfig,
+    CommPolicy,
+    CommPrecision,
+    CommState,
+    ReplicaSync,
+)
+from loka_train.kernels.formats import sqnr_db
+from loka_train.runtime.sparse2d import Sparse2DLayout, replica_process_group
+from tests.dist._multiprocess import run_multiprocess
+
+CH = CommChannel.REPLICA_SYNC
+FP32, BF16, FP8 = CommPrecision.FP32, CommPrecision.BF16, CommPrecision.FP8
+
+
+def _table(seed: int, rows: int = 16, dim: int = 32) -> torch.Tensor:
+    return torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _update(seed: int, step: int) -> torch.Tensor:
+    return 1e-2 * _table(1000 * seed + step)
+
+
+def _gather(t: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _exact_job(rank: int, world: int) -> None:
+    state = CommState(CommConfig(), backend="gloo")
+    sync = ReplicaSync(state)
+    w_RD, m_R = _table(rank), torch.rand(16, generator=torch.Generator().manual_seed(50 + rank))
+    sync.sync({"t": w_RD}, [m_R])
+    assert torch.equal(w_RD, (_table(0) + _table(1)) / 2)  # bit for bit: a plain mean
+    assert torch.equal(m_R, sum(torch.rand(16, generator=torch.Generator().manual_seed(50 + r)) for r in range(world)) / 2)
+    before = [w_RD + _update(r, 0) for r in range(world)]
+    w_RD += _update(rank, 0)
+    sync.sync({"t": w_RD})
+    assert torch.equal(w_RD, (before[0] + before[1]) / 2)
+
+
+def test_fp32_sync_is_the_plain_mean() -> None:
+    run_multiprocess(_exact_job, 2, timeout=60)
+
+
+def _lossy_job(rank: int, world: int, precision: str, feedback: bool, steps: int) -> dict[str, float]:
+    state = CommState(CommConfig(replica_sync=precision, dense_error_feedback=feedback), backend="gloo")
+    sync = ReplicaSync(state)
+    w_RD = _table(rank)
+    sync.sync({"t": w_RD})  # the first sync is FP32: anchors agree
+    exact_RD = w_RD.clone()
+    for step in range(steps):
+        w_RD += _update(rank, step)
+        exact_RD += sum(_update(r, step) for r in range(world)) / world
+        sync.sync({"t": w_RD})
+        replicas = _gather(w_RD)
+        assert all(torch.equal(replicas[0], r) for r in replicas), "replicas differ after a sync"
+    residuals = sync.residuals
+    mean_residual = sum(_gather(residuals["t"])) / world if "t" in residuals else torch.zeros(w_RD.numel())
+    moved = exact_RD - _table(0) / 2 - _table(1) / 2
+    return {
+        "sqnr_db": float(sqnr_db(moved, w_RD - _table(0) / 2 - _table(1) / 2)),
+        # What was applied plus what is still held back is exactly what the replicas changed.
+        "feedback_gap": float((w_RD.reshape(-1) + mean_residual - exact_RD.reshape(-1)).abs().max()),
+        "bytes": float(state.stats.bytes_by_precision[CH].get(CommPrecision(precision), 0)),
+        "fp32_bytes": float(state.stats.bytes_by_precision[CH].get(FP32, 0)),
+    }
+
+
+@pytest.mark.parametrize(("precision", "min_db"), [("bf16", 35.0), ("fp8", 20.0)])
+def test_lossy_sync_keeps_replicas_identical_and_near_the_mean(precision: str, min_db: float) -> None:
+    r0, r1 = run_multiprocess(_lossy_job, 2, precision, True, 1, timeout=60)
+    assert r0 == r1
+    assert r0["sqnr_db"] > min_db and r0["sqnr_db"] < 120, r0  # lossy, yet close
+    # One FP32 sync of 16 x 32 fp32 values, then one at the precision (fewer bytes).
+    assert r0["fp32_bytes"] == 16 * 32 * 4 and 0 < r0["bytes"] < r0["fp32_bytes"]
+
+
+def test_error_feedback_loses_nothing() -> None:
+    with_fb = run_multiprocess(_lossy_job, 2, "fp8", True, 12, timeout=60)[0]
+    without = run_multiprocess(_lossy_job, 2, "fp8", False, 12, timeout=60)[0]
+    assert with_fb["feedback_gap"] < 1e-5, with_fb
+    assert with_fb["sqnr_db"] > without["sqnr_db"] + 3, (with_fb, without)
+
+
+def _policy_job(rank: int, world: int) -> list[str]:
+    config = CommConfig(
+        adaptive_channels=(CH,), sample_every=1, policy_interval=1, lower_patience=1,
+        ladder=(FP32, BF16, FP8), backward_lower_sqnr_db=20.0, backward_raise_sqnr_db=15.0,
+    )
+    state = CommState(config, backend="gloo")
+    policy = CommPolicy(state)
+    sync = ReplicaSync(state)
+    w_RD = _table(rank)
+    used = []
+    for step in range(3):
+        state.begin_step(step)
+        w_RD += _update(rank, step)
+        used.append(sync.precision().value)
+        sync.sync({"t": w_RD})
+        state.end_step()
+        policy.maybe_update(step)
+    return used
+
+
+def test_policy_picks_the_precision() -> None:
+    used = run_multiprocess(_policy_job, 2, timeout=60)
+    assert used[0] == used[1]
+    # The first sync is FP32 and measures nothing; the second measures the change at every
+    # rung (FP8 on these smooth updates is well above 20 dB), and the policy lowers to FP8.
+    assert used[0] == ["fp32", "fp32", "fp8"], used[0]
+
+
+def _groups_job(rank: int, world: int) -> list[float]:
+    layout = Sparse2DLayout(world_size=world, sharding_group_size=2)
+    group = replica_process_group(torch.nn.Module(), layout, rank)
+    sync = ReplicaSync(CommState(CommConfig(), backend="gloo"), group=group)
+    w_N = torch.tensor([float(rank)])
+    sync.sync({"t": w_N})
+    return w_N.tolist()
+
+
+def test_replica_groups_follow_the_layout() -> None:
+    # 4 ranks, sharding groups (0, 2), (1, 3): ranks 0 and 1 hold the same shards, 2 and 3 too.
+    assert run_multiprocess(_groups_job, 4, timeout=60) == [[0.5], [0.5], [2.5], [2.5]]

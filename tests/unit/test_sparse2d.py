@@ -1,0 +1,152 @@
+"""2D sparse parallelism on CPU: the layout (held to the installed TorchRec's own
+``DMPCollection`` group construction), when replicas sync, and the config's refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torchrec.distributed import model_parallel as torchrec_model_parallel
+
+import launch.train  # noqa: F401  (registers the schema in the ConfigStore)
+from loka_train.job import JobConfig
+from loka_train.runtime.config import TrainerConfig
+from loka_train.runtime.sparse2d import Sparse2DLayout, check_sparse2d, sync_due
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+NO_CHECKPOINTS = {"checkpoint_every": 0, "checkpoint_at_end": False, "resume": "never"}
+
+
+def _torchrec_mesh(monkeypatch: pytest.MonkeyPatch, world_size: int, group_size: int) -> list[list[int]]:
+    """The rank matrix DMPCollection builds its DeviceMesh from (rows: sharding groups,
+    columns: replica groups), read from the installed TorchRec's own code."""
+    seen: dict[str, Any] = {}
+
+    class FakeMesh:
+        def __init__(self, *, device_type: str, mesh: list[list[int]], mesh_dim_names: tuple[str, str]) -> None:
+            assert mesh_dim_names == ("replicate", "shard")
+            seen["mesh"] = mesh
+
+        def get_group(self, mesh_dim: str) -> None:
+            return None
+
+        def __getitem__(self, key: str) -> str:
+            return key
+
+    monkeypatch.setattr(torchrec_model_parallel, "DeviceMesh", FakeMesh)
+
+    class Stub:
+        _device = torch.device("cuda")
+
+    torchrec_model_parallel.DMPCollection._create_process_groups(
+        Stub(), global_rank=0, world_size=world_size, local_size=group_size  # type: ignore[arg-type]
+    )
+    return seen["mesh"]
+
+
+@pytest.mark.parametrize(("world_size", "group_size"), [(8, 4), (8, 2), (4, 1), (6, 3), (2, 1)])
+def test_layout_is_dmpcollections(monkeypatch: pytest.MonkeyPatch, world_size: int, group_size: int) -> None:
+    mesh = _torchrec_mesh(monkeypatch, world_size, group_size)
+    layout = Sparse2DLayout(world_size=world_size, sharding_group_size=group_size)
+    assert layout.sharding_groups() == [tuple(row) for row in mesh]
+    assert layout.replica_groups() == [tuple(col) for col in zip(*mesh)]
+    for rank in range(world_size):
+        assert rank in layout.sharding_group(rank) and rank in layout.replica_group(rank)
+        # DMPCollection._remap_sharding_plan moves a one-group plan's shard i to i * R + rank % R.
+        r = layout.num_replicas
+        assert layout.sharding_group(rank) == tuple(i * r + rank % r for i in range(group_size))
+
+
+def test_layout_of_dmpcollections_docstring() -> None:
+    layout = Sparse2DLayout(world_size=8, sharding_group_size=4)
+    assert layout.sharding_groups() == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert layout.replica_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layout.replica_group(5) == (4, 5) and layout.sharding_group(5) == (1, 3, 5, 7)
+    with pytest.raises(ValueError, match="rank 8 is outside"):
+        layout.replica_group(8)
+
+
+def test_layout_refuses_a_group_that_does_not_divide() -> None:
+    with pytest.raises(ValueError, match=r"must divide the world size 4: choose one of \[1, 2, 4\]"):
+        Sparse2DLayout(world_size=4, sharding_group_size=3)
+
+
+def test_sync_due_every_n_steps_and_after_the_last() -> None:
+    assert [s for s in range(5) if sync_due(s, every=1, last_step=4)] == [0, 1, 2, 3, 4]
+    assert [s for s in range(8) if sync_due(s, every=3, last_step=7)] == [2, 5, 7]
+    assert [s for s in range(6) if sync_due(s, every=3, last_step=5)] == [2, 5]
+
+
+def test_config_defaults_leave_plain_dmp() -> None:
+    cfg = TrainerConfig()
+    assert cfg.sharding_group_size is None and cfg.sharding_sync_every == 1
+    assert check_sparse2d(cfg, world_size=2, device=torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sharding_group_size": 0, "device": "cuda"}, "must be an integer >= 1"),
+        ({"sharding_group_size": 1, "device": "cpu"}, "needs CUDA.*trainer.sharding_group_size=null"),
+        ({"sharding_group_size": 1, "device": "cuda", "sharding": "data_parallel"}, "data_parallel replicates"),
+        ({"sharding_sync_every": 2}, "needs trainer.sharding_group_size"),
+        ({"sharding_group_size": 1, "device": "cuda", "sharding_sync_every": 0}, "sharding_sync_every=0"),
+    ],
+)
+def test_config_refuses_with_the_fix(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**{**NO_CHECKPOINTS, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "checkpointing", [{"checkpoint_every": 10}, {"checkpoint_at_end": True}, {"resume": "auto"}]
+)
+def test_config_refuses_checkpoints(checkpointing: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="does not checkpoint yet.*trainer.checkpoint_at_end=false"):
+        TrainerConfig(sharding_group_size=1, device="cuda", **{**NO_CHECKPOINTS, **checkpointing})
+
+
+def test_check_sparse2d_on_the_job() -> None:
+    cfg = TrainerConfig(sharding_group_size=2, device="cuda", **NO_CHECKPOINTS)
+    layout = check_sparse2d(cfg, world_size=4, device=torch.device("cuda", 0))
+    assert layout == Sparse2DLayout(world_size=4, sharding_group_size=2)
+    # device=auto resolved to CPU: the job's device is checked again.
+    auto = TrainerConfig(sharding_group_size=1, device="auto", **NO_CHECKPOINTS)
+    with pytest.raises(ValueError, match="needs CUDA, this run is on cpu"):
+        check_sparse2d(auto, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="choose one of"):
+        check_sparse2d(TrainerConfig(sharding_group_size=3, device="cuda", **NO_CHECKPOINTS),
+                       world_size=4, device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="is the whole world"):
+        check_sparse2d(cfg, world_size=2, device=torch.device("cuda", 0))
+
+
+def _compose(*overrides: str) -> JobConfig:
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)
+    return job
+
+
+def test_hydra_composes_the_new_keys() -> None:
+    assert _compose("trainer=gpu").trainer.sharding_group_size is None
+    job = _compose("trainer=gpu", "trainer.sharding_group_size=1", "trainer.sharding_sync_every=4",
+                   "trainer.checkpoint_at_end=false", "trainer.resume=never")
+    assert (job.trainer.sharding_group_size, job.trainer.sharding_sync_every) == (1, 4)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        _compose("trainer.sharding_group_size=1", "trainer.checkpoint_at_end=false")
+
+
+def test_comm_state_resumes_a_checkpoint_from_before_the_replica_sync_channel() -> None:
+    from loka_train.comm import CommChannel, CommConfig, CommState
+
+    state = CommState(CommConfig(), backend="gloo")
+    saved = state.state_dict()
+    older = saved["sqnr_sums"][: len(CommChannel) - 1] + 1.0  # five channels, with measurements
+    state.load_state_dict({**saved, "sqnr_sums": older})
+    assert torch.equal(state.sqnr_sums[:-1], older) and not state.sqnr_sums[-1].any()
