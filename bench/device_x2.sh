@@ -3,7 +3,7 @@
 # the embedding-comm benchmark on both GPUs, the Dispatch benchmark and the Probe-overhead
 # benchmark. Usage on the device machine, from the repo root:
 #   source .device/activate.sh && bash bench/device_x2.sh "$OUT" [PART...]
-# PARTS: multigpu comm dispatch probe (default: all; dispatch and probe run side by side, one per GPU);
+# PARTS: multigpu sparse2d comm dispatch probe (default: multigpu comm dispatch probe; dispatch and probe run side by side, one per GPU);
 # fp8_pays: bench.e2e LoKA against bf16 + compile + graphs, one list of runs per GPU, side by side
 # (E2E_GPU0, E2E_GPU1: runs as config:batch:seconds; E2E_VARIANTS; each run its own process,
 # folder and half of the host's cores); scaling: bench.scaling, weak scaling on 1 and 2 GPUs
@@ -16,20 +16,28 @@ shift
 parts=${*:-multigpu comm dispatch probe}
 has() { [[ " $parts " == *" $1 "* ]]; }
 w=/tmp/x2
-rm -rf "$w" /tmp/mg  # a warm machine still holds the last call's files
+rm -rf "$w" /tmp/mg /tmp/mg2d  # a warm machine still holds the last call's files
 mkdir -p "$out" "$w/single"
 # Parts running side by side save through one lock.
 save() { ( flock 9; tar czf "$out/x2.tgz.tmp" -C /tmp x2 && mv "$out/x2.tgz.tmp" "$out/x2.tgz" ) 9> /tmp/x2.lock; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
 if has multigpu; then
-  (timeout 260 python -m pytest -m multigpu tests/gpu/test_multigpu.py -q -s -p no:cacheprovider \
+  (timeout ${MULTIGPU_TIMEOUT:-260} python -m pytest -m multigpu tests/gpu/test_multigpu.py -q -s -p no:cacheprovider \
       --basetemp=/tmp/mg; echo "rc=$?") > "$w/multigpu.txt" 2>&1
   mkdir -p "$w/multigpu_reports"
   (cd /tmp/mg && tar cf - --exclude='*.pt' --exclude='checkpoints' .) 2>/dev/null | tar xf - -C "$w/multigpu_reports"
   save
 fi
+if has sparse2d; then
+  # 2D sparse parallelism (trainer.sharding_group_size): its 2-GPU test, then bench.sparse2d.
+  (timeout ${SPARSE2D_TEST_TIMEOUT:-120} python -m pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py -q -s \
+      -p no:cacheprovider --basetemp=/tmp/mg2d; echo "rc=$?") > "$w/sparse2d_test.txt" 2>&1
+  save
+  (timeout ${SPARSE2D_TIMEOUT:-120} python -m bench.sparse2d --out "$w/sparse2d"; echo "rc=$?") > "$w/sparse2d.txt" 2>&1
+  save
+fi
 if has comm; then
-  (timeout 130 python -m bench.comm --steps 60 --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
+  (timeout ${COMM_TIMEOUT:-130} python -m bench.comm --steps ${COMM_STEPS:-60} --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
   save
 fi
 if has scaling; then
