@@ -33,11 +33,13 @@ class PlanRecorder(Callback):
         self.loka = loka
         self.plans: list[tuple[int, dict[str, Any]]] = []
         self.losses: list[float] = []
+        self.loss_by_step: dict[int, float] = {}
 
     def on_step_end(self, trainer, step, metrics):  # type: ignore[no-untyped-def]
         assert self.loka.probe is not None and self.loka.dispatcher is not None
         if "train/loss" in metrics:
             self.losses.append(metrics["train/loss"])
+            self.loss_by_step[step] = metrics["train/loss"]
         if self.loka.probe.should_reduce(step):
             self.plans.append((step, self.loka.dispatcher.export()))
 

@@ -1,8 +1,9 @@
 """One job of the multi-GPU integration tests, launched by torchrun (nccl).
 
-Usage: torchrun --nproc_per_node=N tests/gpu/_multigpu_job.py OUT SHARDING STEPS GLOBAL_BATCH [STOP]
-Writes OUT/rank{r}_{full|part}.pt with the plans at every LoKA interval, the losses and the
-summary. Without CUDA it runs on CPU with gloo (a local dry run of the same code path).
+Usage: torchrun --nproc_per_node=N tests/gpu/_multigpu_job.py OUT SHARDING STEPS GLOBAL_BATCH [RESUME]
+Writes OUT/rank{r}_{full|resumed}.pt with the plans at every LoKA interval, the losses (by step)
+and the summary; with RESUME (a checkpoint directory) the run starts from it. Checkpoints every
+20 steps, all kept. Without CUDA it runs on CPU with gloo (a local dry run of the same code path).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ the default 0.05 this DCN's 1728-wide layers blow the loss up to ~1e5 at step 2 
 
 def main() -> None:
     out, sharding, steps, global_batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    stop = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    resume = sys.argv[5] if len(sys.argv) > 5 else None
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
@@ -52,16 +53,18 @@ def main() -> None:
         trainer=TrainerConfig(
             steps=steps, batch_size=global_batch // world, device="cuda" if cuda else "cpu", sharding=sharding,
             log_every=1, eval_every=0, eval_batches=4, out_dir=out, tensorboard=False,
-            progress_bar=False, checkpoint_every=20, resume="auto", stop_after_step=stop,
+            progress_bar=False, checkpoint_every=20, keep_checkpoints=steps // 20 + 1,
+            resume=resume or "never",
             dense_lr=DENSE_LR, dense_warmup_steps=10,
         ),
         callbacks=[loka, recorder],
     )
     summary = trainer.fit()
     torch.save(
-        {"plans": recorder.plans, "losses": recorder.losses, "summary": summary,
+        {"plans": recorder.plans, "losses": recorder.losses, "loss_by_step": recorder.loss_by_step,
+         "summary": summary,
          "comm": loka.comm_state.report() if loka.comm_state is not None else None},
-        Path(out) / f"rank{dist.get_rank()}_{'part' if stop else 'full'}.pt",
+        Path(out) / f"rank{dist.get_rank()}_{'resumed' if resume else 'full'}.pt",
     )
     dist.destroy_process_group()
 
