@@ -4,7 +4,8 @@
 # Usage on the device machine, from the repo root (carry .device; .whl for torchao):
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
 # PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin frame_skip
-# trace vs_torchao probe_steps ne_pairs ne_decay wukong_rowwise dlrm_torchao fp8_pays ledger_shapes comm_codec.
+# trace vs_torchao probe_steps ne_pairs ne_decay wukong_rowwise dlrm_torchao fp8_pays ledger_shapes comm_codec
+# overhead.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor`. One 600 s call each for: `tests`, `e2e` with
 # E2E_CONFIGS of one or two configs (wukong+dcn, 5 variants, 40 timed steps: ~230 s). bench.e2e's defaults are now 100 timed steps and NE after 2000 steps on 32 eval batches;
@@ -237,6 +238,26 @@ if has fp8_pays; then
         --steps 60 --no-profile --ledger \
         --variants loka_aggressive+compile+graphs,loka_safe+compile+graphs,bf16+compile+graphs \
         --out $w/e2e_fp8_pays_$cfg; echo "rc=$?") > $w/e2e_fp8_pays_$cfg.txt 2>&1
+    save
+  done
+fi
+# What LoKA costs when nothing runs in FP8 (host-bound batch 8192): bf16, the converted sites
+# alone (loka_high) and LoKA safe, all + compile + graphs, in one process (the ratios, each run's
+# step times split into the Probe's sampled and unsampled steps) and then each variant in its
+# own process (the memory figures), with a trace of the profiled steps (~4 min).
+if has overhead; then
+  for cfg in ${E2E_CONFIGS:-dlrm dcn}; do
+    (timeout ${E2E_TIMEOUT:-150} python -m bench.e2e --configs $cfg --batches 8192 --ne-steps 0 --steps 60 \
+        --profile-steps 5 --trace $w/overhead_${cfg}/traces --pyprofile $w/overhead_${cfg}/py \
+        --profile-variants bf16+compile+graphs,loka_high+compile+graphs,loka_safe+compile+graphs \
+        --variants bf16+compile+graphs,loka_high+compile+graphs,loka_safe+compile+graphs \
+        --out $w/overhead_$cfg; echo "rc=$?") > $w/overhead_$cfg.txt 2>&1
+    save
+    for v in bf16 loka_high loka_safe; do
+      (timeout 90 python -m bench.e2e --configs $cfg --batches 8192 --ne-steps 0 --steps 60 --no-profile \
+          --variants $v+compile+graphs --out $w/overhead_${cfg}_alone/$v; echo "rc=$?") \
+          > $w/overhead_${cfg}_alone_$v.txt 2>&1
+    done
     save
   done
 fi

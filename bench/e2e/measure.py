@@ -20,6 +20,7 @@ import io
 import math
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,13 @@ class StepClock(Callback):
         self.diag: list[tuple[float, int, int, int]] = []
         """``step_diag``: per step end, (host perf_counter, and the CUDA caching allocator's
         cumulative cudaMalloc calls, cudaFree calls and allocation retries)."""
+        self.sampled: list[bool] = []
+        """Per step: whether a callback ran dense modules eagerly on it (the LoKA Probe's
+        sampled steps), from the run's first step on."""
+        self.step_peak_gb: list[tuple[float, float]] = []
+        """CUDA, per step: (peak allocated, peak reserved) GB within the step (the allocator's
+        peak is reset at every step end; :meth:`peak_gb` keeps the run's)."""
+        self._peak_before = (0.0, 0.0)
 
     def on_train_start(self, trainer: Any) -> None:
         self.first_step = trainer.step
@@ -80,7 +88,19 @@ class StepClock(Callback):
         if self.cuda:
             torch.cuda.synchronize()
 
+    def on_step_start(self, trainer: Any, step: int) -> None:
+        if self.cuda and step == self.first_step:
+            # Set-up and graph captures happen before the first step ends: kept in the run's peak.
+            self._peak_before = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self.sampled.append(bool(trainer.callbacks.eager_modules(trainer, step)))
+        if self.cuda:
+            # Host-side allocator counters: no device sync.
+            self.step_peak_gb.append(
+                (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+            )
+            torch.cuda.reset_peak_memory_stats()
         if self.step_diag:
             stats = torch.cuda.memory_stats() if self.cuda else {}
             self.diag.append((time.perf_counter(), stats.get("num_device_alloc", 0),
@@ -149,6 +169,32 @@ class StepClock(Callback):
              "cuda_free": d[i][2] - d[i - 1][2], "alloc_retries": d[i][3] - d[i - 1][3]}
             for i in range(self.warmup, min(self.warmup + self.timed, len(d)))
         ]
+
+    def peak_gb(self) -> tuple[float, float]:
+        """The run's peak (allocated, reserved) GB: set-up, every step and what came after."""
+        if not self.cuda:
+            return math.nan, math.nan
+        after = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+        peaks = [self._peak_before, after, *self.step_peak_gb]
+        return max(p[0] for p in peaks), max(p[1] for p in peaks)
+
+    def split_by_sampling(self) -> dict[str, Any]:
+        """The timed steps and the steps' memory, split by whether a callback sampled the step
+        (ran dense modules eagerly): median step ms and count of each, and the peak allocated /
+        reserved GB over each kind of step (CUDA). Sampled steps are what the Probe costs; the
+        others are what LoKA costs on every step."""
+        times = self.step_ms()
+        flags = self.sampled[self.warmup : self.warmup + len(times)]
+        out: dict[str, Any] = {}
+        for kind, want in (("sampled", True), ("unsampled", False)):
+            ts = [t for t, f in zip(times, flags) if f is want]
+            out[f"steps_{kind}"] = len(ts)
+            out[f"step_ms_median_{kind}"] = statistics.median(ts) if ts else math.nan
+            # From the warm-up's end: the warm-up steps hold the captures and compilations.
+            peaks = [p for p, f in zip(self.step_peak_gb[self.warmup :], self.sampled[self.warmup :]) if f is want]
+            out[f"peak_allocated_gb_{kind}"] = max((p[0] for p in peaks), default=math.nan)
+            out[f"peak_reserved_gb_{kind}"] = max((p[1] for p in peaks), default=math.nan)
+        return out
 
     def step_ms(self) -> list[float]:
         """Milliseconds of each timed step (from the previous step's end to its own)."""

@@ -382,8 +382,9 @@ def run_one(
                 gc_ms_per_step=sum(clock.gc_pauses_ms) / len(times),
                 gpu_reserved_gb=clock.gpu_reserved_gb,
                 # Peaks of this run (reset before it): the memory figure of issue 26.
-                gpu_peak_allocated_gb=torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else math.nan,
-                gpu_peak_reserved_gb=torch.cuda.max_memory_reserved() / 2**30 if device_type == "cuda" else math.nan,
+                gpu_peak_allocated_gb=clock.peak_gb()[0],
+                gpu_peak_reserved_gb=clock.peak_gb()[1],
+                by_sampling=clock.split_by_sampling(),
                 host_rss_gb=rss_gb(),
                 started_unix=started_unix,
             )

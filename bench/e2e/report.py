@@ -300,15 +300,30 @@ def _memory_section(rows: list[dict[str, Any]]) -> list[str]:
         return []
     base = {(r["config"], r["variant"].removeprefix("bf16")): r for r in with_peaks if r["variant"].startswith("bf16")}
     out = ["", "### Peak GPU memory (per run, reset before it; variants share one process)", "",
-           "| config | variant | peak allocated GB | peak reserved GB | reserved vs bf16 same settings |",
-           "|---|---|---|---|---|"]
+           "| config | variant | peak allocated GB | peak reserved GB | reserved vs bf16 same settings "
+           "| unsampled steps: median ms, peak allocated GB | sampled steps: median ms, peak allocated GB |",
+           "|---|---|---|---|---|---|---|"]
     for r in with_peaks:
         suffix = "+" + r["variant"].split("+", 1)[1] if "+" in r["variant"] else ""
         b = base.get((r["config"], suffix))
         ratio = fmt_x(r["gpu_peak_reserved_gb"] / b["gpu_peak_reserved_gb"]) if b else "-"
         out.append(f"| {r['config']} | {r['variant']} | {r['gpu_peak_allocated_gb']:.2f} | "
-                   f"{r['gpu_peak_reserved_gb']:.2f} | {ratio} |")
+                   f"{r['gpu_peak_reserved_gb']:.2f} | {ratio} | {_by_sampling_cell(r, 'unsampled')} | "
+                   f"{_by_sampling_cell(r, 'sampled')} |")
+    out += ["", "Sampled steps are those on which a callback ran dense modules eagerly (the LoKA Probe's "
+            "samples); the peaks per kind of step are within the step (the allocator's peak is reset at "
+            "every step end)."]
     return out
+
+
+def _by_sampling_cell(r: dict[str, Any], kind: str) -> str:
+    """``n`` steps: median ms, peak allocated GB over the steps of ``kind`` (see ``StepClock``)."""
+    split = r.get("by_sampling") or {}
+    n = split.get(f"steps_{kind}", 0)
+    if not n:
+        return "-"
+    return (f"{n} steps: {split[f'step_ms_median_{kind}']:.2f} ms, "
+            f"{split[f'peak_allocated_gb_{kind}']:.2f} GB")
 
 
 def _ne_delta_cell(r: dict[str, Any]) -> str:

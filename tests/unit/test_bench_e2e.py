@@ -288,17 +288,54 @@ def test_render_rewrites_the_report_from_its_json(tmp_path: Path) -> None:
         main(["--render", str(tmp_path / "missing")])
 
 
+class _Callbacks:
+    """What StepClock reads of a trainer's callbacks: the steps that run modules eagerly."""
+
+    def __init__(self, sampled: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.sampled = sampled
+
+    def eager_modules(self, trainer: object, step: int) -> list[nn.Module]:
+        return [nn.Identity()] if step in self.sampled else []
+
+
+class _Trainer:
+    def __init__(self, sampled: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.callbacks = _Callbacks(sampled)
+        self.step = 0
+
+
+_TRAINER = _Trainer()
+
+
+def test_the_step_clock_splits_sampled_from_unsampled_steps() -> None:
+    import time
+
+    clock = StepClock(warmup=2, timed=6, profile_steps=0, device=torch.device("cpu"), timing="sync")
+    trainer = _Trainer(sampled={1, 4})  # step 1 is a warm-up step: not counted
+    clock.on_train_start(trainer)
+    for step in range(8):
+        clock.on_step_start(trainer, step)
+        if step == 4:
+            time.sleep(0.03)  # the sampled step is slower
+        clock.on_step_end(trainer, step, {})
+    split = clock.split_by_sampling()
+    assert split["steps_sampled"] == 1 and split["steps_unsampled"] == 5
+    assert split["step_ms_median_sampled"] >= 30.0 > split["step_ms_median_unsampled"]
+    assert math.isnan(split["peak_allocated_gb_sampled"])  # no CUDA allocator on the CPU
+    assert all(math.isnan(v) for v in clock.peak_gb())
+
+
 def test_the_step_clock_times_gc_pauses_only_in_the_timed_window() -> None:
     import gc
 
     clock = StepClock(warmup=1, timed=2, profile_steps=0, device=torch.device("cpu"), timing="sync")
     gc.collect()
     assert clock.gc_pauses_ms == []  # before the window
-    clock.on_step_end(None, 0, {})  # the warm-up step ends: the timed window opens
+    clock.on_step_end(_TRAINER, 0, {})  # the warm-up step ends: the timed window opens
     gc.collect()
     assert len(clock.gc_pauses_ms) == 1 and clock.gc_pauses_ms[0] >= 0.0
-    clock.on_step_end(None, 1, {})
-    clock.on_step_end(None, 2, {})  # the last timed step: the window closes
+    clock.on_step_end(_TRAINER, 1, {})
+    clock.on_step_end(_TRAINER, 2, {})  # the last timed step: the window closes
     gc.collect()
     assert len(clock.gc_pauses_ms) == 1 and clock._on_gc not in gc.callbacks
 
@@ -312,7 +349,7 @@ def test_step_diag_times_the_host_per_timed_step_and_lists_the_slow_steps() -> N
     for step in range(100, 104):
         if step == 102:
             time.sleep(0.05)  # a host stall inside step 102
-        clock.on_step_end(None, step, {})
+        clock.on_step_end(_TRAINER, step, {})
     diag = clock.step_diagnostics()
     assert len(diag) == 3 and diag[1]["host_ms"] >= 50.0 > diag[0]["host_ms"]
     assert all(d["cuda_malloc"] == d["cuda_free"] == 0 for d in diag)  # no allocator on the CPU
@@ -412,8 +449,12 @@ def test_the_memory_section_compares_with_bf16_under_the_same_settings() -> None
         return {"config": "dcn", "variant": variant, "status": "ok",
                 "gpu_peak_allocated_gb": reserved / 2, "gpu_peak_reserved_gb": reserved}
 
-    lines = _memory_section([row("bf16+compile+graphs", 10.0), row("loka_safe+compile+graphs", 13.0),
+    split = {"steps_unsampled": 58, "step_ms_median_unsampled": 9.5, "peak_allocated_gb_unsampled": 6.0,
+             "steps_sampled": 2, "step_ms_median_sampled": 28.0, "peak_allocated_gb_sampled": 12.5}
+    lines = _memory_section([row("bf16+compile+graphs", 10.0),
+                             {**row("loka_safe+compile+graphs", 13.0), "by_sampling": split},
                              row("bf16", 8.0), row("loka_safe", 8.4)])
-    assert "| dcn | loka_safe+compile+graphs | 6.50 | 13.00 | 1.30x |" in lines
-    assert "| dcn | loka_safe | 4.20 | 8.40 | 1.05x |" in lines
+    assert ("| dcn | loka_safe+compile+graphs | 6.50 | 13.00 | 1.30x | 58 steps: 9.50 ms, 6.00 GB "
+            "| 2 steps: 28.00 ms, 12.50 GB |") in lines
+    assert "| dcn | loka_safe | 4.20 | 8.40 | 1.05x | - | - |" in lines
     assert _memory_section([{**row("bf16", 1.0), "gpu_peak_reserved_gb": math.nan}]) == []
