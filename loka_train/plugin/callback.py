@@ -96,6 +96,9 @@ class LokaCallback(Callback):
         """Why the checkpoint's error-feedback residuals were dropped at a resume on another
         number of processes (reported as a fallback at on_train_start), or ''."""
         self.compressors: list[Any] = []
+        self._carried_comm: dict[str, Any] | None = None
+        """On one process (no comm installed): the checkpoint's comm state and policy, saved
+        again as they were, so that a later run on several processes continues them."""
         self._out_dir: Path | None = None
         self._rank = 0
         self.ledger: Ledger | None = None
@@ -122,7 +125,11 @@ class LokaCallback(Callback):
             return
         if self.config.mods.enabled:
             convert(trainer.model, config=self.config.mods)
-        if self.config.comm_enabled:
+        if self.config.comm_enabled and trainer.world_size == 1:
+            # No all-to-all, no gradient all-reduce to compress: codecs and hooks would only cost.
+            logger.info("LoKA comm: one process, nothing to communicate: the comm codecs and the "
+                        "dense-gradient hook are not installed")
+        elif self.config.comm_enabled:
             from loka_train.comm import CommPolicy, CommState, make_qcomm_codecs_registry
 
             nccl = trainer.device.type == "cuda"
@@ -408,8 +415,11 @@ class LokaCallback(Callback):
         return {
             "probe": self.probe.state_dict(),
             "dispatch": self.dispatcher.state_dict(),
-            "comm": self.comm_state.state_dict() if self.comm_state is not None else None,
-            "comm_policy": self.comm_policy.state_dict() if self.comm_policy is not None else None,
+            **(
+                {"comm": self.comm_state.state_dict(), "comm_policy": self.comm_policy.state_dict()}
+                if self.comm_state is not None
+                else self._carried_comm or {"comm": None, "comm_policy": None}
+            ),
             "compressors": [c.state_dict() for c in self.compressors],
             "timeline": self.timeline,
             "guard": {"best_ne": self.best_ne, "cooldown": self._cooldown, "trips": self.guard_trips},
@@ -454,6 +464,9 @@ class LokaCallback(Callback):
             self.comm_state.load_state_dict(state["comm"])
             self.comm_policy.load_state_dict(state["comm_policy"])
             self._pending_comp = state["compressors"]
+        elif self.comm_state is None and state["comm"] is not None and self.config.comm_enabled:
+            # One process: the channels' precisions are kept for a later run on several.
+            self._carried_comm = {"comm": state["comm"], "comm_policy": state["comm_policy"]}
 
 
 def _cpu_note(objective: str) -> str:

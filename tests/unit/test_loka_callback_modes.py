@@ -111,10 +111,11 @@ def test_aggressive_without_ddp_leaves_the_dense_hook_out(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cb = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
-    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path)
+    # One of two processes (the loop runs no collective): on one, comm is not installed at all.
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path, world_size=2)
     with caplog.at_level(logging.INFO, logger="loka_train"):
         summary = _train(cb, ctx, steps=8)
-    assert cb.compressors == []
+    assert cb.compressors == [] and cb.comm_state is not None
     (fallback,) = [f for f in ctx.fallbacks if "dense-gradient hook left out" in f]
     assert "no DistributedDataParallel inside DLRMTrain" in fallback
     assert "wrap the model in DistributedModelParallel" in fallback
@@ -122,6 +123,37 @@ def test_aggressive_without_ddp_leaves_the_dense_hook_out(
     assert fallback in cb.report(ctx)["fallbacks"]
     # The rest of LoKA runs: on a CPU the coverage objective takes FP8 where it is safe.
     assert summary["loka/fp8_coverage"] > 0
+
+
+def test_one_process_installs_no_comm_and_carries_a_checkpoints_comm_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Aggressive turns comm on; alone there is nothing to send: no codecs, no dense-gradient
+    hook, no fallback, one log line. A checkpoint's comm state (from a run on several
+    processes) is saved again as it was, for the next run on several."""
+    cb = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path / "alone")
+    with caplog.at_level(logging.INFO, logger="loka_train"):
+        _train(cb, ctx, steps=4)
+    assert cb.comm_state is None and ctx.qcomm_codecs_registry is None and cb.compressors == []
+    assert any("one process, nothing to communicate" in r.getMessage() for r in caplog.records)
+    assert not any("dense-gradient hook" in f for f in ctx.fallbacks)
+    state = cb.state_dict()
+    assert state["comm"] is None and state["comm_policy"] is None
+
+    several = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    several.on_before_shard(
+        RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path / "two", world_size=2)
+    )
+    assert several.comm_state is not None
+    saved = {"comm": several.comm_state.state_dict(), "comm_policy": several.comm_policy.state_dict()}
+    resumed = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    ctx2 = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path / "resumed")
+    resumed.on_before_shard(ctx2)
+    resumed.load_state_dict({**state, **saved})
+    resumed.on_train_start(ctx2)
+    again = resumed.state_dict()
+    assert again["comm"] is saved["comm"] and again["comm_policy"] is saved["comm_policy"]
 
 
 @pytest.mark.parametrize(
