@@ -36,6 +36,7 @@ from loka_train.job import JobConfig, run_job
 from loka_train.runtime.callbacks import Callback
 from loka_train.runtime.checkpoint import CheckpointError
 from loka_train.utils.config_keys import unknown_key_message
+from loka_train.utils.console import is_table
 
 ConfigStore.instance().store(name="job_schema", node=JobConfig)
 
@@ -201,13 +202,32 @@ def changed_settings(before_yaml: str, after_yaml: str) -> list[str]:
     ]
 
 
+class ConsoleTables(logging.Handler):
+    """Prints the tables that library code logs (``extra=loka_train.utils.console.TABLE``: the
+    LoKA plan, the ledger) to stdout as they are, as ``print`` would. Not a StreamHandler, so
+    tqdm's console redirect (`logging_redirect_tqdm`) leaves it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addFilter(is_table)
+        self.setFormatter(logging.Formatter("%(message)s"))  # basicConfig would prefix the level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stdout, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
 def configure_logging(rank: int) -> LogFile:
     """Console: our messages at INFO on rank 0, warnings and up otherwise (third-party
-    libraries: warnings and up); the same records go to the run's log file."""
+    libraries: warnings and up), tables on stdout without a prefix (:class:`ConsoleTables`);
+    the same records go to the run's log file."""
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s"))
+    console.addFilter(lambda record: not is_table(record))
     log = LogFile(rank)
-    logging.basicConfig(level=logging.WARNING, handlers=[console, log], force=True)
+    logging.basicConfig(level=logging.WARNING, handlers=[console, ConsoleTables(), log], force=True)
     logging.getLogger("loka_train").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # The planner warns about how a Topology is constructed, torch.fx about what is_fx_tracing
     # means (TorchRec's train pipeline calls it): neither is actionable for users.
