@@ -36,8 +36,11 @@ from loka_train.job import JobConfig, run_job
 from loka_train.runtime.callbacks import Callback
 from loka_train.runtime.checkpoint import CheckpointError
 from loka_train.utils.config_keys import unknown_key_message
+from loka_train.utils.console import is_table
 
 ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+logger = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError)
@@ -140,25 +143,91 @@ class LogFile(logging.Handler):
 
 class RunLog(Callback):
     """Opens the log file in the run's directory once it exists and writes the composed config
-    there (rank 0: ``config.yaml``)."""
+    there (rank 0: ``config.yaml``).
+
+    A continued run (``trainer.resume=auto`` into the same directory) keeps the run's first
+    ``config.yaml``; when its own config differs (more ``trainer.steps``, say), it is written
+    next to it as ``config.resumed_<step>.yaml`` and the changed settings are logged.
+    """
 
     def __init__(self, log: LogFile, config_yaml: str) -> None:
         self.log = log
         self.config_yaml = config_yaml
+        self._first_yaml: str | None = None
+        """The run's config.yaml as an earlier attempt wrote it (a continued run), else None."""
 
     def on_before_shard(self, trainer: Any) -> None:
         self.log.open(trainer.out_dir, "train", append=True)  # a continued run: after its earlier lines
         if trainer.rank == 0:
-            (trainer.out_dir / "config.yaml").write_text(self.config_yaml)
+            first = trainer.out_dir / "config.yaml"
+            if first.exists():
+                self._first_yaml = first.read_text()
+            else:
+                first.write_text(self.config_yaml)
+
+    def on_train_start(self, trainer: Any) -> None:
+        # Here, not in on_before_shard: the step the run continues from is known once resumed.
+        if trainer.rank != 0 or self._first_yaml is None or self._first_yaml == self.config_yaml:
+            return
+        path = trainer.out_dir / f"config.resumed_{trainer.step:08d}.yaml"
+        path.write_text(self.config_yaml)
+        changed = changed_settings(self._first_yaml, self.config_yaml)
+        logger.warning(
+            "continuing the run at step %d with changed settings: %s; the run's first config stays in "
+            "config.yaml, this one is %s", trainer.step, ", ".join(changed) or "(formatting only)", path,
+        )
+
+
+def changed_settings(before_yaml: str, after_yaml: str) -> list[str]:
+    """The settings that differ between two composed configs, as ``key: before -> after``."""
+
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(node, dict):
+            return {prefix: node}
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+
+    before = flat(OmegaConf.to_container(OmegaConf.create(before_yaml)))
+    after = flat(OmegaConf.to_container(OmegaConf.create(after_yaml)))
+
+    def shown(values: dict[str, Any], key: str) -> str:
+        return repr(values[key]) if key in values else "(unset)"
+
+    return [
+        f"{key}: {shown(before, key)} -> {shown(after, key)}"
+        for key in sorted(set(before) | set(after))
+        if key not in before or key not in after or before[key] != after[key]
+    ]
+
+
+class ConsoleTables(logging.Handler):
+    """Prints the tables that library code logs (``extra=loka_train.utils.console.TABLE``: the
+    LoKA plan, the ledger) to stdout as they are, as ``print`` would. Not a StreamHandler, so
+    tqdm's console redirect (`logging_redirect_tqdm`) leaves it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addFilter(is_table)
+        self.setFormatter(logging.Formatter("%(message)s"))  # basicConfig would prefix the level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stdout, flush=True)
+        except Exception:
+            self.handleError(record)
 
 
 def configure_logging(rank: int) -> LogFile:
     """Console: our messages at INFO on rank 0, warnings and up otherwise (third-party
-    libraries: warnings and up); the same records go to the run's log file."""
+    libraries: warnings and up), tables on stdout without a prefix (:class:`ConsoleTables`);
+    the same records go to the run's log file."""
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s"))
+    console.addFilter(lambda record: not is_table(record))
     log = LogFile(rank)
-    logging.basicConfig(level=logging.WARNING, handlers=[console, log], force=True)
+    logging.basicConfig(level=logging.WARNING, handlers=[console, ConsoleTables(), log], force=True)
     logging.getLogger("loka_train").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # The planner warns about how a Topology is constructed, torch.fx about what is_fx_tracing
     # means (TorchRec's train pipeline calls it): neither is actionable for users.

@@ -53,6 +53,7 @@ from loka_train.plugin.report import run_report, write_report
 from loka_train.probe import Probe
 from loka_train.probe.window import merge_window_states
 from loka_train.runtime.callbacks import Callback
+from loka_train.utils.console import TABLE
 from loka_train.utils.profiling import profiled
 
 if TYPE_CHECKING:
@@ -401,11 +402,13 @@ class LokaCallback(Callback):
         out = self.write_report(trainer)
         if out is not None:
             summary["loka/report"] = str(out / "loka_report.md")
-            print("\nLoKA plan\n" + self.dispatcher.table())
+            # Logged, not printed, so that the tables land in the run's log too; the launcher prints
+            # them to the console as they are (utils.console).
+            logger.info("\nLoKA plan\n%s", self.dispatcher.table(), extra=TABLE)
             if self.ledger is not None:
                 summary["loka/ledger"] = str(out / "ledger.md")
-                print("\nLoKA per-GEMM ledger (15 largest GEMMs; all in ledger.md)\n"
-                      + self.ledger.markdown(self.step_ms, top=15))
+                logger.info("\nLoKA per-GEMM ledger (15 largest GEMMs; all in ledger.md)\n%s",
+                            self.ledger.markdown(self.step_ms, top=15), extra=TABLE)
 
     # ---------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

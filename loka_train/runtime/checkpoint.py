@@ -171,15 +171,42 @@ def _copy_tensor(live: torch.Tensor, saved: torch.Tensor, path: str) -> None:
         live.copy_(saved.to(device=live.device, dtype=live.dtype))
 
 
-def _all_ok(ok: bool) -> bool:
-    """True on every rank iff `ok` on every rank (a MIN all-reduce)."""
+def _failures(error: str | None) -> list[tuple[int, str]]:
+    """Collective: every failing rank with its error message, the same list on every rank
+    (empty when `error` is None everywhere), so each rank's error can name the rank that failed
+    and why, not only that one did.
+
+    A MIN all-reduce decides; the messages are gathered only when some rank failed.
+    """
     if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        return [] if error is None else [(0, error)]
+    flag = torch.tensor([0 if error else 1], dtype=torch.int32)
     if dist.get_backend() == "nccl":
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    if flag.item():
+        return []
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, error)
+    return [(rank, message) for rank, message in enumerate(messages) if message is not None]
+
+
+def _describe(failures: list[tuple[int, str]], world_size: int) -> str:
+    """``rank 1: <cause>``, ranks with the same cause named together (``ranks 0, 1: ...``); the
+    bare cause in a run of one process."""
+    if world_size == 1:
+        return "; ".join(message for _, message in failures)
+    by_message: dict[str, list[int]] = {}
+    for rank, message in failures:
+        by_message.setdefault(message, []).append(rank)
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
+        for message, ranks in by_message.items()
+    )
+
+
+def _cause(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 def _step_of(path: Path) -> int | None:
@@ -290,30 +317,32 @@ class CheckpointManager:
             torch.save(to_local(local), tmp / f"rank_{self.rank}.pt")
         except Exception as exc:  # reported collectively below, then re-raised
             error = exc
-        if sharded and _all_ok(error is None):
+        failures = _failures(_cause(error))
+        if sharded and not failures:
             try:  # collective; a failure on one rank raises on every rank
                 dcp.save(sharded, checkpoint_id=tmp, no_dist=not dist.is_initialized())
             except Exception as exc:
                 error = exc
-        ok = _all_ok(error is None)
-        if ok and self.rank == 0:
-            try:
-                (tmp / "meta.json").write_text(
-                    json.dumps({**meta, "step": step, "world_size": self.world_size, "format": FORMAT}, indent=2)
-                )
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                pointer_tmp = self.root / f".{LATEST}.{token[0]}"
-                pointer_tmp.write_text(final.name)
-                os.replace(pointer_tmp, self.root / LATEST)
-            except Exception as exc:
-                error = exc
-        ok = _all_ok(error is None) and ok
-        if not ok:
+            failures = _failures(_cause(error))
+        if not failures:
+            if self.rank == 0:
+                try:
+                    (tmp / "meta.json").write_text(
+                        json.dumps({**meta, "step": step, "world_size": self.world_size, "format": FORMAT}, indent=2)
+                    )
+                    if final.exists():
+                        shutil.rmtree(final)
+                    os.replace(tmp, final)
+                    pointer_tmp = self.root / f".{LATEST}.{token[0]}"
+                    pointer_tmp.write_text(final.name)
+                    os.replace(pointer_tmp, self.root / LATEST)
+                except Exception as exc:
+                    error = exc
+            failures = _failures(_cause(error))
+        if failures:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            where = f"rank {self.rank}: {error!r}" if error else "another rank"
+            where = _describe(failures, self.world_size)
             raise CheckpointError(
                 f"saving checkpoint step {step} to {final} failed ({where}); the previous "
                 f"checkpoint ({self.root / LATEST}) is untouched. Check free disk space and "
@@ -378,8 +407,9 @@ class CheckpointManager:
                 state = self._read_local(path, meta)
         except Exception as exc:
             error = _corrupt(path, exc)
-        if not _all_ok(error is None):
-            raise CheckpointError(error or f"checkpoint {path} failed to load on another rank")
+        failures = _failures(error)
+        if failures:
+            raise CheckpointError(_describe(failures, self.world_size))
         if is_per_rank_format(meta):
             return state, meta
         sharded = {k: v for k, v in (into or {}).items() if k in SHARDED_KEYS}

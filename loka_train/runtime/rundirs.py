@@ -7,7 +7,8 @@ Layout under ``trainer.out_dir`` (default ``runs``)::
     latest -> 20261125-191544
 
 ``latest`` is a relative symbolic link to the newest run; where the file system refuses links
-it is a one-line text file naming the run (logged). A run starts in a new directory named by
+it is a one-line text file naming the run (a fallback: logged once, counted in
+:attr:`RunDirs.fallbacks` and so in the run's summary). A run starts in a new directory named by
 its start time (``-1``, ``-2`` appended within one second), except that ``trainer.resume=auto``
 (or ``must``) continues in the run ``latest`` names when that run holds a checkpoint.
 ``trainer.resume=<path>`` starts a new run from the checkpoint at `path`.
@@ -97,6 +98,8 @@ class RunDirs:
             raise ValueError(f"trainer.keep_runs={keep} must be >= 0 (0 keeps every run)")
         self.root = Path(root)
         self.keep = keep
+        self.fallbacks: list[str] = []
+        """What :meth:`open` did other than asked (``latest`` a file, not a link), each once."""
 
     def runs(self) -> list[Path]:
         """The run directories under the root, oldest first."""
@@ -203,8 +206,11 @@ class RunDirs:
             os.symlink(run.name, tmp)  # relative: the runs root can be moved or copied
         except OSError as exc:
             tmp.write_text(run.name + "\n")
-            logger.warning("%s: symbolic links are not allowed here (%s); %s is a file naming the "
-                           "latest run instead", self.root, exc, pointer)
+            line = (f"run directories: symbolic links are not allowed in {self.root} "
+                    f"({exc.strerror or exc}); {pointer} is a file naming the latest run instead")
+            if line not in self.fallbacks:
+                logger.warning(line)
+                self.fallbacks.append(line)
         os.replace(tmp, pointer)
 
     def _prune(self, *, protect: Path, resumed_from: Path | None) -> None:

@@ -318,6 +318,7 @@ class Trainer:
             self.out_dir / "checkpoints", rank=self.rank, world_size=self.world_size, keep=self.cfg.keep_checkpoints,
         )
         self.metrics = MetricsLogger(self.out_dir if self.rank == 0 else None, tensorboard=self.cfg.tensorboard)
+        self.fallbacks.extend(self.runs.fallbacks)  # rank 0's: it opened the run directory
         self.fallbacks.extend(self.metrics.fallbacks)
 
     def _check_data_length(self) -> None:

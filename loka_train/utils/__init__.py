@@ -5,4 +5,5 @@ Modules:
     profiling: ``profiled`` (profiler ranges that cost nothing when no profiler runs).
     names: ``strip_wrapper_prefixes`` (module names without DMP / DDP wrapper prefixes).
     config_keys: ``unknown_key_message`` (a misspelled setting and the nearest valid ones).
+    console: ``TABLE``, ``is_table`` (log records that are tables for the terminal).
 """

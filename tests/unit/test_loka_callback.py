@@ -3,6 +3,7 @@ validation, and a resume whose dispatch config no longer allows the checkpointed
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from loka_train.plugin.callback import LokaCallback
 from loka_train.plugin.config import LokaConfig
 from loka_train.probe.config import ProbeConfig
 from loka_train.runtime.context import RunContext
+from loka_train.utils.console import is_table
 
 
 def _started(config: LokaConfig, out_dir: Path) -> tuple[LokaCallback, RunContext]:
@@ -99,7 +101,8 @@ def test_resume_resets_plans_the_new_dispatch_config_does_not_allow(tmp_path: Pa
     assert "enabled=false" in row["why"] and len(row["history"]) == 1
 
 
-def test_the_ledger_is_measured_printed_and_written_at_the_end(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_the_ledger_is_measured_logged_and_written_at_the_end(tmp_path: Path, capsys, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO, logger="loka_train.plugin.callback")
     cb, ctx = _started(_config(ledger=True), tmp_path)
     x = torch.randn(8, 16)
     for step in range(3):
@@ -118,7 +121,14 @@ def test_the_ledger_is_measured_printed_and_written_at_the_end(tmp_path: Path, c
     written = (tmp_path / "loka" / "ledger.md").read_text()
     assert "FP8 is emulated" in written and "Predicted step speed-up" in written
     assert "prediction" in __import__("json").loads((tmp_path / "loka" / "ledger.json").read_text())
-    assert "LoKA per-GEMM ledger" in capsys.readouterr().out
+    # The plan and the ledger go through the logger (so into the run's log), marked as tables
+    # that the launcher prints as they are; the library prints nothing itself.
+    tables = [r.getMessage() for r in caplog.records if r.name == "loka_train.plugin.callback" and is_table(r)]
+    assert [t.splitlines()[1] for t in tables] == [
+        "LoKA plan", "LoKA per-GEMM ledger (15 largest GEMMs; all in ledger.md)"
+    ], tables
+    assert cb.dispatcher.table() in tables[0]
+    assert capsys.readouterr().out == ""
 
 
 def test_no_ledger_unless_asked(tmp_path: Path) -> None:

@@ -124,8 +124,8 @@ def test_latest_is_a_file_where_symlinks_are_refused(
 
     monkeypatch.setattr(os, "symlink", refused)
     runs = RunDirs(tmp_path, keep=10)
-    with caplog.at_level(logging.WARNING, logger="loka_train.runtime.rundirs"):
-        run = _new_run(runs)
+    caplog.set_level(logging.WARNING, logger="loka_train.runtime.rundirs")
+    run = _new_run(runs)
     assert "symbolic links are not allowed" in caplog.text
     pointer = tmp_path / "latest"
     assert pointer.is_file() and not pointer.is_symlink() and pointer.read_text().strip() == run.name
@@ -134,6 +134,9 @@ def test_latest_is_a_file_where_symlinks_are_refused(
     assert find_checkpoint(tmp_path) == checkpoint
     newer = _new_run(runs, NOON + 1)
     assert pointer.read_text().strip() == newer.name
+    # A fallback: counted (the trainer lists runs.fallbacks in the run's summary), logged once.
+    assert len(runs.fallbacks) == 1 and "symbolic links are not allowed" in runs.fallbacks[0]
+    assert caplog.text.count("symbolic links are not allowed") == 1
 
 
 def test_a_run_written_into_latest_itself_is_kept_as_a_run(tmp_path: Path) -> None:
