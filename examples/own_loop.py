@@ -13,6 +13,7 @@ compiles or CUDA-graphs its dense modules must also run the modules that
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def main(steps: int = 60, out_dir: str = "runs/own_loop") -> dict[str, float]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # LoKA logs its plan changes and, on rank 0, its plan table at INFO.
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
 
     data = make_dataset(DataConfig(num_sparse=8, num_embeddings=1000), split="train",
