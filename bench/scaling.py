@@ -28,7 +28,7 @@ timed steps after the warm-up (bench.e2e's ``StepClock``: CUDA events at step en
 the wall clock), samples/s (global: per-GPU batch x GPUs / median step), and, for the variants
 that install LoKA's codecs, the bytes each rank hands the embedding all-to-all per step (what
 the codec counts in ``encode``: its whole payload, own slice included; forward plus backward,
-summed over ranks; 0 on 1 GPU, where TorchRec runs no all-to-all). Scaling efficiency = samples/s on 2 GPUs / (2 x samples/s on 1 GPU) of the
+summed over ranks; none on 1 GPU, where LoKA installs no codec: there is nothing to communicate). Scaling efficiency = samples/s on 2 GPUs / (2 x samples/s on 1 GPU) of the
 same config and variant. The train batches are generated once and cycled
 (``data.cache_batches``), so the CPU generator does not bound the step; no NE is reported (the
 runs are too short, and the batches repeat).
@@ -360,8 +360,8 @@ def render(report: dict[str, Any]) -> str:
         "Scaling efficiency: samples/s on N GPUs / (N x samples/s on 1 GPU), same config and variant "
         "(1.0: perfect weak scaling). a2a MB/step: bytes the embedding all-to-all's codec encodes "
         "per step, forward + backward, summed over ranks, each rank's whole payload (its own slice "
-        "included); on 1 GPU TorchRec runs no all-to-all (0). Only variants that install LoKA's "
-        "codecs count them (`-` otherwise).",
+        "included). Only variants that install LoKA's codecs count them (`-` otherwise; on 1 GPU "
+        "LoKA installs none: there is nothing to communicate).",
     ]
     return "\n".join(lines) + "\n"
 
