@@ -8,14 +8,23 @@ from ``conf/`` with hydra overrides by bench.e2e's :class:`~bench.e2e.variants.C
 (``data=synthetic``, 26 tables of 10k rows), table-wise sharding, the sparse-dist pipeline,
 bf16 dense compute.
 
-Variants (``--variants``, run in the order given; default ``bf16 bf16_fp8comm loka_safe``), every one with
+Variants (``--variants``, run in the order given; default ``bf16 loka_safe``), every one with
 ``trainer.compile_dense=true trainer.cuda_graphs=true``, the fastest single-GPU setting:
 
 * ``bf16``: LoKA off, TorchRec's own FP32 embedding comms: the speed reference.
-* ``loka_safe``: ``loka=safe`` as it is. Its first re-plan comes at step 500 (``probe.interval``),
-  past these short runs, so every site runs its initial plan (high precision) and the Probe
-  samples steps 0 and 50: the figure is what LoKA's sites and Probe cost at scale, not what
-  FP8 GEMMs gain (bench.e2e measures that, with a decision run first).
+* ``loka_safe``, ``loka_aggressive``: ``loka=safe`` / ``loka=aggressive`` with the plans of a
+  decision job. The presets' first re-plan comes at step 500 / 200 (``probe.interval``), past
+  these short runs, so the timed job would only run the initial plans (high precision). As in
+  bench.e2e, each LoKA job is therefore preceded by a *decision job* on the same number of
+  processes: ``--decide-steps`` steps, not compiled, every site sampled every step, a re-plan
+  every ``--decide-interval`` steps (:func:`bench.e2e.protocol.decide_overrides`), checkpointed at
+  its end. The timed job builds fresh dense and embedding weights and loads only the LoKA
+  callback's state from that checkpoint (each rank its own, through
+  :func:`bench.e2e.protocol.decided_state`, as bench.e2e hands its timed runs the decision run's
+  state): it starts on the decided plans, Probe windows and comm precisions. Each row records the
+  decision job (wall time, plans, coverage) and the timed job's FP8 coverage
+  (``loka/fp8_coverage``). ``loka_aggressive`` installs LoKA's codecs on 2 GPUs (its adaptive
+  all-to-all starts at FP32; its first policy update, at step 200, is past the run).
 * ``bf16_fp8comm``: LoKA's comm codecs only (no sites, Probe, Dispatch or guard; no SQNR
   sampling, ``loka.comm.sample_every=0``): the embedding all-to-all in FP8 both ways (e4m3
   forward, e5m2 backward, one fp32 scale per ``loka.comm.row_dim`` = embedding-dim values);
@@ -28,30 +37,34 @@ timed steps after the warm-up (bench.e2e's ``StepClock``: CUDA events at step en
 the wall clock), samples/s (global: per-GPU batch x GPUs / median step), and, for the variants
 that install LoKA's codecs, the bytes each rank hands the embedding all-to-all per step (what
 the codec counts in ``encode``: its whole payload, own slice included; forward plus backward,
-summed over ranks; none on 1 GPU, where LoKA installs no codec: there is nothing to communicate). Scaling efficiency = samples/s on 2 GPUs / (2 x samples/s on 1 GPU) of the
+summed over ranks; 0 on 1 GPU, where there is nothing to communicate and LoKA installs no codec). Scaling efficiency = samples/s on 2 GPUs / (2 x samples/s on 1 GPU) of the
 same config and variant. The train batches are generated once and cycled
 (``data.cache_batches``), so the CPU generator does not bound the step; no NE is reported (the
 runs are too short, and the batches repeat).
 
-Time budget (2 x H100, default run: 2 configs x 3 variants x 2 process counts = 12 jobs, the
-configs in turn, each variant on 1 then 2 GPUs): 20 warm-up + 40 timed steps (the CUDA graphs are
-captured in the warm-up; 40 steps give a stable median, not a resolution of a few percent) of
-10-15 ms take about a second. A job's cost is its start (imports, sharding, the cached batches)
-and its compilation: cold, bench.e2e's H100 runs took about 17 s (DLRM) and 45 s (Wukong) for
-bf16 and up to twice that with LoKA's sites; the inductor cache on disk then serves the 2-GPU
-job (its per-GPU shapes are the 1-GPU job's) and ``bf16_fp8comm`` (``bf16``'s dense graphs). A
-cold machine may run past 200 s, the last jobs (Wukong ``loka_safe``) first; a job running past
-``--job-timeout`` is stopped and recorded as failed, and scaling.json and scaling.md are
-rewritten after every job, so a run cut short (SIGTERM: the running job is stopped and recorded)
-keeps what it measured.
+Time budget (2 x H100; each variant on 1 then 2 GPUs, the configs in turn): 20 warm-up + 40 timed
+steps (the CUDA graphs are captured in the warm-up; 40 steps give a stable median, not a
+resolution of a few percent) of 10-15 ms take about a second. A job's cost is its start (torchrun,
+imports, sharding, the cached batches: about 30 s) and its compilation: cold, DLRM's ``bf16`` jobs
+took about 45 s on 1 GPU and 43 s on 2 (the inductor cache on disk serves the 2-GPU job, whose
+per-GPU shapes are the 1-GPU job's), ``bf16_fp8comm`` 36 s (``bf16``'s dense graphs cached);
+LoKA's sites compile up to twice as long as bf16's, and a decision job (not compiled, 30 steps)
+costs about a start. The default run (``dlrm``; ``bf16``, ``loka_safe``: 6 jobs) takes about 270 s
+cold (estimated: 45 + 43 s ``bf16``, 2 x 35 s of decision jobs, about 60 + 50 s ``loka_safe``);
+``loka_aggressive`` adds about 3 minutes, ``bf16_fp8comm`` about 1, and ``wukong`` about twice
+DLRM's time per variant. A job running past ``--job-timeout`` is stopped and recorded as failed,
+and scaling.json and scaling.md are rewritten after every job, so a run cut short (SIGTERM: the
+running job is stopped and recorded) keeps what it measured.
 
-A failed job is recorded with its error (first line of the failing rank's exception, else the
-end of its log, ``<out>/<config>_<variant>_x<N>/log.txt``) and the others go on; the exit status
-is then 1.
+A failed job is recorded with its error (first line of the failing rank's exception, else the end
+of its log, ``<out>/<config>_<variant>_x<N>/log.txt``; a decision job's under
+``<config>_<variant>_x<N>_decide/``) and the others go on; a LoKA variant whose decision job
+failed is recorded as failed without its timed job. The exit status is then 1.
 
 Run (2 GPUs):       python -m bench.scaling --out DIR
 Dry run (CPU, gloo): python -m bench.scaling --dry-run --out /tmp/scaling
-(tiny models, batch 64, 2 + 4 steps, eager: no compilation, no CUDA graphs)
+(tiny models, batch 64, 2 + 4 steps, decision jobs of 8 steps, eager: no compilation, no CUDA
+graphs)
 """
 
 from __future__ import annotations
@@ -106,9 +119,16 @@ VARIANTS: dict[str, Variant] = {
         compile=True, graphs=True,
     ),
     "loka_safe": Variant(
-        name="loka_safe", description="conf/loka/safe.yaml (FP32 comms; sites in their initial, "
-        "high-precision plan: the first re-plan is at step 500)",
-        loka="safe", compile=True, graphs=True,
+        name="loka_safe", description="conf/loka/safe.yaml from its decision job's plans (FP8 row-wise "
+        "forward and input-gradient GEMMs where the Probe measured them safe and Dispatch predicts "
+        "a gain; FP32 comms)",
+        loka="safe", compile=True, graphs=True, decide=True,
+    ),
+    "loka_aggressive": Variant(
+        name="loka_aggressive", description="conf/loka/aggressive.yaml from its decision job's plans (FP8 "
+        "tensor- or row-wise, all three GEMMs, looser budgets; the adaptive all-to-all starts at FP32 "
+        "and its first policy update is at step 200)",
+        loka="aggressive", compile=True, graphs=True, decide=True,
     ),
     "bf16_fp8comm": Variant(
         name="bf16_fp8comm", description="bf16 + LoKA's codecs only: embedding all-to-all FP8 "
@@ -121,13 +141,11 @@ VARIANTS: dict[str, Variant] = {
         loka_overrides=_a2a("FP32"), compile=True, graphs=True,
     ),
 }
-DEFAULT_VARIANTS = ("bf16", "bf16_fp8comm", "loka_safe")
-"""In this order: ``bf16_fp8comm`` right after ``bf16`` finds its dense graphs compiled (the
-inductor cache on disk); ``loka_safe``, the longest to compile, last."""
-
-
-def _uses_codecs(variant: Variant) -> bool:
-    return "loka.comm_enabled=true" in variant.loka_overrides
+DEFAULT_VARIANTS = ("bf16", "loka_safe")
+"""Weak scaling of bf16 against LoKA, in this order: ``loka_safe``, the longest to compile,
+last. The others by name (``--variants``); see the module docstring for the time each takes."""
+DEFAULT_CONFIGS = ("dlrm",)
+"""``wukong`` by name (``--configs``): its jobs take about twice DLRM's."""
 
 
 def _progress(t0: float, msg: str) -> None:
@@ -137,13 +155,15 @@ def _progress(t0: float, msg: str) -> None:
 # ------------------------------------------------------------------------------ one job (a rank)
 def run_job(job_dir: Path) -> int:
     """One job, on every rank that torchrun starts: trains as ``<job_dir>/job.json`` says and
-    writes ``rank<r>.json`` (its step times and bytes), or ``error.rank<r>.txt`` and raises."""
+    writes ``rank<r>.json`` (a timed job's step times and bytes, a decision job's plans), or
+    ``error.rank<r>.txt`` and raises."""
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
-        result = _measure(json.loads((job_dir / "job.json").read_text()), rank)
+        spec = json.loads((job_dir / "job.json").read_text())
+        result = _decide(spec, rank) if spec["role"] == "decide" else _measure(spec, rank)
     except Exception as exc:
         (job_dir / f"error.rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
         raise
@@ -151,10 +171,53 @@ def run_job(job_dir: Path) -> int:
     return 0
 
 
+def _decide(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A LoKA decision job: trains with the decision run's Probe settings and checkpoints at its
+    end (the overrides say both); returns the plans it decided."""
+    from bench.e2e.protocol import loka_summary
+    from bench.e2e.variants import Composer
+    from loka_train.plugin.callback import LokaCallback
+    from loka_train.runtime.trainer import Trainer
+
+    with contextlib.ExitStack() as stack:
+        job = Composer(stack).job(spec["overrides"])
+    loka = LokaCallback(job.loka)
+    trainer: Any = Trainer(model=job.model, data=job.data, trainer=job.trainer, callbacks=[loka])
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # LoKA's plan table
+            summary = trainer.fit()
+        return {"rank": rank, "world_size": summary["world_size"], "steps": summary["steps"],
+                "loka": loka_summary(loka, trainer)}
+    finally:
+        trainer.close()
+
+
+def _load_decided(loka: Any, decided_from: Path, rank: int, world_size: int) -> dict[str, Any]:
+    """Give `loka` the LoKA state of the decision job's checkpoint under `decided_from` (its
+    ``trainer.out_dir``), as bench.e2e gives its timed runs the decision run's state: the
+    callback's state only (the weights stay fresh), through ``decided_state``. Returns where it
+    came from."""
+    from bench.e2e.protocol import decided_state
+    from loka_train.runtime.checkpoint import CheckpointManager, read_meta
+    from loka_train.runtime.rundirs import find_checkpoint
+
+    path = find_checkpoint(decided_from)
+    if path is None:
+        raise RuntimeError(f"the decision job wrote no checkpoint under {decided_from}")
+    manager = CheckpointManager(path.parent, rank=rank, world_size=world_size, keep=1)
+    states = [s["callbacks"][loka.name] for s in manager.rank_states(path)]
+    # The decision job ran on as many processes; otherwise the callback merges, as on a resume.
+    state = (states[rank] if len(states) == world_size
+             else loka.merge_rank_states(states, rank=rank, world_size=world_size))
+    loka.load_state_dict(decided_state(state))
+    return {"checkpoint": str(path), "step": read_meta(path)["step"]}
+
+
 def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
 
     from bench.e2e.measure import StepClock
+    from bench.e2e.protocol import loka_summary
     from bench.e2e.report import environment
     from bench.e2e.variants import Composer
     from loka_train.plugin.callback import LokaCallback
@@ -163,6 +226,10 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         job = Composer(stack).job(spec["overrides"])
     loka = LokaCallback(job.loka) if job.loka.enabled else None
+    decided = None
+    if spec.get("decided_from") is not None:
+        assert loka is not None, "only LoKA variants have a decision job"
+        decided = _load_decided(loka, Path(spec["decided_from"]), rank, int(os.environ.get("WORLD_SIZE", "1")))
     device = torch.device(job.trainer.device)
     clock = StepClock(warmup=spec["warmup"], timed=spec["steps"], profile_steps=0, device=device,
                       timing=spec["timing"])
@@ -185,8 +252,17 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             "cuda_graphs": summary.get("cuda_graphs"),
             "gpu_peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
             "a2a_bytes_per_step": None,
+            "decided_from": decided,
         }
-        if loka is not None and loka.comm_state is not None:
+        if loka is not None:
+            result["fp8_coverage"] = summary["loka/fp8_coverage"]
+            result["loka"] = loka_summary(loka, trainer, statistics.median(times))
+        if loka is not None and loka.config.comm_enabled and loka.comm_state is None:
+            # One process: LoKA installs no codec, TorchRec runs no all-to-all.
+            result["a2a_bytes_per_step"] = {"a2a_fwd": 0.0, "a2a_bwd": 0.0}
+            result["a2a_bytes_by_precision"] = {"a2a_fwd": {}, "a2a_bwd": {}}
+            result["comm_fallbacks"] = []
+        elif loka is not None and loka.comm_state is not None:
             report = loka.comm_state.report()
             channels = report["channels"]
             assert isinstance(channels, dict)
@@ -289,6 +365,8 @@ def _row(spec: dict[str, Any], variant: Variant, job_dir: Path, rc: int | None, 
         gpu_peak_allocated_gb=r0["gpu_peak_allocated_gb"],
         env=r0.get("env"),
     )
+    if "loka" in r0:
+        row.update(fp8_coverage=r0["fp8_coverage"], loka=r0["loka"], decided_from=r0["decided_from"])
     if all(r["a2a_bytes_per_step"] is not None for r in ranks):
         row["a2a_bytes_per_step"] = sum(sum(r["a2a_bytes_per_step"].values()) for r in ranks)
         row["a2a_bytes_by_precision_rank0"] = r0["a2a_bytes_by_precision"]
@@ -296,6 +374,19 @@ def _row(spec: dict[str, Any], variant: Variant, job_dir: Path, rc: int | None, 
     if rc != 0:  # every rank wrote its results: the measurement is whole; say how it ended
         row["note"] = f"exit status {rc} after every rank wrote its results"
     return row
+
+
+def _decision(spec: dict[str, Any], job_dir: Path, rc: int | None, timed_out: bool, timeout_s: float,
+              wall_s: float) -> dict[str, Any]:
+    """A decision job's record: its wall time and rank 0's decided plans, or its error."""
+    rec: dict[str, Any] = {"steps": spec["steps"], "wall_s": wall_s, "exit_status": rc,
+                           "overrides": spec["overrides"], "dir": str(job_dir)}
+    paths = [job_dir / f"rank{r}.json" for r in range(spec["nproc"])]
+    if timed_out or not all(p.exists() for p in paths):
+        return {**rec, "status": "error", "error": _job_error(job_dir, rc, timed_out, timeout_s)}
+    loka = json.loads(paths[0].read_text())["loka"]
+    return {**rec, "status": "ok", "fp8_coverage": loka["fp8_coverage"], "plan_changes": loka["plan_changes"],
+            "plans": loka["plans"]}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -332,10 +423,13 @@ def render(report: dict[str, Any]) -> str:
         f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the timed steps on rank 0 "
         f"({s['timing']}), {s['cache_batches']} cached synthetic train batches cycled "
         f"(data.cache_batches), table-wise sharding, sparse-dist pipeline, {s['device']}"
-        f"{'' if s['compile'] else ', eager (dry run: no compilation, no CUDA graphs)'}.", "",
+        f"{'' if s['compile'] else ', eager (dry run: no compilation, no CUDA graphs)'}. LoKA variants: "
+        f"a decision job of {s['decide_steps']} steps first (every site sampled every step, probe interval "
+        f"{s['decide_interval']}, not compiled), then the timed job from fresh weights with the decided LoKA "
+        "state.", "",
         "| config | variant | GPUs | step ms (median) | p10-p90 | samples/s (global) | vs bf16 | "
-        "scaling eff. | a2a MB/step | status |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "scaling eff. | a2a MB/step | FP8 GEMMs | decision s | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ok = r["status"] == "ok"
@@ -345,6 +439,7 @@ def render(report: dict[str, Any]) -> str:
             f"| {r['config']} | {r['variant']} | {r['nproc']} | {_fmt(r.get('step_ms_median'), '.2f')} | {spread} | "
             f"{_fmt(r.get('samples_per_s'), ',.0f')} | {_fmt(r.get('speed_vs_' + REFERENCE), '.2f', 'x')} | "
             f"{_fmt(r.get('scaling_efficiency'), '.0%')} | {_fmt(None if mb is None else mb / 1e6, '.2f')} | "
+            f"{_fmt(r.get('fp8_coverage'), '.0%')} | {_fmt(r.get('decide', {}).get('wall_s'), '.1f')} | "
             f"{r['status']} |"
         )
     failed = [r for r in rows if r["status"] != "ok"]
@@ -360,8 +455,10 @@ def render(report: dict[str, Any]) -> str:
         "Scaling efficiency: samples/s on N GPUs / (N x samples/s on 1 GPU), same config and variant "
         "(1.0: perfect weak scaling). a2a MB/step: bytes the embedding all-to-all's codec encodes "
         "per step, forward + backward, summed over ranks, each rank's whole payload (its own slice "
-        "included). Only variants that install LoKA's codecs count them (`-` otherwise; on 1 GPU "
-        "LoKA installs none: there is nothing to communicate).",
+        "included); 0 on 1 GPU, where there is nothing to communicate (LoKA installs no codec). "
+        "Only variants that install LoKA's codecs count them (`-` otherwise). FP8 GEMMs: the share of "
+        "LoKA's GEMMs in FP8 at the end of the timed job (`loka/fp8_coverage`). decision s: the "
+        "decision job's wall time (its start included).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -371,13 +468,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="directory for scaling.json, scaling.md and one folder per job")
     p.add_argument("--nprocs", type=int, nargs="+", default=[1, 2], help="processes (GPUs) per job (default 1 2)")
-    p.add_argument("--configs", nargs="+", default=list(SCALED_CONFIGS), choices=SCALED_CONFIGS)
+    p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=SCALED_CONFIGS,
+                   help=f"of {', '.join(SCALED_CONFIGS)} (default {' '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                    help=f"of {', '.join(VARIANTS)} (default {' '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--batch", type=int, default=None, help="per-GPU batch (default 8192; dry run 64)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 20; dry run 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 40; dry run 4)")
     p.add_argument("--cache-batches", type=int, default=None, help="distinct train batches, cycled (default 16; dry run 4)")
+    p.add_argument("--decide-steps", type=int, default=None,
+                   help="steps of a LoKA variant's decision job (default 30; dry run 8)")
+    p.add_argument("--decide-interval", type=int, default=None,
+                   help="probe interval of the decision job (default 5; dry run 2)")
     p.add_argument("--job-timeout", type=float, default=180.0, help="seconds one job may run (default 180)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny models, eager")
     p.add_argument("--job", type=Path, help=argparse.SUPPRESS)
@@ -387,7 +489,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is None:
         p.error("--out DIR is required")
     dry = args.dry_run
-    for name, gpu, cpu in (("batch", 8192, 64), ("warmup", 20, 2), ("steps", 40, 4), ("cache_batches", 16, 4)):
+    for name, gpu, cpu in (("batch", 8192, 64), ("warmup", 20, 2), ("steps", 40, 4), ("cache_batches", 16, 4),
+                           ("decide_steps", 30, 8), ("decide_interval", 5, 2)):
         if getattr(args, name) is None:
             setattr(args, name, cpu if dry else gpu)
         if getattr(args, name) < 1:
@@ -421,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
+    from bench.e2e.protocol import decide_overrides
     from bench.e2e.report import environment
     from bench.e2e.variants import Composer
 
@@ -428,22 +532,27 @@ def _run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     configs, data = (DRY_CONFIGS, DRY_DATA) if args.dry_run else (CONFIGS, DATA)
-    with contextlib.ExitStack() as stack:
-        composer = Composer(stack)
-        dims = {c: composer.job([*configs[c], *data]).model.embedding_dim for c in args.configs}
-    # job_overrides' arguments; the dry run has no compilation and no graphs.
-    e2e_args = argparse.Namespace(dry_run=args.dry_run, cache_batches=args.cache_batches, device=args.device,
-                                  compile_backend="inductor")
     variants = [VARIANTS[v] for v in args.variants]
     if args.dry_run:
         variants = [replace(v, compile=False, graphs=False) for v in variants]
+    with contextlib.ExitStack() as stack:
+        composer = Composer(stack)
+        dims = {c: composer.job([*configs[c], *data]).model.embedding_dim for c in args.configs}
+        # The variants whose LoKA installs the comm codecs (on several processes): one scale per
+        # embedding row (loka.comm.row_dim must divide every slice of the all-to-all).
+        codecs = {v.name for v in variants
+                  if composer.job([*data, f"loka={v.loka}", *v.loka_overrides]).loka.comm_enabled}
+    # job_overrides' arguments; the dry run has no compilation and no graphs.
+    e2e_args = argparse.Namespace(dry_run=args.dry_run, cache_batches=args.cache_batches, device=args.device,
+                                  compile_backend="inductor")
     report: dict[str, Any] = {
         "command": "python -m bench.scaling " + shlex.join(sys.argv[1:] if argv is None else argv),
         "env": environment("cpu"),  # versions; the GPU's name comes from the jobs
         "settings": {"nprocs": args.nprocs, "batch": args.batch, "warmup": args.warmup, "steps": args.steps,
                      "cache_batches": args.cache_batches, "device": args.device,
                      "timing": "CUDA events" if args.device == "cuda" else "wall clock",
-                     "compile": not args.dry_run, "job_timeout_s": args.job_timeout},
+                     "compile": not args.dry_run, "job_timeout_s": args.job_timeout,
+                     "decide_steps": args.decide_steps, "decide_interval": args.decide_interval},
         "variants": {v.name: v.description for v in variants},
         "rows": [],
     }
@@ -459,55 +568,86 @@ def _run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
         (out / "scaling.md").write_text(text)
         return text
 
-    _progress(t0, f"{len(args.configs) * len(variants) * len(args.nprocs)} jobs, batch {args.batch}/GPU, "
-                  f"{args.warmup} + {args.steps} steps, {args.device}")
+    def launch(job_dir: Path, spec: dict[str, Any]) -> tuple[int | None, bool, float]:
+        """Run one job; SIGTERM records it as stopped (and the report is written) first."""
+        job_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (*job_dir.glob("rank*.json"), *job_dir.glob("error.rank*.txt")):
+            stale.unlink()
+        (job_dir / "job.json").write_text(json.dumps(spec, indent=1))
+        started = time.perf_counter()
+        try:
+            rc, timed_out = _launch(job_dir, spec["nproc"], args.job_timeout)
+        except _Terminated:
+            what = "its decision job was" if spec["role"] == "decide" else "the benchmark was"
+            rows.append({"config": spec["config"], "variant": spec["variant"], "nproc": spec["nproc"],
+                         "status": "error", "error": f"stopped: {what} terminated (SIGTERM)", "dir": str(job_dir),
+                         "overrides": spec["overrides"], "wall_s": time.perf_counter() - started})
+            write()
+            raise
+        return rc, timed_out, time.perf_counter() - started
+
+    num_jobs = len(args.configs) * len(args.nprocs) * sum(2 if v.decide else 1 for v in variants)
+    _progress(t0, f"{num_jobs} jobs, batch {args.batch}/GPU, {args.warmup} + {args.steps} steps, {args.device}")
     for config in args.configs:
         for variant in variants:
-            extra = (f"loka.comm.row_dim={dims[config]}",) if _uses_codecs(variant) else ()
+            extra = (f"loka.comm.row_dim={dims[config]}",) if variant.name in codecs else ()
             for nproc in args.nprocs:
+                name = f"{config} {variant.name} x{nproc}"
                 job_dir = out / f"{config}_{variant.name}_x{nproc}"
-                if job_dir.exists():
-                    for stale in (*job_dir.glob("rank*.json"), *job_dir.glob("error.rank*.txt")):
-                        stale.unlink()
-                job_dir.mkdir(parents=True, exist_ok=True)
-                steps = args.warmup + args.steps
-                spec = {
-                    "config": config, "variant": variant.name, "nproc": nproc, "batch": args.batch,
-                    "warmup": args.warmup, "steps": args.steps,
-                    "timing": "events" if args.device == "cuda" else "sync",
-                    "overrides": job_overrides(e2e_args, config, args.batch, variant, str(job_dir / "run"),
-                                               steps=steps, eval_batches=1, extra=extra),
-                }
-                (job_dir / "job.json").write_text(json.dumps(spec, indent=1))
-                _progress(t0, f"{config} {variant.name} x{nproc}: start")
-                started = time.perf_counter()
-                try:
-                    rc, timed_out = _launch(job_dir, nproc, args.job_timeout)
-                except _Terminated:
-                    rows.append({"config": config, "variant": variant.name, "nproc": nproc, "status": "error",
-                                 "error": "stopped: the benchmark was terminated (SIGTERM)", "dir": str(job_dir),
-                                 "overrides": spec["overrides"], "wall_s": time.perf_counter() - started})
+                common = {"config": config, "variant": variant.name, "nproc": nproc, "batch": args.batch}
+                decision: dict[str, Any] | None = None
+                if variant.decide:
+                    # As bench.e2e decides: eagerly (the plans do not depend on compilation),
+                    # every site sampled every step; the checkpoint at its end holds the decisions.
+                    decide_dir = out / f"{config}_{variant.name}_x{nproc}_decide"
+                    dspec = {**common, "role": "decide", "steps": args.decide_steps, "overrides": job_overrides(
+                        e2e_args, config, args.batch, replace(variant, compile=False), str(decide_dir / "run"),
+                        steps=args.decide_steps, eval_batches=1,
+                        extra=(*decide_overrides(args.decide_interval), *extra), checkpoint_at_end=True)}
+                    _progress(t0, f"{name}: decision job ({args.decide_steps} steps)")
+                    rc, timed_out, wall_s = launch(decide_dir, dspec)
+                    decision = _decision(dspec, decide_dir, rc, timed_out, args.job_timeout, wall_s)
+                if decision is not None and decision["status"] != "ok":
+                    rows.append({**common, "description": variant.description, "status": "error",
+                                 "error": f"decision job: {decision['error']}", "dir": decision["dir"],
+                                 "overrides": decision["overrides"], "wall_s": decision["wall_s"],
+                                 "decide": decision})
                     write()
-                    raise
-                row = _row(spec, variant, job_dir, rc, timed_out, args.job_timeout, time.perf_counter() - started)
+                    _progress(t0, f"{name}: decision job FAILED ({decision['wall_s']:.1f} s): {decision['error']}")
+                    continue
+                if decision is not None:
+                    _progress(t0, f"{name}: decided FP8 {decision['fp8_coverage']:.0%} of GEMMs, "
+                                  f"{decision['plan_changes']} plan changes ({decision['wall_s']:.1f} s)")
+                spec = {
+                    **common, "role": "timed", "warmup": args.warmup, "steps": args.steps,
+                    "timing": "events" if args.device == "cuda" else "sync",
+                    "decided_from": None if decision is None else str(Path(decision["dir"]) / "run"),
+                    "overrides": job_overrides(e2e_args, config, args.batch, variant, str(job_dir / "run"),
+                                               steps=args.warmup + args.steps, eval_batches=1, extra=extra),
+                }
+                _progress(t0, f"{name}: start")
+                rc, timed_out, wall_s = launch(job_dir, spec)
+                row = _row(spec, variant, job_dir, rc, timed_out, args.job_timeout, wall_s)
+                if decision is not None:
+                    row["decide"] = decision
                 rows.append(row)
                 write()
                 if row["status"] == "ok":
                     mb = row["a2a_bytes_per_step"]
                     eff = row["scaling_efficiency"]
-                    _progress(t0, f"{config} {variant.name} x{nproc}: {row['step_ms_median']:.2f} ms/step, "
-                                  f"{row['samples_per_s']:,.0f} samples/s"
+                    cov = row.get("fp8_coverage")
+                    _progress(t0, f"{name}: {row['step_ms_median']:.2f} ms/step, {row['samples_per_s']:,.0f} samples/s"
                                   + (f", efficiency {eff:.0%}" if eff is not None else "")
                                   + (f", a2a {mb / 1e6:.2f} MB/step" if mb is not None else "")
+                                  + (f", FP8 {cov:.0%} of GEMMs" if cov is not None else "")
                                   + f" ({row['wall_s']:.1f} s)")
                 else:
-                    _progress(t0, f"{config} {variant.name} x{nproc}: FAILED ({row['wall_s']:.1f} s): {row['error']}")
+                    _progress(t0, f"{name}: FAILED ({row['wall_s']:.1f} s): {row['error']}")
     text = write()
     print(text, flush=True)
     failed = sum(r["status"] != "ok" for r in rows)
-    _progress(t0, f"wrote {out}/scaling.md and scaling.json: {len(rows)} jobs, {failed} failed")
+    _progress(t0, f"wrote {out}/scaling.md and scaling.json: {len(rows)} rows, {failed} failed")
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

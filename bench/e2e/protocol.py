@@ -99,7 +99,7 @@ def shared_datasets() -> Iterator[Any]:
 
 
 # ------------------------------------------------------------------------- the runs
-def _loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[str, Any]:
+def loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[str, Any]:
     """FP8 coverage and the GEMMs left in high precision (with why) of a LoKA callback, and its
     ledger (``--ledger``) with predictions against ``step_ms``, the run's median timed step
     (the callback's own figure is the mean over the whole run, set-up and evaluations included)."""
@@ -133,6 +133,21 @@ def _loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[s
         },
         "ledger": None if cb.ledger is None else cb.ledger.to_dict(step_ms or cb.step_ms),
     }
+
+
+def decide_overrides(interval: int) -> tuple[str, ...]:
+    """The decision run's Probe over the preset's: every site sampled on every step, a re-plan
+    every `interval` steps, so that a short run reaches the plans a long one would."""
+    return ("loka.probe.every_k_steps=1", "loka.probe.sites_per_step=null", f"loka.probe.interval={interval}")
+
+
+def decided_state(state: dict[str, Any]) -> dict[str, Any]:
+    """What a timed run takes of a decision run's LoKA state (``LokaCallback.state_dict()``):
+    the Probe's windows and verdicts, Dispatch's plans and history, the comm precisions. The
+    timed run starts from fresh weights, so the quality guard, the plan timeline and the
+    dense-gradient error-feedback residuals (rounding of the decision run's gradients) do not
+    carry over."""
+    return {**state, "guard": {"best_ne": None, "cooldown": 0, "trips": []}, "timeline": [], "compressors": []}
 
 
 def cleanup(device_type: str) -> None:
@@ -276,11 +291,7 @@ def run_one(
         try:
             state = None
             if variant.decide:
-                decide_extra = (
-                    "loka.probe.every_k_steps=1",
-                    "loka.probe.sites_per_step=null",
-                    f"loka.probe.interval={args.decide_interval}",
-                )
+                decide_extra = decide_overrides(args.decide_interval)
                 # The plans do not depend on compilation: decide eagerly.
                 job = composer.job(
                     job_overrides(
@@ -310,9 +321,7 @@ def run_one(
                 )
                 trainer = decider = None
                 cleanup(device_type)
-                # The timed run starts from fresh weights; only the decisions carry over.
-                state["guard"] = {"best_ne": None, "cooldown": 0, "trips": []}
-                state["timeline"] = []
+                state = decided_state(state)
 
             if warm_start is not None:
                 shutil.copytree(warm_start, f"{tmp}/run", symlinks=True)  # latest: a relative link
@@ -392,7 +401,7 @@ def run_one(
                 rec["step_diag"] = clock.step_diagnostics()
                 rec["first_timed_step"] = clock.first_step + clock.warmup
             if loka_cb is not None:
-                rec["loka"] = _loka_summary(loka_cb, trainer, median)
+                rec["loka"] = loka_summary(loka_cb, trainer, median)
             if torchao_cb is not None:
                 rec["torchao"] = {"converted": torchao_cb.converted, "skipped": torchao_cb.skipped}
             if clock.pystats:

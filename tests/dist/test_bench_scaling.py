@@ -1,6 +1,7 @@
 """bench.scaling's dry run: each job under torchrun with 1 and 2 gloo processes; the JSON's rows,
 step times, samples/s, the efficiency computed from them and the all-to-all bytes; a job that
-fails is recorded with its error while the others run, and the exit status says so."""
+fails is recorded with its error while the others run, and the exit status says so; a LoKA
+variant's decision job, whose checkpointed plans its timed job starts from."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ def test_dry_run_on_1_and_2_processes_records_a_failed_job(
         assert math.isclose(r["samples_per_s"], 64 * r["nproc"] * 1000.0 / r["step_ms_median"])
     assert one["scaling_efficiency"] is None
     assert math.isclose(two["scaling_efficiency"], two["samples_per_s"] / (2 * one["samples_per_s"]))
-    # 1 process: nothing to communicate, LoKA installs no codec. 2: every rank sends FP8 both
-    # ways, counted by the codec.
-    assert one["a2a_bytes_per_step"] is None
+    # 1 process: nothing to communicate (LoKA installs no codec): 0 bytes. 2: every rank sends
+    # FP8 both ways, counted by the codec.
+    assert one["a2a_bytes_per_step"] == 0
     assert two["a2a_bytes_per_step"] > 0
     assert all(set(p) == {"FP8"} for p in two["a2a_bytes_by_precision_rank0"].values())
     assert not two["comm_fallbacks"]
@@ -53,6 +54,30 @@ def test_dry_run_on_1_and_2_processes_records_a_failed_job(
     assert "Failed jobs" in md and "dlrm broken x2" in md
     assert "| dlrm | bf16_fp8comm | 2 |" in md and "python -m bench.scaling --dry-run" in md
     assert "dlrm broken x1: FAILED" in printed and "dlrm bf16_fp8comm x2:" in printed
+
+
+def test_loka_variant_times_the_plans_its_decision_job_checkpointed(tmp_path: Path) -> None:
+    rc = scaling.main(["--dry-run", "--out", str(tmp_path), "--configs", "dlrm", "--nprocs", "2",
+                       "--variants", "loka_aggressive", "--job-timeout", "120"])
+    report = json.loads((tmp_path / "scaling.json").read_text())
+    (row,) = report["rows"]
+    assert rc == 0 and row["status"] == "ok", row.get("error")
+    decision = row["decide"]
+    assert decision["status"] == "ok" and decision["steps"] == 8 and decision["wall_s"] > 0
+    assert "loka.probe.every_k_steps=1" in decision["overrides"]
+    # aggressive on a CPU takes FP8 wherever it is safe (dispatch.cpu_objective=coverage): the
+    # decided plans differ from the preset's initial ones (all high precision), so a timed job
+    # that skipped the decided state would show other plans and no coverage.
+    assert decision["fp8_coverage"] > 0
+    assert row["loka"]["plans"] == decision["plans"]
+    assert row["fp8_coverage"] == decision["fp8_coverage"]
+    assert row["loka"]["plan_changes"] == decision["plan_changes"]  # the history came along
+    decided = Path(row["decided_from"]["checkpoint"])
+    assert decided.is_relative_to(tmp_path / "dlrm_loka_aggressive_x2_decide") and row["decided_from"]["step"] == 8
+    # From fresh weights: the timed job trains its own 2 + 4 steps from step 0.
+    assert len(row["step_ms"]) == 4
+    md = (tmp_path / "scaling.md").read_text()
+    assert "| FP8 GEMMs | decision s |" in md and f"| {row['fp8_coverage']:.0%} | {decision['wall_s']:.1f} | ok |" in md
 
 
 def test_efficiency_needs_both_runs() -> None:
