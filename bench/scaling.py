@@ -74,6 +74,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 import shlex
 import signal
@@ -213,6 +214,11 @@ def _load_decided(loka: Any, decided_from: Path, rank: int, world_size: int) -> 
     return {"checkpoint": str(path), "step": read_meta(path)["step"]}
 
 
+def _gb_or_none(gb: float) -> float | None:
+    """A memory figure for the JSON: None where there is none (NaN: not CUDA)."""
+    return None if math.isnan(gb) else gb
+
+
 def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
 
@@ -250,7 +256,9 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             "fallbacks": summary["fallbacks"],
             "compiled": summary.get("compiled", []),
             "cuda_graphs": summary.get("cuda_graphs"),
-            "gpu_peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            # The clock resets the allocator's peak at every step end: its peak_gb() keeps the run's.
+            "gpu_peak_allocated_gb": _gb_or_none(clock.peak_gb()[0]),
+            "gpu_peak_reserved_gb": _gb_or_none(clock.peak_gb()[1]),
             "a2a_bytes_per_step": None,
             "decided_from": decided,
         }
@@ -363,6 +371,7 @@ def _row(spec: dict[str, Any], variant: Variant, job_dir: Path, rc: int | None, 
         compiled=r0["compiled"],
         cuda_graphs=r0["cuda_graphs"],
         gpu_peak_allocated_gb=r0["gpu_peak_allocated_gb"],
+        gpu_peak_reserved_gb=r0["gpu_peak_reserved_gb"],
         env=r0.get("env"),
     )
     if "loka" in r0:
