@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import logging
 import math
@@ -185,8 +184,7 @@ def _decide(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     loka = LokaCallback(job.loka)
     trainer: Any = Trainer(model=job.model, data=job.data, trainer=job.trainer, callbacks=[loka])
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # LoKA's plan table
-            summary = trainer.fit()
+        summary = trainer.fit()
         return {"rank": rank, "world_size": summary["world_size"], "steps": summary["steps"],
                 "loka": loka_summary(loka, trainer)}
     finally:
@@ -243,8 +241,7 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     trainer: Any = Trainer(model=job.model, data=job.data, trainer=job.trainer,
                            callbacks=[*([loka] if loka is not None else []), clock])
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # LoKA's plan table
-            summary = trainer.fit()
+        summary = trainer.fit()
         times = clock.step_ms()
         if len(times) != spec["steps"]:
             raise RuntimeError(f"timed {len(times)} steps, expected {spec['steps']}")
