@@ -71,9 +71,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import logging
+import math
 import os
 import shlex
 import signal
@@ -184,8 +184,7 @@ def _decide(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     loka = LokaCallback(job.loka)
     trainer: Any = Trainer(model=job.model, data=job.data, trainer=job.trainer, callbacks=[loka])
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # LoKA's plan table
-            summary = trainer.fit()
+        summary = trainer.fit()
         return {"rank": rank, "world_size": summary["world_size"], "steps": summary["steps"],
                 "loka": loka_summary(loka, trainer)}
     finally:
@@ -213,6 +212,11 @@ def _load_decided(loka: Any, decided_from: Path, rank: int, world_size: int) -> 
     return {"checkpoint": str(path), "step": read_meta(path)["step"]}
 
 
+def _gb_or_none(gb: float) -> float | None:
+    """A memory figure for the JSON: None where there is none (NaN: not CUDA)."""
+    return None if math.isnan(gb) else gb
+
+
 def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
 
@@ -237,8 +241,7 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     trainer: Any = Trainer(model=job.model, data=job.data, trainer=job.trainer,
                            callbacks=[*([loka] if loka is not None else []), clock])
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # LoKA's plan table
-            summary = trainer.fit()
+        summary = trainer.fit()
         times = clock.step_ms()
         if len(times) != spec["steps"]:
             raise RuntimeError(f"timed {len(times)} steps, expected {spec['steps']}")
@@ -250,7 +253,9 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             "fallbacks": summary["fallbacks"],
             "compiled": summary.get("compiled", []),
             "cuda_graphs": summary.get("cuda_graphs"),
-            "gpu_peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            # The clock resets the allocator's peak at every step end: its peak_gb() keeps the run's.
+            "gpu_peak_allocated_gb": _gb_or_none(clock.peak_gb()[0]),
+            "gpu_peak_reserved_gb": _gb_or_none(clock.peak_gb()[1]),
             "a2a_bytes_per_step": None,
             "decided_from": decided,
         }
@@ -363,6 +368,7 @@ def _row(spec: dict[str, Any], variant: Variant, job_dir: Path, rc: int | None, 
         compiled=r0["compiled"],
         cuda_graphs=r0["cuda_graphs"],
         gpu_peak_allocated_gb=r0["gpu_peak_allocated_gb"],
+        gpu_peak_reserved_gb=r0["gpu_peak_reserved_gb"],
         env=r0.get("env"),
     )
     if "loka" in r0:

@@ -27,6 +27,8 @@ from torch.distributed.run import parse_args, run
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
+logger = logging.getLogger(__name__)
+
 
 def exit_status(failure_exitcode: int) -> int:
     """The shell's exit status of a process that exited with `failure_exitcode` (negative: the
@@ -70,7 +72,8 @@ def run_log(script_args: list[str], rank: int, since: float) -> Path | None:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             out_dir = compose(config_name="config", overrides=script_args).trainer.out_dir
         run_dir = RunDirs(out_dir, keep=0).latest()
-    except Exception:  # not our job's arguments: no log to name
+    except Exception:  # not launch/train.py's arguments: no log to name, the failure is told anyway
+        logger.debug("no run log for the arguments %s", script_args, exc_info=True)
         return None
     if run_dir is None:
         return None

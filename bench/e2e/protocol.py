@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import io
 import logging
 import math
 import re
@@ -303,8 +302,7 @@ def run_one(
                 rec["decide_overrides"] = list(decide_extra) + [f"trainer.steps={args.decide_steps}"]
                 decider = LokaCallback(job.loka)
                 trainer = Trainer(model=job.model, data=job.data, trainer=job.trainer, callbacks=[decider])
-                with contextlib.redirect_stdout(io.StringIO()):  # the plan table: in the JSON
-                    trainer.fit()
+                trainer.fit()
                 state = decider.state_dict()
                 assert decider.dispatcher is not None
                 rec["decide"] = {
@@ -361,8 +359,7 @@ def run_one(
                 model=job.model, data=job.data, trainer=job.trainer, callbacks=[*callbacks, clock]
             )
             try:
-                with contextlib.redirect_stdout(io.StringIO()):  # the plan table: in the JSON
-                    summary = trainer.fit()
+                summary = trainer.fit()
             finally:
                 clock.close()
             run_s = time.perf_counter() - setup_t

@@ -462,8 +462,8 @@ class CommState:
             sums = state["sqnr_sums"]
             assert isinstance(sums, torch.Tensor)
             if sums.shape[0] < self.sqnr_sums.shape[0] and sums.shape[1:] == self.sqnr_sums.shape[1:]:
-                # A checkpoint from before a channel was added (channels only ever append): the
-                # new channels start with no measurement.
+                # Channels only ever append: a shorter buffer holds the leading channels, and
+                # missing ones get zero rows: no measurement.
                 sums = torch.cat([sums, sums.new_zeros(self.sqnr_sums.shape[0] - sums.shape[0], *sums.shape[1:])])
             if sums.shape != self.sqnr_sums.shape:
                 raise ValueError(

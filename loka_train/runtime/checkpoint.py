@@ -180,7 +180,7 @@ def _failures(error: str | None) -> list[tuple[int, str]]:
     """
     if not dist.is_initialized():
         return [] if error is None else [(0, error)]
-    flag = torch.tensor([0 if error else 1], dtype=torch.int32)
+    flag = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
     if dist.get_backend() == "nccl":
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -80,7 +80,7 @@ class TrainerConfig:
     per group. ``trainer.sharding`` then plans for one group. None: every table sharded over
     all ranks (plain ``DistributedModelParallel``); 1: every rank holds every table. Needs CUDA
     (nccl) and a world size it divides (`runtime.sparse2d`); checkpoints are refused with it
-    (DCP of the replicated shards is not verified yet): set ``checkpoint_every=0``,
+    (DCP on ``DMPCollection``'s replicated shards is not supported): set ``checkpoint_every=0``,
     ``checkpoint_at_end=false``, ``resume=never``. With the LoKA comm policy on, the sync goes
     through LoKA's codecs (``loka.comm.replica_sync``), else through ``DMPCollection.sync``
     (fp32 mean of the weights and the optimizer state)."""
@@ -316,7 +316,7 @@ class TrainerConfig:
             )
         if self.checkpoint_every or self.checkpoint_at_end or self.resume != "never":
             raise ValueError(
-                "trainer.sharding_group_size (2D sparse parallelism) does not checkpoint yet (DCP of "
-                "DMPCollection's replicated shards is not verified): set trainer.checkpoint_every=0 "
+                "trainer.sharding_group_size (2D sparse parallelism) refuses checkpoints (DCP on "
+                "DMPCollection's replicated shards is not supported): set trainer.checkpoint_every=0 "
                 "trainer.checkpoint_at_end=false trainer.resume=never, or trainer.sharding_group_size=null"
             )

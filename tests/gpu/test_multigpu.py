@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loka_train.runtime.rundirs import RunDirs
 from tests.dist._loka import num_fp8
 
 # LOKA_MULTIGPU_ON_CPU=1 runs the same tests on CPU (gloo, emulated FP8, global batch 1024):
@@ -91,7 +92,10 @@ def test_checkpoint_on_two_gpus_resumes(two_gpu_dirs: dict, tmp_path: Path) -> N
     if not full_path.exists():
         _torchrun(2, two_gpu_dirs["row_wise"], "row_wise", STEPS)
     a = _load(full_path)
-    checkpoint = two_gpu_dirs["row_wise"] / "latest" / "checkpoints" / "step_00000020"
+    # `latest` is a link or, where the file system refuses links, a file naming the run.
+    run = RunDirs(two_gpu_dirs["row_wise"], keep=0).latest()
+    assert run is not None, sorted(p.name for p in two_gpu_dirs["row_wise"].iterdir())
+    checkpoint = run / "checkpoints" / "step_00000020"
     assert checkpoint.is_dir(), sorted(p.name for p in checkpoint.parent.iterdir())
     b = _torchrun(2, tmp_path, "row_wise", STEPS, resume=checkpoint)
     b1 = _load(tmp_path / "rank1_resumed.pt")

@@ -1,6 +1,6 @@
 """launch/train.py's logging: a table that library code logs (``extra=TABLE``: the LoKA plan,
-the ledger) is printed to stdout as it is, as print() did, also under tqdm's console redirect,
-and lands in the run's log like any record."""
+the ledger) is printed to stdout as it is, with no level or logger prefix, also under tqdm's
+console redirect, and lands in the run's log like any record."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def root_logging() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("redirect", [False, True])
-def test_a_logged_table_prints_as_before_and_lands_in_the_run_log(
+def test_a_logged_table_prints_bare_to_stdout_and_lands_in_the_run_log(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], root_logging: None, redirect: bool
 ) -> None:
     log = train.configure_logging(rank=0)
@@ -47,7 +47,7 @@ def test_a_logged_table_prints_as_before_and_lands_in_the_run_log(
     logger.info("an ordinary message")
     log.close()
     out, err = capsys.readouterr()
-    assert out == "\nLoKA plan\n| site | plan |\n"  # what print("\nLoKA plan\n" + table) wrote
+    assert out == "\nLoKA plan\n| site | plan |\n"  # the message alone, as print() writes it
     assert "LoKA plan" not in err and "[rank0] INFO loka_train.plugin.callback: an ordinary message" in err
     written = (tmp_path / "train.log").read_text()
     assert "LoKA plan\n| site | plan |" in written and "an ordinary message" in written

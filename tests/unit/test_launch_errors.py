@@ -1,6 +1,6 @@
 """launch/: a config error names the key (and the nearest valid ones) or the preset; a failure is
 printed once (rank 0), without a traceback, which goes to the log file; the torchrun wrapper
-exits with the failing process's status."""
+exits with the failing process's status and names no run log for arguments that are not train.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 import launch.train as train
-from launch.torchrun import exit_status
+from launch.torchrun import exit_status, run_log
 from loka_train.runtime.checkpoint import CheckpointError
 
 
@@ -93,3 +93,13 @@ def test_the_torchrun_wrapper_exits_with_the_failing_process_status() -> None:
     assert exit_status(2) == 2
     assert exit_status(-15) == 128 + 15  # ended by SIGTERM
     assert exit_status(0) == 1  # a failure is never a success
+
+
+def test_the_torchrun_wrapper_names_no_run_log_for_arguments_it_cannot_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not launch/train.py's overrides: no log to name, and why is in the wrapper's debug log."""
+    with caplog.at_level(logging.DEBUG, logger="launch.torchrun"):
+        assert run_log(["trainer.no_such_key=1"], rank=0, since=0.0) is None
+    (record,) = [r for r in caplog.records if r.name == "launch.torchrun"]
+    assert record.levelno == logging.DEBUG and record.exc_info is not None

@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from loka_train.runtime.checkpoint import CheckpointError, CheckpointManager, copy_into, to_local
+from loka_train.runtime.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    _failures,
+    copy_into,
+    to_local,
+)
 
 
 def _manager(root: Path) -> CheckpointManager:
@@ -224,3 +231,17 @@ def test_preflight_refuses_a_per_rank_checkpoint_on_another_world_size(tmp_path:
     check_resumable(tmp_path, cfg, saved={**per_rank, "format": "dcp"}, now={"world_size": 1, "batch_size": 32})
     with pytest.raises(CheckpointError, match="trainer.batch_size=32"):
         check_resumable(tmp_path, cfg, saved={**per_rank, "format": "dcp"}, now={"world_size": 2, "batch_size": 16})
+
+
+def test_an_empty_error_message_is_a_failure_in_a_process_group(tmp_path: Path) -> None:
+    """The all-reduce that decides whether any rank failed and the gather of the messages agree
+    on what a failure is (an error that is not None), so an empty message is reported, not lost."""
+    if dist.is_initialized():
+        pytest.skip("needs a process group of its own")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert _failures(None) == []
+        assert _failures("") == [(0, "")]
+        assert _failures("OSError: disk full") == [(0, "OSError: disk full")]
+    finally:
+        dist.destroy_process_group()

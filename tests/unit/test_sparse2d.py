@@ -106,7 +106,7 @@ def test_config_refuses_with_the_fix(kwargs: dict[str, Any], message: str) -> No
     "checkpointing", [{"checkpoint_every": 10}, {"checkpoint_at_end": True}, {"resume": "auto"}]
 )
 def test_config_refuses_checkpoints(checkpointing: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="does not checkpoint yet.*trainer.checkpoint_at_end=false"):
+    with pytest.raises(ValueError, match="refuses checkpoints.*trainer.checkpoint_at_end=false"):
         TrainerConfig(sharding_group_size=1, device="cuda", **{**NO_CHECKPOINTS, **checkpointing})
 
 
@@ -142,7 +142,7 @@ def test_hydra_composes_the_new_keys() -> None:
         _compose("trainer.sharding_group_size=1", "trainer.checkpoint_at_end=false")
 
 
-def test_comm_state_resumes_a_checkpoint_from_before_the_replica_sync_channel() -> None:
+def test_comm_state_gives_a_shorter_sqnr_buffer_zero_rows_for_the_missing_channels() -> None:
     from loka_train.comm import CommChannel, CommConfig, CommState
 
     state = CommState(CommConfig(), backend="gloo")
