@@ -165,7 +165,8 @@ class CommConfig:
     """Initial precision of the replica sync of 2D sparse parallelism
     (``trainer.sharding_group_size``): the change of each replicated embedding shard since the
     last sync, averaged over its replicas. FP32 averages the weights themselves (TorchRec's
-    ``DMPCollection.sync``); FP16/BF16 all-reduce the change, FP8/INT8 all-gather it row-wise.
+    ``DMPCollection.sync``); FP16/BF16 all-gather the change (averaged in fp32), FP8/INT8
+    all-gather it row-wise.
     Lossy precisions keep an error-feedback residual per tensor (``dense_error_feedback``)."""
 
     adaptive_channels: tuple[CommChannel, ...] = ()

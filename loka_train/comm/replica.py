@@ -10,8 +10,8 @@ the other channels), then sets ``w = w_at_last_sync + mean(delta)``:
 
 * FP32: the weights themselves are averaged (sum over the replicas, divided by their number):
   the plain mean of the replicas, as TorchRec's sync computes it;
-* FP16 / BF16: ``delta / replicas`` is all-reduced in that dtype (divided first, so the sum
-  cannot overflow; like the dense-gradient hook);
+* FP16 / BF16: the replicas all-gather ``delta`` in that dtype and average in fp32 (a sum in
+  the 16-bit dtype would round once more, beyond what error feedback can see);
 * FP8 / INT8 (row-wise, ``row_dim`` values per scale): a scaled payload cannot be summed, so
   the replicas all-gather the payloads, decode them and average in fp32.
 
@@ -152,13 +152,17 @@ class ReplicaSync:
             decoded_RN = fmt.decode_bytes(torch.cat(gathered)).view(num_replicas, -1)
             mean_N = decoded_RN.sum(dim=0)[:num_values] / num_replicas
         else:
-            scaled_N = delta_N / num_replicas
-            payload = fmt.encode_native(scaled_N)
+            # Gathered and summed in fp32: a sum in the payload's dtype would round again, and
+            # that rounding is no replica's to feed back.
+            payload = fmt.encode_native(delta_N)
             if feedback:
-                self._residuals[name] = (scaled_N - payload.float()) * num_replicas
+                self._residuals[name] = delta_N - payload.float()
             state.stats.record(_CHANNEL, precision, payload.numel() * payload.element_size())
-            dist.all_reduce(payload, group=self._group)
-            mean_N = payload.float()
+            bits = payload.view(torch.uint8)  # gathered as raw bytes, which every backend moves
+            gathered = [torch.empty_like(bits) for _ in range(num_replicas)]
+            dist.all_gather(gathered, bits, group=self._group)
+            decoded_RN = torch.stack(gathered).view(payload.dtype).float()
+            mean_N = decoded_RN.sum(dim=0) / num_replicas
         new_N = anchor_N + mean_N
         tensor.copy_(new_N.view_as(tensor))
         self._anchors[name] = new_N

@@ -93,9 +93,10 @@ def test_lossy_sync_keeps_replicas_identical_and_near_the_mean(precision: str, m
     assert r0["fp32_bytes"] == 16 * 32 * 4 and 0 < r0["bytes"] < r0["fp32_bytes"]
 
 
-def test_error_feedback_loses_nothing() -> None:
-    with_fb = run_multiprocess(_lossy_job, 2, "fp8", True, 12, timeout=60)[0]
-    without = run_multiprocess(_lossy_job, 2, "fp8", False, 12, timeout=60)[0]
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_error_feedback_loses_nothing(precision: str) -> None:
+    with_fb = run_multiprocess(_lossy_job, 2, precision, True, 12, timeout=60)[0]
+    without = run_multiprocess(_lossy_job, 2, precision, False, 12, timeout=60)[0]
     assert with_fb["feedback_gap"] < 1e-5, with_fb
     assert with_fb["sqnr_db"] > without["sqnr_db"] + 3, (with_fb, without)
 
