@@ -206,7 +206,8 @@ class CommConfig:
 
     sample_every: int = 10
     """Measure the SQNR of the candidate precisions on every `sample_every`-th step (encode,
-    decode, compare on the real tensors, kept on device); 0 disables measuring."""
+    decode, compare on the real tensors, kept on device); the replica sync measures on every
+    `sample_every`-th sync instead. 0 disables measuring."""
 
     policy_interval: int = 100
     """Steps between policy updates: `CommPolicy.maybe_update(step)` updates after steps

@@ -79,6 +79,8 @@ class ReplicaSync:
         """name -> what lossy encodings dropped of that tensor's changes so far (fp32, flat)."""
         self.num_syncs = 0
         """Syncs done (the first is FP32 whatever the channel's precision)."""
+        self._sampling = False
+        """Whether the sync under way measures its changes (`_samples`)."""
 
     @property
     def residuals(self) -> dict[str, torch.Tensor]:
@@ -101,6 +103,7 @@ class ReplicaSync:
             states: optimizer state tensors, averaged in fp32 in place.
         """
         precision = self.precision()
+        self._sampling = self._samples()
         with profiled(f"loka/comm/replica_sync/{precision.value}"):
             num_replicas = dist.get_world_size(self._group)
             for name, tensor in weights.items():
@@ -121,7 +124,7 @@ class ReplicaSync:
             send_N = send_N + residual_N  # an exact sync flushes what lossy ones delayed
         elif send_N.data_ptr() == tensor.data_ptr():
             send_N = send_N.clone()  # an fp32 tensor: do not reduce into it before dividing
-        if self._state.sampling and name in self._anchors:
+        if self._sampling and name in self._anchors:
             self._measure(send_N - self._anchors[name])
         self._state.stats.record(_CHANNEL, CommPrecision.FP32, send_N.numel() * 4)
         dist.all_reduce(send_N, group=self._group)
@@ -136,7 +139,7 @@ class ReplicaSync:
         residual_N = self._residuals.pop(name, None)
         if residual_N is not None:
             delta_N = delta_N + residual_N
-        if state.sampling:
+        if self._sampling:
             self._measure(delta_N)
         fmt = state.wire_format(_CHANNEL, precision)
         feedback = state.config.dense_error_feedback
@@ -166,6 +169,13 @@ class ReplicaSync:
         new_N = anchor_N + mean_N
         tensor.copy_(new_N.view_as(tensor))
         self._anchors[name] = new_N
+
+    def _samples(self) -> bool:
+        """Whether the next sync measures its changes: every ``comm.sample_every``-th sync from
+        the second on (the first has no change to measure). Counted in syncs, not steps: the
+        steps that sync (every ``trainer.sharding_sync_every``) may never be sampled steps."""
+        every = self._state.config.sample_every
+        return every > 0 and self.num_syncs >= 1 and (self.num_syncs - 1) % every == 0
 
     def _measure(self, delta_N: torch.Tensor) -> None:
         """The error of every candidate precision on this change (row-wise ones on it padded

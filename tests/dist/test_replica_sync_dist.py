@@ -129,6 +129,30 @@ def test_policy_picks_the_precision() -> None:
     assert used[0] == ["fp32", "fp32", "fp8"], used[0]
 
 
+def _sampling_job(rank: int, world: int) -> list[bool]:
+    config = CommConfig(adaptive_channels=(CH,), sample_every=2, ladder=(FP32, BF16, FP8))
+    state = CommState(config, backend="gloo")
+    sync = ReplicaSync(state)
+    w_RD = _table(rank)
+    measured = []
+    for step in range(12):
+        state.begin_step(step)  # sampled steps: 0, 2, 4, ...
+        w_RD += _update(rank, step)
+        if (step + 1) % 2 == 0:  # syncs after steps 1, 3, 5, ...: never a sampled step
+            before = state.sqnr_sums.clone()
+            sync.sync({"t": w_RD})
+            measured.append(not torch.equal(before, state.sqnr_sums))
+        state.end_step()
+    return measured
+
+
+def test_sync_samples_on_its_own_count() -> None:
+    """An adaptive channel is measured on every sample_every-th sync (the first has no change),
+    whichever steps the syncs fall on."""
+    measured = run_multiprocess(_sampling_job, 2, timeout=60)
+    assert measured[0] == measured[1] == [False, True, False, True, False, True], measured
+
+
 def _groups_job(rank: int, world: int) -> list[float]:
     layout = Sparse2DLayout(world_size=world, sharding_group_size=2)
     group = replica_process_group(torch.nn.Module(), layout, rank)
