@@ -4,7 +4,8 @@ One object a user adds to the trainer's callbacks:
 
 * `on_before_shard`: `mods.convert` turns the dense GEMMs into FP8-capable sites (before
   DistributedModelParallel, which still finds the embedding modules by type); with comms on,
-  the embedding all-to-all codecs are handed to the sharder.
+  the embedding all-to-all codecs are handed to the sharder (not with
+  ``trainer.sharding_group_size=1``, where the all-to-alls span one rank).
 * `on_train_start`: sites are registered with the Probe and Dispatch; a checkpointed state
   (probe windows, plans, history) is applied to the sites; the dense-gradient hook is installed.
 * every step (`on_step_start`): the Probe's schedule picks the sites it samples
@@ -138,7 +139,15 @@ class LokaCallback(Callback):
                 self.config.comm, device=trainer.device if nccl else torch.device("cpu")
             )
             self.comm_policy = CommPolicy(self.comm_state)
-            trainer.qcomm_codecs_registry = make_qcomm_codecs_registry(self.comm_state)
+            layout = trainer.sparse2d
+            if layout is not None and layout.sharding_group_size == 1:
+                # Every rank holds every table: the all-to-alls span one rank and send nothing,
+                # so codecs would only encode and decode.
+                logger.info("LoKA comm: trainer.sharding_group_size=1, the embedding all-to-alls stay "
+                            "on each rank: their codecs are not installed (the comm state serves the "
+                            "replica sync and the dense-gradient hook)")
+            else:
+                trainer.qcomm_codecs_registry = make_qcomm_codecs_registry(self.comm_state)
 
     def on_train_start(self, trainer: Trainer) -> None:
         if not self.enabled:

@@ -19,6 +19,7 @@ from loka_train.data import DataConfig, make_dataset
 from loka_train.mods import sites
 from loka_train.plugin import LokaCallback, LokaConfig
 from loka_train.runtime import RunContext
+from loka_train.runtime.sparse2d import Sparse2DLayout
 
 DATA = DataConfig(num_sparse=4, num_embeddings=100, chunk_size=16, max_pooling=3)
 DENSE_PROBE = {"every_k_steps": 1, "sites_per_step": None, "interval": 4, "min_samples": 2}
@@ -154,6 +155,23 @@ def test_one_process_installs_no_comm_and_carries_a_checkpoints_comm_state(
     resumed.on_train_start(ctx2)
     again = resumed.state_dict()
     assert again["comm"] is saved["comm"] and again["comm_policy"] is saved["comm_policy"]
+
+
+@pytest.mark.parametrize(("group_size", "codecs"), [(1, False), (2, True)])
+def test_sharding_groups_of_one_rank_get_no_all_to_all_codecs(
+    group_size: int, codecs: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With trainer.sharding_group_size=1 the all-to-alls span one rank: no codecs (one log
+    line), the comm state stays for the replica sync and the dense-gradient hook."""
+    cb = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    layout = Sparse2DLayout(world_size=4, sharding_group_size=group_size)
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path, world_size=4, sparse2d=layout)
+    with caplog.at_level(logging.INFO, logger="loka_train"):
+        cb.on_before_shard(ctx)
+    assert cb.comm_state is not None and cb.comm_policy is not None
+    assert (ctx.qcomm_codecs_registry is not None) is codecs
+    said = [r for r in caplog.records if "sharding_group_size=1" in r.getMessage()]
+    assert len(said) == (0 if codecs else 1), said
 
 
 @pytest.mark.parametrize(
