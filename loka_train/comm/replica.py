@@ -23,6 +23,10 @@ encoding dropped and adds it to the next delta: rounding delays a change, never 
 an FP32 sync sends the residual with the weights and so flushes it. Optimizer state tensors
 (row-wise Adagrad keeps one value per row, D times less than the weights) are averaged in fp32.
 
+Memory: the anchors are an fp32 copy of the replicated tensors, kept at every precision (an
+FP32 sync measures the candidates on the change from them); the residuals, one more fp32 copy,
+exist only between a lossy sync and the next FP32 one.
+
 This is built from public pieces (the tensors come from the sharded model's ``state_dict``,
 the group from ``torch.distributed``); it does not hook into ``DMPCollection``'s own sync.
 

@@ -231,10 +231,15 @@ class LokaCallback(Callback):
         model, fused = trainer.model, trainer.model.fused_optimizer
         shards = replicated_shards(model, fused)  # live tensors: listed once
         trainer.replica_sync = lambda step: self.replica_syncer.sync(*shards)
+        # An fp32 anchor per shard, and an fp32 residual per shard while lossy with feedback.
+        copy_bytes = sum(t.numel() for t in shards[0].values()) * 4
+        copies = 2 if self.config.comm.dense_error_feedback else 1
         logger.info(
-            "LoKA comm: replica sync of %d embedding shards through the codecs (%s, %s)",
+            "LoKA comm: replica sync of %d embedding shards through the codecs (%s, %s); it keeps "
+            "up to %.1f MiB per rank (%d fp32 cop%s of the replicated shards: the anchor%s)",
             len(shards[0]), self.comm_state.precision(channel).name,
-            "adaptive" if not static_fp32 else "static",
+            "adaptive" if not static_fp32 else "static", copies * copy_bytes / 2**20, copies,
+            "ies" if copies > 1 else "y", ", the error-feedback residual" if copies > 1 else "",
         )
 
     def _install_dense_grad_hook(self, trainer: Trainer) -> None:
