@@ -81,6 +81,13 @@ def test_sync_due_every_n_steps_and_after_the_last() -> None:
     assert [s for s in range(6) if sync_due(s, every=3, last_step=5)] == [2, 5]
 
 
+def test_config_takes_evaluations_after_syncs() -> None:
+    """Evaluations on synced replicas: at the end only (eval_every=0) or every k-th sync."""
+    for eval_every in (0, 8):
+        TrainerConfig(sharding_group_size=1, device="cuda", sharding_sync_every=4, eval_every=eval_every,
+                      **NO_CHECKPOINTS)
+
+
 def test_config_defaults_leave_plain_dmp() -> None:
     cfg = TrainerConfig()
     assert cfg.sharding_group_size is None and cfg.sharding_sync_every == 1
@@ -95,6 +102,10 @@ def test_config_defaults_leave_plain_dmp() -> None:
         ({"sharding_group_size": 1, "device": "cuda", "sharding": "data_parallel"}, "data_parallel replicates"),
         ({"sharding_sync_every": 2}, "needs trainer.sharding_group_size"),
         ({"sharding_group_size": 1, "device": "cuda", "sharding_sync_every": 0}, "sharding_sync_every=0"),
+        (
+            {"sharding_group_size": 1, "device": "cuda", "sharding_sync_every": 4, "eval_every": 10},
+            r"eval_every=10 is not a multiple of trainer.sharding_sync_every=4.*\(e.g. 20\)",
+        ),
     ],
 )
 def test_config_refuses_with_the_fix(kwargs: dict[str, Any], message: str) -> None:
