@@ -214,16 +214,28 @@ class LokaCallback(Callback):
     def _install_replica_sync(self, trainer: Trainer) -> None:
         """2D sparse parallelism: the replicas sync through LoKA's codecs (`comm.ReplicaSync`)
         when the ``replica_sync`` channel may leave FP32; a static FP32 channel keeps
-        DMPCollection's own sync (the same mean, one coalesced all-reduce)."""
+        DMPCollection's own sync (the same mean, one coalesced all-reduce). A lossy or adaptive
+        channel without replicas (no 2D layout, or no sync hook in the loop) is a logged fallback."""
         from loka_train.comm import CommChannel, CommPrecision, ReplicaSync
         from loka_train.runtime.sparse2d import replica_process_group, replicated_shards
 
         layout = trainer.sparse2d
-        if layout is None or trainer.replica_sync is None:
-            return
         channel = CommChannel.REPLICA_SYNC
         static_fp32 = channel not in self.config.comm.adaptive_channels
         if static_fp32 and self.comm_state.precision(channel) is CommPrecision.FP32:
+            return
+        if layout is None or trainer.replica_sync is None:
+            missing = (
+                "trainer.sharding_group_size (2D sparse parallelism) is not set" if layout is None else
+                "the loop gives no replica_sync hook to replace (RunContext.replica_sync)"
+            )
+            msg = (
+                f"LoKA comm: loka.comm.replica_sync={self.config.comm.replica_sync.name}"
+                f"{' (adaptive)' if not static_fp32 else ''} is ignored: {missing}, so there are "
+                "no replicas to sync"
+            )
+            logger.warning(msg)
+            trainer.fallbacks.append(msg)
             return
         self.replica_syncer = ReplicaSync(
             self.comm_state, group=replica_process_group(trainer.model, layout, trainer.rank)

@@ -119,6 +119,7 @@ def test_aggressive_without_ddp_leaves_the_dense_hook_out(
     assert cb.compressors == [] and cb.comm_state is not None
     (fallback,) = [f for f in ctx.fallbacks if "dense-gradient hook left out" in f]
     assert "no DistributedDataParallel inside DLRMTrain" in fallback
+    assert not any("replica_sync" in f for f in ctx.fallbacks)  # none requested: no fallback
     assert "wrap the model in DistributedModelParallel" in fallback
     assert any(r.levelno == logging.WARNING and r.getMessage() == fallback for r in caplog.records)
     assert fallback in cb.report(ctx)["fallbacks"]
@@ -172,6 +173,29 @@ def test_sharding_groups_of_one_rank_get_no_all_to_all_codecs(
     assert (ctx.qcomm_codecs_registry is not None) is codecs
     said = [r for r in caplog.records if "sharding_group_size=1" in r.getMessage()]
     assert len(said) == (0 if codecs else 1), said
+
+
+@pytest.mark.parametrize(
+    ("comm", "sparse2d", "says"),
+    [
+        ({"replica_sync": "fp8"}, False, "replica_sync=FP8 is ignored: trainer.sharding_group_size"),
+        ({"adaptive_channels": ("replica_sync",)}, False, "replica_sync=FP32 (adaptive) is ignored"),
+        ({"replica_sync": "fp8"}, True, "no replica_sync hook to replace (RunContext.replica_sync)"),
+    ],
+)
+def test_a_replica_sync_request_without_replicas_is_a_fallback(
+    comm: dict[str, Any], sparse2d: bool, says: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cb = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE, comm=comm))
+    layout = Sparse2DLayout(world_size=2, sharding_group_size=1) if sparse2d else None
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path, world_size=2, sparse2d=layout)
+    with caplog.at_level(logging.WARNING, logger="loka_train"):
+        cb.on_before_shard(ctx)
+        cb.on_train_start(ctx)
+    (fallback,) = [f for f in ctx.fallbacks if "replica_sync" in f]
+    assert says in fallback, fallback
+    assert [r.getMessage() for r in caplog.records].count(fallback) == 1
+    assert cb.replica_syncer is None and ctx.replica_sync is None
 
 
 @pytest.mark.parametrize(
