@@ -14,6 +14,7 @@ from torchrec.distributed import model_parallel as torchrec_model_parallel
 
 import launch.train  # noqa: F401  (registers the schema in the ConfigStore)
 from loka_train.job import JobConfig
+from loka_train.models import build as models_build
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.sparse2d import Sparse2DLayout, check_sparse2d, sync_due
 
@@ -73,6 +74,26 @@ def test_layout_of_dmpcollections_docstring() -> None:
 def test_layout_refuses_a_group_that_does_not_divide() -> None:
     with pytest.raises(ValueError, match=r"must divide the world size 4: choose one of \[1, 2, 4\]"):
         Sparse2DLayout(world_size=4, sharding_group_size=3)
+
+
+def test_init_embedding_tables_copies_without_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-place copies into the live parameter shards run under no_grad."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=8, feature_names=["f"])]
+    )
+    grad_modes: list[bool] = []
+
+    def full_table(seed: int, table: str, rows: int, dim: int) -> torch.Tensor:
+        grad_modes.append(torch.is_grad_enabled())
+        return torch.ones(rows, dim)
+
+    monkeypatch.setattr(models_build, "full_table", full_table)
+    assert models_build.init_embedding_tables(ebc, seed=0, tables={"t": (8, 4)}) == 1
+    assert grad_modes == [False] and torch.is_grad_enabled()
+    assert torch.equal(ebc.embedding_bags["t"].weight, torch.ones(8, 4))
 
 
 def test_sync_due_every_n_steps_and_after_the_last() -> None:
