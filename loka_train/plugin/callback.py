@@ -465,6 +465,9 @@ class LokaCallback(Callback):
         if not self.enabled or not state:
             return state
         state["probe"] = merge_window_states([s["probe"] for s in states], rank=rank)
+        if state.get("compressors") and world_size == 1:
+            # One process installs no dense-gradient hook: the residuals have nothing to feed.
+            state["compressors"] = []
         if state.get("compressors"):
             # Reported as a fallback once the trainer is there (on_train_start).
             self._dropped_residuals = (

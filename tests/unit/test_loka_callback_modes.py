@@ -175,6 +175,24 @@ def test_sharding_groups_of_one_rank_get_no_all_to_all_codecs(
     assert len(said) == (0 if codecs else 1), said
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_resuming_several_processes_state_drops_residuals_as_a_fallback_only_with_a_hook(
+    world_size: int, tmp_path: Path
+) -> None:
+    """A 2-process checkpoint's dense-gradient residuals are dropped on another world size; a
+    fallback only where a hook runs (several processes): one process has none to feed."""
+    saved = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    _train(saved, RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path / "saved"), steps=4)
+    states = [{**saved.state_dict(), "compressors": [{"residual": torch.zeros(3)}]} for _ in range(2)]
+    resumed = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path / "resumed", world_size=world_size)
+    resumed.on_before_shard(ctx)
+    resumed.load_state_dict(resumed.merge_rank_states(states, rank=0, world_size=world_size))
+    resumed.on_train_start(ctx)
+    dropped = [f for f in ctx.fallbacks if "error-feedback residuals" in f]
+    assert len(dropped) == (world_size > 1), ctx.fallbacks
+
+
 @pytest.mark.parametrize(
     ("comm", "sparse2d", "says"),
     [
