@@ -117,6 +117,7 @@ class ReplicaSync:
                     self._sync_delta(name, tensor, num_replicas, precision)
             for state in states:
                 mean = state.float() / num_replicas
+                self._state.stats.record(_CHANNEL, CommPrecision.FP32, mean.numel() * 4)
                 dist.all_reduce(mean, group=self._group)
                 state.copy_(mean)
         self.num_syncs += 1

@@ -54,6 +54,8 @@ def _exact_job(rank: int, world: int) -> None:
     w_RD += _update(rank, 0)
     sync.sync({"t": w_RD})
     assert torch.equal(w_RD, (before[0] + before[1]) / 2)
+    # Every byte on the channel counted: two syncs of the 16 x 32 table, one of the 16 states.
+    assert state.stats.bytes_by_precision[CH] == {FP32: 2 * 16 * 32 * 4 + 16 * 4}
 
 
 def test_fp32_sync_is_the_plain_mean() -> None:
