@@ -75,21 +75,28 @@ def job(out: str, variant: str, steps: int, batch: int, tables: int, dim: int, r
         callbacks=callbacks,
     )
     summary = trainer.fit()
-    max_diff = float("nan")
-    if variant != "dmp":
-        weights, _ = replicated_shards(trainer.model, trainer.model.fused_optimizer)
+
+    def max_replica_diff(tensors: list[torch.Tensor]) -> float:
+        """Largest difference between the ranks' copies of `tensors` (every rank a replica)."""
         diffs = []
-        for tensor in weights.values():
+        for tensor in tensors:
             gathered = [torch.empty_like(tensor) for _ in range(trainer.world_size)]
             dist.all_gather(gathered, tensor.contiguous())
             diffs.append(max(float((g - gathered[0]).abs().max()) for g in gathered))
-        max_diff = max(diffs, default=float("nan"))
+        return max(diffs, default=float("nan"))
+
+    max_diff = state_diff = float("nan")
+    if variant != "dmp":
+        weights, states = replicated_shards(trainer.model, trainer.model.fused_optimizer)
+        max_diff = max_replica_diff(list(weights.values()))
+        state_diff = max_replica_diff(states)  # the fused optimizer's momentum / accumulators
     if trainer.rank == 0:
         rep = loka.comm_state.report() if loka is not None else None
         result = {
             "variant": variant, "steps_per_s": summary["train/steps_per_s"],
             "step_ms": 1000 / summary["train/steps_per_s"], "eval_ne": summary["eval/ne"],
             "train_loss": summary["train/loss"], "replica_max_abs_diff": max_diff,
+            "replica_state_max_abs_diff": state_diff,
             "replica_sync_bytes_rank0": rep["channels"]["replica_sync"]["total_bytes"] if rep else None,
             "fallbacks": summary["fallbacks"], "device": str(summary["device"]),
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,

@@ -165,8 +165,16 @@ class CommConfig:
     """Initial precision of the replica sync of 2D sparse parallelism
     (``trainer.sharding_group_size``): the change of each replicated embedding shard since the
     last sync, averaged over its replicas. FP32 averages the weights themselves (TorchRec's
-    ``DMPCollection.sync``); FP16/BF16 all-reduce the change, FP8/INT8 all-gather it row-wise.
-    Lossy precisions keep an error-feedback residual per tensor (``dense_error_feedback``)."""
+    ``DMPCollection.sync``); FP16/BF16 all-gather the change (averaged in fp32), FP8/INT8
+    all-gather it row-wise.
+    Lossy precisions keep an error-feedback residual per tensor (``dense_error_feedback``).
+
+    Memory: a sync through LoKA (this channel lossy or adaptive) keeps on every rank an fp32
+    copy of its replicated shards as they were at the last sync (the anchor the changes are
+    taken from; an adaptive channel needs it at FP32 too, to measure the candidates), plus,
+    while the channel is lossy with error feedback, an fp32 residual of the same size: up to
+    twice the rank's replicated tables in fp32 (logged at start). A static FP32 channel keeps
+    neither (``DMPCollection``'s own sync runs)."""
 
     adaptive_channels: tuple[CommChannel, ...] = ()
     """Channels whose precision the policy may change during the run; empty: static."""
@@ -205,7 +213,8 @@ class CommConfig:
 
     sample_every: int = 10
     """Measure the SQNR of the candidate precisions on every `sample_every`-th step (encode,
-    decode, compare on the real tensors, kept on device); 0 disables measuring."""
+    decode, compare on the real tensors, kept on device); the replica sync measures on every
+    `sample_every`-th sync instead. 0 disables measuring."""
 
     policy_interval: int = 100
     """Steps between policy updates: `CommPolicy.maybe_update(step)` updates after steps

@@ -10,8 +10,8 @@ the other channels), then sets ``w = w_at_last_sync + mean(delta)``:
 
 * FP32: the weights themselves are averaged (sum over the replicas, divided by their number):
   the plain mean of the replicas, as TorchRec's sync computes it;
-* FP16 / BF16: ``delta / replicas`` is all-reduced in that dtype (divided first, so the sum
-  cannot overflow; like the dense-gradient hook);
+* FP16 / BF16: the replicas all-gather ``delta`` in that dtype and average in fp32 (a sum in
+  the 16-bit dtype would round once more, beyond what error feedback can see);
 * FP8 / INT8 (row-wise, ``row_dim`` values per scale): a scaled payload cannot be summed, so
   the replicas all-gather the payloads, decode them and average in fp32.
 
@@ -22,6 +22,10 @@ error feedback (``CommConfig.dense_error_feedback``), a lossy sync keeps per ten
 encoding dropped and adds it to the next delta: rounding delays a change, never loses it;
 an FP32 sync sends the residual with the weights and so flushes it. Optimizer state tensors
 (row-wise Adagrad keeps one value per row, D times less than the weights) are averaged in fp32.
+
+Memory: the anchors are an fp32 copy of the replicated tensors, kept at every precision (an
+FP32 sync measures the candidates on the change from them); the residuals, one more fp32 copy,
+exist only between a lossy sync and the next FP32 one.
 
 This is built from public pieces (the tensors come from the sharded model's ``state_dict``,
 the group from ``torch.distributed``); it does not hook into ``DMPCollection``'s own sync.
@@ -79,6 +83,8 @@ class ReplicaSync:
         """name -> what lossy encodings dropped of that tensor's changes so far (fp32, flat)."""
         self.num_syncs = 0
         """Syncs done (the first is FP32 whatever the channel's precision)."""
+        self._sampling = False
+        """Whether the sync under way measures its changes (`_samples`)."""
 
     @property
     def residuals(self) -> dict[str, torch.Tensor]:
@@ -101,6 +107,7 @@ class ReplicaSync:
             states: optimizer state tensors, averaged in fp32 in place.
         """
         precision = self.precision()
+        self._sampling = self._samples()
         with profiled(f"loka/comm/replica_sync/{precision.value}"):
             num_replicas = dist.get_world_size(self._group)
             for name, tensor in weights.items():
@@ -110,6 +117,7 @@ class ReplicaSync:
                     self._sync_delta(name, tensor, num_replicas, precision)
             for state in states:
                 mean = state.float() / num_replicas
+                self._state.stats.record(_CHANNEL, CommPrecision.FP32, mean.numel() * 4)
                 dist.all_reduce(mean, group=self._group)
                 state.copy_(mean)
         self.num_syncs += 1
@@ -121,7 +129,7 @@ class ReplicaSync:
             send_N = send_N + residual_N  # an exact sync flushes what lossy ones delayed
         elif send_N.data_ptr() == tensor.data_ptr():
             send_N = send_N.clone()  # an fp32 tensor: do not reduce into it before dividing
-        if self._state.sampling and name in self._anchors:
+        if self._sampling and name in self._anchors:
             self._measure(send_N - self._anchors[name])
         self._state.stats.record(_CHANNEL, CommPrecision.FP32, send_N.numel() * 4)
         dist.all_reduce(send_N, group=self._group)
@@ -136,7 +144,7 @@ class ReplicaSync:
         residual_N = self._residuals.pop(name, None)
         if residual_N is not None:
             delta_N = delta_N + residual_N
-        if state.sampling:
+        if self._sampling:
             self._measure(delta_N)
         fmt = state.wire_format(_CHANNEL, precision)
         feedback = state.config.dense_error_feedback
@@ -152,16 +160,27 @@ class ReplicaSync:
             decoded_RN = fmt.decode_bytes(torch.cat(gathered)).view(num_replicas, -1)
             mean_N = decoded_RN.sum(dim=0)[:num_values] / num_replicas
         else:
-            scaled_N = delta_N / num_replicas
-            payload = fmt.encode_native(scaled_N)
+            # Gathered and summed in fp32: a sum in the payload's dtype would round again, and
+            # that rounding is no replica's to feed back.
+            payload = fmt.encode_native(delta_N)
             if feedback:
-                self._residuals[name] = (scaled_N - payload.float()) * num_replicas
+                self._residuals[name] = delta_N - payload.float()
             state.stats.record(_CHANNEL, precision, payload.numel() * payload.element_size())
-            dist.all_reduce(payload, group=self._group)
-            mean_N = payload.float()
+            bits = payload.view(torch.uint8)  # gathered as raw bytes, which every backend moves
+            gathered = [torch.empty_like(bits) for _ in range(num_replicas)]
+            dist.all_gather(gathered, bits, group=self._group)
+            decoded_RN = torch.stack(gathered).view(payload.dtype).float()
+            mean_N = decoded_RN.sum(dim=0) / num_replicas
         new_N = anchor_N + mean_N
         tensor.copy_(new_N.view_as(tensor))
         self._anchors[name] = new_N
+
+    def _samples(self) -> bool:
+        """Whether the next sync measures its changes: every ``comm.sample_every``-th sync from
+        the second on (the first has no change to measure). Counted in syncs, not steps: the
+        steps that sync (every ``trainer.sharding_sync_every``) may never be sampled steps."""
+        every = self._state.config.sample_every
+        return every > 0 and self.num_syncs >= 1 and (self.num_syncs - 1) % every == 0
 
     def _measure(self, delta_N: torch.Tensor) -> None:
         """The error of every candidate precision on this change (row-wise ones on it padded

@@ -85,8 +85,9 @@ def channel_supports(
             "reduce-scatter sums the encoded payload (and TorchRec sizes its buffers by element "
             "count), so a row-wise scaled format cannot travel; use FP32, FP16 or BF16"
         )
+    # The replica sync gathers its 16-bit payloads as bytes and sums them in fp32.
     summed_natively = channel in _SUMMING_CHANNELS or (
-        channel in (CommChannel.DENSE_GRAD, CommChannel.REPLICA_SYNC) and not precision.is_rowwise
+        channel is CommChannel.DENSE_GRAD and not precision.is_rowwise
     )
     if summed_natively and precision is CommPrecision.BF16 and backend == "gloo":
         return _gloo_bf16_supported()

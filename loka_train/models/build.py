@@ -135,7 +135,6 @@ def full_table(seed: int, table: str, rows: int, dim: int) -> torch.Tensor:
     return (torch.rand(rows, dim, generator=gen) * 2 - 1) * bound
 
 
-@torch.no_grad()
 def local_shards(value: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     """The local pieces of a (sharded) state_dict tensor and the offset of each in the whole.
 
@@ -167,6 +166,7 @@ def local_shards(value: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...
     return [(value, (0,) * value.dim())]
 
 
+@torch.no_grad()
 def init_embedding_tables(
     model: nn.Module, *, seed: int, tables: dict[str, tuple[int, int]]
 ) -> int:

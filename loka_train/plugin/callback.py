@@ -4,7 +4,8 @@ One object a user adds to the trainer's callbacks:
 
 * `on_before_shard`: `mods.convert` turns the dense GEMMs into FP8-capable sites (before
   DistributedModelParallel, which still finds the embedding modules by type); with comms on,
-  the embedding all-to-all codecs are handed to the sharder.
+  the embedding all-to-all codecs are handed to the sharder (not with
+  ``trainer.sharding_group_size=1``, where the all-to-alls span one rank).
 * `on_train_start`: sites are registered with the Probe and Dispatch; a checkpointed state
   (probe windows, plans, history) is applied to the sites; the dense-gradient hook is installed.
 * every step (`on_step_start`): the Probe's schedule picks the sites it samples
@@ -138,7 +139,15 @@ class LokaCallback(Callback):
                 self.config.comm, device=trainer.device if nccl else torch.device("cpu")
             )
             self.comm_policy = CommPolicy(self.comm_state)
-            trainer.qcomm_codecs_registry = make_qcomm_codecs_registry(self.comm_state)
+            layout = trainer.sparse2d
+            if layout is not None and layout.sharding_group_size == 1:
+                # Every rank holds every table: the all-to-alls span one rank and send nothing,
+                # so codecs would only encode and decode.
+                logger.info("LoKA comm: trainer.sharding_group_size=1, the embedding all-to-alls stay "
+                            "on each rank: their codecs are not installed (the comm state serves the "
+                            "replica sync and the dense-gradient hook)")
+            else:
+                trainer.qcomm_codecs_registry = make_qcomm_codecs_registry(self.comm_state)
 
     def on_train_start(self, trainer: Trainer) -> None:
         if not self.enabled:
@@ -205,16 +214,28 @@ class LokaCallback(Callback):
     def _install_replica_sync(self, trainer: Trainer) -> None:
         """2D sparse parallelism: the replicas sync through LoKA's codecs (`comm.ReplicaSync`)
         when the ``replica_sync`` channel may leave FP32; a static FP32 channel keeps
-        DMPCollection's own sync (the same mean, one coalesced all-reduce)."""
+        DMPCollection's own sync (the same mean, one coalesced all-reduce). A lossy or adaptive
+        channel without replicas (no 2D layout, or no sync hook in the loop) is a logged fallback."""
         from loka_train.comm import CommChannel, CommPrecision, ReplicaSync
         from loka_train.runtime.sparse2d import replica_process_group, replicated_shards
 
         layout = trainer.sparse2d
-        if layout is None or trainer.replica_sync is None:
-            return
         channel = CommChannel.REPLICA_SYNC
         static_fp32 = channel not in self.config.comm.adaptive_channels
         if static_fp32 and self.comm_state.precision(channel) is CommPrecision.FP32:
+            return
+        if layout is None or trainer.replica_sync is None:
+            missing = (
+                "trainer.sharding_group_size (2D sparse parallelism) is not set" if layout is None else
+                "the loop gives no replica_sync hook to replace (RunContext.replica_sync)"
+            )
+            msg = (
+                f"LoKA comm: loka.comm.replica_sync={self.config.comm.replica_sync.name}"
+                f"{' (adaptive)' if not static_fp32 else ''} is ignored: {missing}, so there are "
+                "no replicas to sync"
+            )
+            logger.warning(msg)
+            trainer.fallbacks.append(msg)
             return
         self.replica_syncer = ReplicaSync(
             self.comm_state, group=replica_process_group(trainer.model, layout, trainer.rank)
@@ -222,10 +243,15 @@ class LokaCallback(Callback):
         model, fused = trainer.model, trainer.model.fused_optimizer
         shards = replicated_shards(model, fused)  # live tensors: listed once
         trainer.replica_sync = lambda step: self.replica_syncer.sync(*shards)
+        # An fp32 anchor per shard, and an fp32 residual per shard while lossy with feedback.
+        copy_bytes = sum(t.numel() for t in shards[0].values()) * 4
+        copies = 2 if self.config.comm.dense_error_feedback else 1
         logger.info(
-            "LoKA comm: replica sync of %d embedding shards through the codecs (%s, %s)",
+            "LoKA comm: replica sync of %d embedding shards through the codecs (%s, %s); it keeps "
+            "up to %.1f MiB per rank (%d fp32 cop%s of the replicated shards: the anchor%s)",
             len(shards[0]), self.comm_state.precision(channel).name,
-            "adaptive" if not static_fp32 else "static",
+            "adaptive" if not static_fp32 else "static", copies * copy_bytes / 2**20, copies,
+            "ies" if copies > 1 else "y", ", the error-feedback residual" if copies > 1 else "",
         )
 
     def _install_dense_grad_hook(self, trainer: Trainer) -> None:
@@ -439,6 +465,9 @@ class LokaCallback(Callback):
         if not self.enabled or not state:
             return state
         state["probe"] = merge_window_states([s["probe"] for s in states], rank=rank)
+        if state.get("compressors") and world_size == 1:
+            # One process installs no dense-gradient hook: the residuals have nothing to feed.
+            state["compressors"] = []
         if state.get("compressors"):
             # Reported as a fallback once the trainer is there (on_train_start).
             self._dropped_residuals = (

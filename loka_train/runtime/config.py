@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SHARDING_TYPES = ("auto", "table_wise", "column_wise", "row_wise", "data_parallel")
@@ -89,7 +90,8 @@ class TrainerConfig:
     """With ``sharding_group_size``: steps between replica syncs (after steps N-1, 2N-1, ...
     and the last one). 1 syncs after every step, as TorchRec's ``DMPCollection`` is meant to
     be used (its ``sync()`` has no interval of its own); more lets the replicas drift apart
-    for fewer syncs."""
+    for fewer syncs. ``eval_every`` must be a multiple of it, so that every evaluation sees
+    synced replicas."""
 
     pipeline: str = "sparse_dist"
     """Train loop driver: "sparse_dist" (TorchRec TrainPipelineSparseDist, overlaps the
@@ -313,6 +315,14 @@ class TrainerConfig:
                 "trainer.sharding=data_parallel replicates every table on every rank already: "
                 "trainer.sharding_group_size has nothing to shard; choose another trainer.sharding "
                 "or set trainer.sharding_group_size=null"
+            )
+        every = self.sharding_sync_every
+        if self.eval_every % every:
+            raise ValueError(
+                f"trainer.eval_every={self.eval_every} is not a multiple of trainer.sharding_sync_every="
+                f"{every}: evaluations would run on replicas that have not synced. Set trainer.eval_every "
+                f"to a multiple of it (e.g. {math.lcm(self.eval_every, every)}), or "
+                "trainer.sharding_sync_every to a divisor of trainer.eval_every"
             )
         if self.checkpoint_every or self.checkpoint_at_end or self.resume != "never":
             raise ValueError(

@@ -6,8 +6,8 @@ shards form a *replica group* and average their copies every ``trainer.sharding_
 steps (`sync_due`). `Sparse2DLayout` is the pure layout, the one ``DMPCollection`` builds
 (its default, ``use_inter_host_allreduce=False``): with ``R = world_size / sharding_group_size``
 replicas, sharding group ``g`` holds ranks ``g, g + R, g + 2R, ...`` and rank ``r``'s replica
-group is the ``R`` consecutive ranks around it (``r // R * R`` and on), so replica syncs stay
-inside a host. A plan made for one group (ranks ``0..sharding_group_size-1``) is moved to
+group is the ``R`` consecutive ranks around it (``r // R * R`` and on), so with no more
+replicas than GPUs per host (``R <= local_world_size``) the replica syncs stay inside a host. A plan made for one group (ranks ``0..sharding_group_size-1``) is moved to
 group ``g`` by ``shard_rank * R + g``.
 
 `model_parallel` builds ``DistributedModelParallel`` or ``DMPCollection``; `replicated_shards`

@@ -54,6 +54,8 @@ def _exact_job(rank: int, world: int) -> None:
     w_RD += _update(rank, 0)
     sync.sync({"t": w_RD})
     assert torch.equal(w_RD, (before[0] + before[1]) / 2)
+    # Every byte on the channel counted: two syncs of the 16 x 32 table, one of the 16 states.
+    assert state.stats.bytes_by_precision[CH] == {FP32: 2 * 16 * 32 * 4 + 16 * 4}
 
 
 def test_fp32_sync_is_the_plain_mean() -> None:
@@ -93,9 +95,10 @@ def test_lossy_sync_keeps_replicas_identical_and_near_the_mean(precision: str, m
     assert r0["fp32_bytes"] == 16 * 32 * 4 and 0 < r0["bytes"] < r0["fp32_bytes"]
 
 
-def test_error_feedback_loses_nothing() -> None:
-    with_fb = run_multiprocess(_lossy_job, 2, "fp8", True, 12, timeout=60)[0]
-    without = run_multiprocess(_lossy_job, 2, "fp8", False, 12, timeout=60)[0]
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_error_feedback_loses_nothing(precision: str) -> None:
+    with_fb = run_multiprocess(_lossy_job, 2, precision, True, 12, timeout=60)[0]
+    without = run_multiprocess(_lossy_job, 2, precision, False, 12, timeout=60)[0]
     assert with_fb["feedback_gap"] < 1e-5, with_fb
     assert with_fb["sqnr_db"] > without["sqnr_db"] + 3, (with_fb, without)
 
@@ -126,6 +129,30 @@ def test_policy_picks_the_precision() -> None:
     # The first sync is FP32 and measures nothing; the second measures the change at every
     # rung (FP8 on these smooth updates is well above 20 dB), and the policy lowers to FP8.
     assert used[0] == ["fp32", "fp32", "fp8"], used[0]
+
+
+def _sampling_job(rank: int, world: int) -> list[bool]:
+    config = CommConfig(adaptive_channels=(CH,), sample_every=2, ladder=(FP32, BF16, FP8))
+    state = CommState(config, backend="gloo")
+    sync = ReplicaSync(state)
+    w_RD = _table(rank)
+    measured = []
+    for step in range(12):
+        state.begin_step(step)  # sampled steps: 0, 2, 4, ...
+        w_RD += _update(rank, step)
+        if (step + 1) % 2 == 0:  # syncs after steps 1, 3, 5, ...: never a sampled step
+            before = state.sqnr_sums.clone()
+            sync.sync({"t": w_RD})
+            measured.append(not torch.equal(before, state.sqnr_sums))
+        state.end_step()
+    return measured
+
+
+def test_sync_samples_on_its_own_count() -> None:
+    """An adaptive channel is measured on every sample_every-th sync (the first has no change),
+    whichever steps the syncs fall on."""
+    measured = run_multiprocess(_sampling_job, 2, timeout=60)
+    assert measured[0] == measured[1] == [False, True, False, True, False, True], measured
 
 
 def _groups_job(rank: int, world: int) -> list[float]:

@@ -1,6 +1,7 @@
 """2D sparse parallelism on 2 GPUs (nccl): ``trainer.sharding_group_size=1`` (every GPU holds
 every table), synced by TorchRec's ``DMPCollection.sync`` and by LoKA's FP8 replica sync. After
-the last sync both ranks hold identical embedding weights and the loss is finite.
+the last sync both ranks hold identical embedding weights and fused optimizer state
+(momentum / accumulators), and the loss is finite.
 
 Run on a 2-GPU machine: `pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py`.
 """
@@ -25,6 +26,7 @@ pytestmark = [
 def test_replicas_identical_after_sync(variant: str, tmp_path: Path) -> None:
     r = run_variant(tmp_path, variant, steps=20, batch=1024, tables=8, dim=64, rows=10_000)
     assert r["replica_max_abs_diff"] == 0.0, r
+    assert r["replica_state_max_abs_diff"] == 0.0, r  # the fused optimizer's state, synced too
     assert math.isfinite(r["train_loss"]) and math.isfinite(r["eval_ne"]), r
     if variant == "2d_loka_fp8":
         assert r["replica_sync_bytes_rank0"] > 0, r

@@ -185,6 +185,10 @@ def test_bf16_on_old_gloo_raises_explicit(monkeypatch: pytest.MonkeyPatch) -> No
     assert (
         _state(a2a_forward=CommPrecision.BF16).precision(CommChannel.A2A_FWD) is CommPrecision.BF16
     )
+    # The replica sync gathers its bf16 payloads as bytes.
+    assert (
+        _state(replica_sync=CommPrecision.BF16).precision(CommChannel.REPLICA_SYNC) is CommPrecision.BF16
+    )
     # NCCL reduces bf16.
     nccl = CommState(
         CommConfig(reduce_scatter_forward=CommPrecision.BF16), backend="nccl", device="cpu"

@@ -19,6 +19,7 @@ from loka_train.data import DataConfig, make_dataset
 from loka_train.mods import sites
 from loka_train.plugin import LokaCallback, LokaConfig
 from loka_train.runtime import RunContext
+from loka_train.runtime.sparse2d import Sparse2DLayout
 
 DATA = DataConfig(num_sparse=4, num_embeddings=100, chunk_size=16, max_pooling=3)
 DENSE_PROBE = {"every_k_steps": 1, "sites_per_step": None, "interval": 4, "min_samples": 2}
@@ -118,6 +119,7 @@ def test_aggressive_without_ddp_leaves_the_dense_hook_out(
     assert cb.compressors == [] and cb.comm_state is not None
     (fallback,) = [f for f in ctx.fallbacks if "dense-gradient hook left out" in f]
     assert "no DistributedDataParallel inside DLRMTrain" in fallback
+    assert not any("replica_sync" in f for f in ctx.fallbacks)  # none requested: no fallback
     assert "wrap the model in DistributedModelParallel" in fallback
     assert any(r.levelno == logging.WARNING and r.getMessage() == fallback for r in caplog.records)
     assert fallback in cb.report(ctx)["fallbacks"]
@@ -154,6 +156,64 @@ def test_one_process_installs_no_comm_and_carries_a_checkpoints_comm_state(
     resumed.on_train_start(ctx2)
     again = resumed.state_dict()
     assert again["comm"] is saved["comm"] and again["comm_policy"] is saved["comm_policy"]
+
+
+@pytest.mark.parametrize(("group_size", "codecs"), [(1, False), (2, True)])
+def test_sharding_groups_of_one_rank_get_no_all_to_all_codecs(
+    group_size: int, codecs: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With trainer.sharding_group_size=1 the all-to-alls span one rank: no codecs (one log
+    line), the comm state stays for the replica sync and the dense-gradient hook."""
+    cb = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    layout = Sparse2DLayout(world_size=4, sharding_group_size=group_size)
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path, world_size=4, sparse2d=layout)
+    with caplog.at_level(logging.INFO, logger="loka_train"):
+        cb.on_before_shard(ctx)
+    assert cb.comm_state is not None and cb.comm_policy is not None
+    assert (ctx.qcomm_codecs_registry is not None) is codecs
+    said = [r for r in caplog.records if "sharding_group_size=1" in r.getMessage()]
+    assert len(said) == (0 if codecs else 1), said
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_resuming_several_processes_state_drops_residuals_as_a_fallback_only_with_a_hook(
+    world_size: int, tmp_path: Path
+) -> None:
+    """A 2-process checkpoint's dense-gradient residuals are dropped on another world size; a
+    fallback only where a hook runs (several processes): one process has none to feed."""
+    saved = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    _train(saved, RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path / "saved"), steps=4)
+    states = [{**saved.state_dict(), "compressors": [{"residual": torch.zeros(3)}]} for _ in range(2)]
+    resumed = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE))
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path / "resumed", world_size=world_size)
+    resumed.on_before_shard(ctx)
+    resumed.load_state_dict(resumed.merge_rank_states(states, rank=0, world_size=world_size))
+    resumed.on_train_start(ctx)
+    dropped = [f for f in ctx.fallbacks if "error-feedback residuals" in f]
+    assert len(dropped) == (world_size > 1), ctx.fallbacks
+
+
+@pytest.mark.parametrize(
+    ("comm", "sparse2d", "says"),
+    [
+        ({"replica_sync": "fp8"}, False, "replica_sync=FP8 is ignored: trainer.sharding_group_size"),
+        ({"adaptive_channels": ("replica_sync",)}, False, "replica_sync=FP32 (adaptive) is ignored"),
+        ({"replica_sync": "fp8"}, True, "no replica_sync hook to replace (RunContext.replica_sync)"),
+    ],
+)
+def test_a_replica_sync_request_without_replicas_is_a_fallback(
+    comm: dict[str, Any], sparse2d: bool, says: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cb = LokaCallback(LokaConfig.preset("aggressive", probe=DENSE_PROBE, comm=comm))
+    layout = Sparse2DLayout(world_size=2, sharding_group_size=1) if sparse2d else None
+    ctx = RunContext(model=_dlrm(), device=torch.device("cpu"), out_dir=tmp_path, world_size=2, sparse2d=layout)
+    with caplog.at_level(logging.WARNING, logger="loka_train"):
+        cb.on_before_shard(ctx)
+        cb.on_train_start(ctx)
+    (fallback,) = [f for f in ctx.fallbacks if "replica_sync" in f]
+    assert says in fallback, fallback
+    assert [r.getMessage() for r in caplog.records].count(fallback) == 1
+    assert cb.replica_syncer is None and ctx.replica_sync is None
 
 
 @pytest.mark.parametrize(

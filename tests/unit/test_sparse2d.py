@@ -14,6 +14,7 @@ from torchrec.distributed import model_parallel as torchrec_model_parallel
 
 import launch.train  # noqa: F401  (registers the schema in the ConfigStore)
 from loka_train.job import JobConfig
+from loka_train.models import build as models_build
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.sparse2d import Sparse2DLayout, check_sparse2d, sync_due
 
@@ -75,10 +76,37 @@ def test_layout_refuses_a_group_that_does_not_divide() -> None:
         Sparse2DLayout(world_size=4, sharding_group_size=3)
 
 
+def test_init_embedding_tables_copies_without_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-place copies into the live parameter shards run under no_grad."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=8, feature_names=["f"])]
+    )
+    grad_modes: list[bool] = []
+
+    def full_table(seed: int, table: str, rows: int, dim: int) -> torch.Tensor:
+        grad_modes.append(torch.is_grad_enabled())
+        return torch.ones(rows, dim)
+
+    monkeypatch.setattr(models_build, "full_table", full_table)
+    assert models_build.init_embedding_tables(ebc, seed=0, tables={"t": (8, 4)}) == 1
+    assert grad_modes == [False] and torch.is_grad_enabled()
+    assert torch.equal(ebc.embedding_bags["t"].weight, torch.ones(8, 4))
+
+
 def test_sync_due_every_n_steps_and_after_the_last() -> None:
     assert [s for s in range(5) if sync_due(s, every=1, last_step=4)] == [0, 1, 2, 3, 4]
     assert [s for s in range(8) if sync_due(s, every=3, last_step=7)] == [2, 5, 7]
     assert [s for s in range(6) if sync_due(s, every=3, last_step=5)] == [2, 5]
+
+
+def test_config_takes_evaluations_after_syncs() -> None:
+    """Evaluations on synced replicas: at the end only (eval_every=0) or every k-th sync."""
+    for eval_every in (0, 8):
+        TrainerConfig(sharding_group_size=1, device="cuda", sharding_sync_every=4, eval_every=eval_every,
+                      **NO_CHECKPOINTS)
 
 
 def test_config_defaults_leave_plain_dmp() -> None:
@@ -95,6 +123,10 @@ def test_config_defaults_leave_plain_dmp() -> None:
         ({"sharding_group_size": 1, "device": "cuda", "sharding": "data_parallel"}, "data_parallel replicates"),
         ({"sharding_sync_every": 2}, "needs trainer.sharding_group_size"),
         ({"sharding_group_size": 1, "device": "cuda", "sharding_sync_every": 0}, "sharding_sync_every=0"),
+        (
+            {"sharding_group_size": 1, "device": "cuda", "sharding_sync_every": 4, "eval_every": 10},
+            r"eval_every=10 is not a multiple of trainer.sharding_sync_every=4.*\(e.g. 20\)",
+        ),
     ],
 )
 def test_config_refuses_with_the_fix(kwargs: dict[str, Any], message: str) -> None:
