@@ -315,6 +315,27 @@ class Dispatcher:
                 ))
         return out
 
+    def planned_speedup(self, site: str, role: str) -> float | None:
+        """High-precision time over the planned FP8 GEMM's, as Dispatch timed them (the FP8
+        GEMM with the operands its site takes over from its other GEMMs, where Dispatch
+        planned the site jointly), from the timings already taken: never benchmarks. None for
+        a high-precision plan, an unseen shape, or a time not taken."""
+        plan = getattr(self.plans[site], role)
+        shape = self.shapes[site].get(role)
+        if shape is None or not plan.is_fp8:
+            return None
+        timings = self.timer.timings
+        reuse = (
+            planning.reused_operands(role, plan, self.plans[site])
+            if site in self._shares_operands
+            else (False, False)
+        )
+        t_high = timings.get(timing_key(role, shape, None))
+        t_fp8 = timings.get(timing_key(role, shape, plan, reuse))
+        if t_high is None or t_fp8 is None or not (t_fp8 > 0 and math.isfinite(t_fp8)):
+            return None
+        return t_high / t_fp8
+
     def fp8_coverage(self) -> float:
         """Fraction of (site, role) GEMMs currently planned in FP8."""
         total = len(self.plans) * len(ROLES)

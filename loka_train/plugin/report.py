@@ -96,9 +96,9 @@ def run_report(
                 if v is not None:
                     entry["sqnr_lo_db"] = v.sqnr_lo_db
                     entry["verdict"] = v.reason
-                if shape:
-                    t_hi = d._estimate(role, shape, None)
-                    entry["est_speedup"] = t_hi / d._estimate(role, shape, plan)
+                speedup = d.planned_speedup(name, role)
+                if speedup is not None:
+                    entry["est_speedup"] = speedup
             entry["why"] = d._reasons.get((name, role), "initial plan")
             entry["history"] = [str(c) for c in d.history if c.site == name and c.role == role]
             roles[role] = entry

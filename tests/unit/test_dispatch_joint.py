@@ -205,3 +205,28 @@ def test_the_timer_hands_reused_operands_over_in_the_site_s_layout(monkeypatch) 
     assert not b_q.data.is_contiguous() and b_q.data.t().is_contiguous()
     timer.measure_once((16, 32, 24), TW.grad_weight, "grad_weight")
     assert seen[-1] == (None, None)
+
+
+def test_planned_speedup_reads_the_times_taken_with_the_sites_reuse() -> None:
+    """The report's speed-up of a planned GEMM: the time Dispatch took for it as the site runs
+    it (reused operands for a jointly planned site), over high precision; nothing is timed."""
+    d = Dispatcher(DispatchConfig(objective="speed", scalings=("tensorwise",), cpu_backends=("emulated",)),
+                   device="cpu")
+    shape, other = (64, 32, 48), (128, 32, 48)
+    d.register("joint", plan=TW, shapes=dict.fromkeys(ROLES3, shape), shares_operands=True)
+    d.register("alone", plan=TW, shapes=dict.fromkeys(ROLES3, shape), shares_operands=False)
+    d.register("high", plan=LinearPlan.high_precision(), shapes=dict.fromkeys(ROLES3, shape))
+    d.register("untimed", plan=TW, shapes=dict.fromkeys(ROLES3, other))
+    for role in ROLES3:
+        d.timer.timings[timing_key(role, shape, None)] = 1.0
+        d.timer.timings[timing_key(role, shape, getattr(TW, role))] = 0.8
+    d.timer.timings[timing_key("grad_input", shape, TW.grad_input, (False, True))] = 0.64
+    d.timer.timings[timing_key("grad_weight", shape, TW.grad_weight, (True, True))] = 0.5
+    taken = dict(d.timer.timings)
+    assert d.planned_speedup("joint", "forward") == pytest.approx(1.25)
+    assert d.planned_speedup("joint", "grad_input") == pytest.approx(1 / 0.64)
+    assert d.planned_speedup("joint", "grad_weight") == pytest.approx(2.0)
+    assert d.planned_speedup("alone", "grad_weight") == pytest.approx(1.25)  # no reuse planned
+    assert d.planned_speedup("high", "forward") is None
+    assert d.planned_speedup("untimed", "forward") is None
+    assert d.timer.timings == taken  # read only: the report never benchmarks
