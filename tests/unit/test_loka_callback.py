@@ -152,12 +152,13 @@ def test_residuals_dropped_at_a_resume_on_another_world_size_are_a_fallback(tmp_
     state["compressors"] = [{"residual": "rank 0's"}]  # the saved run had a dense-gradient hook
     resumed = LokaCallback(_config())
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
-    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path)
+    # Three processes (one process installs no hook, so it drops nothing it would have used).
+    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path, world_size=3)
     resumed.on_before_shard(ctx)
-    merged = resumed.merge_rank_states([state, state], rank=0, world_size=1)
+    merged = resumed.merge_rank_states([state, state], rank=0, world_size=3)
     assert merged["compressors"] == []
     resumed.load_state_dict(merged)
     resumed.on_train_start(ctx)
-    assert [f for f in ctx.fallbacks if "error-feedback residuals" in f and "2 processes' state on 1" in f]
+    assert [f for f in ctx.fallbacks if "error-feedback residuals" in f and "2 processes' state on 3" in f]
     resumed.on_train_start(ctx)  # reported once
     assert len([f for f in ctx.fallbacks if "error-feedback residuals" in f]) == 1
