@@ -7,25 +7,88 @@ only the comm codecs (no FP8 compute sites, no probe) so the comm precision is t
 difference. The 16 train batches are generated once and cycled (data.cache_batches) so that
 the CPU input pipeline stays out of the timing; eval NE is on fresh held-out batches. Bytes are counted by the codec in encode (what each rank puts on the wire).
 
+NE by the paired, decayed protocol (``--ne-from N0 --ne-steps M --seeds S``, as
+``bench.e2e``'s ``--ne-from`` / ``--ne-decay 1``): one base job trains N0 steps with
+TorchRec's own FP32 all-to-all (no codec) and saves a checkpoint that every other job shares;
+then, for each precision and seed s < S, a job starts a new run from that checkpoint and
+trains M more steps with both learning rates decaying to 0 over them (trainer.lr_decay_*),
+then evaluates NE on the same held-out batches. The continuations of seed s all train on the
+same fresh train batches, those of the steps N0 + s*M onwards of the stream (the RNG state
+comes from the checkpoint, so the data is what tells seeds apart); the NE delta against
+FP32 is taken per seed and averaged, with its standard error over seeds. Throughput stays
+what the timed job measures (its cached batches): the continuations generate every batch
+on the CPU, which bounds their step rate.
+
 Run (2 GPUs):  python -m bench.comm --out bench/results/comm_a2a_h200x2_<date>
-Dry run (CPU): python -m bench.comm --dry-run --out /tmp/comm
+NE protocol:   python -m bench.comm --steps 60 --ne-from 200 --ne-steps 100 --seeds 2 --out DIR
+Dry run (CPU): python -m bench.comm --dry-run --out /tmp/comm [--ne-from 4 --ne-steps 4 --seeds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: on the PYTHONPATH of the torchrun workers, which import ``bench.comm``."""
 
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
+"""What ``--precisions`` may list (``loka_train.comm.CommPrecision``'s values)."""
 
-def job(out: str, precision: str, steps: int, batch: int, tables: int, dim: int, rows: int) -> None:
-    """One run (called on every rank by torchrun)."""
+
+class _ShiftedTrain:
+    """A train split read `offset` steps further on: step s trains on the source's batch
+    s + offset (``--seeds``: each seed's continuations see their own stretch of the stream)."""
+
+    def __init__(self, source: Any, offset: int) -> None:
+        self.source = source
+        self.offset = offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
+
+    def batch(self, step: int) -> Any:
+        return self.source.batch(step + self.offset)
+
+    def batches(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[Any]:
+        return self.source.batches(start_step + self.offset, num_steps)
+
+
+@contextlib.contextmanager
+def shifted_train_data(offset: int) -> Iterator[None]:
+    """Trainers built inside read their train split `offset` steps further on (eval unchanged)."""
+    import loka_train.runtime.trainer as trainer_module
+
+    original = trainer_module.make_dataset
+
+    def make(cfg: Any, *, split: str, rank: int, world_size: int, batch_size: int) -> Any:
+        ds = original(cfg, split=split, rank=rank, world_size=world_size, batch_size=batch_size)
+        return _ShiftedTrain(ds, offset) if split == "train" and offset else ds
+
+    trainer_module.make_dataset = make  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        trainer_module.make_dataset = original
+
+
+def job(spec: dict[str, Any]) -> None:
+    """One run (called on every rank by torchrun), as `spec` says (`main` writes it): ``out``;
+    ``precision`` of both all-to-alls, or None for no codec (the ``--ne-from`` base);
+    ``steps`` (the last step, counted from 0 of the base run); the sizes ``batch``, ``tables``,
+    ``dim``, ``rows``; ``eval_batches``; ``cache_batches`` (0: a fresh batch every step);
+    ``warmup`` (dense warm-up steps); ``resume`` (a checkpoint to start a new run from, or
+    None); ``decay_start`` / ``decay_steps`` (trainer.lr_decay_*); ``data_offset``;
+    ``seed``; ``checkpoint_at_end``."""
     import torch
 
     from loka_train.comm import CommConfig, CommPrecision
@@ -37,92 +100,222 @@ def job(out: str, precision: str, steps: int, batch: int, tables: int, dim: int,
     from loka_train.plugin.config import LokaConfig
     from loka_train.probe import ProbeConfig
     from loka_train.runtime import TrainerConfig
+    from loka_train.runtime.callbacks import Callback
     from loka_train.runtime.trainer import Trainer
 
-    p = CommPrecision(precision)
-    loka = LokaCallback(LokaConfig(
-        enabled=True, mods=ModsConfig(enabled=False), probe=ProbeConfig(enabled=False),
-        dispatch=DispatchConfig(enabled=False), comm_enabled=True,
-        comm=CommConfig(a2a_forward=p, a2a_backward=p, row_dim=dim),
-    ))
+    class StartStep(Callback):
+        """The step training starts from, once any checkpoint is restored."""
+
+        start: int | None = None
+
+        def on_train_start(self, trainer: Any) -> None:
+            self.start = trainer.step
+
+    out, precision, steps, dim = spec["out"], spec["precision"], spec["steps"], spec["dim"]
+    loka = None
+    if precision is not None:
+        p = CommPrecision(precision)
+        loka = LokaCallback(LokaConfig(
+            enabled=True, mods=ModsConfig(enabled=False), probe=ProbeConfig(enabled=False),
+            dispatch=DispatchConfig(enabled=False), comm_enabled=True,
+            comm=CommConfig(a2a_forward=p, a2a_backward=p, row_dim=dim),
+        ))
+    started = StartStep()
     cuda = torch.cuda.is_available()
-    trainer = Trainer(
-        model=ModelConfig(kind="dlrm", embedding_dim=dim, dense_arch_layer_sizes=[512, 256, dim],
-                          over_arch_layer_sizes=[1024, 1024, 512, 256, 1]),
-        # 16 cached batches: the CPU data generator would otherwise bound the step rate.
-        data=DataConfig(num_sparse=tables, num_embeddings=rows, cache_batches=16),
-        trainer=TrainerConfig(
-            steps=steps, batch_size=batch, device="cuda" if cuda else "cpu", sharding="table_wise",
-            dense_dtype="bf16" if cuda else "fp32", dense_lr=0.01, dense_warmup_steps=min(20, steps),
-            log_every=max(1, steps // 4), eval_batches=4, out_dir=out, tensorboard=False,
-            progress_bar=False, checkpoint_at_end=False, resume="never",
-        ),
-        callbacks=[loka],
-    )
+    resume = spec["resume"]
+    with shifted_train_data(spec["data_offset"]):
+        trainer = Trainer(
+            model=ModelConfig(kind="dlrm", embedding_dim=dim, dense_arch_layer_sizes=[512, 256, dim],
+                              over_arch_layer_sizes=[1024, 1024, 512, 256, 1]),
+            data=DataConfig(num_sparse=spec["tables"], num_embeddings=spec["rows"],
+                            cache_batches=spec["cache_batches"]),
+            trainer=TrainerConfig(
+                steps=steps, batch_size=spec["batch"], device="cuda" if cuda else "cpu",
+                sharding="table_wise", dense_dtype="bf16" if cuda else "fp32", dense_lr=0.01,
+                dense_warmup_steps=spec["warmup"], lr_decay_start=spec["decay_start"],
+                lr_decay_steps=spec["decay_steps"], seed=spec["seed"],
+                log_every=max(1, steps // 4), eval_batches=spec["eval_batches"], out_dir=out,
+                tensorboard=False, progress_bar=False, checkpoint_at_end=spec["checkpoint_at_end"],
+                resume=resume if resume is not None else "never",
+                # The base run has no LoKA callback, so its checkpoint holds no LoKA state.
+                resume_new_callbacks=resume is not None,
+            ),
+            callbacks=[*([loka] if loka is not None else []), started],
+        )
     summary = trainer.fit()
     if trainer.rank == 0:
-        rep = loka.comm_state.report()
-        a2a = {c: rep["channels"][c]["total_bytes"] for c in ("a2a_fwd", "a2a_bwd")}
-        result = {
-            "precision": precision, "steps_per_s": summary["train/steps_per_s"],
+        result: dict[str, Any] = {
+            "precision": precision, "seed": spec["seed"], "steps_per_s": summary["train/steps_per_s"],
             "samples_per_s": summary["train/steps_per_s"] * summary["global_batch"],
-            "eval_ne": summary["eval/ne"], "train_loss": summary["train/loss"],
-            "a2a_bytes_per_step_rank0": {c: b / steps for c, b in a2a.items()},
-            "fallbacks": rep["fallbacks"], "device": str(summary["device"]),
+            "eval_ne": summary["eval/ne"], "eval_auc": summary["eval/auc"], "train_loss": summary["train/loss"],
+            "start_step": started.start, "steps": summary["steps"], "resumed_from": resume,
+            "data_offset": spec["data_offset"], "run_dir": str(trainer.out_dir),
+            "device": str(summary["device"]),
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         }
+        if loka is not None:
+            rep = loka.comm_state.report()
+            a2a = {c: rep["channels"][c]["total_bytes"] for c in ("a2a_fwd", "a2a_bwd")}
+            trained = summary["steps"] - (started.start or 0)
+            result["a2a_bytes_per_step_rank0"] = {c: b / trained for c, b in a2a.items()}
+            result["fallbacks"] = rep["fallbacks"]
         (Path(out) / "result.json").write_text(json.dumps(result, indent=2))
     trainer.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.comm", description=__doc__)
+def run_job(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Run `spec` under torchrun on 2 processes; its result, or None (its output printed) when it failed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "bench.comm", "--out", spec["out"], "--job", json.dumps(spec)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        return None
+    result: dict[str, Any] = json.loads((Path(spec["out"]) / "result.json").read_text())
+    return result
+
+
+def paired_ne(results: list[dict[str, Any]]) -> None:
+    """Add to each precision's row its protocol figures, from its ``ne_by_seed`` runs: ``ne_mean``,
+    each run's ``ne_delta_vs_fp32`` (relative to the FP32 run of the same seed), their mean
+    ``ne_delta_vs_fp32_mean`` and its standard error over seeds ``ne_delta_vs_fp32_stderr``
+    (None with one seed).
+
+    >>> rows = [{"precision": "fp32", "ne_by_seed": [{"seed": 0, "eval_ne": 0.5}, {"seed": 1, "eval_ne": 0.4}]},
+    ...         {"precision": "fp8", "ne_by_seed": [{"seed": 0, "eval_ne": 0.51}, {"seed": 1, "eval_ne": 0.4}]}]
+    >>> paired_ne(rows)
+    >>> [round(d["ne_delta_vs_fp32"], 6) for d in rows[1]["ne_by_seed"]], round(rows[1]["ne_delta_vs_fp32_stderr"], 6)
+    ([0.02, 0.0], 0.01)
+    """
+    fp32 = {r["seed"]: r["eval_ne"] for r in next(row for row in results if row["precision"] == "fp32")["ne_by_seed"]}
+    for row in results:
+        runs = row["ne_by_seed"]
+        for r in runs:
+            r["ne_delta_vs_fp32"] = (r["eval_ne"] - fp32[r["seed"]]) / fp32[r["seed"]]
+        deltas = [r["ne_delta_vs_fp32"] for r in runs]
+        row["ne_mean"] = statistics.fmean(r["eval_ne"] for r in runs)
+        row["ne_delta_vs_fp32_mean"] = statistics.fmean(deltas)
+        row["ne_delta_vs_fp32_stderr"] = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.comm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16384)
     parser.add_argument("--tables", type=int, default=52)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--precisions", default="fp32,bf16,fp8")
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--job", nargs=7, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--precisions", default="fp32,bf16,fp8",
+                        help=f"comma-separated, run in this order; any of {','.join(PRECISIONS)}")
+    parser.add_argument("--ne-from", type=int, default=0, metavar="N0",
+                        help="NE by the paired protocol: a base job trains N0 steps with FP32 comm and "
+                             "saves the checkpoint every precision and seed continues from (0: off, the "
+                             "timed job's own eval NE)")
+    parser.add_argument("--ne-steps", type=int, default=None, metavar="M",
+                        help="with --ne-from: steps of each continuation, over which both learning rates "
+                             "decay to 0 (default 200; dry run 4)")
+    parser.add_argument("--seeds", type=int, default=None, metavar="S",
+                        help="with --ne-from: continuations per precision, seed s on the train batches of "
+                             "steps N0 + s*M onwards (default 3; dry run 2)")
+    parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank for NE")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, 2 gloo processes, tiny sizes")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
     if args.job:
-        out, prec, steps, batch, tables, dim, rows = args.job
-        job(out, prec, int(steps), int(batch), int(tables), int(dim), int(rows))
+        job(json.loads(args.job))
         return 0
+    precisions = [p for p in args.precisions.split(",") if p]
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown or not precisions:
+        parser.error(f"--precisions: unknown {unknown}; choose from {','.join(PRECISIONS)}")
+    if args.ne_from < 0:
+        parser.error("--ne-from must be >= 0 (0: no NE protocol)")
+    if args.ne_from and "fp32" not in precisions:
+        parser.error("--ne-from pairs every precision's NE with FP32's: add fp32 to --precisions")
+    if not args.ne_from and (args.ne_steps is not None or args.seeds is not None):
+        parser.error("--ne-steps and --seeds shape the NE protocol: add --ne-from N0")
     if args.dry_run:
         args.steps, args.batch, args.tables, args.dim, args.rows = 8, 64, 4, 8, 200
+    args.ne_steps = args.ne_steps if args.ne_steps is not None else (4 if args.dry_run else 200)
+    args.seeds = args.seeds if args.seeds is not None else (2 if args.dry_run else 3)
+    if args.ne_from and (args.ne_steps < 2 or args.seeds < 1):
+        parser.error("--ne-steps must be >= 2 (the decay needs 2 steps) and --seeds >= 1")
     out = Path(args.out)
-    results = []
-    for prec in args.precisions.split(","):
-        run_dir = out / prec
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "bench.comm", "--out", str(out), "--job", str(run_dir), prec, str(args.steps), str(args.batch),
-               str(args.tables), str(args.dim), str(args.rows)]
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:], proc.stderr[-3000:])
+    sizes = {"batch": args.batch, "tables": args.tables, "dim": args.dim, "rows": args.rows,
+             "eval_batches": args.eval_batches}
+    base_run = None
+    if args.ne_from:
+        # TorchRec's own all-to-all, no codec: its checkpoint holds no LoKA state that could
+        # set the continuations' comm precision.
+        base_run = run_job({**sizes, "out": str(out / "ne_base"), "precision": None, "steps": args.ne_from,
+                            "cache_batches": 0, "warmup": min(20, args.ne_from), "resume": None,
+                            "decay_start": 0, "decay_steps": 0, "data_offset": 0, "seed": 0,
+                            "checkpoint_at_end": True})
+        if base_run is None:
             return 1
-        results.append(json.loads((run_dir / "result.json").read_text()))
-        r = results[-1]
+        print(f"NE base (FP32 comm): checkpoint at step {base_run['steps']}, NE {base_run['eval_ne']:.5f}", flush=True)
+    results = []
+    for prec in precisions:
+        # The timed job: 16 cached batches, since the CPU data generator would otherwise bound the step rate.
+        r = run_job({**sizes, "out": str(out / prec), "precision": prec, "steps": args.steps, "cache_batches": 16,
+                     "warmup": min(20, args.steps), "resume": None, "decay_start": 0, "decay_steps": 0,
+                     "data_offset": 0, "seed": 0, "checkpoint_at_end": False})
+        if r is None:
+            return 1
+        results.append(r)
         print(f"{prec}: {r['samples_per_s']:.0f} samples/s, NE {r['eval_ne']:.5f}, "
               f"a2a fwd {r['a2a_bytes_per_step_rank0']['a2a_fwd'] / 1e6:.2f} MB/step", flush=True)
+        if base_run is None:
+            continue
+        r["ne_by_seed"] = []
+        for seed in range(args.seeds):
+            end = args.ne_from + args.ne_steps
+            cont = run_job({**sizes, "out": str(out / prec / f"ne_seed{seed}"), "precision": prec, "steps": end,
+                            "cache_batches": 0, "warmup": min(20, args.ne_from), "resume": base_run["run_dir"],
+                            "decay_start": args.ne_from, "decay_steps": args.ne_steps,
+                            "data_offset": seed * args.ne_steps, "seed": seed, "checkpoint_at_end": False})
+            if cont is None:
+                return 1
+            r["ne_by_seed"].append(cont)
+            print(f"{prec} seed {seed}: steps {cont['start_step']}-{cont['steps']} from the base checkpoint, "
+                  f"NE {cont['eval_ne']:.5f}", flush=True)
+    if base_run is not None:
+        paired_ne(results)
     base = results[0]
     lines = [f"# Embedding all-to-all precision, 2 GPUs ({base['gpu']}, torch {base['torch']})", "",
-             f"Command: `python -m bench.comm {' '.join(sys.argv[1:])}` ({args.tables} tables x {args.dim}, "
-             f"{args.rows} rows, batch {args.batch}/GPU, {args.steps} steps, table-wise).", "",
-             "| precision | samples/s | vs FP32 | eval NE | NE vs FP32 | a2a fwd MB/step | a2a bwd MB/step |",
-             "|---|---|---|---|---|---|---|"]
+             f"Command: `python -m bench.comm {' '.join(sys.argv[1:] if argv is None else argv)}` "
+             f"({args.tables} tables x {args.dim}, "
+             f"{args.rows} rows, batch {args.batch}/GPU, {args.steps} steps, table-wise).", ""]
+    if base_run is None:
+        lines += ["| precision | samples/s | vs FP32 | eval NE | NE vs FP32 | a2a fwd MB/step | a2a bwd MB/step |",
+                  "|---|---|---|---|---|---|---|"]
+    else:
+        lines += [f"NE: paired, decayed protocol. A base run with FP32 comm to step {args.ne_from} (NE "
+                  f"{base_run['eval_ne']:.5f}); from its checkpoint each precision trains {args.ne_steps} "
+                  f"steps per seed ({args.seeds} seeds: the train batches of steps {args.ne_from} + "
+                  f"seed x {args.ne_steps} onwards) with both learning rates decaying to 0, then evaluates "
+                  f"{args.eval_batches} held-out batches per GPU. NE is the mean over seeds; NE vs FP32 the "
+                  "mean of the per-seed deltas +- its standard error. samples/s: the timed runs "
+                  f"({args.steps} steps on 16 cached batches).", "",
+                  "| precision | samples/s | vs FP32 | NE | NE vs FP32 (paired) | a2a fwd MB/step | a2a bwd MB/step |",
+                  "|---|---|---|---|---|---|---|"]
     for r in results:
         b = r["a2a_bytes_per_step_rank0"]
+        if base_run is None:
+            ne = f"{r['eval_ne']:.5f} | {(r['eval_ne'] - base['eval_ne']) / base['eval_ne']:+.3%}"
+        else:
+            se = r["ne_delta_vs_fp32_stderr"]
+            ne = f"{r['ne_mean']:.5f} | {r['ne_delta_vs_fp32_mean']:+.4%}" + (f" +- {se:.4%}" if se is not None else "")
         lines.append(f"| {r['precision']} | {r['samples_per_s']:.0f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x | "
-                     f"{r['eval_ne']:.5f} | {(r['eval_ne'] - base['eval_ne']) / base['eval_ne']:+.3%} | "
-                     f"{b['a2a_fwd'] / 1e6:.2f} | {b['a2a_bwd'] / 1e6:.2f} |")
+                     f"{ne} | {b['a2a_fwd'] / 1e6:.2f} | {b['a2a_bwd'] / 1e6:.2f} |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "comm.md").write_text("\n".join(lines) + "\n")
     (out / "comm.json").write_text(json.dumps(results, indent=2))
+    if base_run is not None:
+        (out / "ne_base.json").write_text(json.dumps(base_run, indent=2))
     print("\n".join(lines))
     return 0
 

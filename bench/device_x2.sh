@@ -37,7 +37,10 @@ if has sparse2d; then
   save
 fi
 if has comm; then
-  (timeout ${COMM_TIMEOUT:-130} python -m bench.comm --steps ${COMM_STEPS:-60} --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
+  # COMM_ARGS: more bench.comm arguments, e.g. the NE protocol "--ne-from 200 --ne-steps 100
+  # --seeds 2" (raise COMM_TIMEOUT to match); its base checkpoint is deleted before the save.
+  (timeout ${COMM_TIMEOUT:-130} python -m bench.comm --steps ${COMM_STEPS:-60} ${COMM_ARGS:-} --out "$w/comm"; echo "rc=$?") > "$w/comm.txt" 2>&1
+  find "$w/comm" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null
   save
 fi
 if has scaling; then
