@@ -276,8 +276,9 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
                f"{fmt_x(p['as_planned'])}, best as paid {fmt_x(p['best_as_paid'])}, quantization free "
                f"{fmt_x(p['quant_free'])}." if p else ""),
             "",
-            "| site | GEMM | M x K x N | plan | high ms | FP8 GEMM ms | quant ms | FP8 total ms | quant / saved |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| site | GEMM | M x K x N | plan | high ms | FP8 GEMM ms | quant ms | FP8 total ms | quant / saved "
+            "| speed-up as paid | Dispatch's speed-up |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in sorted(ledger["rows"], key=lambda x: -x["high_ms"])[:LEDGER_ROWS]:
             times = [f for f in row["fp8"] if f["plan"] == row["plan"]] or sorted(
@@ -285,9 +286,13 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
             if times:
                 f = times[0]
                 quant = f["quant_a_ms"] + f["quant_b_ms"]
-                cells = f"{f['gemm_ms']:.3f} | {quant:.3f} | {f['gemm_ms'] + quant:.3f} | {row['quant_over_saved']:.2f}"
+                total = f["gemm_ms"] + quant
+                cells = (f"{f['gemm_ms']:.3f} | {quant:.3f} | {total:.3f} | {row['quant_over_saved']:.2f} | "
+                         f"{fmt_x(row['high_ms'] / total if total > 0 else math.inf)}")
             else:
-                cells = "- | - | - | -"
+                cells = "- | - | - | - | -"
+            planned = row.get("planned_speedup")
+            cells += f" | {'-' if planned is None else fmt_x(planned)}"
             out.append(f"| {row['site']} | {row['role']} | {'x'.join(map(str, row['shape']))} | {row['plan']} | "
                        f"{row['high_ms']:.3f} | {cells} |")
     return out

@@ -312,6 +312,7 @@ class Dispatcher:
                     site=site, role=role, shape=shape, plan=getattr(plan, role),
                     candidates=tuple(self._candidates(site, role, shape)),
                     site_plan=plan if site in self._shares_operands else None,
+                    planned_speedup=self.planned_speedup(site, role),
                 ))
         return out
 

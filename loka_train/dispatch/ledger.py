@@ -73,6 +73,9 @@ class LedgerGemm:
     """FP8 plans to time (Dispatch's candidates; the chosen one is added if missing)."""
     site_plan: LinearPlan | None = None
     """The site's whole plan, to tell which operands the site reuses across its GEMMs."""
+    planned_speedup: float | None = None
+    """The speed-up over high precision Dispatch decided the FP8 plan on, from the times it took
+    then (``Dispatcher.planned_speedup``); None for a high-precision plan."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ class LedgerRow:
     fp8: tuple[Fp8Times, ...]
     """Every timed FP8 candidate (a failed one is left out and named in ``failures``)."""
     failures: tuple[str, ...] = ()
+    planned_speedup: float | None = None
+    """Dispatch's speed-up for the chosen FP8 plan when it chose it (``LedgerGemm``): next to
+    this ledger's own measurement, a plan taken on a timing the ledger does not confirm shows."""
 
     def _times(self, plan: str) -> Fp8Times | None:
         return next((t for t in self.fp8 if t.plan == plan), None)
@@ -249,18 +255,19 @@ class Ledger:
             rows = rows[:top]
         lines = [
             "| site | GEMM | M x K x N | plan | high ms | FP8 GEMM ms | quant a ms | quant b ms "
-            "| FP8 total ms | speed-up as paid | quant / saved |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| FP8 total ms | speed-up as paid | Dispatch's speed-up | quant / saved |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             f = r.chosen or r.best
+            planned = "-" if r.planned_speedup is None else _x(r.planned_speedup)
             if f is None:
-                cells = ["-"] * 6
+                cells = ["-"] * 5 + [planned, "-"]
             else:
                 cells = [
                     f"{f.gemm_ms:.3f}", f"{f.quant_a_ms:.3f}", f"{f.quant_b_ms:.3f}",
                     f"{f.total_ms:.3f}", _x(r.high_ms / f.total_ms if f.total_ms > 0 else math.inf),
-                    _ratio(r.quant_over_saved),
+                    planned, _ratio(r.quant_over_saved),
                 ]
             lines.append(
                 f"| {r.site} | {r.role} | {'x'.join(map(str, r.shape))} | {r.plan} | "
@@ -286,7 +293,9 @@ class Ledger:
         lines.append(
             f"Timing: {self.timing} on {self.device}. The chosen plan's times are shown where the "
             "GEMM runs in FP8, the fastest candidate's otherwise; 'quant / saved': what quantizing "
-            "costs over what the FP8 GEMM saves (>= 1: FP8 cannot pay there)."
+            "costs over what the FP8 GEMM saves (>= 1: FP8 cannot pay there); 'Dispatch's "
+            "speed-up': the chosen FP8 plan's speed-up in the times Dispatch took when it chose it "
+            "(far from 'speed-up as paid': the plan rests on a timing this measurement does not confirm)."
         )
         lines += [f"- {n}" for n in self.notes]
         return "\n".join(lines)
@@ -395,6 +404,7 @@ def measure_ledger(
             LedgerRow(
                 site=g.site, role=g.role, shape=g.shape, plan=str(g.plan) if g.plan.is_fp8 else "high",
                 high_ms=cache[key_high], fp8=tuple(times), failures=tuple(failures),
+                planned_speedup=g.planned_speedup,
             )
         )
     timing = "cuda_graph" if device.type == "cuda" and timer is None else "host_clock"

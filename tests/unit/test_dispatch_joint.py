@@ -230,3 +230,6 @@ def test_planned_speedup_reads_the_times_taken_with_the_sites_reuse() -> None:
     assert d.planned_speedup("high", "forward") is None
     assert d.planned_speedup("untimed", "forward") is None
     assert d.timer.timings == taken  # read only: the report never benchmarks
+    # The ledger's rows carry it, next to their own measurement.
+    planned = {(g.site, g.role): g.planned_speedup for g in d.ledger_gemms()}
+    assert planned[("joint", "grad_weight")] == pytest.approx(2.0) and planned[("high", "forward")] is None

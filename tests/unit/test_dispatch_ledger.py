@@ -64,6 +64,20 @@ def test_prediction_from_a_planned_step_and_from_a_high_step():
     assert "as planned 1.25x" in md and "| s | forward | 8x8x8 | p | 4.000 |" in md
 
 
+def test_a_plan_taken_on_a_timing_the_ledger_does_not_confirm_shows():
+    """Dispatch chose the plan at 1.04x; the ledger measures it at 0.96x: both are in the row."""
+    fp8 = Fp8Times(plan="p", gemm_ms=0.7, quant_a_ms=0.2, quant_b_ms=0.14)  # 1.04 ms
+    row = LedgerRow(site="s", role="grad_weight", shape=(8, 8, 8), plan="p", high_ms=1.0, fp8=(fp8,),
+                    planned_speedup=1.04)
+    md = Ledger(rows=[row, _row("high", 1.0)], device="cpu", timing="custom").markdown()
+    assert "| 1.040 | 0.96x | 1.04x |" in md
+    assert "| high | 1.000 | - | - | - | - | - | - | - |" in md
+    assert row.to_dict()["planned_speedup"] == 1.04
+    gemm = LedgerGemm("s", "forward", (8, 8, 8), GemmPlan(), (), planned_speedup=1.2)
+    ledger = measure_ledger([gemm], device=CPU, timer=lambda run: 1.0)
+    assert ledger.rows[0].planned_speedup == 1.2  # carried from Dispatch into the row
+
+
 def test_reused_operands_follow_the_site_plan():
     tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated")
     rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
