@@ -33,7 +33,7 @@ if has sparse2d; then
   (timeout ${SPARSE2D_TEST_TIMEOUT:-120} python -m pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py -q -s \
       -p no:cacheprovider --basetemp=/tmp/mg2d; echo "rc=$?") > "$w/sparse2d_test.txt" 2>&1
   save
-  (timeout ${SPARSE2D_TIMEOUT:-120} python -m bench.sparse2d --out "$w/sparse2d"; echo "rc=$?") > "$w/sparse2d.txt" 2>&1
+  (timeout ${SPARSE2D_TIMEOUT:-200} python -m bench.sparse2d --out "$w/sparse2d"; echo "rc=$?") > "$w/sparse2d.txt" 2>&1
   save
 fi
 if has comm; then

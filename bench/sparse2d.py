@@ -12,7 +12,8 @@ Variants (same model, data and seeds; each a job under torchrun, 2 processes):
 
 Each job also reports the largest difference between the two ranks' embedding weights after
 its last sync (0 for the 2D variants). 26 tables x dim 128, 100k rows, batch 8192 per GPU,
-100 steps by default: about 20 s a variant on H100s.
+100 steps by default: on 2 x H100 the first two variants finished within 85 s, start-up included
+(`bench/results/multigpu_h100x2_2026-11-25/sparse2d.txt`).
 
 Run (2 GPUs):  python -m bench.sparse2d --out bench/results/sparse2d_<gpu>_<date>
 Dry run (CPU): python -m bench.sparse2d --dry-run --out /tmp/sparse2d   (the ``dmp`` variant
