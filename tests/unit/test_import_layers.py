@@ -41,8 +41,16 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "kernels": KERNELS_MAY_IMPORT,
     "dispatch": ("dispatch", "kernels", "utils"),
     "probe": ("probe", "kernels", "utils"),
+    "mods": ("mods", "kernels", "probe", "models", "utils"),
+    "comm": ("comm", "kernels", "utils"),
+    "runtime": ("runtime", "data", "models", "utils"),
 }
-"""Lower packages and the only packages of loka_train each may import."""
+"""Packages below the plugin and the only packages of loka_train each may import (the table
+of docs/architecture.md)."""
+
+PLUGIN_MAY_IMPORT_OF_RUNTIME = ("loka_train.runtime.callbacks", "loka_train.runtime.context",
+                                "loka_train.runtime.sparse2d")
+"""The runtime modules the plugin may import: the seam and the 2D-sparse helpers."""
 
 ImportGraph = Mapping[str, Iterable[tuple[str, int]]]
 """Module -> (imported loka_train module, line) for every import in its source."""
@@ -191,6 +199,18 @@ def test_runtime_imports_nothing_of_the_fp8_plugin() -> None:
 def test_lower_packages_import_nothing_above_them(package: str) -> None:
     bad = forbidden_imports(GRAPH, package, allowed=MAY_IMPORT[package])
     assert bad == [], f"{package}/ imports loka_train packages above it:\n" + "\n".join(bad)
+
+
+def test_the_plugin_takes_only_the_seam_of_the_runtime() -> None:
+    bad = [
+        f"{module}:{line} -> {target}"
+        for module, imports in GRAPH.items()
+        if _package(module) == "plugin"
+        for target, line in imports
+        if _package(target) == "runtime" and target not in PLUGIN_MAY_IMPORT_OF_RUNTIME
+    ]
+    assert bad == [], "plugin/ imports runtime internals:\n" + "\n".join(bad)
+    assert forbidden_imports(GRAPH, "plugin", forbidden=("job",)) == []
 
 
 def _sources(*packages: str) -> dict[str, str]:
