@@ -118,6 +118,11 @@ def run_report(
         "residual(s) dropped"
         for i, comp in enumerate(compressors) if comp.num_dropped_residuals
     ]
+    if probe_report.get("shadow_gemm_fallback"):
+        listed.append(
+            "probe: shadow GEMMs in fp32 instead of bf16 GEMMs with an fp32 result "
+            f"({probe_report['shadow_gemm_fallback']}): slower sampled steps, same statistics"
+        )
     listed += list(fallbacks)
     return {
         "device": d.device.type,

@@ -30,8 +30,7 @@ groups.
 Example:
     >>> import torch
     >>> from loka_train.probe.candidates import candidates_of
-    >>> from loka_train.kernels.roles import ROLES
-from loka_train.probe.config import ProbeConfig
+    >>> from loka_train.probe.config import ProbeConfig
     >>> from loka_train.probe.window import WindowLayout
     >>> cfg = ProbeConfig(formats=("e4m3",), scalings=("rowwise",))
     >>> m = Measurement(cfg, candidates_of(cfg), WindowLayout(1), device=torch.device("cpu"))
@@ -54,6 +53,7 @@ from torch import Tensor
 
 from loka_train.kernels.formats import (
     Fp8Format,
+    QTensor,
     Scaling,
     dequantize,
     quantize,
@@ -145,13 +145,50 @@ def _clean(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(finite, x32, 0.0), num_nonfinite
 
 
-def gemm(role: str, a: Tensor, b: Tensor) -> Tensor:
-    """The GEMM of ``role`` on 2-D operands (see the table of the module docstring)."""
-    if role == "forward":
-        return a @ b.T
-    if role == "grad_input":
-        return a @ b
-    return a.T @ b
+def gemm(role: str, a: Tensor, b: Tensor, *, out_dtype: torch.dtype | None = None) -> Tensor:
+    """The GEMM of ``role`` on 2-D operands (see the table of the module docstring); with
+    ``out_dtype``, ``torch.mm``'s accumulate-and-return in that dtype (CUDA)."""
+    x, y = (a, b.T) if role == "forward" else (a, b) if role == "grad_input" else (a.T, b)
+    if out_dtype is None:
+        return x @ y
+    return torch.mm(x, y, out_dtype=out_dtype)
+
+
+EXACT_IN_BF16 = (torch.bfloat16, torch.float16)
+"""Dtypes whose values bf16 holds exactly... except fp16's wider mantissa: only bf16 itself
+and the FP8 payloads qualify (see :func:`_bf16_exact`)."""
+
+
+def _bf16_exact(t: Tensor) -> bool:
+    """Whether every value of ``t`` is a bf16 value: bf16 itself and the FP8 formats (3 or 2
+    mantissa bits, exponents within bf16's)."""
+    return t.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def scaled_payload_gemm(role: str, qa: QTensor, qb: QTensor, mm: Callable[[str, Tensor, Tensor], Tensor]) -> Tensor:
+    """The GEMM of two tensor-wise or row-wise quantized operands as ``payload GEMM x row
+    scales x column scales``: both scalings put their scales on the non-contraction axis, so
+    they factor out of every dot product. ``mm(role, a, b)`` multiplies the payloads (FP8
+    values, exact in bf16: an accumulate-in-fp32 bf16 GEMM computes them exactly up to the
+    order of the sums).
+
+    Example:
+        >>> x, w = torch.randn(8, 16), torch.randn(4, 16)
+        >>> qa = quantize(x, Fp8Format.E4M3, Scaling.ROWWISE, axis=1)
+        >>> qb = quantize(w, Fp8Format.E4M3, Scaling.ROWWISE, axis=1)
+        >>> ref = gemm("forward", dequantize(qa), dequantize(qb))
+        >>> out = scaled_payload_gemm("forward", qa, qb, lambda r, a, b: gemm(r, a.float(), b.float()))
+        >>> bool(torch.allclose(out, ref, rtol=1e-5, atol=1e-6))
+        True
+    """
+    for q in (qa, qb):
+        if q.scaling not in (Scaling.TENSORWISE, Scaling.ROWWISE):
+            raise ValueError(f"scales factor out of the GEMM for tensor-wise and row-wise only, not {q.scaling}")
+    out = mm(role, qa.data, qb.data)
+    # Output rows follow operand a's non-contraction axis, columns operand b's.
+    rows = qa.scale.float().reshape(-1, 1) if qa.scale.numel() > 1 else qa.scale.float().reshape(())
+    cols = qb.scale.float().reshape(1, -1) if qb.scale.numel() > 1 else qb.scale.float().reshape(())
+    return out * rows * cols
 
 
 class Measurement:
@@ -181,6 +218,13 @@ class Measurement:
         """The measurement graphs (None off CUDA or with ``cuda_graphs=False``)."""
         if config.cuda_graphs and device.type == "cuda":
             self.graphs = CudaGraphs(self.measure_selected, max_graphs=config.max_cuda_graphs)
+        self.exact_bf16_gemms = device.type == "cuda"
+        """On CUDA, shadow GEMMs whose operands are all bf16 values (FP8 payloads; bf16
+        activations and gradients) run as bf16 GEMMs that accumulate and return fp32: the same
+        products and sums as fp32 GEMMs on tensor cores, instead of fp32 SIMT GEMMs, which make
+        most of a sampled step's cost. Off after a failure (``exact_gemm_fallback``)."""
+        self.exact_gemm_fallback: str | None = None
+        """Why the bf16-input GEMMs were turned off (logged once; the fp32 GEMMs run), or None."""
 
     def measure(
         self,
@@ -216,6 +260,22 @@ class Measurement:
         with torch.autocast(device_type=a.device.type, enabled=False):
             return self._measure_fp32(role, a, b, nf_a, nf_b, out_ref)
 
+    def _mm(self, role: str, a16: Tensor, b16: Tensor, a32: Tensor, b32: Tensor) -> Tensor:
+        """``gemm(role)`` of operands whose values are all bf16 values (``a16``/``b16`` in bf16,
+        ``a32``/``b32`` the same values in fp32): a bf16 GEMM accumulating and returning fp32
+        where :attr:`exact_bf16_gemms` holds, else the fp32 GEMM."""
+        if self.exact_bf16_gemms:
+            try:
+                return gemm(role, a16, b16, out_dtype=torch.float32)
+            except (RuntimeError, NotImplementedError, TypeError) as exc:
+                self.exact_gemm_fallback = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                self.exact_bf16_gemms = False
+                logger.warning(
+                    "probe: bf16 GEMMs with an fp32 result failed (%s); the shadow GEMMs run in "
+                    "fp32 from now on (slower sampled steps, same numbers)", self.exact_gemm_fallback,
+                )
+        return gemm(role, a32, b32)
+
     def _measure_fp32(
         self, role: str, a: Tensor, b: Tensor, nf_a: Tensor, nf_b: Tensor, out_ref: Tensor | None
     ) -> tuple[Tensor, Tensor]:
@@ -224,7 +284,10 @@ class Measurement:
         a_c, _ = _clean(a)
         b_c, _ = _clean(b)
         if out_ref is None:
-            ref = gemm(role, a_c, b_c)
+            if _bf16_exact(a) and _bf16_exact(b):
+                ref = self._mm(role, a_c.to(torch.bfloat16), b_c.to(torch.bfloat16), a_c, b_c)
+            else:
+                ref = gemm(role, a_c, b_c)
         else:
             ref, _ = _clean(out_ref.reshape(-1, out_ref.shape[-1]))
         dev = a_c.device
@@ -246,9 +309,9 @@ class Measurement:
             maxes[L.neg_row_min[o]] = -torch.where(row_amax_G > 0, row_amax_G, math.inf).amin()
         # Quantized operands and their counts, shared by candidates with the same (format,
         # scaling) for an operand (operand b of the backward GEMMs has one format).
-        cache: dict[tuple[str, Fp8Format, Scaling], tuple[Tensor, Tensor, Tensor]] = {}
+        cache: dict[tuple[str, Fp8Format, Scaling], tuple[QTensor, Tensor, Tensor]] = {}
 
-        def quantized(o: str, fmt: Fp8Format, scaling: Scaling) -> tuple[Tensor, Tensor, Tensor]:
+        def quantized(o: str, fmt: Fp8Format, scaling: Scaling) -> tuple[QTensor, Tensor, Tensor]:
             hit = cache.get((o, fmt, scaling))
             if hit is not None:
                 return hit
@@ -259,14 +322,22 @@ class Measurement:
             q = quantize(x, fmt, scaling, axis=axis, **kw)
             sat = saturation_fraction(x, fmt, scaling, axis=axis, scale=q.scale, **kw)
             und = underflow_fraction(x, fmt, scaling, axis=axis, scale=q.scale, **kw)
-            cache[(o, fmt, scaling)] = out = (dequantize(q), sat * x.numel(), und * nnz[o])
+            cache[(o, fmt, scaling)] = out = (q, sat * x.numel(), und * nnz[o])
             return out
 
         for c, cand in enumerate(self.candidates):
-            deq_a, sat_a, und_a = quantized("a", cand.fmt, cand.scaling)
+            q_a, sat_a, und_a = quantized("a", cand.fmt, cand.scaling)
             fmt_b = operand_b_format(role, cand.fmt, cfg.backward_fmt_b)
-            deq_b, sat_b, und_b = quantized("b", fmt_b, cand.scaling)
-            sums[L.error + c] = (ref - gemm(role, deq_a, deq_b)).square().sum()
+            q_b, sat_b, und_b = quantized("b", fmt_b, cand.scaling)
+            if self.exact_bf16_gemms and cand.scaling in (Scaling.TENSORWISE, Scaling.ROWWISE):
+                approx = scaled_payload_gemm(
+                    role, q_a, q_b,
+                    lambda r, pa, pb: self._mm(r, pa.to(torch.bfloat16), pb.to(torch.bfloat16),
+                                               pa.float(), pb.float()),
+                )
+            else:
+                approx = gemm(role, dequantize(q_a), dequantize(q_b))
+            sums[L.error + c] = (ref - approx).square().sum()
             sums[L.saturated["a"] + c], sums[L.underflow["a"] + c] = sat_a, und_a
             sums[L.saturated["b"] + c], sums[L.underflow["b"] + c] = sat_b, und_b
         assert all(t is not None for t in sums) and all(t is not None for t in maxes)

@@ -448,6 +448,8 @@ class Probe:
                 "eager_measurements": graphs.num_eager,
                 "disabled_reason": graphs.disabled_reason,
             },
+            # Why the shadow GEMMs fell back from bf16 GEMMs with an fp32 result to fp32 ones.
+            "shadow_gemm_fallback": self._measurement.exact_gemm_fallback,
             "history": list(self.history),
             "series": {k: [[s, jsonable(v)] for s, v in pts] for k, pts in self.series.items()},
         }

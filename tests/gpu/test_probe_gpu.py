@@ -51,3 +51,31 @@ def test_graph_replays_match_eager_statistics(rows: int) -> None:
         valid = e["valid"]
         for key in ("sqnr_db", "underflow_a", "saturation_a", "amax_a", "outlier_ratio_a", "amax_b"):
             torch.testing.assert_close(g[key][valid], e[key][valid], rtol=1e-5, atol=1e-6, msg=f"{role} {key}")
+
+
+@pytest.mark.parametrize("role", ["forward", "grad_input", "grad_weight"])
+def test_bf16_shadow_gemms_give_the_fp32_statistics(role: str) -> None:
+    """The shadow GEMMs as bf16 GEMMs returning fp32 (FP8 payloads and bf16 operands are bf16
+    values) against fp32 GEMMs on dequantized operands: same statistics, and no fallback."""
+    from loka_train.probe.candidates import candidates_of
+    from loka_train.probe.measurement import Measurement, count_nonfinite
+    from loka_train.probe.window import WindowLayout
+
+    cfg = ProbeConfig(formats=("e4m3", "e5m2"), scalings=("tensorwise", "rowwise"), cuda_graphs=False)
+    cands = candidates_of(cfg)
+    gen = torch.Generator("cuda").manual_seed(0)
+    m_, k, n = 1024, 2048, 1024
+    shapes = {"forward": ((m_, k), (n, k)), "grad_input": ((m_, n), (n, k)), "grad_weight": ((m_, n), (m_, k))}
+    sa, sb = shapes[role]
+    a = torch.randn(*sa, device="cuda", dtype=torch.bfloat16, generator=gen)
+    # A weight (forward, grad-input operand b) is fp32: its reference GEMM stays fp32.
+    b_dtype = torch.bfloat16 if role == "grad_weight" else torch.float32
+    b = torch.randn(*sb, device="cuda", generator=gen).to(b_dtype)
+    out = []
+    for fast in (True, False):
+        meas = Measurement(cfg, cands, WindowLayout(len(cands)), device=torch.device("cuda"))
+        meas.exact_bf16_gemms = fast
+        out.append(meas.measure(role, a, b, count_nonfinite(a), count_nonfinite(b), None, graphable=False))
+        assert meas.exact_gemm_fallback is None
+    for f, s in zip(*out):
+        torch.testing.assert_close(f, s, rtol=1e-4, atol=1e-6)
