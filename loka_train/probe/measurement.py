@@ -16,8 +16,10 @@ grad_weight     ``dy_MN`` (axis 0)      ``x_MK`` (axis 0)      ``dw_NK = dy.T @ 
 Shape legend: ``M`` rows (batch), ``K`` input features, ``N`` output features, ``G`` scaling
 groups.
 
-* **Shadow SQNR.** For each candidate (format, scaling) both operands are quantized and
-  dequantized with the reference quantizers and multiplied in fp32; the error energy
+* **Shadow SQNR.** For each candidate (format, scaling) both operands are quantized with the
+  reference quantizers and multiplied with fp32 products and sums: dequantized, in fp32, or on
+  CUDA, for tensor-wise and row-wise candidates, the FP8 payloads as a bf16 GEMM returning
+  fp32 with the scales applied after (:func:`scaled_payload_gemm`); the error energy
   ``sum((ref - fp8)**2)`` and the signal energy ``sum(ref**2)`` are stored, not the dB value
   (see :mod:`loka_train.probe.window` for why). Saturation and underflow are stored as counts
   (fraction times the element / non-zero count) for the same reason.
