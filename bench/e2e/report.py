@@ -134,13 +134,14 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             "",
             f"## Batch {batch} per GPU",
             "",
-            "| config | variant | step ms median [p10, p90] | samples/s | vs bf16 | eval NE | NE vs bf16 | FP8 | notes |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| config | variant | step ms median [p10, p90] | samples/s | vs bf16 | vs bf16 same settings: median, mean "
+            "| eval NE | NE vs bf16 | FP8 | notes |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             if r["status"] != "ok":
                 err = r.get("error", r["status"]).replace("|", "/").replace("\n", " ")
-                lines.append(f"| {r['config']} | {r['variant']} | {r['status']} | | | | | | {err[:200]} |")
+                lines.append(f"| {r['config']} | {r['variant']} | {r['status']} | | | | | | | {err[:200]} |")
                 continue
             notes = []
             if "repeats" in r:
@@ -173,6 +174,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             lines.append(
                 f"| {r['config']} | {r['variant']} | {r['step_ms_median']:.2f} [{r['step_ms_p10']:.2f}, "
                 f"{r['step_ms_p90']:.2f}] | {r['samples_per_s']:,.0f} | {fmt_x(r.get('speedup_vs_bf16'))} | "
+                f"{fmt_x(r.get('speedup_vs_same_settings'))}, {fmt_x(r.get('speedup_vs_same_settings_mean'))} | "
                 f"{r['eval_ne']:.5f} | {_ne_delta_cell(r)} | {_fp8_cell(r)} | "
                 f"{'; '.join(notes)} |"
             )

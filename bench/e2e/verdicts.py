@@ -47,6 +47,13 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
             del r[key]
         if r["status"] != "ok":
             continue
+        same = by.get((r["config"], r["batch"], same_settings_reference(r["variant"])))
+        if same is not None:
+            # The project's speed reference: bf16 with the same runtime settings (median
+            # step: the typical step; mean step: what throughput sees, slow steps included).
+            r["speedup_vs_same_settings"] = same["step_ms_median"] / r["step_ms_median"]
+            if r.get("step_ms_mean") and same.get("step_ms_mean"):
+                r["speedup_vs_same_settings_mean"] = same["step_ms_mean"] / r["step_ms_mean"]
         for ref, key in ((REFERENCE, "vs_bf16"), ("bf16+compile", "vs_bf16_compile"),
                          ("bf16+graphs", "vs_bf16_graphs"), ("bf16+compile+graphs", "vs_bf16_compile_graphs")):
             base = by.get((r["config"], r["batch"], ref))
@@ -64,6 +71,16 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                 if len(diffs) > 1:
                     r[f"ne_delta_rel_{key}"] = statistics.fmean(diffs)
                     r[f"ne_delta_rel_se_{key}"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def same_settings_reference(variant: str) -> str:
+    """The bf16 variant with ``variant``'s runtime settings: its ``+compile`` / ``+graphs``
+    suffixes (torchao variants are always compiled)."""
+    name, _, suffix = variant.partition("+")
+    settings = set(suffix.split("+")) if suffix else set()
+    if name.startswith("torchao"):
+        settings.add("compile")
+    return "bf16" + "".join(f"+{s}" for s in ("compile", "graphs") if s in settings)
 
 
 def seed_pairs(r: dict[str, Any], base: dict[str, Any], field: str) -> list[tuple[float, float]]:

@@ -458,3 +458,25 @@ def test_the_memory_section_compares_with_bf16_under_the_same_settings() -> None
             "| 2 steps: 28.00 ms, 12.50 GB |") in lines
     assert "| dcn | loka_safe | 4.20 | 8.40 | 1.05x | - | - |" in lines
     assert _memory_section([{**row("bf16", 1.0), "gpu_peak_reserved_gb": math.nan}]) == []
+
+
+def test_every_run_is_compared_with_bf16_under_its_own_settings() -> None:
+    from bench.e2e.verdicts import same_settings_reference
+
+    assert same_settings_reference("loka_safe+compile+graphs") == "bf16+compile+graphs"
+    assert same_settings_reference("loka_safe") == "bf16"
+    assert same_settings_reference("fp8_everywhere+graphs") == "bf16+graphs"
+    assert same_settings_reference("torchao_rowwise+graphs") == "bf16+compile+graphs"
+    assert same_settings_reference("torchao_tensorwise") == "bf16+compile"
+
+    def run(variant: str, median: float, mean: float) -> dict:
+        return {**_run(variant, 0, median, 0.7), "step_ms_mean": mean}
+
+    results = [run("bf16+compile+graphs", 30.0, 30.0), run("loka_aggressive+compile+graphs", 31.0, 33.6),
+               run("loka_safe+compile+graphs", 28.5, 28.8), run("loka_safe", 40.0, 40.0)]
+    add_ratios(results)
+    _, aggr, safe, eager = results
+    assert aggr["speedup_vs_same_settings"] == pytest.approx(30 / 31)
+    assert aggr["speedup_vs_same_settings_mean"] == pytest.approx(30 / 33.6)
+    assert safe["speedup_vs_same_settings"] == pytest.approx(30 / 28.5)
+    assert "speedup_vs_same_settings" not in eager  # no plain bf16 in this grid
