@@ -3,22 +3,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from torchrec.distributed import model_parallel as torchrec_model_parallel
 
-import launch.train  # noqa: F401  (registers the schema in the ConfigStore)
-from loka_train.job import JobConfig
 from loka_train.models import build as models_build
 from loka_train.runtime.config import TrainerConfig
 from loka_train.runtime.sparse2d import Sparse2DLayout, check_sparse2d, sync_due
+from tests.unit.test_config import _compose
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 NO_CHECKPOINTS = {"checkpoint_every": 0, "checkpoint_at_end": False, "resume": "never"}
 
 
@@ -155,14 +150,6 @@ def test_check_sparse2d_on_the_job() -> None:
                        world_size=4, device=torch.device("cuda", 0))
     with pytest.raises(ValueError, match="is the whole world"):
         check_sparse2d(cfg, world_size=2, device=torch.device("cuda", 0))
-
-
-def _compose(*overrides: str) -> JobConfig:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    job = OmegaConf.to_object(cfg)
-    assert isinstance(job, JobConfig)
-    return job
 
 
 def test_hydra_composes_the_new_keys() -> None:
