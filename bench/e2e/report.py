@@ -38,6 +38,7 @@ from bench.e2e.verdicts import (
     fmt_x,
     fp8_ceiling,
     ne_measured,
+    same_settings_reference,
 )
 
 
@@ -283,7 +284,9 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in sorted(ledger["rows"], key=lambda x: -x["high_ms"])[:LEDGER_ROWS]:
-            times = [f for f in row["fp8"] if f["plan"] == row["plan"]] or sorted(
+            # The chosen FP8 plan's times (none when its timing failed), the fastest candidate's
+            # for a GEMM in high precision.
+            times = [f for f in row["fp8"] if f["plan"] == row["plan"]] if row["plan"] != "high" else sorted(
                 row["fp8"], key=lambda f: f["gemm_ms"] + f["quant_a_ms"] + f["quant_b_ms"])[:1]
             if times:
                 f = times[0]
@@ -305,14 +308,13 @@ def _memory_section(rows: list[dict[str, Any]]) -> list[str]:
     with_peaks = [r for r in rows if r["status"] == "ok" and math.isfinite(r.get("gpu_peak_reserved_gb", math.nan))]
     if not with_peaks:
         return []
-    base = {(r["config"], r["variant"].removeprefix("bf16")): r for r in with_peaks if r["variant"].startswith("bf16")}
+    base = {(r["config"], r["variant"]): r for r in with_peaks if r["variant"].startswith("bf16")}
     out = ["", "### Peak GPU memory (per run, reset before it; variants share one process)", "",
            "| config | variant | peak allocated GB | peak reserved GB | reserved vs bf16 same settings "
            "| unsampled steps: median ms, peak allocated GB | sampled steps: median ms, peak allocated GB |",
            "|---|---|---|---|---|---|---|"]
     for r in with_peaks:
-        suffix = "+" + r["variant"].split("+", 1)[1] if "+" in r["variant"] else ""
-        b = base.get((r["config"], suffix))
+        b = base.get((r["config"], same_settings_reference(r["variant"])))
         ratio = fmt_x(r["gpu_peak_reserved_gb"] / b["gpu_peak_reserved_gb"]) if b else "-"
         out.append(f"| {r['config']} | {r['variant']} | {r['gpu_peak_allocated_gb']:.2f} | "
                    f"{r['gpu_peak_reserved_gb']:.2f} | {ratio} | {_by_sampling_cell(r, 'unsampled')} | "

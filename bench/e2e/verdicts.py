@@ -19,7 +19,7 @@ import math
 import statistics
 from typing import Any
 
-from bench.e2e.variants import LOKA_VARIANTS, REFERENCE, TORCHAO_VARIANTS
+from bench.e2e.variants import LOKA_VARIANTS, REFERENCE, SUFFIXES, TORCHAO_VARIANTS
 
 NE_TOLERANCE = 0.001
 """Issue 9: NE within 0.1% relative of BF16 (also the "equal NE" band against torchao)."""
@@ -74,13 +74,13 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
 
 
 def same_settings_reference(variant: str) -> str:
-    """The bf16 variant with ``variant``'s runtime settings: its ``+compile`` / ``+graphs``
-    suffixes (torchao variants are always compiled)."""
+    """The bf16 variant with ``variant``'s runtime settings: its ``+compile`` / ``+graphs`` /
+    ``+pageable`` suffixes (torchao variants are always compiled)."""
     name, _, suffix = variant.partition("+")
     settings = set(suffix.split("+")) if suffix else set()
     if name.startswith("torchao"):
         settings.add("compile")
-    return "bf16" + "".join(f"+{s}" for s in ("compile", "graphs") if s in settings)
+    return "bf16" + "".join(f"+{s}" for s in SUFFIXES if s in settings)
 
 
 def seed_pairs(r: dict[str, Any], base: dict[str, Any], field: str) -> list[tuple[float, float]]:

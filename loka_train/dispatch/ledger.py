@@ -259,7 +259,9 @@ class Ledger:
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            f = r.chosen or r.best
+            # An FP8 plan without a time of its own (its timing failed) shows none: another
+            # candidate's would sit next to Dispatch's speed-up for the chosen plan.
+            f = r.chosen if r.plan != "high" else r.best
             planned = "-" if r.planned_speedup is None else _x(r.planned_speedup)
             if f is None:
                 cells = ["-"] * 5 + [planned, "-"]

@@ -121,7 +121,7 @@ def run_report(
     if probe_report.get("shadow_gemm_fallback"):
         listed.append(
             "probe: shadow GEMMs in fp32 instead of bf16 GEMMs with an fp32 result "
-            f"({probe_report['shadow_gemm_fallback']}): slower sampled steps, same statistics"
+            f"({probe_report['shadow_gemm_fallback']}): slower sampled steps, statistics equal up to fp32 rounding"
         )
     listed += list(fallbacks)
     return {

@@ -156,11 +156,6 @@ def gemm(role: str, a: Tensor, b: Tensor, *, out_dtype: torch.dtype | None = Non
     return torch.mm(x, y, out_dtype=out_dtype)
 
 
-EXACT_IN_BF16 = (torch.bfloat16, torch.float16)
-"""Dtypes whose values bf16 holds exactly... except fp16's wider mantissa: only bf16 itself
-and the FP8 payloads qualify (see :func:`_bf16_exact`)."""
-
-
 def _bf16_exact(t: Tensor) -> bool:
     """Whether every value of ``t`` is a bf16 value: bf16 itself and the FP8 formats (3 or 2
     mantissa bits, exponents within bf16's)."""
@@ -171,8 +166,8 @@ def scaled_payload_gemm(role: str, qa: QTensor, qb: QTensor, mm: Callable[[str, 
     """The GEMM of two tensor-wise or row-wise quantized operands as ``payload GEMM x row
     scales x column scales``: both scalings put their scales on the non-contraction axis, so
     they factor out of every dot product. ``mm(role, a, b)`` multiplies the payloads (FP8
-    values, exact in bf16: an accumulate-in-fp32 bf16 GEMM computes them exactly up to the
-    order of the sums).
+    values, exact in bf16: a bf16 GEMM that accumulates in fp32 computes the fp32 GEMM's result
+    up to fp32 rounding).
 
     Example:
         >>> x, w = torch.randn(8, 16), torch.randn(4, 16)
@@ -222,9 +217,9 @@ class Measurement:
             self.graphs = CudaGraphs(self.measure_selected, max_graphs=config.max_cuda_graphs)
         self.exact_bf16_gemms = device.type == "cuda"
         """On CUDA, shadow GEMMs whose operands are all bf16 values (FP8 payloads; bf16
-        activations and gradients) run as bf16 GEMMs that accumulate and return fp32: the same
-        products and sums as fp32 GEMMs on tensor cores, instead of fp32 SIMT GEMMs, which make
-        most of a sampled step's cost. Off after a failure (``exact_gemm_fallback``)."""
+        activations and gradients) run as bf16 GEMMs that accumulate and return fp32: exact
+        products, sums equal to the fp32 GEMM's up to fp32 rounding, on tensor cores instead of
+        fp32 SIMT. Off after a failure (``exact_gemm_fallback``)."""
         self.exact_gemm_fallback: str | None = None
         """Why the bf16-input GEMMs were turned off (logged once; the fp32 GEMMs run), or None."""
 
@@ -262,21 +257,24 @@ class Measurement:
         with torch.autocast(device_type=a.device.type, enabled=False):
             return self._measure_fp32(role, a, b, nf_a, nf_b, out_ref)
 
-    def _mm(self, role: str, a16: Tensor, b16: Tensor, a32: Tensor, b32: Tensor) -> Tensor:
-        """``gemm(role)`` of operands whose values are all bf16 values (``a16``/``b16`` in bf16,
-        ``a32``/``b32`` the same values in fp32): a bf16 GEMM accumulating and returning fp32
-        where :attr:`exact_bf16_gemms` holds, else the fp32 GEMM."""
+    def _mm(self, role: str, a16: Tensor, b16: Tensor, fp32: Callable[[], Tensor]) -> Tensor:
+        """``gemm(role)`` of operands whose values are all bf16 values, given in bf16: a bf16
+        GEMM accumulating and returning fp32 where :attr:`exact_bf16_gemms` holds, else
+        ``fp32()``, the fp32 GEMM of the same values (built only then)."""
         if self.exact_bf16_gemms:
             try:
                 return gemm(role, a16, b16, out_dtype=torch.float32)
+            except torch.OutOfMemoryError:
+                raise  # not a missing GEMM: the fp32 one would need more memory still
             except (RuntimeError, NotImplementedError, TypeError) as exc:
                 self.exact_gemm_fallback = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 self.exact_bf16_gemms = False
                 logger.warning(
                     "probe: bf16 GEMMs with an fp32 result failed (%s); the shadow GEMMs run in "
-                    "fp32 from now on (slower sampled steps, same numbers)", self.exact_gemm_fallback,
+                    "fp32 from now on (slower sampled steps; statistics equal up to fp32 rounding)",
+                    self.exact_gemm_fallback,
                 )
-        return gemm(role, a32, b32)
+        return fp32()
 
     def _measure_fp32(
         self, role: str, a: Tensor, b: Tensor, nf_a: Tensor, nf_b: Tensor, out_ref: Tensor | None
@@ -287,7 +285,7 @@ class Measurement:
         b_c, _ = _clean(b)
         if out_ref is None:
             if _bf16_exact(a) and _bf16_exact(b):
-                ref = self._mm(role, a_c.to(torch.bfloat16), b_c.to(torch.bfloat16), a_c, b_c)
+                ref = self._mm(role, a_c.to(torch.bfloat16), b_c.to(torch.bfloat16), lambda: gemm(role, a_c, b_c))
             else:
                 ref = gemm(role, a_c, b_c)
         else:
@@ -327,6 +325,15 @@ class Measurement:
             cache[(o, fmt, scaling)] = out = (q, sat * x.numel(), und * nnz[o])
             return out
 
+        # bf16 copies of the FP8 payloads, once per payload (candidates share operand b).
+        payload16: dict[int, Tensor] = {}
+
+        def as_bf16(payload: Tensor) -> Tensor:
+            out = payload16.get(id(payload))
+            if out is None:
+                out = payload16[id(payload)] = payload.to(torch.bfloat16)
+            return out
+
         for c, cand in enumerate(self.candidates):
             q_a, sat_a, und_a = quantized("a", cand.fmt, cand.scaling)
             fmt_b = operand_b_format(role, cand.fmt, cfg.backward_fmt_b)
@@ -334,8 +341,8 @@ class Measurement:
             if self.exact_bf16_gemms and cand.scaling in (Scaling.TENSORWISE, Scaling.ROWWISE):
                 approx = scaled_payload_gemm(
                     role, q_a, q_b,
-                    lambda r, pa, pb: self._mm(r, pa.to(torch.bfloat16), pb.to(torch.bfloat16),
-                                               pa.float(), pb.float()),
+                    lambda r, pa, pb: self._mm(r, as_bf16(pa), as_bf16(pb),
+                                               lambda: gemm(r, pa.float(), pb.float())),
                 )
             else:
                 approx = gemm(role, dequantize(q_a), dequantize(q_b))

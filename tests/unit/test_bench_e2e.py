@@ -457,6 +457,9 @@ def test_the_memory_section_compares_with_bf16_under_the_same_settings() -> None
     assert ("| dcn | loka_safe+compile+graphs | 6.50 | 13.00 | 1.30x | 58 steps: 9.50 ms, 6.00 GB "
             "| 2 steps: 28.00 ms, 12.50 GB |") in lines
     assert "| dcn | loka_safe | 4.20 | 8.40 | 1.05x | - | - |" in lines
+    # A torchao variant is compiled: its reference is bf16+compile, not eager bf16.
+    torchao = _memory_section([row("bf16", 8.0), row("bf16+compile", 10.0), row("torchao_rowwise", 12.0)])
+    assert "| dcn | torchao_rowwise | 6.00 | 12.00 | 1.20x | - | - |" in torchao
     assert _memory_section([{**row("bf16", 1.0), "gpu_peak_reserved_gb": math.nan}]) == []
 
 
@@ -468,6 +471,7 @@ def test_every_run_is_compared_with_bf16_under_its_own_settings() -> None:
     assert same_settings_reference("fp8_everywhere+graphs") == "bf16+graphs"
     assert same_settings_reference("torchao_rowwise+graphs") == "bf16+compile+graphs"
     assert same_settings_reference("torchao_tensorwise") == "bf16+compile"
+    assert same_settings_reference("loka_safe+pageable") == "bf16+pageable"
 
     def run(variant: str, median: float, mean: float) -> dict:
         return {**_run(variant, 0, median, 0.7), "step_ms_mean": mean}

@@ -73,6 +73,12 @@ def test_a_plan_taken_on_a_timing_the_ledger_does_not_confirm_shows():
     assert "| 1.040 | 0.96x | 1.04x |" in md
     assert "| high | 1.000 | - | - | - | - | - | - | - |" in md
     assert row.to_dict()["planned_speedup"] == 1.04
+    # The chosen plan's timing failed: no other candidate's speed-up stands next to Dispatch's.
+    failed = LedgerRow(site="s", role="forward", shape=(8, 8, 8), plan="p", high_ms=1.0,
+                       fp8=(Fp8Times(plan="q", gemm_ms=0.5, quant_a_ms=0.1, quant_b_ms=0.1),),
+                       failures=("p: RuntimeError: boom",), planned_speedup=1.3)
+    md = Ledger(rows=[failed], device="cpu", timing="custom").markdown()
+    assert "| p | 1.000 | - | - | - | - | - | 1.30x | - |" in md
     gemm = LedgerGemm("s", "forward", (8, 8, 8), GemmPlan(), (), planned_speedup=1.2)
     ledger = measure_ledger([gemm], device=CPU, timer=lambda run: 1.0)
     assert ledger.rows[0].planned_speedup == 1.2  # carried from Dispatch into the row

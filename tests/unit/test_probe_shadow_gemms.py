@@ -108,3 +108,20 @@ def test_the_probe_report_names_the_fallback() -> None:
     probe.begin_step(0)
     probe.observe("s", "grad_weight", torch.randn(32, 16).bfloat16(), torch.randn(32, 24).bfloat16())
     assert "NotImplementedError" in probe.report()["shadow_gemm_fallback"]
+
+
+def test_out_of_memory_is_not_taken_for_a_missing_gemm(monkeypatch) -> None:
+    real = measurement.gemm
+
+    def oom(role: str, a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None):
+        if out_dtype is not None:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(role, a, b)
+
+    monkeypatch.setattr(measurement, "gemm", oom)
+    cfg = ProbeConfig(formats=("e4m3",), scalings=("rowwise",))
+    m = Measurement(cfg, candidates_of(cfg), WindowLayout(1), device=torch.device("cpu"))
+    m.exact_bf16_gemms = True
+    with pytest.raises(torch.OutOfMemoryError):
+        _measure(m, "grad_weight")
+    assert m.exact_bf16_gemms and m.exact_gemm_fallback is None
