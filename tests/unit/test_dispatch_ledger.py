@@ -84,18 +84,6 @@ def test_a_plan_taken_on_a_timing_the_ledger_does_not_confirm_shows():
     assert ledger.rows[0].planned_speedup == 1.2  # carried from Dispatch into the row
 
 
-def test_reused_operands_follow_the_site_plan():
-    tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated")
-    rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
-    assert reused_operands("forward", tw.forward, tw) == (False, False)
-    assert reused_operands("grad_input", tw.grad_input, tw) == (False, True)
-    assert reused_operands("grad_weight", tw.grad_weight, tw) == (True, True)
-    assert reused_operands("grad_weight", rw.grad_weight, rw) == (False, False)
-    # The forward in high precision quantizes no x or W to reuse.
-    mixed = LinearPlan(grad_input=tw.grad_input, grad_weight=tw.grad_weight)
-    assert reused_operands("grad_weight", mixed.grad_weight, mixed) == (True, False)
-
-
 def _emulated(scaling: Scaling) -> LinearPlan:
     return LinearPlan.fp8(scaling=scaling, backend="emulated")
 
