@@ -311,10 +311,14 @@ class Dispatcher:
                 out.append(LedgerGemm(
                     site=site, role=role, shape=shape, plan=getattr(plan, role),
                     candidates=tuple(self._candidates(site, role, shape)),
-                    site_plan=plan if site in self._shares_operands else None,
+                    site_plan=self._joint_plan(site),
                     planned_speedup=self.planned_speedup(site, role),
                 ))
         return out
+
+    def _joint_plan(self, site: str) -> LinearPlan | None:
+        """The site's plan where its GEMMs are planned together (they share operands), else None."""
+        return self.plans[site] if site in self._shares_operands else None
 
     def planned_speedup(self, site: str, role: str) -> float | None:
         """High-precision time over the planned FP8 GEMM's, as Dispatch timed them (the FP8
@@ -326,11 +330,7 @@ class Dispatcher:
         if shape is None or not plan.is_fp8:
             return None
         timings = self.timer.timings
-        reuse = (
-            planning.reused_operands(role, plan, self.plans[site])
-            if site in self._shares_operands
-            else (False, False)
-        )
+        reuse = planning.site_reuse(role, plan, self._joint_plan(site))
         t_high = timings.get(timing_key(role, shape, None))
         t_fp8 = timings.get(timing_key(role, shape, plan, reuse))
         if t_high is None or t_fp8 is None or not (t_fp8 > 0 and math.isfinite(t_fp8)):

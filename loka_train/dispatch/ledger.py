@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loka_train.dispatch.planning import gemm_problem, padded, reused_operands
+from loka_train.dispatch.planning import gemm_problem, padded, site_reuse
 from loka_train.dispatch.timing import GemmTimer, reused_payload, role_operands
 from loka_train.kernels.formats import QTensor
 from loka_train.kernels.gemm import GemmProblem
@@ -318,10 +318,6 @@ Timer = Callable[[Callable[[], object]], float]
 """``timer(run) -> milliseconds`` of one ``run()``."""
 
 
-def _reused(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple[bool, bool]:
-    return (False, False) if site_plan is None else reused_operands(role, plan, site_plan)
-
-
 def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer) -> Fp8Times:
     """As the site runs it (``GemmTimer.measure_once``): a shape the backend refuses zero-padded
     to multiples of 16 (the padding copies are not in these columns), a reused operand the
@@ -331,7 +327,7 @@ def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Ti
     if not get_backend(plan.backend).supports(problem)[0]:
         shape = padded(shape, 16)
     a, b, b_is_weight, out_dtype = role_operands(gemm.role, shape, device=device)
-    reuse_a, reuse_b = _reused(gemm.role, plan, gemm.site_plan)
+    reuse_a, reuse_b = site_reuse(gemm.role, plan, gemm.site_plan)
 
     def quant_a() -> QTensor:
         return quantize_operand(a, plan.fmt, plan, is_weight=False)
@@ -391,7 +387,7 @@ def measure_ledger(
         times: list[Fp8Times] = []
         failures: list[str] = []
         for plan in candidates:
-            key = (str(plan), g.role, g.shape, _reused(g.role, plan, g.site_plan))
+            key = (str(plan), g.role, g.shape, site_reuse(g.role, plan, g.site_plan))
             if key not in cache:
                 try:
                     cache[key] = _fp8_times(g, plan, device, time_ms)

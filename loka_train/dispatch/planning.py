@@ -438,6 +438,12 @@ def reused_operands(role: str, plan: GemmPlan, site_plan: LinearPlan) -> tuple[b
     return False, False
 
 
+def site_reuse(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple[bool, bool]:
+    """:func:`reused_operands` for a site planned jointly (``site_plan`` given), nothing
+    reused otherwise (a site whose GEMMs do not share operands, ``site_plan=None``)."""
+    return (False, False) if site_plan is None else reused_operands(role, plan, site_plan)
+
+
 SiteTime = Callable[[str, GemmPlan | None, tuple[bool, bool]], float]
 """``time(role, plan or None for high precision, reused operands) -> seconds`` of one GEMM."""
 
