@@ -5,8 +5,10 @@
 #   source .device/activate.sh && bash bench/device_x2.sh "$OUT" [PART...]
 # PARTS: multigpu sparse2d comm dispatch probe (default: multigpu comm dispatch probe; dispatch and probe run side by side, one per GPU);
 # fp8_pays: bench.e2e LoKA against bf16 + compile + graphs, one list of runs per GPU, side by side
-# (E2E_GPU0, E2E_GPU1: runs as config:batch:seconds[:variants]; E2E_VARIANTS; each run its own
-# process, folder and half of the host's cores); scaling: bench.scaling, weak scaling on 1 and 2 GPUs
+# (E2E_GPU0, E2E_GPU1: runs as config:batch:seconds[:variants[:args]], args comma-separated
+# like --repeats=3; E2E_VARIANTS; E2E_PROFILE: the
+# profiled variants; E2E_EXTRA: more bench.e2e arguments, e.g. "--repeats 3"; E2E_PYPROFILE=1 adds
+# a cProfile of the profiled steps; each run its own process, folder and half of the host's cores); scaling: bench.scaling, weak scaling on 1 and 2 GPUs
 # (both GPUs, before the side-by-side parts; SCALING_ARGS, SCALING_TIMEOUT).
 # $OUT returns at most 8 files: everything goes into x2.tgz, rewritten after every part, so a
 # call killed by its time limit still returns the parts it finished.
@@ -62,14 +64,15 @@ if has fp8_pays; then
   ncpu=$(nproc); half=$((ncpu / 2)); thr=$((half / 2 > 0 ? half / 2 : 1))
   fp8_pays() {  # GPU, cpus, runs as config:batch:seconds[:variants]
     for run in $3; do
-      IFS=: read -r cfg b secs only <<< "$run"
+      IFS=: read -r cfg b secs only extra <<< "$run"
       # A run naming its variants runs them alone (its own process: the memory figure).
       variants=${only:-${E2E_VARIANTS:-bf16+compile+graphs,loka_aggressive+compile+graphs,loka_safe+compile+graphs}}
       tag=${cfg}_b$b${only:+_$(echo "$only" | tr ',+' '__')}
       (CUDA_VISIBLE_DEVICES=$1 OMP_NUM_THREADS=$thr TORCHINDUCTOR_COMPILE_THREADS=$thr \
           timeout $secs taskset -c $2 python -m bench.e2e --configs $cfg --batches $b \
-          --ne-steps 0 --steps 60 --profile-steps 5 --ledger \
-          --profile-variants bf16+compile+graphs,loka_aggressive+compile+graphs \
+          --ne-steps 0 --steps 60 --profile-steps 5 --ledger ${E2E_EXTRA:-} ${extra//,/ } \
+          ${E2E_PYPROFILE:+--pyprofile $w/fp8_pays_$tag/py} \
+          --profile-variants ${E2E_PROFILE:-bf16+compile+graphs,loka_aggressive+compile+graphs} \
           --variants $variants --out $w/fp8_pays_$tag; echo "rc=$?") > $w/fp8_pays_$tag.txt 2>&1
       save
     done

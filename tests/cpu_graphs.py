@@ -6,13 +6,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loka_train.runtime.graph_capture import PoolShare
+
 
 class CpuGraphs:
     """The static-buffer protocol of `_Replay` with "graphs" that compute y = x * w on the CPU."""
 
     def __init__(self, w: nn.Parameter, *, shared_outputs: bool = False) -> None:
         self.params = (w,)
-        self.generation = 0
+        self.share = PoolShare()
+        self.fwd_hooks = self.bwd_hooks = ()
         self.shared_outputs = shared_outputs
         self.static_inputs = (torch.zeros(3),)
         self.static_outputs = (torch.zeros(3),)

@@ -161,6 +161,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 g = r["cuda_graphs"]
                 eager = ", ".join(f"{k} {v}" for k, v in g["eager"].items())
                 notes.append(f"graphs: {g['captures']} captures, {g['replays']} replays"
+                             + (f" + {g['requested_replays']} of sampled steps" if g.get("requested_replays") else "")
                              + (f", eager calls: {eager}" if eager else ""))
             if r.get("loka", {}).get("guard_trips"):
                 notes.append(f"guard trips {r['loka']['guard_trips']}")
@@ -412,7 +413,7 @@ def report_data(
         "variants": {v.name: {"description": v.description, "loka": v.loka,
                               "loka_overrides": list(v.loka_overrides), "compile": v.compile,
                               "graphs": v.graphs, "torchao": v.torchao, "decide": v.decide,
-                              "pageable": v.pageable} for v in variants},
+                              "pageable": v.pageable, "eager_sampled": v.eager_sampled} for v in variants},
         "results": runs.results,
         "runs": runs.raw if args.repeats > 1 else [],
         "ne_bases": runs.bases,

@@ -19,7 +19,7 @@ import math
 import statistics
 from typing import Any
 
-from bench.e2e.variants import LOKA_VARIANTS, REFERENCE, SUFFIXES, TORCHAO_VARIANTS
+from bench.e2e.variants import LOKA_VARIANTS, REFERENCE, REFERENCE_SUFFIXES, TORCHAO_VARIANTS
 
 NE_TOLERANCE = 0.001
 """Issue 9: NE within 0.1% relative of BF16 (also the "equal NE" band against torchao)."""
@@ -80,7 +80,7 @@ def same_settings_reference(variant: str) -> str:
     settings = set(suffix.split("+")) if suffix else set()
     if name.startswith("torchao"):
         settings.add("compile")
-    return "bf16" + "".join(f"+{s}" for s in SUFFIXES if s in settings)
+    return "bf16" + "".join(f"+{s}" for s in REFERENCE_SUFFIXES if s in settings)
 
 
 def seed_pairs(r: dict[str, Any], base: dict[str, Any], field: str) -> list[tuple[float, float]]:

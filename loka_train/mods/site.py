@@ -198,10 +198,11 @@ class Site(nn.Module):
         if on != self.sampling:
             self.sampling = on
 
-    def forward_key(self) -> LinearPlan:
-        """What, besides the parameters and inputs, decides what the forward computes: the plan.
-        A loop that captures or compiles the forward runs it again (re-captures) when it changes."""
-        return self.plan
+    def forward_key(self) -> tuple[LinearPlan, bool]:
+        """What, besides the parameters and inputs, decides what the forward does: the plan, and
+        whether it reports to the observer (``sampling``). A loop that captures the forward
+        captures it again (or takes the capture it keeps for that key) when it changes."""
+        return self.plan, self.sampling
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
         # Not in compiled code: a module attribute written there is a guard that fails on the

@@ -74,6 +74,11 @@ class LokaCallback(Callback):
             ``enabled=False`` the callback does nothing at all.
     """
 
+    replayable_requests = True
+    """The Probe's work inside a sampled site defers its host part (writing the sample into
+    its window slot) to replays: with ``trainer.cuda_graphs`` a sampled step replays a capture
+    of the sampled modules' uncompiled forwards instead of running them eagerly."""
+
     def __init__(self, config: LokaConfig) -> None:
         self.config = config
         self.sites: dict[str, Any] = {}

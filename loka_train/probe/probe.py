@@ -49,6 +49,7 @@ from loka_train.probe.measurement import Measurement, operands_2d
 from loka_train.probe.sampling import Sampler, select
 from loka_train.probe.verdicts import KeyState, Verdict, VerdictKey, jsonable, judge, unjudged
 from loka_train.probe.window import Window
+from loka_train.utils import capture
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +261,18 @@ class Probe:
         with torch.no_grad(), record_function("loka/probe/observe"):
             # The full operands are read here (counts, peak rows); the measurement gets the rows.
             selection = select(role, a2, b2, out_ref, self.config.max_rows)
-            vec_sum, vec_max = self._measurement.measure(role, *selection, graphable=out_ref is None)
-            self._window.record(idx, ROLE_INDEX[role], vec_sum, vec_max, step)
+            # Inside a capture of the sampled module (``trainer.cuda_graphs``): no nested graph,
+            # and the sample is written into its window slot after every replay, at the step
+            # current then (the measured vectors live at fixed addresses in the capture).
+            deferred = capture.deferring()
+            vec_sum, vec_max = self._measurement.measure(
+                role, *selection, graphable=out_ref is None and not deferred
+            )
+            if deferred:
+                r = ROLE_INDEX[role]
+                capture.after_replay(lambda: self._window.record(idx, r, vec_sum, vec_max, self.step))
+            else:
+                self._window.record(idx, ROLE_INDEX[role], vec_sum, vec_max, step)
 
     # ------------------------------------------------------------------ reduction
 

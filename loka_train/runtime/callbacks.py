@@ -66,6 +66,13 @@ class Callback:
         """
         return ()
 
+    replayable_requests: bool = False
+    """Whether the host work this callback does inside the modules of `eager_modules` goes
+    through :func:`loka_train.utils.capture.after_replay` (and does nothing a CUDA graph capture
+    forbids), so that a loop with ``trainer.cuda_graphs`` may capture those modules' uncompiled
+    forwards and replay them on the requested steps instead of running them eagerly. Default:
+    False."""
+
     def on_after_backward(self, trainer: Trainer, step: int) -> None:
         """Gradients of step `step` are ready; the dense optimizer has not stepped yet.
 
@@ -138,7 +145,19 @@ class CallbackList:
 
     def eager_modules(self, trainer: Trainer, step: int) -> list[nn.Module]:
         """Every callback's `eager_modules` for `step`, together."""
-        return [m for cb in self.callbacks for m in cb.eager_modules(trainer, step)]
+        return self.requests(trainer, step)[0]
+
+    def requests(self, trainer: Trainer, step: int) -> tuple[list[nn.Module], bool]:
+        """Every callback's `eager_modules` for `step`, and whether all of them may be replayed
+        (every callback that named a module has `replayable_requests`)."""
+        modules: list[nn.Module] = []
+        replayable = True
+        for cb in self.callbacks:
+            named = list(cb.eager_modules(trainer, step))
+            if named:
+                modules.extend(named)
+                replayable = replayable and cb.replayable_requests
+        return modules, replayable
 
     def state_dict(self) -> dict[str, Any]:
         return {cb.name: cb.state_dict() for cb in self.callbacks}

@@ -1,8 +1,10 @@
 """Which dense submodules run eagerly on the current step, and what keys a module's forward.
 
 A loop that compiles or graphs its dense submodules (``trainer.compile_dense``,
-``trainer.cuda_graphs``) runs a submodule's uncompiled, unreplayed forward on the steps where a
-callback does host work inside it that compiled code or a replay would skip. The callbacks
+``trainer.cuda_graphs``) runs a submodule's uncompiled forward on the steps where a callback does
+host work inside it that compiled code or a replay would skip; unreplayed, unless every
+requesting callback defers that host work to replays (``replayable``; the graphs then capture
+and replay the uncompiled forward as its own variant). The callbacks
 name those modules once per step (:meth:`Callback.eager_modules
 <loka_train.runtime.callbacks.Callback.eager_modules>`); :class:`EagerSteps` turns that into one
 answer per watched submodule, which :class:`~loka_train.runtime.graphs.DenseGraphs` and the
@@ -56,14 +58,20 @@ class EagerSteps:
     def __init__(self) -> None:
         self._members: dict[nn.Module, frozenset[nn.Module]] = {}
         self._eager: frozenset[nn.Module] = frozenset()
+        self.replayable = False
+        """Whether the current step's requests allow a graphed loop to capture and replay the
+        requested modules' uncompiled forwards (the requesting callbacks defer their host work
+        to replays: :func:`loka_train.utils.capture.after_replay`)."""
 
     def watch(self, module: nn.Module) -> None:
         """Answer :meth:`runs_eagerly` for `module` from the next :meth:`begin_step` on."""
         self._members[module] = frozenset(module.modules())
 
-    def begin_step(self, requested: Iterable[nn.Module]) -> None:
+    def begin_step(self, requested: Iterable[nn.Module], *, replayable: bool = False) -> None:
         """The modules that must run eagerly on the step about to run (the callbacks'
-        ``eager_modules``)."""
+        ``eager_modules``), and whether their uncompiled forwards may be replayed
+        (``replayable``: every requesting callback defers its host work to replays)."""
+        self.replayable = replayable
         wanted = set(requested)
         self._eager = frozenset(
             module for module, members in self._members.items() if not members.isdisjoint(wanted)

@@ -20,9 +20,40 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from loka_train.utils.capture import reset_capture_state
+from loka_train.utils.capture import ReplayHook, replay_hooks, reset_capture_state
 
-__all__ = ["CaptureFn", "Graphed", "capture_cuda_graphs", "flatten_output", "unflatten_output"]
+__all__ = ["CaptureFn", "Graphed", "PoolShare", "capture_cuda_graphs", "flatten_output", "unflatten_output"]
+
+
+class PoolShare:
+    """One memory pool for the captures of one module (its variants: another plan, the steps
+    a callback requests uncompiled), and the order check that sharing it needs.
+
+    A later capture into the pool may take memory that an earlier one uses only inside its
+    replays (temporaries, the activations its backward reads), which is safe while the
+    captures never interleave: each forward replay of the module is followed by the backward
+    of that same replay. ``generation`` counts the module's forward replays, of every variant;
+    a backward whose forward is not the latest one raises instead of reading overwritten
+    activations. So a sampled step's variant costs the memory of its own static buffers (and
+    of whatever it needs beyond the other variants), not a second set of activations.
+    """
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self.generation = 0
+        """Forward replays of the module so far (every variant)."""
+
+    @property
+    def handle(self) -> Any:
+        """The CUDA graph pool handle (made on first use: it needs a CUDA device)."""
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+
+def _run_hooks(hooks: tuple[ReplayHook, ...]) -> None:
+    for hook in hooks:
+        hook()
 
 
 class Graphed(Protocol):
@@ -46,7 +77,7 @@ class Graphed(Protocol):
 
 
 CaptureFn = Callable[..., Graphed]
-"""``capture(run, sample_inputs, params, *, shared_outputs, chained) -> Graphed`` (the arguments
+"""``capture(run, sample_inputs, params, *, shared_outputs, chained, share) -> Graphed`` (the arguments
 of :func:`capture_cuda_graphs`): ``run(param_values, *flat_inputs)`` calls the module's forward
 (compiled when :class:`DenseGraphs` got ``compile``) with `param_values` in place of `params`
 (same order); gradients flow to the inputs that require grad and to the parameters."""
@@ -73,8 +104,8 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, graphs: _CudaGraphed, *inputs_and_params: Tensor) -> tuple[Tensor, ...]:
-        graphs.generation += 1
-        ctx.graphs, ctx.generation = graphs, graphs.generation
+        graphs.share.generation += 1
+        ctx.graphs, ctx.generation = graphs, graphs.share.generation
         inputs = inputs_and_params[: len(graphs.static_inputs)]
         # A gradient that may become a leaf's .grad (directly or through views) gets a copy of
         # the static buffer; an inner node's gradient is consumed within this backward.
@@ -83,6 +114,7 @@ class _Replay(torch.autograd.Function):
             if static.data_ptr() != given.data_ptr():  # equal: chained to a producer's output
                 static.copy_(given)
         graphs.fwd.replay()
+        _run_hooks(graphs.fwd_hooks)
         # Shared outputs are the static buffers themselves (valid until this module's next
         # training forward); fresh ones are copies the caller may keep.
         outs = tuple(o.detach() if graphs.shared_outputs else o.clone() for o in graphs.static_outputs)
@@ -96,8 +128,9 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         graphs: _CudaGraphed = ctx.graphs
-        if ctx.generation != graphs.generation:
-            # The activations this backward needs were overwritten by a later replay.
+        if ctx.generation != graphs.share.generation:
+            # The activations this backward needs were overwritten by a later replay (of this
+            # capture, or of another one sharing its pool).
             raise RuntimeError(
                 "cuda_graphs: a graphed module ran its forward again before the backward of an "
                 "earlier forward; graphed modules take one forward, then its backward. Call the "
@@ -116,6 +149,7 @@ class _Replay(torch.autograd.Function):
             elif static.data_ptr() != g.data_ptr():
                 static.copy_(g)
         graphs.bwd.replay()
+        _run_hooks(graphs.bwd_hooks)
         num_inputs = len(graphs.static_inputs)
         result: list[Tensor | None] = [None] * (num_inputs + len(graphs.params))
         for index, grad in zip(graphs.grad_targets, graphs.static_grads):
@@ -185,10 +219,16 @@ class _CudaGraphed:
         warmup_iters: int,
         shared_outputs: bool = False,
         chained: tuple[bool, ...] = (),
+        share: PoolShare | None = None,
     ) -> None:
         self.params = params
-        self.generation = 0
-        """Forward replays so far; a backward checks that no later replay overwrote its state."""
+        self.share = PoolShare() if share is None else share
+        """The pool and the replay count this capture shares with the module's other captures."""
+        self.fwd_hooks: tuple[ReplayHook, ...] = ()
+        """Host work that code inside the forward capture deferred to every replay
+        (:func:`loka_train.utils.capture.after_replay`), run after each forward replay."""
+        self.bwd_hooks: tuple[ReplayHook, ...] = ()
+        """Likewise for the backward capture."""
         self.shared_outputs = shared_outputs
         """Replays return the static output buffers themselves, not copies (see `capture_cuda_graphs`)."""
         chained = chained or (False,) * len(inputs)
@@ -212,7 +252,8 @@ class _CudaGraphed:
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
         try:
-            with torch.cuda.stream(stream):
+            # Warm-up runs are not steps: host work deferred inside them is dropped.
+            with torch.cuda.stream(stream), replay_hooks(keep=False):
                 for _ in range(warmup_iters):
                     ins, ps, targets = leaves()
                     outs = [o for o in flatten_output(run(tuple(ps), *ins))[0] if o.requires_grad]
@@ -220,9 +261,11 @@ class _CudaGraphed:
                         torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs],
                                             allow_unused=True)
                     del outs
-            self.pool = torch.cuda.graph_pool_handle()
+            self.pool = self.share.handle
             self.fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.fwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            with replay_hooks() as fwd_hooks, torch.cuda.graph(
+                self.fwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 ins, ps, targets = leaves()
                 flat_out, spec = flatten_output(run(tuple(ps), *ins))
             self.static_outputs = tuple(flat_out)
@@ -230,11 +273,14 @@ class _CudaGraphed:
             diff_outs = [o for o in flat_out if o.requires_grad]
             self.static_grad_outputs = tuple(torch.empty_like(o) for o in diff_outs)
             self.bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.bwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            with replay_hooks() as bwd_hooks, torch.cuda.graph(
+                self.bwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 grads = torch.autograd.grad(
                     diff_outs, targets, self.static_grad_outputs, allow_unused=True
                 ) if diff_outs and targets else ()
             self.static_grads = tuple(grads)
+            self.fwd_hooks, self.bwd_hooks = tuple(fwd_hooks), tuple(bwd_hooks)
         except BaseException:
             reset_capture_state()
             raise
@@ -254,6 +300,7 @@ class _CudaGraphed:
         for graph in (self.fwd, self.bwd):
             graph.reset()
         self.static_outputs = self.static_grads = self.static_inputs = self.static_grad_outputs = ()
+        self.fwd_hooks = self.bwd_hooks = ()  # they hold the captured statistics' buffers
 
 
 def capture_cuda_graphs(
@@ -264,9 +311,15 @@ def capture_cuda_graphs(
     warmup_iters: int = 3,
     shared_outputs: bool = False,
     chained: tuple[bool, ...] = (),
+    share: PoolShare | None = None,
 ) -> Graphed:
     """Capture ``run(*inputs)``'s forward and its backward (to `inputs` that require grad and
-    `params`) as two CUDA graphs sharing one private memory pool.
+    `params`) as two CUDA graphs sharing one private memory pool (`share`'s, when given: the
+    pool of the module's other captures).
+
+    Host work that `run` defers with :func:`loka_train.utils.capture.after_replay` runs after
+    every replay of the graph it was captured in; in the warm-up runs before the capture it is
+    dropped.
 
     Args:
         shared_outputs: replays return the static output buffers, not copies of them: valid
@@ -276,4 +329,4 @@ def capture_cuda_graphs(
             capture then reads in place (no copy on replay while the producer keeps it).
     """
     return _CudaGraphed(run, inputs, params, warmup_iters=warmup_iters, shared_outputs=shared_outputs,
-                        chained=chained)
+                        chained=chained, share=share)

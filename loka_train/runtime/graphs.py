@@ -80,6 +80,7 @@ from loka_train.runtime.eager import EagerSteps, Keyed, keyed_modules
 from loka_train.runtime.graph_capture import (
     CaptureFn,
     Graphed,
+    PoolShare,
     capture_cuda_graphs,
     unflatten_output,
 )
@@ -131,6 +132,16 @@ def dense_submodules(
 
 
 @dataclass
+class _Variant:
+    """One capture of a module: for one signature."""
+
+    graphed: Graphed
+    chain: tuple[tuple[int, int, int], ...] = ()
+    """Inputs that `graphed` reads in place from a producer's shared output buffer: (input
+    index, its address, the buffer's storage address)."""
+
+
+@dataclass
 class _Entry:
     name: str
     module: nn.Module
@@ -146,18 +157,16 @@ class _Entry:
     params: tuple[nn.Parameter, ...] = ()
     """Trainable parameters, read at install and at every capture."""
     param_names: tuple[str, ...] = ()
-    graphed: Graphed | None = None
-    capturing: bool = False
-    key: Hashable = None
-    """Signature of the capture in `graphed`."""
+    variants: dict[Hashable, _Variant] = field(default_factory=dict)
+    """Captures by signature, least recently replayed first (at most ``max_variants``)."""
+    share: PoolShare = field(default_factory=PoolShare)
+    """The memory pool (and replay count) that all of the module's captures share."""
+    capturing: Callable[..., Any] | None = None
+    """The forward a capture in progress records (the router calls it directly), or None."""
     shares_outputs: bool = False
     """Its replays return their output buffers (`DenseGraphs`' `shared_outputs`)."""
-    chain: tuple[tuple[int, int, int], ...] = ()
-    """Inputs that `graphed` reads in place from a producer's shared output buffer: (input
-    index, its address, the buffer's storage address)."""
-    seen_key: Hashable = None
-    seen_calls: int = 0
-    """Consecutive eager calls with `seen_key` (the warm-up before a capture)."""
+    seen: dict[Hashable, int] = field(default_factory=dict)
+    """Eager calls per signature not captured yet (the warm-up before a capture)."""
     disabled: str = ""
     """Why this module stays eager for the run (a failed capture), or ''."""
     counts: Counter[str] = field(default_factory=Counter)
@@ -170,6 +179,16 @@ class _Entry:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = tuple(p for _, p in named)
         self.param_names = tuple(n for n, _ in named)
+
+    def refresh_params_changed(self) -> bool:
+        """`refresh_params`, and whether the parameter objects changed."""
+        before = self.params
+        self.refresh_params()
+        return len(before) != len(self.params) or any(a is not b for a, b in zip(before, self.params))
+
+
+_MAX_SEEN = 64
+"""Signatures whose warm-up calls an entry counts (the oldest is forgotten beyond)."""
 
 
 class DenseGraphs:
@@ -193,7 +212,13 @@ class DenseGraphs:
             reference to it across steps.
         eager: which modules run eagerly on the current step (default: a fresh one, that the
             loop updates as ``graphs.eager.begin_step(callbacks.eager_modules(...))`` at every
-            step start); the graphed modules are watched in it.
+            step start); the graphed modules are watched in it. When it says the requests of
+            the step are replayable (``EagerSteps.begin_step(..., replayable=True)``), a
+            requested module's uncompiled forward is captured and replayed like any other
+            signature (its own variant), instead of running eagerly.
+        max_variants: captures kept per module (one per signature: a plan, a requested step's
+            sampled sites), the least recently replayed dropped beyond. They share one memory
+            pool (:class:`~loka_train.runtime.graph_capture.PoolShare`).
 
     Use :meth:`install` on a model; :meth:`remove` restores the modules' own forwards.
     """
@@ -208,7 +233,10 @@ class DenseGraphs:
         compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
         shared_outputs: Iterable[str] = (),
         eager: EagerSteps | None = None,
+        max_variants: int = 4,
     ) -> None:
+        if max_variants < 1:
+            raise ValueError(f"max_variants={max_variants} must be >= 1")
         if warmup_calls < 1 or capture_warmup_iters < (1 if compile is not None else 0):
             # With `compile`, the capture's own variant compiles in those iterations: without
             # one it would compile inside the capture, which fails (and falls back to eager).
@@ -222,6 +250,7 @@ class DenseGraphs:
         if unknown:
             raise ValueError(f"shared_outputs names modules that are not graphed: {sorted(unknown)}")
         self.warmup_calls = warmup_calls
+        self.max_variants = max_variants
         self.capture_warmup_iters = capture_warmup_iters
         self._capture: CaptureFn = capture or partial(capture_cuda_graphs, warmup_iters=capture_warmup_iters)
         self._shared: dict[int, str] = {}
@@ -290,7 +319,7 @@ class DenseGraphs:
         replacing a graphed module's parameter objects (in-place updates need nothing)."""
         for entry in self._entries:
             self._drop(entry)
-            entry.seen_key, entry.seen_calls = None, 0
+            entry.seen.clear()
 
     # ------------------------------------------------------------------------- report
     def stats(self) -> dict[str, Any]:
@@ -303,6 +332,7 @@ class DenseGraphs:
         return {
             "captures": self.num_captures,
             "replays": total["replay"],
+            "requested_replays": total["requested_replay"],
             "eager": {r: total[r] for r in EAGER_REASONS if total[r]},
             "modules": per_module,
         }
@@ -315,45 +345,52 @@ class DenseGraphs:
         return forward
 
     def _call(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if entry.capturing:
-            return entry.forward(*args, **kwargs)
+        if entry.capturing is not None:
+            return entry.capturing(*args, **kwargs)
         reason = self._eager_reason(entry)
         if reason:
             entry.counts[reason] += 1
             return self._unreplayed(entry, reason, args, kwargs)
+        # A requested module whose requests are replayable: its uncompiled forward, graphed.
+        requested = self.eager.runs_eagerly(entry.module)
         flat, spec = _flatten_inputs(args, kwargs)
         if not all(isinstance(t, Tensor) for t in flat):
             kinds = sorted({type(t).__name__ for t in flat if not isinstance(t, Tensor)})
             self._fallback(entry, "unsupported_input", f"takes non-tensor inputs ({', '.join(kinds)})")
             return self._unreplayed(entry, "unsupported_input", args, kwargs)
         inputs: tuple[Tensor, ...] = tuple(flat)
-        key = self._signature(entry, inputs, spec)
-        if entry.graphed is not None and key == entry.key:
-            chain = self._chain_state(entry, inputs)
+        key = self._signature(entry, inputs, spec, requested=requested)
+        variant = entry.variants.get(key)
+        if variant is not None:
+            chain = self._chain_state(variant, inputs)
             if chain == "unchained":
                 entry.counts["unchained"] += 1
                 return self._unreplayed(entry, "unchained", args, kwargs)
-            if chain == "recapture" and not self._recapture(entry, inputs, spec):
-                return self._unreplayed(entry, "capture_failed", args, kwargs)
+            if chain == "recapture":
+                variant = self._recapture(entry, key, inputs, spec, requested=requested)
+                if variant is None:
+                    return self._unreplayed(entry, "capture_failed", args, kwargs)
+            entry.variants[key] = entry.variants.pop(key)  # the most recently replayed last
         else:
-            if key != entry.seen_key:
-                entry.seen_key, entry.seen_calls = key, 0
-            entry.seen_calls += 1
-            if entry.seen_calls <= self.warmup_calls:
+            seen = entry.seen.pop(key, 0) + 1
+            if seen <= self.warmup_calls:
+                entry.seen[key] = seen
+                if len(entry.seen) > _MAX_SEEN:
+                    del entry.seen[next(iter(entry.seen))]
                 entry.counts["warmup"] += 1
                 return self._unreplayed(entry, "warmup", args, kwargs)
-            if not self._recapture(entry, inputs, spec):
+            variant = self._recapture(entry, key, inputs, spec, requested=requested)
+            if variant is None:
                 return self._unreplayed(entry, "capture_failed", args, kwargs)
-        assert entry.graphed is not None
-        entry.counts["replay"] += 1
+        entry.counts["requested_replay" if requested else "replay"] += 1
         with profiled(entry.range_name):
-            return unflatten_output(entry.graphed.forward(inputs), entry.graphed.out_spec)
+            return unflatten_output(variant.graphed.forward(inputs), variant.graphed.out_spec)
 
     def _unreplayed(self, entry: _Entry, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call that is not replayed: on a step that requests the module eagerly (also when
-        its capture failed), its own uncompiled forward; otherwise its (compiled) forward, the
-        variant that the capture compiles and records."""
-        if reason == "requested" or (reason == "capture_failed" and self.eager.runs_eagerly(entry.module)):
+        """A call that is not replayed: on a step that requests the module (also when its
+        capture failed, or in a replayable request's warm-up), its own uncompiled forward;
+        otherwise its (compiled) forward, the variant that the capture compiles and records."""
+        if self.eager.runs_eagerly(entry.module) and reason not in ("eval", "no_grad"):
             return entry.eager(*args, **kwargs)
         return entry.forward(*args, **kwargs)
 
@@ -364,10 +401,11 @@ class DenseGraphs:
             return "eval"
         if not torch.is_grad_enabled():
             return "no_grad"
-        return "requested" if self.eager.runs_eagerly(entry.module) else ""
+        if self.eager.runs_eagerly(entry.module) and not self.eager.replayable:
+            return "requested"
+        return ""
 
-    @staticmethod
-    def _signature(entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec) -> Hashable:
+    def _signature(self, entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec, *, requested: bool) -> Hashable:
         device_type = inputs[0].device.type if inputs else "cuda"
         autocast = (
             torch.is_autocast_enabled(device_type),
@@ -379,55 +417,72 @@ class DenseGraphs:
             tuple((t.shape, t.dtype, t.device, t.requires_grad, t.stride()) for t in inputs),
             tuple(m.forward_key() for m in entry.keyed),
             tuple((p.data_ptr(), p.requires_grad) for p in entry.params),
+            requested,  # the uncompiled forward, with the callbacks' host work deferred to replays
+            # Which producer's shared buffer each input is (a capture reads those in place): a
+            # producer's other capture (another plan, a sampled step) writes another buffer.
+            tuple(_storage(t) if self._is_shared(t) else None for t in inputs),
         )
 
-    def _recapture(self, entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec) -> bool:
-        recapture = entry.graphed is not None
-        self._drop(entry)
-        entry.refresh_params()
+    def _recapture(
+        self, entry: _Entry, key: Hashable, inputs: tuple[Tensor, ...], spec: _InputSpec, *, requested: bool
+    ) -> _Variant | None:
+        """Capture `entry` for signature `key` (replacing a stale capture of it, and dropping
+        the least recently replayed one beyond ``max_variants``); None when it failed."""
+        recapture = key in entry.variants
+        self._drop(entry, key)
+        while len(entry.variants) >= self.max_variants:
+            self._drop(entry, next(iter(entry.variants)))
+        fresh_params = entry.refresh_params_changed()
+        if fresh_params:
+            # Parameter objects were replaced: captures of the old ones read stale storage.
+            self._drop(entry)
         hooked = [n or "(top)" for n, m in entry.module.named_modules() if _has_hooks(m)]
         if hooked:
             entry.disabled = f"has module hooks (on {', '.join(hooked[:3])}), which a replay would skip"
             self._fallback(entry, "capture_failed", f"{entry.disabled}; it runs eagerly for the rest of the run")
-            return False
+            return None
+        forward = entry.eager if requested else entry.forward
 
         def run(params: tuple[Tensor, ...], *flat: Tensor) -> Any:
             args, kwargs = _unflatten_inputs(flat, spec)
-            entry.capturing = True  # functional_call goes through module.__call__: no routing
+            entry.capturing = forward  # functional_call goes through module.__call__: no routing
             try:
-                # Captured on a step that does not request the module eagerly (see
-                # _eager_reason): no host work of a callback runs inside it.
+                # Unrequested: captured on a step that does not request the module (see
+                # _eager_reason), so no host work of a callback runs inside it. Requested: the
+                # callbacks defer their host work to the replays (utils.capture.after_replay).
                 return torch.func.functional_call(entry.module, dict(zip(entry.param_names, params)), args, kwargs)
             finally:
-                entry.capturing = False
+                entry.capturing = None
 
         chained = tuple(self._is_shared(t) for t in inputs)
         try:
-            entry.graphed = self._capture(
-                run, inputs, entry.params, shared_outputs=entry.shares_outputs, chained=chained
+            graphed = self._capture(
+                run, inputs, entry.params, shared_outputs=entry.shares_outputs, chained=chained, share=entry.share
             )
         except Exception as exc:  # a capture failure must not end the run: eager from now on
-            entry.graphed = None
+            self._drop(entry)
             entry.disabled = f"capture failed: {type(exc).__name__}: {exc}"
             self._fallback(entry, "capture_failed", f"{entry.disabled}; it runs eagerly for the rest of the run")
-            return False
+            return None
         # Re-read after the capture: a key taken before refresh_params would miss a
         # parameter replaced since install.
-        entry.key = self._signature(entry, inputs, spec)
-        entry.chain = tuple((i, t.data_ptr(), _storage(t)) for i, (t, c) in enumerate(zip(inputs, chained)) if c)
-        for buffer in entry.graphed.shared_buffers:
+        key = self._signature(entry, inputs, spec, requested=requested)
+        chain = tuple((i, t.data_ptr(), _storage(t)) for i, (t, c) in enumerate(zip(inputs, chained)) if c)
+        variant = entry.variants[key] = _Variant(graphed, chain)
+        for buffer in graphed.shared_buffers:
             self._shared[_storage(buffer)] = entry.name
         self.num_captures += 1
         entry.counts["capture"] += 1
-        logger.info("cuda_graphs: %s %s (%d keyed submodules)", "re-captured" if recapture else "captured",
-                    entry.name, len(entry.keyed))
-        return True
+        logger.info("cuda_graphs: %s %s%s (%d keyed submodules, %d captures kept)",
+                    "re-captured" if recapture else "captured", entry.name,
+                    " for a requested step" if requested else "", len(entry.keyed), len(entry.variants))
+        return variant
 
     def _is_shared(self, t: Tensor) -> bool:
         """Whether `t` lives in a graphed producer's shared output buffer."""
         return bool(t.numel()) and _storage(t) in self._shared
 
-    def _chain_state(self, entry: _Entry, inputs: tuple[Tensor, ...]) -> str:
+    def _chain_state(self, variant: _Variant, inputs: tuple[Tensor, ...]) -> str:
         """For a call with the signature of `entry`'s capture: ``replay``; ``recapture`` when a
         producer it reads in place was captured again or dropped (nobody writes that buffer any
         more), or when it copies an input that is now a shared buffer (it was captured while its
@@ -435,26 +490,26 @@ class DenseGraphs:
         ``unchained`` when it is fed another tensor where it reads a producer's buffer (the
         producer did not replay: copying the input in would overwrite what the producer's
         backward graph may read)."""
-        if not self._shared and not entry.chain:
+        if not self._shared and not variant.chain:
             return "replay"
-        chained = {i for i, _, _ in entry.chain}
-        if any(storage not in self._shared for _, _, storage in entry.chain) or any(
+        chained = {i for i, _, _ in variant.chain}
+        if any(storage not in self._shared for _, _, storage in variant.chain) or any(
             i not in chained and self._is_shared(t) for i, t in enumerate(inputs)
         ):
             return "recapture"
-        if any(inputs[i].data_ptr() != ptr for i, ptr, _ in entry.chain):
+        if any(inputs[i].data_ptr() != ptr for i, ptr, _ in variant.chain):
             return "unchained"
         return "replay"
 
-    def _drop(self, entry: _Entry) -> None:
-        if entry.graphed is not None:
-            for buffer in entry.graphed.shared_buffers:
+    def _drop(self, entry: _Entry, key: Hashable = None) -> None:
+        """Release `entry`'s capture for `key` (every capture when None)."""
+        keys = list(entry.variants) if key is None else [key] if key in entry.variants else []
+        for k in keys:
+            graphed = entry.variants.pop(k).graphed
+            for buffer in graphed.shared_buffers:
                 if self._shared.get(_storage(buffer)) == entry.name:
                     del self._shared[_storage(buffer)]
-            entry.graphed.release()
-            entry.graphed = None
-            entry.key = None
-            entry.chain = ()
+            graphed.release()
 
     def _fallback(self, entry: _Entry, reason: str, message: str) -> None:
         entry.counts[reason] += 1

@@ -30,8 +30,10 @@ def format_summary(summary: Mapping[str, Any], extra_rows: Iterable[tuple[str, s
     if "cuda_graphs" in summary:
         graphs = summary["cuda_graphs"]
         eager = ", ".join(f"{reason} {n}" for reason, n in graphs["eager"].items()) or "none"
-        rows.append(("CUDA graphs", f"{graphs['replays']} replays, {graphs['captures']} captures; "
-                                    f"eager calls: {eager}"))
+        sampled = graphs["requested_replays"]
+        rows.append(("CUDA graphs", f"{graphs['replays']} replays"
+                                    + (f" (+{sampled} of requested steps)" if sampled else "")
+                                    + f", {graphs['captures']} captures; eager calls: {eager}"))
     rows += list(extra_rows)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -494,7 +494,8 @@ class Trainer:
                 step = self.step
                 self._set_lrs(step)
                 self.callbacks.call("on_step_start", self, step)
-                self.eager.begin_step(self.callbacks.eager_modules(self, step))
+                requested, replayable = self.callbacks.requests(self, step)
+                self.eager.begin_step(requested, replayable=replayable and self.cfg.cuda_graphs_requested)
                 # TorchRec pipelines return the model output's second element.
                 with self._autocast():
                     try:

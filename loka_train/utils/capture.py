@@ -1,15 +1,76 @@
-"""Shared CUDA-graph capture housekeeping (Dispatch's graphed timing, ``runtime.graphs``)."""
+"""Shared CUDA-graph capture housekeeping (Dispatch's graphed timing, ``runtime.graphs``), and
+host work that belongs to a graph's replays (:func:`after_replay`).
+
+Host work inside a captured region runs once, at capture time; a replay runs only the recorded
+kernels. Code that must do host work on every run of the region (the Probe writing a sample into
+its window and counting it) calls :func:`after_replay`: outside a capture it runs the function at
+once; inside a capture that :func:`replay_hooks` collects, it hands the function to the capture,
+whose owner runs it after every replay; inside a capture's warm-up runs (``keep=False``) it drops
+it (those runs are not steps). The function must read what it needs from tensors the captured
+kernels write (their addresses are fixed) and from host state that is current at replay time.
+
+Example:
+    >>> with replay_hooks() as hooks:        # around the capture
+    ...     with torch.cuda.graph(graph):
+    ...         y = run()                   # run() may call after_replay(fn)
+    >>> graph.replay()
+    >>> for fn in hooks:
+    ...     fn()
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["reset_capture_state"]
+__all__ = ["after_replay", "deferring", "replay_hooks", "reset_capture_state"]
 
 logger = logging.getLogger(__name__)
+
+ReplayHook = Callable[[], None]
+
+# One capture runs at a time in a process, and its backward runs on autograd's device threads:
+# the collector is process-wide (not thread-local), guarded by a lock.
+_lock = threading.Lock()
+_collectors: list[tuple[list[ReplayHook], bool]] = []
+
+
+@contextlib.contextmanager
+def replay_hooks(*, keep: bool = True) -> Iterator[list[ReplayHook]]:
+    """Collect the :func:`after_replay` functions of the code run inside (a capture): the list
+    yielded holds them, to run after every replay. ``keep=False`` (a capture's warm-up runs,
+    which are not steps) drops them instead of running them."""
+    hooks: list[ReplayHook] = []
+    with _lock:
+        _collectors.append((hooks, keep))
+    try:
+        yield hooks
+    finally:
+        with _lock:
+            _collectors.pop()
+
+
+def deferring() -> bool:
+    """Whether code runs inside :func:`replay_hooks` (a capture or its warm-up): host work that
+    :func:`after_replay` defers must then also avoid what a capture forbids (nested graphs,
+    host syncs)."""
+    return bool(_collectors)
+
+
+def after_replay(fn: ReplayHook) -> None:
+    """Run `fn` now, or after every replay of the graph being captured (inside
+    :func:`replay_hooks`), or never (inside a warm-up run, ``keep=False``)."""
+    with _lock:
+        target = _collectors[-1] if _collectors else None
+    if target is None:
+        fn()
+    elif target[1]:
+        target[0].append(fn)
 
 
 def reset_capture_state() -> None:

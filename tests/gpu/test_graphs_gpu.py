@@ -273,3 +273,52 @@ def test_dispatch_times_candidates_graphed_when_the_step_is_graphed() -> None:
         assert not d.measure_failures
     for t in (*timed[False], *timed[True]):
         assert 0 < t < 1e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_sampled_steps_replayed_record_what_eager_sampled_steps_record(compiled: bool) -> None:
+    """With a replayable request (the LoKA callback's), the Probe's sampled steps replay a
+    capture of the uncompiled tower: each replay writes the same statistics into the window as
+    an eager sampled step, at the replay's step, and the unsampled capture is kept."""
+    from loka_train.mods import mark_sampled
+    from loka_train.probe import Probe, ProbeConfig
+
+    torch.manual_seed(0)
+    base = Tower().cuda()
+    xs = [torch.randn(512, 256, device="cuda") for _ in range(9)]
+
+    def run(graphed: bool) -> tuple[Probe, DenseGraphs | None]:
+        tower = copy.deepcopy(base)
+        probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, interval=100, window=8,
+                                  min_samples=1, max_rows=128), device="cuda")
+        sites = [tower.a, tower.b]
+        for name, site in zip(("a", "b"), sites):
+            site.site_name = name
+            probe.register_site(name, **site.probe_spec())
+            site.attach_observer(probe)
+        graphs = DenseGraphs({"tower": tower}, warmup_calls=1,
+                             compile=torch.compile if compiled else None) if graphed else None
+        for step, x in enumerate(xs):  # no optimizer: every step sees the same weights
+            probe.begin_step(step)
+            sampled = mark_sampled(sites, step)
+            if graphs is not None:
+                graphs.eager.begin_step(sampled, replayable=True)
+            skip = torch.ones(x.shape[0], 64, device="cuda", requires_grad=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y, _ = tower(x, skip=skip)
+            y.float().sum().backward()
+        torch.cuda.synchronize()
+        return probe, graphs
+
+    eager, _ = run(False)
+    replayed, graphs = run(True)
+    assert graphs is not None
+    stats = graphs.stats()
+    # Sampled steps 0, 2, 4, 6, 8: step 0 warms up, step 2 captures, 2-8 replay.
+    assert stats["requested_replays"] == 4 and stats["captures"] == 2, stats
+    for site in ("a", "b"):
+        for role in ("forward", "grad_input", "grad_weight"):
+            assert replayed.report()["sites"][site]["num_observations"][role] == 5
+    assert replayed._window.slot_steps == eager._window.slot_steps
+    torch.testing.assert_close(replayed._window.local_sum, eager._window.local_sum, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(replayed._window.local_max, eager._window.local_max, rtol=1e-5, atol=1e-6)

@@ -189,6 +189,15 @@ def test_variant_suffixes_combine() -> None:
     assert same.name == "bf16+compile+graphs"
     with pytest.raises(SystemExit, match="duplicates"):
         resolve_variants(["bf16+graphs+compile", "bf16+compile+graphs"], "torch_scaled_mm")
+    # Sampled steps run eagerly: a LoKA variant with graphs only, compared with bf16+compile+graphs.
+    (eager,) = resolve_variants(["loka_safe+compile+graphs+eagersampled"], "torch_scaled_mm")
+    assert eager.eager_sampled and eager.graphs and not v.eager_sampled
+    from bench.e2e.verdicts import same_settings_reference
+
+    assert same_settings_reference(eager.name) == "bf16+compile+graphs"
+    for bad in ("bf16+compile+graphs+eagersampled", "loka_safe+compile+eagersampled"):
+        with pytest.raises(SystemExit, match="eagersampled"):
+            resolve_variants([bad], "torch_scaled_mm")
 
 
 def test_torchao_target_takes_the_faster_recipe_run_and_lists_a_failed_one() -> None:

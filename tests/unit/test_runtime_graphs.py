@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from loka_train.kernels import LinearPlan
+from loka_train.kernels.formats import Scaling
 from loka_train.mods import Fp8Linear, mark_sampled
 from loka_train.probe import Probe, ProbeConfig
 from loka_train.runtime.config import TrainerConfig
@@ -43,7 +44,7 @@ class FakeGraphed:
 
     def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list,
                  module: nn.Module | None = None, *, shared_outputs: bool = False,
-                 chained: tuple[bool, ...] = ()) -> None:
+                 chained: tuple[bool, ...] = (), share: Any = None) -> None:
         self.run, self.log, self.params, self.module = run, log, params, module
         self.shared_buffers: tuple[Tensor, ...] = ()
         self.out_spec = flatten_output(run(params, *inputs))[1]
@@ -80,6 +81,11 @@ class Tower(nn.Module):
     def forward(self, x: Tensor, *, extra: Tensor | None = None) -> Tensor:
         y = self.site(x) * self.scale
         return y if extra is None else y + extra
+
+
+def _latest(graphs: DenseGraphs, index: int) -> Any:
+    """The most recently replayed (or captured) capture of the `index`-th graphed module."""
+    return list(graphs._entries[index].variants.values())[-1].graphed
 
 
 def _graphs(module: nn.Module, log: list, **kwargs: Any) -> DenseGraphs:
@@ -131,12 +137,12 @@ def test_eval_no_grad_and_sampled_steps_run_eagerly() -> None:
 
 def test_a_plan_change_or_a_new_shape_recaptures() -> None:
     tower, log = Tower(), []
-    graphs = _graphs(tower, log, warmup_calls=1)
+    graphs = _graphs(tower, log, warmup_calls=1, max_variants=1)
     x = torch.randn(3, 8)
     for _ in range(3):
         tower(x)
     assert graphs.num_captures == 1
-    first = graphs._entries[0].graphed
+    (first,) = [v.graphed for v in graphs._entries[0].variants.values()]
     tower.site.set_plan(FP8_PLAN)
     for _ in range(3):
         out = tower(x)
@@ -146,6 +152,26 @@ def test_a_plan_change_or_a_new_shape_recaptures() -> None:
     tower(torch.randn(5, 8))
     assert graphs.num_captures == 3
     assert graphs.stats()["eager"] == {"warmup": 3}
+
+
+def test_captures_of_earlier_signatures_are_kept_up_to_max_variants() -> None:
+    tower, log = Tower(), []
+    graphs = _graphs(tower, log, warmup_calls=1, max_variants=2)
+    x = torch.randn(3, 8)
+    plans = [LinearPlan(), FP8_PLAN]
+    for plan in plans * 3:  # alternating plans: each captured once, then replayed
+        tower.site.set_plan(plan)
+        tower(x)
+        tower(x)
+    assert graphs.num_captures == 2
+    assert graphs.stats()["eager"] == {"warmup": 2} and graphs.stats()["replays"] == 10
+    first, second = (v.graphed for v in graphs._entries[0].variants.values())
+    tower.site.set_plan(LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated"))
+    tower(x)
+    tower(x)  # a third signature: the least recently replayed capture (the high one) goes
+    assert graphs.num_captures == 3 and first.released and not second.released
+    with pytest.raises(ValueError, match="max_variants"):
+        _graphs(Tower(), [], max_variants=0)
 
 
 def test_keyword_inputs_are_passed_through() -> None:
@@ -369,7 +395,7 @@ class SharingFake:
     graphs do); it logs what each capture was told."""
 
     def __init__(self, run: Any, inputs: tuple[Tensor, ...], params: tuple[nn.Parameter, ...], log: list,
-                 name: str, *, shared_outputs: bool = False, chained: tuple[bool, ...] = ()) -> None:
+                 name: str, *, shared_outputs: bool = False, chained: tuple[bool, ...] = (), share: Any = None) -> None:
         self.run, self.params, self.shared = run, params, shared_outputs
         outs, self.out_spec = flatten_output(run(params, *inputs))
         self.buffers = [o.detach().clone() for o in outs]
@@ -413,24 +439,34 @@ def test_a_module_fed_by_a_shared_output_reads_it_in_place_and_follows_its_produ
         step()
     # The producer shares its output buffer; the consumer's capture reads it in place.
     assert log == [("producer", True, (False,)), ("consumer", False, (True,))]
-    buffer = graphs._entries[0].graphed.shared_buffers[0]
-    assert graphs.stats()["replays"] == 4
-    # Fed another tensor (its producer did not replay): the consumer runs unreplayed and does
-    # not write into the producer's buffer, which the producer's backward graph may read.
+    buffer = _latest(graphs, 0).shared_buffers[0]
+    # The consumer warmed up twice: on the producer's eager output, then on its buffer.
+    assert graphs.stats()["replays"] == 3
+    # Fed another tensor (its producer did not replay): another signature for the consumer
+    # (a warm-up call), which does not write into the producer's buffer, which the producer's
+    # backward graph may read.
     kept = buffer.clone()
     other = torch.randn(3, 4, requires_grad=True)
     torch.testing.assert_close(consumer(other), consumer[0](other), rtol=0, atol=0)
     torch.testing.assert_close(buffer, kept, rtol=0, atol=0)
-    assert graphs.stats()["eager"]["unchained"] == 1
-    # The producer's plan changes: one warm-up call (the consumer then runs unchained), then
-    # its new capture shares a new buffer and the consumer captures again on it.
+    assert graphs.stats()["eager"] == {"warmup": 3}
+    # The producer's plan changes: one warm-up call (its eager output is the consumer's
+    # unshared signature again: captured, copying its input), then the producer's new capture
+    # shares a new buffer and the consumer captures again, chained to it. Both producer
+    # captures and all three consumer captures are kept.
     producer.site.set_plan(FP8_PLAN)
     step()
-    assert graphs.stats()["eager"] == {"warmup": 3, "unchained": 2}
+    assert graphs.stats()["eager"] == {"warmup": 4}
+    step()  # the producer captures; the consumer warms up on its new buffer
     step()
+    assert graphs.stats()["eager"] == {"warmup": 5}
+    assert log[2:] == [("consumer", False, (False,)), ("producer", True, (False,)), ("consumer", False, (True,))]
+    assert _latest(graphs, 1).static_inputs[0].data_ptr() == _latest(graphs, 0).shared_buffers[0].data_ptr()
+    # Back to the first plan: both modules replay their first captures, chained as before.
+    producer.site.set_plan(LinearPlan())
     step()
-    assert log[2:] == [("producer", True, (False,)), ("consumer", False, (True,))]
-    assert graphs._entries[1].graphed.static_inputs[0].data_ptr() == graphs._entries[0].graphed.shared_buffers[0].data_ptr()
+    assert len(log) == 5 and graphs.stats()["eager"] == {"warmup": 5}
+    assert _latest(graphs, 0).shared_buffers[0].data_ptr() == buffer.data_ptr()
 
 
 def test_a_module_captured_before_its_producer_chains_once_it_is_fed_the_shared_buffer() -> None:
@@ -758,11 +794,14 @@ def test_the_run_summary_table_shows_compiled_modules_and_graph_counts() -> None
     summary = {
         "steps": 10, "world_size": 1, "global_batch": 8, "train/steps_per_s": 2.0, "train/loss": 0.5,
         "fallbacks": [], "compiled": ["model.dense_arch", "model.over_arch"],
-        "cuda_graphs": {"captures": 2, "replays": 14, "eager": {"eval": 4, "warmup": 2}, "modules": {}},
+        "cuda_graphs": {"captures": 2, "replays": 14, "requested_replays": 0, "eager": {"eval": 4, "warmup": 2},
+                        "modules": {}},
     }
     table = format_summary(summary)
     assert "compiled" in table and "model.dense_arch, model.over_arch" in table
     assert "14 replays, 2 captures; eager calls: eval 4, warmup 2" in table
+    summary["cuda_graphs"]["requested_replays"] = 3
+    assert "14 replays (+3 of requested steps), 2 captures" in format_summary(summary)
     plain = {k: v for k, v in summary.items() if k != "cuda_graphs"} | {"compiled": []}
     assert "CUDA graphs" not in format_summary(plain) and "compiled" not in format_summary(plain)
 
