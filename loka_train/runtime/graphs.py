@@ -196,7 +196,8 @@ class DenseGraphs:
 
     Args:
         modules: name -> module to graph (each must take and return tensors).
-        warmup_calls: eager calls with a new signature before it is captured (>= 1).
+        warmup_calls: eager calls with a new signature before it is captured (>= 1); a
+            replayable request's signature is captured on its first call.
         capture_warmup_iters: forward + backward runs on a side stream before each capture.
         capture: the capture function (default:
             :func:`~loka_train.runtime.graph_capture.capture_cuda_graphs`, which needs a
@@ -373,7 +374,10 @@ class DenseGraphs:
             entry.variants[key] = entry.variants.pop(key)  # the most recently replayed last
         else:
             seen = entry.seen.pop(key, 0) + 1
-            if seen <= self.warmup_calls:
+            # A requested step's capture comes on its first call: its own warm-up runs (before
+            # the capture) do the lazy set-up, and a sampled set of sites may recur only
+            # after many steps, so an eager first call would be the only one in most runs.
+            if seen <= (0 if requested else self.warmup_calls):
                 entry.seen[key] = seen
                 if len(entry.seen) > _MAX_SEEN:
                     del entry.seen[next(iter(entry.seen))]
