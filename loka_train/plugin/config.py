@@ -11,7 +11,7 @@ and a test fails when a YAML file and its preset differ.
 * ``safe``: FP8 only where the Probe's conservative SQNR bound fits a tight budget AND the GEMM
   is faster than high precision by a 5% margin; row-wise scaling; forward and grad-input GEMMs
   (weight gradients stay in high precision); FP32 comms. Sampling is sparse (every site on
-  every 150th step), sized for long GPU runs.
+  every 300th step), sized for long GPU runs.
 * ``aggressive``: FP8 wherever the Probe says it is safe under looser budgets and it is not
   slower than high precision (margin 0); tensor-wise and row-wise scaling; all three GEMMs;
   the embedding all-to-all moves down to FP8 when the comm policy measures it safe. On a CPU,
@@ -196,11 +196,11 @@ def _safe() -> LokaConfig:
     return LokaConfig(
         enabled=True,
         probe=ProbeConfig(
-            # Every site on every 150th step: with trainer.cuda_graphs a sampled step replays
-            # one capture per module (a rotating subset of sites would need one per subset),
-            # and each site is sampled as often as 2 rotating sites every 50 steps on a
-            # 5-site DLRM (more often on larger models).
-            every_k_steps=150,
+            # Every site on every 300th step: with trainer.cuda_graphs a sampled step replays
+            # one capture per module (a rotating subset of sites would need one per subset).
+            # Each site is sampled about as often as 2 rotating sites every 50 steps gave a
+            # 14-site Wukong-style model (every 350 steps), half as often on a 5-site DLRM.
+            every_k_steps=300,
             sites_per_step=None,
             window=16,  # samples per (site, GEMM) in the rolling window
             interval=500,  # all-reduce, verdicts and re-plan every 500 steps
@@ -228,7 +228,7 @@ def _aggressive() -> LokaConfig:
     return LokaConfig(
         enabled=True,
         probe=ProbeConfig(
-            every_k_steps=50,  # every site (as in safe): 4 samples per site per interval
+            every_k_steps=80,  # every site (as in safe), as often as 4 rotating every 20 on Wukong
             sites_per_step=None,
             window=16,
             interval=200,

@@ -54,7 +54,7 @@ def test_presets_and_overrides_in_plain_python() -> None:
     assert not safe.comm_enabled
     # A mapping replaces only the fields it names; the rest of the preset stays.
     cfg = LokaConfig.preset("aggressive", probe={"interval": 50}, report_every=100)
-    assert (cfg.probe.interval, cfg.probe.every_k_steps, cfg.report_every) == (50, 50, 100)
+    assert (cfg.probe.interval, cfg.probe.every_k_steps, cfg.report_every) == (50, 80, 100)
     assert cfg.probe.sqnr_budget_db == LokaConfig.preset("aggressive").probe.sqnr_budget_db
     # A config object replaces the preset's.
     probe = ProbeConfig(every_k_steps=5)

@@ -1,0 +1,120 @@
+"""What one Probe sample of one GEMM costs on the GPU, by role and by kernel.
+
+At a site's real shapes (default: Wukong's over-arch 0, 32768 x 4096 -> 4096, bf16 operands),
+each role's sample (the full-operand counts and row selection, then the statistics and shadow
+GEMMs of every candidate of the preset on the selected rows) runs ``--iters`` times after a
+warm-up; CUDA events give its time, and a profiler pass groups its kernels by name. Eager
+(``Probe.observe`` as a sampled eager step calls it) and, with ``--graphed``, as the capture of
+a sampled module replays it (no nested measurement graph).
+
+Usage:
+    python -m bench.probe_cost --out $OUT/probe_cost.json
+    python -m bench.probe_cost --preset safe --shape 32768,4096,2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loka_train.plugin.config import LokaConfig
+from loka_train.probe import Probe
+from loka_train.utils.capture import replay_hooks
+
+_ROLE_OPERANDS = ("forward", "grad_input", "grad_weight")
+
+
+def _operands(role: str, x_MK: torch.Tensor, w_NK: torch.Tensor, dy_MN: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return {"forward": (x_MK, w_NK), "grad_input": (dy_MN, w_NK), "grad_weight": (dy_MN, x_MK)}[role]
+
+
+def _sample(probe: Probe, role: str, a: torch.Tensor, b: torch.Tensor, *, deferred: bool) -> None:
+    if deferred:
+        with replay_hooks(keep=False):  # the kernels a capture records, not the slot write
+            probe.observe("site", role, a, b)
+    else:
+        probe.observe("site", role, a, b)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    M, K, N = (int(v) for v in args.shape.split(","))
+    gen = torch.Generator(device=device).manual_seed(0)
+    x_MK = torch.randn(M, K, device=device, generator=gen).to(torch.bfloat16)
+    dy_MN = (torch.randn(M, N, device=device, generator=gen) * 1e-3).to(torch.bfloat16)
+    w_NK = torch.randn(N, K, device=device, generator=gen) * K**-0.5
+    cfg = LokaConfig.preset(args.preset).probe
+    out: dict[str, Any] = {"shape": [M, K, N], "preset": args.preset, "device": str(device),
+                           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                           "candidates": None, "roles": {}}
+    for deferred in (False, True) if args.graphed else (False,):
+        probe = Probe(cfg, device=device)
+        probe.register_site("site", weight_shape=(N, K))
+        out["candidates"] = [str(c) for c in probe.candidates]
+        for role in _ROLE_OPERANDS:
+            a, b = _operands(role, x_MK, w_NK, dy_MN)
+            sample = partial(_sample, probe, role, a, b, deferred=deferred)
+
+            probe.begin_step(0)  # the first sampled step samples every site
+            for _ in range(args.warmup):
+                sample()
+            times = []
+            for _ in range(args.iters):
+                if device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    sample()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+            kernels: dict[str, float] = defaultdict(float)
+            if device.type == "cuda":
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    sample()
+                    torch.cuda.synchronize()
+                for evt in prof.key_averages():
+                    if evt.device_time_total > 0:
+                        kernels[evt.key[:90]] += evt.device_time_total / 1000.0
+            top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
+            key = f"{role}{' (graphed)' if deferred else ''}"
+            out["roles"][key] = {
+                "ms_median": sorted(times)[len(times) // 2] if times else None,
+                "kernel_ms_total": sum(kernels.values()),
+                "top_kernels_ms": top,
+            }
+            print(f"{key}: {out['roles'][key]['ms_median']} ms; top kernels:", flush=True)
+            for name, ms in top:
+                print(f"    {ms:8.3f} ms  {name}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="32768,4096,4096", help="M,K,N of the site's forward GEMM")
+    p.add_argument("--preset", default="aggressive", choices=("safe", "aggressive"), help="the Probe's candidates")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--top", type=int, default=12, help="kernels listed per role")
+    p.add_argument("--graphed", action="store_true", help="also the form a sampled module's capture records")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu --shape 256,64,32 (plumbing only)")
+        return 2
+    result = run(args)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,18 @@
+"""bench.probe_cost on the CPU: the plumbing (every role, eager and as captured, into the JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.probe_cost import main
+
+
+def test_probe_cost_writes_every_role_eager_and_graphed(tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    assert main(["--device", "cpu", "--shape", "64,32,16", "--iters", "1", "--warmup", "1", "--graphed",
+                 "--preset", "safe", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shape"] == [64, 32, 16] and result["candidates"]
+    roles = ("forward", "grad_input", "grad_weight")
+    assert sorted(result["roles"]) == sorted([*roles, *(f"{r} (graphed)" for r in roles)])
