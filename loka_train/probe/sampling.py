@@ -7,9 +7,9 @@
 * **Rows.** A sample measures at most ``max_rows`` rows of an activation or gradient (evenly
   strided, plus the row holding the largest |value|, so on finite inputs the tensor-wise scale
   is the full tensor's; a row holding a non-finite value is not picked). Non-finite values are
-  counted on the full tensors. Those two reductions are all that reads the full operands: the
-  statistics, and the CUDA graphs that compute them, see only the selected rows
-  (:func:`select`).
+  counted on the full tensors. Those two reductions (one kernel on CUDA) are all that reads
+  the full operands: the statistics, and the CUDA graphs that compute them, see only the
+  selected rows (:func:`select`).
 
 Example:
     >>> from loka_train.probe.config import ProbeConfig
@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from loka_train.kernels.triton_kernels import triton_runnable
+from loka_train.kernels.triton_rowstats import row_stats
 from loka_train.probe.config import ProbeConfig
 from loka_train.probe.measurement import count_nonfinite
 
@@ -87,13 +89,17 @@ class Selection(NamedTuple):
     """The high-precision result cut to the selected rows, or None."""
 
 
-def select(role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_rows: int | None) -> Selection:
+def select(
+    role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_rows: int | None, *, kernel: bool | None = None
+) -> Selection:
     """The work of a sample on the full operands: their non-finite counts, and the rows to
     measure.
 
-    The full operands are read by the counts (:func:`count_nonfinite`) and, when rows are
-    subsampled, by the peak search (one reduction each over ``a``, and ``b`` for grad-weight);
-    the statistics then read only the selected rows.
+    The full operands are read by the counts and, when rows are subsampled, by the peak search
+    (``a``, and ``b`` for grad-weight, whose operands share M); the statistics then read only
+    the selected rows. On CUDA one kernel does both in one read of each large operand
+    (:func:`~loka_train.kernels.triton_rowstats.row_stats`); elsewhere PyTorch ops compute the
+    same counts and the same rows.
 
     Args:
         role: the GEMM role.
@@ -102,15 +108,22 @@ def select(role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_rows: in
         out_ref: optional bias-free high-precision result (dropped for a subsampled
             grad-weight, whose result has no rows).
         max_rows: ``ProbeConfig.max_rows``.
+        kernel: use the row-statistics kernel (default: on CUDA where Triton runs).
 
     Returns:
         ``(a, b, nf_a, nf_b, out_ref)`` with ``a`` (and ``b`` for grad-weight, ``out_ref`` for
         the other roles) cut to the selected rows.
     """
+    if kernel is None:
+        kernel = a.device.type == "cuda" and triton_runnable(a.device)[0]
+    subsample = max_rows is not None and a.shape[0] > max_rows
     # Non-finite values are counted on the full operands: none may slip past a subsample.
-    nf_a, nf_b = count_nonfinite(a), count_nonfinite(b)
-    rows = row_subsample(role, a, b, max_rows)
-    if rows is not None:
+    nf_a, peak_a = _full_pass(a, peaks=subsample, kernel=kernel)
+    # For grad-weight, b (X) is an activation as large as a; elsewhere it is the weight.
+    nf_b, peak_b = _full_pass(b, peaks=subsample and role == "grad_weight", kernel=kernel and role == "grad_weight")
+    if subsample:
+        assert max_rows is not None and peak_a is not None
+        rows = _rows(a.shape[0], max_rows, [p for p in (peak_a, peak_b) if p is not None])
         a = a.index_select(0, rows)
         if role == "grad_weight":
             b = b.index_select(0, rows)
@@ -121,28 +134,38 @@ def select(role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_rows: in
     return Selection(a, b, nf_a, nf_b, out_ref)
 
 
+def _full_pass(x: Tensor, *, peaks: bool, kernel: bool) -> tuple[Tensor, Tensor | None]:
+    """The non-finite count of `x` (int64 device scalar) and, with `peaks`, each row's largest
+    finite magnitude (0 for a row holding a non-finite value)."""
+    if kernel:
+        peak, bad = row_stats(x.detach())
+        return bad.sum(dtype=torch.int64), peak if peaks else None
+    nf = count_nonfinite(x)
+    if not peaks:
+        return nf, None
+    # Each row's peak is one reduction over the operand (no full-size temporary).
+    peak = torch.nan_to_num(torch.linalg.vector_norm(x.detach(), ord=math.inf, dim=1), nan=0.0, posinf=0.0)
+    return nf, peak
+
+
+def _rows(num_rows: int, max_rows: int, peaks: list[Tensor]) -> Tensor:
+    """Evenly strided rows plus each operand's peak row (device ops: argmax stays there)."""
+    stride = -(-num_rows // (max_rows - len(peaks)))
+    strided = torch.arange(0, num_rows, stride, device=peaks[0].device)
+    return torch.cat([strided, *(p.argmax().reshape(1) for p in peaks)])
+
+
 def row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Tensor | None:
     """Indices of at most ``max_rows`` rows (M) to measure on, or None for all rows.
 
     Evenly strided rows plus the row holding the largest |value| of ``a`` (and of ``b`` for
     grad-weight, whose operands share M), so the tensor-wise amax, and with it the tensor-wise
-    scale, is the full tensor's on finite inputs. Each row's peak is one reduction over the
-    operand (no full-size temporary); a row holding a non-finite value is not picked
-    (non-finite values are counted on the full tensor anyway). Device ops only (argmax stays on
-    the device).
+    scale, is the full tensor's on finite inputs. A row holding a non-finite value is not picked
+    (non-finite values are counted on the full tensor anyway). Device ops only.
     """
     num_rows = a.shape[0]
     if max_rows is None or num_rows <= max_rows:
         return None
-    extra = [a]
-    if role == "grad_weight":
-        extra.append(b)
-    stride = -(-num_rows // (max_rows - len(extra)))
-    strided = torch.arange(0, num_rows, stride, device=a.device)
-    peaks = [
-        torch.nan_to_num(torch.linalg.vector_norm(x.detach(), ord=math.inf, dim=1), nan=0.0, posinf=0.0)
-        .argmax()
-        .reshape(1)
-        for x in extra
-    ]
-    return torch.cat([strided, *peaks])
+    kernel = a.device.type == "cuda" and triton_runnable(a.device)[0]
+    peaks = [_full_pass(x, peaks=True, kernel=kernel)[1] for x in ([a, b] if role == "grad_weight" else [a])]
+    return _rows(num_rows, max_rows, [p for p in peaks if p is not None])

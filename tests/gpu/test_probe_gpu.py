@@ -79,3 +79,23 @@ def test_bf16_shadow_gemms_give_the_fp32_statistics(role: str) -> None:
         assert meas.exact_gemm_fallback is None
     for f, s in zip(*out):
         torch.testing.assert_close(f, s, rtol=1e-4, atol=1e-6)
+
+
+def test_row_stats_kernel_matches_its_reference_and_the_selection_on_cuda() -> None:
+    from loka_train.kernels.triton_rowstats import row_stats, row_stats_reference
+    from loka_train.probe.sampling import select
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(32768, 1000, device="cuda", generator=g).bfloat16()
+    x[123, 5], x[4000, 999], x[4000, 0] = float("inf"), float("nan"), -float("inf")
+    x[31000] *= 50
+    for t in (x, x.t().contiguous().t()):
+        peak, bad = row_stats(t)
+        ref_peak, ref_bad = row_stats_reference(t)
+        assert torch.equal(peak, ref_peak) and torch.equal(bad, ref_bad)
+    assert int(bad.sum()) == 3 and int(peak.argmax()) == 31000
+    dy = torch.randn(32768, 512, device="cuda", generator=g).bfloat16()
+    fast = select("grad_weight", dy, x, None, 1024, kernel=True)
+    slow = select("grad_weight", dy, x, None, 1024, kernel=False)
+    assert torch.equal(fast.a, slow.a) and torch.equal(fast.b.nan_to_num(), slow.b.nan_to_num())
+    assert int(fast.nf_b) == int(slow.nf_b) == 3 and int(fast.nf_a) == 0

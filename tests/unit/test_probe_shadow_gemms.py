@@ -77,10 +77,24 @@ def test_bf16_gemms_with_an_fp32_result_give_the_fp32_statistics(role: str, monk
     fast = Measurement(cfg, candidates_of(cfg), WindowLayout(len(candidates_of(cfg))), device=torch.device("cpu"))
     fast.exact_bf16_gemms = True
     got = _measure(fast, role)
-    # Every candidate's GEMM, and the reference when both operands are bf16 (not a fp32 weight).
-    assert len(calls) == len(candidates_of(cfg)) + (role == "grad_weight")
+    # Every candidate's GEMM, and the reference: one GEMM when both operands are bf16, three
+    # (one per bf16 part of the weight, split_bf16) when the second is the fp32 weight.
+    assert len(calls) == len(candidates_of(cfg)) + (1 if role == "grad_weight" else 3)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-9)
+
+
+def test_split_bf16_parts_sum_to_the_fp32_tensor() -> None:
+    from loka_train.probe.measurement import split_bf16
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=g) * torch.logspace(-30, 30, 256).reshape(1, -1)
+    x[0, :4] = torch.tensor([3.4e38, -3.3e38, 1 / 3, 0.0])  # near the largest: nothing overflows
+    parts = split_bf16(x)
+    assert all(p.dtype == torch.bfloat16 for p in parts)
+    total = sum(p.double() for p in parts)
+    assert torch.equal(total, x.double())
+    assert not torch.equal(parts[0].double(), x.double())  # one part would not do
 
 
 def test_a_backend_without_them_falls_back_to_fp32_once_and_says_so(caplog) -> None:
