@@ -413,7 +413,7 @@ def report_data(
         "variants": {v.name: {"description": v.description, "loka": v.loka,
                               "loka_overrides": list(v.loka_overrides), "compile": v.compile,
                               "graphs": v.graphs, "torchao": v.torchao, "decide": v.decide,
-                              "pageable": v.pageable, "eager_sampled": v.eager_sampled} for v in variants},
+                              "pageable": v.pageable, "replay_sampled": v.replay_sampled} for v in variants},
         "results": runs.results,
         "runs": runs.raw if args.repeats > 1 else [],
         "ne_bases": runs.bases,

@@ -122,9 +122,9 @@ class Variant:
     """LoKA: a decision run before the timed run (see the module docstring)."""
     pageable: bool = False
     """``trainer.pin_memory=false``: batches copied to the GPU from pageable memory."""
-    eager_sampled: bool = False
-    """``trainer.cuda_graphs_requested=false``: the Probe's sampled steps run the sampled modules
-    eagerly instead of replaying their own capture."""
+    replay_sampled: bool = False
+    """``trainer.cuda_graphs_requested=true``: the Probe's sampled steps replay a capture of the
+    sampled modules instead of running them eagerly."""
 
 
 def base_variants(fp8_backend: str) -> dict[str, Variant]:
@@ -181,12 +181,12 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
     }
 
 
-SUFFIXES = ("compile", "graphs", "pageable", "eagersampled")
+SUFFIXES = ("compile", "graphs", "pageable", "replaysampled")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
-measures what pinning the batches gains (on by default on CUDA). ``+eagersampled``
-(``trainer.cuda_graphs_requested=false``, with ``+graphs``) runs the Probe's sampled steps
-eagerly instead of replaying them: what replaying them gains."""
+measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
+(``trainer.cuda_graphs_requested=true``, with ``+graphs``) replays the Probe's sampled steps
+instead of running them eagerly: what replaying them gains."""
 
 REFERENCE_SUFFIXES = ("compile", "graphs", "pageable")
 """The suffixes that bf16 shares with a variant in the same-settings comparison."""
@@ -219,10 +219,10 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
             v = replace(v, description=v.description + ", dense step CUDA-graphed", graphs=True)
         if "pageable" in suffixes:
             v = replace(v, description=v.description + ", batches not pinned", pageable=True)
-        if "eagersampled" in suffixes:
+        if "replaysampled" in suffixes:
             if "graphs" not in suffixes or v.loka == "off":
-                raise SystemExit(f"--variants: {name}: '+eagersampled' is for LoKA variants with '+graphs'")
-            v = replace(v, description=v.description + ", sampled steps eager", eager_sampled=True)
+                raise SystemExit(f"--variants: {name}: '+replaysampled' is for LoKA variants with '+graphs'")
+            v = replace(v, description=v.description + ", sampled steps replayed", replay_sampled=True)
         out.append(replace(v, name=canonical_name(name)))
     if len({v.name for v in out}) != len(out):
         raise SystemExit(f"--variants: duplicates in {names}")
@@ -290,7 +290,7 @@ def job_overrides(
         f"trainer.compile_dense={str(variant.compile).lower()}",
         f"trainer.cuda_graphs={str(variant.graphs).lower()}",
         *(["trainer.pin_memory=false"] if variant.pageable else []),
-        *(["trainer.cuda_graphs_requested=false"] if variant.eager_sampled else []),
+        *(["trainer.cuda_graphs_requested=true"] if variant.replay_sampled else []),
         f"trainer.compile_backend={args.compile_backend}",
         f"loka={variant.loka}",
         *variant.loka_overrides,

@@ -138,14 +138,16 @@ class TrainerConfig:
     steps); the capture's compiled variant (parameters as plain tensors) may round apart from the
     compiled code of eager calls."""
 
-    cuda_graphs_requested: bool = True
+    cuda_graphs_requested: bool = False
     """With ``cuda_graphs``: on the steps where a callback requests a module eagerly and defers
     its host work to replays (``Callback.replayable_requests``: the LoKA Probe's sampled steps),
     capture the module's uncompiled forward as a graph of its own (kept beside the unrequested
-    one, in the same memory pool) and replay it, instead of running it eagerly: a sampled step
-    then costs its extra GPU work (the Probe's statistics, the uncompiled kernels) but neither
-    the host work of an eager step nor a second set of activations. ``false`` runs requested
-    modules eagerly."""
+    one, in the same memory pool) and replay it instead of running it eagerly. A sampled step
+    then skips the host work of an eager step, which is what can pay on a host-bound step; it
+    still pays its GPU work (the Probe's statistics, the uncompiled kernels), and the pool keeps
+    what the larger capture needs on every step. Off by default: on a GPU-bound step (Wukong-
+    style, batch 32768, H100) it left the sampled step's time unchanged and raised the peak
+    reserved memory (``docs/performance.md``)."""
 
     cuda_graphs_share_outputs: bool = True
     """With ``cuda_graphs``: the bottom MLP's and the interaction's replays return their graphs'

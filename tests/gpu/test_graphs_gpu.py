@@ -253,8 +253,8 @@ def test_trainer_with_graphs_trains_like_eager(kind: str, tmp_path: Path) -> Non
         # Compiled: the loss tolerance (2026-11-25, with the FP8 sites compiled whole instead of
         # the cross network's frame skipped: eval NE 0.976 against 1.009 after 24 steps).
         assert graphed["eval/ne"] == pytest.approx(eager["eval/ne"], rel=rel if compiled else 2e-2), (loka, compiled)
-        if loka:  # the Probe's sampled steps replay their own captures (replayable requests)
-            assert stats["requested_replays"] > 0 and "requested" not in stats["eager"], stats
+        if loka:  # the Probe's sampled steps run eagerly (trainer.cuda_graphs_requested=false)
+            assert stats["eager"].get("requested", 0) > 0 and stats["requested_replays"] == 0, stats
         if compiled:
             assert sorted(graphed["compiled"]) == ["model.dense_arch", "model.inter_arch", "model.over_arch"], graphed
 

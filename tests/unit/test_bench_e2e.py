@@ -189,14 +189,17 @@ def test_variant_suffixes_combine() -> None:
     assert same.name == "bf16+compile+graphs"
     with pytest.raises(SystemExit, match="duplicates"):
         resolve_variants(["bf16+graphs+compile", "bf16+compile+graphs"], "torch_scaled_mm")
-    # Sampled steps run eagerly: a LoKA variant with graphs only, compared with bf16+compile+graphs.
-    (eager,) = resolve_variants(["loka_safe+compile+graphs+eagersampled"], "torch_scaled_mm")
-    assert eager.eager_sampled and eager.graphs and not v.eager_sampled
+    # Sampled steps replayed: a LoKA variant with graphs only, compared with bf16+compile+graphs.
+    (replayed,) = resolve_variants(["loka_safe+compile+graphs+replaysampled"], "torch_scaled_mm")
+    assert replayed.replay_sampled and replayed.graphs and not v.replay_sampled
     from bench.e2e.verdicts import same_settings_reference
 
-    assert same_settings_reference(eager.name) == "bf16+compile+graphs"
-    for bad in ("bf16+compile+graphs+eagersampled", "loka_safe+compile+eagersampled"):
-        with pytest.raises(SystemExit, match="eagersampled"):
+    assert same_settings_reference(replayed.name) == "bf16+compile+graphs"
+    args = parse_args(["--dry-run", "--out", "unused"])
+    assert "trainer.cuda_graphs_requested=true" in job_overrides(args, "dcn", 64, replayed, "o", steps=1, eval_batches=1)
+    assert not any("cuda_graphs_requested" in o for o in job_overrides(args, "dcn", 64, v, "o", steps=1, eval_batches=1))
+    for bad in ("bf16+compile+graphs+replaysampled", "loka_safe+compile+replaysampled"):
+        with pytest.raises(SystemExit, match="replaysampled"):
             resolve_variants([bad], "torch_scaled_mm")
 
 
