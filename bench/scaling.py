@@ -76,23 +76,18 @@ import logging
 import math
 import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+from bench._procs import Terminated, run_child, terminating
 from bench.e2e.measure import percentile
 from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Variant, job_overrides
-
-ROOT = Path(__file__).resolve().parents[1]
-"""The repository root: on the PYTHONPATH of the torchrun workers, which import ``bench.scaling``."""
 
 REFERENCE = "bf16"
 SCALED_CONFIGS = ("dlrm", "wukong")
@@ -288,43 +283,11 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the jobs (parent)
-class _Terminated(SystemExit):
-    """SIGTERM (``timeout`` on the device machine): stop the running job's processes, then exit."""
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated(128 + signum)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a job's process group (torchrun and its workers), SIGKILL after 10 s."""
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def _launch(job_dir: Path, nproc: int, timeout_s: float) -> tuple[int | None, bool]:
     """Run one job under torchrun; returns (exit status, timed out)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "bench.scaling", "--job", str(job_dir)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    with open(job_dir / "log.txt", "wb") as log:
-        # Its own process group, so that a timeout or our own termination stops the workers too.
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                process_group=0)
-        try:
-            return proc.wait(timeout=timeout_s), False
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            return proc.returncode, True
-        finally:
-            if proc.poll() is None:
-                _stop(proc)
+    return run_child(cmd, job_dir / "log.txt", timeout_s=timeout_s)
 
 
 def _job_error(job_dir: Path, rc: int | None, timed_out: bool, timeout_s: float) -> str:
@@ -522,11 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {max(args.nprocs)} GPUs asked for, {torch.cuda.device_count()} visible; "
               "use --dry-run on a CPU", file=sys.stderr)
         return 2
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
+    with terminating():
         return _run_all(args, argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
@@ -583,7 +543,7 @@ def _run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
         started = time.perf_counter()
         try:
             rc, timed_out = _launch(job_dir, spec["nproc"], args.job_timeout)
-        except _Terminated:
+        except Terminated:
             what = "its decision job was" if spec["role"] == "decide" else "the benchmark was"
             rows.append({"config": spec["config"], "variant": spec["variant"], "nproc": spec["nproc"],
                          "status": "error", "error": f"stopped: {what} terminated (SIGTERM)", "dir": str(job_dir),

@@ -3,7 +3,8 @@
 Every run is a real ``Trainer`` job (TorchRec ``DistributedModelParallel``, fused row-wise
 Adagrad tables, ``TrainPipelineSparseDist``, bf16 autocast of the dense towers), world size 1,
 all in this one process, one after another, with the same data and seeds (``--repeats N``:
-N interleaved rounds, round i with ``trainer.seed=i``, aggregated). Jobs are composed
+N interleaved rounds, round i with ``trainer.seed=i``, aggregated), or each in a fresh process
+of its own (``--isolate``: a run leaves state that slows the later runs of a process). Jobs are composed
 from ``conf/`` with hydra overrides, exactly as ``launch/train.py`` composes them, so the LoKA
 variants measure the real ``conf/loka/{safe,aggressive}.yaml`` presets.
 
@@ -67,10 +68,14 @@ Usage (GPU: the packages of ../shared/device/make-bundle, carried as .device):
     # then every variant 200 steps from it with both rates decaying (seed-paired deltas)
     python -m bench.e2e --out $OUT/ne --configs wukong --batches 32768 --ne-from 300 --ne-steps 200 \
         --ne-decay 1.0 --repeats 3 --no-profile --variants bf16,loka_safe+compile+graphs
+    # host-bound ratios: every (variant, round) in its own process, rotated
+    python -m bench.e2e --out $OUT/b8192 --configs dlrm --batches 8192 --repeats 3 --isolate \
+        --variants bf16+compile+graphs,loka_safe+compile+graphs
 
 Run it from the repository root (``bench`` is a package there). Its parts: ``cli`` (the
 arguments and ``main``), ``variants`` (the model configs, the variants and each one's job),
 ``protocol`` (the runs, warm runs, rotated rounds, seed pairing and the NE protocol),
+``isolate`` (``--isolate``: each run in a child process, their records merged),
 ``measure`` (the step clock and the profile summary), ``verdicts`` (ratios against bf16 and
 the targets' verdicts) and ``report`` (e2e.json and e2e.md).
 """

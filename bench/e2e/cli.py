@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import bench.e2e
+from bench.e2e.isolate import run_isolated
 from bench.e2e.protocol import Runs, progress, run_grid, train_steps
 from bench.e2e.report import environment, render, report_data, write_report
 from bench.e2e.variants import (
@@ -108,6 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "gives the median step time over rounds and the mean eval NE with its "
                         "spread: one GPU run is not deterministic (NE moved +-3.5%% between "
                         "identical H100 runs after 200 steps, up to 1.2%% after 2000)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="trainer.seed of the first round (round i: first seed + i)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run every (variant, round) in a fresh process, in the rotated order, and "
+                        "merge their records: on an H100 a host-bound variant's step time moved by "
+                        "up to 1.8x between rounds of one process (bench/results/"
+                        "sampled_replay_h100_2026-11-25/NOTES.md); each child's output is under "
+                        "OUT/runs/")
     p.add_argument("--timing", choices=("sync", "events"), default=None,
                    help="events (default on CUDA): CUDA events at step ends, no host sync, so the host "
                         "runs ahead as in a real run and a step costs its GPU time unless the host is "
@@ -165,6 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--profile-steps and --ne-steps must be >= 0")
     if args.ne_from < 0:
         raise SystemExit("--ne-from must be >= 0 (0: no shared checkpoint)")
+    if args.isolate and (args.ne_from or args.warm_run):
+        raise SystemExit("--isolate starts a fresh process per run: --ne-from's shared checkpoints and "
+                         "--warm-run belong to one process; drop them or --isolate")
+    if args.first_seed < 0:
+        raise SystemExit("--first-seed must be >= 0")
     if not 0.0 <= args.ne_decay <= 1.0:
         raise SystemExit(f"--ne-decay {args.ne_decay}: a fraction of the steps, from 0 (off) to 1")
     args.config_names = [c for c in args.configs.split(",") if c]
@@ -249,14 +263,17 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args.out, report)
         return report
 
-    _init_process_group(args.device)
-    try:
-        run_grid(args, variants, ne_base, runs, t0=t0, torchao_missing=missing, on_run=finish)
-    finally:
-        import torch.distributed as dist
+    if args.isolate:
+        run_isolated(args, sys.argv[1:] if argv is None else argv, variants, runs, t0=t0, on_run=finish)
+    else:
+        _init_process_group(args.device)
+        try:
+            run_grid(args, variants, ne_base, runs, t0=t0, torchao_missing=missing, on_run=finish)
+        finally:
+            import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     report = finish()
     errors = [r for r in runs.raw if r["status"] == "error"]
     progress(t0, f"wrote {args.out}/e2e.md and e2e.json: {len(runs.raw)} runs, {len(errors)} errors")

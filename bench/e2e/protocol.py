@@ -549,7 +549,8 @@ def run_grid(
                 base_root = Path(base_dir.name)
                 if args.warm_run and not runs.warm_runs:
                     runs.warm_runs.append(warm_run(args, composer, config, batch, variants[0], t0, torchao_missing))
-                for variant, repeat in run_order(variants, args.repeats):
+                for variant, round_ in run_order(variants, args.repeats):
+                    repeat = args.first_seed + round_  # the round's trainer.seed
                     if args.ne_from and repeat not in warm:
                         warm[repeat], base_rec = base_checkpoint(
                             args, composer, config, batch, ne_base, repeat, base_root)
@@ -560,7 +561,7 @@ def run_grid(
                                   warm_start=warm.get(repeat))
                     runs.raw.append(rec)
                     runs.results[:] = aggregate(runs.raw)
-                    tag = f" (run {repeat + 1}/{args.repeats}, seed {repeat})" if args.repeats > 1 else ""
+                    tag = f" (run {round_ + 1}/{args.repeats}, seed {repeat})" if args.repeats > 1 else ""
                     if rec["status"] == "ok":
                         base = next((r for r in runs.raw if r["config"] == config and r["batch"] == batch
                                      and r["variant"] == REFERENCE and r["status"] == "ok"

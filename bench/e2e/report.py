@@ -221,7 +221,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                              f"{p['host_self_cpu_ms_per_step']:.2f} | {p.get('host_sync_wait_ms_per_step', 0.0):.2f} | "
                              f"{top.replace('|', '/')} |")
         lines += _ledger_section(rows)
-        lines += _memory_section(rows)
+        lines += _memory_section(rows, isolated=bool(data["args"].get("isolate")))
         everywhere = [r for r in rows if r["variant"].startswith("fp8_everywhere") and "loka" in r]
         for r in everywhere:
             lk = r["loka"]
@@ -304,13 +304,14 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _memory_section(rows: list[dict[str, Any]]) -> list[str]:
+def _memory_section(rows: list[dict[str, Any]], *, isolated: bool) -> list[str]:
     """Peak GPU memory of each run (reset before it), against bf16 with the same settings."""
     with_peaks = [r for r in rows if r["status"] == "ok" and math.isfinite(r.get("gpu_peak_reserved_gb", math.nan))]
     if not with_peaks:
         return []
     base = {(r["config"], r["variant"]): r for r in with_peaks if r["variant"].startswith("bf16")}
-    out = ["", "### Peak GPU memory (per run, reset before it; variants share one process)", "",
+    where = "each run in its own process" if isolated else "variants share one process"
+    out = ["", f"### Peak GPU memory (per run, reset before it; {where})", "",
            "| config | variant | peak allocated GB | peak reserved GB | reserved vs bf16 same settings "
            "| unsampled steps: median ms, peak allocated GB | sampled steps: median ms, peak allocated GB |",
            "|---|---|---|---|---|---|---|"]
@@ -415,7 +416,7 @@ def report_data(
                               "graphs": v.graphs, "torchao": v.torchao, "decide": v.decide,
                               "pageable": v.pageable, "replay_sampled": v.replay_sampled} for v in variants},
         "results": runs.results,
-        "runs": runs.raw if args.repeats > 1 else [],
+        "runs": runs.raw,
         "ne_bases": runs.bases,
         "warm_runs": runs.warm_runs,
         "targets": all_targets(runs.results, args.config_names, args.batch_sizes,

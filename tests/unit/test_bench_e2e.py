@@ -465,14 +465,17 @@ def test_the_memory_section_compares_with_bf16_under_the_same_settings() -> None
              "steps_sampled": 2, "step_ms_median_sampled": 28.0, "peak_allocated_gb_sampled": 12.5}
     lines = _memory_section([row("bf16+compile+graphs", 10.0),
                              {**row("loka_safe+compile+graphs", 13.0), "by_sampling": split},
-                             row("bf16", 8.0), row("loka_safe", 8.4)])
+                             row("bf16", 8.0), row("loka_safe", 8.4)], isolated=False)
+    assert "variants share one process" in lines[1]
+    assert "each run in its own process" in _memory_section([row("bf16", 8.0)], isolated=True)[1]
     assert ("| dcn | loka_safe+compile+graphs | 6.50 | 13.00 | 1.30x | 58 steps: 9.50 ms, 6.00 GB "
             "| 2 steps: 28.00 ms, 12.50 GB |") in lines
     assert "| dcn | loka_safe | 4.20 | 8.40 | 1.05x | - | - |" in lines
     # A torchao variant is compiled: its reference is bf16+compile, not eager bf16.
-    torchao = _memory_section([row("bf16", 8.0), row("bf16+compile", 10.0), row("torchao_rowwise", 12.0)])
+    torchao = _memory_section([row("bf16", 8.0), row("bf16+compile", 10.0), row("torchao_rowwise", 12.0)],
+                              isolated=False)
     assert "| dcn | torchao_rowwise | 6.00 | 12.00 | 1.20x | - | - |" in torchao
-    assert _memory_section([{**row("bf16", 1.0), "gpu_peak_reserved_gb": math.nan}]) == []
+    assert _memory_section([{**row("bf16", 1.0), "gpu_peak_reserved_gb": math.nan}], isolated=False) == []
 
 
 def test_every_run_is_compared_with_bf16_under_its_own_settings() -> None:
@@ -496,3 +499,46 @@ def test_every_run_is_compared_with_bf16_under_its_own_settings() -> None:
     assert aggr["speedup_vs_same_settings_mean"] == pytest.approx(30 / 33.6)
     assert safe["speedup_vs_same_settings"] == pytest.approx(30 / 28.5)
     assert "speedup_vs_same_settings" not in eager  # no plain bf16 in this grid
+
+
+def test_isolate_runs_each_variant_and_round_in_its_own_process_and_merges_them(tmp_path, monkeypatch) -> None:
+    from bench.e2e import isolate
+
+    assert isolate.child_argv(
+        ["--dry-run", "--isolate", "--variants", "a,b", "--repeats=3", "--ledger", "--out", "x", "--configs", "dcn"],
+        config="dcn", batch=64, variant="b", seed=2, out=tmp_path / "o",
+    ) == ["--dry-run", "--ledger", "--configs", "dcn", "--batches", "64", "--variants", "b", "--repeats", "1",
+          "--first-seed", "2", "--out", str(tmp_path / "o")]
+    calls: list[list[str]] = []
+    ms = {("bf16", 0): 10.0, ("loka_safe", 0): 8.0, ("bf16", 1): 12.0, ("loka_safe", 1): 9.0}
+
+    def fake_launch(cmd: list[str], log) -> tuple[int | None, bool]:
+        calls.append(cmd)
+        args = parse_args(cmd[3:])
+        (variant,) = args.variant_names
+        if variant == "loka_safe" and args.first_seed == 1:
+            return 1, False  # a child that dies without a report
+        rec = _run(variant, args.first_seed, ms[variant, args.first_seed], 0.7)
+        rec["samples_per_s"] = 64 / rec["step_ms_median"] * 1000
+        (args.out / "e2e.json").write_text(json.dumps({"runs": [rec]}))
+        return 0, False
+
+    monkeypatch.setattr(isolate, "_launch", fake_launch)
+    out = tmp_path / "e2e"
+    rc = main(["--dry-run", "--isolate", "--configs", "dcn", "--batches", "64", "--repeats", "2",
+               "--variants", "bf16,loka_safe", "--out", str(out)])
+    assert rc == 1  # one run failed, and the report says which
+    # The rotated order, one process per (variant, round), each with its round's seed.
+    assert [(c[c.index("--variants") + 1], c[c.index("--first-seed") + 1]) for c in calls] == [
+        ("bf16", "0"), ("loka_safe", "0"), ("loka_safe", "1"), ("bf16", "1")]
+    assert all("--isolate" not in c and c[1:3] == ["-m", "bench.e2e"] for c in calls)
+    report = json.loads((out / "e2e.json").read_text())
+    assert len(report["runs"]) == 4
+    failed = [r for r in report["runs"] if r["status"] == "error"]
+    assert len(failed) == 1 and "without a record" in failed[0]["error"] and "log.txt" in failed[0]["error"]
+    safe = next(r for r in report["results"] if r["variant"] == "loka_safe")
+    assert safe["status"] == "error"  # a failed round fails the variant (no partial median)
+    bf16 = next(r for r in report["results"] if r["variant"] == "bf16")
+    assert bf16["status"] == "ok" and bf16["step_ms_median"] == 11.0
+    with pytest.raises(SystemExit, match="--isolate"):
+        parse_args(["--dry-run", "--isolate", "--ne-from", "10", "--out", "x"])
