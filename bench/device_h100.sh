@@ -246,18 +246,14 @@ fi
 # step times split into the Probe's sampled and unsampled steps) and then each variant in its
 # own process (the memory figures), with a trace of the profiled steps (~4 min).
 if has overhead; then
-  for cfg in ${E2E_CONFIGS:-dlrm dcn}; do
-    (timeout ${E2E_TIMEOUT:-150} python -m bench.e2e --configs $cfg --batches 8192 --ne-steps 0 --steps 60 \
-        --profile-steps 5 --trace $w/overhead_${cfg}/traces --pyprofile $w/overhead_${cfg}/py \
+  # Batch 8192 is host-bound: every (variant, round) in its own process (--isolate), three rotated
+  # rounds, each run's profile kept (a run leaves state that slows the later runs of a process).
+  for cfg in ${E2E_CONFIGS:-dlrm}; do
+    (timeout ${E2E_TIMEOUT:-330} python -m bench.e2e --configs $cfg --batches 8192 --ne-steps 0 --steps 300 \
+        --isolate --repeats 3 --profile-steps 5 \
         --profile-variants bf16+compile+graphs,loka_high+compile+graphs,loka_safe+compile+graphs \
         --variants bf16+compile+graphs,loka_high+compile+graphs,loka_safe+compile+graphs \
         --out $w/overhead_$cfg; echo "rc=$?") > $w/overhead_$cfg.txt 2>&1
-    save
-    for v in bf16 loka_high loka_safe; do
-      (timeout 90 python -m bench.e2e --configs $cfg --batches 8192 --ne-steps 0 --steps 60 --no-profile \
-          --variants $v+compile+graphs --out $w/overhead_${cfg}_alone/$v; echo "rc=$?") \
-          > $w/overhead_${cfg}_alone_$v.txt 2>&1
-    done
     save
   done
 fi
