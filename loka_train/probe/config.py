@@ -110,6 +110,16 @@ class ProbeConfig:
     tensor's). None measures every row. Non-finite values are always counted on the full
     tensor. Subsampling bounds the cost of a sample independently of the batch size."""
 
+    max_cols: int | None = 1024
+    """Measure on at most this many output features of each GEMM (the weight's rows for the
+    forward, its columns for the grad-input, the columns of ``dY`` and of ``X`` for the
+    grad-weight): evenly strided slices plus the one holding the largest |value| (so the
+    tensor-wise scale is the full tensor's); every kept slice keeps its row-wise scale, which
+    runs along the contraction. A 4096-wide layer then quantizes a quarter of its weight per
+    candidate and its grad-weight error covers 1024 x 1024 outputs instead of 4096 x 4096. None
+    measures every output feature; so do block and MX candidates, whose tiles span the cut
+    dimension."""
+
     cuda_graphs: bool = True
     """On CUDA, capture each (GEMM role, operand shapes) measurement once as a CUDA graph and
     replay it: one launch instead of hundreds of small ones. The capture synchronizes the
@@ -155,6 +165,10 @@ class ProbeConfig:
             isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 4
         ):
             raise ValueError(f"probe.max_rows={self.max_rows!r} must be None or an int >= 4")
+        if self.max_cols is not None and (
+            isinstance(self.max_cols, bool) or not isinstance(self.max_cols, int) or self.max_cols < 4
+        ):
+            raise ValueError(f"probe.max_cols={self.max_cols!r} must be None or an int >= 4")
         for name in ("every_k_steps", "window", "interval", "block_size", "min_samples", "max_cuda_graphs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

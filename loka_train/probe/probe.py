@@ -89,6 +89,9 @@ class Probe:
         self._sampler = Sampler(config)
         self._window = Window(size=config.window, num_candidates=len(self.candidates), device=self.device)
         self._measurement = Measurement(config, self.candidates, self._window.layout, device=self.device)
+        # Block and MX tiles span the output features: those candidates see every one.
+        tiled = any(s in (Scaling.BLOCK, Scaling.MX) for s in config.scalings)
+        self._max_cols = None if tiled else config.max_cols
         self._key_state: dict[VerdictKey, KeyState] = {}
         self._verdicts: dict[VerdictKey, Verdict] = {}
         self.history: list[dict[str, Any]] = []
@@ -260,7 +263,7 @@ class Probe:
             return
         with torch.no_grad(), record_function("loka/probe/observe"):
             # The full operands are read here (counts, peak rows); the measurement gets the rows.
-            selection = select(role, a2, b2, out_ref, self.config.max_rows)
+            selection = select(role, a2, b2, out_ref, self.config.max_rows, max_cols=self._max_cols)
             # Inside a capture of the sampled module (``trainer.cuda_graphs``): no nested graph,
             # and the sample is written into its window slot after every replay, at the step
             # current then (the measured vectors live at fixed addresses in the capture).

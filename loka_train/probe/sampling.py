@@ -31,7 +31,7 @@ from loka_train.kernels.triton_rowstats import row_stats
 from loka_train.probe.config import ProbeConfig
 from loka_train.probe.measurement import count_nonfinite
 
-__all__ = ["Sampler", "Selection", "row_subsample", "select"]
+__all__ = ["Sampler", "Selection", "cut_columns", "row_subsample", "select"]
 
 
 class Sampler:
@@ -90,7 +90,14 @@ class Selection(NamedTuple):
 
 
 def select(
-    role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_rows: int | None, *, kernel: bool | None = None
+    role: str,
+    a: Tensor,
+    b: Tensor,
+    out_ref: Tensor | None,
+    max_rows: int | None,
+    *,
+    max_cols: int | None = None,
+    kernel: bool | None = None,
 ) -> Selection:
     """The work of a sample on the full operands: their non-finite counts, and the rows to
     measure.
@@ -108,11 +115,13 @@ def select(
         out_ref: optional bias-free high-precision result (dropped for a subsampled
             grad-weight, whose result has no rows).
         max_rows: ``ProbeConfig.max_rows``.
+        max_cols: ``ProbeConfig.max_cols`` (None where block or MX candidates are measured).
         kernel: use the row-statistics kernel (default: on CUDA where Triton runs).
 
     Returns:
         ``(a, b, nf_a, nf_b, out_ref)`` with ``a`` (and ``b`` for grad-weight, ``out_ref`` for
-        the other roles) cut to the selected rows.
+        the other roles) cut to the selected rows, and the output features cut to `max_cols`
+        (:func:`cut_columns`).
     """
     if kernel is None:
         kernel = a.device.type == "cuda" and triton_runnable(a.device)[0]
@@ -131,7 +140,40 @@ def select(
             out_ref = out_ref.reshape(-1, out_ref.shape[-1]).index_select(0, rows)
         else:
             out_ref = None
+    if max_cols is not None:
+        a, b, out_ref = cut_columns(role, a, b, out_ref, max_cols)
     return Selection(a, b, nf_a, nf_b, out_ref)
+
+
+def cut_columns(
+    role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_cols: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The operands cut to at most `max_cols` output features: the forward's weight rows
+    (``y``'s columns), the grad-input's weight columns (``dX``'s columns), the grad-weight's
+    columns of ``dY`` and of ``X`` (``dW``'s rows and columns). Evenly strided slices plus the
+    one holding the largest finite |value|; the contraction axis is untouched, so every kept
+    slice keeps its row-wise scale and the tensor-wise amax is the operand's (on finite values)."""
+    if role == "forward" and b.shape[0] > max_cols:
+        keep = _rows(b.shape[0], max_cols, [_slice_peaks(b, dim=1)])
+        b = b.index_select(0, keep)
+        out_ref = None if out_ref is None else out_ref.reshape(-1, out_ref.shape[-1]).index_select(1, keep)
+    elif role == "grad_input" and b.shape[1] > max_cols:
+        keep = _rows(b.shape[1], max_cols, [_slice_peaks(b, dim=0)])
+        b = b.index_select(1, keep)
+        out_ref = None if out_ref is None else out_ref.reshape(-1, out_ref.shape[-1]).index_select(1, keep)
+    elif role == "grad_weight":
+        if a.shape[1] > max_cols:
+            a = a.index_select(1, _rows(a.shape[1], max_cols, [_slice_peaks(a, dim=0)]))
+        if b.shape[1] > max_cols:
+            b = b.index_select(1, _rows(b.shape[1], max_cols, [_slice_peaks(b, dim=0)]))
+    return a, b, out_ref
+
+
+def _slice_peaks(x: Tensor, *, dim: int) -> Tensor:
+    """The largest |value| of each slice of `x` reduced over `dim` (one pass, no full-size
+    temporary), 0 for a slice holding a non-finite value."""
+    lo, hi = torch.aminmax(x.detach(), dim=dim)
+    return torch.nan_to_num(torch.maximum(hi.float(), -lo.float()), nan=0.0, posinf=0.0)
 
 
 def _full_pass(x: Tensor, *, peaks: bool, kernel: bool) -> tuple[Tensor, Tensor | None]:
