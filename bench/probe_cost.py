@@ -10,11 +10,13 @@ a sampled module replays it (no nested measurement graph).
 Usage:
     python -m bench.probe_cost --out $OUT/probe_cost.json
     python -m bench.probe_cost --preset safe --shape 32768,4096,2048
+    python -m bench.probe_cost --max-cols none     # every output feature (probe.max_cols=None)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 from collections import defaultdict
@@ -51,7 +53,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dy_MN = (torch.randn(M, N, device=device, generator=gen) * 1e-3).to(torch.bfloat16)
     w_NK = torch.randn(N, K, device=device, generator=gen) * K**-0.5
     cfg = LokaConfig.preset(args.preset).probe
-    out: dict[str, Any] = {"shape": [M, K, N], "preset": args.preset, "device": str(device),
+    if args.max_cols is not None:
+        cfg = dataclasses.replace(cfg, max_cols=None if args.max_cols == "none" else int(args.max_cols))
+    out: dict[str, Any] = {"shape": [M, K, N], "preset": args.preset, "max_cols": cfg.max_cols,
+                           "device": str(device),
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                            "candidates": None, "roles": {}}
     for deferred in (False, True) if args.graphed else (False,):
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=12, help="kernels listed per role")
     p.add_argument("--graphed", action="store_true", help="also the form a sampled module's capture records")
+    p.add_argument("--max-cols", default=None, metavar="N|none",
+                   help="probe.max_cols (default: the preset's); none measures every output feature")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -13,6 +13,13 @@ def test_probe_cost_writes_every_role_eager_and_graphed(tmp_path: Path) -> None:
     assert main(["--device", "cpu", "--shape", "64,32,16", "--iters", "1", "--warmup", "1", "--graphed",
                  "--preset", "safe", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["shape"] == [64, 32, 16] and result["candidates"]
+    assert result["shape"] == [64, 32, 16] and result["candidates"] and result["max_cols"] == 1024
     roles = ("forward", "grad_input", "grad_weight")
     assert sorted(result["roles"]) == sorted([*roles, *(f"{r} (graphed)" for r in roles)])
+
+
+def test_probe_cost_takes_max_cols(tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    assert main(["--device", "cpu", "--shape", "64,32,16", "--iters", "1", "--warmup", "1", "--max-cols", "none",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["max_cols"] is None
