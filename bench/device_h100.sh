@@ -5,7 +5,7 @@
 #   source .device/activate.sh && bash bench/device_h100.sh "$OUT" [PART...]
 # PARTS: tests e2e dispatch mods gemm_a gemm_bc quant_ab torchao ne_floor rotated batches pin frame_skip
 # trace vs_torchao probe_steps ne_pairs ne_decay wukong_rowwise dlrm_torchao fp8_pays ledger_shapes comm_codec
-# overhead.
+# overhead probe_cost.
 # One 600 s call each for `rotated` (E2E_CONFIGS of one config) and `batches`. One 600 s call each
 # for `quant_ab`, `torchao` and `ne_floor`. One 600 s call each for: `tests`, `e2e` with
 # E2E_CONFIGS of one or two configs (wukong+dcn, 5 variants, 40 timed steps: ~230 s). bench.e2e's defaults are now 100 timed steps and NE after 2000 steps on 32 eval batches;
@@ -256,6 +256,12 @@ if has overhead; then
         --out $w/overhead_$cfg; echo "rc=$?") > $w/overhead_$cfg.txt 2>&1
     save
   done
+fi
+# One Probe sample of over-arch 0's GEMMs (32768 x 4096 -> 4096), with and without the column cut (~40 s).
+if has probe_cost; then
+  (timeout 60 python -m bench.probe_cost --out $w/probe_cost_cut.json; echo "rc=$?") > $w/probe_cost_cut.txt 2>&1
+  (timeout 60 python -m bench.probe_cost --max-cols none --out $w/probe_cost_full.json; echo "rc=$?") > $w/probe_cost_full.txt 2>&1
+  save
 fi
 # The ledger at named shapes (bench.ledger_shapes, ~110 s) and the comm codec per MB (~60 s).
 if has ledger_shapes; then
