@@ -56,12 +56,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def run_child(cmd: Sequence[str], log: Path, *, timeout_s: float | None) -> tuple[int | None, bool]:
-    """Run `cmd` from the repository root in its own process group, its output into `log`;
-    returns (exit status, timed out). The child is stopped if the parent stops first."""
+def run_child(
+    cmd: Sequence[str], log: Path, *, timeout_s: float | None, cwd: Path = ROOT
+) -> tuple[int | None, bool]:
+    """Run `cmd` in `cwd` (default: the repository root, which is on its PYTHONPATH either way)
+    in its own process group, its output into `log`; returns (exit status, timed out). The
+    child is stopped if the parent stops first."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 process_group=0)
         try:
             return proc.wait(timeout=timeout_s), False

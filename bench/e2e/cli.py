@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line `argv` (``sys.argv[1:]`` when None), checked, with every default filled
     in (the dry run's where ``--dry-run``) and the lists split (``config_names``,
     ``batch_sizes``, ``variant_names``, ``profile_names``)."""
-    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=bench.e2e.__doc__,
+    # No abbreviations: --isolate hands each child the command line with some options replaced.
+    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=bench.e2e.__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="directory for e2e.json and e2e.md")
     p.add_argument("--render", type=Path, metavar="DIR",

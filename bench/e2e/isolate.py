@@ -57,7 +57,8 @@ def child_argv(argv: Sequence[str], *, config: str, batch: int, variant: str, se
 
 
 def _launch(cmd: list[str], log: Path) -> tuple[int | None, bool]:
-    return run_child(cmd, log, timeout_s=None)
+    # The parent's working directory: relative paths in its arguments mean the same to a child.
+    return run_child(cmd, log, timeout_s=None, cwd=Path.cwd())
 
 
 def run_isolated(
@@ -90,6 +91,7 @@ def run_isolated(
                     name = f"{config}_b{batch}_{variant.name.replace('+', '_')}_s{seed}"
                     out = args.out / "runs" / name
                     out.mkdir(parents=True, exist_ok=True)
+                    (out / "e2e.json").unlink(missing_ok=True)  # an earlier benchmark's record
                     cmd = [sys.executable, "-m", "bench.e2e",
                            *child_argv(argv, config=config, batch=batch, variant=variant.name, seed=seed, out=out)]
                     rc, timed_out = launch(cmd, out / "log.txt")

@@ -29,7 +29,7 @@ from torch import Tensor
 from loka_train.kernels import opaque
 from loka_train.kernels.triton_kernels import _cdiv, _check_runnable
 
-__all__ = ["row_stats", "row_stats_reference"]
+__all__ = ["SUPPORTED_DTYPES", "row_stats", "row_stats_reference"]
 
 _BLOCK_M = 4
 """Rows per program."""
@@ -58,10 +58,16 @@ def _row_stats_kernel(x_ptr, peak_ptr, bad_ptr, M, K, stride_m, stride_k,
     tl.store(bad_ptr + rows, bad, mask=row_ok)
 
 
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Input dtypes (read as fp32: a wider one could hold values beyond fp32's range)."""
+
+
 def _row_stats_impl(x: Tensor) -> tuple[Tensor, Tensor]:
     _check_runnable(x)
     if x.dim() != 2:
         raise ValueError(f"row_stats takes a 2-D tensor, got {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"row_stats takes fp32, bf16 or fp16, got {x.dtype} (use row_stats_reference)")
     M, K = x.shape
     peak = torch.empty(M, device=x.device, dtype=torch.float32)
     bad = torch.empty(M, device=x.device, dtype=torch.int32)
@@ -89,7 +95,7 @@ def row_stats(x_MK: Tensor) -> tuple[Tensor, Tensor]:
     """``(peak_M, nonfinite_M)`` of a 2-D float tensor (any strides), in one read.
 
     Raises:
-        ValueError: for a tensor that is not 2-D.
+        ValueError: for a tensor that is not 2-D, or not fp32, bf16 or fp16.
         RuntimeError: where Triton cannot run (use :func:`row_stats_reference`).
     """
     if opaque.tracing():

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from loka_train.kernels.triton_kernels import triton_runnable
-from loka_train.kernels.triton_rowstats import row_stats
+from loka_train.kernels.triton_rowstats import SUPPORTED_DTYPES, row_stats
 from loka_train.probe.config import ProbeConfig
 from loka_train.probe.measurement import count_nonfinite
 
@@ -150,23 +150,35 @@ def cut_columns(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The operands cut to at most `max_cols` output features: the forward's weight rows
     (``y``'s columns), the grad-input's weight columns (``dX``'s columns), the grad-weight's
-    columns of ``dY`` and of ``X`` (``dW``'s rows and columns). Evenly strided slices plus the
+    columns of ``dY`` and of ``X`` (``dW``'s rows and columns). Evenly spread slices plus the
     one holding the largest finite |value|; the contraction axis is untouched, so every kept
-    slice keeps its row-wise scale and the tensor-wise amax is the operand's (on finite values)."""
+    slice keeps its row-wise scale and the tensor-wise amax is the operand's (on finite values).
+    `out_ref` (the high-precision result) is cut along the same features."""
+    ref = None if out_ref is None else out_ref.reshape(-1, out_ref.shape[-1])
     if role == "forward" and b.shape[0] > max_cols:
-        keep = _rows(b.shape[0], max_cols, [_slice_peaks(b, dim=1)])
+        keep = _spread(b.shape[0], max_cols, _slice_peaks(b, dim=1))
         b = b.index_select(0, keep)
-        out_ref = None if out_ref is None else out_ref.reshape(-1, out_ref.shape[-1]).index_select(1, keep)
+        ref = None if ref is None else ref.index_select(1, keep)
     elif role == "grad_input" and b.shape[1] > max_cols:
-        keep = _rows(b.shape[1], max_cols, [_slice_peaks(b, dim=0)])
+        keep = _spread(b.shape[1], max_cols, _slice_peaks(b, dim=0))
         b = b.index_select(1, keep)
-        out_ref = None if out_ref is None else out_ref.reshape(-1, out_ref.shape[-1]).index_select(1, keep)
-    elif role == "grad_weight":
+        ref = None if ref is None else ref.index_select(1, keep)
+    elif role == "grad_weight":  # dW = dY^T X: its rows are dY's columns, its columns X's
         if a.shape[1] > max_cols:
-            a = a.index_select(1, _rows(a.shape[1], max_cols, [_slice_peaks(a, dim=0)]))
+            keep = _spread(a.shape[1], max_cols, _slice_peaks(a, dim=0))
+            a = a.index_select(1, keep)
+            ref = None if ref is None else ref.index_select(0, keep)
         if b.shape[1] > max_cols:
-            b = b.index_select(1, _rows(b.shape[1], max_cols, [_slice_peaks(b, dim=0)]))
-    return a, b, out_ref
+            keep = _spread(b.shape[1], max_cols, _slice_peaks(b, dim=0))
+            b = b.index_select(1, keep)
+            ref = None if ref is None else ref.index_select(1, keep)
+    return a, b, ref if out_ref is not None else None
+
+
+def _spread(num: int, count: int, peaks: Tensor) -> Tensor:
+    """``count - 1`` evenly spread indices of ``range(num)`` and the index of the largest peak."""
+    spread = torch.linspace(0, num - 1, steps=count - 1, device=peaks.device).round().long()
+    return torch.cat([spread, peaks.argmax().reshape(1)])
 
 
 def _slice_peaks(x: Tensor, *, dim: int) -> Tensor:
@@ -179,7 +191,7 @@ def _slice_peaks(x: Tensor, *, dim: int) -> Tensor:
 def _full_pass(x: Tensor, *, peaks: bool, kernel: bool) -> tuple[Tensor, Tensor | None]:
     """The non-finite count of `x` (int64 device scalar) and, with `peaks`, each row's largest
     finite magnitude (0 for a row holding a non-finite value)."""
-    if kernel:
+    if kernel and x.dtype in SUPPORTED_DTYPES:
         peak, bad = row_stats(x.detach())
         return bad.sum(dtype=torch.int64), peak if peaks else None
     nf = count_nonfinite(x)

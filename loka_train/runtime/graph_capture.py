@@ -50,6 +50,11 @@ class PoolShare:
             self._handle = torch.cuda.graph_pool_handle()
         return self._handle
 
+    def reset(self) -> None:
+        """Forget the pool (every capture into it was released): the next capture takes a new
+        one, as the allocator may not let a pool whose captures are all gone take more."""
+        self._handle = None
+
 
 def _run_hooks(hooks: tuple[ReplayHook, ...]) -> None:
     for hook in hooks:

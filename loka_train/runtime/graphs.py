@@ -169,6 +169,8 @@ class _Entry:
     """Eager calls per signature not captured yet (the warm-up before a capture)."""
     disabled: str = ""
     """Why this module stays eager for the run (a failed capture), or ''."""
+    requested_disabled: str = ""
+    """Why its requested steps run eagerly for the run (their capture failed), or ''."""
     counts: Counter[str] = field(default_factory=Counter)
 
     @property
@@ -405,7 +407,7 @@ class DenseGraphs:
             return "eval"
         if not torch.is_grad_enabled():
             return "no_grad"
-        if self.eager.runs_eagerly(entry.module) and not self.eager.replayable:
+        if self.eager.runs_eagerly(entry.module) and (not self.eager.replayable or entry.requested_disabled):
             return "requested"
         return ""
 
@@ -464,6 +466,11 @@ class DenseGraphs:
                 run, inputs, entry.params, shared_outputs=entry.shares_outputs, chained=chained, share=entry.share
             )
         except Exception as exc:  # a capture failure must not end the run: eager from now on
+            if requested:  # the requested steps run eagerly again; the other captures stay
+                entry.requested_disabled = f"capture failed: {type(exc).__name__}: {exc}"
+                self._fallback(entry, "capture_failed", f"{entry.requested_disabled} on a requested step; "
+                               "requested steps run eagerly for the rest of the run")
+                return None
             self._drop(entry)
             entry.disabled = f"capture failed: {type(exc).__name__}: {exc}"
             self._fallback(entry, "capture_failed", f"{entry.disabled}; it runs eagerly for the rest of the run")
@@ -506,14 +513,27 @@ class DenseGraphs:
         return "replay"
 
     def _drop(self, entry: _Entry, key: Hashable = None) -> None:
-        """Release `entry`'s capture for `key` (every capture when None)."""
+        """Release `entry`'s capture for `key` (every capture when None), and the captures of
+        other modules that read a shared buffer of it in place (their signature names that
+        buffer: nothing would match them again, and they would keep it alive)."""
         keys = list(entry.variants) if key is None else [key] if key in entry.variants else []
+        released: set[int] = set()
         for k in keys:
             graphed = entry.variants.pop(k).graphed
             for buffer in graphed.shared_buffers:
                 if self._shared.get(_storage(buffer)) == entry.name:
                     del self._shared[_storage(buffer)]
+                released.add(_storage(buffer))
             graphed.release()
+        if not entry.variants:
+            # A pool whose every capture is released may not be captured into again: the
+            # module's next capture takes a fresh one.
+            entry.share.reset()
+        if released:
+            for other in self._entries:
+                stale = [k for k, v in other.variants.items() if any(st in released for _, _, st in v.chain)]
+                for k in stale:
+                    self._drop(other, k)
 
     def _fallback(self, entry: _Entry, reason: str, message: str) -> None:
         entry.counts[reason] += 1

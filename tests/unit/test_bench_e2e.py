@@ -542,3 +542,19 @@ def test_isolate_runs_each_variant_and_round_in_its_own_process_and_merges_them(
     assert bf16["status"] == "ok" and bf16["step_ms_median"] == 11.0
     with pytest.raises(SystemExit, match="--isolate"):
         parse_args(["--dry-run", "--isolate", "--ne-from", "10", "--out", "x"])
+
+
+def test_isolate_does_not_take_an_earlier_benchmarks_record_for_a_failed_run(tmp_path, monkeypatch) -> None:
+    from bench.e2e import isolate
+
+    out = tmp_path / "e2e"
+    stale = out / "runs" / "dcn_b64_bf16_s0"
+    stale.mkdir(parents=True)
+    (stale / "e2e.json").write_text(json.dumps({"runs": [{**_run("bf16", 0, 1.0, 0.7), "samples_per_s": 1.0}]}))
+    monkeypatch.setattr(isolate, "_launch", lambda cmd, log: (1, False))  # dies without a record
+    assert main(["--dry-run", "--isolate", "--configs", "dcn", "--batches", "64", "--variants", "bf16",
+                 "--out", str(out)]) == 1
+    (rec,) = json.loads((out / "e2e.json").read_text())["runs"]
+    assert rec["status"] == "error" and "exited with status 1" in rec["error"]
+    with pytest.raises(SystemExit):  # no abbreviations: a child must not see --isolate as --iso
+        parse_args(["--dry-run", "--iso", "--out", "x"])

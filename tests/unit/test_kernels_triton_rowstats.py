@@ -42,6 +42,8 @@ def test_empty_and_non_2d_inputs() -> None:
     assert peak.tolist() == [0.0, 0.0, 0.0] and bad.tolist() == [0, 0, 0]
     with pytest.raises(ValueError, match="2-D"):
         rs.row_stats(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):  # fp64 may hold values beyond fp32
+        rs.row_stats(torch.full((2, 3), 1e39, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("role", ["forward", "grad_input", "grad_weight"])

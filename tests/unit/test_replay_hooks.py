@@ -140,3 +140,42 @@ def test_sampled_steps_of_a_replayable_callback_replay_their_own_capture(replaya
     else:
         assert stats["captures"] == 1 and stats["requested_replays"] == 0
         assert stats["eager"] == {"requested": 4, "warmup": 1}
+
+
+def test_a_failed_capture_of_a_requested_step_leaves_the_other_captures() -> None:
+    tower, log = Tower(), []
+
+    def capture(run: Any, inputs: tuple[Tensor, ...], params: Any, **kw: Any) -> HookFake:
+        if tower.site.sampling:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return HookFake(run, inputs, params, log, **kw)
+
+    graphs = DenseGraphs({"tower": tower}, warmup_calls=1, capture=capture)
+    probe = _probe(every_k_steps=3)
+    tower.site.site_name = "s"
+    tower.site.attach_observer(probe)
+    x = torch.randn(16, 8)
+    for step in range(7):  # sampled: 0, 3, 6
+        probe.begin_step(step)
+        graphs.eager.begin_step(mark_sampled([tower.site], step), replayable=True)
+        tower(x).sum().backward()
+    stats = graphs.stats()
+    # Step 0's capture fails: steps 0, 3, 6 run eagerly; the unsampled steps keep replaying.
+    assert stats["eager"] == {"capture_failed": 1, "requested": 2, "warmup": 1}, stats
+    assert stats["replays"] == 3 and not graphs._entries[0].disabled
+    assert probe.report()["sites"]["s"]["num_observations"]["forward"] == 3
+    assert any("requested steps run eagerly" in line for line in graphs.fallbacks)
+
+
+def test_releasing_every_capture_forgets_the_pool() -> None:
+    tower, log = Tower(), []
+    graphs = DenseGraphs({"tower": tower}, warmup_calls=1,
+                         capture=lambda run, inputs, params, **kw: HookFake(run, inputs, params, log, **kw))
+    x = torch.randn(16, 8)
+    for _ in range(2):
+        tower(x)
+    entry = graphs._entries[0]
+    assert entry.variants
+    entry.share._handle = "pool"  # as a CUDA capture would have made it
+    graphs.invalidate()
+    assert not entry.variants and entry.share._handle is None

@@ -851,3 +851,24 @@ def test_dynamo_frame_skips_counts_a_frame_past_the_recompile_limit() -> None:
     after = dynamo_frame_skips()
     new = {frame: times - before.get(frame, 0) for frame, times in after.items() if times > before.get(frame, 0)}
     assert new == {"a frame past dynamo's recompile_limit=1": 1}, new
+
+
+def test_releasing_a_producer_capture_releases_the_captures_that_read_its_buffer() -> None:
+    producer, consumer = Tower(), nn.Sequential(nn.Linear(4, 2))
+    log: list = []
+    consumer_params = set(consumer.parameters())
+    graphs = DenseGraphs(
+        {"producer": producer, "consumer": consumer}, warmup_calls=1, shared_outputs=["producer"],
+        capture=lambda run, inputs, params, **kw: SharingFake(
+            run, inputs, params, log, "consumer" if params[0] in consumer_params else "producer", **kw
+        ),
+    )
+    x = torch.randn(3, 8)
+    for _ in range(4):
+        consumer(producer(x))
+    prod, cons = graphs._entries
+    chained = [k for k, v in cons.variants.items() if v.chain]
+    assert len(chained) == 1 and len(prod.variants) == 1
+    graphs._drop(prod)  # e.g. evicted, or dropped by invalidate()
+    assert not prod.variants and all(not v.chain for v in cons.variants.values())
+    assert chained[0] not in cons.variants
