@@ -321,3 +321,34 @@ def test_sampled_steps_replayed_record_what_eager_sampled_steps_record(compiled:
     assert replayed._window.slot_steps == eager._window.slot_steps
     torch.testing.assert_close(replayed._window.local_sum, eager._window.local_sum, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(replayed._window.local_max, eager._window.local_max, rtol=1e-5, atol=1e-6)
+
+
+def test_alternating_plans_with_one_capture_kept_recapture_into_a_fresh_pool() -> None:
+    """max_variants=1: every plan switch releases the module's only capture, so its pool is
+    forgotten and the next capture takes a new one (a pool whose captures are all gone may not
+    be captured into again); invalidate() does the same. Outputs stay bit-identical to eager."""
+    torch.manual_seed(0)
+    eager = Tower().cuda()
+    graphed = copy.deepcopy(eager)
+    graphs = DenseGraphs({"tower": graphed}, warmup_calls=1, max_variants=1)
+    gen = torch.Generator("cuda").manual_seed(1)
+    xs = [torch.randn(512, 256, device="cuda", generator=gen) for _ in range(12)]
+    fp8, high = _fp8_plan(), LinearPlan()
+
+    def steps(tower: Tower) -> list[Tensor]:
+        out = []
+        for i, x in enumerate(xs):
+            for site in (tower.a, tower.b):
+                site.set_plan(fp8 if (i // 3) % 2 else high)  # switch every 3 steps
+            if tower is graphed and i == 9:
+                graphs.invalidate()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y, _ = tower(x, skip=torch.ones(x.shape[0], 64, device="cuda"))
+            y.float().sum().backward()
+            out.append(y.detach().clone())
+        return out
+
+    for step, (a, b) in enumerate(zip(steps(eager), steps(graphed))):
+        assert torch.equal(a, b), f"step {step}"
+    stats = graphs.stats()
+    assert graphs.fallbacks == [] and stats["captures"] >= 4 and stats["replays"] >= 4, stats
