@@ -105,7 +105,7 @@ class ProbeConfig:
     ``block_size`` square tiles for weights) or "mx" to measure them too."""
 
     max_rows: int | None = 1024
-    """Measure on at most this many rows (M) of each activation / gradient: evenly strided
+    """Measure on at most this many rows (M) of each activation / gradient: evenly spread
     rows plus the row holding the largest |value| (so the tensor-wise scale is the full
     tensor's). None measures every row. Non-finite values are always counted on the full
     tensor. Subsampling bounds the cost of a sample independently of the batch size."""
@@ -113,7 +113,7 @@ class ProbeConfig:
     max_cols: int | None = 1024
     """Measure on at most this many output features of each GEMM (the weight's rows for the
     forward, its columns for the grad-input, the columns of ``dY`` and of ``X`` for the
-    grad-weight): evenly strided slices plus the one holding the largest |value| (so the
+    grad-weight): evenly spread slices plus the one holding the largest |value| (so the
     tensor-wise scale is the full tensor's); every kept slice keeps its row-wise scale, which
     runs along the contraction. A 4096-wide layer then quantizes a quarter of its weight per
     candidate and its grad-weight error covers 1024 x 1024 outputs instead of 4096 x 4096. None

@@ -5,7 +5,7 @@
   sites; the first sampled step a process begins samples every site, ``prime_all_sites``), so
   every rank samples the same (site, role, step) and window slots line up across ranks.
 * **Rows.** A sample measures at most ``max_rows`` rows of an activation or gradient (evenly
-  strided, plus the row holding the largest |value|, so on finite inputs the tensor-wise scale
+  spread, plus the row holding the largest |value|, so on finite inputs the tensor-wise scale
   is the full tensor's; a row holding a non-finite value is not picked). Non-finite values are
   counted on the full tensors. Those two reductions (one kernel on CUDA) are all that reads
   the full operands: the statistics, and the CUDA graphs that compute them, see only the
@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -31,7 +30,7 @@ from loka_train.kernels.triton_rowstats import SUPPORTED_DTYPES, row_stats
 from loka_train.probe.config import ProbeConfig
 from loka_train.probe.measurement import count_nonfinite
 
-__all__ = ["Sampler", "Selection", "cut_columns", "row_subsample", "select"]
+__all__ = ["Sampler", "Selection", "cut_columns", "select"]
 
 
 class Sampler:
@@ -132,7 +131,7 @@ def select(
     nf_b, peak_b = _full_pass(b, peaks=subsample and role == "grad_weight", kernel=kernel and role == "grad_weight")
     if subsample:
         assert max_rows is not None and peak_a is not None
-        rows = _rows(a.shape[0], max_rows, [p for p in (peak_a, peak_b) if p is not None])
+        rows = _spread(a.shape[0], max_rows, [p for p in (peak_a, peak_b) if p is not None])
         a = a.index_select(0, rows)
         if role == "grad_weight":
             b = b.index_select(0, rows)
@@ -156,29 +155,30 @@ def cut_columns(
     `out_ref` (the high-precision result) is cut along the same features."""
     ref = None if out_ref is None else out_ref.reshape(-1, out_ref.shape[-1])
     if role == "forward" and b.shape[0] > max_cols:
-        keep = _spread(b.shape[0], max_cols, _slice_peaks(b, dim=1))
+        keep = _spread(b.shape[0], max_cols, [_slice_peaks(b, dim=1)])
         b = b.index_select(0, keep)
         ref = None if ref is None else ref.index_select(1, keep)
     elif role == "grad_input" and b.shape[1] > max_cols:
-        keep = _spread(b.shape[1], max_cols, _slice_peaks(b, dim=0))
+        keep = _spread(b.shape[1], max_cols, [_slice_peaks(b, dim=0)])
         b = b.index_select(1, keep)
         ref = None if ref is None else ref.index_select(1, keep)
     elif role == "grad_weight":  # dW = dY^T X: its rows are dY's columns, its columns X's
         if a.shape[1] > max_cols:
-            keep = _spread(a.shape[1], max_cols, _slice_peaks(a, dim=0))
+            keep = _spread(a.shape[1], max_cols, [_slice_peaks(a, dim=0)])
             a = a.index_select(1, keep)
             ref = None if ref is None else ref.index_select(0, keep)
         if b.shape[1] > max_cols:
-            keep = _spread(b.shape[1], max_cols, _slice_peaks(b, dim=0))
+            keep = _spread(b.shape[1], max_cols, [_slice_peaks(b, dim=0)])
             b = b.index_select(1, keep)
             ref = None if ref is None else ref.index_select(1, keep)
     return a, b, ref if out_ref is not None else None
 
 
-def _spread(num: int, count: int, peaks: Tensor) -> Tensor:
-    """``count - 1`` evenly spread indices of ``range(num)`` and the index of the largest peak."""
-    spread = torch.linspace(0, num - 1, steps=count - 1, device=peaks.device).round().long()
-    return torch.cat([spread, peaks.argmax().reshape(1)])
+def _spread(num: int, count: int, peaks: list[Tensor]) -> Tensor:
+    """`count` indices of ``range(num)``: evenly spread ones, then the index of each tensor of
+    `peaks`' largest value (device ops: argmax stays there)."""
+    spread = torch.linspace(0, num - 1, steps=count - len(peaks), device=peaks[0].device).round().long()
+    return torch.cat([spread, *(p.argmax().reshape(1) for p in peaks)])
 
 
 def _slice_peaks(x: Tensor, *, dim: int) -> Tensor:
@@ -194,32 +194,4 @@ def _full_pass(x: Tensor, *, peaks: bool, kernel: bool) -> tuple[Tensor, Tensor 
     if kernel and x.dtype in SUPPORTED_DTYPES:
         peak, bad = row_stats(x.detach())
         return bad.sum(dtype=torch.int64), peak if peaks else None
-    nf = count_nonfinite(x)
-    if not peaks:
-        return nf, None
-    # Each row's peak is one reduction over the operand (no full-size temporary).
-    peak = torch.nan_to_num(torch.linalg.vector_norm(x.detach(), ord=math.inf, dim=1), nan=0.0, posinf=0.0)
-    return nf, peak
-
-
-def _rows(num_rows: int, max_rows: int, peaks: list[Tensor]) -> Tensor:
-    """Evenly strided rows plus each operand's peak row (device ops: argmax stays there)."""
-    stride = -(-num_rows // (max_rows - len(peaks)))
-    strided = torch.arange(0, num_rows, stride, device=peaks[0].device)
-    return torch.cat([strided, *(p.argmax().reshape(1) for p in peaks)])
-
-
-def row_subsample(role: str, a: Tensor, b: Tensor, max_rows: int | None) -> Tensor | None:
-    """Indices of at most ``max_rows`` rows (M) to measure on, or None for all rows.
-
-    Evenly strided rows plus the row holding the largest |value| of ``a`` (and of ``b`` for
-    grad-weight, whose operands share M), so the tensor-wise amax, and with it the tensor-wise
-    scale, is the full tensor's on finite inputs. A row holding a non-finite value is not picked
-    (non-finite values are counted on the full tensor anyway). Device ops only.
-    """
-    num_rows = a.shape[0]
-    if max_rows is None or num_rows <= max_rows:
-        return None
-    kernel = a.device.type == "cuda" and triton_runnable(a.device)[0]
-    peaks = [_full_pass(x, peaks=True, kernel=kernel)[1] for x in ([a, b] if role == "grad_weight" else [a])]
-    return _rows(num_rows, max_rows, [p for p in peaks if p is not None])
+    return count_nonfinite(x), _slice_peaks(x, dim=1) if peaks else None

@@ -18,9 +18,11 @@ What runs eagerly, and why (every call is counted by reason in :meth:`DenseGraph
   handles, Triton compilation and autotuning, allocator growth) happens outside a capture
   (with ``compile``, the capture's own compiled variant compiles in the capture's warm-up
   iterations, ``capture_warmup_iters >= 1``);
-* ``unchained``: a module captured on a producer's shared output buffer (``shared_outputs``)
-  whose input is another tensor this time, because the producer did not replay (a requested
-  step or its warm-up);
+* ``unchained``: a module captured reading a producer's shared output buffer
+  (``shared_outputs``) in place, fed a view of that buffer at another address. A consumer's
+  signature names the producer buffer each input is, so an input that is another tensor (the
+  producer did not replay: a requested step or its warm-up) or another capture's buffer is
+  another signature, warmed up and captured like any other;
 * fallbacks (logged once, counted, listed in the run report): an input that is not a tensor,
   or a capture that failed (e.g. an op that synchronises with the host); the module then
   stays eager for the run.
@@ -31,8 +33,10 @@ says why: host work inside a layer loop made dynamo skip the whole frame).
 
 A signature is: autocast state, the input shapes / dtypes / requires-grad, the
 ``forward_key()`` of the module's :class:`~loka_train.runtime.eager.Keyed` submodules (an FP8
-site's plan) and the parameters' storage. When it changes (a plan switched, the batch shape
-changed) the module is captured again.
+site's plan, whether it is sampled), the parameters' storage, which producer buffer each input
+is, and whether the step requested the module. A new signature (a plan switched, the batch
+shape changed) is warmed up and captured; each module keeps its last ``max_variants``
+captures, in one memory pool, so switching back replays without capturing again.
 
 Replays compute exactly what the eager module computes with the same kernels (with
 ``compile``, what the variant compiled for the capture computes, which may round apart from the
@@ -365,14 +369,9 @@ class DenseGraphs:
         key = self._signature(entry, inputs, spec, requested=requested)
         variant = entry.variants.get(key)
         if variant is not None:
-            chain = self._chain_state(variant, inputs)
-            if chain == "unchained":
+            if self._unchained(variant, inputs):
                 entry.counts["unchained"] += 1
                 return self._unreplayed(entry, "unchained", args, kwargs)
-            if chain == "recapture":
-                variant = self._recapture(entry, key, inputs, spec, requested=requested)
-                if variant is None:
-                    return self._unreplayed(entry, "capture_failed", args, kwargs)
             entry.variants[key] = entry.variants.pop(key)  # the most recently replayed last
         else:
             seen = entry.seen.pop(key, 0) + 1
@@ -385,7 +384,7 @@ class DenseGraphs:
                     del entry.seen[next(iter(entry.seen))]
                 entry.counts["warmup"] += 1
                 return self._unreplayed(entry, "warmup", args, kwargs)
-            variant = self._recapture(entry, key, inputs, spec, requested=requested)
+            variant = self._new_variant(entry, inputs, spec, requested=requested)
             if variant is None:
                 return self._unreplayed(entry, "capture_failed", args, kwargs)
         entry.counts["requested_replay" if requested else "replay"] += 1
@@ -429,13 +428,11 @@ class DenseGraphs:
             tuple(_storage(t) if self._is_shared(t) else None for t in inputs),
         )
 
-    def _recapture(
-        self, entry: _Entry, key: Hashable, inputs: tuple[Tensor, ...], spec: _InputSpec, *, requested: bool
+    def _new_variant(
+        self, entry: _Entry, inputs: tuple[Tensor, ...], spec: _InputSpec, *, requested: bool
     ) -> _Variant | None:
-        """Capture `entry` for signature `key` (replacing a stale capture of it, and dropping
-        the least recently replayed one beyond ``max_variants``); None when it failed."""
-        recapture = key in entry.variants
-        self._drop(entry, key)
+        """Capture `entry` for a signature it has no capture of (dropping the least recently
+        replayed capture beyond ``max_variants``); None when it failed."""
         while len(entry.variants) >= self.max_variants:
             self._drop(entry, next(iter(entry.variants)))
         fresh_params = entry.refresh_params_changed()
@@ -484,8 +481,7 @@ class DenseGraphs:
             self._shared[_storage(buffer)] = entry.name
         self.num_captures += 1
         entry.counts["capture"] += 1
-        logger.info("cuda_graphs: %s %s%s (%d keyed submodules, %d captures kept)",
-                    "re-captured" if recapture else "captured", entry.name,
+        logger.info("cuda_graphs: captured %s%s (%d keyed submodules, %d captures kept)", entry.name,
                     " for a requested step" if requested else "", len(entry.keyed), len(entry.variants))
         return variant
 
@@ -493,24 +489,12 @@ class DenseGraphs:
         """Whether `t` lives in a graphed producer's shared output buffer."""
         return bool(t.numel()) and _storage(t) in self._shared
 
-    def _chain_state(self, variant: _Variant, inputs: tuple[Tensor, ...]) -> str:
-        """For a call with the signature of `entry`'s capture: ``replay``; ``recapture`` when a
-        producer it reads in place was captured again or dropped (nobody writes that buffer any
-        more), or when it copies an input that is now a shared buffer (it was captured while its
-        producer did not replay: chain to it once rather than copy it on every replay); or
-        ``unchained`` when it is fed another tensor where it reads a producer's buffer (the
-        producer did not replay: copying the input in would overwrite what the producer's
-        backward graph may read)."""
-        if not self._shared and not variant.chain:
-            return "replay"
-        chained = {i for i, _, _ in variant.chain}
-        if any(storage not in self._shared for _, _, storage in variant.chain) or any(
-            i not in chained and self._is_shared(t) for i, t in enumerate(inputs)
-        ):
-            return "recapture"
-        if any(inputs[i].data_ptr() != ptr for i, ptr, _ in variant.chain):
-            return "unchained"
-        return "replay"
+    def _unchained(self, variant: _Variant, inputs: tuple[Tensor, ...]) -> bool:
+        """Whether `variant` reads a producer's buffer in place where this call gives another
+        address (a view at another offset of it): copying the input in would overwrite what the
+        producer's backward graph may read. The signature names the buffer itself, so a
+        producer that captured again or did not replay gives another signature instead."""
+        return any(inputs[i].data_ptr() != ptr for i, ptr, _ in variant.chain)
 
     def _drop(self, entry: _Entry, key: Hashable = None) -> None:
         """Release `entry`'s capture for `key` (every capture when None), and the captures of

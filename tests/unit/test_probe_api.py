@@ -329,26 +329,29 @@ def test_masked_quantile_matches_torch_quantile() -> None:
                     assert got[s, r, c] == torch.quantile(sel, q, interpolation=mode)
 
 
-def test_row_subsample_skips_a_peak_row_with_a_nonfinite_value_and_selects_before_measuring() -> None:
-    from loka_train.probe.sampling import row_subsample, select
+def test_selection_skips_a_peak_row_with_a_nonfinite_value_and_keeps_operands_paired() -> None:
+    from loka_train.probe.sampling import select
 
     x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(2))
     x_MK[201, 5] = 1e4  # the peak row ...
     x_MK[201, 6] = float("inf")  # ... holds a non-finite value: not picked
     x_MK[90, 1] = 500.0  # the largest among the finite rows
-    rows = row_subsample("forward", x_MK, torch.randn(N, K), max_rows=8)
-    assert rows is not None and int(rows[-1]) == 90 and 201 not in rows.tolist()
-    # select: the counts on the full operands, and both grad-weight operands cut to the same
-    # rows (dY's and X's rows must stay paired: they share M).
+
+    def rows_of(sel: torch.Tensor, full: torch.Tensor) -> list[int]:
+        return [next(i for i in range(full.shape[0]) if torch.equal(full[i], r)) for r in sel]
+
+    # select: the counts on the full operands, the rows cut (the finite peak last).
     w_NK = torch.randn(N, K)
     a, b, nf_a, nf_b, _ = select("forward", x_MK, w_NK, None, 8)
     assert a.shape == (8, K) and b is w_NK and int(nf_a) == 1 and int(nf_b) == 0
+    assert rows_of(a, x_MK)[-1] == 90 and not any(torch.equal(r, x_MK[201]) for r in a)
+    # Both grad-weight operands are cut to the same rows (dY's and X's rows share M), and each
+    # operand's peak row is kept.
     dy_MN = torch.randn(256, N, generator=torch.Generator().manual_seed(3))
     dy_MN[33, 0] = -700.0
     a, b, nf_a, nf_b, _ = select("grad_weight", dy_MN, x_MK, None, 8)
-    rows = row_subsample("grad_weight", dy_MN, x_MK, 8)
-    assert rows is not None and {33, 90} <= set(rows.tolist())
-    assert torch.equal(a, dy_MN[rows]) and torch.equal(b, x_MK[rows])
+    rows = rows_of(a, dy_MN)
+    assert {33, 90} <= set(rows) and torch.equal(b, x_MK[rows])
     assert int(nf_a) == 0 and int(nf_b) == 1
     # Through the Probe: the non-finite value of X counts in grad-weight's operand b (the
     # measurement graphs get these counts as inputs; here their eager fallback).
@@ -369,7 +372,7 @@ def test_row_subsample_skips_a_peak_row_with_a_nonfinite_value_and_selects_befor
     assert fallback.num_eager == 1
 
 
-def test_row_subsample_keeps_the_peak_row_and_counts_every_nonfinite() -> None:
+def test_the_row_cut_keeps_the_peak_row_and_counts_every_nonfinite() -> None:
     probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
     probe.register_site("s", weight_shape=(N, K))
     x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(1))

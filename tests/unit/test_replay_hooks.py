@@ -107,6 +107,20 @@ class Tower(nn.Module):
         return self.site(x).relu()
 
 
+def _train(tower: Tower, capture: Any, *, steps: int, replayable: bool) -> tuple[DenseGraphs, Probe]:
+    """`steps` training steps of `tower` graphed with `capture`, its site sampled every 3rd step."""
+    graphs = DenseGraphs({"tower": tower}, warmup_calls=1, capture=capture)
+    probe = _probe(every_k_steps=3)
+    tower.site.site_name = "s"
+    tower.site.attach_observer(probe)
+    x = torch.randn(16, 8)
+    for step in range(steps):
+        probe.begin_step(step)
+        graphs.eager.begin_step(mark_sampled([tower.site], step), replayable=replayable)
+        tower(x).sum().backward()
+    return graphs, probe
+
+
 @pytest.mark.parametrize("replayable", [True, False])
 def test_sampled_steps_of_a_replayable_callback_replay_their_own_capture(replayable: bool) -> None:
     tower, log = Tower(), []
@@ -116,15 +130,7 @@ def test_sampled_steps_of_a_replayable_callback_replay_their_own_capture(replaya
         shares.append(kw["share"])
         return HookFake(run, inputs, params, log, **kw)
 
-    graphs = DenseGraphs({"tower": tower}, warmup_calls=1, capture=capture)
-    probe = _probe(every_k_steps=3)
-    tower.site.site_name = "s"
-    tower.site.attach_observer(probe)
-    x = torch.randn(16, 8)
-    for step in range(10):  # sampled: 0, 3, 6, 9
-        probe.begin_step(step)
-        graphs.eager.begin_step(mark_sampled([tower.site], step), replayable=replayable)
-        tower(x).sum().backward()
+    graphs, probe = _train(tower, capture, steps=10, replayable=replayable)  # sampled: 0, 3, 6, 9
     stats = graphs.stats()
     # Every sampled step lands in the window once, replayed or eager.
     assert probe.report()["sites"]["s"]["num_observations"]["forward"] == 4
@@ -150,15 +156,7 @@ def test_a_failed_capture_of_a_requested_step_leaves_the_other_captures() -> Non
             raise RuntimeError("operation not permitted when stream is capturing")
         return HookFake(run, inputs, params, log, **kw)
 
-    graphs = DenseGraphs({"tower": tower}, warmup_calls=1, capture=capture)
-    probe = _probe(every_k_steps=3)
-    tower.site.site_name = "s"
-    tower.site.attach_observer(probe)
-    x = torch.randn(16, 8)
-    for step in range(7):  # sampled: 0, 3, 6
-        probe.begin_step(step)
-        graphs.eager.begin_step(mark_sampled([tower.site], step), replayable=True)
-        tower(x).sum().backward()
+    graphs, probe = _train(tower, capture, steps=7, replayable=True)  # sampled: 0, 3, 6
     stats = graphs.stats()
     # Step 0's capture fails: steps 0, 3, 6 run eagerly; the unsampled steps keep replaying.
     assert stats["eager"] == {"capture_failed": 1, "requested": 2, "warmup": 1}, stats

@@ -417,16 +417,22 @@ class SharingFake:
         self.buffers = []
 
 
-def test_a_module_fed_by_a_shared_output_reads_it_in_place_and_follows_its_producer() -> None:
+def _producer_consumer(shared_outputs: Any = ("producer",)) -> tuple[DenseGraphs, Tower, nn.Sequential, list]:
+    """A producer sharing its output and a consumer reading it, graphed with `SharingFake`."""
     producer, consumer = Tower(), nn.Sequential(nn.Linear(4, 2))
     log: list = []
     consumer_params = set(consumer.parameters())
     graphs = DenseGraphs(
-        {"producer": producer, "consumer": consumer}, warmup_calls=1, shared_outputs=["producer"],
+        {"producer": producer, "consumer": consumer}, warmup_calls=1, shared_outputs=shared_outputs,
         capture=lambda run, inputs, params, **kw: SharingFake(
             run, inputs, params, log, "consumer" if params[0] in consumer_params else "producer", **kw
         ),
     )
+    return graphs, producer, consumer, log
+
+
+def test_a_module_fed_by_a_shared_output_reads_it_in_place_and_follows_its_producer() -> None:
+    graphs, producer, consumer, log = _producer_consumer()
     x = torch.randn(3, 8)
 
     def step() -> Tensor:
@@ -470,16 +476,7 @@ def test_a_module_fed_by_a_shared_output_reads_it_in_place_and_follows_its_produ
 
 
 def test_a_module_captured_before_its_producer_chains_once_it_is_fed_the_shared_buffer() -> None:
-    producer, consumer = Tower(), nn.Sequential(nn.Linear(4, 2))
-    log: list = []
-    consumer_params = set(consumer.parameters())
-    DenseGraphs(
-        {"producer": producer, "consumer": consumer}, warmup_calls=1,
-        shared_outputs=(name for name in ["producer"]),  # any iterable
-        capture=lambda run, inputs, params, **kw: SharingFake(
-            run, inputs, params, log, "consumer" if params[0] in consumer_params else "producer", **kw
-        ),
-    )
+    _, producer, consumer, log = _producer_consumer(shared_outputs=(name for name in ["producer"]))  # any iterable
     x = torch.randn(3, 8)
     consumer(torch.randn(3, 4, requires_grad=True))  # the consumer warms up first ...
     consumer(producer(x))  # ... and captures on the producer's eager output (a copy)
@@ -854,15 +851,7 @@ def test_dynamo_frame_skips_counts_a_frame_past_the_recompile_limit() -> None:
 
 
 def test_releasing_a_producer_capture_releases_the_captures_that_read_its_buffer() -> None:
-    producer, consumer = Tower(), nn.Sequential(nn.Linear(4, 2))
-    log: list = []
-    consumer_params = set(consumer.parameters())
-    graphs = DenseGraphs(
-        {"producer": producer, "consumer": consumer}, warmup_calls=1, shared_outputs=["producer"],
-        capture=lambda run, inputs, params, **kw: SharingFake(
-            run, inputs, params, log, "consumer" if params[0] in consumer_params else "producer", **kw
-        ),
-    )
+    graphs, producer, consumer, log = _producer_consumer()
     x = torch.randn(3, 8)
     for _ in range(4):
         consumer(producer(x))
