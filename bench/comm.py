@@ -164,39 +164,58 @@ def job(spec: dict[str, Any]) -> None:
 
 
 _ABORTED = "Signal 6 (SIGABRT)"
-"""How torchrun reports a worker that aborted in native code (e.g. "terminate called without an
-active exception" while the 2 CPU processes start up, seen about once in ten CPU test runs)."""
+"""How torchrun reports a worker that aborted in native code ("terminate called without an active
+exception", seen in about one CPU test run in ten, while the processes start or as they exit)."""
 
 
-def run_job(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """Run `spec` under torchrun on 2 processes; its result, or None (its output printed) when it
-    failed. A job whose worker aborted before writing a result runs once more; the result then
-    says so (``retried``) and the abort is printed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "bench.comm", "--out", spec["out"], "--job", json.dumps(spec)]
+def run_job(spec: dict[str, Any], module: str = "bench.comm", nprocs: int = 2) -> dict[str, Any] | None:
+    """Run `spec` under torchrun on `nprocs` processes, as `module`'s ``--job``; its result (rank
+    0's ``<spec["out"]>/result.json``), or None (its output printed) when it failed. A worker that
+    aborted in native code is not a failed measurement where rank 0 had written its result (it
+    needs every rank up to its end): the result says so (``aborted_at_exit``). A job whose worker
+    aborted before that runs once more; the result then says so (``retried``). Either abort is
+    printed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
+           "-m", module, "--out", spec["out"], "--job", json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     result_path = Path(spec["out"]) / "result.json"
-    retried = None
+    notes: dict[str, str] = {}
     for attempt in range(2):
+        result_path.unlink(missing_ok=True)  # a stale result would pass for this run's
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode == 0:
             break
         print(proc.stdout[-3000:], proc.stderr[-3000:])
-        if attempt or _ABORTED not in proc.stderr or result_path.exists():
+        if _ABORTED not in proc.stderr:
             return None
-        retried = f"a worker aborted (exit status {proc.returncode}); ran again"
-        print(f"bench.comm: {spec['out']}: {retried}", file=sys.stderr)
+        if result_path.exists():
+            notes["aborted_at_exit"] = f"a worker aborted (exit status {proc.returncode}) after the result was written"
+            print(f"{module}: {spec['out']}: {notes['aborted_at_exit']}", file=sys.stderr)
+            break
+        if attempt:
+            return None
+        notes["retried"] = f"a worker aborted (exit status {proc.returncode}); ran again"
+        print(f"{module}: {spec['out']}: {notes['retried']}", file=sys.stderr)
     result: dict[str, Any] = json.loads(result_path.read_text())
-    if retried is not None:
-        result["retried"] = retried
-    return result
+    return {**result, **notes}
 
 
-def paired_ne(results: list[dict[str, Any]]) -> None:
-    """Add to each precision's row its protocol figures, from its ``ne_by_seed`` runs: ``ne_mean``,
-    each run's ``ne_delta_vs_fp32`` (relative to the FP32 run of the same seed), their mean
-    ``ne_delta_vs_fp32_mean`` and its standard error over seeds ``ne_delta_vs_fp32_stderr``
-    (None with one seed).
+def abort_notes(labelled: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The Markdown lines that name the jobs a worker's abort touched (`run_job`'s ``retried``
+    and ``aborted_at_exit``), from (label, result) pairs; none where no job was.
+
+    >>> abort_notes([("fp8", {"retried": "ran again"}), ("bf16", {})])
+    ['', 'Jobs whose worker aborted in native code: fp8: ran again.']
+    """
+    said = [f"{label}: {r[key]}" for label, r in labelled for key in ("retried", "aborted_at_exit") if key in r]
+    return ["", "Jobs whose worker aborted in native code: " + "; ".join(said) + "."] if said else []
+
+
+def paired_ne(results: list[dict[str, Any]], key: str = "precision", base: str = "fp32") -> None:
+    """Add to each row (named by its `key`) its protocol figures, from its ``ne_by_seed`` runs:
+    ``ne_mean``, each run's ``ne_delta_vs_<base>`` (relative to the `base` row's run of the same
+    seed), their mean ``ne_delta_vs_<base>_mean`` and its standard error over seeds
+    ``ne_delta_vs_<base>_stderr`` (None with one seed).
 
     >>> rows = [{"precision": "fp32", "ne_by_seed": [{"seed": 0, "eval_ne": 0.5}, {"seed": 1, "eval_ne": 0.4}]},
     ...         {"precision": "fp8", "ne_by_seed": [{"seed": 0, "eval_ne": 0.51}, {"seed": 1, "eval_ne": 0.4}]}]
@@ -204,15 +223,16 @@ def paired_ne(results: list[dict[str, Any]]) -> None:
     >>> [round(d["ne_delta_vs_fp32"], 6) for d in rows[1]["ne_by_seed"]], round(rows[1]["ne_delta_vs_fp32_stderr"], 6)
     ([0.02, 0.0], 0.01)
     """
-    fp32 = {r["seed"]: r["eval_ne"] for r in next(row for row in results if row["precision"] == "fp32")["ne_by_seed"]}
+    name = f"ne_delta_vs_{base}"
+    ref = {r["seed"]: r["eval_ne"] for r in next(row for row in results if row[key] == base)["ne_by_seed"]}
     for row in results:
         runs = row["ne_by_seed"]
         for r in runs:
-            r["ne_delta_vs_fp32"] = (r["eval_ne"] - fp32[r["seed"]]) / fp32[r["seed"]]
-        deltas = [r["ne_delta_vs_fp32"] for r in runs]
+            r[name] = (r["eval_ne"] - ref[r["seed"]]) / ref[r["seed"]]
+        deltas = [r[name] for r in runs]
         row["ne_mean"] = statistics.fmean(r["eval_ne"] for r in runs)
-        row["ne_delta_vs_fp32_mean"] = statistics.fmean(deltas)
-        row["ne_delta_vs_fp32_stderr"] = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else None
+        row[f"{name}_mean"] = statistics.fmean(deltas)
+        row[f"{name}_stderr"] = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,13 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             ne = f"{r['ne_mean']:.5f} | {r['ne_delta_vs_fp32_mean']:+.4%}" + (f" +- {se:.4%}" if se is not None else "")
         lines.append(f"| {r['precision']} | {r['samples_per_s']:.0f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x | "
                      f"{ne} | {b['a2a_fwd'] / 1e6:.2f} | {b['a2a_bwd'] / 1e6:.2f} |")
-    retried = [f"{r['precision']}: {r['retried']}" for r in results if "retried" in r]
-    retried += [f"{r['precision']} seed {c['seed']}: {c['retried']}" for r in results for c in r.get("ne_by_seed", [])
-                if "retried" in c]
-    if base_run is not None and "retried" in base_run:
-        retried.append(f"NE base: {base_run['retried']}")
-    if retried:
-        lines += ["", "Jobs run twice (a worker aborted before writing a result): " + "; ".join(retried) + "."]
+    labelled = [(r["precision"], r) for r in results]
+    labelled += [(f"{r['precision']} seed {c['seed']}", c) for r in results for c in r.get("ne_by_seed", [])]
+    if base_run is not None:
+        labelled.append(("NE base", base_run))
+    lines += abort_notes(labelled)
     out.mkdir(parents=True, exist_ok=True)
     (out / "comm.md").write_text("\n".join(lines) + "\n")
     (out / "comm.json").write_text(json.dumps(results, indent=2))

@@ -1,42 +1,57 @@
-"""2D sparse parallelism on 2 GPUs: step time and eval NE, fully sharded vs replicated tables.
+"""2D sparse parallelism: step time and NE, fully sharded against replicated tables.
 
-Variants (same model, data and seeds; each a job under torchrun, 2 processes):
+Variants (same model, data and seeds; each a job under torchrun on ``--nprocs`` processes, one
+per GPU):
 
-* ``dmp``: plain DistributedModelParallel, tables sharded table-wise over both GPUs;
-* ``2d_fp32``: ``trainer.sharding_group_size=1`` (every GPU holds every table), replicas synced
-  after every step by TorchRec's ``DMPCollection.sync`` (fp32 mean of weights and optimizer
-  state);
+* ``dmp``: plain DistributedModelParallel, tables sharded table-wise over every GPU;
+* ``2d_fp32``: ``trainer.sharding_group_size=--group-size`` (tables sharded within groups of
+  that many GPUs and replicated across the groups: 1 on 2 GPUs is two full replicas, 2 on 4 GPUs
+  is "2 x 2"), replicas synced after every step by TorchRec's ``DMPCollection.sync`` (fp32 mean
+  of weights and optimizer state);
 * ``2d_loka_bf16`` / ``2d_loka_fp8``: the same, synced by LoKA's ``comm.ReplicaSync`` (the change
   since the last sync in BF16 / row-wise FP8 with error feedback; the optimizer state in fp32);
   the LoKA callback runs only its comm part.
 
-Each job also reports the largest difference between the two ranks' embedding weights after
-its last sync (0 for the 2D variants). 26 tables x dim 128, 100k rows, batch 8192 per GPU,
-100 steps by default: on 2 x H100 the first two variants finished within 85 s, start-up included
+Step time comes from a timed job per variant: ``--steps`` steps on 16 cached batches (the CPU
+data generator would otherwise bound the step rate). Each job also reports the largest
+difference between the replicas' embedding weights and optimizer state after its last sync (0
+for the 2D variants).
+
+NE (``--seeds S``, ``--ne-steps M``): a run from scratch trains no checkpoint that DMPCollection
+could share (TorchRec's DCP refuses it), so the protocol is paired by seed rather than by a shared
+base checkpoint: for each variant and seed s < S, a job trains M steps on fresh batches (data and
+model seeded with s), both learning rates decaying to 0 over the second half, then evaluates NE
+on the same held-out batches. The NE delta against ``dmp`` is taken per seed and averaged, with
+its standard error over seeds (``bench.comm.paired_ne``).
+
+26 tables x dim 128, 100k rows, batch 8192 per GPU, 100 timed steps by default: on 2 x H100 the
+first two timed variants finished within 85 s, start-up included
 (`bench/results/multigpu_h100x2_2026-11-25/sparse2d.txt`).
 
-Run (2 GPUs):  python -m bench.sparse2d --out bench/results/sparse2d_<gpu>_<date>
-Dry run (CPU): python -m bench.sparse2d --dry-run --out /tmp/sparse2d   (the ``dmp`` variant
-only, tiny: 2D sparse parallelism needs CUDA; the others are listed as skipped)
+Run (2 GPUs):  python -m bench.sparse2d --out bench/results/sparse2d_<gpu>_<date> [--seeds 2 --ne-steps 200]
+Run (4 GPUs, 2 x 2):  python -m bench.sparse2d --nprocs 4 --group-size 2 --out DIR
+Dry run (CPU): python -m bench.sparse2d --dry-run --out /tmp/sparse2d [--seeds 2]  (the ``dmp``
+variant only, tiny: 2D sparse parallelism needs CUDA; the others are listed as skipped)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-"""The repository root: on the PYTHONPATH of the torchrun workers, which import ``bench.sparse2d``."""
+from bench.comm import abort_notes, paired_ne, run_job
 
 VARIANTS = ("dmp", "2d_fp32", "2d_loka_bf16", "2d_loka_fp8")
 
 
-def job(out: str, variant: str, steps: int, batch: int, tables: int, dim: int, rows: int) -> None:
-    """One run (called on every rank by torchrun); rank 0 writes ``<out>/result.json``."""
+def job(spec: dict[str, Any]) -> None:
+    """One run (called on every rank by torchrun), as `spec` says (`main` writes it): ``out``,
+    ``variant``, ``steps``, ``group_size`` (of the 2D variants), the sizes ``batch``, ``tables``,
+    ``dim``, ``rows``, ``cache_batches`` (0: a fresh batch every step), ``seed`` (model and data),
+    ``decay_start`` / ``decay_steps`` (trainer.lr_decay_*); rank 0 writes ``<out>/result.json``."""
     import torch
     import torch.distributed as dist
 
@@ -49,9 +64,10 @@ def job(out: str, variant: str, steps: int, batch: int, tables: int, dim: int, r
     from loka_train.plugin.config import LokaConfig
     from loka_train.probe import ProbeConfig
     from loka_train.runtime import TrainerConfig
-    from loka_train.runtime.sparse2d import replicated_shards
+    from loka_train.runtime.sparse2d import replica_process_group, replicated_shards
     from loka_train.runtime.trainer import Trainer
 
+    out, variant, steps, dim = spec["out"], spec["variant"], spec["steps"], spec["dim"]
     cuda = torch.cuda.is_available()
     callbacks = []
     loka = None
@@ -65,10 +81,12 @@ def job(out: str, variant: str, steps: int, batch: int, tables: int, dim: int, r
     trainer = Trainer(
         model=ModelConfig(kind="dlrm", embedding_dim=dim, dense_arch_layer_sizes=[512, 256, dim],
                           over_arch_layer_sizes=[1024, 1024, 512, 256, 1]),
-        data=DataConfig(num_sparse=tables, num_embeddings=rows, cache_batches=16),
+        data=DataConfig(num_sparse=spec["tables"], num_embeddings=spec["rows"], cache_batches=spec["cache_batches"],
+                        seed=spec["seed"]),
         trainer=TrainerConfig(
-            steps=steps, batch_size=batch, device="cuda" if cuda else "cpu", sharding="table_wise",
-            sharding_group_size=None if variant == "dmp" else 1,
+            steps=steps, batch_size=spec["batch"], device="cuda" if cuda else "cpu", sharding="table_wise",
+            sharding_group_size=None if variant == "dmp" else spec["group_size"], seed=spec["seed"],
+            lr_decay_start=spec["decay_start"], lr_decay_steps=spec["decay_steps"],
             dense_dtype="bf16" if cuda else "fp32", dense_lr=0.01, dense_warmup_steps=min(20, steps),
             log_every=max(1, steps // 4), eval_batches=4, out_dir=out, tensorboard=False,
             progress_bar=False, checkpoint_at_end=False, resume="never",
@@ -77,24 +95,33 @@ def job(out: str, variant: str, steps: int, batch: int, tables: int, dim: int, r
     )
     summary = trainer.fit()
 
-    def max_replica_diff(tensors: list[torch.Tensor]) -> float:
-        """Largest difference between the ranks' copies of `tensors` (every rank a replica)."""
+    def max_replica_diff(tensors: list[torch.Tensor], group: Any) -> float:
+        """Largest difference between the copies of `tensors` held by the ranks of `group` (this
+        rank's replica group: the ranks holding the same shards)."""
         diffs = []
+        size = dist.get_world_size(group)
         for tensor in tensors:
-            gathered = [torch.empty_like(tensor) for _ in range(trainer.world_size)]
-            dist.all_gather(gathered, tensor.contiguous())
+            gathered = [torch.empty_like(tensor) for _ in range(size)]
+            dist.all_gather(gathered, tensor.contiguous(), group=group)
             diffs.append(max(float((g - gathered[0]).abs().max()) for g in gathered))
         return max(diffs, default=float("nan"))
 
     max_diff = state_diff = float("nan")
     if variant != "dmp":
+        group = replica_process_group(trainer.model, trainer.sparse2d, trainer.rank)
         weights, states = replicated_shards(trainer.model, trainer.model.fused_optimizer)
-        max_diff = max_replica_diff(list(weights.values()))
-        state_diff = max_replica_diff(states)  # the fused optimizer's momentum / accumulators
+        max_diff = max_replica_diff(list(weights.values()), group)
+        state_diff = max_replica_diff(states, group)  # the fused optimizer's momentum / accumulators
+        # Every rank's largest difference, to rank 0 (its own replica group is one of several).
+        worst = torch.tensor([max_diff, state_diff], dtype=torch.float64, device=trainer.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        max_diff, state_diff = (float(v) for v in worst)
     if trainer.rank == 0:
         rep = loka.comm_state.report() if loka is not None else None
         result = {
-            "variant": variant, "steps_per_s": summary["train/steps_per_s"],
+            "variant": variant, "seed": spec["seed"], "nprocs": trainer.world_size,
+            "group_size": None if variant == "dmp" else spec["group_size"], "steps": steps,
+            "steps_per_s": summary["train/steps_per_s"],
             "step_ms": 1000 / summary["train/steps_per_s"], "eval_ne": summary["eval/ne"],
             "train_loss": summary["train/loss"], "replica_max_abs_diff": max_diff,
             "replica_state_max_abs_diff": state_diff,
@@ -106,74 +133,122 @@ def job(out: str, variant: str, steps: int, batch: int, tables: int, dim: int, r
     trainer.close()
 
 
-def run_variant(out: Path, variant: str, steps: int, batch: int, tables: int, dim: int, rows: int) -> dict:
-    """Run one variant under torchrun (2 processes); returns rank 0's result."""
-    run_dir = out / variant
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "bench.sparse2d", "--out", str(out), "--job", str(run_dir), variant, str(steps), str(batch),
-           str(tables), str(dim), str(rows)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads((run_dir / "result.json").read_text())
+def run_variant(out: Path, variant: str, steps: int, batch: int, tables: int, dim: int, rows: int, *,
+                nprocs: int = 2, group_size: int = 1, seed: int = 0, cache_batches: int = 16,
+                decay_start: int = 0, decay_steps: int = 0) -> dict[str, Any]:
+    """Run one variant under torchrun (`nprocs` processes) in the folder `out`; rank 0's result."""
+    spec = {"out": str(out), "variant": variant, "steps": steps, "batch": batch, "tables": tables,
+            "dim": dim, "rows": rows, "group_size": group_size, "seed": seed, "cache_batches": cache_batches,
+            "decay_start": decay_start, "decay_steps": decay_steps}
+    result = run_job(spec, module="bench.sparse2d", nprocs=nprocs)
+    if result is None:
+        raise RuntimeError(f"bench.sparse2d: {variant} failed (its output is printed above)")
+    return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sparse2d", description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sparse2d", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--nprocs", type=int, default=2, help="processes (GPUs) per job (default 2)")
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="trainer.sharding_group_size of the 2D variants; divides --nprocs (default 1)")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per variant (default 100)")
+    parser.add_argument("--batch", type=int, default=8192, help="per-GPU batch (default 8192)")
     parser.add_argument("--tables", type=int, default=26)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--seeds", type=int, default=0, metavar="S",
+                        help="NE jobs per variant, paired by seed against dmp (default 0: no NE protocol)")
+    parser.add_argument("--ne-steps", type=int, default=200, metavar="M",
+                        help="steps of each NE job, the learning rates decaying over the second half (default 200)")
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--job", nargs=7, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
     if args.job:
-        out, variant, steps, batch, tables, dim, rows = args.job
-        job(out, variant, int(steps), int(batch), int(tables), int(dim), int(rows))
+        job(json.loads(args.job))
         return 0
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    if args.nprocs < 2 or args.group_size < 1 or args.nprocs % args.group_size or args.group_size == args.nprocs:
+        parser.error(f"--group-size {args.group_size} must divide --nprocs {args.nprocs} (>= 2) and be smaller: "
+                     "the 2D variants need at least two replica groups")
+    if args.seeds < 0 or (args.seeds and args.ne_steps < 4):
+        parser.error("--seeds must be >= 0 and --ne-steps >= 4 (the decay takes its second half)")
+    if args.seeds and "dmp" not in variants:
+        parser.error("--seeds: the NE deltas are taken against dmp; add it to --variants")
     if args.dry_run:
         import torch
 
         args.steps, args.batch, args.tables, args.dim, args.rows = 8, 64, 4, 8, 200
+        args.ne_steps = min(args.ne_steps, 8)
         if not torch.cuda.is_available():
             skipped = [v for v in variants if v != "dmp"]
             if skipped:
                 print(f"dry run on CPU: skipping {skipped} (2D sparse parallelism needs CUDA)")
             variants = [v for v in variants if v == "dmp"]
+    variants.sort(key=lambda v: v != "dmp")  # dmp first: the reference of every ratio
     out = Path(args.out)
-    results = []
+    sizes = {"batch": args.batch, "tables": args.tables, "dim": args.dim, "rows": args.rows,
+             "nprocs": args.nprocs, "group_size": args.group_size}
+    results: list[dict[str, Any]] = []
     for variant in variants:
-        r = run_variant(out, variant, args.steps, args.batch, args.tables, args.dim, args.rows)
+        r = run_variant(out / variant, variant, args.steps, **sizes)
         results.append(r)
-        print(f"{variant}: {r['step_ms']:.2f} ms/step, NE {r['eval_ne']:.5f}, "
-              f"replicas differ by {r['replica_max_abs_diff']:.3g}", flush=True)
-    if not results:
-        return 0
+        print(f"{variant}: {r['step_ms']:.2f} ms/step, replicas differ by {r['replica_max_abs_diff']:.3g}", flush=True)
+        r["ne_by_seed"] = []
+        for seed in range(args.seeds):
+            half = args.ne_steps // 2
+            ne = run_variant(out / variant / f"ne_seed{seed}", variant, args.ne_steps, **sizes, seed=seed,
+                             cache_batches=0, decay_start=args.ne_steps - half, decay_steps=half)
+            r["ne_by_seed"].append(ne)
+            print(f"{variant} seed {seed}: NE {ne['eval_ne']:.5f}", flush=True)
+        # Rewritten after every variant: a run cut short keeps the variants it finished.
+        if args.seeds:
+            paired_ne(results, key="variant", base="dmp")
+        lines = table(results, args, sys.argv[1:] if argv is None else argv)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sparse2d.md").write_text("\n".join(lines) + "\n")
+        (out / "sparse2d.json").write_text(json.dumps(results, indent=2))
+    if results:
+        print("\n".join(lines))
+    return 0
+
+
+def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """sparse2d.md: one row per variant, ratios against the first (``dmp`` where it ran)."""
     base = results[0]
-    lines = [f"# 2D sparse parallelism, 2 GPUs ({base['gpu']}, torch {base['torch']})", "",
-             f"Command: `python -m bench.sparse2d {' '.join(sys.argv[1:])}` ({args.tables} tables x {args.dim}, "
-             f"{args.rows} rows, batch {args.batch}/GPU, {args.steps} steps, table-wise).", "",
-             f"| variant | ms/step | vs {base['variant']} | eval NE | NE vs {base['variant']} | replica max diff | sync MB/step (rank 0) |",
-             "|---|---|---|---|---|---|---|"]
+    layout = f"{args.nprocs} GPUs, 2D groups of {args.group_size}"
+    lines = [f"# 2D sparse parallelism, {layout} ({base['gpu']}, torch {base['torch']})", "",
+             f"Command: `python -m bench.sparse2d {' '.join(argv)}` ({args.tables} tables x {args.dim}, "
+             f"{args.rows} rows, batch {args.batch}/GPU, {args.steps} timed steps on 16 cached batches, "
+             "table-wise).", ""]
+    if args.seeds:
+        lines += [f"NE: paired by seed ({args.seeds} seeds): each variant trains {args.ne_steps} steps from scratch "
+                  "on fresh batches of the seed's stream, both learning rates decaying to 0 over the second "
+                  "half, then evaluates the same held-out batches; NE is the mean over seeds, NE vs dmp the "
+                  "mean of the per-seed deltas +- its standard error.", "",
+                  "| variant | ms/step | vs dmp | NE | NE vs dmp (paired) | replica max diff | sync MB/step (rank 0) |",
+                  "|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["NE: not measured (the timed jobs repeat 16 batches; add `--seeds`).", "",
+                  f"| variant | ms/step | vs {base['variant']} | replica max diff | sync MB/step (rank 0) |",
+                  "|---|---|---|---|---|"]
     for r in results:
         sync = r["replica_sync_bytes_rank0"]
-        sync_mb = f"{sync / args.steps / 1e6:.2f}" if sync is not None else "n/a"
-        lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['step_ms'] / base['step_ms']:.2f}x | "
-                     f"{r['eval_ne']:.5f} | {(r['eval_ne'] - base['eval_ne']) / base['eval_ne']:+.3%} | "
+        sync_mb = f"{sync / r['steps'] / 1e6:.2f}" if sync is not None else "n/a"
+        ne = ""
+        if args.seeds:
+            se = r["ne_delta_vs_dmp_stderr"]
+            ne = f" {r['ne_mean']:.5f} | {r['ne_delta_vs_dmp_mean']:+.4%}" + (f" +- {se:.4%}" if se is not None else "") + " |"
+        lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['step_ms'] / base['step_ms']:.2f}x |{ne} "
                      f"{r['replica_max_abs_diff']:.3g} | {sync_mb} |")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sparse2d.md").write_text("\n".join(lines) + "\n")
-    (out / "sparse2d.json").write_text(json.dumps(results, indent=2))
-    print("\n".join(lines))
-    return 0
+    lines += abort_notes([(r["variant"], r) for r in results]
+                         + [(f"{r['variant']} seed {c['seed']}", c) for r in results for c in r["ne_by_seed"]])
+    return lines
 
 
 if __name__ == "__main__":

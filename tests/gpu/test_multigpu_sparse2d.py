@@ -1,4 +1,4 @@
-"""2D sparse parallelism on 2 GPUs (nccl): ``trainer.sharding_group_size=1`` (every GPU holds
+"""2D sparse parallelism on 2 and 4 GPUs (nccl): ``trainer.sharding_group_size=1`` (every GPU holds
 every table), synced by TorchRec's ``DMPCollection.sync`` and by LoKA's FP8 replica sync. After
 the last sync both ranks hold identical embedding weights and fused optimizer state
 (momentum / accumulators), and the loss is finite.
@@ -31,3 +31,18 @@ def test_replicas_identical_after_sync(variant: str, tmp_path: Path) -> None:
     if variant == "2d_loka_fp8":
         assert r["replica_sync_bytes_rank0"] > 0, r
     print(f"{variant}: loss {r['train_loss']:.5f}, NE {r['eval_ne']:.5f}, fallbacks {r['fallbacks']}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+@pytest.mark.parametrize("variant", ["2d_fp32", "2d_loka_fp8"])
+def test_two_by_two_replicas_identical_after_sync(variant: str, tmp_path: Path) -> None:
+    """4 GPUs in 2 sharding groups of 2: each table lives on one GPU of each group, and the
+    two copies of every shard (ranks 0 and 2, 1 and 3) agree after the last sync."""
+    r = run_variant(tmp_path, variant, steps=20, batch=1024, tables=8, dim=64, rows=10_000, nprocs=4, group_size=2)
+    assert r["nprocs"] == 4 and r["group_size"] == 2, r
+    assert r["replica_max_abs_diff"] == 0.0, r
+    assert r["replica_state_max_abs_diff"] == 0.0, r
+    assert math.isfinite(r["train_loss"]) and math.isfinite(r["eval_ne"]), r
+    if variant == "2d_loka_fp8":
+        assert r["replica_sync_bytes_rank0"] > 0, r
+    print(f"2x2 {variant}: loss {r['train_loss']:.5f}, NE {r['eval_ne']:.5f}, fallbacks {r['fallbacks']}")

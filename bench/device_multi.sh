@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Multi-GPU device runs in one call, in lanes side by side (device time is scarce). Usage on the
+# device machine, from the repo root:
+#   source .device/activate.sh; bash bench/device_multi.sh "$OUT" LANE [LANE...]
+# A LANE is GPUS:PART[+PART...], e.g. "0,1:comm 2,3:multigpu+sparse2d" on 4 GPUs: its parts run
+# one after another on those GPUs (CUDA_VISIBLE_DEVICES) and on the host cores that go with them
+# (taskset: the host's cores split evenly over its GPUs), the lanes at the same time. A PART is a
+# kind, optionally with a suffix that names its own arguments (ARGS_<part>) and time limit
+# (TIMEOUT_<part>, seconds), e.g. scaling_dlrm with ARGS_scaling_dlrm="--configs dlrm":
+#   multigpu*      python -m pytest -m multigpu tests/gpu/test_multigpu.py (ARGS: more pytest arguments, e.g. -k resumes)
+#   sparse2dtest*  python -m pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py (the 4-GPU tests run with 4 GPUs)
+#   sparse2d*      python -m bench.sparse2d --out DIR ARGS
+#   comm*          python -m bench.comm --out DIR ARGS (its NE base checkpoint is deleted before the save)
+#   scaling*       python -m bench.scaling --out DIR ARGS (SIGTERM keeps the jobs done)
+# $OUT returns at most 8 files: everything goes into multi.tgz, rewritten after every part, so a
+# call cut by its time limit still returns the parts it finished.
+set -u
+out=$1
+shift
+w=/tmp/multi
+rm -rf "$w" /tmp/mg_*  # a warm machine still holds the last call's files
+mkdir -p "$out" "$w"
+save() { ( flock 9; tar czf "$out/multi.tgz.tmp" -C /tmp multi && mv "$out/multi.tgz.tmp" "$out/multi.tgz" ) 9> /tmp/multi.lock; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$w/gpus.txt"
+ngpu=$(nvidia-smi -L | wc -l)
+per=$(( $(nproc) / ngpu ))
+git rev-parse HEAD > "$w/commit.txt" 2>/dev/null
+printf '%s\n' "$@" > "$w/lanes.txt"
+env | grep -E '^(ARGS|TIMEOUT)_' | sort >> "$w/lanes.txt"
+
+part() {  # GPUS CPUS PART
+  local gpus=$1 cpus=$2 name=$3 args_var="ARGS_$3" limit_var="TIMEOUT_$3"
+  local args=${!args_var:-} limit=${!limit_var:-300}
+  local log="$w/$name.txt"
+  echo "gpus $gpus cpus $cpus limit ${limit}s: $name $args" > "$log"
+  local run=(env CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" taskset -c "$cpus" python)
+  case $name in
+    multigpu*) "${run[@]}" -m pytest -m multigpu tests/gpu/test_multigpu.py -q -s -p no:cacheprovider \
+                   --basetemp=/tmp/mg_$name $args >> "$log" 2>&1
+               echo "rc=$?" >> "$log"
+               mkdir -p "$w/${name}_reports"
+               (cd /tmp/mg_$name && tar cf - --exclude='*.pt' --exclude='checkpoints' .) 2>/dev/null \
+                   | tar xf - -C "$w/${name}_reports" ;;
+    sparse2dtest*) "${run[@]}" -m pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py -q -s -p no:cacheprovider \
+                   --basetemp=/tmp/mg_$name $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
+    sparse2d*) "${run[@]}" -m bench.sparse2d --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log"
+               find "$w/$name" -name '*.pt' -delete 2>/dev/null ;;
+    comm*)     "${run[@]}" -m bench.comm --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log"
+               find "$w/$name" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null ;;
+    scaling*)  "${run[@]}" -m bench.scaling --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log"
+               find "$w/$name" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null ;;
+    *) echo "unknown part $name" >> "$log" ;;
+  esac
+  save
+}
+
+lane() {  # GPUS:PART+PART
+  local gpus=${1%%:*} parts=${1#*:} cpus="" g
+  for g in ${gpus//,/ }; do cpus+="${cpus:+,}$((g * per))-$((g * per + per - 1))"; done
+  local p
+  for p in ${parts//+/ }; do part "$gpus" "$cpus" "$p"; done
+}
+
+for spec in "$@"; do lane "$spec" & done
+wait
+save

@@ -1,0 +1,35 @@
+"""bench.sparse2d's dry run on 2 gloo processes (the ``dmp`` variant: 2D sparse parallelism
+needs CUDA): the timed job on cached batches, NE jobs per seed on fresh batches of the seed's
+stream with the learning rates decaying over their second half, the paired table; and the
+refusals of layouts that have no two replica groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import sparse2d
+
+
+def test_dry_run_times_dmp_and_pairs_ne_by_seed(tmp_path: Path) -> None:
+    rc = sparse2d.main(["--dry-run", "--out", str(tmp_path), "--seeds", "2", "--ne-steps", "4"])
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "sparse2d.json").read_text())
+    assert row["variant"] == "dmp" and row["nprocs"] == 2 and row["steps"] == 8 and row["step_ms"] > 0
+    runs = row["ne_by_seed"]
+    assert [r["seed"] for r in runs] == [0, 1] and all(r["steps"] == 4 for r in runs)
+    # Different seeds: different data and weights, so different NEs; each paired with itself here.
+    assert runs[0]["eval_ne"] != runs[1]["eval_ne"]
+    assert [r["ne_delta_vs_dmp"] for r in runs] == [0.0, 0.0]
+    assert row["ne_mean"] == pytest.approx((runs[0]["eval_ne"] + runs[1]["eval_ne"]) / 2)
+    md = (tmp_path / "sparse2d.md").read_text()
+    assert "NE vs dmp (paired)" in md and "| dmp |" in md and "2 GPUs, 2D groups of 1" in md
+
+
+@pytest.mark.parametrize("args", [["--nprocs", "4", "--group-size", "4"], ["--nprocs", "4", "--group-size", "3"],
+                                  ["--nprocs", "1"], ["--seeds", "2", "--variants", "2d_fp32"]])
+def test_refuses_layouts_without_two_replica_groups_and_ne_without_dmp(args: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        sparse2d.main(["--dry-run", "--out", "unused", *args])
