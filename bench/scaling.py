@@ -65,6 +65,11 @@ Run (2 GPUs):       python -m bench.scaling --out DIR
 Dry run (CPU, gloo): python -m bench.scaling --dry-run --out /tmp/scaling
 (tiny models, batch 64, 2 + 4 steps, decision jobs of 8 steps, eager: no compilation, no CUDA
 graphs)
+Merge:              python -m bench.scaling --merge DIR_1X2 DIR_4 --out DIR
+(the rows of runs of one study measured in separate calls, e.g. ``--nprocs 1 2`` and ``--nprocs 4``
+on the same machine kind, into one report with the ratios recomputed across them; runs no job.
+The settings must agree, except ``nprocs`` and ``job_timeout_s``; a later run's row replaces an
+earlier one of the same config, variant and GPU count)
 """
 
 from __future__ import annotations
@@ -378,6 +383,15 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _merged_from_lines(report: dict[str, Any]) -> list[str]:
+    if "merged_from" not in report:
+        return []
+    lines = ["Merged from:", ""]
+    lines += [f"- `{src['path']}` ({src['gpu']}; GPUs {' '.join(map(str, src['nprocs']))}): `{src['command']}`"
+              for src in report["merged_from"]]
+    return [*lines, ""]
+
+
 def render(report: dict[str, Any]) -> str:
     """scaling.md: the settings, the table, the failed jobs."""
     env, s = report["env"], report["settings"]
@@ -385,6 +399,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         f"# Weak scaling on {' and '.join(map(str, s['nprocs']))} GPUs ({env.get('gpu', '?')})", "",
         f"Command: `{report['command']}`", "",
+        *_merged_from_lines(report),
         f"GPU: {env.get('gpu', '?')} ({env.get('capability', '-')}); torch {env.get('torch')}, CUDA "
         f"{env.get('cuda')}, torchrec {env.get('torchrec')}, fbgemm_gpu {env.get('fbgemm_gpu')}, triton "
         f"{env.get('triton')}, python {env.get('python')}; host {env.get('host')}.", "",
@@ -432,14 +447,128 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+# ------------------------------------------------------------------------------ --merge
+MERGE_FREE_SETTINGS = ("nprocs", "job_timeout_s")
+"""The settings that may differ between the runs ``--merge`` joins; any other difference (batch,
+steps, device, ...) would put rows measured differently in one table, so the merge is refused."""
+
+_REPORT_KEYS = ("command", "env", "settings", "variants", "rows")
+
+
+def load_report(out_dir: Path) -> dict[str, Any]:
+    """``<out_dir>/scaling.json``; ValueError naming the path when it is missing or no scaling report."""
+    path = out_dir / "scaling.json"
+    if not path.is_file():
+        raise ValueError(f"--merge: {path} not found (is {out_dir} the --out of a bench.scaling run?)")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--merge: {path} is not JSON: {e}") from e
+    missing = [k for k in _REPORT_KEYS if k not in report] if isinstance(report, dict) else list(_REPORT_KEYS)
+    if missing:
+        raise ValueError(f"--merge: {path} is no bench.scaling report (no {', '.join(missing)})")
+    return report
+
+
+def merge_reports(sources: list[tuple[Path, dict[str, Any]]], command: str) -> tuple[dict[str, Any], list[str]]:
+    """One report from the reports of several runs (``(path, report)``, in the order given) and
+    the lines to print about it.
+
+    The rows are concatenated, a later report's row replacing an earlier one of the same config,
+    variant and GPU count (a line says so), ordered by config and variant (as first seen), then
+    GPUs, and the ratios are recomputed over all of them (:func:`add_ratios`: the 4-GPU row of one
+    run against the 1-GPU row of another). Settings: the first report's, ``nprocs`` the union;
+    a setting other than :data:`MERGE_FREE_SETTINGS` that differs raises ValueError naming it and
+    both values. ``merged_from`` records each source's path, GPU, process counts and command (a
+    source that was itself merged contributes its own sources).
+
+    Example::
+
+        report, notes = merge_reports([(Path("a/scaling.json"), load_report(Path("a"))),
+                                       (Path("b/scaling.json"), load_report(Path("b")))],
+                                      "python -m bench.scaling --merge a b --out c")
+    """
+    assert sources, "nothing to merge"
+    (first_path, first), *later = sources
+    for path, report in later:
+        a, b = first["settings"], report["settings"]
+        for key in dict.fromkeys([*a, *b]):
+            va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")  # an older report may lack a setting
+            if key not in MERGE_FREE_SETTINGS and va != vb:
+                raise ValueError(
+                    f"--merge: setting {key!r} differs: {va!r} in {first_path}, {vb!r} in {path}; rows measured "
+                    f"with different settings are not comparable (only {', '.join(MERGE_FREE_SETTINGS)} may differ)")
+    notes: list[str] = []
+    by_key: dict[tuple[str, str, int], dict[str, Any]] = {}
+    origin: dict[tuple[str, str, int], Path] = {}
+    merged_from: list[dict[str, Any]] = []
+    for path, report in sources:
+        for row in report["rows"]:
+            key = (row["config"], row["variant"], row["nproc"])
+            if key in by_key:
+                notes.append(f"{key[0]} {key[1]} x{key[2]}: the row of {path} replaces the row of {origin[key]}")
+            by_key[key], origin[key] = row, path
+        merged_from += report.get("merged_from") or [{
+            "path": str(path), "gpu": report["env"].get("gpu", "?"), "nprocs": report["settings"]["nprocs"],
+            "command": report["command"],
+        }]
+    gpus = list(dict.fromkeys(src["gpu"] for src in merged_from))
+    if len(gpus) > 1:
+        notes.append(f"warning: the runs were measured on different GPUs ({', '.join(gpus)}): the ratios "
+                     "across them compare machines, not GPU counts")
+    configs = list(dict.fromkeys(k[0] for k in by_key))
+    variants = list(dict.fromkeys(k[1] for k in by_key))
+    rows = [by_key[k] for k in sorted(by_key, key=lambda k: (configs.index(k[0]), variants.index(k[1]), k[2]))]
+    add_ratios(rows)
+    merged = {
+        "command": command,
+        "merged_from": merged_from,
+        "env": first["env"],
+        "settings": {**first["settings"],
+                     "nprocs": sorted({n for _, report in sources for n in report["settings"]["nprocs"]})},
+        "variants": {name: desc for _, report in sources for name, desc in report["variants"].items()},
+        "rows": rows,
+    }
+    return merged, notes
+
+
+def _merge(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Write ``--out``'s scaling.json and scaling.md from the ``--merge`` runs' reports."""
+    command = "python -m bench.scaling " + shlex.join(sys.argv[1:] if argv is None else argv)
+    try:
+        sources = [(d / "scaling.json", load_report(d)) for d in args.merge]
+        report, notes = merge_reports(sources, command)
+    except ValueError as e:
+        _parser().error(str(e))
+    for note in notes:
+        print(note, flush=True)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    text = render(report)
+    (out / "scaling.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "scaling.md").write_text(text)
+    print(text, flush=True)
+    print(f"wrote {out}/scaling.md and scaling.json: {len(report['rows'])} rows from {len(sources)} runs", flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------ command line
+_JOB_OPTIONS = ("nprocs", "configs", "variants", "batch", "warmup", "steps", "cache_batches", "decide_steps",
+                "decide_interval", "job_timeout", "dry_run")
+"""The options of a run of jobs, which ``--merge`` (no jobs) refuses."""
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, help="directory for scaling.json, scaling.md and one folder per job")
-    p.add_argument("--nprocs", type=int, nargs="+", default=[1, 2], help="processes (GPUs) per job (default 1 2)")
-    p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=SCALED_CONFIGS,
+    p.add_argument("--out", type=Path,
+                   help="directory for scaling.json, scaling.md and one folder per job (--merge: the merged report)")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                   help="merge the reports DIR/scaling.json of earlier runs into --out's; runs no job")
+    p.add_argument("--nprocs", type=int, nargs="+", default=None, help="processes (GPUs) per job (default 1 2)")
+    p.add_argument("--configs", nargs="+", default=None, choices=SCALED_CONFIGS,
                    help=f"of {', '.join(SCALED_CONFIGS)} (default {' '.join(DEFAULT_CONFIGS)})")
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+    p.add_argument("--variants", nargs="+", default=None,
                    help=f"of {', '.join(VARIANTS)} (default {' '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--batch", type=int, default=None, help="per-GPU batch (default 8192; dry run 64)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 20; dry run 2)")
@@ -449,14 +578,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps of a LoKA variant's decision job (default 30; dry run 8)")
     p.add_argument("--decide-interval", type=int, default=None,
                    help="probe interval of the decision job (default 5; dry run 2)")
-    p.add_argument("--job-timeout", type=float, default=180.0, help="seconds one job may run (default 180)")
+    p.add_argument("--job-timeout", type=float, default=None, help="seconds one job may run (default 180)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny models, eager")
     p.add_argument("--job", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     if args.job is not None:
         return args
     if args.out is None:
         p.error("--out DIR is required")
+    if args.merge is not None:
+        given = [f"--{name.replace('_', '-')}" for name in _JOB_OPTIONS if getattr(args, name) not in (None, False)]
+        if given:
+            p.error(f"--merge runs no job: drop {' '.join(given)}")
+        if any(d.resolve() == args.out.resolve() for d in args.merge):
+            p.error(f"--out {args.out} is one of the --merge runs: its scaling.json would be overwritten; "
+                    "write the merged report to a new directory")
+        return args
+    for name, default in (("nprocs", [1, 2]), ("configs", list(DEFAULT_CONFIGS)),
+                          ("variants", list(DEFAULT_VARIANTS)), ("job_timeout", 180.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     dry = args.dry_run
     for name, gpu, cpu in (("batch", 8192, 64), ("warmup", 20, 2), ("steps", 40, 4), ("cache_batches", 16, 4),
                            ("decide_steps", 30, 8), ("decide_interval", 5, 2)):
@@ -475,10 +621,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run every job, one after another; 0 when all succeeded, 1 when a job failed (recorded,
-    the others run), 2 without the GPUs asked for."""
+    the others run), 2 without the GPUs asked for. With ``--merge``: merge the reports, 0."""
     args = parse_args(argv)
     if args.job is not None:
         return run_job(args.job)
+    if args.merge is not None:
+        return _merge(args, argv)
     import torch
 
     if args.device == "cuda" and torch.cuda.device_count() < max(args.nprocs):
