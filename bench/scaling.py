@@ -91,7 +91,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._procs import Terminated, run_child, terminating
-from bench.e2e.measure import percentile
+from bench.e2e.measure import CATEGORY_NAMES, percentile
 from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Variant, job_overrides
 
 REFERENCE = "bf16"
@@ -235,8 +235,9 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         assert loka is not None, "only LoKA variants have a decision job"
         decided = _load_decided(loka, Path(spec["decided_from"]), rank, int(os.environ.get("WORLD_SIZE", "1")))
     device = torch.device(job.trainer.device)
-    clock = StepClock(warmup=spec["warmup"], timed=spec["steps"], profile_steps=0, device=device,
-                      timing=spec["timing"])
+    profile_steps = spec.get("profile_steps", 0)
+    clock = StepClock(warmup=spec["warmup"], timed=spec["steps"], profile_steps=profile_steps, device=device,
+                      timing=spec["timing"], step_diag=profile_steps > 0)
     # The clock last: the other callbacks' step work falls inside the step it measures.
     trainer: Any = Trainer(model=job.model, data=job.data, trainer=job.trainer,
                            callbacks=[*([loka] if loka is not None else []), clock])
@@ -258,7 +259,19 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             "gpu_peak_reserved_gb": _gb_or_none(clock.peak_gb()[1]),
             "a2a_bytes_per_step": None,
             "decided_from": decided,
+            # Host pauses a step may wait for where the step is host-bound (or waits on the host).
+            "gc_pauses_ms": clock.gc_pauses_ms,
         }
+        if profile_steps:
+            from bench.e2e.measure import export_trace, summarize_profile
+
+            # Every rank: the window after the timed steps, its GPU time by category, the host
+            # side (operators, launches), and each timed step's host time.
+            result["profile"] = summarize_profile(clock, statistics.median(times))
+            result["step_host_ms"] = [d["host_ms"] for d in clock.step_diagnostics()]
+            if rank == 0:
+                result["trace"] = export_trace(clock.profile, Path(spec["job_dir"]), spec["config"], spec["batch"],
+                                               spec["variant"])
         if loka is not None:
             result["fp8_coverage"] = summary["loka/fp8_coverage"]
             result["loka"] = loka_summary(loka, trainer, statistics.median(times))
@@ -339,6 +352,14 @@ def _row(spec: dict[str, Any], variant: Variant, job_dir: Path, rc: int | None, 
         gpu_peak_reserved_gb=r0["gpu_peak_reserved_gb"],
         env=r0.get("env"),
     )
+    # Older records have no GC figures: absent, not zero.
+    if all("gc_pauses_ms" in r for r in ranks):
+        row["gc_ms_per_step_by_rank"] = [sum(r["gc_pauses_ms"]) / len(r["step_ms"]) for r in ranks]
+    if "profile" in r0:
+        row["profile_by_rank"] = [r["profile"] for r in ranks]
+        row["step_host_ms_median_by_rank"] = [statistics.median(r["step_host_ms"]) if r["step_host_ms"] else None
+                                              for r in ranks]
+        row["trace"] = r0.get("trace")
     if "loka" in r0:
         row.update(fp8_coverage=r0["fp8_coverage"], loka=r0["loka"], decided_from=r0["decided_from"])
     if all(r["a2a_bytes_per_step"] is not None for r in ranks):
@@ -426,6 +447,25 @@ def render(report: dict[str, Any]) -> str:
             f"{_fmt(r.get('fp8_coverage'), '.0%')} | {_fmt(r.get('decide', {}).get('wall_s'), '.1f')} | "
             f"{r['status']} |"
         )
+    profiled = [r for r in rows if r.get("profile_by_rank")]
+    if profiled:
+        lines += ["", f"Profile of {s.get('profile_steps')} steps after the timed ones, per rank (torch.profiler; "
+                  "GPU ms a step by kernel category, the GPU's busy share of the median step, the host's "
+                  "operator time and aten calls a step; host ms: median host time of a timed step):", "",
+                  "| config | variant | GPUs | rank | busy | gemm | quantize | embedding | memcpy | other | "
+                  "host op ms | aten calls | host ms | GC ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in profiled:
+            gc_ms = r.get("gc_ms_per_step_by_rank") or [None] * r["nproc"]
+            for rank, (prof, host_ms, gc_rank) in enumerate(zip(r["profile_by_rank"], r["step_host_ms_median_by_rank"],
+                                                                 gc_ms)):
+                cats = prof["categories"]
+                lines.append(
+                    f"| {r['config']} | {r['variant']} | {r['nproc']} | {rank} | {_fmt(prof['busy_fraction'], '.0%')} | "
+                    + " | ".join(_fmt(cats[c]["ms_per_step"], ".2f") for c in CATEGORY_NAMES)
+                    + f" | {_fmt(prof['host_self_cpu_ms_per_step'], '.2f')} | {prof['host_aten_calls_per_step']:.0f} | "
+                    f"{_fmt(host_ms, '.2f')} | {_fmt(gc_rank, '.3f')} |"
+                )
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", "Failed jobs:", ""]
@@ -448,7 +488,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ --merge
-MERGE_FREE_SETTINGS = ("nprocs", "job_timeout_s")
+MERGE_FREE_SETTINGS = ("nprocs", "job_timeout_s", "profile_steps")
 """The settings that may differ between the runs ``--merge`` joins; any other difference (batch,
 steps, device, ...) would put rows measured differently in one table, so the merge is refused."""
 
@@ -554,7 +594,7 @@ def _merge(args: argparse.Namespace, argv: list[str] | None) -> int:
 
 # ------------------------------------------------------------------------------ command line
 _JOB_OPTIONS = ("nprocs", "configs", "variants", "batch", "warmup", "steps", "cache_batches", "decide_steps",
-                "decide_interval", "job_timeout", "dry_run")
+                "decide_interval", "job_timeout", "profile_steps", "dry_run")
 """The options of a run of jobs, which ``--merge`` (no jobs) refuses."""
 
 
@@ -579,6 +619,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decide-interval", type=int, default=None,
                    help="probe interval of the decision job (default 5; dry run 2)")
     p.add_argument("--job-timeout", type=float, default=None, help="seconds one job may run (default 180)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="profile this many steps after the timed ones on every rank (torch.profiler): the GPU "
+                        "time by category and the host side in each rank's record and the row, rank 0's trace "
+                        "in the job's folder, and every timed step's host time (default 0: no profile)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny models, eager")
     p.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     return p
@@ -600,7 +644,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "write the merged report to a new directory")
         return args
     for name, default in (("nprocs", [1, 2]), ("configs", list(DEFAULT_CONFIGS)),
-                          ("variants", list(DEFAULT_VARIANTS)), ("job_timeout", 180.0)):
+                          ("variants", list(DEFAULT_VARIANTS)), ("job_timeout", 180.0), ("profile_steps", 0)):
         if getattr(args, name) is None:
             setattr(args, name, default)
     dry = args.dry_run
@@ -666,7 +710,8 @@ def _run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
                      "cache_batches": args.cache_batches, "device": args.device,
                      "timing": "CUDA events" if args.device == "cuda" else "wall clock",
                      "compile": not args.dry_run, "job_timeout_s": args.job_timeout,
-                     "decide_steps": args.decide_steps, "decide_interval": args.decide_interval},
+                     "decide_steps": args.decide_steps, "decide_interval": args.decide_interval,
+                     "profile_steps": args.profile_steps},
         "variants": {v.name: v.description for v in variants},
         "rows": [],
     }
@@ -734,10 +779,12 @@ def _run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
                                   f"{decision['plan_changes']} plan changes ({decision['wall_s']:.1f} s)")
                 spec = {
                     **common, "role": "timed", "warmup": args.warmup, "steps": args.steps,
+                    "profile_steps": args.profile_steps, "job_dir": str(job_dir),
                     "timing": "events" if args.device == "cuda" else "sync",
                     "decided_from": None if decision is None else str(Path(decision["dir"]) / "run"),
                     "overrides": job_overrides(e2e_args, config, args.batch, variant, str(job_dir / "run"),
-                                               steps=args.warmup + args.steps, eval_batches=1, extra=extra),
+                                               steps=args.warmup + args.steps + args.profile_steps,
+                                               eval_batches=1, extra=extra),
                 }
                 _progress(t0, f"{name}: start")
                 rc, timed_out, wall_s = launch(job_dir, spec)

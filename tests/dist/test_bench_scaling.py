@@ -93,3 +93,23 @@ def test_efficiency_needs_both_runs() -> None:
     scaling.add_ratios(rows)
     assert [r["scaling_efficiency"] for r in rows] == [None, 0.75, None, None]
     assert [r["speed_vs_bf16"] for r in rows] == [1.0, 1.0, None, 0.8]
+
+
+def test_profile_steps_profile_every_rank_after_the_timed_steps(tmp_path: Path) -> None:
+    rc = scaling.main(["--dry-run", "--out", str(tmp_path), "--configs", "dlrm", "--nprocs", "2",
+                       "--variants", "bf16", "--profile-steps", "2", "--job-timeout", "120"])
+    report = json.loads((tmp_path / "scaling.json").read_text())
+    (row,) = report["rows"]
+    assert rc == 0 and row["status"] == "ok", row.get("error")
+    assert report["settings"]["profile_steps"] == 2
+    assert len(row["step_ms"]) == 4  # the profiled steps come after the timed ones, untimed
+    profiles = row["profile_by_rank"]
+    assert len(profiles) == 2 and all(p["steps"] == 2 for p in profiles)
+    for p in profiles:  # on the CPU: operators' self time, and a step's aten calls
+        assert p["kernel_ms_per_step"] > 0 and p["host_aten_calls_per_step"] > 0
+    assert all(ms is not None and ms > 0 for ms in row["step_host_ms_median_by_rank"])
+    assert len(row["gc_ms_per_step_by_rank"]) == 2
+    assert Path(row["trace"]).is_file() and Path(row["trace"]).is_relative_to(tmp_path / "dlrm_bf16_x2")
+    md = (tmp_path / "scaling.md").read_text()
+    assert "Profile of 2 steps after the timed ones" in md
+    assert "| dlrm | bf16 | 2 | 0 |" in md and "| dlrm | bf16 | 2 | 1 |" in md
