@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "from step 0) and keep it out of the results, so no variant pays for the "
                         "process's first run (on an H100, host-bound DLRM ran slower in a process's "
                         "first runs)")
+    p.add_argument("--memory-trace", action="store_true",
+                   help="CUDA: record the allocator's events with Python stacks from the start of each run and "
+                        "report what was allocated at its peak, by owner (slows the host: not for speed figures)")
     p.add_argument("--step-diag", action="store_true",
                    help="record per timed step its host time and the CUDA allocator's cudaMalloc / "
                         "cudaFree calls and retries (one memory_stats() call per step); the report lists "

@@ -39,7 +39,7 @@ class StepClock(Callback):
 
     def __init__(
         self, *, warmup: int, timed: int, profile_steps: int, device: torch.device, timing: str,
-        pyprofile: bool = False, step_diag: bool = False,
+        pyprofile: bool = False, step_diag: bool = False, memory_trace: bool = False,
     ) -> None:
         self.warmup = warmup
         self.timed = timed
@@ -74,9 +74,17 @@ class StepClock(Callback):
         """CUDA, per step: (peak allocated, peak reserved) GB within the step (the allocator's
         peak is reset at every step end; :meth:`peak_gb` keeps the run's)."""
         self._peak_before = (0.0, 0.0)
+        self.memory_trace = memory_trace and self.cuda
+        """CUDA: record the allocator's events from the start of training (with Python stacks)
+        and keep what was live at the peak, by owner (:func:`memory_peak_owners`)."""
+        self.memory_peak: dict[str, Any] | None = None
+        self._memory_baseline = 0
 
     def on_train_start(self, trainer: Any) -> None:
         self.first_step = trainer.step
+        if self.memory_trace:
+            self._memory_baseline = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_TRACE_ENTRIES, stacks="python")
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -144,8 +152,15 @@ class StepClock(Callback):
             gc.callbacks.remove(self._on_gc)
 
     def close(self) -> None:
-        """Stop the profiler if it runs, and the GC timing (also after a failed run)."""
+        """Stop the profiler if it runs, the GC timing and the memory trace (also after a
+        failed run)."""
         self._stop_gc_timing()
+        if self.memory_trace and self.memory_peak is None:
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.memory_peak = memory_peak_owners(
+                snapshot, device=torch.cuda.current_device(), baseline_bytes=self._memory_baseline
+            )
         if self.profiler is None:
             return
         self._sync()
@@ -352,3 +367,95 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
         ],
     }
 
+
+
+# ------------------------------------------------------------------ memory at the peak
+MEMORY_TRACE_ENTRIES = 2_000_000
+"""Allocator events ``--memory-trace`` keeps (a ring: a run with more loses its first ones, and
+its peak is then marked partial)."""
+
+_OWNER_DIRS = ("/loka_train/", "/bench/", "/torchrec/", "/fbgemm_gpu/")
+"""Where the frames that name an allocation's owner live (the first one found, innermost first)."""
+
+
+def _owner(frames: list[dict[str, Any]]) -> str:
+    """Who allocated a block: up to three frames of our code or TorchRec / FBGEMM, innermost
+    first (``file:line function``), else the innermost frame."""
+    ours = [f for f in frames if any(d in f.get("filename", "") for d in _OWNER_DIRS)]
+    picked = ours[:3] or frames[:1]
+    if not picked:
+        return "(no stack)"
+    return " < ".join(f"{_short_path(f['filename'])}:{f.get('line', '?')} {f.get('name', '?')}" for f in picked)
+
+
+def _short_path(filename: str) -> str:
+    """`filename` from its package's directory on (``loka_train/kernels/linear.py``)."""
+    for d in _OWNER_DIRS:
+        i = filename.rfind(d)
+        if i >= 0:
+            return filename[i + 1 :]
+    return filename.rsplit("/site-packages/", 1)[-1]
+
+
+def memory_peak_owners(snapshot: dict[str, Any], *, device: int, baseline_bytes: int, top: int = 25) -> dict[str, Any]:
+    """The live allocations at the traced peak, by owner, from a CUDA allocator snapshot taken
+    with its history recorded (``torch.cuda.memory._record_memory_history(stacks="python")``).
+
+    The trace's ``alloc`` / ``free_completed`` events of `device` are replayed in order; the
+    peak is ``baseline_bytes`` (allocated when the recording started: weights, buffers, whatever
+    came before) plus the largest sum of the blocks allocated since and not yet freed. Returns
+    the peak, its owners (the top `top` by bytes, with counts) and the owners of what is still
+    allocated at the trace's end (captured graphs' pools, caches), and ``partial`` when the
+    ring of events wrapped (the first events lost: the peak may be understated).
+
+    >>> f = [{"filename": "/x/loka_train/kernels/linear.py", "line": 9, "name": "forward"}]
+    >>> snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 2**30, "frames": f},
+    ...                            {"action": "alloc", "addr": 2, "size": 2**29, "frames": []},
+    ...                            {"action": "free_completed", "addr": 1, "size": 2**30, "frames": []}]]}
+    >>> m = memory_peak_owners(snap, device=0, baseline_bytes=0)
+    >>> m["peak_gb"], m["owners"][0]["owner"], m["end_gb"]
+    (1.5, 'loka_train/kernels/linear.py:9 forward', 0.5)
+    """
+    traces = snapshot.get("device_traces", [])
+    events = traces[device] if device < len(traces) else []
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    peak_live: dict[int, tuple[int, str]] = {}
+    for e in events:
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = (int(e["size"]), _owner(e.get("frames") or []))
+            total += int(e["size"])
+            if total > peak:
+                peak, peak_live = total, dict(live)
+        elif action == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+
+    def by_owner(blocks: dict[int, tuple[int, str]]) -> list[dict[str, Any]]:
+        sums: dict[str, list[int]] = {}
+        for size, owner in blocks.values():
+            s = sums.setdefault(owner, [0, 0])
+            s[0] += size
+            s[1] += 1
+        ranked = sorted(sums.items(), key=lambda kv: -kv[1][0])[:top]
+        return [{"owner": o, "gb": b / 2**30, "blocks": n} for o, (b, n) in ranked]
+
+    return {
+        "peak_gb": (baseline_bytes + peak) / 2**30,
+        "baseline_gb": baseline_bytes / 2**30,
+        "events": len(events),
+        "partial": len(events) >= MEMORY_TRACE_ENTRIES,
+        "owners": by_owner(peak_live),
+        "end_gb": total / 2**30,
+        "end_owners": by_owner(live),
+    }
+
+
+def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
+    """Markdown lines: one run's peak and its largest owners (:func:`memory_peak_owners`)."""
+    lines = [f"**{name}**: traced peak {m['peak_gb']:.2f} GB ({m['baseline_gb']:.2f} GB allocated before the "
+             f"trace{', PARTIAL: the event ring wrapped' if m['partial'] else ''}); still allocated at the "
+             f"end {m['end_gb']:.2f} GB.", "", "| at the peak: owner (innermost first) | GB | blocks |",
+             "|---|---|---|"]
+    lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in m["owners"][:top]]
+    return [*lines, ""]

@@ -351,6 +351,7 @@ def run_one(
                 timing=args.timing,
                 pyprofile=bool(args.pyprofile) and seed == 0,
                 step_diag=args.step_diag,
+                memory_trace=getattr(args, "memory_trace", False),
             )
             if device_type == "cuda":
                 torch.cuda.reset_peak_memory_stats()  # cleanup() emptied the cache of the last run
@@ -394,6 +395,8 @@ def run_one(
                 host_rss_gb=rss_gb(),
                 started_unix=started_unix,
             )
+            if clock.memory_peak is not None:
+                rec["memory_peak"] = clock.memory_peak
             if args.step_diag:
                 rec["step_diag"] = clock.step_diagnostics()
                 rec["first_timed_step"] = clock.first_step + clock.warmup

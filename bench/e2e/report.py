@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from bench.e2e.measure import memory_owners_md
 from bench.e2e.protocol import Runs, decayed_steps
 from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Variant
 from bench.e2e.verdicts import (
@@ -324,6 +325,11 @@ def _memory_section(rows: list[dict[str, Any]], *, isolated: bool) -> list[str]:
     out += ["", "Sampled steps are those on which a callback ran dense modules eagerly (the LoKA Probe's "
             "samples); the peaks per kind of step are within the step (the allocator's peak is reset at "
             "every step end)."]
+    traced = [r for r in with_peaks if r.get("memory_peak")]
+    if traced:
+        out += ["", "#### What is allocated at the peak (`--memory-trace`; its runs' times are not speed figures)", ""]
+        for r in traced:
+            out += memory_owners_md(f"{r['config']} b{r['batch']} {r['variant']}", r["memory_peak"])
     return out
 
 
