@@ -13,7 +13,14 @@ the other channels), then sets ``w = w_at_last_sync + mean(delta)``:
 * FP16 / BF16: the replicas all-gather ``delta`` in that dtype and average in fp32 (a sum in
   the 16-bit dtype would round once more, beyond what error feedback can see);
 * FP8 / INT8 (row-wise, ``row_dim`` values per scale): a scaled payload cannot be summed, so
-  the replicas all-gather the payloads, decode them and average in fp32.
+  the replicas all-gather the payloads, decode them and average in fp32. Where the codec runs
+  its Triton kernels (CUDA), FP8 takes two fused passes over each tensor
+  (`comm.triton_replica`: the change, its payload and the new residual in one; the mean
+  applied to the anchor and the tensor in the other) instead of about a dozen, bit for bit
+  the same.
+
+The lossy syncs average by summing the replicas' decoded changes in replica order and
+multiplying by ``1/R``, on every path.
 
 Every replica computes the new weights from the same reduced values and the same anchor
 (``w_at_last_sync``), so the replicas hold identical weights after every sync. The first sync
@@ -49,7 +56,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from loka_train.comm.config import CommChannel, CommPrecision
+from loka_train.comm.config import CodecImpl, CommChannel, CommPrecision
+from loka_train.comm.formats import WireFormat
 from loka_train.comm.state import CommState
 from loka_train.utils.profiling import profiled
 
@@ -139,6 +147,10 @@ class ReplicaSync:
 
     def _sync_delta(self, name: str, tensor: torch.Tensor, num_replicas: int, precision: CommPrecision) -> None:
         state = self._state
+        fmt = state.wire_format(_CHANNEL, precision)
+        if precision is CommPrecision.FP8 and fmt.impl_for(tensor.device) is CodecImpl.TRITON:
+            self._sync_fp8_fused(name, tensor, num_replicas, fmt)
+            return
         anchor_N = self._anchors[name]
         delta_N = tensor.detach().float().reshape(-1) - anchor_N
         residual_N = self._residuals.pop(name, None)
@@ -146,7 +158,6 @@ class ReplicaSync:
             delta_N = delta_N + residual_N
         if self._sampling:
             self._measure(delta_N)
-        fmt = state.wire_format(_CHANNEL, precision)
         feedback = state.config.dense_error_feedback
         num_values = delta_N.numel()
         if precision.is_rowwise:
@@ -157,8 +168,7 @@ class ReplicaSync:
             state.stats.record(_CHANNEL, precision, payload.numel())
             gathered = [torch.empty_like(payload) for _ in range(num_replicas)]
             dist.all_gather(gathered, payload, group=self._group)
-            decoded_RN = fmt.decode_bytes(torch.cat(gathered)).view(num_replicas, -1)
-            mean_N = decoded_RN.sum(dim=0)[:num_values] / num_replicas
+            decoded_RN = fmt.decode_bytes(torch.cat(gathered)).view(num_replicas, -1)[:, :num_values]
         else:
             # Gathered and summed in fp32: a sum in the payload's dtype would round again, and
             # that rounding is no replica's to feed back.
@@ -170,10 +180,39 @@ class ReplicaSync:
             gathered = [torch.empty_like(bits) for _ in range(num_replicas)]
             dist.all_gather(gathered, bits, group=self._group)
             decoded_RN = torch.stack(gathered).view(payload.dtype).float()
-            mean_N = decoded_RN.sum(dim=0) / num_replicas
-        new_N = anchor_N + mean_N
+        # Summed in replica order and scaled by 1/R, as the fused FP8 kernel does.
+        total_N = decoded_RN[0]
+        for r in range(1, num_replicas):
+            total_N = total_N + decoded_RN[r]
+        new_N = anchor_N + total_N * (1.0 / num_replicas)
         tensor.copy_(new_N.view_as(tensor))
         self._anchors[name] = new_N
+
+    def _sync_fp8_fused(self, name: str, tensor: torch.Tensor, num_replicas: int, fmt: WireFormat) -> None:
+        """The FP8 sync of `_sync_delta` in two fused passes (`comm.triton_replica`), bit for bit
+        the same: the change's payload and new residual in one, the mean applied to the anchor
+        and the tensor in the other."""
+        # Imported on first use, as formats.py imports the codec: it imports triton.
+        from loka_train.comm import triton_replica
+
+        state = self._state
+        anchor_N = self._anchors[name]
+        residual_N = self._residuals.pop(name, None)
+        if self._sampling:  # the change itself, only on a measured sync
+            delta_N = tensor.detach().float().reshape(-1) - anchor_N
+            self._measure(delta_N if residual_N is None else delta_N + residual_N)
+        feedback = state.config.dense_error_feedback
+        payload, new_residual_N = triton_replica.delta_encode(
+            tensor.detach(), anchor_N, residual_N, row_dim=fmt.row_dim, fmt=fmt.fp8_format, feedback=feedback
+        )
+        if new_residual_N is not None:
+            self._residuals[name] = new_residual_N
+        state.stats.record(_CHANNEL, CommPrecision.FP8, payload.numel())
+        gathered = [torch.empty_like(payload) for _ in range(num_replicas)]
+        dist.all_gather(gathered, payload, group=self._group)
+        # In place: the anchor becomes the new value (a tensor of this sync's own).
+        triton_replica.mean_apply(torch.cat(gathered), anchor_N, tensor.detach(), num_replicas=num_replicas,
+                                  row_dim=fmt.row_dim, fmt=fmt.fp8_format)
 
     def _samples(self) -> bool:
         """Whether the next sync measures its changes: every ``comm.sample_every``-th sync from

@@ -138,6 +138,67 @@ def _as_loadable(x: Tensor) -> tuple[Tensor, bool]:
 
 
 @triton.jit
+def _encode_rows(
+    x,
+    IS_E4M3: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP32_MAX: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MANT: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+):
+    """FP8 codes (int32, 0-255) and fp32 inverse scales of the rows of `x` (BLOCK_R x BLOCK_C,
+    fp32, padding +0.0): the reference encoder's arithmetic."""
+    # torch's amax propagates NaN; tl.max need not.
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=1))
+    positive = amax > 0.0  # False for NaN: such a row keeps inverse scale 1, as in torch.where
+    recip = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.where(positive, amax, 1.0))
+    inv = tl.minimum(tl.where(positive, recip * FP8_MAX, 1.0), FP32_MAX)
+    q = x * inv[:, None]
+    clamped = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    # Onto the FP8 grid (round to nearest even) in integer arithmetic: the cast below is then
+    # exact whatever the conversion instruction (or the interpreter) does.
+    clamped = _round_rne(clamped, MANT, SUB_MAGIC, MIN_NORMAL)
+    if IS_E4M3:
+        code = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        code = clamped.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+    # The code's sign is the scaled value's (the cast of -0.0 included); NaN as torch writes it.
+    sign = tl.where(q.to(tl.int32, bitcast=True) < 0, 0x80, 0)
+    code = tl.where(q != q, 0x7F, code & 0x7F) | sign
+    return code, inv
+
+
+@triton.jit
+def _decode_codes(code, IS_E4M3: tl.constexpr):
+    """fp32 values of FP8 codes (uint8), before the division by the row's inverse scale."""
+    # Codes with the exponent all ones decoded explicitly: the interpreter's upcast reads them
+    # as normal numbers (the GPU's conversion agrees with this).
+    mag = code.to(tl.int32) & 0x7F
+    if IS_E4M3:
+        q = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        q = tl.where(mag == 0x7F, float("nan"), q)
+    else:
+        q = code.to(tl.float8e5, bitcast=True).to(tl.float32)
+        inf = tl.where(code.to(tl.int32) >= 0x80, float("-inf"), float("inf"))
+        q = tl.where(mag == 0x7C, inf, tl.where(mag > 0x7C, float("nan"), q))
+    return q
+
+
+@triton.jit
+def _load_inv_scales(row_ptr, rmask, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows' fp32 inverse scales, read as 4 little-endian bytes after the codes (any
+    payload offset works: no 4-byte alignment needed); 1 for rows past the end (no 0 / 0)."""
+    bits = tl.zeros([BLOCK_R], dtype=tl.uint32)
+    for i in tl.static_range(4):
+        byte = tl.load(row_ptr + ALIGNED + i, mask=rmask, other=0).to(tl.uint32)
+        bits = bits | (byte << (8 * i))
+    return tl.where(rmask, bits.to(tl.float32, bitcast=True), 1.0)
+
+
+@triton.jit
 def _fp8_encode_kernel(
     x_ptr,
     out_ptr,
@@ -166,24 +227,7 @@ def _fp8_encode_kernel(
     x = _load_fp32(
         x_ptr + rows64[:, None] * ROW_DIM + cols[None, :], rmask[:, None] & in_row, BF16_BITS
     )
-    # torch's amax propagates NaN; tl.max need not.
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=1))
-    positive = amax > 0.0  # False for NaN: such a row keeps inverse scale 1, as in torch.where
-    recip = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.where(positive, amax, 1.0))
-    inv = tl.minimum(tl.where(positive, recip * FP8_MAX, 1.0), FP32_MAX)
-    q = x * inv[:, None]
-    clamped = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    # Onto the FP8 grid (round to nearest even) in integer arithmetic: the cast below is then
-    # exact whatever the conversion instruction (or the interpreter) does.
-    clamped = _round_rne(clamped, MANT, SUB_MAGIC, MIN_NORMAL)
-    if IS_E4M3:
-        code = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        code = clamped.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
-    # The code's sign is the scaled value's (the cast of -0.0 included); NaN as torch writes it.
-    sign = tl.where(q.to(tl.int32, bitcast=True) < 0, 0x80, 0)
-    code = tl.where(q != q, 0x7F, code & 0x7F) | sign
+    code, inv = _encode_rows(x, IS_E4M3, FP8_MAX, FP32_MAX, BLOCK_R, MANT, SUB_MAGIC, MIN_NORMAL)
     # Columns from ROW_DIM to ALIGNED (the row's padding) loaded +0.0: their code is 0.
     tl.store(
         out_ptr + rows64[:, None] * ROW_BYTES + cols[None, :],
@@ -213,22 +257,8 @@ def _fp8_decode_kernel(
     mask = rmask[:, None] & (cols[None, :] < ROW_DIM)
     row_ptr = payload_ptr + rows64 * ROW_BYTES
     code = tl.load(row_ptr[:, None] + cols[None, :], mask=mask, other=0)
-    # Codes with the exponent all ones decoded explicitly: the interpreter's upcast reads them
-    # as normal numbers (the GPU's conversion agrees with this).
-    mag = code.to(tl.int32) & 0x7F
-    if IS_E4M3:
-        q = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        q = tl.where(mag == 0x7F, float("nan"), q)
-    else:
-        q = code.to(tl.float8e5, bitcast=True).to(tl.float32)
-        inf = tl.where(code.to(tl.int32) >= 0x80, float("-inf"), float("inf"))
-        q = tl.where(mag == 0x7C, inf, tl.where(mag > 0x7C, float("nan"), q))
-    # The scale's 4 bytes, little-endian: any payload offset works (no 4-byte alignment needed).
-    bits = tl.zeros([BLOCK_R], dtype=tl.uint32)
-    for i in tl.static_range(4):
-        byte = tl.load(row_ptr + ALIGNED + i, mask=rmask, other=0).to(tl.uint32)
-        bits = bits | (byte << (8 * i))
-    inv = tl.where(rmask, bits.to(tl.float32, bitcast=True), 1.0)  # rows past the end: no 0 / 0
+    q = _decode_codes(code, IS_E4M3)
+    inv = _load_inv_scales(row_ptr, rmask, ALIGNED, BLOCK_R)
     inv = tl.broadcast_to(inv[:, None], (BLOCK_R, BLOCK_C))
     y = tl.math.div_rn(q, inv)
     tl.store(y_ptr + rows64[:, None] * ROW_DIM + cols[None, :], y, mask=mask)

@@ -103,6 +103,33 @@ def test_error_feedback_loses_nothing(precision: str) -> None:
     assert with_fb["sqnr_db"] > without["sqnr_db"] + 3, (with_fb, without)
 
 
+def _impl_job(rank: int, world: int, impl: str, feedback: bool) -> dict[str, list[float]]:
+    # sample_every=2 measures every other sync: the fused path computes the change there too.
+    config = CommConfig(replica_sync="fp8", dense_error_feedback=feedback, codec_impl=impl, sample_every=2)
+    state = CommState(config, backend="gloo")
+    sync = ReplicaSync(state)
+    # 20 x 30 = 600 values: not a whole number of 32-value rows (the last row is padded).
+    w_RD = torch.randn(20, 30, generator=torch.Generator().manual_seed(rank))
+    sync.sync({"t": w_RD})
+    for step in range(4):
+        w_RD += 1e-2 * torch.randn(20, 30, generator=torch.Generator().manual_seed(100 * rank + step))
+        sync.sync({"t": w_RD})
+    residual = sync.residuals.get("t")
+    return {"w": w_RD.reshape(-1).tolist(), "residual": [] if residual is None else residual.tolist(),
+            "sqnr_sums": state.sqnr_sums.reshape(-1).tolist()}
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_fused_fp8_sync_is_the_reference_sync(feedback: bool) -> None:
+    """The Triton kernels of the FP8 sync (two fused passes) leave the same weights, residuals
+    and measurements as the reference path, bit for bit."""
+    fused = run_multiprocess(_impl_job, 2, "triton", feedback, timeout=120)
+    reference = run_multiprocess(_impl_job, 2, "reference", feedback, timeout=120)
+    assert fused == reference
+    assert fused[0]["w"] == fused[1]["w"]  # replicas identical
+    assert bool(fused[0]["residual"]) is feedback
+
+
 def _policy_job(rank: int, world: int) -> list[str]:
     config = CommConfig(
         adaptive_channels=(CH,), sample_every=1, policy_interval=1, lower_patience=1,

@@ -11,7 +11,8 @@
   (its encode, its decode) have the same SQNR within 1.5 dB and differ by at most one step of
   the coarser grid where both are normal, as the reference does (tests/gpu/test_comm_gpu.py
   explains why the grids differ for e4m3); e5m2 agrees to > 100 dB;
-* AUTO picks the Triton codec on this GPU, and encode + decode capture into a CUDA graph.
+* AUTO picks the Triton codec on this GPU, and encode + decode capture into a CUDA graph;
+* the fused replica-sync kernels (`comm.triton_replica`) match the reference path bit for bit.
 
 Shape legend: R rows, C values per row (row_dim).
 """
@@ -161,3 +162,32 @@ def test_encode_and_decode_capture_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     assert torch.equal(out, fmt.decode_bytes(fmt.encode_bytes(x_RC)))
     assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_fused_replica_sync_kernels_match_the_reference_on_the_gpu(fmt: Fp8Format) -> None:
+    """comm.triton_replica on the GPU: the change's payload and new residual, and the anchor
+    moved by the replicas' mean, bit for bit the reference path's (a 1000 x 128 shard, 3
+    replicas, N not a whole number of rows)."""
+    from loka_train.comm import triton_replica as tr
+
+    gen = torch.Generator().manual_seed(5)
+    n, row_dim, replicas = 1000 * 128 + 17, 128, 3
+    ref = WireFormat(precision=CommPrecision.FP8, row_dim=row_dim, fp8_format=fmt, impl=CodecImpl.REFERENCE)
+    anchor = torch.randn(n, generator=gen).cuda()
+    residual = 1e-4 * torch.randn(n, generator=gen).cuda()
+    payloads = []
+    for _ in range(replicas):
+        w = anchor + 1e-2 * torch.randn(n, generator=gen).cuda()
+        payload, new_residual = tr.delta_encode(w, anchor, residual, row_dim=row_dim, fmt=fmt, feedback=True)
+        delta = (w - anchor) + residual
+        ref_payload = ref.encode_bytes(torch.nn.functional.pad(delta, (0, (-n) % row_dim)))
+        assert torch.equal(payload, ref_payload)
+        assert new_residual is not None and torch.equal(new_residual, delta - ref.decode_bytes(ref_payload)[:n])
+        payloads.append(payload)
+    gathered = torch.cat(payloads)
+    decoded = ref.decode_bytes(gathered).view(replicas, -1)[:, :n]
+    expected = anchor + ((decoded[0] + decoded[1]) + decoded[2]) * (1.0 / replicas)
+    w = torch.empty(n, device="cuda")
+    tr.mean_apply(gathered, anchor, w, num_replicas=replicas, row_dim=row_dim, fmt=fmt)
+    assert torch.equal(anchor, expected) and torch.equal(w, expected)

@@ -1,0 +1,230 @@
+"""Fused Triton kernels of the FP8 replica sync (`comm.ReplicaSync`): two passes over a
+replicated tensor instead of about a dozen, bit-identical to the reference path.
+
+A lossy sync of one replicated tensor ``w`` (N values) with anchor ``a`` (its value at the last
+sync, fp32) and error-feedback residual ``e`` computes, in the reference path,
+``d = (w - a) + e``, pads it to whole rows, encodes it (row-wise FP8, `comm.formats`), keeps
+``e' = d - decode(payload)``, all-gathers the R replicas' payloads, decodes them, averages and
+sets ``w = a = a + mean``: each step a full pass over fp32 N values.
+
+* :func:`delta_encode`: ``d``, its payload and ``e'`` in one read of ``w``, ``a``, ``e``
+  (the payload is the reference encoder's, byte for byte: ``triton_codec``'s row encoding);
+* :func:`mean_apply`: from the R gathered payloads, ``a + (d_0 + d_1 + ... + d_{R-1}) * (1/R)``
+  (summed in replica order, as the reference does) written to the anchor and to ``w`` (fp32;
+  another dtype gets a copy of the anchor, rounded as ``Tensor.copy_`` rounds).
+
+Shape legend: N values, R replicas, P payload bytes per row (``A + 4``, A = row_dim rounded up
+to 4).
+
+Example:
+    >>> payload, residual_N = delta_encode(w_N, anchor_N, residual_N, row_dim=128, fmt=Fp8Format.E4M3)
+    >>> dist.all_gather(gathered, payload)
+    >>> mean_apply(torch.cat(gathered), anchor_N, w_N, num_replicas=2, row_dim=128, fmt=Fp8Format.E4M3)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from loka_train.comm.triton_codec import (
+    _FP32_MAX,
+    _aligned,
+    _as_loadable,
+    _check_runnable,
+    _decode_codes,
+    _encode_rows,
+    _load_fp32,
+    _load_inv_scales,
+    _row_launch,
+)
+from loka_train.kernels.formats import Fp8Format
+from loka_train.kernels.triton_kernels import _cdiv
+
+__all__ = ["delta_encode", "mean_apply"]
+
+
+@triton.jit
+def _delta_encode_kernel(
+    w_ptr,
+    anchor_ptr,
+    res_ptr,
+    out_ptr,
+    scale_ptr,
+    res_out_ptr,
+    num_values,
+    num_rows,
+    ROW_DIM: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP32_MAX: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    MANT: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    rmask = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    idx = rows64[:, None] * ROW_DIM + cols[None, :]
+    # Past N (the last row's padding) everything loads 0: the reference pads d with zeros.
+    mask = rmask[:, None] & (cols[None, :] < ROW_DIM) & (idx < num_values)
+    d = _load_fp32(w_ptr + idx, mask, BF16_BITS) - tl.load(anchor_ptr + idx, mask=mask, other=0.0)
+    if HAS_RES:
+        d = d + tl.load(res_ptr + idx, mask=mask, other=0.0)
+    code, inv = _encode_rows(d, IS_E4M3, FP8_MAX, FP32_MAX, BLOCK_R, MANT, SUB_MAGIC, MIN_NORMAL)
+    tl.store(
+        out_ptr + rows64[:, None] * ROW_BYTES + cols[None, :],
+        code.to(tl.uint8),
+        mask=rmask[:, None] & (cols[None, :] < ALIGNED),
+    )
+    tl.store(scale_ptr + rows64 * ROW_WORDS + ALIGNED // 4, inv, mask=rmask)
+    if FEEDBACK:
+        # What the receivers decode, as the decoder computes it.
+        sent = tl.math.div_rn(
+            _decode_codes(code.to(tl.uint8), IS_E4M3), tl.broadcast_to(inv[:, None], (BLOCK_R, BLOCK_C))
+        )
+        tl.store(res_out_ptr + idx, d - sent, mask=mask)
+
+
+@triton.jit
+def _mean_apply_kernel(
+    payload_ptr,
+    anchor_ptr,
+    w_ptr,
+    num_values,
+    num_rows,
+    replica_bytes,
+    NUM_REPLICAS: tl.constexpr,
+    INV_REPLICAS: tl.constexpr,
+    WRITE_W: tl.constexpr,
+    ROW_DIM: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    rmask = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    idx = rows64[:, None] * ROW_DIM + cols[None, :]
+    mask = rmask[:, None] & (cols[None, :] < ROW_DIM) & (idx < num_values)
+    code_mask = rmask[:, None] & (cols[None, :] < ROW_DIM)
+    total = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r in tl.static_range(NUM_REPLICAS):
+        row_ptr = payload_ptr + r * replica_bytes + rows64 * ROW_BYTES
+        code = tl.load(row_ptr[:, None] + cols[None, :], mask=code_mask, other=0)
+        inv = _load_inv_scales(row_ptr, rmask, ALIGNED, BLOCK_R)
+        value = tl.math.div_rn(_decode_codes(code, IS_E4M3), tl.broadcast_to(inv[:, None], (BLOCK_R, BLOCK_C)))
+        # In replica order from the first value, as the reference adds them.
+        if r == 0:
+            total = value
+        else:
+            total = total + value
+    new = tl.load(anchor_ptr + idx, mask=mask, other=0.0) + total * INV_REPLICAS
+    tl.store(anchor_ptr + idx, new, mask=mask)
+    if WRITE_W:
+        tl.store(w_ptr + idx, new, mask=mask)
+
+
+def _fmt_constants(fmt: Fp8Format) -> dict[str, object]:
+    if fmt not in (Fp8Format.E4M3, Fp8Format.E5M2):
+        raise ValueError(f"the FP8 replica sync supports e4m3 and e5m2, not {fmt.value}")
+    return {"IS_E4M3": fmt is Fp8Format.E4M3}
+
+
+def delta_encode(
+    w: Tensor, anchor_N: Tensor, residual_N: Tensor | None, *, row_dim: int, fmt: Fp8Format, feedback: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The row-wise FP8 payload of ``d = (w - anchor) + residual`` (zero-padded to whole rows)
+    and, with `feedback`, the new residual ``d - decode(payload)``, in one pass.
+
+    Args:
+        w: the replicated tensor (fp32 / bf16 / fp16, any shape, N values).
+        anchor_N: its value at the last sync, fp32, flat.
+        residual_N: what earlier lossy syncs dropped (fp32, flat), or None.
+        row_dim: values per row of the payload.
+        fmt: e4m3 or e5m2.
+        feedback: whether to return the new residual.
+
+    Returns:
+        (uint8 payload, flat: ``ceil(N / row_dim)`` rows of P bytes, the reference encoder's;
+        the new fp32 residual (N) or None).
+    """
+    consts = _fmt_constants(fmt)
+    _check_runnable(anchor_N, row_dim)
+    num_values = anchor_N.numel()
+    if w.numel() != num_values or (residual_N is not None and residual_N.numel() != num_values):
+        raise ValueError(f"delta_encode: w, anchor and residual must hold the same number of values "
+                         f"({w.numel()}, {num_values}, {None if residual_N is None else residual_N.numel()})")
+    w_N, bf16_bits = _as_loadable(w.reshape(-1))
+    anchor_N = anchor_N.reshape(-1).contiguous()
+    num_rows, aligned = _cdiv(num_values, row_dim), _aligned(row_dim)
+    row_bytes = aligned + 4
+    out = torch.empty((num_rows, row_bytes), dtype=torch.uint8, device=anchor_N.device)
+    res_out = torch.empty_like(anchor_N) if feedback else None
+    if num_rows:
+        block_r, block_c = _row_launch(row_dim)
+        res_in = residual_N.reshape(-1).contiguous() if residual_N is not None else anchor_N
+        _delta_encode_kernel[(_cdiv(num_rows, block_r),)](
+            w_N, anchor_N, res_in, out, out.view(torch.float32), res_out if res_out is not None else anchor_N,
+            num_values, num_rows,
+            ROW_DIM=row_dim, ALIGNED=aligned, ROW_BYTES=row_bytes, ROW_WORDS=row_bytes // 4,
+            BF16_BITS=bf16_bits, HAS_RES=residual_N is not None, FEEDBACK=feedback,
+            FP8_MAX=fmt.max, FP32_MAX=_FP32_MAX, BLOCK_R=block_r, BLOCK_C=block_c,
+            MANT=fmt.mantissa_bits, SUB_MAGIC=1.5 * 2.0**23 * fmt.min_subnormal, MIN_NORMAL=fmt.min_normal,
+            num_warps=4, **consts,
+        )
+    return out.reshape(-1), res_out
+
+
+def mean_apply(
+    gathered: Tensor, anchor_N: Tensor, w: Tensor, *, num_replicas: int, row_dim: int, fmt: Fp8Format
+) -> None:
+    """Add the mean of the replicas' decoded payloads to `anchor_N` and write it to `w`, in place.
+
+    Args:
+        gathered: uint8, the R replicas' payloads of :func:`delta_encode`, concatenated in replica order.
+        anchor_N: fp32, flat (N): becomes ``anchor + (d_0 + ... + d_{R-1}) * (1 / R)``.
+        w: the replicated tensor (N values): gets the new anchor (fp32 in the kernel; another
+            dtype rounded by ``Tensor.copy_``).
+        num_replicas: R.
+        row_dim: values per row of the payloads.
+        fmt: the format they were encoded with.
+    """
+    consts = _fmt_constants(fmt)
+    _check_runnable(anchor_N, row_dim)
+    num_values = anchor_N.numel()
+    num_rows, aligned = _cdiv(num_values, row_dim), _aligned(row_dim)
+    row_bytes = aligned + 4
+    if gathered.dtype != torch.uint8 or gathered.numel() != num_replicas * num_rows * row_bytes:
+        raise ValueError(f"mean_apply: expected {num_replicas} payloads of {num_rows} rows of {row_bytes} bytes "
+                         f"(uint8), got {gathered.numel()} values of {gathered.dtype}")
+    if not anchor_N.is_contiguous() or anchor_N.dtype != torch.float32:
+        raise ValueError("mean_apply: the anchor must be a contiguous fp32 tensor (it is updated in place)")
+    write_w = w.dtype == torch.float32 and w.is_contiguous()
+    if num_rows:
+        block_r, block_c = _row_launch(row_dim)
+        _mean_apply_kernel[(_cdiv(num_rows, block_r),)](
+            gathered.reshape(-1).contiguous(), anchor_N, w if write_w else anchor_N, num_values, num_rows,
+            num_rows * row_bytes,
+            NUM_REPLICAS=num_replicas, INV_REPLICAS=1.0 / num_replicas, WRITE_W=write_w,
+            ROW_DIM=row_dim, ALIGNED=aligned, ROW_BYTES=row_bytes, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=4, **consts,
+        )
+    if not write_w:
+        w.copy_(anchor_N.view_as(w))

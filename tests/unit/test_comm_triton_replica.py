@@ -1,0 +1,94 @@
+"""The fused FP8 replica sync kernels (loka_train.comm.triton_replica) under TRITON_INTERPRET=1
+against the reference path they replace, bit for bit: the change ``(w - anchor) + residual``
+encoded row-wise (zero-padded to whole rows) as the reference encoder encodes it, the new
+residual ``d - decode(payload)``, and the anchor and tensor moved by the replicas' mean (summed
+in replica order, scaled by 1/R).
+
+Shape legend: N values, R replicas.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loka_train.comm import CodecImpl, CommPrecision, WireFormat
+from loka_train.comm import triton_replica as tr
+from loka_train.kernels.formats import Fp8Format
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:overflow encountered:RuntimeWarning",
+    "ignore:invalid value encountered:RuntimeWarning",
+    "ignore:divide by zero encountered:RuntimeWarning",
+)
+
+
+def _ref(row_dim: int, fmt: Fp8Format) -> WireFormat:
+    return WireFormat(precision=CommPrecision.FP8, row_dim=row_dim, fp8_format=fmt, impl=CodecImpl.REFERENCE)
+
+
+def _values(n: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # Magnitudes over 8 decades, some exact zeros: subnormal FP8 codes and all-zero rows.
+    x = torch.randn(n, generator=gen) * torch.logspace(-6, 2, n)[torch.randperm(n, generator=gen)] * scale
+    x[: min(n, 8)] = 0.0
+    return x
+
+
+def _reference_encode(w: torch.Tensor, anchor: torch.Tensor, residual: torch.Tensor | None,
+                      ref: WireFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    delta = w.float().reshape(-1) - anchor
+    if residual is not None:
+        delta = delta + residual
+    n = delta.numel()
+    payload = ref.encode_bytes(torch.nn.functional.pad(delta, (0, (-n) % ref.row_dim)))
+    return payload, delta - ref.decode_bytes(payload)[:n]
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "row_dim"), [(96, 32), (100, 32), (45, 6)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_delta_encode_is_the_reference_encoding_of_the_change(
+    fmt: Fp8Format, dtype: torch.dtype, n: int, row_dim: int, with_residual: bool
+) -> None:
+    w = _values(n, 1).to(dtype)
+    anchor = w.float() - 1e-3 * _values(n, 2)  # the change since the last sync: small
+    residual = 1e-5 * _values(n, 3) if with_residual else None
+    payload, new_residual = tr.delta_encode(w, anchor, residual, row_dim=row_dim, fmt=fmt, feedback=True)
+    ref_payload, ref_residual = _reference_encode(w, anchor, residual, _ref(row_dim, fmt))
+    assert payload.dtype == torch.uint8 and torch.equal(payload, ref_payload)
+    assert new_residual is not None and torch.equal(new_residual, ref_residual)
+    # Without feedback: the same payload, no residual.
+    again, none = tr.delta_encode(w, anchor, residual, row_dim=row_dim, fmt=fmt, feedback=False)
+    assert none is None and torch.equal(again, ref_payload)
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_apply_moves_anchor_and_tensor_by_the_replicas_mean(num_replicas: int, dtype: torch.dtype) -> None:
+    n, row_dim, fmt = 100, 32, Fp8Format.E4M3
+    ref = _ref(row_dim, fmt)
+    anchor = _values(n, 7)
+    payloads = [tr.delta_encode(anchor + 1e-2 * _values(n, 10 + r), anchor, None, row_dim=row_dim, fmt=fmt,
+                                feedback=False)[0] for r in range(num_replicas)]
+    gathered = torch.cat(payloads)
+    decoded = ref.decode_bytes(gathered).view(num_replicas, -1)[:, :n]
+    total = decoded[0]
+    for r in range(1, num_replicas):
+        total = total + decoded[r]
+    expected = anchor + total * (1.0 / num_replicas)
+
+    w = torch.zeros(n, dtype=dtype)
+    got_anchor = anchor.clone()
+    tr.mean_apply(gathered, got_anchor, w, num_replicas=num_replicas, row_dim=row_dim, fmt=fmt)
+    assert torch.equal(got_anchor, expected)
+    assert torch.equal(w, expected.to(dtype))  # a bf16 tensor gets the anchor as copy_ rounds it
+    assert not torch.equal(expected, anchor)  # the mean moved it
+
+
+def test_mean_apply_refuses_a_payload_of_another_size() -> None:
+    anchor = torch.zeros(64)
+    with pytest.raises(ValueError, match="expected 2 payloads"):
+        tr.mean_apply(torch.zeros(10, dtype=torch.uint8), anchor, anchor.clone(), num_replicas=2, row_dim=32,
+                      fmt=Fp8Format.E4M3)
