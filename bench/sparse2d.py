@@ -22,7 +22,9 @@ could share (TorchRec's DCP refuses it), so the protocol is paired by seed rathe
 base checkpoint: for each variant and seed s < S, a job trains M steps on fresh batches (data and
 model seeded with s), both learning rates decaying to 0 over the second half, then evaluates NE
 on the same held-out batches. The NE delta against ``dmp`` is taken per seed and averaged, with
-its standard error over seeds (``bench.comm.paired_ne``).
+its standard error over seeds (``bench.comm.paired_ne``); the LoKA-synced variants are also
+paired against ``2d_fp32``, the same replicated training with TorchRec's exact sync (what LoKA's
+compressed sync changes, apart from what replicating the tables changes).
 
 26 tables x dim 128, 100k rows, batch 8192 per GPU, 100 timed steps by default: on 2 x H100 the
 first two timed variants finished within 85 s, start-up included
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         # Rewritten after every variant: a run cut short keeps the variants it finished.
         if args.seeds:
             paired_ne(results, key="variant", base="dmp")
+            if any(r["variant"] == "2d_fp32" for r in results):
+                paired_ne(results, key="variant", base="2d_fp32")
         lines = table(results, args, sys.argv[1:] if argv is None else argv)
         out.mkdir(parents=True, exist_ok=True)
         (out / "sparse2d.md").write_text("\n".join(lines) + "\n")
@@ -216,6 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     if results:
         print("\n".join(lines))
     return 0
+
+
+def _delta_cell(row: dict[str, Any], base: str) -> str:
+    """``+x% +- se`` of a row's paired NE delta against `base`, or ``-`` where not computed."""
+    mean = row.get(f"ne_delta_vs_{base}_mean")
+    if mean is None:
+        return "-"
+    se = row[f"ne_delta_vs_{base}_stderr"]
+    return f"{mean:+.4%}" + (f" +- {se:.4%}" if se is not None else "")
 
 
 def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -229,10 +242,12 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
     if args.seeds:
         lines += [f"NE: paired by seed ({args.seeds} seeds): each variant trains {args.ne_steps} steps from scratch "
                   "on fresh batches of the seed's stream, both learning rates decaying to 0 over the second "
-                  "half, then evaluates the same held-out batches; NE is the mean over seeds, NE vs dmp the "
+                  "half, then evaluates the same held-out batches; NE is the mean over seeds, NE vs dmp (and vs "
+                  "2d_fp32, the same replicated training synced exactly) the "
                   "mean of the per-seed deltas +- its standard error.", "",
-                  "| variant | ms/step | vs dmp | NE | NE vs dmp (paired) | replica max diff | sync MB/step (rank 0) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| variant | ms/step | vs dmp | NE | NE vs dmp (paired) | NE vs 2d_fp32 (paired) | replica max diff "
+                  "| sync MB/step (rank 0) |",
+                  "|---|---|---|---|---|---|---|---|"]
     else:
         lines += ["NE: not measured (the timed jobs repeat 16 batches; add `--seeds`).", "",
                   f"| variant | ms/step | vs {base['variant']} | replica max diff | sync MB/step (rank 0) |",
@@ -242,8 +257,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
         sync_mb = f"{sync / r['steps'] / 1e6:.2f}" if sync is not None else "n/a"
         ne = ""
         if args.seeds:
-            se = r["ne_delta_vs_dmp_stderr"]
-            ne = f" {r['ne_mean']:.5f} | {r['ne_delta_vs_dmp_mean']:+.4%}" + (f" +- {se:.4%}" if se is not None else "") + " |"
+            ne = f" {r['ne_mean']:.5f} | {_delta_cell(r, 'dmp')} | {_delta_cell(r, '2d_fp32')} |"
         lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['step_ms'] / base['step_ms']:.2f}x |{ne} "
                      f"{r['replica_max_abs_diff']:.3g} | {sync_mb} |")
     lines += abort_notes([(r["variant"], r) for r in results]

@@ -33,3 +33,28 @@ def test_dry_run_times_dmp_and_pairs_ne_by_seed(tmp_path: Path) -> None:
 def test_refuses_layouts_without_two_replica_groups_and_ne_without_dmp(args: list[str]) -> None:
     with pytest.raises(SystemExit):
         sparse2d.main(["--dry-run", "--out", "unused", *args])
+
+
+def test_table_pairs_loka_syncs_against_the_exact_2d_sync_too() -> None:
+    import argparse
+
+    from bench.comm import paired_ne
+
+    def row(variant: str, nes: list[float]) -> dict:
+        return {"variant": variant, "step_ms": 10.0, "steps": 10, "replica_max_abs_diff": 0.0,
+                "replica_sync_bytes_rank0": None, "gpu": "g", "torch": "t",
+                "ne_by_seed": [{"seed": s, "eval_ne": ne} for s, ne in enumerate(nes)]}
+
+    rows = [row("dmp", [0.5, 0.6]), row("2d_fp32", [0.51, 0.61]), row("2d_loka_fp8", [0.51, 0.62])]
+    paired_ne(rows, key="variant", base="dmp")
+    paired_ne(rows, key="variant", base="2d_fp32")
+    args = argparse.Namespace(nprocs=2, group_size=1, tables=2, dim=8, rows=10, batch=4, steps=10, seeds=2,
+                              ne_steps=8)
+    md = "\n".join(sparse2d.table(rows, args, ["--seeds", "2"]))
+    fp8 = next(line for line in md.splitlines() if line.startswith("| 2d_loka_fp8 |"))
+    # Against 2d_fp32: seed 0 equal, seed 1 +1/61: mean +0.8197%.
+    assert "+0.8197%" in fp8.split("|")[6] and "NE vs 2d_fp32 (paired)" in md
+    rows = [row("dmp", [0.5, 0.6]), row("2d_loka_fp8", [0.51, 0.62])]
+    paired_ne(rows, key="variant", base="dmp")
+    md = "\n".join(sparse2d.table(rows, args, []))
+    assert next(line for line in md.splitlines() if line.startswith("| 2d_loka_fp8 |")).split("|")[6].strip() == "-"
