@@ -12,15 +12,24 @@
 #   sparse2d*      python -m bench.sparse2d --out DIR ARGS
 #   comm*          python -m bench.comm --out DIR ARGS (its NE base checkpoint is deleted before the save)
 #   scaling*       python -m bench.scaling --out DIR ARGS (SIGTERM keeps the jobs done)
-# $OUT returns at most 8 files: everything goes into multi.tgz, rewritten after every part, so a
-# call cut by its time limit still returns the parts it finished.
+# $OUT returns at most 8 files: each lane's parts go into lane<i>.tgz (i: the lane's position, from
+# 0; with the GPU list, the commit and the lanes), rewritten after each of its parts, so a call cut
+# by its time limit still returns the parts it finished, and one lane's large output (profile
+# traces) cannot keep the others from coming back.
 set -u
 out=$1
 shift
 w=/tmp/multi
 rm -rf "$w" /tmp/mg_*  # a warm machine still holds the last call's files
 mkdir -p "$out" "$w"
-save() { ( flock 9; tar czf "$out/multi.tgz.tmp" -C /tmp multi && mv "$out/multi.tgz.tmp" "$out/multi.tgz" ) 9> /tmp/multi.lock; }
+save() {  # LANE_INDEX PART...: that lane's archive, with what its parts wrote so far
+  local idx=$1 p items=(gpus.txt commit.txt lanes.txt)
+  shift
+  for p in "$@"; do
+    for f in "$p.txt" "$p" "${p}_reports"; do [[ -e "$w/$f" ]] && items+=("$f"); done
+  done
+  tar czf "$out/lane$idx.tgz.tmp" -C "$w" "${items[@]}" && mv "$out/lane$idx.tgz.tmp" "$out/lane$idx.tgz"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$w/gpus.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 per=$(( $(nproc) / ngpu ))
@@ -51,16 +60,18 @@ part() {  # GPUS CPUS PART
                find "$w/$name" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null ;;
     *) echo "unknown part $name" >> "$log" ;;
   esac
-  save
 }
 
-lane() {  # GPUS:PART+PART
-  local gpus=${1%%:*} parts=${1#*:} cpus="" g
+lane() {  # INDEX GPUS:PART+PART
+  local idx=$1 gpus=${2%%:*} parts=${2#*:} cpus="" g p done=()
   for g in ${gpus//,/ }; do cpus+="${cpus:+,}$((g * per))-$((g * per + per - 1))"; done
-  local p
-  for p in ${parts//+/ }; do part "$gpus" "$cpus" "$p"; done
+  for p in ${parts//+/ }; do
+    part "$gpus" "$cpus" "$p"
+    done+=("$p")
+    save "$idx" "${done[@]}"
+  done
 }
 
-for spec in "$@"; do lane "$spec" & done
+i=0
+for spec in "$@"; do lane $i "$spec" & i=$((i + 1)); done
 wait
-save

@@ -235,7 +235,7 @@ def _measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         assert loka is not None, "only LoKA variants have a decision job"
         decided = _load_decided(loka, Path(spec["decided_from"]), rank, int(os.environ.get("WORLD_SIZE", "1")))
     device = torch.device(job.trainer.device)
-    profile_steps = spec.get("profile_steps", 0)
+    profile_steps = spec["profile_steps"]
     clock = StepClock(warmup=spec["warmup"], timed=spec["steps"], profile_steps=profile_steps, device=device,
                       timing=spec["timing"], step_diag=profile_steps > 0)
     # The clock last: the other callbacks' step work falls inside the step it measures.
@@ -488,7 +488,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ --merge
-MERGE_FREE_SETTINGS = ("nprocs", "job_timeout_s", "profile_steps")
+MERGE_FREE_SETTINGS = ("nprocs", "job_timeout_s")
 """The settings that may differ between the runs ``--merge`` joins; any other difference (batch,
 steps, device, ...) would put rows measured differently in one table, so the merge is refused."""
 
@@ -622,7 +622,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=None,
                    help="profile this many steps after the timed ones on every rank (torch.profiler): the GPU "
                         "time by category and the host side in each rank's record and the row, rank 0's trace "
-                        "in the job's folder, and every timed step's host time (default 0: no profile)")
+                        "in the job's folder, and every timed step's host time (read from the allocator's "
+                        "counters at every step end: runs with and without a profile are not merged) "
+                        "(default 0: no profile)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny models, eager")
     p.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     return p

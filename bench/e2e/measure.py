@@ -405,8 +405,11 @@ def memory_peak_owners(snapshot: dict[str, Any], *, device: int, baseline_bytes:
     peak is ``baseline_bytes`` (allocated when the recording started: weights, buffers, whatever
     came before) plus the largest sum of the blocks allocated since and not yet freed. Returns
     the peak, its owners (the top `top` by bytes, with counts) and the owners of what is still
-    allocated at the trace's end (captured graphs' pools, caches), and ``partial`` when the
-    ring of events wrapped (the first events lost: the peak may be understated).
+    allocated when the trace stopped (captured graphs' pools, caches; the clock stops it at the
+    end of its profiled window, else when the run closes), and ``partial`` when the ring of
+    events wrapped (the first events lost: the peak may be understated). Blocks allocated
+    before the trace and freed during it stay in the baseline: the peak may be overstated by
+    them.
 
     >>> f = [{"filename": "/x/loka_train/kernels/linear.py", "line": 9, "name": "forward"}]
     >>> snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 2**30, "frames": f},
@@ -454,8 +457,8 @@ def memory_peak_owners(snapshot: dict[str, Any], *, device: int, baseline_bytes:
 def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
     """Markdown lines: one run's peak and its largest owners (:func:`memory_peak_owners`)."""
     lines = [f"**{name}**: traced peak {m['peak_gb']:.2f} GB ({m['baseline_gb']:.2f} GB allocated before the "
-             f"trace{', PARTIAL: the event ring wrapped' if m['partial'] else ''}); still allocated at the "
-             f"end {m['end_gb']:.2f} GB.", "", "| at the peak: owner (innermost first) | GB | blocks |",
+             f"trace{', PARTIAL: the event ring wrapped' if m['partial'] else ''}); still allocated when the "
+             f"trace stopped {m['end_gb']:.2f} GB.", "", "| at the peak: owner (innermost first) | GB | blocks |",
              "|---|---|---|"]
     lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in m["owners"][:top]]
     return [*lines, ""]

@@ -126,7 +126,7 @@ def _mean_apply_kernel(
     code_mask = rmask[:, None] & (cols[None, :] < ROW_DIM)
     total = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for r in tl.static_range(NUM_REPLICAS):
-        row_ptr = payload_ptr + r * replica_bytes + rows64 * ROW_BYTES
+        row_ptr = payload_ptr + r * replica_bytes.to(tl.int64) + rows64 * ROW_BYTES
         code = tl.load(row_ptr[:, None] + cols[None, :], mask=code_mask, other=0)
         inv = _load_inv_scales(row_ptr, rmask, ALIGNED, BLOCK_R)
         value = tl.math.div_rn(_decode_codes(code, IS_E4M3), tl.broadcast_to(inv[:, None], (BLOCK_R, BLOCK_C)))
@@ -187,7 +187,7 @@ def delta_encode(
             BF16_BITS=bf16_bits, HAS_RES=residual_N is not None, FEEDBACK=feedback,
             FP8_MAX=fmt.max, FP32_MAX=_FP32_MAX, BLOCK_R=block_r, BLOCK_C=block_c,
             MANT=fmt.mantissa_bits, SUB_MAGIC=1.5 * 2.0**23 * fmt.min_subnormal, MIN_NORMAL=fmt.min_normal,
-            num_warps=4, **consts,
+            num_warps=4, enable_fp_fusion=False, **consts,
         )
     return out.reshape(-1), res_out
 
@@ -216,6 +216,8 @@ def mean_apply(
                          f"(uint8), got {gathered.numel()} values of {gathered.dtype}")
     if not anchor_N.is_contiguous() or anchor_N.dtype != torch.float32:
         raise ValueError("mean_apply: the anchor must be a contiguous fp32 tensor (it is updated in place)")
+    if w.numel() != num_values:
+        raise ValueError(f"mean_apply: the tensor holds {w.numel()} values, the anchor {num_values}")
     write_w = w.dtype == torch.float32 and w.is_contiguous()
     if num_rows:
         block_r, block_c = _row_launch(row_dim)
@@ -224,7 +226,8 @@ def mean_apply(
             num_rows * row_bytes,
             NUM_REPLICAS=num_replicas, INV_REPLICAS=1.0 / num_replicas, WRITE_W=write_w,
             ROW_DIM=row_dim, ALIGNED=aligned, ROW_BYTES=row_bytes, BLOCK_R=block_r, BLOCK_C=block_c,
-            num_warps=4, **consts,
+            # `anchor + total * (1/R)` rounds twice, as the reference does: no fused multiply-add.
+            num_warps=4, enable_fp_fusion=False, **consts,
         )
     if not write_w:
         w.copy_(anchor_N.view_as(w))

@@ -103,7 +103,17 @@ def test_error_feedback_loses_nothing(precision: str) -> None:
     assert with_fb["sqnr_db"] > without["sqnr_db"] + 3, (with_fb, without)
 
 
-def _impl_job(rank: int, world: int, impl: str, feedback: bool) -> dict[str, list[float]]:
+def _impl_job(rank: int, world: int, impl: str, feedback: bool) -> dict[str, Any]:
+    from loka_train.comm import triton_replica
+
+    fused_calls = []
+    encode = triton_replica.delta_encode
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fused_calls.append(1)
+        return encode(*args, **kwargs)
+
+    triton_replica.delta_encode = counted  # type: ignore[assignment]  # this worker process only
     # sample_every=2 measures every other sync: the fused path computes the change there too.
     config = CommConfig(replica_sync="fp8", dense_error_feedback=feedback, codec_impl=impl, sample_every=2)
     state = CommState(config, backend="gloo")
@@ -116,7 +126,7 @@ def _impl_job(rank: int, world: int, impl: str, feedback: bool) -> dict[str, lis
         sync.sync({"t": w_RD})
     residual = sync.residuals.get("t")
     return {"w": w_RD.reshape(-1).tolist(), "residual": [] if residual is None else residual.tolist(),
-            "sqnr_sums": state.sqnr_sums.reshape(-1).tolist()}
+            "sqnr_sums": state.sqnr_sums.reshape(-1).tolist(), "fused_calls": len(fused_calls)}
 
 
 @pytest.mark.parametrize("feedback", [True, False])
@@ -125,6 +135,9 @@ def test_fused_fp8_sync_is_the_reference_sync(feedback: bool) -> None:
     and measurements as the reference path, bit for bit."""
     fused = run_multiprocess(_impl_job, 2, "triton", feedback, timeout=120)
     reference = run_multiprocess(_impl_job, 2, "reference", feedback, timeout=120)
+    # The 4 FP8 syncs went through the kernels (the first sync is FP32), the reference's not.
+    assert [r.pop("fused_calls") for r in fused] == [4, 4]
+    assert [r.pop("fused_calls") for r in reference] == [0, 0]
     assert fused == reference
     assert fused[0]["w"] == fused[1]["w"]  # replicas identical
     assert bool(fused[0]["residual"]) is feedback

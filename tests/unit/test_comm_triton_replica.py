@@ -87,8 +87,24 @@ def test_mean_apply_moves_anchor_and_tensor_by_the_replicas_mean(num_replicas: i
     assert not torch.equal(expected, anchor)  # the mean moved it
 
 
-def test_mean_apply_refuses_a_payload_of_another_size() -> None:
+@pytest.mark.parametrize("layout", ["transposed_fp32", "fp16"])
+def test_mean_apply_reaches_a_tensor_the_kernel_cannot_write(layout: str) -> None:
+    """A non-contiguous or non-fp32 tensor gets the new anchor through ``copy_`` (its own storage)."""
+    n, row_dim, fmt = 64, 32, Fp8Format.E4M3
+    anchor = _values(n, 4)
+    payload, _ = tr.delta_encode(anchor + 1e-2 * _values(n, 5), anchor, None, row_dim=row_dim, fmt=fmt, feedback=False)
+    gathered = torch.cat([payload, payload])
+    w = torch.zeros(8, 8).t() if layout == "transposed_fp32" else torch.zeros(n, dtype=torch.float16)
+    tr.mean_apply(gathered, anchor, w, num_replicas=2, row_dim=row_dim, fmt=fmt)
+    assert torch.equal(w, anchor.view_as(w).to(w.dtype)) and w.abs().sum() > 0
+
+
+def test_mean_apply_refuses_a_payload_or_tensor_of_another_size() -> None:
     anchor = torch.zeros(64)
     with pytest.raises(ValueError, match="expected 2 payloads"):
         tr.mean_apply(torch.zeros(10, dtype=torch.uint8), anchor, anchor.clone(), num_replicas=2, row_dim=32,
+                      fmt=Fp8Format.E4M3)
+    payload, _ = tr.delta_encode(anchor, anchor, None, row_dim=32, fmt=Fp8Format.E4M3, feedback=False)
+    with pytest.raises(ValueError, match="holds 32 values"):
+        tr.mean_apply(torch.cat([payload, payload]), anchor, torch.zeros(32), num_replicas=2, row_dim=32,
                       fmt=Fp8Format.E4M3)
