@@ -63,6 +63,7 @@ __all__ = [
     "expand_scale",
     "sqnr_db",
     "saturation_fraction",
+    "clipped_counts",
     "underflow_fraction",
 ]
 
@@ -424,6 +425,36 @@ def saturation_fraction(
     clipped = (mag > Fp8Format(fmt).max * (1 + 1e-6)).float()
     frac = clipped.mean() if x.numel() else x.new_zeros((), dtype=torch.float32)
     return _nan_unless(ok, frac)
+
+
+def clipped_counts(
+    x: Tensor,
+    fmt: Fp8Format,
+    scaling: Scaling,
+    *,
+    nonzero: Tensor,
+    axis: int = -1,
+    block_size: int | None = None,
+    block_2d: bool = False,
+    scale: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """How many values of ``x`` would saturate and how many non-zero ones would underflow, as
+    :func:`saturation_fraction` and :func:`underflow_fraction` define them, from one scaled
+    magnitude (0-dim fp32 counts, no host sync; NaN when any scale is non-finite).
+
+    ``nonzero`` is ``x != 0``, which a caller measuring several formats computes once.
+
+    Example:
+        >>> x = torch.tensor([1e-9, 0.0, 1.0, 448.0])
+        >>> [float(c) for c in clipped_counts(x, "e4m3", "tensorwise", nonzero=x != 0)]
+        [0.0, 1.0]
+    """
+    fmt = Fp8Format(fmt)
+    mag, ok = _scaled_magnitude(x, fmt, scaling, axis, block_size, block_2d, scale)
+    nan = float("nan")
+    saturated = torch.where(ok, (mag > fmt.max * (1 + 1e-6)).sum().float(), nan)
+    underflow = torch.where(ok, (nonzero & (mag < fmt.min_subnormal)).sum().float(), nan)
+    return saturated, underflow
 
 
 def underflow_fraction(

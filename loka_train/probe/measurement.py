@@ -57,10 +57,9 @@ from loka_train.kernels.formats import (
     Fp8Format,
     QTensor,
     Scaling,
+    clipped_counts,
     dequantize,
     quantize,
-    saturation_fraction,
-    underflow_fraction,
 )
 from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import Candidate, operand_b_format
@@ -327,9 +326,11 @@ class Measurement:
         sums[L.signal] = ref.square().sum()
         operands = {"a": (a_c, nf_a, ax_a), "b": (b_c, nf_b, ax_b)}
         nnz: dict[str, Tensor] = {}
+        nonzero: dict[str, Tensor] = {}
         for o, (x, nf, axis) in operands.items():
             row_amax_G = x.abs().amax(dim=axis)
-            nnz[o] = (x != 0).sum().float()
+            nonzero[o] = x != 0
+            nnz[o] = nonzero[o].sum().float()
             sums[L.numel[o]] = torch.full((), float(x.numel()), device=dev)
             sums[L.nnz[o]] = nnz[o]
             sums[L.sumsq[o]] = x.square().sum()
@@ -349,9 +350,8 @@ class Measurement:
             if scaling is Scaling.BLOCK:
                 kw = {"block_size": cfg.block_size, "block_2d": o == "b" and _B_IS_WEIGHT[role]}
             q = quantize(x, fmt, scaling, axis=axis, **kw)
-            sat = saturation_fraction(x, fmt, scaling, axis=axis, scale=q.scale, **kw)
-            und = underflow_fraction(x, fmt, scaling, axis=axis, scale=q.scale, **kw)
-            cache[(o, fmt, scaling)] = out = (q, sat * x.numel(), und * nnz[o])
+            sat, und = clipped_counts(x, fmt, scaling, nonzero=nonzero[o], axis=axis, scale=q.scale, **kw)
+            cache[(o, fmt, scaling)] = out = (q, sat, und)
             return out
 
         # bf16 copies of the FP8 payloads, once per payload (candidates share operand b).

@@ -19,6 +19,7 @@ from loka_train.kernels.formats import (
     Fp8Format,
     QTensor,
     Scaling,
+    clipped_counts,
     compute_scale,
     dequantize,
     expand_scale,
@@ -369,3 +370,26 @@ def test_reference_quantizer_kernel_budget(scaling) -> None:
         "div",  # x / scale in fp32: the second pass over x
         "_to_copy",  # the FP8 cast
     ], str(rec.ops)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "block"])
+@pytest.mark.parametrize("given_scale", [False, True])
+def test_clipped_counts_are_the_fractions_as_counts(scaling: str, given_scale: bool) -> None:
+    """One scaled magnitude for both counts: what the Probe records per candidate, equal to
+    saturation_fraction x numel and underflow_fraction x non-zero count."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 96, generator=gen) * torch.logspace(-9, 1, 96)
+    x[0, :5] = 0.0
+    kw = {"block_size": 32} if scaling == "block" else {}
+    scale = None
+    if given_scale:  # a delayed scale a quarter of the amax's: some values saturate
+        scale = compute_scale(x, "e4m3", scaling, **kw) / 4
+    sat, und = clipped_counts(x, "e4m3", scaling, nonzero=x != 0, scale=scale, **kw)
+    frac_sat = saturation_fraction(x, "e4m3", scaling, scale=scale, **kw)
+    frac_und = underflow_fraction(x, "e4m3", scaling, scale=scale, **kw)
+    assert float(sat) == pytest.approx(float(frac_sat) * x.numel(), abs=1e-3)
+    assert float(und) == pytest.approx(float(frac_und) * float((x != 0).sum()), abs=1e-3)
+    assert float(und) > 0 and (float(sat) > 0) is given_scale
+    # A non-finite value: no finite scale, both counts NaN.
+    x[1, 1] = float("inf")
+    assert all(torch.isnan(c) for c in clipped_counts(x, "e4m3", scaling, nonzero=x != 0, **kw))
