@@ -12,6 +12,9 @@
 #   sparse2d*      python -m bench.sparse2d --out DIR ARGS
 #   comm*          python -m bench.comm --out DIR ARGS (its NE base checkpoint is deleted before the save)
 #   scaling*       python -m bench.scaling --out DIR ARGS (SIGTERM keeps the jobs done)
+#   e2e*           python -m bench.e2e --out DIR ARGS (one GPU: a lane of one GPU)
+#   probecost*     python -m bench.probe_cost --out DIR/probe_cost.json ARGS
+#   pytest*        python -m pytest -q -s -p no:cacheprovider ARGS (e.g. tests/gpu/test_probe_gpu.py)
 # $OUT returns at most 8 files: each lane's parts go into lane<i>.tgz (i: the lane's position, from
 # 0; with the GPU list, the commit and the lanes), rewritten after each of its parts, so a call cut
 # by its time limit still returns the parts it finished, and one lane's large output (profile
@@ -58,6 +61,12 @@ part() {  # GPUS CPUS PART
                find "$w/$name" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null ;;
     scaling*)  "${run[@]}" -m bench.scaling --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log"
                find "$w/$name" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null ;;
+    e2e*)      "${run[@]}" -m bench.e2e --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
+    probecost*) mkdir -p "$w/$name"
+               "${run[@]}" -m bench.probe_cost --out "$w/$name/probe_cost.json" $args >> "$log" 2>&1
+               echo "rc=$?" >> "$log" ;;
+    pytest*)   "${run[@]}" -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/mg_$name $args >> "$log" 2>&1
+               echo "rc=$?" >> "$log" ;;
     *) echo "unknown part $name" >> "$log" ;;
   esac
 }
