@@ -3,7 +3,9 @@
 At a site's real shapes (default: Wukong's over-arch 0, 32768 x 4096 -> 4096, bf16 operands),
 each role's sample (the full-operand counts and row selection, then the statistics and shadow
 GEMMs of every candidate of the preset on the selected rows) runs ``--iters`` times after a
-warm-up; CUDA events give its time, and a profiler pass groups its kernels by name. Eager
+warm-up; CUDA events give its time, and a profiler pass groups its kernels by name; on any
+device, the aten operators one sample dispatches are counted (each a kernel launch on a GPU:
+on the small, row-cut operands of a sample their number, not their bytes, sets its cost). Eager
 (``Probe.observe`` as a sampled eager step calls it) and, with ``--graphed``, as the capture of
 a sampled module replays it (no nested measurement graph).
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loka_train.plugin.config import LokaConfig
 from loka_train.probe import Probe
@@ -43,6 +46,18 @@ def _sample(probe: Probe, role: str, a: torch.Tensor, b: torch.Tensor, *, deferr
             probe.observe("site", role, a, b)
     else:
         probe.observe("site", role, a, b)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,14 +102,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for evt in prof.key_averages():
                     if evt.device_time_total > 0:
                         kernels[evt.key[:90]] += evt.device_time_total / 1000.0
+            counter = _OpCounter()
+            with counter:
+                sample()
             top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
             key = f"{role}{' (graphed)' if deferred else ''}"
             out["roles"][key] = {
+                "aten_ops": counter.count,
                 "ms_median": sorted(times)[len(times) // 2] if times else None,
                 "kernel_ms_total": sum(kernels.values()),
                 "top_kernels_ms": top,
             }
-            print(f"{key}: {out['roles'][key]['ms_median']} ms; top kernels:", flush=True)
+            print(f"{key}: {out['roles'][key]['ms_median']} ms, {counter.count} aten ops; top kernels:", flush=True)
             for name, ms in top:
                 print(f"    {ms:8.3f} ms  {name}", flush=True)
     return out

@@ -16,6 +16,8 @@ def test_probe_cost_writes_every_role_eager_and_graphed(tmp_path: Path) -> None:
     assert result["shape"] == [64, 32, 16] and result["candidates"] and result["max_cols"] == 1024
     roles = ("forward", "grad_input", "grad_weight")
     assert sorted(result["roles"]) == sorted([*roles, *(f"{r} (graphed)" for r in roles)])
+    # Dozens of operators per sample at least (statistics, two candidates' quantization, GEMMs).
+    assert all(r["aten_ops"] > 50 for r in result["roles"].values())
 
 
 def test_probe_cost_takes_max_cols(tmp_path: Path) -> None:
