@@ -384,6 +384,52 @@ class Measurement:
         return vec_sum.to(torch.float64), vec_max.to(torch.float64)
 
 
+class _Staging:
+    """Input buffers that every graph of a :class:`CudaGraphs` shares: one per operand position,
+    as large as the largest operand yet, each graph reading views at its start.
+
+    Replays run one at a time on one stream and each copies its inputs in just before, so
+    one set of buffers serves every graph: the static inputs cost the largest sample's
+    operands, not their sum over the (site, role, shape) graphs (dozens on Wukong, each with
+    a ``max_rows`` x K activation and a cut weight). A buffer that must grow is reallocated
+    (doubling): the graphs captured on the old one then read freed memory, and the caller
+    drops them (they are captured again on their next sample).
+
+    Example:
+        >>> staging = _Staging()
+        >>> views, grown = staging.views((torch.zeros(4, 8), torch.zeros(())))
+        >>> [tuple(v.shape) for v in views], grown
+        ([(4, 8), ()], True)
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[Tensor] = []
+
+    def views(self, operands: Sequence[Tensor]) -> tuple[tuple[Tensor, ...], bool]:
+        """Contiguous views of the shared buffers with the shapes and dtypes of `operands` (their
+        values are not copied), and whether a buffer was reallocated for them."""
+        grown = False
+        views = []
+        for i, t in enumerate(operands):
+            nbytes = t.numel() * t.element_size()
+            buf = self._buffers[i] if i < len(self._buffers) else None
+            if buf is None or buf.numel() < nbytes or buf.device != t.device:
+                size = max(nbytes, 2 * buf.numel() if buf is not None and buf.device == t.device else 0)
+                buf = torch.empty(size, dtype=torch.uint8, device=t.device)
+                if i < len(self._buffers):
+                    self._buffers[i] = buf
+                else:
+                    self._buffers.append(buf)
+                grown = True
+            views.append(buf[:nbytes].view(t.dtype).view(t.shape))
+        return tuple(views), grown
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold."""
+        return sum(b.numel() for b in self._buffers)
+
+
 class CudaGraphs:
     """Replays the measurement of each (role, operand shapes and dtypes) as one CUDA graph.
 
@@ -392,10 +438,11 @@ class CudaGraphs:
     :func:`~loka_train.probe.sampling.select` chose (at most ``max_rows``) and the two
     non-finite counts, copied into static buffers; the full operands never enter a graph (at
     batch 32768 their copies were a large part of a sample's cost,
-    ``bench/results/e2e_graph_outputs_h100_2026-11-25d/NOTES.md``).
-    Outputs are copied out of static buffers by the caller. All graphs share one memory pool:
-    every tensor allocated during a capture is dead at its end (outputs are written into
-    buffers allocated outside the pool), so replays in any order cannot clobber each other's
+    ``bench/results/e2e_graph_outputs_h100_2026-11-25d/NOTES.md``). Every graph reads its
+    inputs from the same buffers (:class:`_Staging`), so they cost one sample's operands, not
+    one per graph. Outputs are copied out of static buffers by the caller. All graphs share one
+    memory pool: every tensor allocated during a capture is dead at its end (outputs are written
+    into buffers allocated outside the pool), so replays in any order cannot clobber each other's
     live memory.
 
     Costs and fallbacks: a capture synchronizes the device once (``torch.cuda.graph``), on the
@@ -411,6 +458,9 @@ class CudaGraphs:
         self._measure = measure
         self._max_graphs = max_graphs
         self._entries: dict[tuple, tuple[tuple[Tensor, ...], Any, Tensor, Tensor]] = {}
+        self._staging = _Staging()
+        self.num_dropped = 0
+        """Graphs dropped because the shared input buffers grew (captured again when next used)."""
         self._pool: Any = None
         self.disabled_reason: str | None = None
         self.num_captures = 0
@@ -450,7 +500,15 @@ class CudaGraphs:
         return out_sum, out_max
 
     def _capture(self, role: str, operands: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], Any, Tensor, Tensor]:
-        statics = tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in operands)
+        statics, grown = self._staging.views(operands)
+        if grown and self._entries:
+            # They read the old buffers: captured again on their next sample.
+            self.num_dropped += len(self._entries)
+            logger.debug("probe: the graphs' input buffers grew to %d bytes; %d graphs dropped",
+                         self._staging.nbytes, len(self._entries))
+            self._entries.clear()
+        for static, given in zip(statics, operands):
+            static.copy_(given)
         device = operands[0].device
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))

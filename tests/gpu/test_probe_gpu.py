@@ -99,3 +99,43 @@ def test_row_stats_kernel_matches_its_reference_and_the_selection_on_cuda() -> N
     slow = select("grad_weight", dy, x, None, 1024, kernel=False)
     assert torch.equal(fast.a, slow.a) and torch.equal(fast.b.nan_to_num(), slow.b.nan_to_num())
     assert int(fast.nf_b) == int(slow.nf_b) == 3 and int(fast.nf_a) == 0
+
+
+def _observe_sites(cuda_graphs: bool) -> Probe:
+    """Three sites of growing, then mixed, sizes: the graphs' shared input buffers grow twice."""
+    probe = Probe(ProbeConfig(every_k_steps=1, interval=3, window=3, min_samples=1, cuda_graphs=cuda_graphs,
+                              max_rows=512), device=torch.device("cuda"))
+    gen = torch.Generator("cuda").manual_seed(1)
+    shapes = {"small": (64, 128), "mid": (256, 512), "large": (512, 1024)}
+    weights = {s: torch.randn(*shape, device="cuda", generator=gen) for s, shape in shapes.items()}
+    for s, w in weights.items():
+        probe.register_site(s, weight_shape=tuple(w.shape))
+    for step, order in enumerate((["small", "mid", "large"], ["large", "small", "mid"], ["mid", "large", "small"])):
+        probe.begin_step(step)
+        for s in order:
+            w = weights[s]
+            x = torch.randn(512, w.shape[1], device="cuda", dtype=torch.bfloat16, generator=gen)
+            dy = torch.randn(512, w.shape[0], device="cuda", dtype=torch.bfloat16, generator=gen)
+            probe.observe_forward(s, x, w)
+            probe.observe_backward(s, dy, x, w)
+    probe.reduce()
+    return probe
+
+
+def test_graphs_share_one_set_of_input_buffers() -> None:
+    """Every graph reads its inputs from the same buffers: they hold one sample's operands (the
+    largest), graphs captured before a buffer grew are captured again, and the statistics
+    are the eager ones."""
+    eager, graphed = _observe_sites(False), _observe_sites(True)
+    graphs = graphed._measurement.graphs
+    assert graphs is not None and graphs.disabled_reason is None and graphs.num_eager == 0
+    assert graphs.num_dropped > 0 and graphs.num_captures > 9  # 3 sites x 3 roles, plus re-captures
+    # The largest sample: 512 rows x 1024 bf16 and a 512 x 1024 fp32 weight, plus the counts.
+    largest = 512 * 1024 * 2 + 512 * 1024 * 4
+    assert graphs._staging.nbytes <= 2 * largest + 64
+    for site in ("small", "mid", "large"):
+        for role in ("forward", "grad_input", "grad_weight"):
+            e, g = eager.window_stats(site, role), graphed.window_stats(site, role)
+            assert torch.equal(e["valid"], g["valid"]) and bool(e["valid"].all()), (site, role)
+            for key in ("sqnr_db", "underflow_a", "saturation_a", "amax_a", "amax_b"):
+                torch.testing.assert_close(g[key], e[key], rtol=1e-5, atol=1e-6, msg=f"{site} {role} {key}")
