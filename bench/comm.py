@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, metavar="S",
                         help="with --ne-from: continuations per precision, seed s on the train batches of "
                              "steps N0 + s*M onwards (default 3; dry run 2)")
-    parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank for NE")
+    parser.add_argument("--eval-batches", type=int, default=16,
+                        help="held-out batches per rank for NE (default 16)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 gloo processes, tiny sizes")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
