@@ -60,6 +60,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "compute_scale",
+    "scale_from_amax",
     "expand_scale",
     "sqnr_db",
     "saturation_fraction",
@@ -243,6 +244,18 @@ def _amax_to_scale(amax: Tensor, fmt: Fp8Format, power_of_two: bool) -> Tensor:
     # isfinite + where: each a kernel launch fewer per quantization on the hot path.
     scale = torch.where(amax == 0, 1.0, (amax / fmt.max).clamp_min(torch.finfo(torch.float32).tiny))
     return torch.nan_to_num(scale, nan=nan, posinf=nan, neginf=nan)
+
+
+def scale_from_amax(amax: Tensor, fmt: Fp8Format) -> Tensor:
+    """The just-in-time dequantization scale of groups whose max |value| is `amax`, as
+    :func:`compute_scale` derives it for tensor-wise, row-wise and block scaling (for a caller
+    that has the amax already).
+
+    Example:
+        >>> float(scale_from_amax(torch.tensor(896.0), Fp8Format.E4M3))
+        2.0
+    """
+    return _amax_to_scale(amax, Fp8Format(fmt), power_of_two=False)
 
 
 def compute_scale(

@@ -60,6 +60,7 @@ from loka_train.kernels.formats import (
     clipped_counts,
     dequantize,
     quantize,
+    scale_from_amax,
 )
 from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import Candidate, operand_b_format
@@ -67,6 +68,10 @@ from loka_train.probe.config import ProbeConfig
 from loka_train.probe.window import WindowLayout
 
 logger = logging.getLogger(__name__)
+
+_FAST_SCALINGS = True
+"""Tensor-wise and row-wise candidates quantize from the operand's amax already reduced, in one
+division for payload and counts (False: through quantize() and clipped_counts(), for tests)."""
 
 __all__ = ["CudaGraphs", "Measurement", "count_nonfinite", "gemm", "operands_2d", "split_bf16"]
 
@@ -327,15 +332,19 @@ class Measurement:
         operands = {"a": (a_c, nf_a, ax_a), "b": (b_c, nf_b, ax_b)}
         nnz: dict[str, Tensor] = {}
         nonzero: dict[str, Tensor] = {}
+        amaxes: dict[tuple[str, Scaling], Tensor] = {}
         for o, (x, nf, axis) in operands.items():
             row_amax_G = x.abs().amax(dim=axis)
+            # What compute_scale would reduce again for these two scalings (same values: the
+            # max of |x|), kept in the layouts of QTensor.scale.
+            amaxes[(o, Scaling.ROWWISE)] = row_amax_G.unsqueeze(axis)
             nonzero[o] = x != 0
             nnz[o] = nonzero[o].sum().float()
             sums[L.numel[o]] = torch.full((), float(x.numel()), device=dev)
             sums[L.nnz[o]] = nnz[o]
             sums[L.sumsq[o]] = x.square().sum()
             sums[L.nonfinite[o]] = nf.float()
-            maxes[L.amax[o]] = row_amax_G.amax()
+            maxes[L.amax[o]] = amaxes[(o, Scaling.TENSORWISE)] = row_amax_G.amax()
             maxes[L.neg_row_min[o]] = -torch.where(row_amax_G > 0, row_amax_G, math.inf).amin()
         # Quantized operands and their counts, shared by candidates with the same (format,
         # scaling) for an operand (operand b of the backward GEMMs has one format).
@@ -346,6 +355,19 @@ class Measurement:
             if hit is not None:
                 return hit
             x, _, axis = operands[o]
+            amax = amaxes.get((o, scaling)) if _FAST_SCALINGS else None
+            if amax is not None:
+                # quantize() and clipped_counts() in fewer kernels, bit for bit: the amax is
+                # the operand's (computed above), the scaled values are divided once for the
+                # payload and the counts, and every scale is finite (the operands are cleaned).
+                scale = scale_from_amax(amax, fmt)
+                scaled = x / (scale.reshape(1, 1) if scale.ndim == 0 else scale)
+                q = QTensor(data=scaled.to(fmt.dtype), scale=scale, fmt=fmt, scaling=scaling, axis=axis)
+                mag = scaled.abs()
+                sat = (mag > fmt.max * (1 + 1e-6)).sum().float()
+                und = (nonzero[o] & (mag < fmt.min_subnormal)).sum().float()
+                cache[(o, fmt, scaling)] = out = (q, sat, und)
+                return out
             kw: dict[str, Any] = {}
             if scaling is Scaling.BLOCK:
                 kw = {"block_size": cfg.block_size, "block_2d": o == "b" and _B_IS_WEIGHT[role]}

@@ -1,0 +1,43 @@
+"""The Probe's tensor-wise and row-wise candidates quantize from the operand's amax already
+reduced, in one division for the payload and the counts: the window vectors are bit for bit
+those of quantize() + clipped_counts() (`measurement._FAST_SCALINGS` off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loka_train.probe import ProbeConfig
+from loka_train.probe import measurement as m
+from loka_train.probe.candidates import candidates_of
+from loka_train.probe.window import WindowLayout
+
+
+def _operands(role: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    mm, k, n = 96, 64, 48
+    shapes = {"forward": ((mm, k), (n, k)), "grad_input": ((mm, n), (n, k)), "grad_weight": ((mm, n), (mm, k))}
+    (ra, ca), (rb, cb) = shapes[role]
+    # Values over 10 decades (underflow in e4m3 and e5m2), exact zeros, a few outlier rows.
+    a = torch.randn(ra, ca, generator=gen) * torch.logspace(-8, 2, ca)
+    a[3] *= 1e3
+    a[:, 5] = 0.0
+    b = torch.randn(rb, cb, generator=gen) * 0.05
+    b[0, :7] = 0.0
+    return a.bfloat16(), b
+
+
+@pytest.mark.parametrize("role", ["forward", "grad_input", "grad_weight"])
+def test_fast_path_is_quantize_and_clipped_counts(role: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ProbeConfig(formats=("e4m3", "e5m2"), scalings=("tensorwise", "rowwise"), cuda_graphs=False)
+    cands = candidates_of(cfg)
+    a, b = _operands(role)
+    out = {}
+    for fast in (True, False):
+        monkeypatch.setattr(m, "_FAST_SCALINGS", fast)
+        meas = m.Measurement(cfg, cands, WindowLayout(len(cands)), device=torch.device("cpu"))
+        out[fast] = meas.measure(role, a, b, m.count_nonfinite(a), m.count_nonfinite(b), None, graphable=False)
+    for fast_vec, ref_vec in zip(out[True], out[False]):
+        assert torch.equal(fast_vec, ref_vec)
+    # The vectors hold underflow counts and errors, not only zeros.
+    assert float(out[True][0].abs().sum()) > 0
