@@ -65,6 +65,7 @@ __all__ = [
     "sqnr_db",
     "saturation_fraction",
     "clipped_counts",
+    "counts_of_magnitudes",
     "underflow_fraction",
 ]
 
@@ -462,11 +463,27 @@ def clipped_counts(
         >>> [float(c) for c in clipped_counts(x, "e4m3", "tensorwise", nonzero=x != 0)]
         [0.0, 1.0]
     """
-    fmt = Fp8Format(fmt)
+    if nonzero.shape != x.shape:
+        raise ValueError(f"clipped_counts: nonzero has shape {tuple(nonzero.shape)}, x {tuple(x.shape)}")
     mag, ok = _scaled_magnitude(x, fmt, scaling, axis, block_size, block_2d, scale)
+    saturated, underflow = counts_of_magnitudes(mag, fmt, nonzero=nonzero)
     nan = float("nan")
-    saturated = torch.where(ok, (mag > fmt.max * (1 + 1e-6)).sum().float(), nan)
-    underflow = torch.where(ok, (nonzero & (mag < fmt.min_subnormal)).sum().float(), nan)
+    return torch.where(ok, saturated, nan), torch.where(ok, underflow, nan)
+
+
+def counts_of_magnitudes(mag: Tensor, fmt: Fp8Format, *, nonzero: Tensor) -> tuple[Tensor, Tensor]:
+    """The counts of :func:`clipped_counts` from the scaled magnitudes ``|x / scale|`` (for a
+    caller that has them): values above ``fmt.max`` (up to fp32 rounding) and non-zero values
+    below ``fmt.min_subnormal``, as 0-dim fp32.
+
+    Example:
+        >>> mag = torch.tensor([0.0, 1e-9, 3.0, 500.0])
+        >>> [float(c) for c in counts_of_magnitudes(mag, "e4m3", nonzero=mag != 0)]
+        [1.0, 1.0]
+    """
+    fmt = Fp8Format(fmt)
+    saturated = (mag > fmt.max * (1 + 1e-6)).sum().float()
+    underflow = (nonzero & (mag < fmt.min_subnormal)).sum().float()
     return saturated, underflow
 
 

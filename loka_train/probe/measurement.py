@@ -22,7 +22,7 @@ groups.
   fp32 with the scales applied after (:func:`scaled_payload_gemm`); the error energy
   ``sum((ref - fp8)**2)`` and the signal energy ``sum(ref**2)`` are stored, not the dB value
   (see :mod:`loka_train.probe.window` for why). Saturation and underflow are stored as counts
-  (fraction times the element / non-zero count) for the same reason.
+  (:func:`~loka_train.kernels.formats.clipped_counts`) for the same reason.
 * **No host sync.** Constants are written with fill kernels; there is no ``.item()``, no
   host-to-device copy. Non-finite inputs are counted and zeroed before the statistics are
   computed, so they never poison the window and never raise.
@@ -58,6 +58,7 @@ from loka_train.kernels.formats import (
     QTensor,
     Scaling,
     clipped_counts,
+    counts_of_magnitudes,
     dequantize,
     quantize,
     scale_from_amax,
@@ -69,9 +70,6 @@ from loka_train.probe.window import WindowLayout
 
 logger = logging.getLogger(__name__)
 
-_FAST_SCALINGS = True
-"""Tensor-wise and row-wise candidates quantize from the operand's amax already reduced, in one
-division for payload and counts (False: through quantize() and clipped_counts(), for tests)."""
 
 __all__ = ["CudaGraphs", "Measurement", "count_nonfinite", "gemm", "operands_2d", "split_bf16"]
 
@@ -242,6 +240,10 @@ class Measurement:
         fp32 SIMT. Off after a failure (``exact_gemm_fallback``)."""
         self.exact_gemm_fallback: str | None = None
         """Why the bf16-input GEMMs were turned off (logged once; the fp32 GEMMs run), or None."""
+        self.fast_scalings = True
+        """Tensor-wise and row-wise candidates quantize from the operand's amax already reduced,
+        one division serving payload and counts, bit for bit what :func:`quantize` and
+        :func:`clipped_counts` give (False: through those two, which the tests compare)."""
 
     def measure(
         self,
@@ -355,7 +357,7 @@ class Measurement:
             if hit is not None:
                 return hit
             x, _, axis = operands[o]
-            amax = amaxes.get((o, scaling)) if _FAST_SCALINGS else None
+            amax = amaxes.get((o, scaling)) if self.fast_scalings else None
             if amax is not None:
                 # quantize() and clipped_counts() in fewer kernels, bit for bit: the amax is
                 # the operand's (computed above), the scaled values are divided once for the
@@ -363,9 +365,7 @@ class Measurement:
                 scale = scale_from_amax(amax, fmt)
                 scaled = x / (scale.reshape(1, 1) if scale.ndim == 0 else scale)
                 q = QTensor(data=scaled.to(fmt.dtype), scale=scale, fmt=fmt, scaling=scaling, axis=axis)
-                mag = scaled.abs()
-                sat = (mag > fmt.max * (1 + 1e-6)).sum().float()
-                und = (nonzero[o] & (mag < fmt.min_subnormal)).sum().float()
+                sat, und = counts_of_magnitudes(scaled.abs(), fmt, nonzero=nonzero[o])
                 cache[(o, fmt, scaling)] = out = (q, sat, und)
                 return out
             kw: dict[str, Any] = {}
@@ -407,48 +407,49 @@ class Measurement:
 
 
 class _Staging:
-    """Input buffers that every graph of a :class:`CudaGraphs` shares: one per operand position,
+    """Input buffers that the graphs of a :class:`CudaGraphs` share: one per operand position,
     as large as the largest operand yet, each graph reading views at its start.
 
     Replays run one at a time on one stream and each copies its inputs in just before, so
     one set of buffers serves every graph: the static inputs cost the largest sample's
     operands, not their sum over the (site, role, shape) graphs (dozens on Wukong, each with
-    a ``max_rows`` x K activation and a cut weight). A buffer that must grow is reallocated
-    (doubling): the graphs captured on the old one then read freed memory, and the caller
-    drops them (they are captured again on their next sample).
+    a ``max_rows`` x K activation and a cut weight). A buffer too small for a new graph is
+    replaced by one at least twice as large; the graphs captured on the old one keep it (their
+    views hold it), so no graph is captured again, and all the buffers together stay below
+    twice the last ones.
 
     Example:
         >>> staging = _Staging()
-        >>> views, grown = staging.views((torch.zeros(4, 8), torch.zeros(())))
-        >>> [tuple(v.shape) for v in views], grown
-        ([(4, 8), ()], True)
+        >>> views = staging.views((torch.zeros(4, 8), torch.zeros(())))
+        >>> [tuple(v.shape) for v in views]
+        [(4, 8), ()]
     """
 
     def __init__(self) -> None:
         self._buffers: list[Tensor] = []
 
-    def views(self, operands: Sequence[Tensor]) -> tuple[tuple[Tensor, ...], bool]:
-        """Contiguous views of the shared buffers with the shapes and dtypes of `operands` (their
-        values are not copied), and whether a buffer was reallocated for them."""
-        grown = False
+    def views(self, operands: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """Contiguous views of the shared buffers with the shapes and dtypes of `operands`
+        (their values are not copied)."""
         views = []
         for i, t in enumerate(operands):
             nbytes = t.numel() * t.element_size()
             buf = self._buffers[i] if i < len(self._buffers) else None
-            if buf is None or buf.numel() < nbytes or buf.device != t.device:
-                size = max(nbytes, 2 * buf.numel() if buf is not None and buf.device == t.device else 0)
-                buf = torch.empty(size, dtype=torch.uint8, device=t.device)
+            if buf is not None:
+                assert buf.device == t.device, "a Probe's operands are on its device"
+            if buf is None or buf.numel() < nbytes:
+                buf = torch.empty(max(nbytes, 2 * buf.numel() if buf is not None else 0), dtype=torch.uint8,
+                                  device=t.device)
                 if i < len(self._buffers):
                     self._buffers[i] = buf
                 else:
                     self._buffers.append(buf)
-                grown = True
             views.append(buf[:nbytes].view(t.dtype).view(t.shape))
-        return tuple(views), grown
+        return tuple(views)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffers hold."""
+        """Bytes of the current buffers (earlier, smaller ones live on in the graphs that read them)."""
         return sum(b.numel() for b in self._buffers)
 
 
@@ -460,9 +461,9 @@ class CudaGraphs:
     :func:`~loka_train.probe.sampling.select` chose (at most ``max_rows``) and the two
     non-finite counts, copied into static buffers; the full operands never enter a graph (at
     batch 32768 their copies were a large part of a sample's cost,
-    ``bench/results/e2e_graph_outputs_h100_2026-11-25d/NOTES.md``). Every graph reads its
-    inputs from the same buffers (:class:`_Staging`), so they cost one sample's operands, not
-    one per graph. Outputs are copied out of static buffers by the caller. All graphs share one
+    ``bench/results/e2e_graph_outputs_h100_2026-11-25d/NOTES.md``). The graphs read their
+    inputs from shared buffers (:class:`_Staging`), so they cost about one sample's operands,
+    not one copy per graph. Outputs are copied out of static buffers by the caller. All graphs share one
     memory pool: every tensor allocated during a capture is dead at its end (outputs are written
     into buffers allocated outside the pool), so replays in any order cannot clobber each other's
     live memory.
@@ -481,8 +482,6 @@ class CudaGraphs:
         self._max_graphs = max_graphs
         self._entries: dict[tuple, tuple[tuple[Tensor, ...], Any, Tensor, Tensor]] = {}
         self._staging = _Staging()
-        self.num_dropped = 0
-        """Graphs dropped because the shared input buffers grew (captured again when next used)."""
         self._pool: Any = None
         self.disabled_reason: str | None = None
         self.num_captures = 0
@@ -522,13 +521,7 @@ class CudaGraphs:
         return out_sum, out_max
 
     def _capture(self, role: str, operands: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], Any, Tensor, Tensor]:
-        statics, grown = self._staging.views(operands)
-        if grown and self._entries:
-            # They read the old buffers: captured again on their next sample.
-            self.num_dropped += len(self._entries)
-            logger.debug("probe: the graphs' input buffers grew to %d bytes; %d graphs dropped",
-                         self._staging.nbytes, len(self._entries))
-            self._entries.clear()
+        statics = self._staging.views(operands)
         for static, given in zip(statics, operands):
             static.copy_(given)
         device = operands[0].device

@@ -460,8 +460,6 @@ class Probe:
             else {
                 "captures": graphs.num_captures,
                 "eager_measurements": graphs.num_eager,
-                # Dropped when the graphs' shared input buffers grew (captured again on use).
-                "dropped_for_larger_inputs": graphs.num_dropped,
                 "disabled_reason": graphs.disabled_reason,
             },
             # Why the shadow GEMMs fell back from bf16 GEMMs with an fp32 result to fp32 ones.
