@@ -372,8 +372,7 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
 # ------------------------------------------------------------------ memory at the peak
 MEMORY_TRACE_ENTRIES = 500_000
 """Allocator events ``--memory-trace`` keeps, each with its Python stack in host memory (a ring:
-a run with more loses its first ones, and its peak is then marked partial). A Wukong step makes
-a few thousand: enough for the set-up and a hundred steps."""
+a run with more loses its first ones, and its peak is then marked partial)."""
 
 _OWNER_DIRS = ("/loka_train/", "/bench/", "/torchrec/", "/fbgemm_gpu/")
 """Where the frames that name an allocation's owner live (the first one found, innermost first)."""
