@@ -65,7 +65,6 @@ __all__ = [
     "sqnr_db",
     "saturation_fraction",
     "clipped_counts",
-    "counts_of_magnitudes",
     "underflow_fraction",
 ]
 
@@ -465,26 +464,12 @@ def clipped_counts(
     """
     if nonzero.shape != x.shape:
         raise ValueError(f"clipped_counts: nonzero has shape {tuple(nonzero.shape)}, x {tuple(x.shape)}")
-    mag, ok = _scaled_magnitude(x, fmt, scaling, axis, block_size, block_2d, scale)
-    saturated, underflow = counts_of_magnitudes(mag, fmt, nonzero=nonzero)
-    nan = float("nan")
-    return torch.where(ok, saturated, nan), torch.where(ok, underflow, nan)
-
-
-def counts_of_magnitudes(mag: Tensor, fmt: Fp8Format, *, nonzero: Tensor) -> tuple[Tensor, Tensor]:
-    """The counts of :func:`clipped_counts` from the scaled magnitudes ``|x / scale|`` (for a
-    caller that has them): values above ``fmt.max`` (up to fp32 rounding) and non-zero values
-    below ``fmt.min_subnormal``, as 0-dim fp32.
-
-    Example:
-        >>> mag = torch.tensor([0.0, 1e-9, 3.0, 500.0])
-        >>> [float(c) for c in counts_of_magnitudes(mag, "e4m3", nonzero=mag != 0)]
-        [1.0, 1.0]
-    """
     fmt = Fp8Format(fmt)
+    mag, ok = _scaled_magnitude(x, fmt, scaling, axis, block_size, block_2d, scale)
     saturated = (mag > fmt.max * (1 + 1e-6)).sum().float()
     underflow = (nonzero & (mag < fmt.min_subnormal)).sum().float()
-    return saturated, underflow
+    nan = float("nan")
+    return torch.where(ok, saturated, nan), torch.where(ok, underflow, nan)
 
 
 def underflow_fraction(
