@@ -14,7 +14,7 @@ the other channels), then sets ``w = w_at_last_sync + mean(delta)``:
   the 16-bit dtype would round once more, beyond what error feedback can see);
 * FP8 / INT8 (row-wise, ``row_dim`` values per scale): a scaled payload cannot be summed, so
   the replicas all-gather the payloads, decode them and average in fp32. Where the codec runs
-  its Triton kernels (CUDA), FP8 takes two fused passes over each tensor
+  its Triton kernels (CUDA), FP8 and BF16 take two fused passes over each tensor
   (`comm.triton_replica`: the change, its payload and the new residual in one; the mean
   applied to the anchor and the tensor in the other) instead of about a dozen, bit for bit
   the same.
@@ -148,8 +148,8 @@ class ReplicaSync:
     def _sync_delta(self, name: str, tensor: torch.Tensor, num_replicas: int, precision: CommPrecision) -> None:
         state = self._state
         fmt = state.wire_format(_CHANNEL, precision)
-        if precision is CommPrecision.FP8 and fmt.impl_for(tensor.device) is CodecImpl.TRITON:
-            self._sync_fp8_fused(name, tensor, num_replicas, fmt)
+        if precision in (CommPrecision.FP8, CommPrecision.BF16) and fmt.impl_for(tensor.device) is CodecImpl.TRITON:
+            self._sync_fused(name, tensor, num_replicas, fmt)
             return
         anchor_N = self._anchors[name]
         delta_N = tensor.detach().float().reshape(-1) - anchor_N
@@ -188,10 +188,10 @@ class ReplicaSync:
         tensor.copy_(new_N.view_as(tensor))
         self._anchors[name] = new_N
 
-    def _sync_fp8_fused(self, name: str, tensor: torch.Tensor, num_replicas: int, fmt: WireFormat) -> None:
-        """The FP8 sync of `_sync_delta` in two fused passes (`comm.triton_replica`), bit for bit
-        the same: the change's payload and new residual in one, the mean applied to the anchor
-        and the tensor in the other."""
+    def _sync_fused(self, name: str, tensor: torch.Tensor, num_replicas: int, fmt: WireFormat) -> None:
+        """The FP8 or BF16 sync of `_sync_delta` in two fused passes (`comm.triton_replica`), bit
+        for bit the same: the change's payload and new residual in one, the mean applied to the
+        anchor and the tensor in the other."""
         # Imported on first use, as formats.py imports the codec: it imports triton.
         from loka_train.comm import triton_replica
 
@@ -202,17 +202,27 @@ class ReplicaSync:
             delta_N = tensor.detach().float().reshape(-1) - anchor_N
             self._measure(delta_N if residual_N is None else delta_N + residual_N)
         feedback = state.config.dense_error_feedback
-        payload, new_residual_N = triton_replica.delta_encode(
-            tensor.detach(), anchor_N, residual_N, row_dim=fmt.row_dim, fmt=fmt.fp8_format, feedback=feedback
-        )
+        fp8 = fmt.precision is CommPrecision.FP8
+        if fp8:
+            payload, new_residual_N = triton_replica.delta_encode(
+                tensor.detach(), anchor_N, residual_N, row_dim=fmt.row_dim, fmt=fmt.fp8_format, feedback=feedback
+            )
+        else:
+            payload, new_residual_N = triton_replica.delta_encode_bf16(
+                tensor.detach(), anchor_N, residual_N, feedback=feedback
+            )
+            payload = payload.view(torch.uint8)  # gathered as raw bytes, as the reference path does
         if new_residual_N is not None:
             self._residuals[name] = new_residual_N
-        state.stats.record(_CHANNEL, CommPrecision.FP8, payload.numel())
+        state.stats.record(_CHANNEL, fmt.precision, payload.numel())
         gathered = [torch.empty_like(payload) for _ in range(num_replicas)]
         dist.all_gather(gathered, payload, group=self._group)
         # In place: the anchor becomes the new value (a tensor of this sync's own).
-        triton_replica.mean_apply(torch.cat(gathered), anchor_N, tensor.detach(), num_replicas=num_replicas,
-                                  row_dim=fmt.row_dim, fmt=fmt.fp8_format)
+        if fp8:
+            triton_replica.mean_apply(torch.cat(gathered), anchor_N, tensor.detach(), num_replicas=num_replicas,
+                                      row_dim=fmt.row_dim, fmt=fmt.fp8_format)
+        else:
+            triton_replica.mean_apply_bf16(torch.cat(gathered), anchor_N, tensor.detach(), num_replicas=num_replicas)
 
     def _samples(self) -> bool:
         """Whether the next sync measures its changes: every ``comm.sample_every``-th sync from

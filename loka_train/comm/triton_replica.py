@@ -12,6 +12,8 @@ sets ``w = a = a + mean``: each step a full pass over fp32 N values.
 * :func:`mean_apply`: from the R gathered payloads, ``a + (d_0 + d_1 + ... + d_{R-1}) * (1/R)``
   (summed in replica order, as the reference does) written to the anchor and to ``w`` (fp32;
   another dtype gets a copy of the anchor, rounded as ``Tensor.copy_`` rounds).
+* :func:`delta_encode_bf16` / :func:`mean_apply_bf16`: the same two passes for the BF16 sync
+  (the change cast to bf16, saturating as the codec's clamped cast does).
 
 Shape legend: N values, R replicas, P payload bytes per row (``A + 4``, A = row_dim rounded up
 to 4).
@@ -30,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from loka_train.comm.triton_codec import (
+    _CAST_BLOCK,
     _FP32_MAX,
     _aligned,
     _as_loadable,
@@ -41,9 +44,11 @@ from loka_train.comm.triton_codec import (
     _row_launch,
 )
 from loka_train.kernels.formats import Fp8Format
-from loka_train.kernels.triton_kernels import _cdiv
+from loka_train.kernels.triton_kernels import INTERPRETED, _cdiv, _round_rne
 
-__all__ = ["delta_encode", "mean_apply"]
+__all__ = ["delta_encode", "delta_encode_bf16", "mean_apply", "mean_apply_bf16"]
+
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 
 @triton.jit
@@ -98,7 +103,7 @@ def _delta_encode_kernel(
         tl.store(res_out_ptr + idx, d - sent, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["replica_bytes"])
 def _mean_apply_kernel(
     payload_ptr,
     anchor_ptr,
@@ -228,6 +233,129 @@ def mean_apply(
             ROW_DIM=row_dim, ALIGNED=aligned, ROW_BYTES=row_bytes, BLOCK_R=block_r, BLOCK_C=block_c,
             # `anchor + total * (1/R)` rounds twice, as the reference does: no fused multiply-add.
             num_warps=4, enable_fp_fusion=False, **consts,
+        )
+    if not write_w:
+        w.copy_(anchor_N.view_as(w))
+
+
+# --------------------------------------------------------------------------------------------
+# BF16
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _delta_encode_bf16_kernel(
+    w_ptr,
+    anchor_ptr,
+    res_ptr,
+    out_ptr,
+    res_out_ptr,
+    n,
+    BF16_BITS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    LIMIT: tl.constexpr,
+    SW_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    d = _load_fp32(w_ptr + offs, mask, BF16_BITS) - tl.load(anchor_ptr + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        d = d + tl.load(res_ptr + offs, mask=mask, other=0.0)
+    # The codec's clamped cast: torch.clamp keeps NaN, then round to nearest even.
+    c = tl.where(d != d, d, tl.minimum(tl.maximum(d, -LIMIT), LIMIT))
+    if SW_BF16:
+        # Interpreted: on the fp32 bits (its own cast rounds wrongly); out_ptr is an int16 view.
+        bits = _round_rne(c, 7, 0.0, 0.0).to(tl.uint32, bitcast=True) >> 16
+        bits = tl.where(c != c, 0xFFFF, bits)
+        tl.store(out_ptr + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        sent = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        p = c.to(tl.bfloat16)
+        tl.store(out_ptr + offs, p, mask=mask)
+        sent = p.to(tl.float32)
+    if FEEDBACK:
+        tl.store(res_out_ptr + offs, d - sent, mask=mask)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _mean_apply_bf16_kernel(
+    payload_ptr,
+    anchor_ptr,
+    w_ptr,
+    n,
+    NUM_REPLICAS: tl.constexpr,
+    INV_REPLICAS: tl.constexpr,
+    WRITE_W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(NUM_REPLICAS):
+        # bf16 payloads (an int16 view) widened by a shift: exact.
+        value = _load_fp32(payload_ptr + r * n.to(tl.int64) + offs, mask, True)
+        if r == 0:
+            total = value
+        else:
+            total = total + value
+    new = tl.load(anchor_ptr + offs, mask=mask, other=0.0) + total * INV_REPLICAS
+    tl.store(anchor_ptr + offs, new, mask=mask)
+    if WRITE_W:
+        tl.store(w_ptr + offs, new, mask=mask)
+
+
+def delta_encode_bf16(
+    w: Tensor, anchor_N: Tensor, residual_N: Tensor | None, *, feedback: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The BF16 payload of ``d = (w - anchor) + residual`` (clamped to bf16's range, as the
+    codec casts) and, with `feedback`, the new residual ``d - payload``, in one pass.
+
+    Returns:
+        (bf16 payload, flat N; the new fp32 residual (N) or None).
+    """
+    _check_runnable(anchor_N)
+    n = anchor_N.numel()
+    if w.numel() != n or (residual_N is not None and residual_N.numel() != n):
+        raise ValueError("delta_encode_bf16: w, anchor and residual must hold the same number of values")
+    w_N, bf16_bits = _as_loadable(w.reshape(-1))
+    anchor_N = anchor_N.reshape(-1).contiguous()
+    out = torch.empty(n, dtype=torch.bfloat16, device=anchor_N.device)
+    res_out = torch.empty_like(anchor_N) if feedback else None
+    sw_bf16 = INTERPRETED
+    if n:
+        res_in = residual_N.reshape(-1).contiguous() if residual_N is not None else anchor_N
+        _delta_encode_bf16_kernel[(_cdiv(n, _CAST_BLOCK),)](
+            w_N, anchor_N, res_in, out.view(torch.int16) if sw_bf16 else out,
+            res_out if res_out is not None else anchor_N, n,
+            BF16_BITS=bf16_bits, HAS_RES=residual_N is not None, FEEDBACK=feedback, LIMIT=_BF16_MAX,
+            SW_BF16=sw_bf16, BLOCK=_CAST_BLOCK, num_warps=4, enable_fp_fusion=False,
+        )
+    return out, res_out
+
+
+def mean_apply_bf16(gathered: Tensor, anchor_N: Tensor, w: Tensor, *, num_replicas: int) -> None:
+    """:func:`mean_apply` for the R replicas' BF16 payloads (concatenated in replica order,
+    any dtype viewed as their bytes): ``anchor + (d_0 + ... + d_{R-1}) * (1/R)`` into the
+    anchor and `w`."""
+    _check_runnable(anchor_N)
+    n = anchor_N.numel()
+    payload = gathered.reshape(-1).contiguous().view(torch.int16)
+    if payload.numel() != num_replicas * n:
+        raise ValueError(f"mean_apply_bf16: expected {num_replicas} payloads of {n} bf16 values, "
+                         f"got {payload.numel()} values")
+    if not anchor_N.is_contiguous() or anchor_N.dtype != torch.float32:
+        raise ValueError("mean_apply_bf16: the anchor must be a contiguous fp32 tensor (it is updated in place)")
+    if w.numel() != n:
+        raise ValueError(f"mean_apply_bf16: the tensor holds {w.numel()} values, the anchor {n}")
+    write_w = w.dtype == torch.float32 and w.is_contiguous()
+    if n:
+        _mean_apply_bf16_kernel[(_cdiv(n, _CAST_BLOCK),)](
+            payload, anchor_N, w if write_w else anchor_N, n,
+            NUM_REPLICAS=num_replicas, INV_REPLICAS=1.0 / num_replicas, WRITE_W=write_w, BLOCK=_CAST_BLOCK,
+            # `anchor + total * (1/R)` rounds twice, as the reference does: no fused multiply-add.
+            num_warps=4, enable_fp_fusion=False,
         )
     if not write_w:
         w.copy_(anchor_N.view_as(w))

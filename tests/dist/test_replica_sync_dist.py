@@ -103,19 +103,20 @@ def test_error_feedback_loses_nothing(precision: str) -> None:
     assert with_fb["sqnr_db"] > without["sqnr_db"] + 3, (with_fb, without)
 
 
-def _impl_job(rank: int, world: int, impl: str, feedback: bool) -> dict[str, Any]:
+def _impl_job(rank: int, world: int, impl: str, feedback: bool, precision: str) -> dict[str, Any]:
     from loka_train.comm import triton_replica
 
     fused_calls = []
-    encode = triton_replica.delta_encode
+    name = "delta_encode" if precision == "fp8" else "delta_encode_bf16"
+    encode = getattr(triton_replica, name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         fused_calls.append(1)
         return encode(*args, **kwargs)
 
-    triton_replica.delta_encode = counted  # type: ignore[assignment]  # this worker process only
+    setattr(triton_replica, name, counted)  # this worker process only
     # sample_every=2 measures every other sync: the fused path computes the change there too.
-    config = CommConfig(replica_sync="fp8", dense_error_feedback=feedback, codec_impl=impl, sample_every=2)
+    config = CommConfig(replica_sync=precision, dense_error_feedback=feedback, codec_impl=impl, sample_every=2)
     state = CommState(config, backend="gloo")
     sync = ReplicaSync(state)
     # 20 x 30 = 600 values: not a whole number of 32-value rows (the last row is padded).
@@ -129,12 +130,12 @@ def _impl_job(rank: int, world: int, impl: str, feedback: bool) -> dict[str, Any
             "sqnr_sums": state.sqnr_sums.reshape(-1).tolist(), "fused_calls": len(fused_calls)}
 
 
-@pytest.mark.parametrize("feedback", [True, False])
-def test_fused_fp8_sync_is_the_reference_sync(feedback: bool) -> None:
-    """The Triton kernels of the FP8 sync (two fused passes) leave the same weights, residuals
-    and measurements as the reference path, bit for bit."""
-    fused = run_multiprocess(_impl_job, 2, "triton", feedback, timeout=120)
-    reference = run_multiprocess(_impl_job, 2, "reference", feedback, timeout=120)
+@pytest.mark.parametrize(("precision", "feedback"), [("fp8", True), ("fp8", False), ("bf16", True)])
+def test_fused_sync_is_the_reference_sync(precision: str, feedback: bool) -> None:
+    """The Triton kernels of the FP8 and BF16 syncs (two fused passes) leave the same weights,
+    residuals and measurements as the reference path, bit for bit."""
+    fused = run_multiprocess(_impl_job, 2, "triton", feedback, precision, timeout=120)
+    reference = run_multiprocess(_impl_job, 2, "reference", feedback, precision, timeout=120)
     # The 4 FP8 syncs went through the kernels (the first sync is FP32), the reference's not.
     assert [r.pop("fused_calls") for r in fused] == [4, 4]
     assert [r.pop("fused_calls") for r in reference] == [0, 0]

@@ -108,3 +108,39 @@ def test_mean_apply_refuses_a_payload_or_tensor_of_another_size() -> None:
     with pytest.raises(ValueError, match="holds 32 values"):
         tr.mean_apply(torch.cat([payload, payload]), anchor, torch.zeros(32), num_replicas=2, row_dim=32,
                       fmt=Fp8Format.E4M3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_delta_encode_is_the_codec_cast_of_the_change(dtype: torch.dtype, with_residual: bool) -> None:
+    n = 300
+    ref = WireFormat(precision=CommPrecision.BF16, impl=CodecImpl.REFERENCE)
+    w = _values(n, 21).to(dtype)
+    anchor = w.float() - 1e-3 * _values(n, 22)
+    anchor[5] = -3.39e38  # a change beyond bf16's range saturates, as the codec casts
+    residual = 1e-6 * _values(n, 23) if with_residual else None
+    payload, new_residual = tr.delta_encode_bf16(w, anchor, residual, feedback=True)
+    delta = w.float() - anchor
+    if residual is not None:
+        delta = delta + residual
+    ref_payload = ref.encode_native(delta)
+    assert payload.dtype == torch.bfloat16 and torch.equal(payload.view(torch.int16), ref_payload.view(torch.int16))
+    assert float(payload[5]) == float(torch.finfo(torch.bfloat16).max)
+    assert new_residual is not None and torch.equal(new_residual, delta - ref_payload.float())
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_bf16_mean_apply_moves_anchor_and_tensor_by_the_replicas_mean(num_replicas: int) -> None:
+    n = 300
+    anchor = _values(n, 30)
+    payloads = [tr.delta_encode_bf16(anchor + 1e-2 * _values(n, 31 + r), anchor, None, feedback=False)[0]
+                for r in range(num_replicas)]
+    total = payloads[0].float()
+    for p in payloads[1:]:
+        total = total + p.float()
+    expected = anchor + total * (1.0 / num_replicas)
+    gathered = torch.cat([p.view(torch.uint8) for p in payloads])  # what the all-gather returns
+    w = torch.zeros(n)
+    got = anchor.clone()
+    tr.mean_apply_bf16(gathered, got, w, num_replicas=num_replicas)
+    assert torch.equal(got, expected) and torch.equal(w, expected) and not torch.equal(expected, anchor)
