@@ -13,13 +13,12 @@ the other channels), then sets ``w = w_at_last_sync + mean(delta)``:
 * FP16 / BF16: the replicas all-gather ``delta`` in that dtype and average in fp32 (a sum in
   the 16-bit dtype would round once more, beyond what error feedback can see);
 * FP8 / INT8 (row-wise, ``row_dim`` values per scale): a scaled payload cannot be summed, so
-  the replicas all-gather the payloads, decode them and average in fp32. Where the codec runs
-  its Triton kernels (CUDA), FP8 and BF16 take two fused passes over each tensor
-  (`comm.triton_replica`: the change, its payload and the new residual in one; the mean
-  applied to the anchor and the tensor in the other) instead of about a dozen, bit for bit
-  the same.
+  the replicas all-gather the payloads, decode them and average in fp32.
 
-The lossy syncs average by summing the replicas' decoded changes in replica order and
+Where the codec runs its Triton kernels (CUDA), the FP8 and BF16 syncs take two fused passes
+over each tensor (`comm.triton_replica`: the change, its payload and the new residual in one;
+the mean applied to the anchor and the tensor in the other) instead of about a dozen, bit for
+bit the same. The lossy syncs average by summing the replicas' decoded changes in replica order and
 multiplying by ``1/R``, on every path.
 
 Every replica computes the new weights from the same reduced values and the same anchor
@@ -180,7 +179,7 @@ class ReplicaSync:
             gathered = [torch.empty_like(bits) for _ in range(num_replicas)]
             dist.all_gather(gathered, bits, group=self._group)
             decoded_RN = torch.stack(gathered).view(payload.dtype).float()
-        # Summed in replica order and scaled by 1/R, as the fused FP8 kernel does.
+        # Summed in replica order and scaled by 1/R, as the fused kernels do.
         total_N = decoded_RN[0]
         for r in range(1, num_replicas):
             total_N = total_N + decoded_RN[r]

@@ -424,16 +424,26 @@ def _clamped_cast_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = _load_fp32(x_ptr + offs, mask, BF16_BITS)
-    # torch.clamp keeps NaN; tl.minimum / tl.maximum need not.
-    c = tl.where(x != x, x, tl.minimum(tl.maximum(x, -LIMIT), LIMIT))
+    c = _clamp_keep_nan(x, LIMIT)
     if SW_BF16:
-        # Interpreted: round to nearest even on the fp32 bits, keep the top half; NaN as
-        # torch's CPU cast writes it. y_ptr is then an int16 view of the bf16 output.
-        bits = _round_rne(c, 7, 0.0, 0.0).to(tl.uint32, bitcast=True) >> 16
-        bits = tl.where(c != c, 0xFFFF, bits)
-        tl.store(y_ptr + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        # y_ptr is then an int16 view of the bf16 output.
+        tl.store(y_ptr + offs, _sw_bf16_bits(c).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
         tl.store(y_ptr + offs, c.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _clamp_keep_nan(x, LIMIT: tl.constexpr):
+    """``torch.clamp(x, -LIMIT, LIMIT)``: NaN stays NaN (tl.minimum / tl.maximum need not keep it)."""
+    return tl.where(x != x, x, tl.minimum(tl.maximum(x, -LIMIT), LIMIT))
+
+
+@triton.jit
+def _sw_bf16_bits(c):
+    """The bf16 bits (uint32, low half) of fp32 `c` rounded to nearest even on its bits, for
+    the interpreter, whose own cast rounds wrongly; NaN as torch's CPU cast writes it."""
+    bits = _round_rne(c, 7, 0.0, 0.0).to(tl.uint32, bitcast=True) >> 16
+    return tl.where(c != c, 0xFFFF, bits)
 
 
 def _clamped_cast_impl(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -1,4 +1,4 @@
-"""Fused Triton kernels of the FP8 replica sync (`comm.ReplicaSync`): two passes over a
+"""Fused Triton kernels of the FP8 and BF16 replica syncs (`comm.ReplicaSync`): two passes over a
 replicated tensor instead of about a dozen, bit-identical to the reference path.
 
 A lossy sync of one replicated tensor ``w`` (N values) with anchor ``a`` (its value at the last
@@ -37,14 +37,16 @@ from loka_train.comm.triton_codec import (
     _aligned,
     _as_loadable,
     _check_runnable,
+    _clamp_keep_nan,
     _decode_codes,
     _encode_rows,
     _load_fp32,
     _load_inv_scales,
     _row_launch,
+    _sw_bf16_bits,
 )
 from loka_train.kernels.formats import Fp8Format
-from loka_train.kernels.triton_kernels import INTERPRETED, _cdiv, _round_rne
+from loka_train.kernels.triton_kernels import INTERPRETED, _cdiv
 
 __all__ = ["delta_encode", "delta_encode_bf16", "mean_apply", "mean_apply_bf16"]
 
@@ -103,7 +105,7 @@ def _delta_encode_kernel(
         tl.store(res_out_ptr + idx, d - sent, mask=mask)
 
 
-@triton.jit(do_not_specialize=["replica_bytes"])
+@triton.jit
 def _mean_apply_kernel(
     payload_ptr,
     anchor_ptr,
@@ -263,12 +265,10 @@ def _delta_encode_bf16_kernel(
     d = _load_fp32(w_ptr + offs, mask, BF16_BITS) - tl.load(anchor_ptr + offs, mask=mask, other=0.0)
     if HAS_RES:
         d = d + tl.load(res_ptr + offs, mask=mask, other=0.0)
-    # The codec's clamped cast: torch.clamp keeps NaN, then round to nearest even.
-    c = tl.where(d != d, d, tl.minimum(tl.maximum(d, -LIMIT), LIMIT))
+    # The codec's clamped cast (triton_codec._clamped_cast_kernel).
+    c = _clamp_keep_nan(d, LIMIT)
     if SW_BF16:
-        # Interpreted: on the fp32 bits (its own cast rounds wrongly); out_ptr is an int16 view.
-        bits = _round_rne(c, 7, 0.0, 0.0).to(tl.uint32, bitcast=True) >> 16
-        bits = tl.where(c != c, 0xFFFF, bits)
+        bits = _sw_bf16_bits(c)  # out_ptr is then an int16 view
         tl.store(out_ptr + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
         sent = (bits << 16).to(tl.float32, bitcast=True)
     else:
@@ -279,12 +279,13 @@ def _delta_encode_bf16_kernel(
         tl.store(res_out_ptr + offs, d - sent, mask=mask)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["replica_elems"])
 def _mean_apply_bf16_kernel(
     payload_ptr,
     anchor_ptr,
     w_ptr,
     n,
+    replica_elems,
     NUM_REPLICAS: tl.constexpr,
     INV_REPLICAS: tl.constexpr,
     WRITE_W: tl.constexpr,
@@ -295,7 +296,7 @@ def _mean_apply_bf16_kernel(
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for r in tl.static_range(NUM_REPLICAS):
         # bf16 payloads (an int16 view) widened by a shift: exact.
-        value = _load_fp32(payload_ptr + r * n.to(tl.int64) + offs, mask, True)
+        value = _load_fp32(payload_ptr + r * replica_elems.to(tl.int64) + offs, mask, True)
         if r == 0:
             total = value
         else:
@@ -352,7 +353,7 @@ def mean_apply_bf16(gathered: Tensor, anchor_N: Tensor, w: Tensor, *, num_replic
     write_w = w.dtype == torch.float32 and w.is_contiguous()
     if n:
         _mean_apply_bf16_kernel[(_cdiv(n, _CAST_BLOCK),)](
-            payload, anchor_N, w if write_w else anchor_N, n,
+            payload, anchor_N, w if write_w else anchor_N, n, n,
             NUM_REPLICAS=num_replicas, INV_REPLICAS=1.0 / num_replicas, WRITE_W=write_w, BLOCK=_CAST_BLOCK,
             # `anchor + total * (1/R)` rounds twice, as the reference does: no fused multiply-add.
             num_warps=4, enable_fp_fusion=False,

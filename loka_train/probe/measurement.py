@@ -342,9 +342,10 @@ class Measurement:
             # max of |x|), kept in the layouts of QTensor.scale.
             amaxes[(o, Scaling.ROWWISE)] = row_amax_G.unsqueeze(axis)
             nonzero[o] = x != 0
-            nnz[o] = nonzero[o].sum().float()
-            numel = sums[L.numel[o]] = torch.full((), float(x.numel()), device=dev)
-            num_zeros[o] = numel - nnz[o]
+            nnz_i = nonzero[o].sum()
+            nnz[o] = nnz_i.float()
+            sums[L.numel[o]] = torch.full((), float(x.numel()), device=dev)
+            num_zeros[o] = x.numel() - nnz_i  # int64: exact at any size
             sums[L.nnz[o]] = nnz[o]
             sums[L.sumsq[o]] = x.square().sum()
             sums[L.nonfinite[o]] = nf.float()
@@ -367,12 +368,13 @@ class Measurement:
                 # Nothing saturates: every scale is at least its group's amax / fmt.max, so
                 # |x / scale| <= fmt.max up to one rounding, far below the count's 1e-6 margin.
                 # The zeros are all below min_subnormal: the underflowing non-zero values are
-                # the values below it minus the zeros (whole numbers, exact in fp32).
+                # the values below it minus the zeros (counted in int64, then converted once,
+                # as the reference converts its count).
                 scale = scale_from_amax(amax, fmt)
                 scaled = x / (scale.reshape(1, 1) if scale.ndim == 0 else scale)
                 q = QTensor(data=scaled.to(fmt.dtype), scale=scale, fmt=fmt, scaling=scaling, axis=axis)
-                below = (scaled.abs() < fmt.min_subnormal).sum().float()
-                cache[(o, fmt, scaling)] = out = (q, zero, below - num_zeros[o])
+                below = (scaled.abs() < fmt.min_subnormal).sum()
+                cache[(o, fmt, scaling)] = out = (q, zero, (below - num_zeros[o]).float())
                 return out
             kw: dict[str, Any] = {}
             if scaling is Scaling.BLOCK:

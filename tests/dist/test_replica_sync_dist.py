@@ -130,13 +130,13 @@ def _impl_job(rank: int, world: int, impl: str, feedback: bool, precision: str) 
             "sqnr_sums": state.sqnr_sums.reshape(-1).tolist(), "fused_calls": len(fused_calls)}
 
 
-@pytest.mark.parametrize(("precision", "feedback"), [("fp8", True), ("fp8", False), ("bf16", True)])
+@pytest.mark.parametrize(("precision", "feedback"), [("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)])
 def test_fused_sync_is_the_reference_sync(precision: str, feedback: bool) -> None:
     """The Triton kernels of the FP8 and BF16 syncs (two fused passes) leave the same weights,
     residuals and measurements as the reference path, bit for bit."""
     fused = run_multiprocess(_impl_job, 2, "triton", feedback, precision, timeout=120)
     reference = run_multiprocess(_impl_job, 2, "reference", feedback, precision, timeout=120)
-    # The 4 FP8 syncs went through the kernels (the first sync is FP32), the reference's not.
+    # The 4 lossy syncs went through the kernels (the first sync is FP32), the reference's not.
     assert [r.pop("fused_calls") for r in fused] == [4, 4]
     assert [r.pop("fused_calls") for r in reference] == [0, 0]
     assert fused == reference

@@ -195,7 +195,8 @@ def test_fused_replica_sync_kernels_match_the_reference_on_the_gpu(fmt: Fp8Forma
 
 def test_fused_bf16_replica_sync_kernels_match_the_reference_on_the_gpu() -> None:
     """comm.triton_replica's BF16 passes on the GPU: the change's payload (the codec's clamped
-    cast) and new residual, and the anchor moved by 3 replicas' mean, bit for bit."""
+    cast, at and beyond bf16's range, -0.0, subnormals) and new residual, and the anchor moved
+    by 3 replicas' mean, bit for bit."""
     from loka_train.comm import triton_replica as tr
 
     gen = torch.Generator().manual_seed(6)
@@ -204,8 +205,11 @@ def test_fused_bf16_replica_sync_kernels_match_the_reference_on_the_gpu() -> Non
     anchor = torch.randn(n, generator=gen).cuda()
     residual = 1e-6 * torch.randn(n, generator=gen).cuda()
     payloads = []
-    for _ in range(replicas):
+    for r in range(replicas):
         w = anchor + 1e-2 * torch.randn(n, generator=gen).cuda()
+        if r == 0:  # changes at the clamp, beyond it, -0.0 and subnormal
+            specials = torch.tensor([3.3e38, 3.4e38, -3.4e38, -0.0, 1e-40, -3e-39], device="cuda")
+            w[:6] = anchor[:6] + specials
         payload, new_residual = tr.delta_encode_bf16(w, anchor, residual, feedback=True)
         delta = (w - anchor) + residual
         ref_payload = ref.encode_native(delta)

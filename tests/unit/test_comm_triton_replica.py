@@ -1,8 +1,8 @@
-"""The fused FP8 replica sync kernels (loka_train.comm.triton_replica) under TRITON_INTERPRET=1
-against the reference path they replace, bit for bit: the change ``(w - anchor) + residual``
-encoded row-wise (zero-padded to whole rows) as the reference encoder encodes it, the new
-residual ``d - decode(payload)``, and the anchor and tensor moved by the replicas' mean (summed
-in replica order, scaled by 1/R).
+"""The fused FP8 and BF16 replica sync kernels (loka_train.comm.triton_replica) under
+TRITON_INTERPRET=1 against the reference path they replace, bit for bit: the change
+``(w - anchor) + residual`` encoded as the reference encodes it (FP8 row-wise, zero-padded to
+whole rows; BF16 by the codec's clamped cast), the new residual ``d - decode(payload)``, and the
+anchor and tensor moved by the replicas' mean (summed in replica order, scaled by 1/R).
 
 Shape legend: N values, R replicas.
 """
@@ -117,7 +117,10 @@ def test_bf16_delta_encode_is_the_codec_cast_of_the_change(dtype: torch.dtype, w
     ref = WireFormat(precision=CommPrecision.BF16, impl=CodecImpl.REFERENCE)
     w = _values(n, 21).to(dtype)
     anchor = w.float() - 1e-3 * _values(n, 22)
-    anchor[5] = -3.39e38  # a change beyond bf16's range saturates, as the codec casts
+    # A change beyond bf16's range saturates, as the codec casts (a plain cast would give inf);
+    # a NaN change stays NaN.
+    anchor[5] = -torch.finfo(torch.float32).max
+    anchor[6] = float("nan")
     residual = 1e-6 * _values(n, 23) if with_residual else None
     payload, new_residual = tr.delta_encode_bf16(w, anchor, residual, feedback=True)
     delta = w.float() - anchor
@@ -125,8 +128,10 @@ def test_bf16_delta_encode_is_the_codec_cast_of_the_change(dtype: torch.dtype, w
         delta = delta + residual
     ref_payload = ref.encode_native(delta)
     assert payload.dtype == torch.bfloat16 and torch.equal(payload.view(torch.int16), ref_payload.view(torch.int16))
-    assert float(payload[5]) == float(torch.finfo(torch.bfloat16).max)
-    assert new_residual is not None and torch.equal(new_residual, delta - ref_payload.float())
+    assert float(payload[5]) == float(torch.finfo(torch.bfloat16).max) and torch.isnan(payload[6])
+    expected = delta - ref_payload.float()
+    assert new_residual is not None and torch.equal(new_residual.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(new_residual.isnan(), expected.isnan())
 
 
 @pytest.mark.parametrize("num_replicas", [2, 3])
@@ -140,7 +145,9 @@ def test_bf16_mean_apply_moves_anchor_and_tensor_by_the_replicas_mean(num_replic
         total = total + p.float()
     expected = anchor + total * (1.0 / num_replicas)
     gathered = torch.cat([p.view(torch.uint8) for p in payloads])  # what the all-gather returns
-    w = torch.zeros(n)
-    got = anchor.clone()
-    tr.mean_apply_bf16(gathered, got, w, num_replicas=num_replicas)
-    assert torch.equal(got, expected) and torch.equal(w, expected) and not torch.equal(expected, anchor)
+    for w in (torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(2, n // 2).t()):
+        got = anchor.clone()
+        tr.mean_apply_bf16(gathered, got, w, num_replicas=num_replicas)
+        # fp32: written by the kernel; bf16 or non-contiguous: the anchor, as copy_ rounds it.
+        assert torch.equal(got, expected) and torch.equal(w, expected.view_as(w).to(w.dtype))
+    assert not torch.equal(expected, anchor)

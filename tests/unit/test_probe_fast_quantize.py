@@ -44,3 +44,20 @@ def test_fast_path_is_quantize_and_clipped_counts(role: str) -> None:
     # compared counts are not all zeros.
     vec_sum = out[True][0]
     assert sum(float(vec_sum[layout.underflow["a"] + c]) for c in range(len(cands))) > 0
+
+
+def test_underflow_count_is_exact_beyond_fp32_integers() -> None:
+    """2^24 + 2 values, one of them zero: counted in int64, the fast path's underflow count
+    is the reference's (fp32 holds whole numbers exactly only up to 2^24)."""
+    cfg = ProbeConfig(formats=("e4m3",), scalings=("tensorwise",), cuda_graphs=False, max_rows=None, max_cols=None)
+    cands = candidates_of(cfg)
+    layout = WindowLayout(len(cands))
+    a = torch.ones(2796203, 6)
+    a[0, 0] = 0.0
+    b = torch.ones(4, 6)
+    out = {}
+    for fast in (True, False):
+        meas = m.Measurement(cfg, cands, layout, device=torch.device("cpu"))
+        meas.fast_scalings = fast
+        out[fast] = meas.measure("forward", a, b, m.count_nonfinite(a), m.count_nonfinite(b), None, graphable=False)
+    assert float(out[True][0][layout.underflow["a"]]) == float(out[False][0][layout.underflow["a"]]) == 0.0
