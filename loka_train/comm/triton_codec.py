@@ -229,12 +229,28 @@ def _fp8_encode_kernel(
     )
     code, inv = _encode_rows(x, IS_E4M3, FP8_MAX, FP32_MAX, BLOCK_R, MANT, SUB_MAGIC, MIN_NORMAL)
     # Columns from ROW_DIM to ALIGNED (the row's padding) loaded +0.0: their code is 0.
+    _store_rows(out_ptr, scale_ptr, rows64, cols, rmask, code, inv, ALIGNED, ROW_BYTES, ROW_WORDS)
+
+
+@triton.jit
+def _store_rows(out_ptr, scale_ptr, rows64, cols, rmask, code, inv, ALIGNED: tl.constexpr,
+                ROW_BYTES: tl.constexpr, ROW_WORDS: tl.constexpr):
+    """Write rows of the payload: the codes (their padding included) and the inverse scales."""
     tl.store(
         out_ptr + rows64[:, None] * ROW_BYTES + cols[None, :],
         code.to(tl.uint8),
         mask=rmask[:, None] & (cols[None, :] < ALIGNED),
     )
     tl.store(scale_ptr + rows64 * ROW_WORDS + ALIGNED // 4, inv, mask=rmask)
+
+
+@triton.jit
+def _decode_rows(row_ptr, cols, rmask, mask, IS_E4M3: tl.constexpr, ALIGNED: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """fp32 values of the payload rows starting at ``row_ptr`` (codes / inverse scale)."""
+    code = tl.load(row_ptr[:, None] + cols[None, :], mask=mask, other=0)
+    inv = _load_inv_scales(row_ptr, rmask, ALIGNED, BLOCK_R)
+    return tl.math.div_rn(_decode_codes(code, IS_E4M3), tl.broadcast_to(inv[:, None], (BLOCK_R, BLOCK_C)))
 
 
 @triton.jit
@@ -255,19 +271,26 @@ def _fp8_decode_kernel(
     rmask = rows < num_rows
     rows64 = rows.to(tl.int64)
     mask = rmask[:, None] & (cols[None, :] < ROW_DIM)
-    row_ptr = payload_ptr + rows64 * ROW_BYTES
-    code = tl.load(row_ptr[:, None] + cols[None, :], mask=mask, other=0)
-    q = _decode_codes(code, IS_E4M3)
-    inv = _load_inv_scales(row_ptr, rmask, ALIGNED, BLOCK_R)
-    inv = tl.broadcast_to(inv[:, None], (BLOCK_R, BLOCK_C))
-    y = tl.math.div_rn(q, inv)
+    y = _decode_rows(payload_ptr + rows64 * ROW_BYTES, cols, rmask, mask, IS_E4M3, ALIGNED, BLOCK_R, BLOCK_C)
     tl.store(y_ptr + rows64[:, None] * ROW_DIM + cols[None, :], y, mask=mask)
+
+
+def _fp8_constants(fmt: Fp8Format) -> dict[str, object]:
+    """The constexpr arguments of :func:`_encode_rows` (and ``IS_E4M3`` of the decoders) for `fmt`.
+
+    Raises:
+        ValueError: a format other than e4m3 / e5m2.
+    """
+    if fmt not in (Fp8Format.E4M3, Fp8Format.E5M2):
+        raise ValueError(f"the FP8 codec supports e4m3 and e5m2, not {fmt.value}")
+    return {"IS_E4M3": fmt is Fp8Format.E4M3, "FP8_MAX": fmt.max, "FP32_MAX": _FP32_MAX,
+            "MANT": fmt.mantissa_bits, "SUB_MAGIC": 1.5 * 2.0**23 * fmt.min_subnormal,
+            "MIN_NORMAL": fmt.min_normal}
 
 
 def _fp8_encode_impl(x: Tensor, row_dim: int, fmt: str) -> Tensor:
     fmt_ = Fp8Format(fmt)
-    if fmt_ not in (Fp8Format.E4M3, Fp8Format.E5M2):
-        raise ValueError(f"the FP8 codec supports e4m3 and e5m2, not {fmt_.value}")
+    consts = _fp8_constants(fmt_)
     if x.numel() % row_dim != 0:
         raise ValueError(f"{x.numel()} values are not a multiple of row_dim={row_dim}")
     _check_runnable(x, row_dim)
@@ -288,15 +311,10 @@ def _fp8_encode_impl(x: Tensor, row_dim: int, fmt: str) -> Tensor:
         ROW_BYTES=row_bytes,
         ROW_WORDS=row_bytes // 4,
         BF16_BITS=bf16_bits,
-        IS_E4M3=fmt_ is Fp8Format.E4M3,
-        FP8_MAX=fmt_.max,
-        FP32_MAX=_FP32_MAX,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
-        MANT=fmt_.mantissa_bits,
-        SUB_MAGIC=1.5 * 2.0**23 * fmt_.min_subnormal,
-        MIN_NORMAL=fmt_.min_normal,
         num_warps=4,
+        **consts,
     )
     return out
 

@@ -33,16 +33,17 @@ from torch import Tensor
 
 from loka_train.comm.triton_codec import (
     _CAST_BLOCK,
-    _FP32_MAX,
     _aligned,
     _as_loadable,
     _check_runnable,
     _clamp_keep_nan,
     _decode_codes,
+    _decode_rows,
     _encode_rows,
+    _fp8_constants,
     _load_fp32,
-    _load_inv_scales,
     _row_launch,
+    _store_rows,
     _sw_bf16_bits,
 )
 from loka_train.kernels.formats import Fp8Format
@@ -51,6 +52,20 @@ from loka_train.kernels.triton_kernels import INTERPRETED, _cdiv
 __all__ = ["delta_encode", "delta_encode_bf16", "mean_apply", "mean_apply_bf16"]
 
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+
+@triton.jit
+def _row_block(num_values, num_rows, ROW_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's rows of the flat tensor seen as rows of ROW_DIM values: the columns, the
+    rows' mask, the rows (int64), the values' flat indices, the mask of the rows' values and
+    that mask within the tensor's N values."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    rmask = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    idx = rows64[:, None] * ROW_DIM + cols[None, :]
+    in_rows = rmask[:, None] & (cols[None, :] < ROW_DIM)
+    return cols, rmask, rows64, idx, in_rows, in_rows & (idx < num_values)
 
 
 @triton.jit
@@ -79,24 +94,13 @@ def _delta_encode_kernel(
     SUB_MAGIC: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_C)
-    rmask = rows < num_rows
-    rows64 = rows.to(tl.int64)
-    idx = rows64[:, None] * ROW_DIM + cols[None, :]
     # Past N (the last row's padding) everything loads 0: the reference pads d with zeros.
-    mask = rmask[:, None] & (cols[None, :] < ROW_DIM) & (idx < num_values)
+    cols, rmask, rows64, idx, _, mask = _row_block(num_values, num_rows, ROW_DIM, BLOCK_R, BLOCK_C)
     d = _load_fp32(w_ptr + idx, mask, BF16_BITS) - tl.load(anchor_ptr + idx, mask=mask, other=0.0)
     if HAS_RES:
         d = d + tl.load(res_ptr + idx, mask=mask, other=0.0)
     code, inv = _encode_rows(d, IS_E4M3, FP8_MAX, FP32_MAX, BLOCK_R, MANT, SUB_MAGIC, MIN_NORMAL)
-    tl.store(
-        out_ptr + rows64[:, None] * ROW_BYTES + cols[None, :],
-        code.to(tl.uint8),
-        mask=rmask[:, None] & (cols[None, :] < ALIGNED),
-    )
-    tl.store(scale_ptr + rows64 * ROW_WORDS + ALIGNED // 4, inv, mask=rmask)
+    _store_rows(out_ptr, scale_ptr, rows64, cols, rmask, code, inv, ALIGNED, ROW_BYTES, ROW_WORDS)
     if FEEDBACK:
         # What the receivers decode, as the decoder computes it.
         sent = tl.math.div_rn(
@@ -123,20 +127,11 @@ def _mean_apply_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_C)
-    rmask = rows < num_rows
-    rows64 = rows.to(tl.int64)
-    idx = rows64[:, None] * ROW_DIM + cols[None, :]
-    mask = rmask[:, None] & (cols[None, :] < ROW_DIM) & (idx < num_values)
-    code_mask = rmask[:, None] & (cols[None, :] < ROW_DIM)
+    cols, rmask, rows64, idx, code_mask, mask = _row_block(num_values, num_rows, ROW_DIM, BLOCK_R, BLOCK_C)
     total = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for r in tl.static_range(NUM_REPLICAS):
         row_ptr = payload_ptr + r * replica_bytes.to(tl.int64) + rows64 * ROW_BYTES
-        code = tl.load(row_ptr[:, None] + cols[None, :], mask=code_mask, other=0)
-        inv = _load_inv_scales(row_ptr, rmask, ALIGNED, BLOCK_R)
-        value = tl.math.div_rn(_decode_codes(code, IS_E4M3), tl.broadcast_to(inv[:, None], (BLOCK_R, BLOCK_C)))
+        value = _decode_rows(row_ptr, cols, rmask, code_mask, IS_E4M3, ALIGNED, BLOCK_R, BLOCK_C)
         # In replica order from the first value, as the reference adds them.
         if r == 0:
             total = value
@@ -146,12 +141,6 @@ def _mean_apply_kernel(
     tl.store(anchor_ptr + idx, new, mask=mask)
     if WRITE_W:
         tl.store(w_ptr + idx, new, mask=mask)
-
-
-def _fmt_constants(fmt: Fp8Format) -> dict[str, object]:
-    if fmt not in (Fp8Format.E4M3, Fp8Format.E5M2):
-        raise ValueError(f"the FP8 replica sync supports e4m3 and e5m2, not {fmt.value}")
-    return {"IS_E4M3": fmt is Fp8Format.E4M3}
 
 
 def delta_encode(
@@ -172,7 +161,7 @@ def delta_encode(
         (uint8 payload, flat: ``ceil(N / row_dim)`` rows of P bytes, the reference encoder's;
         the new fp32 residual (N) or None).
     """
-    consts = _fmt_constants(fmt)
+    consts = _fp8_constants(fmt)
     _check_runnable(anchor_N, row_dim)
     num_values = anchor_N.numel()
     if w.numel() != num_values or (residual_N is not None and residual_N.numel() != num_values):
@@ -192,9 +181,7 @@ def delta_encode(
             num_values, num_rows,
             ROW_DIM=row_dim, ALIGNED=aligned, ROW_BYTES=row_bytes, ROW_WORDS=row_bytes // 4,
             BF16_BITS=bf16_bits, HAS_RES=residual_N is not None, FEEDBACK=feedback,
-            FP8_MAX=fmt.max, FP32_MAX=_FP32_MAX, BLOCK_R=block_r, BLOCK_C=block_c,
-            MANT=fmt.mantissa_bits, SUB_MAGIC=1.5 * 2.0**23 * fmt.min_subnormal, MIN_NORMAL=fmt.min_normal,
-            num_warps=4, enable_fp_fusion=False, **consts,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4, enable_fp_fusion=False, **consts,
         )
     return out.reshape(-1), res_out
 
@@ -213,7 +200,7 @@ def mean_apply(
         row_dim: values per row of the payloads.
         fmt: the format they were encoded with.
     """
-    consts = _fmt_constants(fmt)
+    is_e4m3 = _fp8_constants(fmt)["IS_E4M3"]
     _check_runnable(anchor_N, row_dim)
     num_values = anchor_N.numel()
     num_rows, aligned = _cdiv(num_values, row_dim), _aligned(row_dim)
@@ -234,7 +221,7 @@ def mean_apply(
             NUM_REPLICAS=num_replicas, INV_REPLICAS=1.0 / num_replicas, WRITE_W=write_w,
             ROW_DIM=row_dim, ALIGNED=aligned, ROW_BYTES=row_bytes, BLOCK_R=block_r, BLOCK_C=block_c,
             # `anchor + total * (1/R)` rounds twice, as the reference does: no fused multiply-add.
-            num_warps=4, enable_fp_fusion=False, **consts,
+            num_warps=4, enable_fp_fusion=False, IS_E4M3=is_e4m3,
         )
     if not write_w:
         w.copy_(anchor_N.view_as(w))
