@@ -235,6 +235,53 @@ def paired_ne(results: list[dict[str, Any]], key: str = "precision", base: str =
         row[f"{name}_stderr"] = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else None
 
 
+def merge(dirs: list[str], out: Path) -> int:
+    """Join the NE seeds of earlier runs' folders (`dirs`, each with the comm.json and
+    ne_base.json of an ``--ne-from`` run) into one table under `out`. Each seed's delta is
+    paired with the FP32 continuation of its own run, so runs from different base checkpoints
+    join; throughput and bytes are the first folder's. Seeds must be distinct across folders."""
+    runs = [json.loads((Path(d) / "comm.json").read_text()) for d in dirs]
+    bases = [json.loads((Path(d) / "ne_base.json").read_text()) for d in dirs]
+    if any("ne_by_seed" not in r for rows in runs for r in rows):
+        raise SystemExit("--merge joins runs made with --ne-from: a folder has no NE seeds")
+    results = [dict(r) for r in runs[0]]
+    for rows in runs[1:]:
+        by_precision = {r["precision"]: r for r in rows}
+        for r in results:
+            if r["precision"] not in by_precision:
+                raise SystemExit(f"--merge: {r['precision']} is missing from a folder; merge runs of the same precisions")
+            r["ne_by_seed"] = r["ne_by_seed"] + by_precision[r["precision"]]["ne_by_seed"]
+    seeds = [c["seed"] for c in results[0]["ne_by_seed"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--merge: seeds {seeds} repeat across folders; run them with distinct --first-seed")
+    for rows in runs:
+        paired_ne(rows)  # each folder's deltas against its own FP32 continuations (dicts shared with `results`)
+    for r in results:
+        deltas = [c["ne_delta_vs_fp32"] for c in r["ne_by_seed"]]
+        r["ne_mean"] = statistics.fmean(c["eval_ne"] for c in r["ne_by_seed"])
+        r["ne_delta_vs_fp32_mean"] = statistics.fmean(deltas)
+        r["ne_delta_vs_fp32_stderr"] = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else None
+    base = results[0]
+    lines = [f"# Embedding all-to-all precision, NE seeds joined ({base['gpu']}, torch {base['torch']})", "",
+             f"Command: `python -m bench.comm --out {out} --merge {' '.join(dirs)}`.", "",
+             "Each folder's base run (FP32 comm) and the seeds continued from it: "
+             + "; ".join(f"{d}: base NE {b['eval_ne']:.5f} at step {b['steps']}, seeds "
+                         f"{[c['seed'] for c in rows[0]['ne_by_seed']]}" for d, b, rows in zip(dirs, bases, runs))
+             + ". NE vs FP32 is the mean of the per-seed deltas (each against its own run's FP32 "
+               "continuation) +- its standard error; samples/s and bytes are the first folder's.", "",
+             "| precision | samples/s | NE vs FP32 (paired) | per seed |", "|---|---|---|---|"]
+    for r in results:
+        se = r["ne_delta_vs_fp32_stderr"]
+        per_seed = ", ".join(f"{c['seed']}: {c['ne_delta_vs_fp32']:+.4%}" for c in r["ne_by_seed"])
+        lines.append(f"| {r['precision']} | {r['samples_per_s']:.0f} | {r['ne_delta_vs_fp32_mean']:+.4%}"
+                     + (f" +- {se:.4%}" if se is not None else "") + f" | {per_seed} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comm.md").write_text("\n".join(lines) + "\n")
+    (out / "comm.json").write_text(json.dumps(results, indent=2))
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.comm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, metavar="S",
                         help="with --ne-from: continuations per precision, seed s on the train batches of "
                              "steps N0 + s*M onwards (default 3; dry run 2)")
+    parser.add_argument("--first-seed", type=int, default=0, metavar="K",
+                        help="with --ne-from: the seeds are K .. K+S-1 (runs with distinct seeds can be "
+                             "joined by --merge)")
+    parser.add_argument("--merge", nargs="+", metavar="DIR",
+                        help="join the NE seeds of earlier --out folders (each paired against its own "
+                             "FP32 continuations) into one table under --out; runs nothing")
     parser.add_argument("--eval-batches", type=int, default=16,
                         help="held-out batches per rank for NE (default 16)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 gloo processes, tiny sizes")
@@ -264,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         job(json.loads(args.job))
         return 0
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     precisions = [p for p in args.precisions.split(",") if p]
     unknown = [p for p in precisions if p not in PRECISIONS]
     if unknown or not precisions:
@@ -278,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.batch, args.tables, args.dim, args.rows = 8, 64, 4, 8, 200
     args.ne_steps = args.ne_steps if args.ne_steps is not None else (4 if args.dry_run else 200)
     args.seeds = args.seeds if args.seeds is not None else (2 if args.dry_run else 3)
-    if args.ne_from and (args.ne_steps < 2 or args.seeds < 1):
-        parser.error("--ne-steps must be >= 2 (the decay needs 2 steps) and --seeds >= 1")
+    if args.ne_from and (args.ne_steps < 2 or args.seeds < 1 or args.first_seed < 0):
+        parser.error("--ne-steps must be >= 2 (the decay needs 2 steps), --seeds >= 1, --first-seed >= 0")
     out = Path(args.out)
     sizes = {"batch": args.batch, "tables": args.tables, "dim": args.dim, "rows": args.rows,
              "eval_batches": args.eval_batches}
@@ -308,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         if base_run is None:
             continue
         r["ne_by_seed"] = []
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             end = args.ne_from + args.ne_steps
             cont = run_job({**sizes, "out": str(out / prec / f"ne_seed{seed}"), "precision": prec, "steps": end,
                             "cache_batches": 0, "warmup": min(20, args.ne_from), "resume": base_run["run_dir"],
@@ -332,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lines += [f"NE: paired, decayed protocol. A base run with FP32 comm to step {args.ne_from} (NE "
                   f"{base_run['eval_ne']:.5f}); from its checkpoint each precision trains {args.ne_steps} "
-                  f"steps per seed ({args.seeds} seeds: the train batches of steps {args.ne_from} + "
+                  f"steps per seed ({args.seeds} seeds from {args.first_seed}: the train batches of steps {args.ne_from} + "
                   f"seed x {args.ne_steps} onwards) with both learning rates decaying to 0, then evaluates "
                   f"{args.eval_batches} held-out batches per GPU. NE is the mean over seeds; NE vs FP32 the "
                   "mean of the per-seed deltas +- its standard error. samples/s: the timed runs "
