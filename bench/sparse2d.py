@@ -15,7 +15,9 @@ per GPU):
 Step time comes from a timed job per variant: ``--steps`` steps on 16 cached batches (the CPU
 data generator would otherwise bound the step rate). Each job also reports the largest
 difference between the replicas' embedding weights and optimizer state after its last sync (0
-for the 2D variants).
+for the 2D variants), then times 12 more syncs alone (``sync ms``: the median of those that do
+not measure their change; ``sampled sync ms``: of those that do, every ``comm.sample_every``-th of
+LoKA's), which says what a sync costs apart from the step around it.
 
 NE (``--seeds S``, ``--ne-steps M``): a run from scratch trains no checkpoint that DMPCollection
 could share (TorchRec's DCP refuses it), so the protocol is paired by seed rather than by a shared
@@ -66,7 +68,7 @@ def job(spec: dict[str, Any]) -> None:
     from loka_train.plugin.config import LokaConfig
     from loka_train.probe import ProbeConfig
     from loka_train.runtime import TrainerConfig
-    from loka_train.runtime.sparse2d import replica_process_group, replicated_shards
+    from loka_train.runtime.sparse2d import replica_process_group, replicated_shards, shards_not_live
     from loka_train.runtime.trainer import Trainer
 
     out, variant, steps, dim = spec["out"], spec["variant"], spec["steps"], spec["dim"]
@@ -109,6 +111,7 @@ def job(spec: dict[str, Any]) -> None:
         return max(diffs, default=float("nan"))
 
     max_diff = state_diff = float("nan")
+    not_live = shards_not_live(trainer.model, trainer.model.fused_optimizer)
     if variant != "dmp":
         group = replica_process_group(trainer.model, trainer.sparse2d, trainer.rank)
         weights, states = replicated_shards(trainer.model, trainer.model.fused_optimizer)
@@ -118,6 +121,8 @@ def job(spec: dict[str, Any]) -> None:
         worst = torch.tensor([max_diff, state_diff], dtype=torch.float64, device=trainer.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         max_diff, state_diff = (float(v) for v in worst)
+    syncs = time_syncs(trainer, loka, count=spec.get("sync_timings", 12)) if variant != "dmp" else []
+    sync_kernels = profile_sync(trainer, loka) if variant != "dmp" else []
     if trainer.rank == 0:
         rep = loka.comm_state.report() if loka is not None else None
         result = {
@@ -128,11 +133,75 @@ def job(spec: dict[str, Any]) -> None:
             "train_loss": summary["train/loss"], "replica_max_abs_diff": max_diff,
             "replica_state_max_abs_diff": state_diff,
             "replica_sync_bytes_rank0": rep["channels"]["replica_sync"]["total_bytes"] if rep else None,
+            "syncs_timed": syncs, **sync_summary(syncs), "shards_not_live": not_live,
+            "sync_kernels": sync_kernels,
             "fallbacks": summary["fallbacks"], "device": str(summary["device"]),
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         }
         (Path(out) / "result.json").write_text(json.dumps(result, indent=2))
     trainer.close()
+
+
+def time_syncs(trainer: Any, loka: Any, *, count: int) -> list[dict[str, Any]]:
+    """`count` replica syncs more after training, each timed alone (host wall time between two
+    device synchronizations, in ms), and whether it measured its change (LoKA's sync measures
+    every ``comm.sample_every``-th one): what a sync costs in the step, apart from the step.
+    The replicas stay identical (every replica applies the same mean)."""
+    import time
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    timed = []
+    for _ in range(count):
+        sampled = loka is not None and loka.replica_syncer.next_sync_measures
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.replica_sync(trainer.step - 1)
+        if cuda:
+            torch.cuda.synchronize()
+        timed.append({"ms": (time.perf_counter() - start) * 1e3, "sampled": sampled})
+    return timed
+
+
+def profile_sync(trainer: Any, loka: Any) -> list[dict[str, Any]]:
+    """The GPU time of one sync that does not measure its change, by kernel (torch.profiler; the
+    12 longest, in ms): where a sync's time goes. Empty without CUDA."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return []
+    while loka is not None and loka.replica_syncer.next_sync_measures:
+        trainer.replica_sync(trainer.step - 1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.replica_sync(trainer.step - 1)
+        torch.cuda.synchronize()
+    by_kernel: dict[str, list[float]] = {}
+    for e in prof.events():  # kernels and copies on the GPU; record_function ranges are not kernel time
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            ms_calls = by_kernel.setdefault(e.name[:120], [0.0, 0])
+            ms_calls[0] += e.time_range.elapsed_us() / 1e3
+            ms_calls[1] += 1
+    rows = [{"kernel": name, "ms": ms, "calls": int(calls)} for name, (ms, calls) in by_kernel.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:12]
+
+
+def sync_summary(syncs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median ms of the timed syncs that did not measure their change and of those that
+    did (None where there were none).
+
+    >>> sync_summary([{"ms": 2.0, "sampled": False}, {"ms": 4.0, "sampled": False}, {"ms": 30.0, "sampled": True}])
+    {'sync_ms': 3.0, 'sampled_sync_ms': 30.0}
+    """
+    import statistics
+
+    plain = [s["ms"] for s in syncs if not s["sampled"]]
+    sampled = [s["ms"] for s in syncs if s["sampled"]]
+    return {"sync_ms": statistics.median(plain) if plain else None,
+            "sampled_sync_ms": statistics.median(sampled) if sampled else None}
 
 
 def run_variant(out: Path, variant: str, steps: int, batch: int, tables: int, dim: int, rows: int, *,
@@ -231,6 +300,10 @@ def _delta_cell(row: dict[str, Any], base: str) -> str:
     return f"{mean:+.4%}" + (f" +- {se:.4%}" if se is not None else "")
 
 
+def _ms_cell(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
+
+
 def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]) -> list[str]:
     """sparse2d.md: one row per variant, ratios against the first (``dmp`` where it ran)."""
     base = results[0]
@@ -246,12 +319,13 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
                   "2d_fp32, the same replicated training synced exactly) the "
                   "mean of the per-seed deltas +- its standard error.", "",
                   "| variant | ms/step | vs dmp | NE | NE vs dmp (paired) | NE vs 2d_fp32 (paired) | replica max diff "
-                  "| sync MB/step (rank 0) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| sync MB/step (rank 0) | sync ms | sampled sync ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
     else:
         lines += ["NE: not measured (the timed jobs repeat 16 batches; add `--seeds`).", "",
-                  f"| variant | ms/step | vs {base['variant']} | replica max diff | sync MB/step (rank 0) |",
-                  "|---|---|---|---|---|"]
+                  f"| variant | ms/step | vs {base['variant']} | replica max diff | sync MB/step (rank 0) "
+                  "| sync ms | sampled sync ms |",
+                  "|---|---|---|---|---|---|---|"]
     for r in results:
         sync = r["replica_sync_bytes_rank0"]
         sync_mb = f"{sync / r['steps'] / 1e6:.2f}" if sync is not None else "n/a"
@@ -259,7 +333,16 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
         if args.seeds:
             ne = f" {r['ne_mean']:.5f} | {_delta_cell(r, 'dmp')} | {_delta_cell(r, '2d_fp32')} |"
         lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['step_ms'] / base['step_ms']:.2f}x |{ne} "
-                     f"{r['replica_max_abs_diff']:.3g} | {sync_mb} |")
+                     f"{r['replica_max_abs_diff']:.3g} | {sync_mb} | {_ms_cell(r.get('sync_ms'))} | "
+                     f"{_ms_cell(r.get('sampled_sync_ms'))} |")
+    for r in results:
+        if r.get("shards_not_live"):
+            lines += ["", f"**{r['variant']}: the shards {r['shards_not_live']} are copies, not the model's "
+                      "tensors: its replica max diff says nothing about the model.**"]
+        if r.get("sync_kernels"):
+            lines += ["", f"{r['variant']}: GPU time of one unsampled sync on rank 0, by kernel (torch.profiler):", "",
+                      "| kernel | ms | calls |", "|---|---|---|"]
+            lines += [f"| `{k['kernel']}` | {k['ms']:.3f} | {k['calls']} |" for k in r["sync_kernels"]]
     lines += abort_notes([(r["variant"], r) for r in results]
                          + [(f"{r['variant']} seed {c['seed']}", c) for r in results for c in r["ne_by_seed"]])
     return lines

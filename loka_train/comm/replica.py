@@ -223,6 +223,11 @@ class ReplicaSync:
         else:
             triton_replica.mean_apply_bf16(torch.cat(gathered), anchor_N, tensor.detach(), num_replicas=num_replicas)
 
+    @property
+    def next_sync_measures(self) -> bool:
+        """Whether the next sync measures its change (every ``comm.sample_every``-th sync)."""
+        return self._samples()
+
     def _samples(self) -> bool:
         """Whether the next sync measures its changes: every ``comm.sample_every``-th sync from
         the second on (the first has no change to measure). Counted in syncs, not steps: the

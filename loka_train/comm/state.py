@@ -311,7 +311,9 @@ class CommState:
         if not candidates:
             return
         x = x.detach().float().reshape(-1)
-        signal = x.double().square().sum()
+        # Squares in fp32, accumulated in fp64: no fp64 copy of a tensor that may hold every
+        # replicated table (the replica sync measures its whole change).
+        signal = x.square().sum(dtype=torch.float64)
         sums = self.sqnr_sums[_CHANNEL_INDEX[channel]]
         for precision in candidates:
             idx = _PRECISION_INDEX[precision]
@@ -327,7 +329,7 @@ class CommState:
                 sums[_COUNT, idx] += 1
                 continue
             approx = self.wire_format(channel, precision).roundtrip(x)
-            noise = (x.double() - approx.double()).square().sum()
+            noise = (x - approx).square().sum(dtype=torch.float64)
             sums[_SIGNAL, idx] += signal.to(sums.device)
             sums[_NOISE, idx] += noise.to(sums.device)
             sums[_COUNT, idx] += 1

@@ -222,7 +222,7 @@ class LokaCallback(Callback):
         DMPCollection's own sync (the same mean, one coalesced all-reduce). A lossy or adaptive
         channel without replicas (no 2D layout, or no sync hook in the loop) is a logged fallback."""
         from loka_train.comm import CommChannel, CommPrecision, ReplicaSync
-        from loka_train.runtime.sparse2d import replica_process_group, replicated_shards
+        from loka_train.runtime.sparse2d import replica_process_group, replicated_shards, shards_not_live
 
         layout = trainer.sparse2d
         channel = CommChannel.REPLICA_SYNC
@@ -246,7 +246,14 @@ class LokaCallback(Callback):
             self.comm_state, group=replica_process_group(trainer.model, layout, trainer.rank)
         )
         model, fused = trainer.model, trainer.model.fused_optimizer
-        shards = replicated_shards(model, fused)  # live tensors: listed once
+        copies = shards_not_live(model, fused)
+        if copies:
+            raise RuntimeError(
+                f"LoKA comm: the replicated shards {copies} are copies, not the model's tensors, so "
+                "LoKA's replica sync would not change the model. Set loka.comm.replica_sync=fp32 "
+                "(DMPCollection's own sync) and report this TorchRec version."
+            )
+        shards = replicated_shards(model, fused)  # live tensors (checked above): listed once
         trainer.replica_sync = lambda step: self.replica_syncer.sync(*shards)
         # An fp32 anchor per shard, and an fp32 residual per shard while lossy with feedback.
         copy_bytes = sum(t.numel() for t in shards[0].values()) * 4

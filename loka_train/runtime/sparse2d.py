@@ -43,6 +43,7 @@ __all__ = [
     "model_parallel",
     "replica_process_group",
     "replicated_shards",
+    "shards_not_live",
     "sync_due",
 ]
 
@@ -190,3 +191,26 @@ def replicated_shards(model: nn.Module, fused_optimizer: Any) -> tuple[dict[str,
             if isinstance(value, torch.Tensor):
                 states.extend(t for t, _ in local_shards(value) if t.numel())
     return weights, states
+
+
+@torch.no_grad()
+def shards_not_live(model: nn.Module, fused_optimizer: Any) -> list[str]:
+    """What of `replicated_shards` is not the live model: for the first weight shard and the
+    first optimizer state, one value is changed, the shards listed again and the value read back
+    from the new listing, then restored (exactly: the saved value is copied back). A shard that
+    does not show the change is a copy, and a sync into it would not change the model.
+
+    Returns the names of the shards that are copies (empty: both live)."""
+    weights, states = replicated_shards(model, fused_optimizer)
+    probes = [(name, tensor, lambda w, s, n=name: w[n]) for name, tensor in list(weights.items())[:1]]
+    probes += [("optimizer state 0", states[0], lambda w, s: s[0])] if states else []
+    copies = []
+    for name, tensor, refetch in probes:
+        flat = tensor.view(-1)
+        saved = flat[0].clone()
+        flat[0] = saved + 1.0
+        seen = refetch(*replicated_shards(model, fused_optimizer)).reshape(-1)[0]
+        if not bool(seen == saved + 1.0):
+            copies.append(name)
+        flat[0] = saved
+    return copies

@@ -169,3 +169,38 @@ def test_comm_state_gives_a_shorter_sqnr_buffer_zero_rows_for_the_missing_channe
     older = saved["sqnr_sums"][: len(CommChannel) - 1] + 1.0  # five channels, with measurements
     state.load_state_dict({**saved, "sqnr_sums": older})
     assert torch.equal(state.sqnr_sums[:-1], older) and not state.sqnr_sums[-1].any()
+
+
+class _Tables(torch.nn.Module):
+    """A model whose state_dict lists embedding weights as TorchRec's do, live or as copies."""
+
+    def __init__(self, copies: bool) -> None:
+        super().__init__()
+        self.copies = copies
+        self.weight = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        w = self.weight.detach()
+        return {"ebc.embedding_bags.t0.weight": w.clone() if self.copies else w}
+
+
+class _Optimizer:
+    def __init__(self, state: torch.Tensor, copies: bool) -> None:
+        self.state, self.copies = state, copies
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {0: {"momentum1": self.state.clone() if self.copies else self.state}}}
+
+
+@pytest.mark.parametrize("copy_weights, copy_states", [(False, False), (True, False), (False, True), (True, True)])
+def test_shards_not_live_names_copies_and_restores_the_values(copy_weights: bool, copy_states: bool) -> None:
+    from loka_train.runtime.sparse2d import shards_not_live
+
+    model, state = _Tables(copy_weights), torch.linspace(0.1, 1.0, 5)
+    optimizer = _Optimizer(state, copy_states)
+    weights_before, state_before = model.weight.detach().clone(), state.clone()
+    copies = shards_not_live(model, optimizer)
+    want = (["ebc.embedding_bags.t0.weight@0"] if copy_weights else []) + (["optimizer state 0"] if copy_states else [])
+    assert [c.split(",")[0] for c in copies] == want
+    # The probe's change is undone bit for bit.
+    assert torch.equal(model.weight.detach(), weights_before) and torch.equal(state, state_before)
