@@ -152,9 +152,10 @@ def time_syncs(trainer: Any, loka: Any, *, count: int) -> list[dict[str, Any]]:
     import torch
 
     cuda = torch.cuda.is_available()
+    syncer = getattr(loka, "replica_syncer", None)  # None where TorchRec's own sync stays
     timed = []
     for _ in range(count):
-        sampled = loka is not None and loka.replica_syncer.next_sync_measures
+        sampled = syncer is not None and syncer.next_sync_measures
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -173,7 +174,8 @@ def profile_sync(trainer: Any, loka: Any) -> list[dict[str, Any]]:
 
     if not torch.cuda.is_available():
         return []
-    while loka is not None and loka.replica_syncer.next_sync_measures:
+    syncer = getattr(loka, "replica_syncer", None)  # None where TorchRec's own sync stays
+    while syncer is not None and syncer.next_sync_measures:
         trainer.replica_sync(trainer.step - 1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
