@@ -222,7 +222,11 @@ class LokaCallback(Callback):
         DMPCollection's own sync (the same mean, one coalesced all-reduce). A lossy or adaptive
         channel without replicas (no 2D layout, or no sync hook in the loop) is a logged fallback."""
         from loka_train.comm import CommChannel, CommPrecision, ReplicaSync
-        from loka_train.runtime.sparse2d import replica_process_group, replicated_shards, shards_not_live
+        from loka_train.runtime.sparse2d import (
+            replica_process_group,
+            replicated_shards,
+            shards_not_live,
+        )
 
         layout = trainer.sparse2d
         channel = CommChannel.REPLICA_SYNC

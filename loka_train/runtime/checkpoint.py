@@ -161,6 +161,64 @@ def restore(
     return fresh
 
 
+def _is_sharded(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, ShardedTensor | DTensor)
+
+
+def _whole_targets(live: Any) -> Any:
+    """`live` with each sharded tensor replaced by an empty host tensor of its whole size (None
+    where this rank holds no piece of it: not read), containers copied, other leaves kept (plain
+    tensors load in place)."""
+    from loka_train.models import local_shards
+
+    if _is_sharded(live):
+        if not any(t.numel() for t, _ in local_shards(live)):
+            return None
+        return torch.empty(tuple(live.shape), dtype=live.dtype)
+    if isinstance(live, dict):
+        return {k: t for k, v in live.items() if (t := _whole_targets(v)) is not None or not _is_sharded(v)}
+    if isinstance(live, list | tuple):
+        return type(live)(_whole_targets(v) for v in live)
+    return live
+
+
+def _copy_pieces(live: Any, whole: Any) -> Any:
+    """Copy from the read `whole` tensors each piece of `live`'s sharded tensors this rank
+    holds, by its offsets; returns `live`'s structure with the loaded leaves of `whole` where
+    `live` has no sharded tensor (plain tensors were loaded in place, other values replaced)."""
+    from loka_train.models import local_shards
+
+    if _is_sharded(live):
+        if whole is not None:
+            with torch.no_grad():
+                for piece, offsets in local_shards(live):
+                    region = tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))
+                    piece.copy_(whole[region].to(device=piece.device))
+        return live
+    if isinstance(live, dict):
+        return {k: _copy_pieces(v, whole.get(k)) for k, v in live.items()}
+    if isinstance(live, list | tuple):
+        return type(live)(_copy_pieces(v, w) for v, w in zip(live, whole))
+    return whole
+
+
+def load_by_copy(live: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Load checkpoint `path`'s sharded part into the live state dicts `live` without DCP
+    loading into their sharded tensors: each one this rank holds a piece of is read whole into
+    host memory (DCP reshards the saved pieces onto it), then the pieces are copied into the
+    live tensors by their offsets (`models.local_shards`). Plain tensors load in place as in
+    `CheckpointManager.load`; the other values come back loaded. Collective.
+
+    For layouts whose sharded tensors DCP cannot load into (TorchRec's ``DMPCollection``: its
+    replicated shards); costs host memory for every whole tensor this rank holds a piece of.
+    Returns `live`'s structure with its sharded tensors (now loaded) and the loaded values."""
+    whole = _whole_targets(live)
+    dcp.load(whole, checkpoint_id=path, no_dist=not dist.is_initialized())
+    return _copy_pieces(live, whole)
+
+
 def _copy_tensor(live: torch.Tensor, saved: torch.Tensor, path: str) -> None:
     if live.shape != saved.shape:
         raise CheckpointError(
@@ -386,7 +444,9 @@ class CheckpointManager:
             except OSError as exc:
                 logger.warning("could not delete old checkpoint %s (%s); delete it by hand", old, exc)
 
-    def load(self, path: Path, into: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(
+        self, path: Path, into: dict[str, Any] | None = None, *, by_copy: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Read checkpoint `path`; collective. Returns this rank's state and the meta.
 
         The sharded part loads in place into `into` (live state dicts under `SHARDED_KEYS`,
@@ -394,6 +454,10 @@ class CheckpointManager:
         part is this rank's file, or rank 0's when the checkpoint was written by fewer ranks. A
         per-rank-format checkpoint returns this rank's whole file (`restore` copies it) and loads
         only into the world size that wrote it.
+
+        With `by_copy`, each sharded tensor of `into` that this rank holds a piece of is read
+        whole into host memory and its pieces are copied in by their offsets (`load_by_copy`):
+        for layouts whose tensors DCP does not load in place (TorchRec's ``DMPCollection``).
         """
         error: str | None = None
         state: dict[str, Any] = {}
@@ -415,7 +479,10 @@ class CheckpointManager:
         sharded = {k: v for k, v in (into or {}).items() if k in SHARDED_KEYS}
         if sharded:
             try:  # collective: a failure on one rank raises on every rank
-                dcp.load(sharded, checkpoint_id=path, no_dist=not dist.is_initialized())
+                if by_copy:
+                    sharded = load_by_copy(sharded, path)
+                else:
+                    dcp.load(sharded, checkpoint_id=path, no_dist=not dist.is_initialized())
             except (Exception, CheckpointException) as exc:
                 raise CheckpointError(_load_error(path, exc)) from exc
         return {**state, **sharded}, meta

@@ -80,9 +80,12 @@ class TrainerConfig:
     means smaller embedding all-to-alls; the price is a replica sync and a copy of the tables
     per group. ``trainer.sharding`` then plans for one group. None: every table sharded over
     all ranks (plain ``DistributedModelParallel``); 1: every rank holds every table. Needs CUDA
-    (nccl) and a world size it divides (`runtime.sparse2d`); checkpoints are refused with it
-    (DCP on ``DMPCollection``'s replicated shards is not supported): set ``checkpoint_every=0``,
-    ``checkpoint_at_end=false``, ``resume=never``. With the LoKA comm policy on, the sync goes
+    (nccl) and a world size it divides (`runtime.sparse2d`). It writes no checkpoints (DCP on
+    ``DMPCollection``'s replicated shards is not supported): set ``checkpoint_every=0`` and
+    ``checkpoint_at_end=false``. It resumes from a checkpoint of a run with the same model and
+    ``trainer.sharding`` (a fully sharded one), copying every table into its shards by their
+    offsets (`checkpoint.load_by_copy`; each rank reads the whole tables it holds a piece of
+    into host memory). With the LoKA comm policy on, the sync goes
     through LoKA's codecs (``loka.comm.replica_sync``), else through ``DMPCollection.sync``
     (fp32 mean of the weights and the optimizer state)."""
 
@@ -335,9 +338,10 @@ class TrainerConfig:
                 f"to a multiple of it (e.g. {math.lcm(self.eval_every, every)}), or "
                 "trainer.sharding_sync_every to a divisor of trainer.eval_every"
             )
-        if self.checkpoint_every or self.checkpoint_at_end or self.resume != "never":
+        if self.checkpoint_every or self.checkpoint_at_end:
             raise ValueError(
-                "trainer.sharding_group_size (2D sparse parallelism) refuses checkpoints (DCP on "
-                "DMPCollection's replicated shards is not supported): set trainer.checkpoint_every=0 "
-                "trainer.checkpoint_at_end=false trainer.resume=never, or trainer.sharding_group_size=null"
+                "trainer.sharding_group_size (2D sparse parallelism) writes no checkpoints (DCP on "
+                "DMPCollection's replicated shards is not supported; it can resume from a checkpoint "
+                "of a fully sharded run): set trainer.checkpoint_every=0 trainer.checkpoint_at_end=false, "
+                "or trainer.sharding_group_size=null"
             )

@@ -337,13 +337,20 @@ class Trainer:
             source_key="data.path", source=self.data_cfg.path,
         )
 
+    def _resumes_by_copy(self) -> bool:
+        """Whether a resume copies the checkpoint's tables into this run's shards by their
+        offsets (`checkpoint.load_by_copy`) instead of DCP loading into them: under 2D sparse
+        parallelism, whose replicated shards DCP does not load into. So a 2D run can start from
+        a fully sharded run's checkpoint."""
+        return self.sparse2d is not None
+
     def _maybe_resume(self, path: Path | None) -> int:
         """Restore checkpoint `path` (checked by `_plan_run`) into the sharded run; returns its step."""
         if path is None:
             return 0
         assert self._checkpoints is not None and self.optimizer is not None
         live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}  # loaded in place
-        saved, meta = self._checkpoints.load(path, into=live)
+        saved, meta = self._checkpoints.load(path, into=live, by_copy=self._resumes_by_copy())
         error: CheckpointError | None = None
         fresh: list[str] = []
         try:

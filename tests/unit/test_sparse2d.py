@@ -129,12 +129,17 @@ def test_config_refuses_with_the_fix(kwargs: dict[str, Any], message: str) -> No
         TrainerConfig(**{**NO_CHECKPOINTS, **kwargs})
 
 
-@pytest.mark.parametrize(
-    "checkpointing", [{"checkpoint_every": 10}, {"checkpoint_at_end": True}, {"resume": "auto"}]
-)
+@pytest.mark.parametrize("checkpointing", [{"checkpoint_every": 10}, {"checkpoint_at_end": True}])
 def test_config_refuses_checkpoints(checkpointing: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="refuses checkpoints.*trainer.checkpoint_at_end=false"):
+    with pytest.raises(ValueError, match="writes no checkpoints.*trainer.checkpoint_at_end=false"):
         TrainerConfig(sharding_group_size=1, device="cuda", **{**NO_CHECKPOINTS, **checkpointing})
+
+
+@pytest.mark.parametrize("resume", ["auto", "must", "/runs/dmp/checkpoints/step_00000200"])
+def test_config_takes_a_resume(resume: str) -> None:
+    """A 2D run may start from a checkpoint (of a fully sharded run): it only writes none."""
+    cfg = TrainerConfig(sharding_group_size=1, device="cuda", **{**NO_CHECKPOINTS, "resume": resume})
+    assert cfg.resume == resume
 
 
 def test_check_sparse2d_on_the_job() -> None:
