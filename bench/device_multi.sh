@@ -9,7 +9,7 @@
 # (TIMEOUT_<part>, seconds), e.g. scaling_dlrm with ARGS_scaling_dlrm="--configs dlrm":
 #   multigpu*      python -m pytest -m multigpu tests/gpu/test_multigpu.py (ARGS: more pytest arguments, e.g. -k resumes)
 #   sparse2dtest*  python -m pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py (the 4-GPU tests run with 4 GPUs)
-#   sparse2d*      python -m bench.sparse2d --out DIR ARGS
+#   sparse2d*      python -m bench.sparse2d --out DIR ARGS (its NE base checkpoint is deleted before the save)
 #   comm*          python -m bench.comm --out DIR ARGS (its NE base checkpoint is deleted before the save)
 #   scaling*       python -m bench.scaling --out DIR ARGS (SIGTERM keeps the jobs done)
 #   e2e*           python -m bench.e2e --out DIR ARGS (one GPU: a lane of one GPU)
@@ -56,6 +56,7 @@ part() {  # GPUS CPUS PART
     sparse2dtest*) "${run[@]}" -m pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py -q -s -p no:cacheprovider \
                    --basetemp=/tmp/mg_$name $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     sparse2d*) "${run[@]}" -m bench.sparse2d --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log"
+               find "$w/$name" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null
                find "$w/$name" -name '*.pt' -delete 2>/dev/null ;;
     comm*)     "${run[@]}" -m bench.comm --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log"
                find "$w/$name" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null ;;

@@ -19,20 +19,24 @@ for the 2D variants), then times 12 more syncs alone (``sync ms``: the median of
 not measure their change; ``sampled sync ms``: of those that do, every ``comm.sample_every``-th of
 LoKA's), which says what a sync costs apart from the step around it.
 
-NE (``--seeds S``, ``--ne-steps M``): a run from scratch trains no checkpoint that DMPCollection
-could share (TorchRec's DCP refuses it), so the protocol is paired by seed rather than by a shared
-base checkpoint: for each variant and seed s < S, a job trains M steps on fresh batches (data and
-model seeded with s), both learning rates decaying to 0 over the second half, then evaluates NE
-on the same held-out batches. The NE delta against ``dmp`` is taken per seed and averaged, with
-its standard error over seeds (``bench.comm.paired_ne``); the LoKA-synced variants are also
-paired against ``2d_fp32``, the same replicated training with TorchRec's exact sync (what LoKA's
-compressed sync changes, apart from what replicating the tables changes).
+NE by the paired, decayed protocol (``--ne-from N0 --ne-steps M --seeds S``, as ``bench.comm``):
+a fully sharded DMP base run trains N0 steps and saves a checkpoint; for each variant and seed
+s < S a job starts a new run from it (the 2D variants copy its tables into their shards:
+``checkpoint.load_by_copy``) and trains M more steps on the train batches of steps N0 + s*M
+onwards, both learning rates decaying to 0, then evaluates ``--eval-batches`` held-out batches.
+Without ``--ne-from`` the jobs train M steps from scratch (data and model seeded with s), the
+learning rates decaying over the second half: runs that short are chaotic (one variant's seeds
+differed by up to 15% in NE), so they cannot compare the syncs. The NE delta against ``dmp``
+is taken per seed and averaged, with its standard error over seeds (``bench.comm.paired_ne``);
+the LoKA-synced variants are also paired against ``2d_fp32``, the same replicated training with
+TorchRec's exact sync (what LoKA's compressed sync changes, apart from what replicating the
+tables changes).
 
 26 tables x dim 128, 100k rows, batch 8192 per GPU, 100 timed steps by default: on 2 x H100 the
 first two timed variants finished within 85 s, start-up included
 (`bench/results/multigpu_h100x2_2026-11-25/sparse2d.txt`).
 
-Run (2 GPUs):  python -m bench.sparse2d --out bench/results/sparse2d_<gpu>_<date> [--seeds 2 --ne-steps 200]
+Run (2 GPUs):  python -m bench.sparse2d --out bench/results/sparse2d_<gpu>_<date> [--seeds 4 --ne-from 200 --ne-steps 100]
 Run (4 GPUs, 2 x 2):  python -m bench.sparse2d --nprocs 4 --group-size 2 --out DIR
 Dry run (CPU): python -m bench.sparse2d --dry-run --out /tmp/sparse2d [--seeds 2]  (the ``dmp``
 variant only, tiny: 2D sparse parallelism needs CUDA; the others are listed as skipped)
@@ -46,7 +50,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.comm import abort_notes, paired_ne, run_job
+from bench.comm import abort_notes, paired_ne, run_job, shifted_train_data
 
 VARIANTS = ("dmp", "2d_fp32", "2d_loka_bf16", "2d_loka_fp8")
 
@@ -55,7 +59,11 @@ def job(spec: dict[str, Any]) -> None:
     """One run (called on every rank by torchrun), as `spec` says (`main` writes it): ``out``,
     ``variant``, ``steps``, ``group_size`` (of the 2D variants), the sizes ``batch``, ``tables``,
     ``dim``, ``rows``, ``cache_batches`` (0: a fresh batch every step), ``seed`` (model and data),
-    ``decay_start`` / ``decay_steps`` (trainer.lr_decay_*); rank 0 writes ``<out>/result.json``."""
+    ``decay_start`` / ``decay_steps`` (trainer.lr_decay_*); optional: ``resume`` (a checkpoint to
+    start a new run from), ``checkpoint_at_end``, ``data_offset`` (train batches read that many
+    steps further on), ``eval_batches`` (4), ``warmup`` (dense warm-up steps, min(20, steps)),
+    ``time_syncs`` (time and profile syncs after training, default true); rank 0 writes
+    ``<out>/result.json``."""
     import torch
     import torch.distributed as dist
 
@@ -68,7 +76,12 @@ def job(spec: dict[str, Any]) -> None:
     from loka_train.plugin.config import LokaConfig
     from loka_train.probe import ProbeConfig
     from loka_train.runtime import TrainerConfig
-    from loka_train.runtime.sparse2d import replica_process_group, replicated_shards, shards_not_live
+    from loka_train.runtime.callbacks import Callback
+    from loka_train.runtime.sparse2d import (
+        replica_process_group,
+        replicated_shards,
+        shards_not_live,
+    )
     from loka_train.runtime.trainer import Trainer
 
     out, variant, steps, dim = spec["out"], spec["variant"], spec["steps"], spec["dim"]
@@ -82,21 +95,36 @@ def job(spec: dict[str, Any]) -> None:
             comm=CommConfig(replica_sync=variant.removeprefix("2d_loka_"), row_dim=dim),
         ))
         callbacks.append(loka)
-    trainer = Trainer(
-        model=ModelConfig(kind="dlrm", embedding_dim=dim, dense_arch_layer_sizes=[512, 256, dim],
-                          over_arch_layer_sizes=[1024, 1024, 512, 256, 1]),
-        data=DataConfig(num_sparse=spec["tables"], num_embeddings=spec["rows"], cache_batches=spec["cache_batches"],
-                        seed=spec["seed"]),
-        trainer=TrainerConfig(
-            steps=steps, batch_size=spec["batch"], device="cuda" if cuda else "cpu", sharding="table_wise",
-            sharding_group_size=None if variant == "dmp" else spec["group_size"], seed=spec["seed"],
-            lr_decay_start=spec["decay_start"], lr_decay_steps=spec["decay_steps"],
-            dense_dtype="bf16" if cuda else "fp32", dense_lr=0.01, dense_warmup_steps=min(20, steps),
-            log_every=max(1, steps // 4), eval_batches=4, out_dir=out, tensorboard=False,
-            progress_bar=False, checkpoint_at_end=False, resume="never",
-        ),
-        callbacks=callbacks,
-    )
+    class StartStep(Callback):
+        """The step training starts from, once any checkpoint is restored."""
+
+        start: int | None = None
+
+        def on_train_start(self, trainer: Any) -> None:
+            self.start = trainer.step
+
+    started = StartStep()
+    resume = spec.get("resume")
+    with shifted_train_data(spec.get("data_offset", 0)):
+        trainer = Trainer(
+            model=ModelConfig(kind="dlrm", embedding_dim=dim, dense_arch_layer_sizes=[512, 256, dim],
+                              over_arch_layer_sizes=[1024, 1024, 512, 256, 1]),
+            data=DataConfig(num_sparse=spec["tables"], num_embeddings=spec["rows"],
+                            cache_batches=spec["cache_batches"], seed=spec["seed"]),
+            trainer=TrainerConfig(
+                steps=steps, batch_size=spec["batch"], device="cuda" if cuda else "cpu", sharding="table_wise",
+                sharding_group_size=None if variant == "dmp" else spec["group_size"], seed=spec["seed"],
+                lr_decay_start=spec["decay_start"], lr_decay_steps=spec["decay_steps"],
+                dense_dtype="bf16" if cuda else "fp32", dense_lr=0.01,
+                dense_warmup_steps=spec.get("warmup", min(20, steps)),
+                log_every=max(1, steps // 4), eval_batches=spec.get("eval_batches", 4), out_dir=out,
+                tensorboard=False, progress_bar=False, checkpoint_at_end=spec.get("checkpoint_at_end", False),
+                resume=resume if resume is not None else "never",
+                # The base run has no LoKA callback, so its checkpoint holds no LoKA state.
+                resume_new_callbacks=resume is not None,
+            ),
+            callbacks=[*callbacks, started],
+        )
     summary = trainer.fit()
 
     def max_replica_diff(tensors: list[torch.Tensor], group: Any) -> float:
@@ -113,6 +141,7 @@ def job(spec: dict[str, Any]) -> None:
     max_diff = state_diff = float("nan")
     not_live = shards_not_live(trainer.model, trainer.model.fused_optimizer)
     if variant != "dmp":
+        assert trainer.sparse2d is not None  # a 2D variant
         group = replica_process_group(trainer.model, trainer.sparse2d, trainer.rank)
         weights, states = replicated_shards(trainer.model, trainer.model.fused_optimizer)
         max_diff = max_replica_diff(list(weights.values()), group)
@@ -121,8 +150,9 @@ def job(spec: dict[str, Any]) -> None:
         worst = torch.tensor([max_diff, state_diff], dtype=torch.float64, device=trainer.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         max_diff, state_diff = (float(v) for v in worst)
-    syncs = time_syncs(trainer, loka, count=spec.get("sync_timings", 12)) if variant != "dmp" else []
-    sync_kernels = profile_sync(trainer, loka) if variant != "dmp" else []
+    timing = variant != "dmp" and spec.get("time_syncs", True)
+    syncs = time_syncs(trainer, loka, count=12) if timing else []
+    sync_kernels = profile_sync(trainer, loka) if timing else []
     if trainer.rank == 0:
         rep = loka.comm_state.report() if loka is not None else None
         result = {
@@ -131,6 +161,8 @@ def job(spec: dict[str, Any]) -> None:
             "steps_per_s": summary["train/steps_per_s"],
             "step_ms": 1000 / summary["train/steps_per_s"], "eval_ne": summary["eval/ne"],
             "train_loss": summary["train/loss"], "replica_max_abs_diff": max_diff,
+            "start_step": started.start, "resumed_from": resume, "data_offset": spec.get("data_offset", 0),
+            "run_dir": str(trainer.out_dir),
             "replica_state_max_abs_diff": state_diff,
             "replica_sync_bytes_rank0": rep["channels"]["replica_sync"]["total_bytes"] if rep else None,
             "syncs_timed": syncs, **sync_summary(syncs), "shards_not_live": not_live,
@@ -187,7 +219,7 @@ def profile_sync(trainer: Any, loka: Any) -> list[dict[str, Any]]:
             ms_calls = by_kernel.setdefault(e.name[:120], [0.0, 0])
             ms_calls[0] += e.time_range.elapsed_us() / 1e3
             ms_calls[1] += 1
-    rows = [{"kernel": name, "ms": ms, "calls": int(calls)} for name, (ms, calls) in by_kernel.items()]
+    rows: list[dict[str, Any]] = [{"kernel": name, "ms": ms, "calls": int(calls)} for name, (ms, calls) in by_kernel.items()]
     return sorted(rows, key=lambda r: -r["ms"])[:12]
 
 
@@ -208,11 +240,12 @@ def sync_summary(syncs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_variant(out: Path, variant: str, steps: int, batch: int, tables: int, dim: int, rows: int, *,
                 nprocs: int = 2, group_size: int = 1, seed: int = 0, cache_batches: int = 16,
-                decay_start: int = 0, decay_steps: int = 0) -> dict[str, Any]:
-    """Run one variant under torchrun (`nprocs` processes) in the folder `out`; rank 0's result."""
+                decay_start: int = 0, decay_steps: int = 0, **more: Any) -> dict[str, Any]:
+    """Run one variant under torchrun (`nprocs` processes) in the folder `out`; rank 0's result.
+    `more`: the optional keys of `job`'s spec."""
     spec = {"out": str(out), "variant": variant, "steps": steps, "batch": batch, "tables": tables,
             "dim": dim, "rows": rows, "group_size": group_size, "seed": seed, "cache_batches": cache_batches,
-            "decay_start": decay_start, "decay_steps": decay_steps}
+            "decay_start": decay_start, "decay_steps": decay_steps, **more}
     result = run_job(spec, module="bench.sparse2d", nprocs=nprocs)
     if result is None:
         raise RuntimeError(f"bench.sparse2d: {variant} failed (its output is printed above)")
@@ -235,7 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=0, metavar="S",
                         help="NE jobs per variant, paired by seed against dmp (default 0: no NE protocol)")
     parser.add_argument("--ne-steps", type=int, default=200, metavar="M",
-                        help="steps of each NE job, the learning rates decaying over the second half (default 200)")
+                        help="steps of each NE job: from scratch, the learning rates decaying over the second "
+                             "half; with --ne-from, over all of them (default 200)")
+    parser.add_argument("--ne-from", type=int, default=0, metavar="N0",
+                        help="NE jobs continue a base run: fully sharded DMP trains N0 steps and saves the "
+                             "checkpoint every variant and seed resumes from (2D ones by copy); 0: from scratch")
+    parser.add_argument("--eval-batches", type=int, default=4,
+                        help="held-out batches per rank for NE (default 4)")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -251,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                      "the 2D variants need at least two replica groups")
     if args.seeds < 0 or (args.seeds and args.ne_steps < 4):
         parser.error("--seeds must be >= 0 and --ne-steps >= 4 (the decay takes its second half)")
+    if args.ne_from < 0 or (args.ne_from and not args.seeds):
+        parser.error("--ne-from N0 (>= 0) is the base run of the NE protocol: add --seeds S")
     if args.seeds and "dmp" not in variants:
         parser.error("--seeds: the NE deltas are taken against dmp; add it to --variants")
     if args.dry_run:
@@ -268,15 +309,27 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {"batch": args.batch, "tables": args.tables, "dim": args.dim, "rows": args.rows,
              "nprocs": args.nprocs, "group_size": args.group_size}
     results: list[dict[str, Any]] = []
+    base_run = None
+    if args.ne_from:
+        base_run = run_variant(out / "ne_base", "dmp", args.ne_from, **sizes, cache_batches=0,
+                               checkpoint_at_end=True, eval_batches=args.eval_batches)
+        print(f"NE base (dmp): checkpoint at step {base_run['steps']}, NE {base_run['eval_ne']:.5f}", flush=True)
     for variant in variants:
         r = run_variant(out / variant, variant, args.steps, **sizes)
         results.append(r)
         print(f"{variant}: {r['step_ms']:.2f} ms/step, replicas differ by {r['replica_max_abs_diff']:.3g}", flush=True)
         r["ne_by_seed"] = []
         for seed in range(args.seeds):
-            half = args.ne_steps // 2
-            ne = run_variant(out / variant / f"ne_seed{seed}", variant, args.ne_steps, **sizes, seed=seed,
-                             cache_batches=0, decay_start=args.ne_steps - half, decay_steps=half)
+            if base_run is None:  # from scratch, decayed over the second half
+                half = args.ne_steps // 2
+                schedule = {"decay_start": args.ne_steps - half, "decay_steps": half}
+                steps = args.ne_steps
+            else:  # from the base checkpoint, decayed over every step, each seed on its own batches
+                schedule = {"decay_start": args.ne_from, "decay_steps": args.ne_steps, "resume": base_run["run_dir"],
+                            "data_offset": seed * args.ne_steps, "warmup": min(20, args.ne_from)}
+                steps = args.ne_from + args.ne_steps
+            ne = run_variant(out / variant / f"ne_seed{seed}", variant, steps, **sizes, seed=seed, cache_batches=0,
+                             eval_batches=args.eval_batches, time_syncs=False, **schedule)
             r["ne_by_seed"].append(ne)
             print(f"{variant} seed {seed}: NE {ne['eval_ne']:.5f}", flush=True)
         # Rewritten after every variant: a run cut short keeps the variants it finished.
@@ -314,13 +367,23 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
              f"Command: `python -m bench.sparse2d {' '.join(argv)}` ({args.tables} tables x {args.dim}, "
              f"{args.rows} rows, batch {args.batch}/GPU, {args.steps} timed steps on 16 cached batches, "
              "table-wise).", ""]
-    if args.seeds:
+    if args.seeds and args.ne_from:
+        lines += [f"NE: paired, decayed protocol ({args.seeds} seeds). A fully sharded DMP base run trains "
+                  f"{args.ne_from} steps and saves a checkpoint; every variant and seed s starts a new run from it "
+                  f"(the 2D variants copy its tables into their shards) and trains {args.ne_steps} more steps on the "
+                  f"train batches of steps {args.ne_from} + s x {args.ne_steps} onwards, both learning rates decaying "
+                  f"to 0, then evaluates {args.eval_batches} held-out batches per GPU. NE is the mean over seeds; NE "
+                  "vs dmp (and vs 2d_fp32, the same replicated training synced exactly) the mean of the per-seed "
+                  "deltas +- its standard error.", ""]
+    elif args.seeds:
         lines += [f"NE: paired by seed ({args.seeds} seeds): each variant trains {args.ne_steps} steps from scratch "
                   "on fresh batches of the seed's stream, both learning rates decaying to 0 over the second "
                   "half, then evaluates the same held-out batches; NE is the mean over seeds, NE vs dmp (and vs "
                   "2d_fp32, the same replicated training synced exactly) the "
-                  "mean of the per-seed deltas +- its standard error.", "",
-                  "| variant | ms/step | vs dmp | NE | NE vs dmp (paired) | NE vs 2d_fp32 (paired) | replica max diff "
+                  "mean of the per-seed deltas +- its standard error. Runs this short from scratch are chaotic: "
+                  "prefer --ne-from.", ""]
+    if args.seeds:
+        lines += ["| variant | ms/step | vs dmp | NE | NE vs dmp (paired) | NE vs 2d_fp32 (paired) | replica max diff "
                   "| sync MB/step (rank 0) | sync ms | sampled sync ms |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
     else:

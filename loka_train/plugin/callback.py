@@ -250,10 +250,10 @@ class LokaCallback(Callback):
             self.comm_state, group=replica_process_group(trainer.model, layout, trainer.rank)
         )
         model, fused = trainer.model, trainer.model.fused_optimizer
-        copies = shards_not_live(model, fused)
-        if copies:
+        not_live = shards_not_live(model, fused)
+        if not_live:
             raise RuntimeError(
-                f"LoKA comm: the replicated shards {copies} are copies, not the model's tensors, so "
+                f"LoKA comm: the replicated shards {not_live} are copies, not the model's tensors, so "
                 "LoKA's replica sync would not change the model. Set loka.comm.replica_sync=fp32 "
                 "(DMPCollection's own sync) and report this TorchRec version."
             )

@@ -202,15 +202,20 @@ def shards_not_live(model: nn.Module, fused_optimizer: Any) -> list[str]:
 
     Returns the names of the shards that are copies (empty: both live)."""
     weights, states = replicated_shards(model, fused_optimizer)
-    probes = [(name, tensor, lambda w, s, n=name: w[n]) for name, tensor in list(weights.items())[:1]]
-    probes += [("optimizer state 0", states[0], lambda w, s: s[0])] if states else []
+    checks: list[tuple[str, torch.Tensor, str | int]] = []  # (name, tensor, key in the next listing)
+    if weights:
+        first = next(iter(weights))
+        checks.append((first, weights[first], first))
+    if states:
+        checks.append(("optimizer state 0", states[0], 0))
     copies = []
-    for name, tensor, refetch in probes:
+    for name, tensor, key in checks:
         flat = tensor.view(-1)
         saved = flat[0].clone()
         flat[0] = saved + 1.0
-        seen = refetch(*replicated_shards(model, fused_optimizer)).reshape(-1)[0]
-        if not bool(seen == saved + 1.0):
+        again_weights, again_states = replicated_shards(model, fused_optimizer)
+        again = again_weights[key] if isinstance(key, str) else again_states[key]
+        if not bool(again.reshape(-1)[0] == saved + 1.0):
             copies.append(name)
         flat[0] = saved
     return copies

@@ -28,8 +28,27 @@ def test_dry_run_times_dmp_and_pairs_ne_by_seed(tmp_path: Path) -> None:
     assert "NE vs dmp (paired)" in md and "| dmp |" in md and "2 GPUs, 2D groups of 1" in md
 
 
+def test_dry_run_continues_the_base_checkpoint_per_seed(tmp_path: Path) -> None:
+    """--ne-from: a DMP base run saves a checkpoint; every NE job starts a new run from it (at
+    its step, in its own run directory) and reads its seed's stretch of the train stream."""
+    rc = sparse2d.main(["--dry-run", "--out", str(tmp_path), "--seeds", "2", "--ne-steps", "4", "--ne-from", "4",
+                        "--eval-batches", "2"])
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "sparse2d.json").read_text())
+    runs = row["ne_by_seed"]
+    base_dir = str(tmp_path / "ne_base")
+    for seed, r in enumerate(runs):
+        assert r["start_step"] == 4 and r["steps"] == 8  # resumed at the base's step, 4 more steps
+        assert r["resumed_from"].startswith(base_dir) and not r["run_dir"].startswith(base_dir)
+        assert r["data_offset"] == 4 * seed
+    assert runs[0]["eval_ne"] != runs[1]["eval_ne"]  # different batches after the shared start
+    md = (tmp_path / "sparse2d.md").read_text()
+    assert "paired, decayed protocol" in md and "base run trains 4 steps" in md
+
+
 @pytest.mark.parametrize("args", [["--nprocs", "4", "--group-size", "4"], ["--nprocs", "4", "--group-size", "3"],
-                                  ["--nprocs", "1"], ["--seeds", "2", "--variants", "2d_fp32"]])
+                                  ["--nprocs", "1"], ["--seeds", "2", "--variants", "2d_fp32"],
+                                  ["--ne-from", "4"]])
 def test_refuses_layouts_without_two_replica_groups_and_ne_without_dmp(args: list[str]) -> None:
     with pytest.raises(SystemExit):
         sparse2d.main(["--dry-run", "--out", "unused", *args])
@@ -49,7 +68,7 @@ def test_table_pairs_loka_syncs_against_the_exact_2d_sync_too() -> None:
     paired_ne(rows, key="variant", base="dmp")
     paired_ne(rows, key="variant", base="2d_fp32")
     args = argparse.Namespace(nprocs=2, group_size=1, tables=2, dim=8, rows=10, batch=4, steps=10, seeds=2,
-                              ne_steps=8)
+                              ne_steps=8, ne_from=0, eval_batches=4)
     md = "\n".join(sparse2d.table(rows, args, ["--seeds", "2"]))
     fp8 = next(line for line in md.splitlines() if line.startswith("| 2d_loka_fp8 |"))
     # Against 2d_fp32: seed 0 equal, seed 1 +1/61: mean +0.8197%.

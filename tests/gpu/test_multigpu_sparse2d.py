@@ -48,3 +48,20 @@ def test_two_by_two_replicas_identical_after_sync(variant: str, tmp_path: Path) 
     if variant == "2d_loka_fp8":
         assert r["replica_sync_bytes_rank0"] > 0, r
     print(f"2x2 {variant}: loss {r['train_loss']:.5f}, NE {r['eval_ne']:.5f}, fallbacks {r['fallbacks']}")
+
+
+@pytest.mark.parametrize("variant", ["2d_fp32", "2d_loka_fp8"])
+def test_resumes_a_fully_sharded_checkpoint(variant: str, tmp_path: Path) -> None:
+    """A 2D run started from a fully sharded DMP run's checkpoint (its tables copied into the
+    replicated shards by their offsets) computes, on its first step, the loss the DMP run
+    computes from the same checkpoint on the same batch: the weights it starts from are the
+    checkpoint's."""
+    sizes = {"batch": 1024, "tables": 8, "dim": 64, "rows": 10_000}
+    base = run_variant(tmp_path / "base", "dmp", 4, **sizes, cache_batches=0, checkpoint_at_end=True,
+                       time_syncs=False)
+    more = {"cache_batches": 0, "resume": base["run_dir"], "warmup": 4, "time_syncs": False}
+    dmp = run_variant(tmp_path / "dmp", "dmp", 5, **sizes, **more)
+    two_d = run_variant(tmp_path / variant, variant, 5, **sizes, **more)
+    assert dmp["start_step"] == two_d["start_step"] == 4, (dmp, two_d)
+    assert two_d["train_loss"] == pytest.approx(dmp["train_loss"], rel=1e-4), (dmp, two_d)
+    assert two_d["replica_max_abs_diff"] == 0.0, two_d
