@@ -62,7 +62,8 @@ def job(spec: dict[str, Any]) -> None:
     ``decay_start`` / ``decay_steps`` (trainer.lr_decay_*); optional: ``resume`` (a checkpoint to
     start a new run from), ``checkpoint_at_end``, ``data_offset`` (train batches read that many
     steps further on), ``eval_batches`` (4), ``warmup`` (dense warm-up steps, min(20, steps)),
-    ``time_syncs`` (time and profile syncs after training, default true); rank 0 writes
+    ``time_syncs`` (time and profile syncs after training, default true), ``data_seed`` (the
+    synthetic task, default ``seed``); rank 0 writes
     ``<out>/result.json``."""
     import torch
     import torch.distributed as dist
@@ -109,8 +110,10 @@ def job(spec: dict[str, Any]) -> None:
         trainer = Trainer(
             model=ModelConfig(kind="dlrm", embedding_dim=dim, dense_arch_layer_sizes=[512, 256, dim],
                               over_arch_layer_sizes=[1024, 1024, 512, 256, 1]),
+            # The data seed picks the synthetic task (teacher, features): continuations keep
+            # their base run's and differ by `data_offset` only.
             data=DataConfig(num_sparse=spec["tables"], num_embeddings=spec["rows"],
-                            cache_batches=spec["cache_batches"], seed=spec["seed"]),
+                            cache_batches=spec["cache_batches"], seed=spec.get("data_seed", spec["seed"])),
             trainer=TrainerConfig(
                 steps=steps, batch_size=spec["batch"], device="cuda" if cuda else "cpu", sharding="table_wise",
                 sharding_group_size=None if variant == "dmp" else spec["group_size"], seed=spec["seed"],
@@ -150,11 +153,12 @@ def job(spec: dict[str, Any]) -> None:
         worst = torch.tensor([max_diff, state_diff], dtype=torch.float64, device=trainer.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         max_diff, state_diff = (float(v) for v in worst)
+    # The bytes the training's syncs sent, before the timed syncs below add theirs.
+    rep = loka.comm_state.report() if loka is not None else None
     timing = variant != "dmp" and spec.get("time_syncs", True)
     syncs = time_syncs(trainer, loka, count=12) if timing else []
     sync_kernels = profile_sync(trainer, loka) if timing else []
     if trainer.rank == 0:
-        rep = loka.comm_state.report() if loka is not None else None
         result = {
             "variant": variant, "seed": spec["seed"], "nprocs": trainer.world_size,
             "group_size": None if variant == "dmp" else spec["group_size"], "steps": steps,
@@ -326,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = args.ne_steps
             else:  # from the base checkpoint, decayed over every step, each seed on its own batches
                 schedule = {"decay_start": args.ne_from, "decay_steps": args.ne_steps, "resume": base_run["run_dir"],
-                            "data_offset": seed * args.ne_steps, "warmup": min(20, args.ne_from)}
+                            "data_offset": seed * args.ne_steps, "data_seed": 0, "warmup": min(20, args.ne_from)}
                 steps = args.ne_from + args.ne_steps
             ne = run_variant(out / variant / f"ne_seed{seed}", variant, steps, **sizes, seed=seed, cache_batches=0,
                              eval_batches=args.eval_batches, time_syncs=False, **schedule)

@@ -195,27 +195,28 @@ def replicated_shards(model: nn.Module, fused_optimizer: Any) -> tuple[dict[str,
 
 @torch.no_grad()
 def shards_not_live(model: nn.Module, fused_optimizer: Any) -> list[str]:
-    """What of `replicated_shards` is not the live model: for the first weight shard and the
-    first optimizer state, one value is changed, the shards listed again and the value read back
-    from the new listing, then restored (exactly: the saved value is copied back). A shard that
-    does not show the change is a copy, and a sync into it would not change the model.
+    """The shards of `replicated_shards` that are not the model's own tensors, which a sync
+    would change in vain.
 
-    Returns the names of the shards that are copies (empty: both live)."""
+    * A weight shard is live when its storage is a parameter's or buffer's of `model` (TorchRec
+      exposes the embedding kernels' tables as parameters): this catches copies made once and
+      kept as well as copies made at every listing.
+    * The optimizer states are held by the fused optimizer, not by modules: for them one value
+      of the first is changed, the shards are listed again and the value read back from the new
+      listing, then restored (the saved value is copied back). This catches copies made at every
+      listing only.
+
+    Returns their names (``optimizer state <i>`` for states); empty: every shard is live."""
     weights, states = replicated_shards(model, fused_optimizer)
-    checks: list[tuple[str, torch.Tensor, str | int]] = []  # (name, tensor, key in the next listing)
-    if weights:
-        first = next(iter(weights))
-        checks.append((first, weights[first], first))
+    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+    copies = [name for name, t in weights.items() if t.untyped_storage().data_ptr() not in owned]
     if states:
-        checks.append(("optimizer state 0", states[0], 0))
-    copies = []
-    for name, tensor, key in checks:
-        flat = tensor.view(-1)
+        flat = states[0].view(-1)
         saved = flat[0].clone()
-        flat[0] = saved + 1.0
-        again_weights, again_states = replicated_shards(model, fused_optimizer)
-        again = again_weights[key] if isinstance(key, str) else again_states[key]
-        if not bool(again.reshape(-1)[0] == saved + 1.0):
-            copies.append(name)
+        flat[0] = saved + 1.0 if bool(saved.abs() < 1e6) else saved / 2  # a value this dtype changes
+        changed = flat[0].clone()
+        again = replicated_shards(model, fused_optimizer)[1][0].reshape(-1)[0]
+        if not bool(again == changed):
+            copies.append("optimizer state 0")
         flat[0] = saved
     return copies

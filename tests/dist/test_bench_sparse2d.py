@@ -18,6 +18,7 @@ def test_dry_run_times_dmp_and_pairs_ne_by_seed(tmp_path: Path) -> None:
     assert rc == 0
     (row,) = json.loads((tmp_path / "sparse2d.json").read_text())
     assert row["variant"] == "dmp" and row["nprocs"] == 2 and row["steps"] == 8 and row["step_ms"] > 0
+    assert row["shards_not_live"] == []  # TorchRec's shards (CPU, DMP) are the model's tensors
     runs = row["ne_by_seed"]
     assert [r["seed"] for r in runs] == [0, 1] and all(r["steps"] == 4 for r in runs)
     # Different seeds: different data and weights, so different NEs; each paired with itself here.
