@@ -247,9 +247,10 @@ def merge(dirs: list[str], out: Path) -> int:
     results = [dict(r) for r in runs[0]]
     for rows in runs[1:]:
         by_precision = {r["precision"]: r for r in rows}
+        if set(by_precision) != {r["precision"] for r in results}:
+            raise SystemExit(f"--merge: the folders ran different precisions ({sorted(by_precision)} against "
+                             f"{[r['precision'] for r in results]}); merge runs of the same precisions")
         for r in results:
-            if r["precision"] not in by_precision:
-                raise SystemExit(f"--merge: {r['precision']} is missing from a folder; merge runs of the same precisions")
             r["ne_by_seed"] = r["ne_by_seed"] + by_precision[r["precision"]]["ne_by_seed"]
     seeds = [c["seed"] for c in results[0]["ne_by_seed"]]
     if len(set(seeds)) != len(seeds):

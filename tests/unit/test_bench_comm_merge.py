@@ -54,3 +54,13 @@ def test_merge_refuses_repeated_seeds_and_runs_without_ne(tmp_path: Path) -> Non
     (c / "ne_base.json").write_text("{}")
     with pytest.raises(SystemExit, match="--ne-from"):
         comm.main(["--out", str(tmp_path / "m"), "--merge", str(a), str(c)])
+
+
+def test_merge_refuses_folders_of_other_precisions(tmp_path: Path) -> None:
+    a = _run(tmp_path / "a", 0.6, {0: (0.5, 0.5)})
+    b = _run(tmp_path / "b", 0.6, {1: (0.5, 0.5)})
+    rows = json.loads((b / "comm.json").read_text())
+    rows.append({**rows[1], "precision": "bf16"})  # a precision the first folder did not run
+    (b / "comm.json").write_text(json.dumps(rows))
+    with pytest.raises(SystemExit, match="different precisions"):
+        comm.main(["--out", str(tmp_path / "m"), "--merge", str(a), str(b)])
