@@ -4,8 +4,9 @@ At a site's real shapes (default: Wukong's over-arch 0, 32768 x 4096 -> 4096, bf
 each role's sample (the full-operand counts and row selection, then the statistics and shadow
 GEMMs of every candidate of the preset on the selected rows) runs ``--iters`` times after a
 warm-up; CUDA events give its time, and a profiler pass groups its kernels by name; on any
-device, the aten operators one sample dispatches are counted (each a kernel launch on a GPU:
-on the small, row-cut operands of a sample their number, not their bytes, sets its cost). Eager
+device, the aten operators one sample dispatches are counted, and those that are not views
+(each a kernel launch on a GPU: on the small, row-cut operands of a sample their number, not
+their bytes, sets its cost). Eager
 (``Probe.observe`` as a sampled eager step calls it) and, with ``--graphed``, as the capture of
 a sampled module replays it (no nested measurement graph).
 
@@ -49,14 +50,17 @@ def _sample(probe: Probe, role: str, a: torch.Tensor, b: torch.Tensor, *, deferr
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts the aten operators dispatched inside it."""
+    """Counts the aten operators dispatched inside it, and those that are not views (each of
+    which launches a kernel on a GPU; a view only makes a new tensor header)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.computing = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += 1
+        self.computing += not func.is_view
         return func(*args, **(kwargs or {}))
 
 
@@ -109,11 +113,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             key = f"{role}{' (graphed)' if deferred else ''}"
             out["roles"][key] = {
                 "aten_ops": counter.count,
+                "aten_ops_not_views": counter.computing,
                 "ms_median": sorted(times)[len(times) // 2] if times else None,
                 "kernel_ms_total": sum(kernels.values()),
                 "top_kernels_ms": top,
             }
-            print(f"{key}: {out['roles'][key]['ms_median']} ms, {counter.count} aten ops; top kernels:", flush=True)
+            print(f"{key}: {out['roles'][key]['ms_median']} ms, {counter.count} aten ops "
+                  f"({counter.computing} not views); top kernels:", flush=True)
             for name, ms in top:
                 print(f"    {ms:8.3f} ms  {name}", flush=True)
     return out
