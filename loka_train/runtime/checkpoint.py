@@ -484,7 +484,13 @@ class CheckpointManager:
                 else:
                     dcp.load(sharded, checkpoint_id=path, no_dist=not dist.is_initialized())
             except (Exception, CheckpointException) as exc:
-                raise CheckpointError(_load_error(path, exc)) from exc
+                hint = (
+                    " (resuming by copy, as 2D sparse parallelism does: each whole table and optimizer "
+                    "state must have the same shape under both sharding plans; column-wise sharding "
+                    "gives a row-wise optimizer state per column shard, so resume such a run without "
+                    "trainer.sharding_group_size, or with the sharding that wrote it)" if by_copy else ""
+                )
+                raise CheckpointError(_load_error(path, exc) + hint) from exc
         return {**state, **sharded}, meta
 
     def rank_states(self, path: Path) -> list[dict[str, Any]]:

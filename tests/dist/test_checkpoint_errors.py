@@ -52,3 +52,21 @@ def test_a_failed_load_names_the_failing_rank_and_cause_on_every_rank(tmp_path: 
     for message in messages:
         assert message.startswith("rank 1: checkpoint"), message
         assert "corrupt" in message and "UnpicklingError" in message, message
+
+
+def _load_by_copy_into_another_shape(rank: int, world_size: int, root: str) -> str:
+    """A checkpoint of a (2, 4) table loaded by copy into a (2, 5) one: refused on every rank,
+    naming what a copying resume needs."""
+    mgr = CheckpointManager(Path(root), rank=rank, world_size=world_size, keep=2)
+    path = mgr.save(1, {"model": {"t": torch.ones(2, 4)}}, {})
+    try:
+        mgr.load(path, into={"model": {"t": torch.zeros(2, 5)}}, by_copy=True)
+    except CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_copying_load_of_another_shape_names_what_it_needs(tmp_path: Path) -> None:
+    messages = run_multiprocess(_load_by_copy_into_another_shape, world_size=2, args=(str(tmp_path),))
+    for message in messages:
+        assert "resuming by copy" in message and "same shape under both sharding plans" in message, message
