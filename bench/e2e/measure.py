@@ -22,6 +22,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,8 @@ class StepClock(Callback):
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         self.sampled.append(bool(trainer.callbacks.eager_modules(trainer, step)))
+        if self.memory_trace:
+            _memory_trace_step_marker()
         if self.cuda:
             # Host-side allocator counters: no device sync.
             self.step_peak_gb.append(
@@ -158,8 +161,12 @@ class StepClock(Callback):
         if self.memory_trace and self.memory_peak is None:
             snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
+            # The timed steps that no callback sampled: what LoKA holds on every step.
+            steady = [i for i, sampled in enumerate(self.sampled)
+                      if self.warmup <= i < self.warmup + self.timed and not sampled]
             self.memory_peak = memory_peak_owners(
-                snapshot, device=torch.cuda.current_device(), baseline_bytes=self._memory_baseline
+                snapshot, device=torch.cuda.current_device(), baseline_bytes=self._memory_baseline,
+                steady_steps=steady,
             )
         if self.profiler is None:
             return
@@ -397,7 +404,20 @@ def _short_path(filename: str) -> str:
     return filename.rsplit("/site-packages/", 1)[-1]
 
 
-def memory_peak_owners(snapshot: dict[str, Any], *, device: int, baseline_bytes: int, top: int = 25) -> dict[str, Any]:
+_STEP_MARKER = "_memory_trace_step_marker"
+
+
+def _memory_trace_step_marker() -> None:
+    """A step end, written into the allocator's trace: one small block allocated and freed by
+    this function (its name in the block's stack), so `memory_peak_owners` can tell the steps
+    apart."""
+    torch.empty(1, device="cuda")
+
+
+def memory_peak_owners(
+    snapshot: dict[str, Any], *, device: int, baseline_bytes: int, top: int = 25,
+    steady_steps: Collection[int] = (),
+) -> dict[str, Any]:
     """The live allocations at the traced peak, by owner, from a CUDA allocator snapshot taken
     with its history recorded (``torch.cuda.memory._record_memory_history(stacks="python")``).
 
@@ -410,6 +430,10 @@ def memory_peak_owners(snapshot: dict[str, Any], *, device: int, baseline_bytes:
     events wrapped (the first events lost: the peak may be understated). Blocks allocated
     before the trace and freed during it stay in the baseline: the peak may be overstated by
     them.
+
+    With `steady_steps` (step indices from the start of the trace, told apart by the step-end
+    markers of `_memory_trace_step_marker`), also the peak within those steps and its owners
+    (``steady``: what the unsampled steps hold, apart from set-up, captures and sampled steps).
 
     >>> f = [{"filename": "/x/loka_train/kernels/linear.py", "line": 9, "name": "forward"}]
     >>> snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 2**30, "frames": f},
@@ -424,13 +448,22 @@ def memory_peak_owners(snapshot: dict[str, Any], *, device: int, baseline_bytes:
     live: dict[int, tuple[int, str]] = {}
     total = peak = 0
     peak_live: dict[int, tuple[int, str]] = {}
+    steady = set(steady_steps)
+    step = 0
+    steady_peak, steady_step, steady_live = -1, None, {}
     for e in events:
         action = e.get("action")
+        frames = e.get("frames") or []
+        if action == "alloc" and any(f.get("name") == _STEP_MARKER for f in frames[:2]):
+            step += 1  # the marker itself is freed at once: not counted
+            continue
         if action == "alloc":
-            live[e["addr"]] = (int(e["size"]), _owner(e.get("frames") or []))
+            live[e["addr"]] = (int(e["size"]), _owner(frames))
             total += int(e["size"])
             if total > peak:
                 peak, peak_live = total, dict(live)
+            if step in steady and total > steady_peak:
+                steady_peak, steady_step, steady_live = total, step, dict(live)
         elif action == "free_completed" and e["addr"] in live:
             total -= live.pop(e["addr"])[0]
 
@@ -451,6 +484,10 @@ def memory_peak_owners(snapshot: dict[str, Any], *, device: int, baseline_bytes:
         "owners": by_owner(peak_live),
         "end_gb": total / 2**30,
         "end_owners": by_owner(live),
+        "steady": None if steady_step is None else {
+            "peak_gb": (baseline_bytes + steady_peak) / 2**30, "step": steady_step,
+            "owners": by_owner(steady_live),
+        },
     }
 
 
@@ -461,4 +498,9 @@ def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
              f"trace stopped {m['end_gb']:.2f} GB.", "", "| at the peak: owner (innermost first) | GB | blocks |",
              "|---|---|---|"]
     lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in m["owners"][:top]]
+    steady = m.get("steady")
+    if steady is not None:
+        lines += ["", f"Peak of the unsampled timed steps: {steady['peak_gb']:.2f} GB (step {steady['step']} of the "
+                  "trace).", "", "| at that peak: owner (innermost first) | GB | blocks |", "|---|---|---|"]
+        lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in steady["owners"][:top]]
     return [*lines, ""]

@@ -52,3 +52,41 @@ def test_a_wrapped_ring_is_partial_and_the_report_says_so(monkeypatch: Any) -> N
     assert m["partial"]
     md = "\n".join(measure.memory_owners_md("wukong b32768 loka_safe", m))
     assert "PARTIAL" in md and "| `loka_train/probe/measurement.py:120 measure` | 0.002 | 2 |" in md
+
+
+MARKER = _frames(("/repo/bench/e2e/measure.py", 210, "_memory_trace_step_marker"),
+                 ("/repo/bench/e2e/measure.py", 110, "on_step_end"))
+
+
+def _step_end(addr: int) -> list[dict[str, Any]]:
+    return [{"action": "alloc", "addr": addr, "size": 512, "frames": MARKER},
+            {"action": "free_completed", "addr": addr, "size": 512, "frames": []}]
+
+
+def test_the_steady_peak_is_the_largest_within_the_steps_asked_for() -> None:
+    """Steps told apart by the step-end markers: step 0 captures (the run's peak), step 1 is a
+    sampled step, steps 2 and 3 are steady; the steady peak is step 3's live set."""
+    gb = 2**30
+    events = [
+        {"action": "alloc", "addr": 1, "size": 6 * gb, "frames": PROBE},  # step 0: set-up, 6 GB
+        {"action": "free_completed", "addr": 1, "size": 6 * gb, "frames": []},
+        *_step_end(100),
+        {"action": "alloc", "addr": 2, "size": 4 * gb, "frames": PROBE},  # step 1 (sampled): 4 GB
+        {"action": "free_completed", "addr": 2, "size": 4 * gb, "frames": []},
+        *_step_end(101),
+        {"action": "alloc", "addr": 3, "size": gb, "frames": SITE},  # step 2: 1 GB
+        {"action": "free_completed", "addr": 3, "size": gb, "frames": []},
+        *_step_end(102),
+        {"action": "alloc", "addr": 4, "size": 2 * gb, "frames": SITE},  # step 3: 2 GB
+        {"action": "free_completed", "addr": 4, "size": 2 * gb, "frames": []},
+        *_step_end(103),
+    ]
+    m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=gb, steady_steps=[2, 3])
+    assert m["peak_gb"] == 7.0  # the run's: set-up on the baseline
+    steady = m["steady"]
+    assert steady["peak_gb"] == 3.0 and steady["step"] == 3
+    assert [o["gb"] for o in steady["owners"]] == [2.0]
+    md = "\n".join(measure.memory_owners_md("wukong", m))
+    assert "Peak of the unsampled timed steps: 3.00 GB (step 3 of the trace)" in md
+    # No steady steps asked for (or none traced): no steady peak.
+    assert measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=0)["steady"] is None
