@@ -70,3 +70,57 @@ def test_resume_by_copy_matches_the_uninterrupted_run(tmp_path: Path, sharding: 
                     torch.testing.assert_close(sa, sb, atol=1e-6, rtol=0, msg=key)
                 continue
             torch.testing.assert_close(va, vb, atol=1e-6, rtol=0, msg=key)
+
+
+def _dtensor_leaves(rank: int, world_size: int, root: str) -> dict[str, bool]:
+    """A checkpoint of row-wise ShardedTensors (what plain DMP saves) loaded by copy into the
+    leaves 2D sparse parallelism has: DTensors over a (replicas, shards) mesh whose local tensor
+    is TorchRec's LocalShardsWrapper (every rank holding the whole table, or none of it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as DShard
+    from torchrec.distributed.shards_wrapper import LocalShardsWrapper
+
+    rows, dim = 6, 4
+    table = torch.arange(rows * dim, dtype=torch.float32).reshape(rows, dim)
+    momentum = torch.arange(rows, dtype=torch.float32) + 100
+    r = rows // world_size
+    weight_st = init_from_local_shards(
+        [Shard(table[rank * r:(rank + 1) * r].clone(), ShardMetadata([rank * r, 0], [r, dim], f"rank:{rank}/cpu"))],
+        rows, dim)
+    momentum_st = init_from_local_shards(
+        [Shard(momentum[rank * r:(rank + 1) * r].clone(), ShardMetadata([rank * r], [r], f"rank:{rank}/cpu"))], rows)
+    saved = {"model": {"t": weight_st, "u": weight_st, "dense": torch.full((3,), 7.0)},
+             "optimizer": {"state": {"t": {"momentum1": momentum_st}, "dense": {"step": torch.tensor(5.0)}},
+                           "param_groups": [{"params": ["t"], "lr": 0.5}]}}
+    dcp.save(saved, checkpoint_id=root)
+    torch.distributed.barrier()
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+
+    def wrapped(local: list[torch.Tensor], offsets: list[tuple[int, ...]], shape: tuple[int, ...]) -> DTensor:
+        stride = (shape[1], 1) if len(shape) == 2 else (1,)
+        return DTensor.from_local(LocalShardsWrapper(local, offsets), device_mesh=mesh,
+                                  placements=(Replicate(), DShard(0)), shape=torch.Size(shape), stride=stride,
+                                  run_check=False)
+
+    weight, mom, dense, step = torch.zeros(rows, dim), torch.zeros(rows), torch.zeros(3), torch.tensor(0.0)
+    live = {"model": {"t": wrapped([weight], [(0, 0)], (rows, dim)),
+                      "u": wrapped([], [], (rows, dim)),  # a table this rank does not hold
+                      "dense": dense},
+            "optimizer": {"state": {"t": {"momentum1": wrapped([mom], [(0,)], (rows,))}, "dense": {"step": step}},
+                          "param_groups": [{"params": ["t"], "lr": 0.1}]}}
+    out = checkpoint.load_by_copy(live, Path(root))
+    return {
+        "weight": torch.equal(weight, table), "momentum": torch.equal(mom, momentum),
+        "dense": torch.equal(dense, torch.full((3,), 7.0)), "step": float(step) == 5.0,
+        "lr": out["optimizer"]["param_groups"][0]["lr"] == 0.5,
+        "live_leaf": out["optimizer"]["state"]["t"]["momentum1"] is live["optimizer"]["state"]["t"]["momentum1"],
+    }
+
+
+def test_load_by_copy_fills_2d_leaves_from_a_row_wise_checkpoint(tmp_path: Path) -> None:
+    for result in run_multiprocess(_dtensor_leaves, world_size=2, args=(str(tmp_path),)):
+        assert all(result.values()), result
