@@ -222,11 +222,10 @@ class LokaCallback(Callback):
         DMPCollection's own sync (the same mean, one coalesced all-reduce). A lossy or adaptive
         channel without replicas (no 2D layout, or no sync hook in the loop) is a logged fallback."""
         from loka_train.comm import CommChannel, CommPrecision, ReplicaSync
-        from loka_train.runtime.distributed import raise_on_all_ranks
         from loka_train.runtime.sparse2d import (
             replica_process_group,
             replicated_shards,
-            shards_not_live,
+            require_live_shards,
         )
 
         layout = trainer.sparse2d
@@ -251,14 +250,7 @@ class LokaCallback(Callback):
             self.comm_state, group=replica_process_group(trainer.model, layout, trainer.rank)
         )
         model, fused = trainer.model, trainer.model.fused_optimizer
-        not_live = shards_not_live(model, fused)
-        error = RuntimeError(
-            f"LoKA comm: the replicated shards {not_live[:4]} are copies, not the model's tensors, so "
-            "LoKA's replica sync would not change the model. Set loka.comm.replica_sync=fp32 "
-            "(DMPCollection's own sync) and report this TorchRec version."
-        ) if not_live else None
-        # Every rank raises if one does: a rank left alone would wait in its first sync.
-        raise_on_all_ranks(error, world_size=trainer.world_size, device=trainer.device)
+        require_live_shards(model, fused, device=trainer.device)  # on every rank, or none
         shards = replicated_shards(model, fused)  # live tensors (checked above): listed once
         trainer.replica_sync = lambda step: self.replica_syncer.sync(*shards)
         # An fp32 anchor per shard, and an fp32 residual per shard while lossy with feedback.

@@ -43,6 +43,7 @@ __all__ = [
     "model_parallel",
     "replica_process_group",
     "replicated_shards",
+    "require_live_shards",
     "shards_not_live",
     "sync_due",
 ]
@@ -220,3 +221,19 @@ def shards_not_live(model: nn.Module, fused_optimizer: Any) -> list[str]:
             copies.append("optimizer state 0")
         flat[0] = saved
     return copies
+
+
+def require_live_shards(model: nn.Module, fused_optimizer: Any, *, device: torch.device) -> None:
+    """Collective: raise on every rank when any rank's `replicated_shards` has copies
+    (`shards_not_live`), so no rank waits alone in a sync that would change nothing."""
+    not_live = shards_not_live(model, fused_optimizer)
+    found = torch.tensor([len(not_live)], dtype=torch.int32, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if int(found.item()):
+        where = f"the replicated shards {not_live[:4]} are" if not_live else "another rank's replicated shards are"
+        raise RuntimeError(
+            f"LoKA comm: {where} copies, not the model's tensors, so LoKA's replica sync would not "
+            "change the model. Set loka.comm.replica_sync=fp32 (DMPCollection's own sync) and report "
+            "this TorchRec version."
+        )

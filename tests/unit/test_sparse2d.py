@@ -214,3 +214,13 @@ def test_shards_not_live_names_copies(copy_weights: str, copy_states: bool) -> N
     assert copies == want
     # The state's probe is undone bit for bit.
     assert torch.equal(model.weight.detach(), weights_before) and torch.equal(model.momentum, state_before)
+
+
+def test_require_live_shards_raises_naming_the_fix() -> None:
+    from loka_train.runtime.sparse2d import require_live_shards
+
+    live = _Tables("none")
+    require_live_shards(live, _Optimizer(live.momentum, False), device=torch.device("cpu"))  # nothing raised
+    copied = _Tables("once")
+    with pytest.raises(RuntimeError, match="copies.*loka.comm.replica_sync=fp32"):
+        require_live_shards(copied, _Optimizer(copied.momentum, False), device=torch.device("cpu"))
