@@ -63,5 +63,6 @@ def test_resumes_a_fully_sharded_checkpoint(variant: str, tmp_path: Path) -> Non
     dmp = run_variant(tmp_path / "dmp", "dmp", 5, **sizes, **more)
     two_d = run_variant(tmp_path / variant, variant, 5, **sizes, **more)
     assert dmp["start_step"] == two_d["start_step"] == 4, (dmp, two_d)
-    assert two_d["train_loss"] == pytest.approx(dmp["train_loss"], rel=1e-4), (dmp, two_d)
+    # Far tighter than a fresh or misplaced table would give (the base trained 4 steps).
+    assert two_d["train_loss"] == pytest.approx(dmp["train_loss"], rel=1e-3), (dmp, two_d)
     assert two_d["replica_max_abs_diff"] == 0.0, two_d
