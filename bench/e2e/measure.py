@@ -166,7 +166,7 @@ class StepClock(Callback):
                       if self.warmup <= i < self.warmup + self.timed and not sampled]
             self.memory_peak = memory_peak_owners(
                 snapshot, device=torch.cuda.current_device(), baseline_bytes=self._memory_baseline,
-                steady_steps=steady,
+                steady_steps=steady, steps_total=len(self.sampled),
             )
         if self.profiler is None:
             return
@@ -416,7 +416,7 @@ def _memory_trace_step_marker() -> None:
 
 def memory_peak_owners(
     snapshot: dict[str, Any], *, device: int, baseline_bytes: int, top: int = 25,
-    steady_steps: Collection[int] = (),
+    steady_steps: Collection[int] = (), steps_total: int | None = None,
 ) -> dict[str, Any]:
     """The live allocations at the traced peak, by owner, from a CUDA allocator snapshot taken
     with its history recorded (``torch.cuda.memory._record_memory_history(stacks="python")``).
@@ -431,9 +431,11 @@ def memory_peak_owners(
     before the trace and freed during it stay in the baseline: the peak may be overstated by
     them.
 
-    With `steady_steps` (step indices from the start of the trace, told apart by the step-end
-    markers of `_memory_trace_step_marker`), also the peak within those steps and its owners
-    (``steady``: what the unsampled steps hold, apart from set-up, captures and sampled steps).
+    With `steady_steps` (step indices from the start of the recording, told apart by the
+    step-end markers of `_memory_trace_step_marker`), also the peak within those steps and its
+    owners (``steady``: what the unsampled steps hold, apart from set-up, captures and sampled
+    steps). `steps_total` (the steps that ended while recording) numbers the steps from the end
+    of the trace, so that a ring that wrapped (its first markers lost) still names them right.
 
     >>> f = [{"filename": "/x/loka_train/kernels/linear.py", "line": 9, "name": "forward"}]
     >>> snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 2**30, "frames": f},
@@ -449,12 +451,17 @@ def memory_peak_owners(
     total = peak = 0
     peak_live: dict[int, tuple[int, str]] = {}
     steady = set(steady_steps)
-    step = 0
+
+    def is_marker(e: dict[str, Any]) -> bool:
+        return e.get("action") == "alloc" and any(f.get("name") == _STEP_MARKER for f in (e.get("frames") or [])[:2])
+
+    # The first traced event's step: the steps recorded minus the step ends still in the trace.
+    step = 0 if steps_total is None else steps_total - sum(1 for e in events if is_marker(e))
     steady_peak, steady_step, steady_live = -1, None, {}
     for e in events:
         action = e.get("action")
         frames = e.get("frames") or []
-        if action == "alloc" and any(f.get("name") == _STEP_MARKER for f in frames[:2]):
+        if is_marker(e):
             step += 1  # the marker itself is freed at once: not counted
             continue
         if action == "alloc":

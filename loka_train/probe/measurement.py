@@ -445,7 +445,10 @@ class Measurement:
         # Every candidate's squared error in one pass over the stacked results (one candidate:
         # no stack to pay for).
         if len(approxes) > 1:
-            errors_C = (ref - torch.stack(approxes)).square().sum(dim=(1, 2))
+            # In place on the stack, the candidates' outputs let go first: ((a - r)^2 is (r - a)^2.)
+            diff_C = torch.stack(approxes)
+            approxes.clear()
+            errors_C = diff_C.sub_(ref).square_().sum(dim=(1, 2))
         else:
             errors_C = (ref - approxes[0]).square().sum().reshape(1)
         for c in range(len(self.candidates)):

@@ -90,3 +90,20 @@ def test_the_steady_peak_is_the_largest_within_the_steps_asked_for() -> None:
     assert "Peak of the unsampled timed steps: 3.00 GB (step 3 of the trace)" in md
     # No steady steps asked for (or none traced): no steady peak.
     assert measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=0)["steady"] is None
+
+
+def test_a_wrapped_ring_numbers_the_steps_from_its_end() -> None:
+    """The ring lost the first step's events and its end marker: with the steps recorded
+    given, the steps left are still numbered as the run numbers them."""
+    gb = 2**30
+    events = [
+        {"action": "alloc", "addr": 2, "size": 4 * gb, "frames": PROBE},  # step 1 (its start was lost)
+        {"action": "free_completed", "addr": 2, "size": 4 * gb, "frames": []},
+        *_step_end(101),
+        {"action": "alloc", "addr": 3, "size": gb, "frames": SITE},  # step 2
+        {"action": "free_completed", "addr": 3, "size": gb, "frames": []},
+        *_step_end(102),
+    ]
+    m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=0, steady_steps=[2],
+                                   steps_total=3)
+    assert m["steady"]["step"] == 2 and m["steady"]["peak_gb"] == 1.0
