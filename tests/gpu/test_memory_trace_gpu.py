@@ -1,0 +1,41 @@
+"""``bench.e2e --memory-trace`` on the real CUDA allocator: the step-end markers appear in the
+recorded trace with the marker's frame innermost, so the steady-step peak is computed over the
+right steps, and a block allocated in a step is owned there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.e2e import measure
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _allocate_in_step(mib: int) -> torch.Tensor:
+    return torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda")
+
+
+def test_step_markers_split_the_recorded_trace_into_steps() -> None:
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=10_000, stacks="python")
+    try:
+        kept = []
+        for mib in (64, 8, 32):  # steps 0, 1, 2: 64 MiB, 8 MiB, 32 MiB live at their peaks
+            block = _allocate_in_step(mib)
+            kept.append(block.sum())  # a small result outlives the step
+            del block
+            measure._memory_trace_step_marker()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    m = measure.memory_peak_owners(snapshot, device=torch.cuda.current_device(), baseline_bytes=baseline,
+                                   steady_steps=[1, 2], steps_total=3)
+    steady = m["steady"]
+    assert steady is not None and steady["step"] == 2, steady
+    # Step 2's 32 MiB block (step 0's 64 MiB is the run's peak, outside the steady steps).
+    assert 32 / 1024 <= steady["peak_gb"] - baseline / 2**30 < 33 / 1024, steady
+    assert any("_allocate_in_step" in o["owner"] or "test_memory_trace_gpu" in o["owner"] for o in steady["owners"])
+    assert m["peak_gb"] - baseline / 2**30 >= 64 / 1024
