@@ -63,7 +63,8 @@ def job(spec: dict[str, Any]) -> None:
     start a new run from), ``checkpoint_at_end``, ``data_offset`` (train batches read that many
     steps further on), ``eval_batches`` (4), ``warmup`` (dense warm-up steps, min(20, steps)),
     ``time_syncs`` (time and profile syncs after training, default true), ``data_seed`` (the
-    synthetic task, default ``seed``); rank 0 writes
+    synthetic task, default ``seed``), ``resume_in_place`` (a 2D run resumes through DCP into its
+    live tensors instead of by copy); rank 0 writes
     ``<out>/result.json``."""
     import torch
     import torch.distributed as dist
@@ -104,10 +105,17 @@ def job(spec: dict[str, Any]) -> None:
         def on_train_start(self, trainer: Any) -> None:
             self.start = trainer.step
 
+    class InPlaceTrainer(Trainer):
+        """Resumes through DCP loading into the live tensors, also under 2D (``resume_in_place``:
+        whether DCP loads TorchRec's LocalShardsWrapper DTensors in place on this stack)."""
+
+        def _resumes_by_copy(self) -> bool:
+            return False
+
     started = StartStep()
     resume = spec.get("resume")
     with shifted_train_data(spec.get("data_offset", 0)):
-        trainer = Trainer(
+        trainer = (InPlaceTrainer if spec.get("resume_in_place") else Trainer)(
             model=ModelConfig(kind="dlrm", embedding_dim=dim, dense_arch_layer_sizes=[512, 256, dim],
                               over_arch_layer_sizes=[1024, 1024, 512, 256, 1]),
             # The data seed picks the synthetic task (teacher, features): continuations keep

@@ -66,3 +66,18 @@ def test_resumes_a_fully_sharded_checkpoint(variant: str, tmp_path: Path) -> Non
     # Far tighter than a fresh or misplaced table would give (the base trained 4 steps).
     assert two_d["train_loss"] == pytest.approx(dmp["train_loss"], rel=1e-3), (dmp, two_d)
     assert two_d["replica_max_abs_diff"] == 0.0, two_d
+
+
+def test_dcp_loads_a_2d_run_in_place(tmp_path: Path) -> None:
+    """Whether DCP loads a fully sharded checkpoint straight into DMPCollection's tensors (DTensors
+    of TorchRec's LocalShardsWrapper) on this stack, as it does on the CPU stack: then a 2D resume
+    would need no host copy of the whole tables. The first loss after the resume is the DMP
+    run's, as for the resume by copy."""
+    sizes = {"batch": 1024, "tables": 8, "dim": 64, "rows": 10_000}
+    base = run_variant(tmp_path / "base", "dmp", 4, **sizes, cache_batches=0, checkpoint_at_end=True,
+                       time_syncs=False)
+    more = {"cache_batches": 0, "resume": base["run_dir"], "warmup": 4, "time_syncs": False}
+    dmp = run_variant(tmp_path / "dmp", "dmp", 5, **sizes, **more)
+    in_place = run_variant(tmp_path / "2d", "2d_fp32", 5, **sizes, **more, resume_in_place=True)
+    assert in_place["start_step"] == 4, in_place
+    assert in_place["train_loss"] == pytest.approx(dmp["train_loss"], rel=1e-3), (dmp, in_place)
