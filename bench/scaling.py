@@ -400,6 +400,19 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["speed_vs_" + REFERENCE] = r["samples_per_s"] / ref["samples_per_s"]
 
 
+def bound_by(host_ms: float | None, step_ms: float | None) -> str:
+    """What bounds a rank's step: ``host`` where the host's median time per step is within 5% of
+    the step's median (the GPU waits for the host: GPU work saved does not shorten the step),
+    else ``GPU``; ``-`` without both figures.
+
+    >>> bound_by(9.69, 9.71), bound_by(6.1, 9.7), bound_by(None, 9.7)
+    ('host', 'GPU', '-')
+    """
+    if host_ms is None or step_ms is None:
+        return "-"
+    return "host" if host_ms >= 0.95 * step_ms else "GPU"
+
+
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -451,10 +464,12 @@ def render(report: dict[str, Any]) -> str:
     if profiled:
         lines += ["", f"Profile of {s.get('profile_steps')} steps after the timed ones, per rank (torch.profiler; "
                   "GPU ms a step by kernel category, the GPU's busy share of the median step, the host's "
-                  "operator time and aten calls a step; host ms: median host time of a timed step):", "",
+                  "operator time and aten calls a step; host ms: median host time of a timed step; bound: "
+                  "`host` where that is within 5% of the rank's median step, so the GPU waits for the host "
+                  "and GPU work saved does not shorten the step):", "",
                   "| config | variant | GPUs | rank | busy | gemm | quantize | embedding | memcpy | other | "
-                  "host op ms | aten calls | host ms | GC ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "host op ms | aten calls | host ms | GC ms | bound |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in profiled:
             gc_ms = r.get("gc_ms_per_step_by_rank") or [None] * r["nproc"]
             for rank, (prof, host_ms, gc_rank) in enumerate(zip(r["profile_by_rank"], r["step_host_ms_median_by_rank"],
@@ -464,7 +479,8 @@ def render(report: dict[str, Any]) -> str:
                     f"| {r['config']} | {r['variant']} | {r['nproc']} | {rank} | {_fmt(prof['busy_fraction'], '.0%')} | "
                     + " | ".join(_fmt(cats[c]["ms_per_step"], ".2f") for c in CATEGORY_NAMES)
                     + f" | {_fmt(prof['host_self_cpu_ms_per_step'], '.2f')} | {prof['host_aten_calls_per_step']:.0f} | "
-                    f"{_fmt(host_ms, '.2f')} | {_fmt(gc_rank, '.3f')} |"
+                    f"{_fmt(host_ms, '.2f')} | {_fmt(gc_rank, '.3f')} | "
+                    f"{bound_by(host_ms, r['step_ms_median_by_rank'][rank])} |"
                 )
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:

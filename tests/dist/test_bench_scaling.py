@@ -113,3 +113,8 @@ def test_profile_steps_profile_every_rank_after_the_timed_steps(tmp_path: Path) 
     md = (tmp_path / "scaling.md").read_text()
     assert "Profile of 2 steps after the timed ones" in md
     assert "| dlrm | bf16 | 2 | 0 |" in md and "| dlrm | bf16 | 2 | 1 |" in md
+    # Each rank's bound, from its host ms against its median step.
+    for rank in range(2):
+        line = next(x for x in md.splitlines() if x.startswith(f"| dlrm | bf16 | 2 | {rank} |"))
+        want = scaling.bound_by(row["step_host_ms_median_by_rank"][rank], row["step_ms_median_by_rank"][rank])
+        assert line.rstrip(" |").endswith(want) and want in ("host", "GPU")
