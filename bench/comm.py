@@ -226,13 +226,19 @@ def paired_ne(results: list[dict[str, Any]], key: str = "precision", base: str =
     name = f"ne_delta_vs_{base}"
     ref = {r["seed"]: r["eval_ne"] for r in next(row for row in results if row[key] == base)["ne_by_seed"]}
     for row in results:
-        runs = row["ne_by_seed"]
-        for r in runs:
+        for r in row["ne_by_seed"]:
             r[name] = (r["eval_ne"] - ref[r["seed"]]) / ref[r["seed"]]
-        deltas = [r[name] for r in runs]
-        row["ne_mean"] = statistics.fmean(r["eval_ne"] for r in runs)
-        row[f"{name}_mean"] = statistics.fmean(deltas)
-        row[f"{name}_stderr"] = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else None
+        _summarize_seeds(row, name)
+
+
+def _summarize_seeds(row: dict[str, Any], name: str) -> None:
+    """A row's ``ne_mean`` and the mean and standard error (None with one seed) of its runs'
+    per-seed `name` deltas."""
+    runs = row["ne_by_seed"]
+    deltas = [r[name] for r in runs]
+    row["ne_mean"] = statistics.fmean(r["eval_ne"] for r in runs)
+    row[f"{name}_mean"] = statistics.fmean(deltas)
+    row[f"{name}_stderr"] = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else None
 
 
 def merge(dirs: list[str], out: Path) -> int:
@@ -258,10 +264,7 @@ def merge(dirs: list[str], out: Path) -> int:
     for rows in runs:
         paired_ne(rows)  # each folder's deltas against its own FP32 continuations (dicts shared with `results`)
     for r in results:
-        deltas = [c["ne_delta_vs_fp32"] for c in r["ne_by_seed"]]
-        r["ne_mean"] = statistics.fmean(c["eval_ne"] for c in r["ne_by_seed"])
-        r["ne_delta_vs_fp32_mean"] = statistics.fmean(deltas)
-        r["ne_delta_vs_fp32_stderr"] = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else None
+        _summarize_seeds(r, "ne_delta_vs_fp32")
     base = results[0]
     lines = [f"# Embedding all-to-all precision, NE seeds joined ({base['gpu']}, torch {base['torch']})", "",
              f"Command: `python -m bench.comm --out {out} --merge {' '.join(dirs)}`.", "",

@@ -110,6 +110,16 @@ def _delta_encode_kernel(
 
 
 @triton.jit
+def _apply_mean(anchor_ptr, w_ptr, idx, mask, total, INV_REPLICAS: tl.constexpr, WRITE_W: tl.constexpr):
+    """The new value ``anchor + total / R`` (total: the replicas' changes summed in replica
+    order), into the anchor and, with WRITE_W, the tensor."""
+    new = tl.load(anchor_ptr + idx, mask=mask, other=0.0) + total * INV_REPLICAS
+    tl.store(anchor_ptr + idx, new, mask=mask)
+    if WRITE_W:
+        tl.store(w_ptr + idx, new, mask=mask)
+
+
+@triton.jit
 def _mean_apply_kernel(
     payload_ptr,
     anchor_ptr,
@@ -137,10 +147,7 @@ def _mean_apply_kernel(
             total = value
         else:
             total = total + value
-    new = tl.load(anchor_ptr + idx, mask=mask, other=0.0) + total * INV_REPLICAS
-    tl.store(anchor_ptr + idx, new, mask=mask)
-    if WRITE_W:
-        tl.store(w_ptr + idx, new, mask=mask)
+    _apply_mean(anchor_ptr, w_ptr, idx, mask, total, INV_REPLICAS, WRITE_W)
 
 
 def delta_encode(
@@ -288,10 +295,7 @@ def _mean_apply_bf16_kernel(
             total = value
         else:
             total = total + value
-    new = tl.load(anchor_ptr + offs, mask=mask, other=0.0) + total * INV_REPLICAS
-    tl.store(anchor_ptr + offs, new, mask=mask)
-    if WRITE_W:
-        tl.store(w_ptr + offs, new, mask=mask)
+    _apply_mean(anchor_ptr, w_ptr, offs, mask, total, INV_REPLICAS, WRITE_W)
 
 
 def delta_encode_bf16(

@@ -178,7 +178,9 @@ def _whole_targets(live: Any) -> Any:
             return None
         return torch.empty(tuple(live.shape), dtype=live.dtype)
     if isinstance(live, dict):
-        return {k: t for k, v in live.items() if (t := _whole_targets(v)) is not None or not _is_sharded(v)}
+        # A sharded tensor of which this rank holds nothing is left out: not read at all.
+        targets = {k: _whole_targets(v) for k, v in live.items()}
+        return {k: t for k, t in targets.items() if t is not None or not _is_sharded(live[k])}
     if isinstance(live, list | tuple):
         return type(live)(_whole_targets(v) for v in live)
     return live
