@@ -395,12 +395,12 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
                   "mean of the per-seed deltas +- its standard error. Runs this short from scratch are chaotic: "
                   "prefer --ne-from.", ""]
     if args.seeds:
-        lines += ["| variant | ms/step | vs dmp | NE | NE vs dmp (paired) | NE vs 2d_fp32 (paired) | replica max diff "
+        lines += ["| variant | ms/step | speed vs dmp | NE | NE vs dmp (paired) | NE vs 2d_fp32 (paired) | replica max diff "
                   "| sync MB/step (rank 0) | sync ms | sampled sync ms |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
     else:
         lines += ["NE: not measured (the timed jobs repeat 16 batches; add `--seeds`).", "",
-                  f"| variant | ms/step | vs {base['variant']} | replica max diff | sync MB/step (rank 0) "
+                  f"| variant | ms/step | speed vs {base['variant']} | replica max diff | sync MB/step (rank 0) "
                   "| sync ms | sampled sync ms |",
                   "|---|---|---|---|---|---|---|"]
     for r in results:
@@ -409,7 +409,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
         ne = ""
         if args.seeds:
             ne = f" {r['ne_mean']:.5f} | {_delta_cell(r, 'dmp')} | {_delta_cell(r, '2d_fp32')} |"
-        lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['step_ms'] / base['step_ms']:.2f}x |{ne} "
+        lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {base['step_ms'] / r['step_ms']:.2f}x |{ne} "
                      f"{r['replica_max_abs_diff']:.3g} | {sync_mb} | {_ms_cell(r.get('sync_ms'))} | "
                      f"{_ms_cell(r.get('sampled_sync_ms'))} |")
     for r in results:
