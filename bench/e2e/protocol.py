@@ -237,7 +237,7 @@ def base_checkpoint(
     try:
         summary = trainer.fit()
     finally:
-        trainer = None
+        job = trainer = None
         cleanup(args.device)
     return out, {"config": config, "batch": batch, "seed": seed, "variant": base.name, "steps": args.ne_from,
                  "eval_ne": summary["eval/ne"], "eval_auc": summary["eval/auc"],
@@ -280,6 +280,7 @@ def run_one(
     # Everything that holds the model (and so GPU memory) is named here, so the clean-up below
     # can drop it also when the run failed: a failed run (e.g. out of memory) must not keep its
     # tensors alive into the next run.
+    job: Any = None
     trainer: Any = None
     decider: Any = None
     clock: Any = None
@@ -317,7 +318,9 @@ def run_one(
                     f"FP8 {rec['decide']['fp8_coverage']:.0%} of GEMMs, "
                     f"{rec['decide']['plan_changes']} plan changes ({rec['decide']['s']:.1f}s)",
                 )
-                trainer = decider = None
+                # The decision job holds its model and optimizer: dropped before the clean-up, or
+                # they stay allocated through the timed run (modules hold reference cycles).
+                trainer = decider = job = None
                 cleanup(device_type)
                 state = decided_state(state)
 
@@ -334,6 +337,10 @@ def run_one(
                 resume="must" if warm_start is not None else "never",
             )
             rec["overrides"] = overrides
+            if device_type == "cuda":
+                # What earlier runs of this process (another variant, the decision run) left
+                # allocated: inside this run's peaks, not its own.
+                rec["gpu_allocated_before_gb"] = torch.cuda.memory_allocated() / 2**30
             job = composer.job(overrides)
             if job.loka.enabled:
                 loka_cb = LokaCallback(job.loka)
@@ -426,7 +433,7 @@ def run_one(
             rec["traceback"] = traceback.format_exc()[-6000:]
             logger.error("%s b%d %s failed:\n%s", config, batch, variant.name, rec["traceback"])
         finally:
-            trainer = decider = clock = loka_cb = torchao_cb = None
+            job = trainer = decider = clock = loka_cb = torchao_cb = None
             callbacks = []
             cleanup(device_type)
     rec["wall_s"] = time.perf_counter() - started

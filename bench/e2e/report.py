@@ -313,18 +313,23 @@ def _memory_section(rows: list[dict[str, Any]], *, isolated: bool) -> list[str]:
     base = {(r["config"], r["variant"]): r for r in with_peaks if r["variant"].startswith("bf16")}
     where = "each run in its own process" if isolated else "variants share one process"
     out = ["", f"### Peak GPU memory (per run, reset before it; {where})", "",
-           "| config | variant | peak allocated GB | peak reserved GB | reserved vs bf16 same settings "
+           "| config | variant | allocated before the run GB | peak allocated GB | peak reserved GB "
+           "| reserved vs bf16 same settings "
            "| unsampled steps: median ms, peak allocated GB | sampled steps: median ms, peak allocated GB |",
-           "|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|"]
     for r in with_peaks:
         b = base.get((r["config"], same_settings_reference(r["variant"])))
         ratio = fmt_x(r["gpu_peak_reserved_gb"] / b["gpu_peak_reserved_gb"]) if b else "-"
-        out.append(f"| {r['config']} | {r['variant']} | {r['gpu_peak_allocated_gb']:.2f} | "
+        before = r.get("gpu_allocated_before_gb")
+        before_cell = "-" if before is None else f"{before:.2f}"
+        out.append(f"| {r['config']} | {r['variant']} | {before_cell} | {r['gpu_peak_allocated_gb']:.2f} | "
                    f"{r['gpu_peak_reserved_gb']:.2f} | {ratio} | {_by_sampling_cell(r, 'unsampled')} | "
                    f"{_by_sampling_cell(r, 'sampled')} |")
     out += ["", "Sampled steps are those on which a callback ran dense modules eagerly (the LoKA Probe's "
             "samples); the peaks per kind of step are within the step (the allocator's peak is reset at "
-            "every step end)."]
+            "every step end). Every peak includes what was allocated before the run: what earlier runs "
+            "of the process (other variants, a LoKA variant's decision run) left, with the data; "
+            "`--isolate` runs each variant in a fresh process."]
     traced = [r for r in with_peaks if r.get("memory_peak")]
     if traced:
         out += ["", "#### What is allocated at the peak (`--memory-trace`; its runs' times are not speed figures)", ""]

@@ -464,17 +464,18 @@ def test_the_memory_section_compares_with_bf16_under_the_same_settings() -> None
     split = {"steps_unsampled": 58, "step_ms_median_unsampled": 9.5, "peak_allocated_gb_unsampled": 6.0,
              "steps_sampled": 2, "step_ms_median_sampled": 28.0, "peak_allocated_gb_sampled": 12.5}
     lines = _memory_section([row("bf16+compile+graphs", 10.0),
-                             {**row("loka_safe+compile+graphs", 13.0), "by_sampling": split},
+                             {**row("loka_safe+compile+graphs", 13.0), "by_sampling": split,
+                              "gpu_allocated_before_gb": 1.25},
                              row("bf16", 8.0), row("loka_safe", 8.4)], isolated=False)
     assert "variants share one process" in lines[1]
     assert "each run in its own process" in _memory_section([row("bf16", 8.0)], isolated=True)[1]
-    assert ("| dcn | loka_safe+compile+graphs | 6.50 | 13.00 | 1.30x | 58 steps: 9.50 ms, 6.00 GB "
+    assert ("| dcn | loka_safe+compile+graphs | 1.25 | 6.50 | 13.00 | 1.30x | 58 steps: 9.50 ms, 6.00 GB "
             "| 2 steps: 28.00 ms, 12.50 GB |") in lines
-    assert "| dcn | loka_safe | 4.20 | 8.40 | 1.05x | - | - |" in lines
+    assert "| dcn | loka_safe | - | 4.20 | 8.40 | 1.05x | - | - |" in lines
     # A torchao variant is compiled: its reference is bf16+compile, not eager bf16.
     torchao = _memory_section([row("bf16", 8.0), row("bf16+compile", 10.0), row("torchao_rowwise", 12.0)],
                               isolated=False)
-    assert "| dcn | torchao_rowwise | 6.00 | 12.00 | 1.20x | - | - |" in torchao
+    assert "| dcn | torchao_rowwise | - | 6.00 | 12.00 | 1.20x | - | - |" in torchao
     assert _memory_section([{**row("bf16", 1.0), "gpu_peak_reserved_gb": math.nan}], isolated=False) == []
 
 
@@ -558,3 +559,33 @@ def test_isolate_does_not_take_an_earlier_benchmarks_record_for_a_failed_run(tmp
     assert rec["status"] == "error" and "exited with status 1" in rec["error"]
     with pytest.raises(SystemExit):  # no abbreviations: a child must not see --isolate as --iso
         parse_args(["--dry-run", "--iso", "--out", "x"])
+
+
+def test_the_decision_run_s_model_is_freed_before_the_timed_run(tmp_path: Path, monkeypatch) -> None:
+    """The decision job holds a model and optimizer (on a GPU: their memory); its clean-up must
+    free them, or they stay allocated through the timed run and count in its memory peaks."""
+    import weakref
+
+    from bench.e2e import protocol
+
+    models: list[weakref.ref] = []
+    latest_alive_after_cleanup: list[bool] = []
+    real_job, real_cleanup = protocol.Composer.job, protocol.cleanup
+
+    def job(self, overrides):  # type: ignore[no-untyped-def]
+        built = real_job(self, overrides)
+        models.append(weakref.ref(built.model))
+        return built
+
+    def cleanup(device_type: str) -> None:
+        real_cleanup(device_type)
+        latest_alive_after_cleanup.append(models[-1]() is not None)
+
+    monkeypatch.setattr(protocol.Composer, "job", job)
+    monkeypatch.setattr(protocol, "cleanup", cleanup)
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
+            "--no-profile", "--variants", "loka_safe", "--out", str(tmp_path)]
+    assert main(args) == 0
+    # Clean-ups: after the decision run, then after the timed run; each frees the job it followed.
+    assert len(latest_alive_after_cleanup) >= 2, latest_alive_after_cleanup
+    assert not any(latest_alive_after_cleanup), latest_alive_after_cleanup
