@@ -41,6 +41,7 @@ class StepClock(Callback):
     def __init__(
         self, *, warmup: int, timed: int, profile_steps: int, device: torch.device, timing: str,
         pyprofile: bool = False, step_diag: bool = False, memory_trace: bool = False,
+        memory_trace_running: bool = False,
     ) -> None:
         self.warmup = warmup
         self.timed = timed
@@ -78,14 +79,24 @@ class StepClock(Callback):
         self.memory_trace = memory_trace and self.cuda
         """CUDA: record the allocator's events from the start of training (with Python stacks)
         and keep what was live at the peak, by owner (:func:`memory_peak_owners`)."""
+        self.memory_trace_running = memory_trace_running
+        """The caller started the recording before this run (`start_memory_trace`, before a
+        decision run): what earlier runs left allocated then has its allocation stacks."""
         self.memory_peak: dict[str, Any] | None = None
         self._memory_baseline = 0
+        self._memory_before: list[dict[str, Any]] = []
 
     def on_train_start(self, trainer: Any) -> None:
         self.first_step = trainer.step
         if self.memory_trace:
             self._memory_baseline = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_TRACE_ENTRIES, stacks="python")
+            if self.memory_trace_running:
+                # What is allocated as training starts, by the stacks that allocated it.
+                self._memory_before = live_blocks_by_owner(
+                    torch.cuda.memory._snapshot(), device=torch.cuda.current_device())
+                _memory_trace_start_marker()
+            else:
+                start_memory_trace()
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -168,6 +179,7 @@ class StepClock(Callback):
                 snapshot, device=torch.cuda.current_device(), baseline_bytes=self._memory_baseline,
                 steady_steps=steady, steps_total=len(self.sampled),
             )
+            self.memory_peak["before_owners"] = self._memory_before
         if self.profiler is None:
             return
         self._sync()
@@ -405,6 +417,43 @@ def _short_path(filename: str) -> str:
 
 
 _STEP_MARKER = "_memory_trace_step_marker"
+_START_MARKER = "_memory_trace_start_marker"
+
+
+def start_memory_trace() -> None:
+    """Record the CUDA allocator's events, each with its Python stack (``--memory-trace``)."""
+    torch.cuda.memory._record_memory_history(max_entries=MEMORY_TRACE_ENTRIES, stacks="python")
+
+
+def _memory_trace_start_marker() -> None:
+    """Training starts, written into a trace that an earlier run's events precede: one small
+    block allocated and freed here; `memory_peak_owners` replays the events after the last one."""
+    torch.empty(1, device="cuda")
+
+
+def live_blocks_by_owner(snapshot: dict[str, Any], *, device: int, top: int = 25) -> list[dict[str, Any]]:
+    """The blocks allocated on `device` in an allocator snapshot, summed by owner (the stack that
+    allocated them; ``(no stack)`` for blocks allocated while nothing was recorded).
+
+    >>> f = [{"filename": "/x/loka_train/probe/measurement.py", "line": 7, "name": "views"}]
+    >>> seg = {"device": 0, "blocks": [{"size": 2**30, "state": "active_allocated", "frames": f},
+    ...                                {"size": 2**29, "state": "inactive"},
+    ...                                {"size": 2**28, "state": "active_allocated"}]}
+    >>> [(o["owner"], o["gb"]) for o in live_blocks_by_owner({"segments": [seg]}, device=0)]
+    [('loka_train/probe/measurement.py:7 views', 1.0), ('(no stack)', 0.25)]
+    """
+    sums: dict[str, list[int]] = {}
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        for b in seg.get("blocks", []):
+            if b.get("state") != "active_allocated":
+                continue
+            acc = sums.setdefault(_owner(b.get("frames") or []), [0, 0])
+            acc[0] += int(b["size"])
+            acc[1] += 1
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"owner": o, "gb": n / 2**30, "blocks": c} for o, (n, c) in ranked]
 
 
 def _memory_trace_step_marker() -> None:
@@ -429,7 +478,8 @@ def memory_peak_owners(
     end of its profiled window, else when the run closes), and ``partial`` when the ring of
     events wrapped (the first events lost: the peak may be understated). Blocks allocated
     before the trace and freed during it stay in the baseline: the peak may be overstated by
-    them.
+    them. A recording started before the run (a decision run first) is replayed from its last
+    `_memory_trace_start_marker` on.
 
     With `steady_steps` (step indices from the start of the recording, told apart by the
     step-end markers of `_memory_trace_step_marker`), also the peak within those steps and its
@@ -447,6 +497,12 @@ def memory_peak_owners(
     """
     traces = snapshot.get("device_traces", [])
     events = traces[device] if device < len(traces) else []
+    # A recording that began before this run (`_memory_trace_start_marker`): its events from
+    # training's start on; what came before is in `baseline_bytes`.
+    starts = [i for i, e in enumerate(events) if e.get("action") == "alloc"
+              and any(f.get("name") == _START_MARKER for f in (e.get("frames") or [])[:2])]
+    if starts:
+        events = events[starts[-1] + 1:]
     live: dict[int, tuple[int, str]] = {}
     total = peak = 0
     peak_live: dict[int, tuple[int, str]] = {}
@@ -505,6 +561,13 @@ def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
              f"trace stopped {m['end_gb']:.2f} GB.", "", "| at the peak: owner (innermost first) | GB | blocks |",
              "|---|---|---|"]
     lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in m["owners"][:top]]
+    before = m.get("before_owners") or []
+    if before:
+        gb = sum(o["gb"] for o in before)
+        lines += ["", f"Allocated as training started ({gb:.2f} GB in the largest owners; `(no stack)`: before the "
+                  "recording began, which is the run's start when it has a decision run):", "",
+                  "| owner (innermost first) | GB | blocks |", "|---|---|---|"]
+        lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in before[:top]]
     steady = m.get("steady")
     if steady is not None:
         lines += ["", f"Peak of the unsampled timed steps: {steady['peak_gb']:.2f} GB (step {steady['step']} of the "

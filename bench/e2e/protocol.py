@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-from bench.e2e.measure import StepClock, export_trace, percentile, rss_gb, summarize_profile
+from bench.e2e.measure import (
+    StepClock,
+    export_trace,
+    percentile,
+    rss_gb,
+    start_memory_trace,
+    summarize_profile,
+)
 from bench.e2e.variants import REFERENCE, Composer, TorchaoFloat8, Variant, job_overrides
 from bench.e2e.verdicts import fmt_pct, fmt_x
 from loka_train.runtime.callbacks import Callback
@@ -287,8 +294,13 @@ def run_one(
     callbacks: list[Callback] = []
     loka_cb: Any = None
     torchao_cb: Any = None
+    # --memory-trace records from here, before a decision run: what that run leaves allocated
+    # through the timed run keeps the stacks that allocated it.
+    trace_early = bool(getattr(args, "memory_trace", False)) and device_type == "cuda"
     with tempfile.TemporaryDirectory(prefix=f"e2e_{config}_{variant.name}_".replace("+", "_")) as tmp:
         try:
+            if trace_early:
+                start_memory_trace()
             state = None
             if variant.decide:
                 decide_extra = decide_overrides(args.decide_interval)
@@ -359,6 +371,7 @@ def run_one(
                 pyprofile=bool(args.pyprofile) and seed == 0,
                 step_diag=args.step_diag,
                 memory_trace=getattr(args, "memory_trace", False),
+                memory_trace_running=trace_early,
             )
             if device_type == "cuda":
                 torch.cuda.reset_peak_memory_stats()  # cleanup() emptied the cache of the last run
@@ -433,6 +446,8 @@ def run_one(
             rec["traceback"] = traceback.format_exc()[-6000:]
             logger.error("%s b%d %s failed:\n%s", config, batch, variant.name, rec["traceback"])
         finally:
+            if trace_early:  # also when the run failed before its clock stopped the recording
+                torch.cuda.memory._record_memory_history(enabled=None)
             job = trainer = decider = clock = loka_cb = torchao_cb = None
             callbacks = []
             cleanup(device_type)

@@ -39,3 +39,30 @@ def test_step_markers_split_the_recorded_trace_into_steps() -> None:
     assert 32 / 1024 <= steady["peak_gb"] - baseline / 2**30 < 33 / 1024, steady
     assert any("_allocate_in_step" in o["owner"] or "test_memory_trace_gpu" in o["owner"] for o in steady["owners"])
     assert m["peak_gb"] - baseline / 2**30 >= 64 / 1024
+
+
+def _leave_allocated() -> torch.Tensor:
+    return torch.empty(16 * 2**20, dtype=torch.uint8, device="cuda")
+
+
+def test_a_recording_begun_before_the_run_names_what_it_left_allocated() -> None:
+    """As ``bench.e2e --memory-trace`` runs a LoKA variant: the recording starts before the
+    decision run, so a block that run leaves allocated is listed by the stack that allocated
+    it when the timed run's training starts."""
+    measure.start_memory_trace()
+    try:
+        left = _leave_allocated()
+        clock = measure.StepClock(warmup=0, timed=1, profile_steps=0, device=torch.device("cuda"),
+                                  timing="events", memory_trace=True, memory_trace_running=True)
+
+        class _Trainer:
+            step = 0
+
+        clock.on_train_start(_Trainer())
+        before = clock._memory_before
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    owners = {o["owner"]: o for o in before}
+    mine = [o for name, o in owners.items() if "_leave_allocated" in name]
+    assert mine and mine[0]["gb"] >= 16 / 1024, before
+    del left

@@ -107,3 +107,47 @@ def test_a_wrapped_ring_numbers_the_steps_from_its_end() -> None:
     m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=0, steady_steps=[2],
                                    steps_total=3)
     assert m["steady"]["step"] == 2 and m["steady"]["peak_gb"] == 1.0
+
+
+START = _frames(("/repo/bench/e2e/measure.py", 420, "_memory_trace_start_marker"),
+                ("/repo/bench/e2e/measure.py", 95, "on_train_start"))
+DECISION = _frames(("/repo/loka_train/probe/measurement.py", 495, "views"))
+
+
+def test_a_recording_begun_before_the_run_is_replayed_from_training_s_start() -> None:
+    """A decision run's events precede the timed run's start marker: its allocations (freed or
+    not) are in the baseline, not in the run's peak or steady peak."""
+    gb = 2**30
+    events = [
+        {"action": "alloc", "addr": 1, "size": 5 * gb, "frames": DECISION},  # the decision run's peak
+        {"action": "free_completed", "addr": 1, "size": 5 * gb, "frames": []},
+        {"action": "alloc", "addr": 2, "size": gb, "frames": DECISION},  # left allocated: in the baseline
+        {"action": "alloc", "addr": 90, "size": 512, "frames": START},
+        {"action": "free_completed", "addr": 90, "size": 512, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 2 * gb, "frames": SITE},  # step 0
+        {"action": "free_completed", "addr": 3, "size": 2 * gb, "frames": []},
+        *_step_end(100),
+    ]
+    m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=gb, steady_steps=[0],
+                                   steps_total=1)
+    assert m["peak_gb"] == 3.0 and [o["gb"] for o in m["owners"]] == [2.0]
+    assert m["steady"]["step"] == 0 and m["steady"]["peak_gb"] == 3.0
+    assert not m["partial"]
+
+
+def test_what_is_allocated_as_training_starts_is_listed_by_owner() -> None:
+    gb = 2**30
+    seg = {"device": 0, "blocks": [
+        {"size": gb, "state": "active_allocated", "frames": DECISION},
+        {"size": gb, "state": "active_allocated", "frames": DECISION},
+        {"size": 4 * gb, "state": "inactive", "frames": DECISION},  # cached, free
+        {"size": gb // 4, "state": "active_allocated", "frames": []},
+    ]}
+    other_gpu = {"device": 1, "blocks": [{"size": 8 * gb, "state": "active_allocated", "frames": SITE}]}
+    before = measure.live_blocks_by_owner({"segments": [seg, other_gpu]}, device=0)
+    assert before == [{"owner": "loka_train/probe/measurement.py:495 views", "gb": 2.0, "blocks": 2},
+                      {"owner": "(no stack)", "gb": 0.25, "blocks": 1}]
+    m = {**measure.memory_peak_owners({"device_traces": [[]]}, device=0, baseline_bytes=0), "before_owners": before}
+    md = "\n".join(measure.memory_owners_md("wukong", m))
+    assert "Allocated as training started (2.25 GB" in md
+    assert "| `loka_train/probe/measurement.py:495 views` | 2.000 | 2 |" in md
