@@ -66,6 +66,7 @@ from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import Candidate, operand_b_format
 from loka_train.probe.config import ProbeConfig
 from loka_train.probe.window import WindowLayout
+from loka_train.utils.capture import capture_stream
 
 logger = logging.getLogger(__name__)
 
@@ -578,7 +579,7 @@ class CudaGraphs:
         for static, given in zip(statics, operands):
             static.copy_(given)
         device = operands[0].device
-        side = torch.cuda.Stream(device=device)
+        side = capture_stream(device)  # one per device: each new stream keeps a cuBLAS workspace
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             # Warm-up outside the capture (lazy inits, cuBLAS workspaces); also this sample.

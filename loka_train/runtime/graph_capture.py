@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from loka_train.utils.capture import ReplayHook, replay_hooks, reset_capture_state
+from loka_train.utils.capture import ReplayHook, capture_stream, replay_hooks, reset_capture_state
 
 __all__ = ["CaptureFn", "Graphed", "PoolShare", "capture_cuda_graphs", "flatten_output", "unflatten_output"]
 
@@ -250,7 +250,7 @@ class _CudaGraphed:
             ps = [p.detach().requires_grad_() for p in params]
             return ins, ps, [t for t in ins if t.requires_grad] + ps
 
-        stream = torch.cuda.Stream()  # raises without CUDA, before any state changes
+        stream = capture_stream()  # raises without CUDA, before any state changes
         stream.wait_stream(torch.cuda.current_stream())
         # Autocast's cast cache would keep weight casts made during the capture (stale after
         # the first optimizer step): the graphs cast inside, as the eager forward does.

@@ -28,11 +28,40 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["after_replay", "deferring", "replay_hooks", "reset_capture_state"]
+__all__ = ["after_replay", "capture_stream", "deferring", "replay_hooks", "reset_capture_state"]
 
 logger = logging.getLogger(__name__)
 
 ReplayHook = Callable[[], None]
+
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """The side stream that LoKA's captures and their warm-up runs use on `device` (default: the
+    current one): one per device for the whole process.
+
+    PyTorch keeps a cuBLAS workspace for every (handle, stream) that runs a GEMM, allocated
+    through its caching allocator and held until the process ends, whatever is deleted. A fresh
+    stream per capture would keep one more workspace (megabytes each) allocated at every capture:
+    at each re-capture after a plan change and each new Probe measurement graph. Graphs
+    captured on one stream share its workspace, which is safe for LoKA's graphs: every capture
+    and warm-up waits for the current stream's queued work and is waited for by it, and every
+    replay runs on the current stream, so none of them overlap.
+
+    Raises without CUDA (before any state changes).
+    """
+    if isinstance(device, int):
+        index = device
+    elif device is None or device.index is None:
+        index = torch.cuda.current_device()
+    else:
+        index = device.index
+    stream = _capture_streams.get(index)
+    if stream is None:
+        stream = torch.cuda.Stream(device=index)
+        _capture_streams[index] = stream
+    return stream
 
 # One capture runs at a time in a process, and its backward runs on autograd's device threads:
 # the collector is process-wide (not thread-local), guarded by a lock.

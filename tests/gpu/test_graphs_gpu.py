@@ -352,3 +352,27 @@ def test_alternating_plans_with_one_capture_kept_recapture_into_a_fresh_pool() -
         assert torch.equal(a, b), f"step {step}"
     stats = graphs.stats()
     assert graphs.fallbacks == [] and stats["captures"] >= 4 and stats["replays"] >= 4, stats
+
+
+def test_repeated_captures_keep_no_memory_allocated() -> None:
+    """Captures of a module with cuBLAS GEMMs, dropped one after another, leave nothing
+    allocated: they share one capture stream, so PyTorch keeps one cuBLAS workspace for them (a
+    fresh stream per capture would keep one more at every capture)."""
+    from loka_train.runtime.graph_capture import capture_cuda_graphs
+
+    lin = nn.Linear(1024, 1024, device="cuda")
+    x = torch.randn(512, 1024, device="cuda", requires_grad=True)
+    params = tuple(lin.parameters())
+
+    def capture_and_drop() -> None:
+        g = capture_cuda_graphs(lambda ps, inp: torch.nn.functional.linear(inp, *ps), (x,), params)
+        g.release()
+
+    capture_and_drop()  # the first capture makes the shared stream's workspace
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(8):
+        capture_and_drop()
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    assert grown < 8 * 2**20, f"{grown / 2**20:.1f} MiB still allocated after 8 captures"
