@@ -61,3 +61,25 @@ def test_select_takes_the_same_rows_and_counts_with_the_kernel(role: str) -> Non
         assert torch.equal(x.float().nan_to_num(7.0), y.float().nan_to_num(7.0))
     assert int(with_kernel.nf_a) == 3 and with_kernel.a.shape[0] == 16
     assert int(with_kernel.nf_b) == (3 if role == "grad_weight" else 0)
+
+
+@pytest.mark.parametrize("role", ["forward", "grad_input", "grad_weight"])
+def test_select_counts_both_operands_with_one_kernel_read_each(role: str, monkeypatch) -> None:
+    """The weight's non-finite count too (forward, grad-input) comes from the kernel: in
+    PyTorch ops it is a full-size product, a comparison and a sum."""
+    from loka_train.probe import sampling
+
+    calls: list[tuple[int, ...]] = []
+    real = sampling.row_stats
+
+    def counted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(tuple(x.shape))
+        return real(x)
+
+    monkeypatch.setattr(sampling, "row_stats", counted)
+    a = _operand(torch.bfloat16, rows=300, cols=64)
+    b = _operand(torch.bfloat16, rows=300, cols=48) if role == "grad_weight" else torch.randn(48, 64)
+    b.view(-1)[[5, 70]] = float("nan")
+    sel = select(role, a, b, None, 16, kernel=True)
+    assert calls == [tuple(a.shape), tuple(b.shape)]
+    assert int(sel.nf_b) == int(select(role, a, b, None, 16, kernel=False).nf_b) >= 2
