@@ -395,7 +395,8 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
                   "mean of the per-seed deltas +- its standard error. Runs this short from scratch are chaotic: "
                   "prefer --ne-from.", ""]
     if args.seeds:
-        lines += ["| variant | ms/step | speed vs dmp | NE | NE vs dmp (paired) | NE vs 2d_fp32 (paired) | replica max diff "
+        lines += [f"| variant | ms/step | speed vs {base['variant']} | NE | NE vs dmp (paired) | NE vs 2d_fp32 (paired) "
+                  "| replica max diff "
                   "| sync MB/step (rank 0) | sync ms | sampled sync ms |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
     else:

@@ -180,6 +180,7 @@ class StepClock(Callback):
                 steady_steps=steady, steps_total=len(self.sampled),
             )
             self.memory_peak["before_owners"] = self._memory_before
+            self.memory_peak["recorded_before_run"] = self.memory_trace_running
         if self.profiler is None:
             return
         self._sync()
@@ -471,15 +472,19 @@ def memory_peak_owners(
     with its history recorded (``torch.cuda.memory._record_memory_history(stacks="python")``).
 
     The trace's ``alloc`` / ``free_completed`` events of `device` are replayed in order; the
-    peak is ``baseline_bytes`` (allocated when the recording started: weights, buffers, whatever
-    came before) plus the largest sum of the blocks allocated since and not yet freed. Returns
+    peak is ``baseline_bytes`` (allocated when the run's recording started, or at its start
+    marker: weights, buffers, whatever came before) plus the largest growth of the blocks
+    allocated since and not yet freed. Returns
     the peak, its owners (the top `top` by bytes, with counts) and the owners of what is still
     allocated when the trace stopped (captured graphs' pools, caches; the clock stops it at the
     end of its profiled window, else when the run closes), and ``partial`` when the ring of
     events wrapped (the first events lost: the peak may be understated). Blocks allocated
     before the trace and freed during it stay in the baseline: the peak may be overstated by
-    them. A recording started before the run (a decision run first) is replayed from its last
-    `_memory_trace_start_marker` on.
+    them. A recording started before the run (a decision run first) has a
+    `_memory_trace_start_marker` where the run's training starts (``start_marker``): the events
+    before it are replayed only to know which of their blocks are still live there, so that
+    their frees during the run count and, at a peak, they are named among its owners; the
+    run's peaks are taken from the marker on.
 
     With `steady_steps` (step indices from the start of the recording, told apart by the
     step-end markers of `_memory_trace_step_marker`), also the peak within those steps and its
@@ -497,15 +502,29 @@ def memory_peak_owners(
     """
     traces = snapshot.get("device_traces", [])
     events = traces[device] if device < len(traces) else []
-    # A recording that began before this run (`_memory_trace_start_marker`): its events from
-    # training's start on; what came before is in `baseline_bytes`.
+    live: dict[int, tuple[int, str]] = {}
+    total = 0
+
+    def replay(e: dict[str, Any]) -> None:
+        nonlocal total
+        if e.get("action") == "alloc":
+            live[e["addr"]] = (int(e["size"]), _owner(e.get("frames") or []))
+            total += int(e["size"])
+        elif e.get("action") == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+
+    # A recording begun before this run (`_memory_trace_start_marker`): the blocks allocated
+    # before the marker and still live there are in `baseline_bytes`; replayed, their frees
+    # during the run are seen, and at a peak they are named with the stacks that allocated them.
     starts = [i for i, e in enumerate(events) if e.get("action") == "alloc"
               and any(f.get("name") == _START_MARKER for f in (e.get("frames") or [])[:2])]
     if starts:
-        events = events[starts[-1] + 1:]
-    live: dict[int, tuple[int, str]] = {}
-    total = peak = 0
-    peak_live: dict[int, tuple[int, str]] = {}
+        for e in events[: starts[-1]]:
+            replay(e)
+        events = events[starts[-1] + 1:]  # (the marker's own free finds nothing live)
+    # What `baseline_bytes` holds beyond the replayed blocks (allocated before the recording).
+    untraced = max(baseline_bytes - total, 0)
+    peak, peak_live = total, dict(live)
     steady = set(steady_steps)
 
     def is_marker(e: dict[str, Any]) -> bool:
@@ -515,20 +534,15 @@ def memory_peak_owners(
     step = 0 if steps_total is None else steps_total - sum(1 for e in events if is_marker(e))
     steady_peak, steady_step, steady_live = -1, None, {}
     for e in events:
-        action = e.get("action")
-        frames = e.get("frames") or []
         if is_marker(e):
             step += 1  # the marker itself is freed at once: not counted
             continue
-        if action == "alloc":
-            live[e["addr"]] = (int(e["size"]), _owner(frames))
-            total += int(e["size"])
+        replay(e)
+        if e.get("action") == "alloc":
             if total > peak:
                 peak, peak_live = total, dict(live)
             if step in steady and total > steady_peak:
                 steady_peak, steady_step, steady_live = total, step, dict(live)
-        elif action == "free_completed" and e["addr"] in live:
-            total -= live.pop(e["addr"])[0]
 
     def by_owner(blocks: dict[int, tuple[int, str]]) -> list[dict[str, Any]]:
         sums: dict[str, list[int]] = {}
@@ -539,16 +553,18 @@ def memory_peak_owners(
         ranked = sorted(sums.items(), key=lambda kv: -kv[1][0])[:top]
         return [{"owner": o, "gb": b / 2**30, "blocks": n} for o, (b, n) in ranked]
 
+    all_events = traces[device] if device < len(traces) else []
     return {
-        "peak_gb": (baseline_bytes + peak) / 2**30,
+        "peak_gb": (untraced + peak) / 2**30,
         "baseline_gb": baseline_bytes / 2**30,
+        "start_marker": bool(starts),
         "events": len(events),
-        "partial": len(events) >= MEMORY_TRACE_ENTRIES,
+        "partial": len(all_events) >= MEMORY_TRACE_ENTRIES and not starts,
         "owners": by_owner(peak_live),
         "end_gb": total / 2**30,
         "end_owners": by_owner(live),
         "steady": None if steady_step is None else {
-            "peak_gb": (baseline_bytes + steady_peak) / 2**30, "step": steady_step,
+            "peak_gb": (untraced + steady_peak) / 2**30, "step": steady_step,
             "owners": by_owner(steady_live),
         },
     }
@@ -561,12 +577,15 @@ def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
              f"trace stopped {m['end_gb']:.2f} GB.", "", "| at the peak: owner (innermost first) | GB | blocks |",
              "|---|---|---|"]
     lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in m["owners"][:top]]
+    if m.get("recorded_before_run") and not m.get("start_marker"):
+        lines += ["", "**The training-start marker is not in the trace: the events before training were "
+                  "replayed too, so these peaks may count what the decision run allocated.**"]
     before = m.get("before_owners") or []
     if before:
         gb = sum(o["gb"] for o in before)
-        lines += ["", f"Allocated as training started ({gb:.2f} GB in the largest owners; `(no stack)`: before the "
-                  "recording began, which is the run's start when it has a decision run):", "",
-                  "| owner (innermost first) | GB | blocks |", "|---|---|---|"]
+        lines += ["", f"Allocated as training started ({gb:.2f} GB in the largest owners; recorded from the start "
+                  "of the variant's decision run, so `(no stack)` is what earlier runs of the process left):",
+                  "", "| owner (innermost first) | GB | blocks |", "|---|---|---|"]
         lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in before[:top]]
     steady = m.get("steady")
     if steady is not None:

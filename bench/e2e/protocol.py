@@ -294,9 +294,9 @@ def run_one(
     callbacks: list[Callback] = []
     loka_cb: Any = None
     torchao_cb: Any = None
-    # --memory-trace records from here, before a decision run: what that run leaves allocated
-    # through the timed run keeps the stacks that allocated it.
-    trace_early = bool(getattr(args, "memory_trace", False)) and device_type == "cuda"
+    # --memory-trace records from here when a decision run comes first: what that run leaves
+    # allocated through the timed run keeps the stacks that allocated it.
+    trace_early = bool(getattr(args, "memory_trace", False)) and device_type == "cuda" and variant.decide
     with tempfile.TemporaryDirectory(prefix=f"e2e_{config}_{variant.name}_".replace("+", "_")) as tmp:
         try:
             if trace_early:
@@ -447,7 +447,10 @@ def run_one(
             logger.error("%s b%d %s failed:\n%s", config, batch, variant.name, rec["traceback"])
         finally:
             if trace_early:  # also when the run failed before its clock stopped the recording
-                torch.cuda.memory._record_memory_history(enabled=None)
+                try:
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                except RuntimeError as exc:  # a sticky CUDA error: the clean-up below still runs
+                    logger.error("stopping the memory recording failed: %s", exc)
             job = trainer = decider = clock = loka_cb = torchao_cb = None
             callbacks = []
             cleanup(device_type)

@@ -589,7 +589,7 @@ class CudaGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             vec_sum, vec_max = self._measure(role, *statics)
             out_sum.copy_(vec_sum)
             out_max.copy_(vec_max)

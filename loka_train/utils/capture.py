@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 ReplayHook = Callable[[], None]
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
+_capture_streams_lock = threading.Lock()
 
 
-def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+def capture_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
     """The side stream that LoKA's captures and their warm-up runs use on `device` (default: the
     current one): one per device for the whole process.
 
@@ -51,16 +52,19 @@ def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Strea
 
     Raises without CUDA (before any state changes).
     """
+    if isinstance(device, str):
+        device = torch.device(device)
     if isinstance(device, int):
         index = device
     elif device is None or device.index is None:
         index = torch.cuda.current_device()
     else:
         index = device.index
-    stream = _capture_streams.get(index)
-    if stream is None:
-        stream = torch.cuda.Stream(device=index)
-        _capture_streams[index] = stream
+    with _capture_streams_lock:
+        stream = _capture_streams.get(index)
+        if stream is None:
+            stream = torch.cuda.Stream(device=index)
+            _capture_streams[index] = stream
     return stream
 
 # One capture runs at a time in a process, and its backward runs on autograd's device threads:

@@ -66,6 +66,7 @@ def test_table_pairs_loka_syncs_against_the_exact_2d_sync_too() -> None:
                 "ne_by_seed": [{"seed": s, "eval_ne": ne} for s, ne in enumerate(nes)]}
 
     rows = [row("dmp", [0.5, 0.6]), row("2d_fp32", [0.51, 0.61]), row("2d_loka_fp8", [0.51, 0.62])]
+    rows[2]["step_ms"] = 8.0  # 1.25x the speed of dmp's 10 ms
     paired_ne(rows, key="variant", base="dmp")
     paired_ne(rows, key="variant", base="2d_fp32")
     args = argparse.Namespace(nprocs=2, group_size=1, tables=2, dim=8, rows=10, batch=4, steps=10, seeds=2,
@@ -74,6 +75,7 @@ def test_table_pairs_loka_syncs_against_the_exact_2d_sync_too() -> None:
     fp8 = next(line for line in md.splitlines() if line.startswith("| 2d_loka_fp8 |"))
     # Against 2d_fp32: seed 0 equal, seed 1 +1/61: mean +0.8197%.
     assert "+0.8197%" in fp8.split("|")[6] and "NE vs 2d_fp32 (paired)" in md
+    assert fp8.split("|")[3].strip() == "1.25x" and "| speed vs dmp |" in md
     rows = [row("dmp", [0.5, 0.6]), row("2d_loka_fp8", [0.51, 0.62])]
     paired_ne(rows, key="variant", base="dmp")
     md = "\n".join(sparse2d.table(rows, args, []))

@@ -368,7 +368,11 @@ def test_repeated_captures_keep_no_memory_allocated() -> None:
         g = capture_cuda_graphs(lambda ps, inp: torch.nn.functional.linear(inp, *ps), (x,), params)
         g.release()
 
-    capture_and_drop()  # the first capture makes the shared stream's workspace
+    torch.cuda.synchronize()
+    # Workspaces earlier tests made: gone, so that a stream per capture would show here (PyTorch
+    # hands out its 32 streams round-robin, and each would get a workspace again).
+    torch._C._cuda_clearCublasWorkspaces()
+    capture_and_drop()  # the first capture makes the shared stream's workspaces
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for _ in range(8):

@@ -48,10 +48,15 @@ def _leave_allocated() -> torch.Tensor:
 def test_a_recording_begun_before_the_run_names_what_it_left_allocated() -> None:
     """As ``bench.e2e --memory-trace`` runs a LoKA variant: the recording starts before the
     decision run, so a block that run leaves allocated is listed by the stack that allocated
-    it when the timed run's training starts."""
+    it when the timed run's training starts, and what it allocated and freed is not in the
+    timed run's peak."""
     measure.start_memory_trace()
     try:
+        torch.cuda.synchronize()
+        big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # the decision run's peak
+        del big
         left = _leave_allocated()
+        torch.cuda.synchronize()
         clock = measure.StepClock(warmup=0, timed=1, profile_steps=0, device=torch.device("cuda"),
                                   timing="events", memory_trace=True, memory_trace_running=True)
 
@@ -59,10 +64,19 @@ def test_a_recording_begun_before_the_run_names_what_it_left_allocated() -> None
             step = 0
 
         clock.on_train_start(_Trainer())
-        before = clock._memory_before
+        step_block = _allocate_in_step(8)
+        del step_block
+        clock.sampled = [False]
+        measure._memory_trace_step_marker()
+        torch.cuda.synchronize()
+        clock.close()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    owners = {o["owner"]: o for o in before}
+    owners = {o["owner"]: o for o in clock._memory_before}
     mine = [o for name, o in owners.items() if "_leave_allocated" in name]
-    assert mine and mine[0]["gb"] >= 16 / 1024, before
+    assert mine and mine[0]["gb"] >= 16 / 1024, clock._memory_before
+    m = clock.memory_peak
+    assert m is not None and m["start_marker"], m
+    # The run's peak: its baseline (the leftover with it) and the step's 8 MiB, not the 256 MiB.
+    assert m["peak_gb"] - m["baseline_gb"] < 9 / 1024, m
     del left

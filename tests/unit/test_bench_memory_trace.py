@@ -115,8 +115,8 @@ DECISION = _frames(("/repo/loka_train/probe/measurement.py", 495, "views"))
 
 
 def test_a_recording_begun_before_the_run_is_replayed_from_training_s_start() -> None:
-    """A decision run's events precede the timed run's start marker: its allocations (freed or
-    not) are in the baseline, not in the run's peak or steady peak."""
+    """A decision run's events precede the timed run's start marker: what it freed is gone, what
+    it left allocated is in the baseline and, at the run's peak, named among the owners."""
     gb = 2**30
     events = [
         {"action": "alloc", "addr": 1, "size": 5 * gb, "frames": DECISION},  # the decision run's peak
@@ -130,9 +130,30 @@ def test_a_recording_begun_before_the_run_is_replayed_from_training_s_start() ->
     ]
     m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=gb, steady_steps=[0],
                                    steps_total=1)
-    assert m["peak_gb"] == 3.0 and [o["gb"] for o in m["owners"]] == [2.0]
+    assert m["peak_gb"] == 3.0 and m["start_marker"] and not m["partial"]
+    assert [(o["owner"], o["gb"]) for o in m["owners"]] == [
+        ("loka_train/kernels/linear.py:310 forward < loka_train/mods/site.py:88 forward < "
+         "loka_train/runtime/trainer.py:500 _step", 2.0),
+        ("loka_train/probe/measurement.py:495 views", 1.0)]
     assert m["steady"]["step"] == 0 and m["steady"]["peak_gb"] == 3.0
-    assert not m["partial"]
+
+
+def test_a_block_left_before_the_run_and_freed_in_it_leaves_the_peak() -> None:
+    """The decision run's leftover (in the baseline) is freed in the run's first step, before
+    its 2 GB block: the peak is 2 GB, not the baseline plus 2 GB."""
+    gb = 2**30
+    events = [
+        {"action": "alloc", "addr": 2, "size": gb, "frames": DECISION},
+        {"action": "alloc", "addr": 90, "size": 512, "frames": START},
+        {"action": "free_completed", "addr": 90, "size": 512, "frames": []},
+        {"action": "free_completed", "addr": 2, "size": gb, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 2 * gb, "frames": SITE},
+        *_step_end(100),
+    ]
+    # Half a GB was allocated before the recording began (weights): untraced, kept.
+    m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=gb + gb // 2)
+    assert m["peak_gb"] == 2.5 and [o["gb"] for o in m["owners"]] == [2.0]
+    assert m["end_gb"] == 2.0
 
 
 def test_what_is_allocated_as_training_starts_is_listed_by_owner() -> None:
@@ -151,3 +172,7 @@ def test_what_is_allocated_as_training_starts_is_listed_by_owner() -> None:
     md = "\n".join(measure.memory_owners_md("wukong", m))
     assert "Allocated as training started (2.25 GB" in md
     assert "| `loka_train/probe/measurement.py:495 views` | 2.000 | 2 |" in md
+    assert "marker is not in the trace" not in md
+    # Recorded from before the run, but the trace lacks its start marker: said.
+    md = "\n".join(measure.memory_owners_md("wukong", {**m, "recorded_before_run": True}))
+    assert "The training-start marker is not in the trace" in md

@@ -27,18 +27,18 @@ def fake_streams(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     _FakeStream.made = []
     monkeypatch.setattr(capture, "_capture_streams", {})
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     return _FakeStream.made
 
 
 def test_one_capture_stream_per_device(fake_streams: list[int]) -> None:
-    first = capture.capture_stream()
-    assert capture.capture_stream() is first
-    assert capture.capture_stream(torch.device("cuda")) is first  # no index: the current device
-    assert capture.capture_stream(torch.device("cuda", 0)) is first
-    other = capture.capture_stream(1)
-    assert other is not first and capture.capture_stream(torch.device("cuda", 1)) is other
-    assert fake_streams == [0, 1]
+    current = capture.capture_stream()  # the current device: 1
+    assert capture.capture_stream() is current
+    assert capture.capture_stream(torch.device("cuda")) is current  # no index: the current device
+    assert capture.capture_stream("cuda:1") is current and capture.capture_stream(1) is current
+    first = capture.capture_stream(torch.device("cuda", 0))
+    assert first is not current and capture.capture_stream("cuda:0") is first and capture.capture_stream(0) is first
+    assert fake_streams == [1, 0]
 
 
 class _Asked(Exception):
