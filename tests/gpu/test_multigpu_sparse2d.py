@@ -81,3 +81,19 @@ def test_dcp_loads_a_2d_run_in_place(tmp_path: Path) -> None:
     in_place = run_variant(tmp_path / "2d", "2d_fp32", 5, **sizes, **more, resume_in_place=True)
     assert in_place["start_step"] == 4, in_place
     assert in_place["train_loss"] == pytest.approx(dmp["train_loss"], rel=1e-3), (dmp, in_place)
+
+
+def test_an_in_place_2d_resume_trains_as_the_copying_resume(tmp_path: Path) -> None:
+    """Whether DCP's in-place load also restores the optimizer state (row-wise Adagrad's
+    accumulators) of a 2D run: resumed both ways from one fully sharded checkpoint, the two runs
+    train the same steps on the same batches, so their losses after several updates agree
+    (an accumulator loaded as zeros would make the first updates far larger)."""
+    sizes = {"batch": 1024, "tables": 8, "dim": 64, "rows": 10_000}
+    base = run_variant(tmp_path / "base", "dmp", 4, **sizes, cache_batches=0, checkpoint_at_end=True,
+                       time_syncs=False)
+    more = {"cache_batches": 0, "resume": base["run_dir"], "warmup": 4, "time_syncs": False}
+    by_copy = run_variant(tmp_path / "copy", "2d_fp32", 12, **sizes, **more)
+    in_place = run_variant(tmp_path / "in_place", "2d_fp32", 12, **sizes, **more, resume_in_place=True)
+    assert by_copy["start_step"] == in_place["start_step"] == 4, (by_copy, in_place)
+    assert in_place["train_loss"] == pytest.approx(by_copy["train_loss"], rel=1e-3), (by_copy, in_place)
+    assert in_place["eval_ne"] == pytest.approx(by_copy["eval_ne"], rel=1e-3), (by_copy, in_place)
