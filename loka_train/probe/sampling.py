@@ -131,7 +131,10 @@ def select(
     # count in PyTorch ops (a full-size product, a comparison and a sum) costs a multiple of the
     # kernel's one read (`bench.probe_cost` on an H100: about 0.4 ms of a 1.95 ms forward sample
     # of a 4096 x 4096 site were such a count's product and sum).
-    nf_b, peak_b = _full_pass(b, peaks=subsample and role == "grad_weight", kernel=kernel)
+    # The forward's weight rows are its output features: their peaks pick the rows `max_cols`
+    # keeps, from the same read.
+    cut_rows_b = role == "forward" and max_cols is not None and b.shape[0] > max_cols
+    nf_b, peak_b = _full_pass(b, peaks=(subsample and role == "grad_weight") or cut_rows_b, kernel=kernel)
     if subsample:
         assert max_rows is not None and peak_a is not None
         rows = _spread(a.shape[0], max_rows, [p for p in (peak_a, peak_b) if p is not None])
@@ -143,22 +146,24 @@ def select(
         else:
             out_ref = None
     if max_cols is not None:
-        a, b, out_ref = cut_columns(role, a, b, out_ref, max_cols)
+        a, b, out_ref = cut_columns(role, a, b, out_ref, max_cols, b_row_peaks=peak_b if cut_rows_b else None)
     return Selection(a, b, nf_a, nf_b, out_ref)
 
 
 def cut_columns(
-    role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_cols: int
+    role: str, a: Tensor, b: Tensor, out_ref: Tensor | None, max_cols: int, *, b_row_peaks: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The operands cut to at most `max_cols` output features: the forward's weight rows
     (``y``'s columns), the grad-input's weight columns (``dX``'s columns), the grad-weight's
     columns of ``dY`` and of ``X`` (``dW``'s rows and columns). Evenly spread slices plus the
     one holding the largest finite |value|; the contraction axis is untouched, so every kept
     slice keeps its row-wise scale and the tensor-wise amax is the operand's (on finite values).
-    `out_ref` (the high-precision result) is cut along the same features."""
+    `out_ref` (the high-precision result) is cut along the same features. `b_row_peaks`: the
+    forward weight's row peaks (:func:`_slice_peaks` ``(b, dim=1)``), when already computed."""
     ref = None if out_ref is None else out_ref.reshape(-1, out_ref.shape[-1])
     if role == "forward" and b.shape[0] > max_cols:
-        keep = _spread(b.shape[0], max_cols, [_slice_peaks(b, dim=1)])
+        peaks = _slice_peaks(b, dim=1) if b_row_peaks is None else b_row_peaks
+        keep = _spread(b.shape[0], max_cols, [peaks])
         b = b.index_select(0, keep)
         ref = None if ref is None else ref.index_select(1, keep)
     elif role == "grad_input" and b.shape[1] > max_cols:

@@ -83,3 +83,27 @@ def test_select_counts_both_operands_with_one_kernel_read_each(role: str, monkey
     sel = select(role, a, b, None, 16, kernel=True)
     assert calls == [tuple(a.shape), tuple(b.shape)]
     assert int(sel.nf_b) == int(select(role, a, b, None, 16, kernel=False).nf_b) >= 2
+
+
+def test_the_forward_s_output_features_are_cut_by_the_kernel_s_row_peaks(monkeypatch) -> None:
+    """With `max_cols`, the forward keeps weight rows chosen by their peaks: taken from the
+    kernel's read of the weight (no second pass over it), the same rows as the PyTorch path."""
+    from loka_train.probe import sampling
+
+    a = _operand(torch.bfloat16, rows=300, cols=64)
+    w = torch.randn(96, 64) * 0.02
+    w[77, 5] = 0.9  # a peak row the even spread does not take
+    w[40, 2] = float("inf")  # a non-finite row is never the peak
+    without = select("forward", a, w, None, 16, max_cols=16, kernel=False)
+    calls: list[int] = []
+    real = sampling._slice_peaks
+
+    def counted(x: torch.Tensor, *, dim: int) -> torch.Tensor:
+        calls.append(dim)
+        return real(x, dim=dim)
+
+    monkeypatch.setattr(sampling, "_slice_peaks", counted)
+    with_kernel = select("forward", a, w, None, 16, max_cols=16, kernel=True)
+    assert calls == []
+    assert with_kernel.b.shape == (16, 64) and torch.equal(with_kernel.b, without.b)
+    assert float(with_kernel.b.abs().max()) == pytest.approx(0.9)
