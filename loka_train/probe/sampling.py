@@ -128,9 +128,8 @@ def select(
     # Non-finite values are counted on the full operands: none may slip past a subsample.
     nf_a, peak_a = _full_pass(a, peaks=subsample, kernel=kernel)
     # For grad-weight, b (X) is an activation as large as a; elsewhere it is the weight, whose
-    # count in PyTorch ops (a full-size product, a comparison and a sum) costs a multiple of the
-    # kernel's one read (`bench.probe_cost` on an H100: about 0.4 ms of a 1.95 ms forward sample
-    # of a 4096 x 4096 site were such a count's product and sum).
+    # count in PyTorch ops (a full-size product, a comparison and a sum) reads and writes it
+    # several times where the kernel reads it once.
     # The forward's weight rows are its output features: their peaks pick the rows `max_cols`
     # keeps, from the same read.
     cut_rows_b = role == "forward" and max_cols is not None and b.shape[0] > max_cols
