@@ -50,18 +50,26 @@ def test_two_by_two_replicas_identical_after_sync(variant: str, tmp_path: Path) 
     print(f"2x2 {variant}: loss {r['train_loss']:.5f}, NE {r['eval_ne']:.5f}, fallbacks {r['fallbacks']}")
 
 
+_SIZES = {"batch": 1024, "tables": 8, "dim": 64, "rows": 10_000}
+
+
+def _resuming_a_dmp_checkpoint(tmp_path: Path) -> dict:
+    """`run_variant`'s arguments for a small run resuming a 4-step fully sharded DMP run's
+    checkpoint (trained here, under `tmp_path`)."""
+    base = run_variant(tmp_path / "base", "dmp", 4, **_SIZES, cache_batches=0, checkpoint_at_end=True,
+                       time_syncs=False)
+    return {**_SIZES, "cache_batches": 0, "resume": base["run_dir"], "warmup": 4, "time_syncs": False}
+
+
 @pytest.mark.parametrize("variant", ["2d_fp32", "2d_loka_fp8"])
 def test_resumes_a_fully_sharded_checkpoint(variant: str, tmp_path: Path) -> None:
     """A 2D run started from a fully sharded DMP run's checkpoint (its tables copied into the
     replicated shards by their offsets) computes, on its first step, the loss the DMP run
     computes from the same checkpoint on the same batch: the weights it starts from are the
     checkpoint's."""
-    sizes = {"batch": 1024, "tables": 8, "dim": 64, "rows": 10_000}
-    base = run_variant(tmp_path / "base", "dmp", 4, **sizes, cache_batches=0, checkpoint_at_end=True,
-                       time_syncs=False)
-    more = {"cache_batches": 0, "resume": base["run_dir"], "warmup": 4, "time_syncs": False}
-    dmp = run_variant(tmp_path / "dmp", "dmp", 5, **sizes, **more)
-    two_d = run_variant(tmp_path / variant, variant, 5, **sizes, **more)
+    more = _resuming_a_dmp_checkpoint(tmp_path)
+    dmp = run_variant(tmp_path / "dmp", "dmp", 5, **more)
+    two_d = run_variant(tmp_path / variant, variant, 5, **more)
     assert dmp["start_step"] == two_d["start_step"] == 4, (dmp, two_d)
     # Far tighter than a fresh or misplaced table would give (the base trained 4 steps).
     assert two_d["train_loss"] == pytest.approx(dmp["train_loss"], rel=1e-3), (dmp, two_d)
@@ -73,12 +81,9 @@ def test_dcp_loads_a_2d_run_in_place(tmp_path: Path) -> None:
     of TorchRec's LocalShardsWrapper) on this stack, as it does on the CPU stack: then a 2D resume
     would need no host copy of the whole tables. The first loss after the resume is the DMP
     run's, as for the resume by copy."""
-    sizes = {"batch": 1024, "tables": 8, "dim": 64, "rows": 10_000}
-    base = run_variant(tmp_path / "base", "dmp", 4, **sizes, cache_batches=0, checkpoint_at_end=True,
-                       time_syncs=False)
-    more = {"cache_batches": 0, "resume": base["run_dir"], "warmup": 4, "time_syncs": False}
-    dmp = run_variant(tmp_path / "dmp", "dmp", 5, **sizes, **more)
-    in_place = run_variant(tmp_path / "2d", "2d_fp32", 5, **sizes, **more, resume_in_place=True)
+    more = _resuming_a_dmp_checkpoint(tmp_path)
+    dmp = run_variant(tmp_path / "dmp", "dmp", 5, **more)
+    in_place = run_variant(tmp_path / "2d", "2d_fp32", 5, **more, resume_in_place=True)
     assert in_place["start_step"] == 4, in_place
     assert in_place["train_loss"] == pytest.approx(dmp["train_loss"], rel=1e-3), (dmp, in_place)
 
@@ -88,12 +93,9 @@ def test_an_in_place_2d_resume_trains_as_the_copying_resume(tmp_path: Path) -> N
     accumulators) of a 2D run: resumed both ways from one fully sharded checkpoint, the two runs
     train the same steps on the same batches, so their losses after several updates agree
     (an accumulator loaded as zeros would make the first updates far larger)."""
-    sizes = {"batch": 1024, "tables": 8, "dim": 64, "rows": 10_000}
-    base = run_variant(tmp_path / "base", "dmp", 4, **sizes, cache_batches=0, checkpoint_at_end=True,
-                       time_syncs=False)
-    more = {"cache_batches": 0, "resume": base["run_dir"], "warmup": 4, "time_syncs": False}
-    by_copy = run_variant(tmp_path / "copy", "2d_fp32", 12, **sizes, **more)
-    in_place = run_variant(tmp_path / "in_place", "2d_fp32", 12, **sizes, **more, resume_in_place=True)
+    more = _resuming_a_dmp_checkpoint(tmp_path)
+    by_copy = run_variant(tmp_path / "copy", "2d_fp32", 12, **more)
+    in_place = run_variant(tmp_path / "in_place", "2d_fp32", 12, **more, resume_in_place=True)
     assert by_copy["start_step"] == in_place["start_step"] == 4, (by_copy, in_place)
     assert in_place["train_loss"] == pytest.approx(by_copy["train_loss"], rel=1e-3), (by_copy, in_place)
     assert in_place["eval_ne"] == pytest.approx(by_copy["eval_ne"], rel=1e-3), (by_copy, in_place)
