@@ -22,7 +22,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -443,18 +443,26 @@ def live_blocks_by_owner(snapshot: dict[str, Any], *, device: int, top: int = 25
     >>> [(o["owner"], o["gb"]) for o in live_blocks_by_owner({"segments": [seg]}, device=0)]
     [('loka_train/probe/measurement.py:7 views', 1.0), ('(no stack)', 0.25)]
     """
+    blocks = [(int(b["size"]), _owner(b.get("frames") or []))
+              for seg in snapshot.get("segments", []) if seg.get("device", device) == device
+              for b in seg.get("blocks", []) if b.get("state") == "active_allocated"]
+    return _by_owner(blocks, top)
+
+
+def _by_owner(blocks: Iterable[tuple[int, str]], top: int) -> list[dict[str, Any]]:
+    """``(bytes, owner)`` blocks summed by owner: the `top` largest, with their block counts."""
     sums: dict[str, list[int]] = {}
-    for seg in snapshot.get("segments", []):
-        if seg.get("device", device) != device:
-            continue
-        for b in seg.get("blocks", []):
-            if b.get("state") != "active_allocated":
-                continue
-            acc = sums.setdefault(_owner(b.get("frames") or []), [0, 0])
-            acc[0] += int(b["size"])
-            acc[1] += 1
+    for size, owner in blocks:
+        acc = sums.setdefault(owner, [0, 0])
+        acc[0] += size
+        acc[1] += 1
     ranked = sorted(sums.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"owner": o, "gb": n / 2**30, "blocks": c} for o, (n, c) in ranked]
+
+
+def _is_marker(e: dict[str, Any], name: str) -> bool:
+    """Whether trace event `e` allocates the block of the marker function `name`."""
+    return e.get("action") == "alloc" and any(f.get("name") == name for f in (e.get("frames") or [])[:2])
 
 
 def _memory_trace_step_marker() -> None:
@@ -501,7 +509,8 @@ def memory_peak_owners(
     (1.5, 'loka_train/kernels/linear.py:9 forward', 0.5)
     """
     traces = snapshot.get("device_traces", [])
-    events = traces[device] if device < len(traces) else []
+    recorded = traces[device] if device < len(traces) else []
+    events = recorded
     live: dict[int, tuple[int, str]] = {}
     total = 0
 
@@ -516,8 +525,7 @@ def memory_peak_owners(
     # A recording begun before this run (`_memory_trace_start_marker`): the blocks allocated
     # before the marker and still live there are in `baseline_bytes`; replayed, their frees
     # during the run are seen, and at a peak they are named with the stacks that allocated them.
-    starts = [i for i, e in enumerate(events) if e.get("action") == "alloc"
-              and any(f.get("name") == _START_MARKER for f in (e.get("frames") or [])[:2])]
+    starts = [i for i, e in enumerate(events) if _is_marker(e, _START_MARKER)]
     if starts:
         for e in events[: starts[-1]]:
             replay(e)
@@ -527,14 +535,11 @@ def memory_peak_owners(
     peak, peak_live = total, dict(live)
     steady = set(steady_steps)
 
-    def is_marker(e: dict[str, Any]) -> bool:
-        return e.get("action") == "alloc" and any(f.get("name") == _STEP_MARKER for f in (e.get("frames") or [])[:2])
-
     # The first traced event's step: the steps recorded minus the step ends still in the trace.
-    step = 0 if steps_total is None else steps_total - sum(1 for e in events if is_marker(e))
+    step = 0 if steps_total is None else steps_total - sum(1 for e in events if _is_marker(e, _STEP_MARKER))
     steady_peak, steady_step, steady_live = -1, None, {}
     for e in events:
-        if is_marker(e):
+        if _is_marker(e, _STEP_MARKER):
             step += 1  # the marker itself is freed at once: not counted
             continue
         replay(e)
@@ -544,28 +549,18 @@ def memory_peak_owners(
             if step in steady and total > steady_peak:
                 steady_peak, steady_step, steady_live = total, step, dict(live)
 
-    def by_owner(blocks: dict[int, tuple[int, str]]) -> list[dict[str, Any]]:
-        sums: dict[str, list[int]] = {}
-        for size, owner in blocks.values():
-            s = sums.setdefault(owner, [0, 0])
-            s[0] += size
-            s[1] += 1
-        ranked = sorted(sums.items(), key=lambda kv: -kv[1][0])[:top]
-        return [{"owner": o, "gb": b / 2**30, "blocks": n} for o, (b, n) in ranked]
-
-    all_events = traces[device] if device < len(traces) else []
     return {
         "peak_gb": (untraced + peak) / 2**30,
         "baseline_gb": baseline_bytes / 2**30,
         "start_marker": bool(starts),
         "events": len(events),
-        "partial": len(all_events) >= MEMORY_TRACE_ENTRIES and not starts,
-        "owners": by_owner(peak_live),
+        "partial": len(recorded) >= MEMORY_TRACE_ENTRIES and not starts,
+        "owners": _by_owner(peak_live.values(), top),
         "end_gb": total / 2**30,
-        "end_owners": by_owner(live),
+        "end_owners": _by_owner(live.values(), top),
         "steady": None if steady_step is None else {
             "peak_gb": (untraced + steady_peak) / 2**30, "step": steady_step,
-            "owners": by_owner(steady_live),
+            "owners": _by_owner(steady_live.values(), top),
         },
     }
 
