@@ -442,18 +442,27 @@ def _clamped_cast_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = _load_fp32(x_ptr + offs, mask, BF16_BITS)
-    c = _clamp_keep_nan(x, LIMIT)
-    if SW_BF16:
-        # y_ptr is then an int16 view of the bf16 output.
-        tl.store(y_ptr + offs, _sw_bf16_bits(c).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
-    else:
-        tl.store(y_ptr + offs, c.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_clamped(y_ptr, offs, mask, x, LIMIT, SW_BF16)
 
 
 @triton.jit
 def _clamp_keep_nan(x, LIMIT: tl.constexpr):
     """``torch.clamp(x, -LIMIT, LIMIT)``: NaN stays NaN (tl.minimum / tl.maximum need not keep it)."""
     return tl.where(x != x, x, tl.minimum(tl.maximum(x, -LIMIT), LIMIT))
+
+
+@triton.jit
+def _store_clamped(y_ptr, offs, mask, x, LIMIT: tl.constexpr, SW_BF16: tl.constexpr):
+    """Store fp32 `x` clamped to +-LIMIT (NaN kept) as `y_ptr`'s 16-bit dtype; returns the stored
+    values in fp32. SW_BF16: `y_ptr` is an int16 view of a bf16 output, rounded in software."""
+    c = _clamp_keep_nan(x, LIMIT)
+    if SW_BF16:
+        bits = _sw_bf16_bits(c)
+        tl.store(y_ptr + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    p = c.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs, p, mask=mask)
+    return p.to(tl.float32)
 
 
 @triton.jit

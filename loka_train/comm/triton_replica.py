@@ -36,15 +36,14 @@ from loka_train.comm.triton_codec import (
     _aligned,
     _as_loadable,
     _check_runnable,
-    _clamp_keep_nan,
     _decode_codes,
     _decode_rows,
     _encode_rows,
     _fp8_constants,
     _load_fp32,
     _row_launch,
+    _store_clamped,
     _store_rows,
-    _sw_bf16_bits,
 )
 from loka_train.kernels.formats import Fp8Format
 from loka_train.kernels.triton_kernels import INTERPRETED, _cdiv
@@ -259,16 +258,8 @@ def _delta_encode_bf16_kernel(
     d = _load_fp32(w_ptr + offs, mask, BF16_BITS) - tl.load(anchor_ptr + offs, mask=mask, other=0.0)
     if HAS_RES:
         d = d + tl.load(res_ptr + offs, mask=mask, other=0.0)
-    # The codec's clamped cast (triton_codec._clamped_cast_kernel).
-    c = _clamp_keep_nan(d, LIMIT)
-    if SW_BF16:
-        bits = _sw_bf16_bits(c)  # out_ptr is then an int16 view
-        tl.store(out_ptr + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
-        sent = (bits << 16).to(tl.float32, bitcast=True)
-    else:
-        p = c.to(tl.bfloat16)
-        tl.store(out_ptr + offs, p, mask=mask)
-        sent = p.to(tl.float32)
+    # The codec's clamped cast; out_ptr is bf16 (an int16 view with SW_BF16).
+    sent = _store_clamped(out_ptr, offs, mask, d, LIMIT, SW_BF16)
     if FEEDBACK:
         tl.store(res_out_ptr + offs, d - sent, mask=mask)
 
