@@ -15,6 +15,8 @@
 #   e2e*           python -m bench.e2e --out DIR ARGS (one GPU: a lane of one GPU)
 #   probecost*     python -m bench.probe_cost --out DIR/probe_cost.json ARGS
 #   pytest*        python -m pytest -q -s -p no:cacheprovider ARGS (e.g. tests/gpu/test_probe_gpu.py)
+#   gemm*          python -m bench.gemm --out DIR ARGS (e.g. --parts b --quick --ms 32768)
+#   ledgershapes*  python -m bench.ledger_shapes --out DIR ARGS
 # $OUT returns at most 8 files: each lane's parts go into lane<i>.tgz (i: the lane's position, from
 # 0; with the GPU list, the commit and the lanes), rewritten after each of its parts, so a call cut
 # by its time limit still returns the parts it finished, and one lane's large output (profile
@@ -66,6 +68,8 @@ part() {  # GPUS CPUS PART
     probecost*) mkdir -p "$w/$name"
                "${run[@]}" -m bench.probe_cost --out "$w/$name/probe_cost.json" $args >> "$log" 2>&1
                echo "rc=$?" >> "$log" ;;
+    gemm*)     "${run[@]}" -m bench.gemm --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
+    ledgershapes*) "${run[@]}" -m bench.ledger_shapes --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     pytest*)   "${run[@]}" -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/mg_$name $args >> "$log" 2>&1
                echo "rc=$?" >> "$log" ;;
     *) echo "unknown part $name" >> "$log" ;;

@@ -184,6 +184,7 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
     from loka_train.kernels import triton_block as tb
     from loka_train.kernels import triton_kernels as tk
     from loka_train.kernels import triton_layernorm as tln
+    from loka_train.kernels import triton_tensorwise as tt
     from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 
     e4m3 = Fp8Format.E4M3
@@ -203,6 +204,9 @@ def _bench_quant_shape(rows, timer, device, m, k, fbgemm):
         ("eager/block1x128", lambda: quantize(x, e4m3, Scaling.BLOCK), None),
         ("eager/mx", lambda: quantize(x, e4m3, Scaling.MX), None),
         ("triton/rowwise", lambda: tk.fused_rowwise_quant(x, fmt=e4m3), None),
+        ("triton/tensorwise", lambda: tt.tensorwise_quant(x, fmt=e4m3), None),
+        # Also writes x^T (FP8, contiguous) for the backward GEMM that takes the payload over.
+        ("triton/tensorwise, both layouts", lambda: tt.tensorwise_quant_both(x, fmt=e4m3), None),
         ("fbgemm/rowwise",
          (lambda: torch.ops.fbgemm.quantize_fp8_per_row(x)) if fbgemm_ok else None,
          None if fbgemm_ok else fbgemm_why),

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from loka_train.dispatch.planning import gemm_problem, padded, site_reuse
-from loka_train.dispatch.timing import GemmTimer, reused_payload, role_operands
+from loka_train.dispatch.timing import GemmTimer, reused_payload, role_operands, transposed_write_s
 from loka_train.kernels.formats import QTensor
 from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import quantize_operand, run_backend
@@ -86,9 +86,12 @@ class Fp8Times:
     gemm_ms: float
     """The backend alone, operands already quantized."""
     quant_a_ms: float
-    """Quantizing operand ``a`` (0 when the site reuses it from another GEMM)."""
+    """Quantizing operand ``a``; for an operand the site reuses from another GEMM, the
+    transposed write that GEMM's quantizer adds for it (``timing.transposed_write_s``; 0 where
+    it is reused as a view)."""
     quant_b_ms: float
-    """Quantizing operand ``b`` (the weight in forward and grad-input: every step today)."""
+    """Quantizing operand ``b`` (the weight in forward and grad-input: every step today); a
+    reused one as in ``quant_a_ms``."""
 
     @property
     def total_ms(self) -> float:
@@ -320,8 +323,9 @@ Timer = Callable[[Callable[[], object]], float]
 
 def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer) -> Fp8Times:
     """As the site runs it (``GemmTimer.measure_once``): a shape the backend refuses zero-padded
-    to multiples of 16 (the padding copies are not in these columns), a reused operand the
-    transposed view of a payload quantized in the other GEMM's layout."""
+    to multiples of 16 (the padding copies are not in these columns), a reused operand what the
+    other GEMM's quantizer hands over (:func:`~loka_train.dispatch.timing.reused_payload`),
+    charged the transposed write that quantizer makes for it."""
     shape = gemm.shape
     problem = gemm_problem(gemm.role, shape, plan, device_type=device.type, out_dtype=torch.bfloat16)
     if not get_backend(plan.backend).supports(problem)[0]:
@@ -345,8 +349,8 @@ def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Ti
     return Fp8Times(
         plan=str(plan),
         gemm_ms=timer(lambda: run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=gemm.role)),
-        quant_a_ms=0.0 if reuse_a else timer(quant_a),
-        quant_b_ms=0.0 if reuse_b else timer(quant_b),
+        quant_a_ms=transposed_write_s(a, plan.fmt, plan, timer) if reuse_a else timer(quant_a),
+        quant_b_ms=transposed_write_s(b, plan.operand_b_fmt, plan, timer) if reuse_b else timer(quant_b),
     )
 
 

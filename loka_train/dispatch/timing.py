@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "NO_REUSE", "GemmTimer", "GpuCostModel", "Reuse", "parse_timing_key", "reused_payload", "role_operands",
-    "timing_key",
+    "timing_key", "transposed_write_s",
 ]
 
 
@@ -138,9 +138,26 @@ def role_operands(
 
 def reused_payload(t: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:
     """The operand ``t`` (a transposed view) as a site reuses it: quantized in the layout of the
-    GEMM that produced it (``t.t()``), then viewed transposed."""
-    q = kernels_linear.quantize_operand(t.t(), fmt, plan, is_weight=is_weight)
-    return QTensor(data=q.data.t(), scale=q.scale, fmt=fmt, scaling=q.scaling, axis=1)
+    GEMM that produced it (``t.t()``), its transpose written contiguous in the same pass where
+    the site does so (``kernels.linear.quantize_with_transpose``), else viewed transposed."""
+    _, q_t = kernels_linear.quantize_with_transpose(t.t(), fmt, plan, plan, fmt, is_weight=is_weight)
+    assert q_t is not None  # a reused operand is a tensor-wise one (planning.reused_operands)
+    return q_t
+
+
+def transposed_write_s(t: Tensor, fmt: Fp8Format, plan: GemmPlan, time: Callable[[Callable[[], object]], float]) -> float:
+    """What a site pays for taking the operand ``t`` (a transposed view) over from another GEMM:
+    the transposed write that GEMM's quantizer adds where it writes both layouts in one pass
+    (:func:`reused_payload`), timed with ``time`` as that pass less the one-layout pass (never
+    below 0); 0 where the reused operand is a view of the other GEMM's payload."""
+    src = t.t()
+    if not kernels_linear.writes_both_layouts(plan, src, fmt, plan, fmt):
+        return 0.0
+    from loka_train.kernels.triton_tensorwise import tensorwise_quant, tensorwise_quant_both
+
+    both = time(lambda: tensorwise_quant_both(src, fmt=fmt))
+    one = time(lambda: tensorwise_quant(src, fmt=fmt))
+    return max(0.0, both - one)
 
 
 class GemmTimer:
@@ -176,6 +193,8 @@ class GemmTimer:
         """Timing key -> seconds."""
         self.failures: dict[str, str] = {}
         """Timing key -> error of a candidate whose micro-benchmark raised (excluded, logged)."""
+        self._transposed_writes: dict[tuple, float] = {}
+        """(operand shape, format, backend) -> seconds of :func:`transposed_write_s`."""
 
     @property
     def mode(self) -> str:
@@ -253,8 +272,10 @@ class GemmTimer:
 
         As the site runs it: a backend that refuses the shape runs it zero-padded to multiples
         of 16, and the timed run pays the site's padding copies of both operands; a reused
-        operand is the transposed view of a payload quantized in the other GEMM's layout
-        (``kernels.linear.transposed_reuse``), so a backend that must copy it pays that too.
+        operand is what the other GEMM's quantizer hands over (:func:`reused_payload`): the
+        transpose it writes in the same pass, whose write is added to the time
+        (:func:`transposed_write_s`), or the transposed view of its payload, which a backend
+        that must copy it pays for in the timed run.
         """
         m, k, n = shape
         pad = False
@@ -287,7 +308,15 @@ class GemmTimer:
                 a_run, b_run, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight, a_q=a_q, b_q=b_q
             )
 
-        return self.time(run)
+        extra = 0.0
+        if plan is not None:
+            for t, fmt, reused in ((a, plan.fmt, reuse[0]), (b, plan.operand_b_fmt, reuse[1])):
+                if reused:
+                    key = (tuple(t.shape), fmt, plan.backend)
+                    if key not in self._transposed_writes:
+                        self._transposed_writes[key] = transposed_write_s(t, fmt, plan, self.time)
+                    extra += self._transposed_writes[key]
+        return self.time(run) + extra
 
     def time(self, run: Callable[[], object]) -> float:
         """Seconds of one ``run()`` after 3 warm-up runs: graph-replayed (:meth:`time_graphed`)

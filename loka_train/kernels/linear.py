@@ -53,11 +53,13 @@ __all__ = [
     "grad_weight_dtype",
     "is_transposed_view",
     "quantize_operand",
+    "quantize_with_transpose",
     "run_backend",
     "transposed_reuse",
     "use_fused_quantizer",
     "use_tensorwise_quantizer",
     "use_transposed_quantizer",
+    "writes_both_layouts",
 ]
 
 
@@ -270,6 +272,62 @@ def transposed_reuse(q: QTensor | None, fmt: Fp8Format, plan: GemmPlan) -> QTens
     return QTensor(data=q.data.t(), scale=q.scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
 
 
+def writes_both_layouts(
+    plan: GemmPlan,
+    t: Tensor,
+    fmt: Fp8Format,
+    other: GemmPlan,
+    other_fmt: Fp8Format,
+    *,
+    reference_quantizer: bool = False,
+) -> bool:
+    """Whether :func:`quantize_with_transpose` quantizes ``t`` for ``plan`` in one pass that
+    also writes the transpose the GEMM ``other`` takes over: both tensor-wise in the same
+    format, ``t`` 2-D and quantized by the Triton tensor-wise quantizer
+    (:func:`use_tensorwise_quantizer`)."""
+    return (
+        t.ndim == 2
+        and plan.is_fp8
+        and plan.scaling is Scaling.TENSORWISE
+        and other.is_fp8
+        and other.scaling is Scaling.TENSORWISE
+        and other_fmt is fmt
+        and use_tensorwise_quantizer(plan, t, fmt, reference_quantizer=reference_quantizer)
+    )
+
+
+def quantize_with_transpose(
+    t_RC: Tensor,
+    fmt: Fp8Format,
+    plan: GemmPlan,
+    other: GemmPlan,
+    other_fmt: Fp8Format,
+    *,
+    is_weight: bool,
+    reference_quantizer: bool = False,
+) -> tuple[QTensor, QTensor | None]:
+    """``t_RC`` quantized for ``plan`` (:func:`quantize_operand`) and, where the GEMM ``other``
+    takes its transpose over as operand in ``other_fmt`` (:func:`transposed_reuse`), that
+    transpose; else None.
+
+    Where the Triton tensor-wise quantizer runs (:func:`use_tensorwise_quantizer`), one pass
+    writes both payloads (``loka::tensorwise_quant_both``) and the transpose is contiguous, the
+    K-major layout the other GEMM's backend takes as it is; elsewhere it is the transposed view
+    of the payload (``torch._scaled_mm`` then copies it contiguous in a pass of its own). The
+    codes are the same either way.
+    """
+    if writes_both_layouts(plan, t_RC, fmt, other, other_fmt, reference_quantizer=reference_quantizer):
+        from loka_train.kernels.triton_tensorwise import tensorwise_quant_both
+
+        data, scale, data_t = tensorwise_quant_both(t_RC, fmt=fmt)
+        return (
+            QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
+            QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
+        )
+    q = quantize_operand(t_RC, fmt, plan, is_weight=is_weight, reference_quantizer=reference_quantizer)
+    return q, transposed_reuse(q, other_fmt, other)
+
+
 def grad_weight_dtype(w_dtype: torch.dtype) -> torch.dtype:
     """Output dtype of an FP8 grad-weight GEMM: the weight's own when a backend writes it
     (fp32 master weights, or bf16: one rounding of the fp32 accumulator either way, without a
@@ -309,15 +367,18 @@ class _PlannedLinearFn(torch.autograd.Function):
             if plan.forward.is_fp8:
                 x_MK = xc.reshape(-1, xc.shape[-1])
                 fwd = plan.forward
-                x_q = quantize_operand(x_MK, fwd.fmt, fwd, is_weight=False, reference_quantizer=rq)
-                w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True, reference_quantizer=rq)
+                gi, gw = plan.grad_input, plan.grad_weight
+                x_q, x_q_t = quantize_with_transpose(
+                    x_MK, fwd.fmt, fwd, gw, gw.operand_b_fmt, is_weight=False, reference_quantizer=rq
+                )
+                w_q, w_q_t = quantize_with_transpose(
+                    wc, fwd.operand_b_fmt, fwd, gi, gi.operand_b_fmt, is_weight=True, reference_quantizer=rq
+                )
                 y_MN = fp8_gemm_planned(
                     x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q,
                     reference_quantizer=rq,
                 )
                 y = y_MN.reshape(*xc.shape[:-1], wc.shape[0])
-                x_q_t = transposed_reuse(x_q, plan.grad_weight.operand_b_fmt, plan.grad_weight)
-                w_q_t = transposed_reuse(w_q, plan.grad_input.operand_b_fmt, plan.grad_input)
             else:
                 y = F.linear(xc, wc, bc).to(odtype)
         ctx.save_for_backward(
@@ -355,13 +416,15 @@ class _PlannedLinearFn(torch.autograd.Function):
                 gi = plan.grad_input
                 if gi.is_fp8:
                     # dX = dY W = dY @ (W^T)^T: contraction over N.
-                    dy_q = quantize_operand(dy_MN, gi.fmt, gi, is_weight=False, reference_quantizer=rq)
+                    dy_q, dy_q_t = quantize_with_transpose(
+                        dy_MN, gi.fmt, gi, plan.grad_weight, plan.grad_weight.fmt, is_weight=False,
+                        reference_quantizer=rq,
+                    )
                     dx_MK = fp8_gemm_planned(
                         dy_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
                         a_q=dy_q, b_q=reused(wq_data, wq_scale, gi.operand_b_fmt),
                         reference_quantizer=rq,
                     )
-                    dy_q_t = transposed_reuse(dy_q, plan.grad_weight.fmt, plan.grad_weight)
                 else:
                     dx_MK = dy_MN.mm(wc)
                 grad_x = dx_MK.reshape(*grad_y.shape[:-1], dx_MK.shape[-1]).to(x_dtype)

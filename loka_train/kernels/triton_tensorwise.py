@@ -10,15 +10,23 @@ even, the division of ``x`` IEEE-rounded (``div_rn``), values saturating at ``fm
 
 A tensor-wise payload is what lets a site reuse its forward's ``x`` and ``W`` and its
 grad-input's ``dY`` transposed in the backward (``kernels.linear.transposed_reuse``): with this
-quantizer a tensor-wise linear layer quantizes two large tensors a step instead of four.
+quantizer a tensor-wise linear layer quantizes two large tensors a step instead of four. With
+``transposed=True`` the cast pass also writes the payload's transpose, contiguous, from the same
+read (6 bytes of traffic per bf16 element instead of 5): the layout the backward's GEMM takes
+(K-major, as Hopper's FP8 GEMMs want), where a transposed view of the payload would have a
+backend copy it (``torch._scaled_mm`` makes both operands contiguous) in a pass of its own.
 
 Example:
     >>> q, scale = tensorwise_quant(torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16))
+    >>> q, scale, q_t = tensorwise_quant_both(torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16))
+    >>> torch.equal(q_t, q.t().contiguous())
+    True
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -35,12 +43,14 @@ from loka_train.kernels.triton_kernels import (
     _triton_fmt,
 )
 
-__all__ = ["tensorwise_quant", "tensorwise_quant_reference"]
+__all__ = ["tensorwise_quant", "tensorwise_quant_both", "tensorwise_quant_reference"]
 
 _BLOCK = 8192
 """Elements per program of the two passes (8 warps, 32 elements a thread)."""
 _FINAL_BLOCK = 1024
 """Partial amaxes the finishing program reads per iteration."""
+_TILE = 64
+"""Rows x columns of one program of the cast that writes both layouts."""
 
 @triton.jit
 def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
@@ -97,23 +107,51 @@ def _cast_kernel(
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _cast_both_kernel(
+    x_ptr,
+    scale_ptr,
+    q_ptr,
+    qt_ptr,
+    R,
+    C,
+    FP8_MAX: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    Q_MANT: tl.constexpr,
+    Q_SUB_MAGIC: tl.constexpr,
+    Q_MIN_NORMAL: tl.constexpr,
+):
+    """_cast_kernel on a (BLOCK_R, BLOCK_C) tile of the (R, C) input, stored as it is into
+    ``q`` and transposed into ``qt`` (C, R)."""
+    pr = tl.program_id(0)
+    pc = tl.program_id(1)
+    rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if Q_MANT > 0:
+        q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
+    q = q.to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
+    # The compiler routes the tile through shared memory: both stores are coalesced.
+    tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
+
+
 @functools.cache
 def _reciprocal(v: float) -> float:
     """``1 / v`` rounded to fp32, as PyTorch's CUDA division by a scalar computes it."""
     return float(torch.tensor(1.0, dtype=torch.float32) / v)
 
 
-def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
-    fmt_ = _triton_fmt(fmt)
-    _check_runnable(x)
-    if not x.is_contiguous():
-        raise ValueError("tensorwise_quant needs a contiguous input (transposed views take loka::transposed_quant)")
-    q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
+def _scale(x: Tensor, fmt_: Any) -> Tensor:
+    """The tensor-wise scale of ``x`` (amax partials, then one program): a 0-dim fp32 tensor."""
     scale = torch.empty((), device=x.device, dtype=torch.float32)
     n = x.numel()
     if n == 0:
-        scale.fill_(1.0)
-        return q, scale
+        return scale.fill_(1.0)
     num_blocks = _cdiv(n, _BLOCK)
     partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
     _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8)
@@ -121,12 +159,48 @@ def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
         partial, scale, num_blocks, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
         RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK, num_warps=4,
     )
+    return scale
+
+
+def _checked(x: Tensor, fmt: str) -> Any:
+    fmt_ = _triton_fmt(fmt)
+    _check_runnable(x)
+    if not x.is_contiguous():
+        raise ValueError("tensorwise_quant needs a contiguous input (transposed views take loka::transposed_quant)")
+    return fmt_
+
+
+def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    fmt_ = _checked(x, fmt)
+    q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
+    scale = _scale(x, fmt_)
+    n = x.numel()
+    if n == 0:
+        return q, scale
     qr = _sw_round_args(q.dtype)
-    _cast_kernel[(num_blocks,)](
+    _cast_kernel[(_cdiv(n, _BLOCK),)](
         x, scale, q, n, FP8_MAX=fmt_.max, BLOCK=_BLOCK, Q_MANT=qr["MANT"],
         Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"], num_warps=8,
     )
     return q, scale
+
+
+def _tensorwise_quant_both_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
+    fmt_ = _checked(x, fmt)
+    if x.ndim != 2:
+        raise ValueError(f"tensorwise_quant_both expects a 2-D input, got shape {tuple(x.shape)}")
+    r, c = x.shape
+    q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
+    q_t = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
+    scale = _scale(x, fmt_)
+    if x.numel() == 0:
+        return q, scale, q_t
+    qr = _sw_round_args(q.dtype)
+    _cast_both_kernel[(_cdiv(r, _TILE), _cdiv(c, _TILE))](
+        x, scale, q, q_t, r, c, FP8_MAX=fmt_.max, BLOCK_R=_TILE, BLOCK_C=_TILE, Q_MANT=qr["MANT"],
+        Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"], num_warps=4,
+    )
+    return q, scale, q_t
 
 
 @torch.library.custom_op("loka::tensorwise_quant", mutates_args=())
@@ -137,6 +211,18 @@ def _tensorwise_quant_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 @_tensorwise_quant_op.register_fake
 def _tensorwise_quant_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     return x.new_empty(x.shape, dtype=Fp8Format(fmt).dtype), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("loka::tensorwise_quant_both", mutates_args=())
+def _tensorwise_quant_both_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _tensorwise_quant_both_impl(x, fmt)
+
+
+@_tensorwise_quant_both_op.register_fake
+def _tensorwise_quant_both_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
+    dtype = Fp8Format(fmt).dtype
+    r, c = x.shape
+    return x.new_empty((r, c), dtype=dtype), x.new_empty((), dtype=torch.float32), x.new_empty((c, r), dtype=dtype)
 
 
 def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:
@@ -158,6 +244,28 @@ def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Ten
     if opaque.tracing():
         return torch.ops.loka.tensorwise_quant(x, fmt_s)
     return _tensorwise_quant_impl(x, fmt_s)
+
+
+def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`tensorwise_quant` of a 2-D tensor that also writes the payload's transpose,
+    contiguous, in the same pass (op ``loka::tensorwise_quant_both``).
+
+    Args:
+        x: fp32, bf16 or fp16, contiguous, 2-D ``(R, C)``.
+        fmt: e4m3 or e5m2.
+
+    Returns:
+        ``(q, scale, q_t)``: ``q`` and ``scale`` as :func:`tensorwise_quant` returns them (bit
+        for bit), ``q_t`` equal to ``q.t()``, contiguous ``(C, R)``.
+
+    Raises:
+        ValueError: for a non-contiguous or non-2-D input, or another format.
+        RuntimeError: where Triton cannot run.
+    """
+    fmt_s = Fp8Format(fmt).value
+    if opaque.tracing():
+        return torch.ops.loka.tensorwise_quant_both(x, fmt_s)
+    return _tensorwise_quant_both_impl(x, fmt_s)
 
 
 def tensorwise_quant_reference(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:

@@ -365,3 +365,37 @@ def test_inductor_keeps_the_eager_fp8_codes(scaling):
     got = _fwd_bwd_autocast(compiled, x, w, b, g)
     for name, r, o in zip(["y", "dx", "dw", "db"], eager, got):
         assert float(sqnr_db(r.float(), o.float())) > 100, name
+
+
+@pytest.mark.parametrize("m, k, n", [(8192, 1024, 2048), (4096, 2048, 512)])
+def test_tensorwise_site_takes_its_transposes_from_the_quantizing_pass(m, k, n, monkeypatch):
+    """Under an all-tensor-wise plan the backward GEMMs get contiguous FP8 transposes written in
+    the forward's and grad-input's quantizing passes, and the layer's output and gradients are
+    bit for bit those of reusing transposed views (which the backend copies)."""
+    from loka_train.kernels import triton_tensorwise
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x0 = torch.randn(m, k, device="cuda", generator=g)
+    w0 = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    dy = torch.randn(m, n, device="cuda", generator=g)
+
+    def run():
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fp8_linear(x, w, None, plan)
+        y.backward(dy.to(y.dtype))
+        return y.detach(), x.grad, w.grad
+
+    got = run()
+    both = triton_tensorwise.tensorwise_quant_both
+
+    def one_layout(t, *, fmt):
+        q, scale, _ = both(t, fmt=fmt)
+        return q, scale, q.t()
+
+    monkeypatch.setattr(triton_tensorwise, "tensorwise_quant_both", one_layout)
+    views = run()
+    for a, b in zip(got, views):
+        assert torch.equal(a, b)

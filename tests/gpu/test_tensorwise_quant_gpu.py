@@ -1,11 +1,16 @@
 """The tensor-wise Triton quantizer on the GPU: bit-identical to the reference quantizer at the
-training shapes (many blocks), codes included for non-finite tensors, and inside a CUDA graph."""
+training shapes (many blocks), codes included for non-finite tensors, and inside a CUDA graph;
+its two-layout pass writes the same payload and its exact transpose."""
 
 import pytest
 import torch
 
 from loka_train.kernels.formats import Fp8Format
-from loka_train.kernels.triton_tensorwise import tensorwise_quant, tensorwise_quant_reference
+from loka_train.kernels.triton_tensorwise import (
+    tensorwise_quant,
+    tensorwise_quant_both,
+    tensorwise_quant_reference,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,3 +45,14 @@ def test_non_finite_codes_and_a_graph_replay():
     x[17, 3] = float("nan")
     graph.replay()
     assert torch.isnan(scale) and torch.isnan(q.float()).all()
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+@pytest.mark.parametrize("shape", [(8192, 4096), (4096, 2048), (1000, 27)])
+def test_both_layouts_are_the_reference_payload_and_its_transpose(fmt, shape):
+    x = (7 * torch.randn(*shape, device="cuda")).to(torch.bfloat16)
+    q, scale, q_t = tensorwise_quant_both(x, fmt=fmt)
+    rq, rs = tensorwise_quant_reference(x, fmt=fmt)
+    assert torch.equal(scale, rs)
+    assert _same(q, rq)
+    assert q_t.is_contiguous() and _same(q_t, rq.t().contiguous())

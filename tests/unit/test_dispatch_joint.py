@@ -233,3 +233,38 @@ def test_planned_speedup_reads_the_times_taken_with_the_sites_reuse() -> None:
     # The ledger's rows carry it, next to their own measurement.
     planned = {(g.site, g.role): g.planned_speedup for g in d.ledger_gemms()}
     assert planned[("joint", "grad_weight")] == pytest.approx(2.0) and planned[("high", "forward")] is None
+
+
+def test_a_reused_operand_written_in_the_quantizing_pass_costs_its_transposed_write(monkeypatch) -> None:
+    """Where the other GEMM's quantizer writes both layouts (the Triton tensor-wise one), the
+    reused operand is its contiguous transpose and costs that write: the two-layout pass less
+    the one-layout pass; a reused view (the emulated oracle's) costs nothing here."""
+    from loka_train.dispatch import timing
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm").grad_weight
+    a = torch.randn(48, 16).t()  # dY^T as role_operands lays it out: a transposed view
+    q = timing.reused_payload(a, plan.fmt, plan, is_weight=False)
+    view = timing.reused_payload(a, plan.fmt, TW.grad_weight, is_weight=False)
+    assert q.data.is_contiguous() and not view.data.is_contiguous()
+    assert torch.equal(q.data.view(torch.uint8), view.data.contiguous().view(torch.uint8))
+
+    def fake_time(run):  # type: ignore[no-untyped-def]
+        out = run()
+        return 5.0 if len(out) == 3 else 2.0  # the two-layout pass returns three tensors
+
+    assert timing.transposed_write_s(a, plan.fmt, plan, fake_time) == 3.0
+    assert timing.transposed_write_s(a, plan.fmt, TW.grad_weight, fake_time) == 0.0
+
+    writes = []
+
+    def write_s(t, fmt, plan, time):  # type: ignore[no-untyped-def]
+        writes.append(tuple(t.shape))
+        return 7.0
+
+    monkeypatch.setattr(timing, "transposed_write_s", write_s)
+    monkeypatch.setattr(GemmTimer, "time", lambda self, run: 1.0)
+    timer = GemmTimer(timing="measure", device="cpu", out_dtype=torch.float32, bench_iters=1)
+    assert timer.measure_once((16, 48, 24), plan, "grad_weight", (True, True)) == 15.0
+    assert timer.measure_once((16, 48, 24), plan, "grad_weight", (True, False)) == 8.0
+    assert writes == [(16, 48), (24, 48)]  # each operand's write timed once
+    assert timer.measure_once((16, 48, 24), plan, "grad_weight") == 1.0

@@ -136,3 +136,15 @@ def test_measure_times_each_distinct_gemm_once():
     assert len(calls) == 4  # high, FP8 GEMM, quant a, quant b: once for the three sites
     assert ledger.timing == "custom" and len(ledger.rows) == 3
     assert all(r.saved_as_planned_ms == pytest.approx(-2.0) for r in ledger.rows)
+
+
+def test_a_reused_operand_is_charged_its_transposed_write(monkeypatch):
+    from loka_train.dispatch import ledger as ledger_mod
+
+    monkeypatch.setattr(ledger_mod, "transposed_write_s", lambda t, fmt, plan, time: 0.25)
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    gemm = LedgerGemm(site="mlp.0", role="grad_weight", shape=(32, 16, 24), plan=plan.grad_weight,
+                      candidates=(plan.grad_weight,), site_plan=plan)
+    (row,) = measure_ledger([gemm], device=CPU, high_dtype=torch.float32).rows
+    (t,) = row.fp8
+    assert t.quant_a_ms == 0.25 and t.quant_b_ms == 0.25

@@ -415,20 +415,24 @@ def _amax_passes(plan: LinearPlan, *, need_x_grad: bool = True) -> tuple[int, li
             saved.append(tuple(t.shape))
         return t
 
-    triton_quant = triton_tensorwise.tensorwise_quant
+    def counted(quant):
+        def run(*args, **kwargs):
+            Count.num += 1
+            return quant(*args, **kwargs)
 
-    def counted(*args, **kwargs):
-        Count.num += 1
-        return triton_quant(*args, **kwargs)
+        return run
 
-    triton_tensorwise.tensorwise_quant = counted
+    originals = {n: getattr(triton_tensorwise, n) for n in ("tensorwise_quant", "tensorwise_quant_both")}
+    for name, quant in originals.items():
+        setattr(triton_tensorwise, name, counted(quant))
     try:
         with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = fp8_linear(x, w, None, plan)
         with Count():
             y.backward(_gauss(64, 16, seed=2))
     finally:
-        triton_tensorwise.tensorwise_quant = triton_quant
+        for name, quant in originals.items():
+            setattr(triton_tensorwise, name, quant)
     return Count.num, saved
 
 
@@ -445,3 +449,75 @@ def test_tensorwise_linear_quantizes_each_tensor_once_and_keeps_no_high_precisio
     num, saved = _amax_passes(rw)
     assert num == 6
     assert (64, 32) in saved
+
+
+def _backend_operands(plan: LinearPlan, monkeypatch, *, both_layouts: bool = True):
+    """Run ``fp8_linear`` forward and backward under ``plan``, recording each GEMM's quantized
+    operands as the backend receives them; ``both_layouts=False`` has the site reuse transposed
+    views of its payloads instead of writing the transposes in the quantizing pass."""
+    from loka_train.kernels import linear as kl
+    from loka_train.kernels import triton_tensorwise
+
+    seen: dict[str, tuple] = {}
+    run_backend = kl.run_backend
+
+    def spy(plan, a_q, b_q, *, out_dtype, role, bias_N=None):
+        seen[role] = (a_q, b_q)
+        return run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias_N)
+
+    monkeypatch.setattr(kl, "run_backend", spy)
+    if not both_layouts:
+        def one_layout(t, *, fmt):
+            q, scale = triton_tensorwise.tensorwise_quant(t, fmt=fmt)
+            return q, scale, q.t()  # a view, as transposed_reuse hands it over
+
+        monkeypatch.setattr(triton_tensorwise, "tensorwise_quant_both", one_layout)
+    x = _gauss(64, 32).requires_grad_(True)
+    w = _gauss(16, 32, seed=1).requires_grad_(True)
+    y = fp8_linear(x, w, None, plan)
+    y.backward(_gauss(64, 16, seed=2))
+    monkeypatch.undo()
+    return seen, y.detach(), x.grad, w.grad
+
+
+def test_a_tensorwise_site_hands_its_backward_gemms_contiguous_transposes(monkeypatch):
+    """The forward writes x's and W's FP8 transposes, grad-input dY's, in their quantizing pass:
+    grad-input's W^T and grad-weight's dY^T and X^T reach the backend contiguous (K-major), with
+    the same codes and results as the transposed views of the payloads."""
+    tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    seen, y, gx, gw = _backend_operands(tw, monkeypatch)
+    gi_w = seen["grad_input"][1]
+    dy_t, x_t = seen["grad_weight"]
+    assert gi_w.data.shape == (32, 16) and gi_w.data.is_contiguous()
+    assert dy_t.data.shape == (16, 64) and dy_t.data.is_contiguous()
+    assert x_t.data.shape == (32, 64) and x_t.data.is_contiguous()
+    seen_v, y_v, gx_v, gw_v = _backend_operands(tw, monkeypatch, both_layouts=False)
+    assert not seen_v["grad_weight"][1].data.is_contiguous()  # the views the backend copies
+    for role in ("grad_input", "grad_weight"):
+        for got, view in zip(seen[role], seen_v[role]):
+            assert torch.equal(got.data.view(torch.uint8), view.data.contiguous().view(torch.uint8))
+            assert torch.equal(got.scale, view.scale)
+    assert torch.equal(y, y_v) and torch.equal(gx, gx_v) and torch.equal(gw, gw_v)
+
+
+def test_a_transpose_is_written_only_for_a_gemm_that_takes_it_over(monkeypatch):
+    """Row-wise grad-weight: nothing takes x's payload over, so the forward writes one layout."""
+    from loka_train.kernels import triton_tensorwise
+
+    calls = []
+    both = triton_tensorwise.tensorwise_quant_both
+    monkeypatch.setattr(
+        triton_tensorwise, "tensorwise_quant_both", lambda t, *, fmt: calls.append(tuple(t.shape)) or both(t, fmt=fmt)
+    )
+    tw = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    rw = GemmPlan(precision="fp8", scaling=Scaling.ROWWISE, backend="torch_scaled_mm",
+                  fmt=Fp8Format.E5M2, fmt_b=Fp8Format.E4M3)
+    plan = LinearPlan(forward=tw, grad_input=GemmPlan(), grad_weight=rw)
+    x = _gauss(64, 32).requires_grad_(True)
+    w = _gauss(16, 32, seed=1).requires_grad_(True)
+    fp8_linear(x, w, None, plan).backward(_gauss(64, 16, seed=2))
+    assert calls == []
+    plan = LinearPlan(forward=tw, grad_input=GemmPlan(), grad_weight=dataclasses.replace(rw, scaling=Scaling.TENSORWISE,
+                                                                            fmt_b=Fp8Format.E4M3))
+    fp8_linear(x, w, None, plan).backward(_gauss(64, 16, seed=2))
+    assert calls == [(64, 32)]  # x for grad-weight; W's transpose has no taker (grad-input high)

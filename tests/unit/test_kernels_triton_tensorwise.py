@@ -83,3 +83,47 @@ def test_quantize_operand_takes_it_for_contiguous_tensorwise_operands():
 def test_opcheck():
     torch.library.opcheck(torch.ops.loka.tensorwise_quant.default, (torch.randn(5, 7), "e4m3"),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------ both layouts in one pass
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_layouts_are_the_reference_payload_and_its_transpose(fmt, dtype, monkeypatch):
+    monkeypatch.setattr(tt, "_TILE", 16)  # ragged tiles in both dims
+    monkeypatch.setattr(tt, "_BLOCK", 256)
+    g = torch.Generator().manual_seed(1)
+    x = (5 * torch.randn(37, 21, generator=g)).to(dtype)
+    x[30, 19] = -200.0  # the amax sits in a ragged last tile
+    q, scale, q_t = tt.tensorwise_quant_both(x, fmt=fmt)
+    rq, rs = tt.tensorwise_quant_reference(x, fmt=fmt)
+    assert q.shape == (37, 21) and q_t.shape == (21, 37) and q_t.is_contiguous()
+    assert torch.equal(scale, rs)
+    assert _same(q, rq)
+    assert _same(q_t, rq.t().contiguous())
+
+
+def test_both_layouts_of_a_non_finite_tensor_dequantize_to_nan():
+    x = torch.randn(9, 33)
+    x[2, 7] = float("inf")
+    q, scale, q_t = tt.tensorwise_quant_both(x)
+    assert torch.isnan(scale)
+    assert torch.isnan(q.float() * scale).all() and torch.isnan(q_t.float() * scale).all()
+
+
+def test_both_layouts_of_an_empty_tensor():
+    q, scale, q_t = tt.tensorwise_quant_both(torch.zeros(0, 8))
+    assert scale.item() == 1.0 and q.shape == (0, 8) and q_t.shape == (8, 0)
+
+
+def test_both_layouts_refuse_views_and_other_ranks():
+    with pytest.raises(ValueError, match="contiguous"):
+        tt.tensorwise_quant_both(torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="2-D"):
+        tt.tensorwise_quant_both(torch.randn(2, 8, 4))
+
+
+def test_opcheck_both_layouts():
+    torch.library.opcheck(torch.ops.loka.tensorwise_quant_both.default, (torch.randn(5, 7), "e5m2"),
+                          test_utils=("test_schema", "test_faketensor"))
