@@ -6,7 +6,8 @@
 # one after another on those GPUs (CUDA_VISIBLE_DEVICES) and on the host cores that go with them
 # (taskset: the host's cores split evenly over its GPUs), the lanes at the same time. A PART is a
 # kind, optionally with a suffix that names its own arguments (ARGS_<part>) and time limit
-# (TIMEOUT_<part>, seconds), e.g. scaling_dlrm with ARGS_scaling_dlrm="--configs dlrm":
+# (TIMEOUT_<part>, seconds) and environment (ENV_<part>, NAME=VALUE words), e.g. scaling_dlrm with
+# ARGS_scaling_dlrm="--configs dlrm":
 #   multigpu*      python -m pytest -m multigpu tests/gpu/test_multigpu.py (ARGS: more pytest arguments, e.g. -k resumes)
 #   sparse2dtest*  python -m pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py (the 4-GPU tests run with 4 GPUs)
 #   sparse2d*      python -m bench.sparse2d --out DIR ARGS (its NE base checkpoint is deleted before the save)
@@ -17,6 +18,7 @@
 #   pytest*        python -m pytest -q -s -p no:cacheprovider ARGS (e.g. tests/gpu/test_probe_gpu.py)
 #   gemm*          python -m bench.gemm --out DIR ARGS (e.g. --parts b --quick --ms 32768)
 #   ledgershapes*  python -m bench.ledger_shapes --out DIR ARGS
+#   quanttiles*    python -m bench.quant_tiles --out DIR ARGS
 # $OUT returns at most 8 files: each lane's parts go into lane<i>.tgz (i: the lane's position, from
 # 0; with the GPU list, the commit and the lanes), rewritten after each of its parts, so a call cut
 # by its time limit still returns the parts it finished, and one lane's large output (profile
@@ -40,14 +42,14 @@ ngpu=$(nvidia-smi -L | wc -l)
 per=$(( $(nproc) / ngpu ))
 git rev-parse HEAD > "$w/commit.txt" 2>/dev/null
 printf '%s\n' "$@" > "$w/lanes.txt"
-env | grep -E '^(ARGS|TIMEOUT)_' | sort >> "$w/lanes.txt"
+env | grep -E '^(ARGS|TIMEOUT|ENV)_' | sort >> "$w/lanes.txt"
 
 part() {  # GPUS CPUS PART
-  local gpus=$1 cpus=$2 name=$3 args_var="ARGS_$3" limit_var="TIMEOUT_$3"
-  local args=${!args_var:-} limit=${!limit_var:-300}
+  local gpus=$1 cpus=$2 name=$3 args_var="ARGS_$3" limit_var="TIMEOUT_$3" env_var="ENV_$3"
+  local args=${!args_var:-} limit=${!limit_var:-300} envs=${!env_var:-}
   local log="$w/$name.txt"
-  echo "gpus $gpus cpus $cpus limit ${limit}s: $name $args" > "$log"
-  local run=(env CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" taskset -c "$cpus" python)
+  echo "gpus $gpus cpus $cpus limit ${limit}s: ${envs:+$envs }$name $args" > "$log"
+  local run=(env CUDA_VISIBLE_DEVICES=$gpus $envs timeout "$limit" taskset -c "$cpus" python)
   case $name in
     multigpu*) "${run[@]}" -m pytest -m multigpu tests/gpu/test_multigpu.py -q -s -p no:cacheprovider \
                    --basetemp=/tmp/mg_$name $args >> "$log" 2>&1
@@ -69,6 +71,7 @@ part() {  # GPUS CPUS PART
                "${run[@]}" -m bench.probe_cost --out "$w/$name/probe_cost.json" $args >> "$log" 2>&1
                echo "rc=$?" >> "$log" ;;
     gemm*)     "${run[@]}" -m bench.gemm --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
+    quanttiles*) "${run[@]}" -m bench.quant_tiles --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     ledgershapes*) "${run[@]}" -m bench.ledger_shapes --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     pytest*)   "${run[@]}" -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/mg_$name $args >> "$log" 2>&1
                echo "rc=$?" >> "$log" ;;

@@ -49,8 +49,12 @@ _BLOCK = 8192
 """Elements per program of the two passes (8 warps, 32 elements a thread)."""
 _FINAL_BLOCK = 1024
 """Partial amaxes the finishing program reads per iteration."""
-_TILE = 64
-"""Rows x columns of one program of the cast that writes both layouts."""
+_TILE_R = 64
+"""Rows of one program of the cast that writes both layouts."""
+_TILE_C = 64
+"""Columns of one program of the cast that writes both layouts."""
+_BOTH_WARPS = 4
+"""Warps of one program of the cast that writes both layouts."""
 
 @triton.jit
 def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
@@ -196,9 +200,9 @@ def _tensorwise_quant_both_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Te
     if x.numel() == 0:
         return q, scale, q_t
     qr = _sw_round_args(q.dtype)
-    _cast_both_kernel[(_cdiv(r, _TILE), _cdiv(c, _TILE))](
-        x, scale, q, q_t, r, c, FP8_MAX=fmt_.max, BLOCK_R=_TILE, BLOCK_C=_TILE, Q_MANT=qr["MANT"],
-        Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"], num_warps=4,
+    _cast_both_kernel[(_cdiv(r, _TILE_R), _cdiv(c, _TILE_C))](
+        x, scale, q, q_t, r, c, FP8_MAX=fmt_.max, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, Q_MANT=qr["MANT"],
+        Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"], num_warps=_BOTH_WARPS,
     )
     return q, scale, q_t
 

@@ -91,7 +91,8 @@ def test_opcheck():
 @pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_both_layouts_are_the_reference_payload_and_its_transpose(fmt, dtype, monkeypatch):
-    monkeypatch.setattr(tt, "_TILE", 16)  # ragged tiles in both dims
+    monkeypatch.setattr(tt, "_TILE_R", 16)  # ragged tiles in both dims
+    monkeypatch.setattr(tt, "_TILE_C", 8)
     monkeypatch.setattr(tt, "_BLOCK", 256)
     g = torch.Generator().manual_seed(1)
     x = (5 * torch.randn(37, 21, generator=g)).to(dtype)

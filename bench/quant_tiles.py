@@ -1,0 +1,104 @@
+"""Tile shapes of the tensor-wise quantizer that writes both layouts (``loka::tensorwise_quant_both``),
+timed against the one-layout tensor-wise quantizer and the transposing one, on the GPU.
+
+Each configuration's output is checked bit for bit against the one-layout quantizer's payload
+and its transpose before it is timed (``triton.testing.do_bench``, median microseconds). The
+bandwidth column counts the bytes each kernel moves at least: read bf16 twice (amax pass and
+cast pass) and write the FP8 payloads.
+
+    python -m bench.quant_tiles --out DIR [--m 32768] [--ks 4096,2048,512]
+    python -m bench.quant_tiles --best DIR/quant_tiles.json   # prints "ROWS COLS WARPS" of the
+                                                              # fastest configuration at the largest K
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+CONFIGS = [(r, c, w) for (r, c), w in itertools.product(((32, 128), (64, 64), (64, 128), (128, 64), (128, 128)), (4, 8))]
+"""(rows, columns, warps) of one program of the two-layout cast."""
+
+
+def _bench_k(m: int, k: int, rows: list[dict]) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    from loka_train.kernels import triton_block as tb
+    from loka_train.kernels import triton_tensorwise as tt
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    n = x.numel()
+    ref_q, ref_s = tt.tensorwise_quant(x)
+    amax = x.float().abs().amax().reshape(1)
+
+    def row(name: str, us: float, nbytes: int) -> None:
+        rows.append({"m": m, "k": k, "kernel": name, "us": us, "tb_s": nbytes / (us * 1e-6) / 1e12})
+
+    row("tensorwise (one layout)", do_bench(lambda: tt.tensorwise_quant(x)) * 1e3, 5 * n)
+    row("transposed tensorwise (amax given)", do_bench(lambda: tb.transposed_quant(x, amax=amax)) * 1e3, 3 * n)
+    defaults = (tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS)
+    for tile_r, tile_c, warps in CONFIGS:
+        name = f"both layouts {tile_r}x{tile_c}, {warps} warps"
+        tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS = tile_r, tile_c, warps
+        try:
+            q, s, q_t = tt.tensorwise_quant_both(x)
+            same = (torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+                    and torch.equal(q_t.view(torch.uint8), ref_q.t().contiguous().view(torch.uint8)))
+            if not same:
+                raise AssertionError("payload differs from the one-layout quantizer's")
+            row(name, do_bench(lambda: tt.tensorwise_quant_both(x)) * 1e3, 6 * n)
+        except Exception as exc:  # a configuration that fails is reported, not fatal
+            rows.append({"m": m, "k": k, "kernel": name, "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS = defaults
+
+
+def best_config(rows: list[dict]) -> tuple[int, int, int]:
+    """(rows, columns, warps) of the fastest two-layout configuration at the largest K timed."""
+    k = max(r["k"] for r in rows)
+    timed = [r for r in rows if r["k"] == k and r["kernel"].startswith("both layouts") and "us" in r]
+    if not timed:
+        raise SystemExit(f"no two-layout configuration was timed at K={k}")
+    best = min(timed, key=lambda r: r["us"])
+    tile, warps = best["kernel"].removeprefix("both layouts ").split(", ")
+    rows_, cols = tile.split("x")
+    return int(rows_), int(cols), int(warps.split()[0])
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(prog="python -m bench.quant_tiles", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--best", type=Path, metavar="JSON", help="print the fastest configuration of a result")
+    ap.add_argument("--m", type=int, default=32768)
+    ap.add_argument("--ks", default="4096,2048,512")
+    args = ap.parse_args(argv)
+    if args.best is not None:
+        print(*best_config(json.loads(args.best.read_text())["rows"]))
+        return
+    if args.out is None:
+        ap.error("--out is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for k in (int(v) for v in args.ks.split(",")):
+        _bench_k(args.m, k, rows)
+    gpu = torch.cuda.get_device_name()
+    (args.out / "quant_tiles.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
+    lines = [f"# Two-layout tensor-wise quantizer tiles ({gpu})", "",
+             "| M | K | kernel | us | TB/s (min bytes) |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['m']} | {r['k']} | {r['kernel']} | {r['error']} | - |")
+        else:
+            lines.append(f"| {r['m']} | {r['k']} | {r['kernel']} | {r['us']:.1f} | {r['tb_s']:.2f} |")
+    (args.out / "quant_tiles.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
