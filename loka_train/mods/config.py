@@ -61,7 +61,9 @@ class ModsConfig:
     one Triton kernel, and a tensor-wise FP8 grad-weight GEMM takes its transposed operands
     from ``kernels.triton_block.transposed_quant`` (H100, graph-replayed block: 1.25x bf16 at
     8192x1024x1024, 1.50x at 8192x4096x4096;
-    bench/results/gemm_block_h100_2026-11-23c/NOTES.md)."""
+    bench/results/gemm_block_h100_2026-11-23c/NOTES.md). A forward plan the LayerNorm kernel
+    does not quantize (tensor-wise) runs LayerNorm, the Linear and the activation as separate
+    modules instead."""
 
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
-from loka_train.kernels.linear import _compute_dtype, inductor_quantizes
+from loka_train.kernels.linear import _compute_dtype, inductor_quantizes, use_fused_quantizer
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.registry import get_backend
 from loka_train.mods.planned import any_fp8, fp8_padding, gemm_plans, planned_linear
@@ -410,7 +410,10 @@ class Fp8Linear(GemmSite, nn.Linear):
         the LayerNorm kernel emits the GEMM's FP8 input and scales (see
         ``kernels.fused.layernorm_linear`` for the backward's kernels).
 
-        A high-precision plan is bit-identical to the separate modules. When the FP8 backend
+        A high-precision forward, or an FP8 one the LayerNorm kernel does not quantize
+        (tensor-wise, or no fused quantizer on this backend or device), runs as the separate
+        modules (LayerNorm and the activation then compile with the code around them); a
+        high-precision plan is bit-identical to them. When the FP8 backend
         needs padding (see the module docstring), ``N`` is padded; a ``K`` (the normalized dim)
         or ``M`` that needs padding cannot be padded inside the fused op, so the call falls
         back to the separate (padded) path, logged once and counted in ``num_fallbacks``.
@@ -426,12 +429,20 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
-        if not plan.forward.is_fp8 or inductor_quantizes(self.compiled_quantizer):
+        if (
+            not plan.forward.is_fp8
+            or inductor_quantizes(self.compiled_quantizer)
+            or not use_fused_quantizer(plan.forward, x, plan.forward.fmt)
+        ):
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
             # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site. Under
             # torch.compile with compiled_quantizer "inductor", the same composition, for
-            # inductor to fuse (kernels.settings.KernelSettings.compiled_quantizer).
+            # inductor to fuse (kernels.settings.KernelSettings.compiled_quantizer). An FP8
+            # forward that the LayerNorm kernel does not quantize (tensor-wise, or a backend
+            # or device without the fused quantizer) takes the same composition too: inside
+            # the fused op it would run LayerNorm, the activation and their backward as eager
+            # kernels of their own, where compiled code fuses them into their neighbours.
             return _act(self(norm(x)), activation)
         m = x.numel() // k if k else 0
         n = self.out_features

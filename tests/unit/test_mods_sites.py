@@ -285,7 +285,12 @@ def test_fused_norm_quant_equals_separate_quantization(backend: str) -> None:
     assert site.num_fallbacks == 0
 
 
-def test_fused_norm_quant_pads_n_and_falls_back_for_k(strict16: LinearPlan) -> None:
+def test_fused_norm_quant_pads_n_and_falls_back_for_k(strict16: LinearPlan, monkeypatch) -> None:
+    from loka_train.kernels import linear
+
+    # The strict backend stands for one that takes the fused quantizer's operands (the only
+    # kind the fused LayerNorm op serves) and needs dims of 16.
+    monkeypatch.setattr(linear, "_FUSED_QUANT_BACKENDS", linear._FUSED_QUANT_BACKENDS | {_Strict16.name})
     torch.manual_seed(5)
     norm, lin = _ln_pair(32, 13)  # N = 13 padded inside the fused op
     site = Fp8Linear.from_linear(lin, plan=strict16, pad_to_multiple=16)
@@ -302,6 +307,34 @@ def test_fused_norm_quant_pads_n_and_falls_back_for_k(strict16: LinearPlan) -> N
     site2.set_plan(FP8)
     site2.forward_layernorm(torch.randn(32, 12), norm2)
     assert site2.num_fallbacks == 2
+
+
+@pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE], ids=lambda s: s.value)
+def test_the_fused_norm_op_runs_only_a_forward_its_layernorm_kernel_quantizes(scaling, monkeypatch) -> None:
+    """A row-wise FP8 forward on a fused-quantizer backend runs the fused op; a tensor-wise one
+    (which the LayerNorm kernel does not quantize) runs LayerNorm, the FP8 Linear and the
+    activation as the original composition, with the same result and no fallback."""
+    from loka_train.mods import site as site_mod
+
+    calls = []
+    fused = site_mod.layernorm_linear
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(site_mod, "layernorm_linear", counted)
+    torch.manual_seed(7)
+    norm, lin = _ln_pair(32, 16)
+    site = Fp8Linear.from_linear(lin, plan=LinearPlan.fp8(scaling=scaling, backend="torch_scaled_mm"))
+    x = torch.randn(24, 32)
+    y = site.forward_layernorm(x, norm)
+    assert len(calls) == (scaling is Scaling.ROWWISE) and site.num_fallbacks == 0
+    ref = torch.relu(site(norm(x)))
+    if scaling is Scaling.TENSORWISE:
+        assert torch.equal(y, ref)
+    else:
+        assert sqnr_db(ref, y) > 30  # the fused kernel's own LayerNorm rounding
 
 
 # --------------------------------------------------------------------- horizontal fusion
