@@ -41,11 +41,18 @@ class StepClock(Callback):
     def __init__(
         self, *, warmup: int, timed: int, profile_steps: int, device: torch.device, timing: str,
         pyprofile: bool = False, step_diag: bool = False, memory_trace: bool = False,
-        memory_trace_running: bool = False,
+        memory_trace_running: bool = False, sampled_every: int | None = None,
     ) -> None:
         self.warmup = warmup
         self.timed = timed
         self.profile_steps = profile_steps
+        self.sampled_every = sampled_every
+        """The Probe samples every this many steps (None: no Probe): the profiled window is
+        shifted off those steps (:func:`profile_offset`)."""
+        self.profile_offset = 0
+        """Steps between the last timed step and the profiled window, set at the last timed step."""
+        self.profile_first = -1
+        """The profiled window's first step, counted from the run's first step (-1: none yet)."""
         self.cuda = device.type == "cuda"
         self.timing = timing if self.cuda else "sync"
         self.ends: list[float] = []
@@ -142,9 +149,14 @@ class StepClock(Callback):
             self._stop_gc_timing()
             if self.cuda:
                 self.gpu_reserved_gb = torch.cuda.memory_reserved() / 2**30
-        if self.profile_steps and step == last_timed:
+        if step == last_timed:
+            self.profile_offset = profile_offset(
+                self.first_step + last_timed + 1, self.profile_steps, self.sampled_every
+            )
+        if self.profile_steps and step == last_timed + self.profile_offset:
+            self.profile_first = step + 1
             self._start_profiler()
-        elif self.profiler is not None and step == last_timed + self.profile_steps:
+        elif self.profiler is not None and step == last_timed + self.profile_offset + self.profile_steps:
             self.close()
 
     def _start_profiler(self) -> None:
@@ -245,6 +257,21 @@ class StepClock(Callback):
             1000.0 * (ends[i] - ends[i - 1])
             for i in range(self.warmup, min(self.warmup + self.timed, len(ends)))
         ]
+
+
+def profile_offset(first_profiled: int, profile_steps: int, every_k_steps: int | None) -> int:
+    """Steps to shift a profiled window that would start at step ``first_profiled`` (the run's
+    step index) so that none of its ``profile_steps`` steps is one the Probe samples (every
+    ``every_k_steps``-th step; None: nothing is sampled): the profile then shows the steady
+    steps, not the Probe's eager samples. At most ``profile_steps``; 0 when no shift can avoid
+    a sampled step (``every_k_steps <= profile_steps``)."""
+    if not profile_steps or not every_k_steps or every_k_steps <= profile_steps:
+        return 0
+    for offset in range(profile_steps + 1):
+        start = first_profiled + offset
+        if all((start + i) % every_k_steps for i in range(profile_steps)):
+            return offset
+    return 0
 
 
 def _pstats_text(cprofile: Any, steps: int, top: int = 45) -> str:
@@ -363,9 +390,13 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
         categories[kernel_category(name)] += us
     busy_us = _merged_us(intervals) if intervals else total_us
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
+    first = clock.profile_first
+    window = clock.sampled[first : first + steps]
     return {
         "source": source,
         "steps": steps,
+        "first_step": clock.first_step + first,
+        "sampled_steps": sum(window),
         "wall_ms_per_step_profiled": 1000.0 * clock.profile_wall_s / steps,
         "kernel_ms_per_step": total_us / 1000.0 / steps,
         "busy_ms_per_step": busy_us / 1000.0 / steps,

@@ -179,8 +179,10 @@ def progress(t0: float, msg: str) -> None:
 
 
 def train_steps(args: argparse.Namespace) -> int:
-    """Steps every variant trains before its eval NE: the timed window, or --ne-steps."""
-    return max(args.warmup + args.steps + args.profile_steps, args.ne_steps)
+    """Steps every variant trains before its eval NE: the timed window, or --ne-steps. A
+    profiled window gets as many steps again of room, to be shifted off the Probe's sampled
+    steps (``measure.profile_offset``)."""
+    return max(args.warmup + args.steps + 2 * args.profile_steps, args.ne_steps)
 
 
 def decayed_steps(ne_decay: float, steps: int) -> int:
@@ -366,6 +368,9 @@ def run_one(
                 warmup=args.warmup,
                 timed=args.steps,
                 profile_steps=profile_steps,
+                sampled_every=(
+                    job.loka.probe.every_k_steps if job.loka.enabled and job.loka.probe.enabled else None
+                ),
                 device=torch.device(device_type),
                 timing=args.timing,
                 pyprofile=bool(args.pyprofile) and seed == 0,

@@ -204,6 +204,12 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                     + " | ".join(f"{cats[c]['share']:.0%}" for c in ("gemm", "quantize", "embedding", "memcpy", "other"))
                     + f" | {'-' if ceiling is None else fmt_x(ceiling)} | {top.replace('|', '/')} |"
                 )
+            for r in profiled:
+                p = r["profile"]
+                if p.get("sampled_steps"):
+                    lines += ["", f"**{r['config']} {r['variant']}: {p['sampled_steps']} of the {p['steps']} profiled "
+                              f"steps (from step {p.get('first_step', '?')}) are the Probe's sampled steps**: its "
+                              "table adds their eager samples to the steady steps' kernels."]
             lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
                       "steps; shares are of the summed kernel time. FP8 ceiling (high-precision runs) = the "
                       f"speed-up if every GEMM ran {FP8_GEMM_PEAK:g}x faster (FP8 peak) with free quantization "

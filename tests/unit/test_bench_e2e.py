@@ -337,6 +337,27 @@ def test_the_step_clock_splits_sampled_from_unsampled_steps() -> None:
     assert all(math.isnan(v) for v in clock.peak_gb())
 
 
+def test_the_profiled_window_is_shifted_off_the_probes_sampled_steps() -> None:
+    """With the Probe sampling every 8th step, a 3-step window that would begin at step 8 begins
+    at 9; the profile covers steps 9-11 and none is sampled. No Probe: no shift."""
+    from bench.e2e.measure import profile_offset, summarize_profile
+
+    assert profile_offset(8, 3, 8) == 1 and profile_offset(6, 3, 8) == 3 and profile_offset(9, 3, 8) == 0
+    assert profile_offset(8, 3, None) == 0 and profile_offset(8, 3, 3) == 0  # nothing to gain
+    clock = StepClock(warmup=2, timed=6, profile_steps=3, device=torch.device("cpu"), timing="sync",
+                      sampled_every=8)
+    trainer = _Trainer(sampled={0, 8, 16})
+    clock.on_train_start(trainer)
+    for step in range(14):
+        clock.on_step_start(trainer, step)
+        if clock.profiler is not None:
+            torch.ones(4).add_(1)  # an operator for the CPU profile
+        clock.on_step_end(trainer, step, {})
+    assert clock.profile_offset == 1 and clock.profile is not None
+    summary = summarize_profile(clock, median_ms=1.0)
+    assert summary["first_step"] == 9 and summary["sampled_steps"] == 0
+
+
 def test_the_step_clock_times_gc_pauses_only_in_the_timed_window() -> None:
     import gc
 
