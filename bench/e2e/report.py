@@ -268,6 +268,23 @@ LEDGER_ROWS = 8
 """Largest GEMMs of each ledger shown in the report (all of them are in the JSON)."""
 
 
+def _unattributed_line(r: dict[str, Any], ledger: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """What the ledger does not account for: the LoKA step with its FP8 savings added back
+    (the ledger's all-high step) against the measured step of bf16 with the same settings."""
+    high_step = (ledger.get("prediction") or {}).get("high_step_ms")
+    base = next((b for b in rows if b["config"] == r["config"] and b.get("batch") == r.get("batch")
+                 and b["variant"] == same_settings_reference(r["variant"]) and b.get("status") == "ok"), None)
+    if not high_step or base is None or not math.isfinite(base.get("step_ms_median", math.nan)):
+        return []
+    gap = high_step - base["step_ms_median"]
+    return ["", f"Against {base['variant']} ({base['step_ms_median']:.2f} ms, same run): LoKA's step with the "
+            f"ledger's FP8 savings added back is {high_step:.2f} ms, so **{gap:+.2f} ms a step** is spent "
+            "outside what the ledger times (work LoKA adds around its GEMMs, or GEMMs the compiled bf16 "
+            "step runs faster than the ledger's high-precision times): LoKA runs at "
+            f"{fmt_x(base['step_ms_median'] / r['step_ms_median'])} of bf16's speed where the ledger "
+            f"predicts {fmt_x(high_step / r['step_ms_median'])}."]
+
+
 def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
     """The per-GEMM ledger of each LoKA run that measured one (``--ledger``): its largest GEMMs
     and the step speed-ups it predicts against the same run's measured step."""
@@ -286,6 +303,7 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
             + (f" Predicted over an all-high step of {p['high_step_ms']:.2f} ms: as planned "
                f"{fmt_x(p['as_planned'])}, best as paid {fmt_x(p['best_as_paid'])}, quantization free "
                f"{fmt_x(p['quant_free'])}." if p else ""),
+            *_unattributed_line(r, ledger, rows),
             "",
             "| site | GEMM | M x K x N | plan | high ms | FP8 GEMM ms | quant ms | FP8 total ms | quant / saved "
             "| speed-up as paid | Dispatch's speed-up |",

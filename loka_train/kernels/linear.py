@@ -142,10 +142,14 @@ def use_transposed_quantizer(
 def use_tensorwise_quantizer(
     plan: GemmPlan, t: Tensor, fmt: Fp8Format, *, reference_quantizer: bool = False
 ) -> bool:
-    """Whether :func:`quantize_operand` takes the Triton tensor-wise quantizer for ``t`` (a
-    contiguous operand of a tensor-wise plan; transposed views take the transposing one;
-    never with ``reference_quantizer``)."""
-    return t.is_contiguous() and _triton_quantizes(plan, t, fmt, (Scaling.TENSORWISE,), reference_quantizer)
+    """Whether :func:`quantize_operand` takes the Triton tensor-wise quantizer for ``t`` (an
+    operand of a tensor-wise plan that is not a transposed view, which takes the transposing
+    one; never with ``reference_quantizer``). A non-contiguous ``t`` is copied contiguous first:
+    a gradient that reaches a site as a slice of a concatenation's (Wukong's FM output) has
+    rows strided apart, and one copy costs a fraction of the reference quantizer's passes."""
+    return not is_transposed_view(t) and _triton_quantizes(
+        plan, t, fmt, (Scaling.TENSORWISE,), reference_quantizer
+    )
 
 
 def quantize_operand(
@@ -157,8 +161,9 @@ def quantize_operand(
     fused one-pass quantizer (``loka::rowwise_quant``) where Triton runs, and row-wise or
     tensor-wise operands that are transposed views (the backward GEMMs' ``W^T``, ``dY^T``,
     ``X^T``) through the transposing one (``loka::transposed_quant``: no transposed copy);
-    contiguous tensor-wise operands of those backends through the tensor-wise one
-    (``loka::tensorwise_quant``, bit-identical to the reference); everything else through the
+    other tensor-wise operands of those backends through the tensor-wise one, copied contiguous
+    first where they are not (``loka::tensorwise_quant``, bit-identical to the reference);
+    everything else through the
     reference :func:`formats.quantize`. The row-wise kernels give the reference's scales and
     codes (on a GPU at most ~0.1 % of codes one step off: fp32 division). Under block scaling,
     weights get 128x128 tiles and activations/gradients 1x128 groups. ``reference_quantizer``
@@ -174,7 +179,7 @@ def quantize_operand(
     if use_tensorwise_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_tensorwise import tensorwise_quant
 
-        q, scale = tensorwise_quant(t_RC, fmt=fmt)
+        q, scale = tensorwise_quant(t_RC.contiguous(), fmt=fmt)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
     if use_fused_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_kernels import fused_rowwise_quant
@@ -319,7 +324,7 @@ def quantize_with_transpose(
     if writes_both_layouts(plan, t_RC, fmt, other, other_fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_tensorwise import tensorwise_quant_both
 
-        data, scale, data_t = tensorwise_quant_both(t_RC, fmt=fmt)
+        data, scale, data_t = tensorwise_quant_both(t_RC.contiguous(), fmt=fmt)
         return (
             QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
             QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),

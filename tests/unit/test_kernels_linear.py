@@ -521,3 +521,34 @@ def test_a_transpose_is_written_only_for_a_gemm_that_takes_it_over(monkeypatch):
                                                                             fmt_b=Fp8Format.E4M3))
     fp8_linear(x, w, None, plan).backward(_gauss(64, 16, seed=2))
     assert calls == [(64, 32)]  # x for grad-weight; W's transpose has no taker (grad-input high)
+
+
+def test_a_strided_gradient_takes_the_triton_tensorwise_quantizer(monkeypatch):
+    """A site whose output is concatenated gets its gradient as a slice of the concatenation's
+    (rows strided apart): it is copied contiguous and quantized by the Triton tensor-wise
+    quantizer with both layouts, not by the reference quantizer's passes, with the same codes."""
+    from loka_train.kernels import linear as kl
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    reference = []
+    quantize_ref = kl.quantize
+
+    def counted(t, *args, **kwargs):  # type: ignore[no-untyped-def]
+        reference.append(tuple(t.shape))
+        return quantize_ref(t, *args, **kwargs)
+
+    def run():  # type: ignore[no-untyped-def]
+        x = _gauss(64, 32).requires_grad_(True)
+        w = _gauss(16, 32, seed=1).requires_grad_(True)
+        y = fp8_linear(x, w, None, plan)
+        z = torch.cat([y.view(64, 2, 8), torch.zeros(64, 2, 8)], dim=1)  # y's grad: a strided slice
+        z.backward(_gauss(64, 4, 8, seed=2))
+        return x.grad, w.grad
+
+    monkeypatch.setattr(kl, "quantize", counted)
+    gx, gw = run()
+    assert reference == []
+    monkeypatch.setattr(kl, "use_tensorwise_quantizer", lambda *a, **k: False)  # the reference path
+    gx_ref, gw_ref = run()
+    assert reference  # the reference quantizer ran instead
+    assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
