@@ -610,3 +610,18 @@ def test_the_decision_run_s_model_is_freed_before_the_timed_run(tmp_path: Path, 
     # Clean-ups: after the decision run, then after the timed run; each frees the job it followed.
     assert len(latest_alive_after_cleanup) >= 2, latest_alive_after_cleanup
     assert not any(latest_alive_after_cleanup), latest_alive_after_cleanup
+
+
+def test_the_ledger_section_states_the_step_time_the_ledger_does_not_see() -> None:
+    from bench.e2e.report import _unattributed_line
+
+    loka = {"config": "wukong", "batch": 32768, "variant": "loka_aggressive+compile+graphs", "status": "ok",
+            "step_ms_median": 30.0}
+    bf16 = {"config": "wukong", "batch": 32768, "variant": "bf16+compile+graphs", "status": "ok",
+            "step_ms_median": 29.0}
+    ledger = {"prediction": {"high_step_ms": 33.0}}
+    (_, line) = _unattributed_line(loka, ledger, [bf16, loka])
+    assert "+4.00 ms a step" in line and "0.97x" in line and "1.10x" in line
+    assert _unattributed_line(loka, ledger, [loka]) == []  # no bf16 with the same settings
+    other = dict(bf16, variant="bf16")  # eager bf16 is not the reference
+    assert _unattributed_line(loka, ledger, [other, loka]) == []
