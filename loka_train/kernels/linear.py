@@ -416,6 +416,13 @@ class _PlannedLinearFn(torch.autograd.Function):
 
         with torch.autocast(grad_y.device.type, enabled=False):
             dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
+            if (plan.grad_input.is_fp8 or plan.grad_weight.is_fp8) and not dy_MN.is_contiguous():
+                # One copy for every quantizer that reads dY: a gradient that reaches the site
+                # as a slice of a concatenation's (rows strided apart) would otherwise be
+                # copied by each, and grad-weight's dY^T would not be the transposed view of a
+                # contiguous tensor that the transposing quantizer reads (at M > 16384 rows the
+                # reference quantizer's eager passes would take it).
+                dy_MN = dy_MN.contiguous()
             dy_q_t = None
             if need_x:
                 gi = plan.grad_input

@@ -132,15 +132,14 @@ def planned_linear(
     if not any_fp8(plan):
         return F.linear(x, weight, bias)
     n, k = weight.shape
-    x_MK = x.reshape(-1, k)
-    m = x_MK.shape[0]
+    m = x.numel() // k if k else 0  # not x.reshape(-1, k): that copies a non-contiguous x
     pad = fp8_padding(plan, m, k, n, pad_to_multiple, x.device.type, _compute_dtype(x), False)
     if pad is None or pad == (0, 0, 0):
         # None: padding cannot help; fp8_linear raises with the backend's reason.
         return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer)
     pad_m, pad_k, pad_n = pad
     with profiled("loka/mods/pad"):
-        xp = F.pad(x_MK, (0, pad_k, 0, pad_m))
+        xp = F.pad(x.reshape(-1, k), (0, pad_k, 0, pad_m))
         wp = F.pad(weight, (0, pad_k, 0, pad_n))
         bp = None if bias is None else F.pad(bias, (0, pad_n))
     y_MN = fp8_linear(xp, wp, bp, plan, compiled_quantizer=compiled_quantizer)[:m, :n]

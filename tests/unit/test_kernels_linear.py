@@ -552,3 +552,40 @@ def test_a_strided_gradient_takes_the_triton_tensorwise_quantizer(monkeypatch):
     gx_ref, gw_ref = run()
     assert reference  # the reference quantizer ran instead
     assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
+
+
+@pytest.mark.parametrize("scaling", [Scaling.ROWWISE, Scaling.TENSORWISE], ids=lambda s: s.value)
+def test_a_strided_gradient_is_copied_once_and_gives_the_contiguous_ones_results(scaling):
+    """Every FP8 backward GEMM reads the one contiguous copy of a strided dY (grad-weight's dY^T
+    is then a transposed view the transposing quantizer reads); the gradients equal those of
+    the same dY passed contiguous."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    plan = LinearPlan.fp8(scaling=scaling, backend="torch_scaled_mm")
+
+    class Copies(TorchDispatchMode):
+        shapes: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::clone", "aten::contiguous", "aten::_to_copy"):
+                Copies.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    g = _gauss(64, 4, 8, seed=2)
+
+    def run(strided: bool):  # type: ignore[no-untyped-def]
+        x = _gauss(64, 32).requires_grad_(True)
+        w = _gauss(16, 32, seed=1).requires_grad_(True)
+        y = fp8_linear(x, w, None, plan)
+        if strided:
+            z = torch.cat([y.view(64, 2, 8), torch.zeros(64, 2, 8)], dim=1)
+            with Copies():
+                z.backward(g)
+        else:
+            y.backward(g[:, :2].reshape(64, 16))
+        return x.grad, w.grad
+
+    got = run(True)
+    assert [s for s in Copies.shapes if s in ((64, 16), (16, 64))] == [(64, 16)]  # dY, once
+    want = run(False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

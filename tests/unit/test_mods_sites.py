@@ -778,3 +778,26 @@ def test_fused_layernorm_with_high_forward_keeps_the_forward_under_autocast() ->
                                  grad_input=fp8.grad_input, grad_weight=fp8.grad_weight))
         y_mixed = site.forward_layernorm(x, norm)
     assert torch.equal(y_high, y_mixed)
+
+
+def test_planned_linear_copies_a_non_contiguous_input_once() -> None:
+    """A transposed input (Wukong's X^T projections) is copied once, where fp8_linear flattens
+    it, not a second time to count its rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loka_train.mods.planned import planned_linear
+
+    class Copies(TorchDispatchMode):
+        num = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name == "aten::clone" and args[0].shape == (4, 6, 8):
+                Copies.num += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 8, 6).transpose(1, 2)  # (4, 6, 8), not contiguous
+    w = torch.randn(5, 8)
+    with Copies():
+        y = planned_linear(x, w, None, FP8)
+    assert Copies.num == 1
+    assert sqnr_db(torch.nn.functional.linear(x, w), y) > 20
