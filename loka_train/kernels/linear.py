@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from typing import Any
@@ -54,6 +55,7 @@ __all__ = [
     "is_transposed_view",
     "quantize_operand",
     "quantize_with_transpose",
+    "reference_fallbacks",
     "run_backend",
     "transposed_reuse",
     "use_fused_quantizer",
@@ -186,8 +188,35 @@ def quantize_operand(
 
         q, scale, _, _, _, _ = fused_rowwise_quant(t_RC.contiguous(), fmt=fmt)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.ROWWISE, axis=1)
+    if _triton_quantizes(plan, t_RC, fmt, (Scaling.ROWWISE, Scaling.TENSORWISE), reference_quantizer):
+        # A Triton quantizer runs here for this plan, but not for this operand's shape or layout.
+        _note_reference_fallback(
+            f"{plan.scaling.value} operand {tuple(t_RC.shape)} with strides {t_RC.stride()} on {plan.backend}"
+        )
     block_2d = is_weight and plan.scaling is Scaling.BLOCK
     return quantize(t_RC, fmt, plan.scaling, axis=-1, block_2d=block_2d)
+
+
+_REFERENCE_FALLBACKS: collections.Counter[str] = collections.Counter()
+"""Operands the reference quantizer took where a Triton quantizer runs for their plan, by
+what they were (see :func:`reference_fallbacks`)."""
+
+
+def _note_reference_fallback(what: str) -> None:
+    if what not in _REFERENCE_FALLBACKS:
+        logger.warning(
+            "kernels: the reference quantizer (eager amax, division and cast passes) quantizes a %s: "
+            "no Triton quantizer takes its shape or layout; counted in reference_fallbacks()", what,
+        )
+    _REFERENCE_FALLBACKS[what] += 1
+
+
+def reference_fallbacks() -> dict[str, int]:
+    """How many operands the reference quantizer quantized, by shape and layout, where the Triton
+    quantizers run for their plan but not for them (e.g. a row-wise operand with rows longer than
+    the fused kernel holds): each costs several times the kernel's passes, which neither
+    Dispatch's timings nor the ledger include. Logged once per kind; the LoKA report lists them."""
+    return dict(_REFERENCE_FALLBACKS)
 
 
 def run_backend(

@@ -47,6 +47,7 @@ from torch import nn
 
 from loka_train.dispatch import Dispatcher, PlanChange
 from loka_train.dispatch.ledger import Ledger, measure_ledger
+from loka_train.kernels.linear import reference_fallbacks
 from loka_train.kernels.roles import ROLES
 from loka_train.mods import convert, mark_sampled, sites
 from loka_train.plugin.config import LokaConfig
@@ -395,11 +396,11 @@ class LokaCallback(Callback):
         if not self.enabled:
             raise RuntimeError("LoKA is off (LokaConfig.enabled=False): it keeps no report")
         assert self.probe is not None and self.dispatcher is not None
+        fallbacks = [*(trainer.fallbacks if trainer is not None else ()), *_quantizer_fallbacks()]
         return run_report(
             sites=self.sites, probe=self.probe, dispatcher=self.dispatcher, comm_state=self.comm_state,
             compressors=self.compressors, guard_trips=self.guard_trips,
-            fallbacks=trainer.fallbacks if trainer is not None else (), evals=self.evals,
-            timeline=self.timeline,
+            fallbacks=fallbacks, evals=self.evals, timeline=self.timeline,
         )
 
     def write_report(self, trainer: Trainer) -> Path | None:
@@ -525,3 +526,12 @@ def _cpu_note(objective: str) -> str:
 
 
 __all__ = ["LokaCallback"]
+
+
+def _quantizer_fallbacks() -> list[str]:
+    """The operands this process's FP8 sites had quantized by the reference quantizer where a
+    Triton quantizer runs for their plan (``kernels.linear.reference_fallbacks``), one line each."""
+    return [
+        f"kernels: the reference quantizer took {n} x a {what} (no Triton quantizer takes its shape or layout)"
+        for what, n in sorted(reference_fallbacks().items())
+    ]

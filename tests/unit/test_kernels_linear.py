@@ -589,3 +589,26 @@ def test_a_strided_gradient_is_copied_once_and_gives_the_contiguous_ones_results
     assert [s for s in Copies.shapes if s in ((64, 16), (16, 64))] == [(64, 16)]  # dY, once
     want = run(False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_an_operand_no_triton_quantizer_takes_is_counted_and_logged(monkeypatch, caplog):
+    """Where the Triton quantizers run for a plan but not for an operand (a row-wise row longer
+    than the fused kernel holds), the reference quantizer takes it: logged once, counted per
+    operand; the emulated oracle's reference quantization is not a fallback."""
+    from loka_train.kernels import linear as kl
+    from loka_train.kernels import triton_kernels
+
+    monkeypatch.setattr(kl, "_REFERENCE_FALLBACKS", __import__("collections").Counter())
+    monkeypatch.setattr(triton_kernels, "MAX_QUANT_ROW", 16)
+    rw = GemmPlan(precision="fp8", scaling=Scaling.ROWWISE, backend="torch_scaled_mm")
+    x = _gauss(4, 32)
+    with caplog.at_level("WARNING", logger="loka_train.kernels.linear"):
+        for _ in range(3):
+            got = kl.quantize_operand(x, rw.fmt, rw, is_weight=False)
+    ref = quantize(x, rw.fmt, Scaling.ROWWISE)
+    assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert kl.reference_fallbacks() == {"rowwise operand (4, 32) with strides (32, 1) on torch_scaled_mm": 3}
+    assert sum("reference quantizer" in r.message for r in caplog.records) == 1
+    kl.quantize_operand(_gauss(4, 8), rw.fmt, rw, is_weight=False)  # fits the fused kernel
+    kl.quantize_operand(x, rw.fmt, dataclasses.replace(rw, backend="emulated"), is_weight=False)
+    assert sum(kl.reference_fallbacks().values()) == 3

@@ -162,3 +162,18 @@ def test_residuals_dropped_at_a_resume_on_another_world_size_are_a_fallback(tmp_
     assert [f for f in ctx.fallbacks if "error-feedback residuals" in f and "2 processes' state on 3" in f]
     resumed.on_train_start(ctx)  # reported once
     assert len([f for f in ctx.fallbacks if "error-feedback residuals" in f]) == 1
+
+
+def test_the_report_lists_operands_the_reference_quantizer_took(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+
+    from loka_train.kernels import linear
+
+    cb, ctx = _started(_config(), tmp_path)
+    monkeypatch.setattr(linear, "_REFERENCE_FALLBACKS", collections.Counter())
+    assert not any(f.startswith("kernels:") for f in cb.report(ctx)["fallbacks"])
+    linear._note_reference_fallback("rowwise operand (4, 32) with strides (32, 1) on torch_scaled_mm")
+    linear._note_reference_fallback("rowwise operand (4, 32) with strides (32, 1) on torch_scaled_mm")
+    lines = [f for f in cb.report(ctx)["fallbacks"] if f.startswith("kernels:")]
+    assert lines == ["kernels: the reference quantizer took 2 x a rowwise operand (4, 32) with strides (32, 1) "
+                     "on torch_scaled_mm (no Triton quantizer takes its shape or layout)"]
