@@ -277,12 +277,20 @@ def _unattributed_line(r: dict[str, Any], ledger: dict[str, Any], rows: list[dic
     if not high_step or base is None or not math.isfinite(base.get("step_ms_median", math.nan)):
         return []
     gap = high_step - base["step_ms_median"]
+    reconcile = ""
+    profile = base.get("profile") or {}
+    high_gemms = (ledger.get("totals") or {}).get("high_ms")
+    if high_gemms and "gemm" in (profile.get("categories") or {}):
+        bf16_gemms = profile["categories"]["gemm"]["ms_per_step"]
+        reconcile = (f" Of that, {high_gemms - bf16_gemms:+.2f} ms is the ledger's high-precision GEMM times "
+                     f"({high_gemms:.2f} ms a step) against the GEMM kernels of {base['variant']}'s profiled "
+                     f"steps ({bf16_gemms:.2f} ms).")
     return ["", f"Against {base['variant']} ({base['step_ms_median']:.2f} ms, same run): LoKA's step with the "
             f"ledger's FP8 savings added back is {high_step:.2f} ms, so **{gap:+.2f} ms a step** is spent "
             "outside what the ledger times (work LoKA adds around its GEMMs, or GEMMs the compiled bf16 "
             "step runs faster than the ledger's high-precision times): LoKA runs at "
             f"{fmt_x(base['step_ms_median'] / r['step_ms_median'])} of bf16's speed where the ledger "
-            f"predicts {fmt_x(high_step / r['step_ms_median'])}."]
+            f"predicts {fmt_x(high_step / r['step_ms_median'])}.{reconcile}"]
 
 
 def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:

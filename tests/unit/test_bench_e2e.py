@@ -622,6 +622,10 @@ def test_the_ledger_section_states_the_step_time_the_ledger_does_not_see() -> No
     ledger = {"prediction": {"high_step_ms": 33.0}}
     (_, line) = _unattributed_line(loka, ledger, [bf16, loka])
     assert "+4.00 ms a step" in line and "0.97x" in line and "1.10x" in line
+    assert "Of that" not in line  # no bf16 profile: nothing to reconcile the GEMM times with
+    profiled = dict(bf16, profile={"categories": {"gemm": {"ms_per_step": 15.5}}})
+    (_, line) = _unattributed_line(loka, dict(ledger, totals={"high_ms": 16.0}), [profiled, loka])
+    assert "Of that, +0.50 ms is the ledger's high-precision GEMM times (16.00 ms a step)" in line
     assert _unattributed_line(loka, ledger, [loka]) == []  # no bf16 with the same settings
     other = dict(bf16, variant="bf16")  # eager bf16 is not the reference
     assert _unattributed_line(loka, ledger, [other, loka]) == []
