@@ -195,7 +195,8 @@ def evaluate_targets(
             return f"{config}: not run"
         if r["status"] != "ok":
             return f"{config}: {r.get('error', r['status'])[:200]}".replace("\n", " ")
-        return f"{config}: no bf16 run to compare with"
+        return (f"{config}: no eager bf16 run to compare with (these targets are against eager bf16; "
+                "the same-settings ratio is in the step-time table)")
 
     def failed(r: dict[str, Any] | None) -> bool:
         """The LoKA run itself failed (a miss); a run not made (yet) or a missing bf16
