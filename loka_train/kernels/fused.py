@@ -147,7 +147,9 @@ class _LnLinearActFn(torch.autograd.Function):
                     h_t_q = QTensor(data=hq, scale=hs, fmt=gw.operand_b_fmt,
                                     scaling=Scaling.TENSORWISE, axis=1)
                     h_MK = None
-                w_q = quantize_operand(wc, fwd.operand_b_fmt, fwd, is_weight=True, reference_quantizer=rq)
+                w_q = quantize_operand(
+                    wc, fwd.operand_b_fmt, fwd, is_weight=True, reference_quantizer=rq, count_fallbacks=True
+                )
                 h_q = QTensor(data=q, scale=s, fmt=fwd.fmt, scaling=Scaling.ROWWISE, axis=1)
                 y_MN, pre_MN = _gemm_act(
                     fwd, h_q, w_q, bias=bc, activation=activation, out_dtype=odtype, role="forward"
@@ -157,7 +159,7 @@ class _LnLinearActFn(torch.autograd.Function):
                 if fwd.is_fp8:
                     z_MN = fp8_gemm_planned(
                         h_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc,
-                        b_is_weight=True, reference_quantizer=rq,
+                        b_is_weight=True, reference_quantizer=rq, count_fallbacks=True,
                     )
                 else:
                     z_MN = F.linear(h_MK, wc, bc).to(odtype)
@@ -215,12 +217,14 @@ class _LnLinearActFn(torch.autograd.Function):
 
             # grad-input of the linear: dH = dZ W.
             if gi.is_fp8 and dz_q is not None:
-                w_t = quantize_operand(wc.t(), gi.operand_b_fmt, gi, is_weight=True, reference_quantizer=rq)
+                w_t = quantize_operand(
+                    wc.t(), gi.operand_b_fmt, gi, is_weight=True, reference_quantizer=rq, count_fallbacks=True
+                )
                 dh_MK = run_backend(gi, dz_q, w_t, out_dtype=cdtype, role="grad_input")
             elif gi.is_fp8:
                 dh_MK = fp8_gemm_planned(
                     dz_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
-                    reference_quantizer=rq,
+                    reference_quantizer=rq, count_fallbacks=True,
                 )
             else:
                 dh_MK = dz_MN.mm(wc)
@@ -250,7 +254,7 @@ class _LnLinearActFn(torch.autograd.Function):
                     grad_w = fp8_gemm_planned(
                         dz_MN.t(), None if h_MK is None else h_MK.t(), gw,
                         out_dtype=grad_weight_dtype(w_dt), role="grad_weight", a_q=dz_t_q,
-                        b_q=h_t_q, reference_quantizer=rq,
+                        b_q=h_t_q, reference_quantizer=rq, count_fallbacks=True,
                     ).to(w_dt)
                 else:
                     grad_w = dz_MN.t().mm(h_MK).to(w_dt)  # autograd's order (see linear.py)

@@ -155,7 +155,13 @@ def use_tensorwise_quantizer(
 
 
 def quantize_operand(
-    t_RC: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool, reference_quantizer: bool = False
+    t_RC: Tensor,
+    fmt: Fp8Format,
+    plan: GemmPlan,
+    *,
+    is_weight: bool,
+    reference_quantizer: bool = False,
+    count_fallbacks: bool = False,
 ) -> QTensor:
     """Quantize a 2-D GEMM operand along its last (contraction) dim as ``plan`` asks.
 
@@ -170,7 +176,8 @@ def quantize_operand(
     codes (on a GPU at most ~0.1 % of codes one step off: fp32 division). Under block scaling,
     weights get 128x128 tiles and activations/gradients 1x128 groups. ``reference_quantizer``
     (code traced for inductor to fuse, see :func:`inductor_quantizes`) always takes
-    :func:`formats.quantize`.
+    :func:`formats.quantize`. ``count_fallbacks``: a site's own quantization (not a timing or
+    a trace), whose reference-quantizer fallbacks :func:`reference_fallbacks` counts.
     """
     if use_transposed_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_block import transposed_quant
@@ -188,7 +195,11 @@ def quantize_operand(
 
         q, scale, _, _, _, _ = fused_rowwise_quant(t_RC.contiguous(), fmt=fmt)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.ROWWISE, axis=1)
-    if _triton_quantizes(plan, t_RC, fmt, (Scaling.ROWWISE, Scaling.TENSORWISE), reference_quantizer):
+    if (
+        count_fallbacks
+        and not opaque.tracing()
+        and _triton_quantizes(plan, t_RC, fmt, (Scaling.ROWWISE, Scaling.TENSORWISE), reference_quantizer)
+    ):
         # A Triton quantizer runs here for this plan, but not for this operand's shape or layout.
         _note_reference_fallback(
             f"{plan.scaling.value} operand {tuple(t_RC.shape)} with strides {t_RC.stride()} on {plan.backend}"
@@ -212,10 +223,12 @@ def _note_reference_fallback(what: str) -> None:
 
 
 def reference_fallbacks() -> dict[str, int]:
-    """How many operands the reference quantizer quantized, by shape and layout, where the Triton
-    quantizers run for their plan but not for them (e.g. a row-wise operand with rows longer than
-    the fused kernel holds): each costs several times the kernel's passes, which neither
-    Dispatch's timings nor the ledger include. Logged once per kind; the LoKA report lists them."""
+    """How many of the sites' operands (``count_fallbacks``; not Dispatch's or the ledger's
+    timings) the reference quantizer quantized, by shape and layout, where the Triton quantizers
+    run for their plan but not for them (e.g. a row-wise operand with rows longer than the fused
+    kernel holds): each costs several times the kernel's passes, which neither Dispatch's
+    timings nor the ledger include. Logged once per kind; the LoKA report lists the counts of
+    its run (since ``on_train_start``). Process-wide, never reset."""
     return dict(_REFERENCE_FALLBACKS)
 
 
@@ -261,12 +274,13 @@ def fp8_gemm_planned(
     a_q: QTensor | None = None,
     b_q: QTensor | None = None,
     reference_quantizer: bool = False,
+    count_fallbacks: bool = False,
 ) -> Tensor:
     """``a @ b^T (+ bias)`` in FP8 as ``plan`` says: quantize both along K, call the backend.
 
     ``a_q`` / ``b_q``, when given, are the operands already quantized exactly as ``plan``
     would quantize them (see :func:`transposed_reuse`); they are used instead.
-    ``reference_quantizer``: see :func:`quantize_operand`.
+    ``reference_quantizer``, ``count_fallbacks``: see :func:`quantize_operand`.
 
     Raises:
         RuntimeError: if the plan's backend cannot run this problem (the reason is included).
@@ -275,12 +289,16 @@ def fp8_gemm_planned(
         raise ValueError("fp8_gemm_planned needs an FP8 plan")
     get_backend(plan.backend)  # unknown names fail before any work
     if a_q is None:
-        a_q = quantize_operand(a_MK, plan.fmt, plan, is_weight=False, reference_quantizer=reference_quantizer)
+        a_q = quantize_operand(
+            a_MK, plan.fmt, plan, is_weight=False, reference_quantizer=reference_quantizer,
+            count_fallbacks=count_fallbacks,
+        )
     if b_q is None:
         if b_NK is None:
             raise ValueError("fp8_gemm_planned needs b_NK or its quantized b_q")
         b_q = quantize_operand(
-            b_NK, plan.operand_b_fmt, plan, is_weight=b_is_weight, reference_quantizer=reference_quantizer
+            b_NK, plan.operand_b_fmt, plan, is_weight=b_is_weight, reference_quantizer=reference_quantizer,
+            count_fallbacks=count_fallbacks,
         )
     return run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias_N)
 
@@ -339,6 +357,7 @@ def quantize_with_transpose(
     *,
     is_weight: bool,
     reference_quantizer: bool = False,
+    count_fallbacks: bool = False,
 ) -> tuple[QTensor, QTensor | None]:
     """``t_RC`` quantized for ``plan`` (:func:`quantize_operand`) and, where the GEMM ``other``
     takes its transpose over as operand in ``other_fmt`` (:func:`transposed_reuse`), that
@@ -358,7 +377,9 @@ def quantize_with_transpose(
             QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
             QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
         )
-    q = quantize_operand(t_RC, fmt, plan, is_weight=is_weight, reference_quantizer=reference_quantizer)
+    q = quantize_operand(
+        t_RC, fmt, plan, is_weight=is_weight, reference_quantizer=reference_quantizer, count_fallbacks=count_fallbacks
+    )
     return q, transposed_reuse(q, other_fmt, other)
 
 
@@ -386,13 +407,18 @@ class _PlannedLinearFn(torch.autograd.Function):
         plan: LinearPlan,
         out_dtype: torch.dtype | None,
         reference_quantizer: bool,
+        grad_enabled: bool,
     ) -> Tensor:
         dev = x.device.type
         rq = reference_quantizer
         cdtype = _compute_dtype(x)
         # Tensor-wise FP8 operands of the forward that a backward GEMM takes as they are
         # (transposed): then it need not quantize them again, nor keep the high-precision x.
+        # Only for a backward GEMM that will run: grad-weight takes x^T, grad-input W^T.
+        # (``grad_enabled``: the caller's grad mode, which ``needs_input_grad`` does not see
+        # in eager code.)
         x_q_t = w_q_t = None
+        need_x, need_w = (grad_enabled and n for n in ctx.needs_input_grad[:2])
         with torch.autocast(dev, enabled=False):
             xc = x.to(cdtype)
             wc = weight.to(cdtype)
@@ -401,12 +427,16 @@ class _PlannedLinearFn(torch.autograd.Function):
             if plan.forward.is_fp8:
                 x_MK = xc.reshape(-1, xc.shape[-1])
                 fwd = plan.forward
-                gi, gw = plan.grad_input, plan.grad_weight
+                none = GemmPlan()  # no GEMM takes the transpose over
+                gi = plan.grad_input if need_x else none
+                gw = plan.grad_weight if need_w else none
                 x_q, x_q_t = quantize_with_transpose(
-                    x_MK, fwd.fmt, fwd, gw, gw.operand_b_fmt, is_weight=False, reference_quantizer=rq
+                    x_MK, fwd.fmt, fwd, gw, gw.operand_b_fmt, is_weight=False, reference_quantizer=rq,
+                    count_fallbacks=True,
                 )
                 w_q, w_q_t = quantize_with_transpose(
-                    wc, fwd.operand_b_fmt, fwd, gi, gi.operand_b_fmt, is_weight=True, reference_quantizer=rq
+                    wc, fwd.operand_b_fmt, fwd, gi, gi.operand_b_fmt, is_weight=True, reference_quantizer=rq,
+                    count_fallbacks=True,
                 )
                 y_MN = fp8_gemm_planned(
                     x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q,
@@ -459,12 +489,12 @@ class _PlannedLinearFn(torch.autograd.Function):
                     # dX = dY W = dY @ (W^T)^T: contraction over N.
                     dy_q, dy_q_t = quantize_with_transpose(
                         dy_MN, gi.fmt, gi, plan.grad_weight, plan.grad_weight.fmt, is_weight=False,
-                        reference_quantizer=rq,
+                        reference_quantizer=rq, count_fallbacks=True,
                     )
                     dx_MK = fp8_gemm_planned(
                         dy_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
                         a_q=dy_q, b_q=reused(wq_data, wq_scale, gi.operand_b_fmt),
-                        reference_quantizer=rq,
+                        reference_quantizer=rq, count_fallbacks=True,
                     )
                 else:
                     dx_MK = dy_MN.mm(wc)
@@ -478,6 +508,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                     grad_w = fp8_gemm_planned(
                         dy_MN.t(), x_KM, gw, out_dtype=grad_weight_dtype(w_dtype),
                         role="grad_weight", a_q=dy_q_t, b_q=x_q_t, reference_quantizer=rq,
+                        count_fallbacks=True,
                     ).to(w_dtype)
                 else:
                     # The GEMM autograd's linear backward runs (mm_mat2_backward with a
@@ -486,7 +517,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                     grad_w = dy_MN.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
             if need_b and ctx.has_bias:
                 grad_b = dy_MN.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def _planned_linear_impl(
@@ -498,9 +529,10 @@ def _planned_linear_impl(
     autocast_dtype: torch.dtype | None,
     needs_grad: list[bool],
 ) -> list[Tensor]:
-    # The op runs the Function's eager code: the Triton quantizers, never the reference.
+    # The op runs the Function's eager code: the Triton quantizers, never the reference. Its
+    # needs_grad already holds the caller's grad mode (opaque.needs_grad).
     return opaque.run_forward(
-        "planned_linear", (x, weight, bias, LinearPlan.from_key(plan), out_dtype, False), needs_grad,
+        "planned_linear", (x, weight, bias, LinearPlan.from_key(plan), out_dtype, False, True), needs_grad,
         autocast_dtype, x.device.type,
     )
 
@@ -556,5 +588,5 @@ def fp8_linear(
             x, weight, bias, plan.key, out_dtype, autocast, opaque.needs_grad(x, weight, bias),
         )[0]
     return _PlannedLinearFn.apply(
-        x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer)
+        x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled()
     )

@@ -10,9 +10,10 @@ even, the division of ``x`` IEEE-rounded (``div_rn``), values saturating at ``fm
 
 A tensor-wise payload is what lets a site reuse its forward's ``x`` and ``W`` and its
 grad-input's ``dY`` transposed in the backward (``kernels.linear.transposed_reuse``): with this
-quantizer a tensor-wise linear layer quantizes two large tensors a step instead of four. With
-``transposed=True`` the cast pass also writes the payload's transpose, contiguous, from the same
-read (6 bytes of traffic per bf16 element instead of 5): the layout the backward's GEMM takes
+quantizer a tensor-wise linear layer quantizes two large tensors a step instead of four.
+:func:`tensorwise_quant_both` (op ``loka::tensorwise_quant_both``) also writes the payload's
+transpose, contiguous, in the cast pass, from the same read (6 bytes of traffic per bf16 element
+instead of 5): the layout the backward's GEMM takes
 (K-major, as Hopper's FP8 GEMMs want), where a transposed view of the payload would have a
 backend copy it (``torch._scaled_mm`` makes both operands contiguous) in a pass of its own.
 
@@ -195,6 +196,8 @@ def _tensorwise_quant_both_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Te
     if x.ndim != 2:
         raise ValueError(f"tensorwise_quant_both expects a 2-D input, got shape {tuple(x.shape)}")
     r, c = x.shape
+    if _cdiv(c, _TILE_C) > 65535:  # CUDA's limit on the grid's second dimension
+        raise ValueError(f"tensorwise_quant_both: {c} columns exceed the kernel's {65535 * _TILE_C}")
     q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
     scale = _scale(x, fmt_)

@@ -94,6 +94,8 @@ class LokaCallback(Callback):
         self.timeline: list[tuple[int, dict[str, str]]] = []
         """(step, site -> short plan) at every interval, for the plan timeline."""
         self.guard_trips: list[dict[str, Any]] = []
+        self._fallbacks_at_start: dict[str, int] = {}
+        """``kernels.linear.reference_fallbacks()`` when this run began: the report counts from it."""
         self.evals: list[dict[str, float]] = []
         """The run's evaluations (step, NE, AUC), for the report."""
         self.best_ne: float | None = None
@@ -158,6 +160,7 @@ class LokaCallback(Callback):
     def on_train_start(self, trainer: Trainer) -> None:
         if not self.enabled:
             return
+        self._fallbacks_at_start = reference_fallbacks()
         self._out_dir = trainer.out_dir
         self._rank = trainer.rank
         self.sites = sites(trainer.model)
@@ -396,7 +399,9 @@ class LokaCallback(Callback):
         if not self.enabled:
             raise RuntimeError("LoKA is off (LokaConfig.enabled=False): it keeps no report")
         assert self.probe is not None and self.dispatcher is not None
-        fallbacks = [*(trainer.fallbacks if trainer is not None else ()), *_quantizer_fallbacks()]
+        fallbacks = [
+            *(trainer.fallbacks if trainer is not None else ()), *_quantizer_fallbacks(self._fallbacks_at_start)
+        ]
         return run_report(
             sites=self.sites, probe=self.probe, dispatcher=self.dispatcher, comm_state=self.comm_state,
             compressors=self.compressors, guard_trips=self.guard_trips,
@@ -528,10 +533,12 @@ def _cpu_note(objective: str) -> str:
 __all__ = ["LokaCallback"]
 
 
-def _quantizer_fallbacks() -> list[str]:
-    """The operands this process's FP8 sites had quantized by the reference quantizer where a
-    Triton quantizer runs for their plan (``kernels.linear.reference_fallbacks``), one line each."""
+def _quantizer_fallbacks(at_start: dict[str, int]) -> list[str]:
+    """The operands the FP8 sites had quantized by the reference quantizer where a Triton
+    quantizer runs for their plan (``kernels.linear.reference_fallbacks``) since ``at_start``
+    (the counts when this run began), one line each."""
+    since = {what: n - at_start.get(what, 0) for what, n in reference_fallbacks().items()}
     return [
         f"kernels: the reference quantizer took {n} x a {what} (no Triton quantizer takes its shape or layout)"
-        for what, n in sorted(reference_fallbacks().items())
+        for what, n in sorted(since.items()) if n > 0
     ]

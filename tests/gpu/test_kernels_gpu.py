@@ -388,8 +388,16 @@ def test_tensorwise_site_takes_its_transposes_from_the_quantizing_pass(m, k, n, 
         y.backward(dy.to(y.dtype))
         return y.detach(), x.grad, w.grad
 
-    got = run()
     both = triton_tensorwise.tensorwise_quant_both
+    calls = []
+
+    def counted(t, *, fmt):
+        calls.append(tuple(t.shape))
+        return both(t, fmt=fmt)
+
+    monkeypatch.setattr(triton_tensorwise, "tensorwise_quant_both", counted)
+    got = run()
+    assert calls == [(m, k), (n, k), (m, n)]  # x and W in the forward, dY in the backward
 
     def one_layout(t, *, fmt):
         q, scale, _ = both(t, fmt=fmt)

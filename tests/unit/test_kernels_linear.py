@@ -603,12 +603,40 @@ def test_an_operand_no_triton_quantizer_takes_is_counted_and_logged(monkeypatch,
     rw = GemmPlan(precision="fp8", scaling=Scaling.ROWWISE, backend="torch_scaled_mm")
     x = _gauss(4, 32)
     with caplog.at_level("WARNING", logger="loka_train.kernels.linear"):
+        kl.quantize_operand(x, rw.fmt, rw, is_weight=False)  # a timing's, not a site's: not counted
         for _ in range(3):
-            got = kl.quantize_operand(x, rw.fmt, rw, is_weight=False)
+            got = kl.quantize_operand(x, rw.fmt, rw, is_weight=False, count_fallbacks=True)
     ref = quantize(x, rw.fmt, Scaling.ROWWISE)
     assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert kl.reference_fallbacks() == {"rowwise operand (4, 32) with strides (32, 1) on torch_scaled_mm": 3}
     assert sum("reference quantizer" in r.message for r in caplog.records) == 1
-    kl.quantize_operand(_gauss(4, 8), rw.fmt, rw, is_weight=False)  # fits the fused kernel
-    kl.quantize_operand(x, rw.fmt, dataclasses.replace(rw, backend="emulated"), is_weight=False)
+    kl.quantize_operand(_gauss(4, 8), rw.fmt, rw, is_weight=False, count_fallbacks=True)  # fits the kernel
+    kl.quantize_operand(x, rw.fmt, dataclasses.replace(rw, backend="emulated"), is_weight=False, count_fallbacks=True)
     assert sum(kl.reference_fallbacks().values()) == 3
+    # A site's own quantization counts: fp8_linear's forward quantizes x and W (rows of 32).
+    fp8_linear(x, _gauss(8, 32, seed=1), None, LinearPlan.fp8(backend="torch_scaled_mm"))
+    assert kl.reference_fallbacks()["rowwise operand (4, 32) with strides (32, 1) on torch_scaled_mm"] == 4
+    assert kl.reference_fallbacks()["rowwise operand (8, 32) with strides (32, 1) on torch_scaled_mm"] == 1
+
+
+def test_no_transpose_is_written_for_a_backward_gemm_that_will_not_run(monkeypatch):
+    """Under no_grad (eval), or for an input that needs no gradient, the forward writes no
+    transpose for the GEMM that would have taken it over."""
+    from loka_train.kernels import triton_tensorwise
+
+    calls: list[tuple[int, ...]] = []
+    both = triton_tensorwise.tensorwise_quant_both
+    monkeypatch.setattr(
+        triton_tensorwise, "tensorwise_quant_both", lambda t, *, fmt: calls.append(tuple(t.shape)) or both(t, fmt=fmt)
+    )
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    x = _gauss(64, 32).requires_grad_(True)
+    w = _gauss(16, 32, seed=1).requires_grad_(True)
+    with torch.no_grad():
+        fp8_linear(x, w, None, plan)
+    assert calls == []
+    fp8_linear(x.detach(), w, None, plan)  # no grad-input: W^T is not needed, x^T is
+    assert calls == [(64, 32)]
+    calls.clear()
+    fp8_linear(x, w.detach(), None, plan)  # no grad-weight: x^T is not needed, W^T is
+    assert calls == [(16, 32)]
