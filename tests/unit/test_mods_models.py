@@ -458,3 +458,26 @@ def test_sites_fed_by_the_fused_layernorm_op_share_no_operands(fused_norm_quant:
     fed_by_norm = {f"model.inter_arch.{i}.fmb.mlp.0" for i in range(2)}
     bmm = {f"model.inter_arch.{i}.fmb.bmm" for i in range(2)}
     assert {n for n, s in shares.items() if not s} == bmm | (fed_by_norm if fused_norm_quant else set())
+
+
+@pytest.mark.parametrize("kind", ["dlrm", "dcn", "wukong"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_every_site_operand_takes_a_triton_quantizer(kind: str, scaling: str) -> None:
+    """On a backend that takes the Triton quantizers, every operand of every linear site of the
+    three models, in the forward and the backward, is quantized by them: none goes to the
+    reference quantizer's eager passes (a strided gradient, a transposed input, ...), which
+    Dispatch's timings and the ledger do not see."""
+    from loka_train.kernels import linear as kernels_linear
+    from loka_train.kernels.formats import Scaling
+
+    model = make_model(kind)
+    convert(model, config=ModsConfig(enabled=True, pad_to_multiple=16))
+    plan = LinearPlan.fp8(scaling=Scaling(scaling), backend="torch_scaled_mm")
+    for site in sites(model).values():
+        if isinstance(site, Fp8Linear) or site.kind == "linear":
+            site.set_plan(plan)
+    before = kernels_linear.reference_fallbacks()
+    out = run_step(model)
+    assert torch.isfinite(out["loss"])
+    after = kernels_linear.reference_fallbacks()
+    assert {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)} == {}
