@@ -94,6 +94,12 @@ def test_row_stats_kernel_matches_its_reference_and_the_selection_on_cuda() -> N
         ref_peak, ref_bad = row_stats_reference(t)
         assert torch.equal(peak, ref_peak) and torch.equal(bad, ref_bad)
     assert int(bad.sum()) == 3 and int(peak.argmax()) == 31000
+    narrow = torch.randn(1 << 20, 27, device="cuda", generator=g).bfloat16()  # Wukong's X^T rows
+    narrow[777, 26] = float("nan")
+    for t in (narrow, narrow.t().contiguous().t()):
+        peak, bad = row_stats(t)
+        ref_peak, ref_bad = row_stats_reference(t)
+        assert torch.equal(peak, ref_peak) and torch.equal(bad, ref_bad) and int(bad.sum()) == 1
     dy = torch.randn(32768, 512, device="cuda", generator=g).bfloat16()
     fast = select("grad_weight", dy, x, None, 1024, kernel=True)
     slow = select("grad_weight", dy, x, None, 1024, kernel=False)

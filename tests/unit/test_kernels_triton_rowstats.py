@@ -107,3 +107,21 @@ def test_the_forward_s_output_features_are_cut_by_the_kernel_s_row_peaks(monkeyp
     assert calls == []
     assert with_kernel.b.shape == (16, 64) and torch.equal(with_kernel.b, without.b)
     assert float(with_kernel.b.abs().max()) == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("cols", [27, 64, 100])
+def test_narrow_rows_take_a_taller_tile_with_the_same_results(cols: int, monkeypatch) -> None:
+    """Rows narrower than the tile's 1024 columns are read by taller tiles of about as many
+    elements (Wukong's 4M x 27 projections); the results stay the reference's."""
+    monkeypatch.setattr(rs, "_TILE", 256)  # small tiles: several programs, a ragged last one
+    block_m, block_k = rs._blocks(cols)
+    assert block_k == triton_next_pow2(cols) and block_m == max(4, 256 // block_k)
+    x = _operand(torch.bfloat16, rows=301, cols=cols)
+    peak, bad = rs.row_stats(x)
+    ref_peak, ref_bad = rs.row_stats_reference(x)
+    assert torch.equal(peak, ref_peak) and torch.equal(bad, ref_bad)
+    assert rs._blocks(4096) == (4, 1024)  # wide rows: the loop over 1024-column blocks
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
