@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--backends", nargs="*", default=["torch_scaled_mm", "triton", "fbgemm_rowwise"])
     ap.add_argument("--scalings", nargs="*", default=["tensorwise", "rowwise"])
+    ap.add_argument("--zero-half", action="store_true",
+                    help="activations and gradients half zeros, as behind a ReLU (a GEMM's speed can "
+                         "depend on its data; default: dense random values)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scalings = [Scaling(s) for s in args.scalings]
@@ -101,7 +104,7 @@ def main() -> None:
         for role in ROLES:
             cands = candidates(role, args.backends, scalings)
             gemms.append(LedgerGemm(name, role, role_shape(role, args.batch, k, n), GemmPlan(), cands))
-    ledger = measure_ledger(gemms, device=device)
+    ledger = measure_ledger(gemms, device=device, zero_half=args.zero_half)
     # Whole sites: every GEMM of the layer under one plan, so tensor-wise reuse counts.
     site_gemms = []
     for name in args.shapes:
@@ -111,7 +114,7 @@ def main() -> None:
             for role in ROLES:
                 p = getattr(plan, role)
                 site_gemms.append(LedgerGemm(label, role, role_shape(role, args.batch, k, n), p, (p,), plan))
-    sites = measure_ledger(site_gemms, device=device)
+    sites = measure_ledger(site_gemms, device=device, zero_half=args.zero_half)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = ledger.to_dict()

@@ -321,7 +321,9 @@ Timer = Callable[[Callable[[], object]], float]
 """``timer(run) -> milliseconds`` of one ``run()``."""
 
 
-def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer) -> Fp8Times:
+def _fp8_times(
+    gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer, *, zero_half: bool = False
+) -> Fp8Times:
     """As the site runs it (``GemmTimer.measure_once``): a shape the backend refuses zero-padded
     to multiples of 16 (the padding copies are not in these columns), a reused operand what the
     other GEMM's quantizer hands over (:func:`~loka_train.dispatch.timing.reused_payload`),
@@ -330,7 +332,7 @@ def _fp8_times(gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Ti
     problem = gemm_problem(gemm.role, shape, plan, device_type=device.type, out_dtype=torch.bfloat16)
     if not get_backend(plan.backend).supports(problem)[0]:
         shape = padded(shape, 16)
-    a, b, b_is_weight, out_dtype = role_operands(gemm.role, shape, device=device)
+    a, b, b_is_weight, out_dtype = role_operands(gemm.role, shape, device=device, zero_half=zero_half)
     reuse_a, reuse_b = site_reuse(gemm.role, plan, gemm.site_plan)
 
     def quant_a() -> QTensor:
@@ -360,6 +362,7 @@ def measure_ledger(
     device: torch.device,
     timer: Timer | None = None,
     high_dtype: torch.dtype = torch.bfloat16,
+    zero_half: bool = False,
 ) -> Ledger:
     """Time every GEMM of ``gemms`` in high precision and with each FP8 candidate.
 
@@ -373,6 +376,8 @@ def measure_ledger(
         timer: ``timer(run) -> ms``; default ``GemmTimer.time``, graph-replayed on a GPU (what
             a graphed step runs), the host clock elsewhere.
         high_dtype: the high-precision compute dtype (bf16 under autocast on a GPU).
+        zero_half: activations and gradients half zeros, as behind a ReLU
+            (``timing.role_operands``).
     """
     time_ms: Timer
     if timer is None:
@@ -385,7 +390,7 @@ def measure_ledger(
     for g in gemms:
         key_high = ("high", g.role, g.shape)
         if key_high not in cache:
-            a, b, _, _ = role_operands(g.role, g.shape, device=device, dtype=high_dtype)
+            a, b, _, _ = role_operands(g.role, g.shape, device=device, dtype=high_dtype, zero_half=zero_half)
             cache[key_high] = time_ms(_matmul(a, b))
         candidates = list(dict.fromkeys([*g.candidates, *([g.plan] if g.plan.is_fp8 else [])]))
         times: list[Fp8Times] = []
@@ -394,7 +399,7 @@ def measure_ledger(
             key = (str(plan), g.role, g.shape, site_reuse(g.role, plan, g.site_plan))
             if key not in cache:
                 try:
-                    cache[key] = _fp8_times(g, plan, device, time_ms)
+                    cache[key] = _fp8_times(g, plan, device, time_ms, zero_half=zero_half)
                 except Exception as exc:  # one backend's failure must not lose the ledger
                     cache[key] = f"{plan}: {type(exc).__name__}: {exc}"
             value = cache[key]

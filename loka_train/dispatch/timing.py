@@ -111,7 +111,13 @@ def parse_timing_key(key: str) -> tuple[str, Shape, str, Reuse]:
 
 
 def role_operands(
-    role: str, shape: Shape, *, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    role: str,
+    shape: Shape,
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    zero_half: bool = False,
 ) -> tuple[Tensor, Tensor, bool, torch.dtype]:
     """``(a_MK, b_NK, b_is_weight, out_dtype)`` of one GEMM laid out as ``kernels.linear``
     passes them, random (never zeros: they time faster than real data).
@@ -121,7 +127,9 @@ def role_operands(
     and ``X^T``, transposed views of the (K=batch, M) and (K=batch, N) activations, with an
     fp32 output. The views matter: on the backends that take the Triton quantizers they go
     through the transposing one (no transposed copy), elsewhere the reference quantizer
-    copies them. ``dtype`` is the sites' compute dtype (bf16 under autocast).
+    copies them. ``dtype`` is the sites' compute dtype (bf16 under autocast). ``zero_half``:
+    every other value of the activations and gradients (not the weights) is zero, at random, as
+    behind a ReLU and in its backward; a GEMM's speed can depend on its data.
     """
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -129,11 +137,15 @@ def role_operands(
     def randn(*size: int) -> Tensor:
         return torch.randn(*size, device=device, dtype=dtype, generator=gen)
 
+    def act(*size: int) -> Tensor:
+        t = randn(*size)
+        return t * (randn(*size) > 0) if zero_half else t
+
     if role == "grad_input":
-        return randn(m, k), randn(k, n).t(), True, dtype
+        return act(m, k), randn(k, n).t(), True, dtype
     if role == "grad_weight":
-        return randn(k, m).t(), randn(k, n).t(), False, GRAD_WEIGHT_OUT_DTYPE
-    return randn(m, k), randn(n, k), True, dtype
+        return act(k, m).t(), act(k, n).t(), False, GRAD_WEIGHT_OUT_DTYPE
+    return act(m, k), randn(n, k), True, dtype
 
 
 def reused_payload(t: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool) -> QTensor:

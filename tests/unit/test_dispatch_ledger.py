@@ -148,3 +148,24 @@ def test_a_reused_operand_is_charged_its_transposed_write(monkeypatch):
     (row,) = measure_ledger([gemm], device=CPU, high_dtype=torch.float32).rows
     (t,) = row.fp8
     assert t.quant_a_ms == 0.25 and t.quant_b_ms == 0.25
+
+
+def test_zero_half_operands_are_half_zeros_in_the_activations_only(monkeypatch):
+    from loka_train.dispatch import ledger as ledger_mod
+    from loka_train.dispatch.timing import role_operands
+
+    for role, (act_a, act_b) in {"forward": (True, False), "grad_input": (True, False),
+                                 "grad_weight": (True, True)}.items():
+        a, b, _, _ = role_operands(role, (512, 256, 128), device=CPU, dtype=torch.float32, zero_half=True)
+        for t, is_act in ((a, act_a), (b, act_b)):
+            zeros = float((t == 0).float().mean())
+            assert (0.45 < zeros < 0.55) if is_act else zeros == 0.0
+        dense, _, _, _ = role_operands(role, (512, 256, 128), device=CPU, dtype=torch.float32)
+        assert float((dense == 0).float().mean()) == 0.0
+    seen = []
+    real = ledger_mod.role_operands
+    monkeypatch.setattr(ledger_mod, "role_operands", lambda *a, **k: seen.append(k.get("zero_half")) or real(*a, **k))
+    plan = LinearPlan.fp8(backend="emulated")
+    gemm = LedgerGemm(site="s", role="forward", shape=(16, 16, 16), plan=plan.forward, candidates=(plan.forward,))
+    measure_ledger([gemm], device=CPU, high_dtype=torch.float32, zero_half=True, timer=lambda run: 1.0)
+    assert seen and all(seen)
