@@ -60,12 +60,15 @@ from loka_train.kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["layernorm_linear", "FUSED_ACTIVATIONS"]
+__all__ = ["layernorm_linear", "FUSED_ACTIVATIONS", "fuses_quantizer"]
 
 FUSED_ACTIVATIONS = ("none", "relu", "silu")
 
 
-def _fusable(plan: GemmPlan, t: Tensor, reference_quantizer: bool) -> bool:
+def fuses_quantizer(plan: GemmPlan, t: Tensor, reference_quantizer: bool) -> bool:
+    """Whether an FP8 GEMM of ``plan`` on operand ``t`` takes its operand from the kernel that
+    produces it (LayerNorm's for the forward, ReLU's backward for grad-input): row-wise on a
+    backend that takes the fused quantizer, where Triton runs and inductor does not quantize."""
     return plan.is_fp8 and use_fused_quantizer(plan, t, plan.fmt, reference_quantizer=reference_quantizer)
 
 
@@ -124,7 +127,7 @@ class _LnLinearActFn(torch.autograd.Function):
             pre_MN = None
             # The grad-weight GEMM's H^T, quantized here (then H itself need not be kept).
             h_t_q = None
-            fused_ln = _fusable(fwd, x_MK, rq)
+            fused_ln = fuses_quantizer(fwd, x_MK, rq)
             if fused_ln:
                 need_w_grad = ctx.needs_input_grad[3]
                 tensorwise_gw = (
@@ -201,7 +204,7 @@ class _LnLinearActFn(torch.autograd.Function):
             # dZ^T for an FP8 grad-weight GEMM comes from the transposing quantizer, which also
             # sums dZ's columns (the bias gradient) in the same read.
             gw_transposed = need[3] and _transposable(gw, dy_MN, gw.fmt, rq)
-            if ctx.activation == "relu" and _fusable(gi, dy_MN, rq):
+            if ctx.activation == "relu" and fuses_quantizer(gi, dy_MN, rq):
                 q, s, dz_MN, _, _, dz_amax = tk.fused_rowwise_quant(
                     dy_MN, fmt=gi.fmt, gate=y_MN, return_hp=True,
                     return_amax=gw_transposed and gw.scaling is Scaling.TENSORWISE,

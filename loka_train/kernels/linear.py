@@ -487,8 +487,10 @@ class _PlannedLinearFn(torch.autograd.Function):
                 gi = plan.grad_input
                 if gi.is_fp8:
                     # dX = dY W = dY @ (W^T)^T: contraction over N.
+                    # dY^T only for a grad-weight GEMM that runs (a frozen weight needs none).
+                    gw_t = plan.grad_weight if need_w else GemmPlan()
                     dy_q, dy_q_t = quantize_with_transpose(
-                        dy_MN, gi.fmt, gi, plan.grad_weight, plan.grad_weight.fmt, is_weight=False,
+                        dy_MN, gi.fmt, gi, gw_t, gw_t.fmt, is_weight=False,
                         reference_quantizer=rq, count_fallbacks=True,
                     )
                     dx_MK = fp8_gemm_planned(

@@ -51,8 +51,8 @@ _BLOCK = 8192
 _FINAL_BLOCK = 1024
 """Partial amaxes the finishing program reads per iteration."""
 _TILE_R = 32
-"""Rows of one program of the cast that writes both layouts (the fastest of the ten tiles
-``python -m bench.quant_tiles`` times on an H100, within 3% of 64 x 64)."""
+"""Rows of one program of the cast that writes both layouts (the fastest of the ten
+configurations ``python -m bench.quant_tiles`` times on an H100, within 3% of 64 x 64)."""
 _TILE_C = 128
 """Columns of one program of the cast that writes both layouts."""
 _BOTH_WARPS = 8
@@ -91,6 +91,17 @@ def _scale_kernel(partial_ptr, scale_ptr, P, inv_max, FP8_MAX: tl.constexpr, REC
 
 
 @triton.jit
+def _codes(x, scale_ptr, FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr,
+           Q_MIN_NORMAL: tl.constexpr):
+    """``x / scale`` (IEEE-rounded division) saturated at ``fmt.max`` and rounded to the
+    format's codes, in fp32: what both casts store."""
+    q = tl.clamp(tl.math.div_rn(x, tl.load(scale_ptr)), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if Q_MANT > 0:
+        q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
+    return q
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr,
     scale_ptr,
@@ -106,10 +117,7 @@ def _cast_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    if Q_MANT > 0:
-        q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
+    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -136,11 +144,7 @@ def _cast_both_kernel(
     cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    if Q_MANT > 0:
-        q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
-    q = q.to(q_ptr.dtype.element_ty)
+    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
     # The compiler routes the tile through shared memory: both stores are coalesced.
     tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)

@@ -69,8 +69,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loka_train.kernels.fused import FUSED_ACTIVATIONS, layernorm_linear
-from loka_train.kernels.linear import _compute_dtype, inductor_quantizes, use_fused_quantizer
+from loka_train.kernels.fused import FUSED_ACTIVATIONS, fuses_quantizer, layernorm_linear
+from loka_train.kernels.linear import _compute_dtype, inductor_quantizes
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.registry import get_backend
 from loka_train.mods.planned import any_fp8, fp8_padding, gemm_plans, planned_linear
@@ -429,11 +429,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
-        if (
-            not plan.forward.is_fp8
-            or inductor_quantizes(self.compiled_quantizer)
-            or not use_fused_quantizer(plan.forward, x, plan.forward.fmt)
-        ):
+        if not fuses_quantizer(plan.forward, x, inductor_quantizes(self.compiled_quantizer)):
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
             # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site. Under
