@@ -63,6 +63,8 @@ class Dispatcher:
         graphed: the step replays the sites as CUDA graphs (``trainer.cuda_graphs``):
             candidates are timed replayed in a CUDA graph too, without the host's launch cost
             that an eager step pays.
+        static_scales: the sites quantize tensor-wise ``x`` and ``dY`` with static scales
+            (``mods.static_scales``), which the timer then times.
 
     Raises:
         ValueError: if the config names a backend that is not registered.
@@ -75,6 +77,7 @@ class Dispatcher:
         device: torch.device | str,
         out_dtype: torch.dtype = torch.float32,
         graphed: bool = False,
+        static_scales: bool = False,
     ) -> None:
         # A misspelled backend would only ever be "unsupported": FP8 quietly never chosen.
         known = set(registered_backends())
@@ -91,7 +94,7 @@ class Dispatcher:
         self.graphed = graphed
         self.timer = GemmTimer(
             timing=config.timing, device=self.device, out_dtype=out_dtype, graphed=graphed,
-            bench_iters=config.bench_iters,
+            bench_iters=config.bench_iters, static_scales=static_scales,
         )
         """Times of the GEMM candidates (cached by timing key, part of the state)."""
         self.plans: dict[str, LinearPlan] = {}

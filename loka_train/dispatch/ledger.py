@@ -322,12 +322,14 @@ Timer = Callable[[Callable[[], object]], float]
 
 
 def _fp8_times(
-    gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer, *, zero_half: bool = False
+    gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer, *, zero_half: bool = False,
+    static: Tensor | None = None,
 ) -> Fp8Times:
     """As the site runs it (``GemmTimer.measure_once``): a shape the backend refuses zero-padded
     to multiples of 16 (the padding copies are not in these columns), a reused operand what the
     other GEMM's quantizer hands over (:func:`~loka_train.dispatch.timing.reused_payload`),
-    charged the transposed write that quantizer makes for it."""
+    charged the transposed write that quantizer makes for it; ``a`` with the static-scale slot
+    ``static`` where given."""
     shape = gemm.shape
     problem = gemm_problem(gemm.role, shape, plan, device_type=device.type, out_dtype=torch.bfloat16)
     if not get_backend(plan.backend).supports(problem)[0]:
@@ -336,7 +338,7 @@ def _fp8_times(
     reuse_a, reuse_b = site_reuse(gemm.role, plan, gemm.site_plan)
 
     def quant_a() -> QTensor:
-        return quantize_operand(a, plan.fmt, plan, is_weight=False)
+        return quantize_operand(a, plan.fmt, plan, is_weight=False, static=static)
 
     def quant_b() -> QTensor:
         return quantize_operand(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
@@ -363,6 +365,7 @@ def measure_ledger(
     timer: Timer | None = None,
     high_dtype: torch.dtype = torch.bfloat16,
     zero_half: bool = False,
+    static_scales: bool = False,
 ) -> Ledger:
     """Time every GEMM of ``gemms`` in high precision and with each FP8 candidate.
 
@@ -378,7 +381,10 @@ def measure_ledger(
         high_dtype: the high-precision compute dtype (bf16 under autocast on a GPU).
         zero_half: activations and gradients half zeros, as behind a ReLU
             (``timing.role_operands``).
+        static_scales: tensor-wise ``x`` and ``dY`` quantized with static scales, as the sites
+            run them under ``mods.static_scales``.
     """
+    slots = GemmTimer(timing="auto", device=device, out_dtype=high_dtype, static_scales=static_scales)
     time_ms: Timer
     if timer is None:
         gemm_timer = GemmTimer(timing="auto", device=device, out_dtype=high_dtype, graphed=True)
@@ -399,7 +405,9 @@ def measure_ledger(
             key = (str(plan), g.role, g.shape, site_reuse(g.role, plan, g.site_plan))
             if key not in cache:
                 try:
-                    cache[key] = _fp8_times(g, plan, device, time_ms, zero_half=zero_half)
+                    cache[key] = _fp8_times(
+                        g, plan, device, time_ms, zero_half=zero_half, static=slots.static_slot(g.role, plan)
+                    )
                 except Exception as exc:  # one backend's failure must not lose the ledger
                     cache[key] = f"{plan}: {type(exc).__name__}: {exc}"
             value = cache[key]

@@ -31,7 +31,8 @@ from torch import Tensor
 
 from loka_train.dispatch.planning import GRAD_WEIGHT_OUT_DTYPE, Shape, gemm_problem, padded
 from loka_train.kernels import linear as kernels_linear
-from loka_train.kernels.formats import Fp8Format, QTensor
+from loka_train.kernels import static_scales
+from loka_train.kernels.formats import Fp8Format, QTensor, Scaling
 from loka_train.kernels.plan import GemmPlan
 from loka_train.kernels.registry import get_backend
 from loka_train.utils.capture import reset_capture_state
@@ -181,6 +182,8 @@ class GemmTimer:
         device: where the GEMMs run.
         out_dtype: output dtype of the forward and grad-input GEMMs (grad-weight writes fp32).
         graphed: the step replays the sites as CUDA graphs: time candidates graph-replayed.
+        static_scales: the sites quantize tensor-wise ``x`` and ``dY`` with static scales
+            (``mods.static_scales``): time those operands' quantization so.
         bench_iters: timed repetitions of each micro-benchmark (after 3 warm-up runs).
         cost_model: the model used where nothing is measured.
     """
@@ -194,8 +197,11 @@ class GemmTimer:
         graphed: bool = False,
         bench_iters: int = 20,
         cost_model: GpuCostModel | None = None,
+        static_scales: bool = False,
     ) -> None:
         self.timing = timing
+        self.static_scales = static_scales
+        self._static_slot: Tensor | None = None
         self.device = torch.device(device)
         self.out_dtype = out_dtype
         self.graphed = graphed
@@ -235,7 +241,20 @@ class GemmTimer:
             model = self.cost_model
             where = f"cost model {model.bf16_flops:g}/{model.fp8_flops:g} flops, {model.bandwidth:g} B/s"
         launch = ", CUDA graph" if mode == "measure" and self.graphed else ""
-        return f"{mode}: {where}, out {str(self.out_dtype).removeprefix('torch.')}{launch}"
+        static = ", static tensor-wise scales" if mode == "measure" and self.static_scales else ""
+        return f"{mode}: {where}, out {str(self.out_dtype).removeprefix('torch.')}{launch}{static}"
+
+    def static_slot(self, role: str, plan: GemmPlan | None) -> Tensor | None:
+        """The scratch static-scale slot that the ``a`` operand of ``role`` takes under
+        ``static_scales`` (a site's ``x`` or ``dY``, tensor-wise; seeded by the warm-up runs),
+        else None."""
+        if not self.static_scales or plan is None or not plan.is_fp8 or plan.scaling is not Scaling.TENSORWISE:
+            return None
+        if role not in ("forward", "grad_input"):
+            return None
+        if self._static_slot is None:
+            self._static_slot = static_scales.new_slots(1, margin=2.0, spread=16.0, device=self.device)[0]
+        return self._static_slot
 
     def estimate(self, role: str, shape: Shape, plan: GemmPlan | None, reuse: Reuse = NO_REUSE) -> float:
         """Seconds of one GEMM of ``role`` at ``shape`` (high precision for ``plan=None``),
@@ -303,6 +322,7 @@ class GemmTimer:
                 a_q = reused_payload(a, plan.fmt, plan, is_weight=False)
             if reuse[1]:
                 b_q = reused_payload(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
+        static_a = self.static_slot(role, plan)
         a_src = a[: shape[0], : shape[1]].contiguous() if pad else a
         b_src = b[: shape[2], : shape[1]].contiguous() if pad else b
 
@@ -317,7 +337,8 @@ class GemmTimer:
             if pad and b_q is None:
                 b_run = torch.nn.functional.pad(b_src, (0, k - shape[1], 0, n - shape[2]))
             return kernels_linear.fp8_gemm_planned(
-                a_run, b_run, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight, a_q=a_q, b_q=b_q
+                a_run, b_run, plan, out_dtype=out_dtype, role=role, b_is_weight=b_is_weight, a_q=a_q, b_q=b_q,
+                static_a=static_a,
             )
 
         extra = 0.0

@@ -162,6 +162,7 @@ def quantize_operand(
     is_weight: bool,
     reference_quantizer: bool = False,
     count_fallbacks: bool = False,
+    static: Tensor | None = None,
 ) -> QTensor:
     """Quantize a 2-D GEMM operand along its last (contraction) dim as ``plan`` asks.
 
@@ -178,6 +179,8 @@ def quantize_operand(
     (code traced for inductor to fuse, see :func:`inductor_quantizes`) always takes
     :func:`formats.quantize`. ``count_fallbacks``: a site's own quantization (not a timing or
     a trace), whose reference-quantizer fallbacks :func:`reference_fallbacks` counts.
+    ``static``: the operand's static-scale slot (``kernels.static_scales``), which the Triton
+    tensor-wise quantizer then takes (``loka::tensorwise_quant_static``); other paths ignore it.
     """
     if use_transposed_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_block import transposed_quant
@@ -186,9 +189,12 @@ def quantize_operand(
         q, scale, _ = transposed_quant(t_RC.t(), fmt=fmt, per_column=rowwise)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=plan.scaling, axis=1)
     if use_tensorwise_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
-        from loka_train.kernels.triton_tensorwise import tensorwise_quant
+        from loka_train.kernels.triton_tensorwise import tensorwise_quant, tensorwise_quant_static
 
-        q, scale = tensorwise_quant(t_RC.contiguous(), fmt=fmt)
+        if static is not None:
+            q, scale, _ = tensorwise_quant_static(t_RC.contiguous(), static, fmt=fmt)
+        else:
+            q, scale = tensorwise_quant(t_RC.contiguous(), fmt=fmt)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
     if use_fused_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_kernels import fused_rowwise_quant
@@ -207,6 +213,9 @@ def quantize_operand(
     block_2d = is_weight and plan.scaling is Scaling.BLOCK
     return quantize(t_RC, fmt, plan.scaling, axis=-1, block_2d=block_2d)
 
+
+_STATIC_X, _STATIC_DY = 0, 1
+"""Rows of ``fp8_linear``'s static-scale slots: the forward's ``x``, the backward's ``dY``."""
 
 _REFERENCE_FALLBACKS: collections.Counter[str] = collections.Counter()
 """Operands the reference quantizer took where a Triton quantizer runs for their plan, by
@@ -275,12 +284,14 @@ def fp8_gemm_planned(
     b_q: QTensor | None = None,
     reference_quantizer: bool = False,
     count_fallbacks: bool = False,
+    static_a: Tensor | None = None,
 ) -> Tensor:
     """``a @ b^T (+ bias)`` in FP8 as ``plan`` says: quantize both along K, call the backend.
 
     ``a_q`` / ``b_q``, when given, are the operands already quantized exactly as ``plan``
     would quantize them (see :func:`transposed_reuse`); they are used instead.
-    ``reference_quantizer``, ``count_fallbacks``: see :func:`quantize_operand`.
+    ``reference_quantizer``, ``count_fallbacks``: see :func:`quantize_operand`; ``static_a``
+    is ``static`` there for ``a``.
 
     Raises:
         RuntimeError: if the plan's backend cannot run this problem (the reason is included).
@@ -291,7 +302,7 @@ def fp8_gemm_planned(
     if a_q is None:
         a_q = quantize_operand(
             a_MK, plan.fmt, plan, is_weight=False, reference_quantizer=reference_quantizer,
-            count_fallbacks=count_fallbacks,
+            count_fallbacks=count_fallbacks, static=static_a,
         )
     if b_q is None:
         if b_NK is None:
@@ -358,6 +369,7 @@ def quantize_with_transpose(
     is_weight: bool,
     reference_quantizer: bool = False,
     count_fallbacks: bool = False,
+    static: Tensor | None = None,
 ) -> tuple[QTensor, QTensor | None]:
     """``t_RC`` quantized for ``plan`` (:func:`quantize_operand`) and, where the GEMM ``other``
     takes its transpose over as operand in ``other_fmt`` (:func:`transposed_reuse`), that
@@ -367,18 +379,27 @@ def quantize_with_transpose(
     writes both payloads (``loka::tensorwise_quant_both``) and the transpose is contiguous, the
     K-major layout the other GEMM's backend takes as it is; elsewhere it is the transposed view
     of the payload (``torch._scaled_mm`` then copies it contiguous in a pass of its own). The
-    codes are the same either way.
+    codes are the same either way. ``static``: as in :func:`quantize_operand`.
     """
     if writes_both_layouts(plan, t_RC, fmt, other, other_fmt, reference_quantizer=reference_quantizer):
-        from loka_train.kernels.triton_tensorwise import tensorwise_quant_both
+        from loka_train.kernels.triton_tensorwise import (
+            tensorwise_quant_both,
+            tensorwise_quant_static,
+        )
 
-        data, scale, data_t = tensorwise_quant_both(t_RC.contiguous(), fmt=fmt)
+        if static is not None:
+            data, scale, both_t = tensorwise_quant_static(t_RC.contiguous(), static, fmt=fmt, both=True)
+            assert both_t is not None
+            data_t = both_t
+        else:
+            data, scale, data_t = tensorwise_quant_both(t_RC.contiguous(), fmt=fmt)
         return (
             QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
             QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
         )
     q = quantize_operand(
-        t_RC, fmt, plan, is_weight=is_weight, reference_quantizer=reference_quantizer, count_fallbacks=count_fallbacks
+        t_RC, fmt, plan, is_weight=is_weight, reference_quantizer=reference_quantizer, count_fallbacks=count_fallbacks,
+        static=static,
     )
     return q, transposed_reuse(q, other_fmt, other)
 
@@ -408,6 +429,7 @@ class _PlannedLinearFn(torch.autograd.Function):
         out_dtype: torch.dtype | None,
         reference_quantizer: bool,
         grad_enabled: bool,
+        static_slots: Tensor | None,
     ) -> Tensor:
         dev = x.device.type
         rq = reference_quantizer
@@ -432,7 +454,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                 gw = plan.grad_weight if need_w else none
                 x_q, x_q_t = quantize_with_transpose(
                     x_MK, fwd.fmt, fwd, gw, gw.operand_b_fmt, is_weight=False, reference_quantizer=rq,
-                    count_fallbacks=True,
+                    count_fallbacks=True, static=None if static_slots is None else static_slots[_STATIC_X],
                 )
                 w_q, w_q_t = quantize_with_transpose(
                     wc, fwd.operand_b_fmt, fwd, gi, gi.operand_b_fmt, is_weight=True, reference_quantizer=rq,
@@ -450,6 +472,7 @@ class _PlannedLinearFn(torch.autograd.Function):
             wc,
             *((None, None) if x_q_t is None else (x_q_t.data, x_q_t.scale)),
             *((None, None) if w_q_t is None else (w_q_t.data, w_q_t.scale)),
+            static_slots,
         )
         ctx.plan = plan
         ctx.reference_quantizer = rq
@@ -460,7 +483,7 @@ class _PlannedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        xc, wc, xq_data, xq_scale, wq_data, wq_scale = ctx.saved_tensors
+        xc, wc, xq_data, xq_scale, wq_data, wq_scale, static_slots = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         rq: bool = ctx.reference_quantizer
         cdtype = ctx.cdtype
@@ -492,6 +515,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                     dy_q, dy_q_t = quantize_with_transpose(
                         dy_MN, gi.fmt, gi, gw_t, gw_t.fmt, is_weight=False,
                         reference_quantizer=rq, count_fallbacks=True,
+                        static=None if static_slots is None else static_slots[_STATIC_DY],
                     )
                     dx_MK = fp8_gemm_planned(
                         dy_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
@@ -519,7 +543,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                     grad_w = dy_MN.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
             if need_b and ctx.has_bias:
                 grad_b = dy_MN.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def _planned_linear_impl(
@@ -528,14 +552,22 @@ def _planned_linear_impl(
     bias: Tensor | None,
     plan: str,
     out_dtype: torch.dtype | None,
+    reference_quantizer: bool,
+    grad_enabled: bool,
+    static_slots: Tensor | None,
     autocast_dtype: torch.dtype | None,
     needs_grad: list[bool],
 ) -> list[Tensor]:
-    # The op runs the Function's eager code: the Triton quantizers, never the reference. Its
-    # needs_grad already holds the caller's grad mode (opaque.needs_grad).
+    # The op runs the Function's eager code: the Triton quantizers, never the reference (the
+    # caller passes False), and its needs_grad already holds the caller's grad mode
+    # (opaque.needs_grad; the caller passes True). The static-scale slots are updated in place
+    # in both the forward and the backward op, undeclared in their schemas: no traced code
+    # reads them (the host does, between steps), and a declared mutation would hand the
+    # backward a functional copy whose updates are lost.
     return opaque.run_forward(
-        "planned_linear", (x, weight, bias, LinearPlan.from_key(plan), out_dtype, False, True), needs_grad,
-        autocast_dtype, x.device.type,
+        "planned_linear",
+        (x, weight, bias, LinearPlan.from_key(plan), out_dtype, reference_quantizer, grad_enabled, static_slots),
+        needs_grad, autocast_dtype, x.device.type,
     )
 
 
@@ -551,6 +583,7 @@ def fp8_linear(
     *,
     out_dtype: torch.dtype | None = None,
     compiled_quantizer: str = "custom",
+    static_slots: Tensor | None = None,
 ) -> Tensor:
     """``y = x W^T + b`` with each of its three GEMMs computed as ``plan`` says.
 
@@ -563,6 +596,10 @@ def fp8_linear(
         compiled_quantizer: what quantizes under ``torch.compile``, ``"custom"`` or
             ``"inductor"`` (``settings.KernelSettings.compiled_quantizer``); eager code is the
             same either way.
+        static_slots: ``(2, 4)`` static-scale slots (``kernels.static_scales.new_slots``) of
+            ``x`` (row 0) and ``dY`` (row 1), or None: a tensor-wise operand that the Triton
+            tensor-wise quantizer takes then quantizes with its slot's static scale where it
+            fits (``loka::tensorwise_quant_static``), updating the slot in place.
 
     Returns:
         ``(..., N)`` tensor.
@@ -587,8 +624,10 @@ def fp8_linear(
             # as it is: its FP8 gradient's dtype follows the weight's.
             x = x.to(autocast)
         return _planned_linear_op(
-            x, weight, bias, plan.key, out_dtype, autocast, opaque.needs_grad(x, weight, bias),
+            x, weight, bias, plan.key, out_dtype, False, True, static_slots, autocast,
+            opaque.needs_grad(x, weight, bias),
         )[0]
     return _PlannedLinearFn.apply(
-        x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled()
+        x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(),
+        static_slots,
     )

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loka_train.kernels import opaque
+from loka_train.kernels import opaque, static_scales
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 from loka_train.kernels.triton_kernels import (
     _cdiv,
@@ -44,7 +44,12 @@ from loka_train.kernels.triton_kernels import (
     _triton_fmt,
 )
 
-__all__ = ["tensorwise_quant", "tensorwise_quant_both", "tensorwise_quant_reference"]
+__all__ = [
+    "tensorwise_quant",
+    "tensorwise_quant_both",
+    "tensorwise_quant_reference",
+    "tensorwise_quant_static",
+]
 
 _BLOCK = 8192
 """Elements per program of the two passes (8 warps, 32 elements a thread)."""
@@ -102,23 +107,43 @@ def _codes(x, scale_ptr, FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGI
 
 
 @triton.jit
+def _tile_amax(x):
+    """Largest |value| of a tile, inf where a value is not finite (tl.max drops NaN)."""
+    ax = tl.abs(x)
+    num_bad = tl.sum(((x != x) | (ax == float("inf"))).to(tl.int32))
+    return tl.where(num_bad > 0, float("inf"), tl.max(ax))
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr,
     scale_ptr,
     q_ptr,
     N,
+    partial_ptr,
+    gate_ptr,
     FP8_MAX: tl.constexpr,
     BLOCK: tl.constexpr,
     Q_MANT: tl.constexpr,
     Q_SUB_MAGIC: tl.constexpr,
     Q_MIN_NORMAL: tl.constexpr,
+    STORE_AMAX: tl.constexpr,
+    GATED: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    """The cast; ``STORE_AMAX`` also stores the block's amax (the static-scale pass reads
+    ``x`` once for both), ``GATED`` runs only where ``gate`` holds 1 (the static-scale recast)."""
+    go = True
+    if GATED:
+        go = tl.load(gate_ptr) != 0
+    if go:
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        if STORE_AMAX:
+            tl.store(partial_ptr + pid, _tile_amax(x))
 
 
 @triton.jit
@@ -129,25 +154,69 @@ def _cast_both_kernel(
     qt_ptr,
     R,
     C,
+    partial_ptr,
+    gate_ptr,
     FP8_MAX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     Q_MANT: tl.constexpr,
     Q_SUB_MAGIC: tl.constexpr,
     Q_MIN_NORMAL: tl.constexpr,
+    STORE_AMAX: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     """_cast_kernel on a (BLOCK_R, BLOCK_C) tile of the (R, C) input, stored as it is into
-    ``q`` and transposed into ``qt`` (C, R)."""
-    pr = tl.program_id(0)
-    pc = tl.program_id(1)
-    rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
-    # The compiler routes the tile through shared memory: both stores are coalesced.
-    tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
+    ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX`` and ``GATED`` as there."""
+    go = True
+    if GATED:
+        go = tl.load(gate_ptr) != 0
+    if go:
+        pr = tl.program_id(0)
+        pc = tl.program_id(1)
+        rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
+        # The compiler routes the tile through shared memory: both stores are coalesced.
+        tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
+        if STORE_AMAX:
+            tl.store(partial_ptr + pr * tl.num_programs(1) + pc, _tile_amax(x))
+
+
+@triton.jit
+def _static_check_kernel(partial_ptr, P, slot_ptr, scale_ptr, gate_ptr, inv_max, FP8_MAX: tl.constexpr,
+                         RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Whether the slot's static scale fits this tensor (module docstring): writes the scale
+    the payload takes and the gate of the recast; counts a fallback and re-seeds the slot."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, P, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < P, other=0.0))
+    amax = tl.max(acc, axis=0)
+    static = tl.load(slot_ptr)
+    count = tl.load(slot_ptr + 1)
+    margin = tl.load(slot_ptr + 2)
+    spread = tl.load(slot_ptr + 3)
+    if RECIPROCAL:
+        dynamic = amax * inv_max
+    else:
+        dynamic = tl.math.div_rn(amax, FP8_MAX)
+    dynamic = tl.maximum(dynamic, 1.1754943508222875e-38)
+    dynamic = tl.where(amax == 0.0, 1.0, dynamic)
+    finite = amax < float("inf")
+    dynamic = tl.where(finite, dynamic, float("nan"))
+    peak = tl.math.div_rn(amax, tl.where(static > 0.0, static, 1.0))  # the largest code's magnitude
+    fits = (static > 0.0) & finite & (peak <= FP8_MAX) & ((peak * spread >= FP8_MAX) | (amax == 0.0))
+    tl.store(scale_ptr, tl.where(fits, static, dynamic))
+    tl.store(gate_ptr, tl.where(fits, 0, 1).to(tl.int32))
+    tl.store(slot_ptr + 1, tl.where(fits | (static <= 0.0), count, count + 1.0))
+    # Re-seed: the next power of two at or above amax * margin / max (exponent bits, exact).
+    bits = (amax * (margin * inv_max)).to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    seed = (tl.minimum(tl.maximum(exp, 1), 254) << 23).to(tl.float32, bitcast=True)
+    tl.store(slot_ptr, tl.where(fits | ~finite | (amax == 0.0), static, seed))
 
 
 @functools.cache
@@ -180,38 +249,86 @@ def _checked(x: Tensor, fmt: str) -> Any:
     return fmt_
 
 
+def _cast(
+    x: Tensor, scale: Tensor, q: Tensor, q_t: Tensor | None, fmt_: Any, *, partial: Tensor | None = None,
+    gate: Tensor | None = None,
+) -> None:
+    """One cast pass of ``x`` into ``q`` (and its transpose into ``q_t`` when given) with the
+    scale at ``scale``'s first element; with ``partial``, also each program's amax; with
+    ``gate``, only where it holds 1."""
+    qr = _sw_round_args(q.dtype)
+    common = dict(
+        FP8_MAX=fmt_.max, Q_MANT=qr["MANT"], Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"],
+        STORE_AMAX=partial is not None, GATED=gate is not None,
+    )
+    unused = scale  # a pointer the kernel does not read when its flag is off
+    p = unused if partial is None else partial
+    g = unused if gate is None else gate
+    if q_t is None:
+        n = x.numel()
+        _cast_kernel[(_cdiv(n, _BLOCK),)](x, scale, q, n, p, g, BLOCK=_BLOCK, num_warps=8, **common)
+    else:
+        r, c = x.shape
+        _cast_both_kernel[(_cdiv(r, _TILE_R), _cdiv(c, _TILE_C))](
+            x, scale, q, q_t, r, c, p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS, **common,
+        )
+
+
+def _num_programs(x: Tensor, both: bool) -> int:
+    if both:
+        return _cdiv(x.shape[0], _TILE_R) * _cdiv(x.shape[1], _TILE_C)
+    return _cdiv(x.numel(), _BLOCK)
+
+
+def _checked_2d(x: Tensor, what: str) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"{what} expects a 2-D input, got shape {tuple(x.shape)}")
+    if _cdiv(x.shape[1], _TILE_C) > 65535:  # CUDA's limit on the grid's second dimension
+        raise ValueError(f"{what}: {x.shape[1]} columns exceed the kernel's {65535 * _TILE_C}")
+
+
 def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     fmt_ = _checked(x, fmt)
     q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
     scale = _scale(x, fmt_)
-    n = x.numel()
-    if n == 0:
-        return q, scale
-    qr = _sw_round_args(q.dtype)
-    _cast_kernel[(_cdiv(n, _BLOCK),)](
-        x, scale, q, n, FP8_MAX=fmt_.max, BLOCK=_BLOCK, Q_MANT=qr["MANT"],
-        Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"], num_warps=8,
-    )
+    if x.numel():
+        _cast(x, scale, q, None, fmt_)
     return q, scale
 
 
 def _tensorwise_quant_both_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt)
-    if x.ndim != 2:
-        raise ValueError(f"tensorwise_quant_both expects a 2-D input, got shape {tuple(x.shape)}")
+    _checked_2d(x, "tensorwise_quant_both")
     r, c = x.shape
-    if _cdiv(c, _TILE_C) > 65535:  # CUDA's limit on the grid's second dimension
-        raise ValueError(f"tensorwise_quant_both: {c} columns exceed the kernel's {65535 * _TILE_C}")
     q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
     scale = _scale(x, fmt_)
+    if x.numel():
+        _cast(x, scale, q, q_t, fmt_)
+    return q, scale, q_t
+
+
+def _tensorwise_quant_static_impl(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
+    fmt_ = _checked(x, fmt)
+    static_scales.check_slot(slot, x.device)
+    if both:
+        _checked_2d(x, "tensorwise_quant_static")
+    q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
+    q_t = torch.empty((x.shape[1], x.shape[0]) if both else (0,), device=x.device, dtype=fmt_.dtype)
+    scale = torch.empty((), device=x.device, dtype=torch.float32)
     if x.numel() == 0:
-        return q, scale, q_t
-    qr = _sw_round_args(q.dtype)
-    _cast_both_kernel[(_cdiv(r, _TILE_R), _cdiv(c, _TILE_C))](
-        x, scale, q, q_t, r, c, FP8_MAX=fmt_.max, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, Q_MANT=qr["MANT"],
-        Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"], num_warps=_BOTH_WARPS,
+        return q, scale.fill_(1.0), q_t
+    num_programs = _num_programs(x, both)
+    partial = torch.empty(num_programs, device=x.device, dtype=torch.float32)
+    gate = torch.empty((), device=x.device, dtype=torch.int32)
+    # Cast with the slot's scale (its first element), reading x once for the codes and the amax;
+    # then decide, and recast with the dynamic scale only where the static one does not fit.
+    _cast(x, slot, q, q_t if both else None, fmt_, partial=partial)
+    _static_check_kernel[(1,)](
+        partial, num_programs, slot, scale, gate, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
+        RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK, num_warps=4,
     )
+    _cast(x, scale, q, q_t if both else None, fmt_, gate=gate)
     return q, scale, q_t
 
 
@@ -235,6 +352,18 @@ def _tensorwise_quant_both_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Te
     dtype = Fp8Format(fmt).dtype
     r, c = x.shape
     return x.new_empty((r, c), dtype=dtype), x.new_empty((), dtype=torch.float32), x.new_empty((c, r), dtype=dtype)
+
+
+@torch.library.custom_op("loka::tensorwise_quant_static", mutates_args=("slot",))
+def _tensorwise_quant_static_op(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _tensorwise_quant_static_impl(x, slot, fmt, both)
+
+
+@_tensorwise_quant_static_op.register_fake
+def _tensorwise_quant_static_fake(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dtype = Fp8Format(fmt).dtype
+    q_t = x.new_empty((x.shape[1], x.shape[0]) if both else (0,), dtype=dtype)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32), q_t
 
 
 def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:
@@ -278,6 +407,38 @@ def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tupl
     if opaque.tracing():
         return torch.ops.loka.tensorwise_quant_both(x, fmt_s)
     return _tensorwise_quant_both_impl(x, fmt_s)
+
+
+def tensorwise_quant_static(
+    x: Tensor, slot: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, both: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Tensor-wise quantization with the static scale that ``slot`` holds, where it fits ``x``
+    (op ``loka::tensorwise_quant_static``; ``kernels.static_scales`` says when it fits and how
+    the slot is updated). One pass reads ``x`` for the codes and the amax together, where the
+    dynamic quantizer reads it twice; a tensor the static scale does not fit is recast with the
+    dynamic scale (bit for bit :func:`tensorwise_quant`'s payload), counted in the slot.
+
+    Args:
+        x: fp32, bf16 or fp16, contiguous (2-D with ``both``).
+        slot: the operand's slot (``static_scales.new_slots``), updated in place.
+        fmt: e4m3 or e5m2.
+        both: also write the payload's transpose, contiguous, in the same pass (as
+            :func:`tensorwise_quant_both`).
+
+    Returns:
+        ``(q, scale, q_t)``: bit for bit :func:`static_scales.quantize_static_reference`'s
+        payload and scale; ``q_t`` is ``q``'s transpose with ``both``, else None.
+
+    Raises:
+        ValueError: for a non-contiguous input, a bad slot or another format.
+        RuntimeError: where Triton cannot run.
+    """
+    fmt_s = Fp8Format(fmt).value
+    if opaque.tracing():
+        q, scale, q_t = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both)
+    else:
+        q, scale, q_t = _tensorwise_quant_static_impl(x, slot, fmt_s, both)
+    return q, scale, (q_t if both else None)
 
 
 def tensorwise_quant_reference(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:

@@ -101,6 +101,23 @@ class ModsConfig:
     ``kernels.settings.KernelSettings.compiled_quantizer``; the environment variable
     ``LOKA_COMPILED_QUANTIZER`` overrides it when ``convert`` runs."""
 
+    static_scales: bool = False
+    """Tensor-wise FP8 ``x`` and ``dY`` of linear sites take static scales
+    (``kernels.static_scales``): one read of the operand instead of two, the scale from the
+    Probe's window amax with ``static_scale_margin`` of headroom. A tensor the scale does not fit
+    (it would saturate, or sit more than ``static_scale_spread`` below the format's top) is
+    recast with its dynamic scale, counted and reported: no value is ever clipped. Row-wise
+    operands and weights keep dynamic scales."""
+
+    static_scale_margin: float = 2.0
+    """Headroom of a static scale over the amax it is set from (``>= 1``), before rounding up
+    to a power of two."""
+
+    static_scale_spread: float = 16.0
+    """How far below the format's top (``amax / scale`` against ``fmt.max``) a tensor's amax may
+    sit and still take the static scale (``>= 2``): a larger spread recasts less often and
+    leaves the small values fewer FP8 steps."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"mods.enabled must be a bool, got {self.enabled!r}")
@@ -121,6 +138,7 @@ class ModsConfig:
             "drop_unstable_bias",
             "horizontal_fusion",
             "dcn_epilogue_fusion",
+            "static_scales",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"mods.{name} must be a bool, got {getattr(self, name)!r}")
@@ -134,6 +152,10 @@ class ModsConfig:
             raise ValueError(
                 f"mods.compiled_quantizer={self.compiled_quantizer!r}: choose one of {COMPILED_QUANTIZERS}"
             )
+        for name, low in (("static_scale_margin", 1.0), ("static_scale_spread", 2.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v >= low:
+                raise ValueError(f"mods.{name} must be a number >= {low}, got {v!r}")
         # Builds the plan once so an unsupported backend/scaling pair fails here, not in convert.
         self.initial_linear_plan()
 

@@ -110,6 +110,7 @@ def planned_linear(
     *,
     pad_to_multiple: int = 1,
     compiled_quantizer: str = "custom",
+    static_slots: Tensor | None = None,
 ) -> Tensor:
     """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded where needed.
 
@@ -125,6 +126,7 @@ def planned_linear(
         plan: per-GEMM plans.
         pad_to_multiple: pad multiple for FP8 GEMMs (1: no padding).
         compiled_quantizer: what quantizes under ``torch.compile`` (``mods.compiled_quantizer``).
+        static_slots: static-scale slots of ``x`` and ``dY`` (``kernels.fp8_linear``), or None.
 
     Returns:
         ``(..., N)``.
@@ -136,13 +138,13 @@ def planned_linear(
     pad = fp8_padding(plan, m, k, n, pad_to_multiple, x.device.type, _compute_dtype(x), False)
     if pad is None or pad == (0, 0, 0):
         # None: padding cannot help; fp8_linear raises with the backend's reason.
-        return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer)
+        return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer, static_slots=static_slots)
     pad_m, pad_k, pad_n = pad
     with profiled("loka/mods/pad"):
         xp = F.pad(x.reshape(-1, k), (0, pad_k, 0, pad_m))
         wp = F.pad(weight, (0, pad_k, 0, pad_n))
         bp = None if bias is None else F.pad(bias, (0, pad_n))
-    y_MN = fp8_linear(xp, wp, bp, plan, compiled_quantizer=compiled_quantizer)[:m, :n]
+    y_MN = fp8_linear(xp, wp, bp, plan, compiled_quantizer=compiled_quantizer, static_slots=static_slots)[:m, :n]
     return y_MN.reshape(*x.shape[:-1], n)
 
 

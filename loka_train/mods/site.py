@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loka_train.kernels import static_scales
 from loka_train.kernels.fused import FUSED_ACTIVATIONS, fuses_quantizer, layernorm_linear
 from loka_train.kernels.linear import _compute_dtype, inductor_quantizes
 from loka_train.kernels.plan import LinearPlan
@@ -133,6 +134,9 @@ class Site(nn.Module):
         self._mkn = (0, 0, 0)
         self.num_fallbacks = 0
         """Times this site took a logged fallback (e.g. an unfusable padded shape)."""
+        self.static_slots: Tensor | None = None
+        """Static-scale slots ``(2, 4)`` of the FP8 ``x`` and ``dY`` (``kernels.static_scales``),
+        or None (dynamic scales); see :meth:`GemmSite.enable_static_scales`."""
         self._logged_fallbacks: set[str] = set()
         self.plan = LinearPlan.high_precision()
         if plan is not None:
@@ -294,13 +298,24 @@ class GemmSite(Site):
     def weight_shape(self) -> tuple[int, int] | None:
         return self._weight_shape
 
+    def enable_static_scales(self, *, margin: float, spread: float, device: torch.device) -> None:
+        """Quantize the tensor-wise FP8 ``x`` and ``dY`` with static scales from now on
+        (``mods.static_scales``; ``kernels.static_scales``): fresh slots on ``device``, seeded by
+        the first call each and refreshed from the Probe's window by the plugin. Once per run,
+        before the step is captured (captures keep the slots' addresses).
+
+        Raises:
+            ValueError: for ``margin < 1`` or ``spread < 2``.
+        """
+        self.static_slots = static_scales.new_slots(2, margin=margin, spread=spread, device=device)
+
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``y = x W^T + b`` as the plan says; reports to the observer on sampled steps."""
         n, k = weight.shape
         self._set_mkn((x.numel() // k if k else 0, k, n))
         y = planned_linear(
             x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple,
-            compiled_quantizer=self.compiled_quantizer,
+            compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots,
         )
         if self._should_observe():
             self._observe(x.detach().reshape(-1, k), weight.detach(), y, None)

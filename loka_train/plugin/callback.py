@@ -47,9 +47,11 @@ from torch import nn
 
 from loka_train.dispatch import Dispatcher, PlanChange
 from loka_train.dispatch.ledger import Ledger, measure_ledger
+from loka_train.kernels import static_scales
 from loka_train.kernels.linear import reference_fallbacks
 from loka_train.kernels.roles import ROLES
 from loka_train.mods import convert, mark_sampled, sites
+from loka_train.mods.site import GemmSite, Site
 from loka_train.plugin.config import LokaConfig
 from loka_train.plugin.report import run_report, write_report
 from loka_train.probe import Probe
@@ -167,12 +169,20 @@ class LokaCallback(Callback):
         if not self.sites:
             logger.warning("LoKA: no FP8-capable site in the model (mods.sites=%s)", self.config.mods.sites)
         self.probe = Probe(self.config.probe, device=trainer.device)
+        mods = self.config.mods
         self.dispatcher = Dispatcher(
             self.config.dispatch,
             device=trainer.device,
             out_dtype=trainer.dense_dtype,
             graphed=trainer.graphs is not None,
+            static_scales=mods.static_scales,
         )
+        if mods.static_scales:
+            for site in self.sites.values():
+                if isinstance(site, GemmSite):
+                    site.enable_static_scales(
+                        margin=mods.static_scale_margin, spread=mods.static_scale_spread, device=trainer.device
+                    )
         for name, site in self.sites.items():
             self.probe.register_site(name, **site.probe_spec())
             site.attach_observer(self.probe)
@@ -332,12 +342,28 @@ class LokaCallback(Callback):
             else:
                 changes = self.dispatcher.replan(step=step, verdicts=verdicts)
             self._apply(changes)
+            self._refresh_static_scales()
         self.timeline.append((step, self._short_plans()))
         coverage = self.dispatcher.fp8_coverage()
         metrics.update(self.probe.metrics())
         metrics["loka/fp8_coverage"] = coverage
         metrics["loka/plan_changes"] = float(self.dispatcher.num_changes)
         trainer.progress_postfix["fp8"] = f"{coverage:.0%}"
+
+    def _refresh_static_scales(self) -> None:
+        """Set the sites' static scales (``mods.static_scales``) from the Probe's reduced window:
+        the largest amax of ``x`` (forward) and ``dY`` (grad-input) over its valid slots, the
+        same on every rank, in the format the site's plan quantizes them to."""
+        assert self.probe is not None
+        for name, site in self.sites.items():
+            slots = site.static_slots
+            if slots is None:
+                continue
+            for row, role, gemm in ((0, "forward", site.plan.forward), (1, "grad_input", site.plan.grad_input)):
+                stats = self.probe.window_stats(name, role)
+                amax = stats["amax_a"][stats["valid"].bool()]
+                if amax.numel():
+                    static_scales.set_from_amax(slots[row], float(amax.max()), gemm.fmt)
 
     def _apply(self, changes: list[PlanChange]) -> None:
         assert self.dispatcher is not None
@@ -400,7 +426,8 @@ class LokaCallback(Callback):
             raise RuntimeError("LoKA is off (LokaConfig.enabled=False): it keeps no report")
         assert self.probe is not None and self.dispatcher is not None
         fallbacks = [
-            *(trainer.fallbacks if trainer is not None else ()), *_quantizer_fallbacks(self._fallbacks_at_start)
+            *(trainer.fallbacks if trainer is not None else ()), *_quantizer_fallbacks(self._fallbacks_at_start),
+            *_static_scale_fallbacks(self.sites),
         ]
         return run_report(
             sites=self.sites, probe=self.probe, dispatcher=self.dispatcher, comm_state=self.comm_state,
@@ -439,7 +466,8 @@ class LokaCallback(Callback):
                 self.dispatcher.update_shapes(name, site.gemm_shapes())
             with profiled("loka/ledger"):
                 self.ledger = measure_ledger(
-                    self.dispatcher.ledger_gemms(), device=trainer.device, high_dtype=trainer.dense_dtype
+                    self.dispatcher.ledger_gemms(), device=trainer.device, high_dtype=trainer.dense_dtype,
+                    static_scales=self.config.mods.static_scales,
                 )
         out = self.write_report(trainer)
         if out is not None:
@@ -542,3 +570,19 @@ def _quantizer_fallbacks(at_start: dict[str, int]) -> list[str]:
         f"kernels: the reference quantizer took {n} x a {what} (no Triton quantizer takes its shape or layout)"
         for what, n in sorted(since.items()) if n > 0
     ]
+
+
+def _static_scale_fallbacks(site_map: dict[str, Site]) -> list[str]:
+    """One line per site operand whose static scale did not fit some of its tensors
+    (``mods.static_scales``): those were recast with their dynamic scale."""
+    out = []
+    for name, site in sorted(site_map.items()):
+        if site.static_slots is None:
+            continue
+        for operand, n in zip(("x", "dY"), static_scales.fallbacks(site.static_slots)):
+            if n:
+                out.append(
+                    f"kernels: {name} {operand}: the static scale did not fit {n} tensor(s), which were "
+                    "recast with their dynamic scale (the scale was re-seeded each time)"
+                )
+    return out
