@@ -1,12 +1,13 @@
 """Tile shapes of the tensor-wise quantizer that writes both layouts (``loka::tensorwise_quant_both``),
-timed against the one-layout tensor-wise quantizer and the transposing one, on the GPU.
+timed against the one-layout tensor-wise quantizer, the transposing one and the static-scale one
+(``loka::tensorwise_quant_static``, where its scale fits and where it recasts), on the GPU.
 
 Each configuration's output is checked bit for bit against the one-layout quantizer's payload
 and its transpose before it is timed (``triton.testing.do_bench``, median microseconds). The
 bandwidth column counts the bytes each kernel moves at least: read bf16 twice (amax pass and
 cast pass) and write the FP8 payloads.
 
-    python -m bench.quant_tiles --out DIR [--m 32768] [--ks 4096,2048,512]
+    python -m bench.quant_tiles --out DIR [--m 32768] [--ks 4096,2048,512] [--no-sweep]
     python -m bench.quant_tiles --best DIR/quant_tiles.json   # prints "ROWS COLS WARPS" of the
                                                               # fastest configuration at the largest K
 """
@@ -16,13 +17,50 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 CONFIGS = [(r, c, w) for (r, c), w in itertools.product(((32, 128), (64, 64), (64, 128), (128, 64), (128, 128)), (4, 8))]
 """(rows, columns, warps) of one program of the two-layout cast."""
 
 
-def _bench_k(m: int, k: int, rows: list[dict]) -> None:
+def _bench_static(x: Any, row: Callable[[str, float, int], None]) -> None:
+    """The static-scale quantizer (``loka::tensorwise_quant_static``) where its scale fits (one
+    read of ``x``) and where it does not (the recast: a second cast pass), each checked bit for
+    bit against the PyTorch reference first."""
+    import torch
+    from triton.testing import do_bench
+
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels import triton_tensorwise as tt
+    from loka_train.kernels.formats import Fp8Format
+
+    n = x.numel()
+    for both in (False, True):
+        layouts = "both layouts" if both else "one layout"
+        slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+        tt.tensorwise_quant_static(x, slot, both=both)  # seeds the slot
+        ref_slot = slot.clone()
+        q, s, _ = tt.tensorwise_quant_static(x, slot, both=both)
+        rq, rs = ss.quantize_static_reference(x, ref_slot, Fp8Format.E4M3)
+        if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+                and torch.equal(slot, ref_slot) and float(slot[ss.FALLBACKS]) == 0):
+            raise AssertionError(f"static-scale payload ({layouts}) differs from the reference")
+        row(f"static scale fits ({layouts})",
+            do_bench(lambda slot=slot, both=both: tt.tensorwise_quant_static(x, slot, both=both)) * 1e3,
+            (4 if both else 3) * n)
+        # A scale far too large for x: every call recasts (and re-seeds, so reset it each time).
+        stale = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+
+        def recast(stale: Any = stale, both: bool = both) -> None:
+            stale[ss.SCALE] = 1e6
+            tt.tensorwise_quant_static(x, stale, both=both)
+
+        row(f"static scale recast ({layouts})", do_bench(recast) * 1e3, (6 if both else 5) * n)
+
+
+def _bench_k(m: int, k: int, rows: list[dict], sweep: bool = True) -> None:
     import torch
     from triton.testing import do_bench
 
@@ -39,8 +77,9 @@ def _bench_k(m: int, k: int, rows: list[dict]) -> None:
 
     row("tensorwise (one layout)", do_bench(lambda: tt.tensorwise_quant(x)) * 1e3, 5 * n)
     row("transposed tensorwise (amax given)", do_bench(lambda: tb.transposed_quant(x, amax=amax)) * 1e3, 3 * n)
+    _bench_static(x, row)
     defaults = (tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS)
-    for tile_r, tile_c, warps in CONFIGS:
+    for tile_r, tile_c, warps in CONFIGS if sweep else [defaults]:
         name = f"both layouts {tile_r}x{tile_c}, {warps} warps"
         tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS = tile_r, tile_c, warps
         try:
@@ -77,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--best", type=Path, metavar="JSON", help="print the fastest configuration of a result")
     ap.add_argument("--m", type=int, default=32768)
     ap.add_argument("--ks", default="4096,2048,512")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default tile of the two-layout cast")
     args = ap.parse_args(argv)
     if args.best is not None:
         print(*best_config(json.loads(args.best.read_text())["rows"]))
@@ -86,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for k in (int(v) for v in args.ks.split(",")):
-        _bench_k(args.m, k, rows)
+        _bench_k(args.m, k, rows, sweep=not args.no_sweep)
     gpu = torch.cuda.get_device_name()
     (args.out / "quant_tiles.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
     lines = [f"# Two-layout tensor-wise quantizer tiles ({gpu})", "",

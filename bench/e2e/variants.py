@@ -181,12 +181,14 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
     }
 
 
-SUFFIXES = ("compile", "graphs", "pageable", "replaysampled")
+SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "static")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
 (``trainer.cuda_graphs_requested=true``, with ``+graphs``) replays the Probe's sampled steps
-instead of running them eagerly: what replaying them gains."""
+instead of running them eagerly: what replaying them gains. ``+static``
+(``loka.mods.static_scales=true``) quantizes tensor-wise activations and gradients with static
+scales (``kernels.static_scales``)."""
 
 REFERENCE_SUFFIXES = ("compile", "graphs", "pageable")
 """The suffixes that bf16 shares with a variant in the same-settings comparison."""
@@ -223,6 +225,13 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
             if "graphs" not in suffixes or v.loka == "off":
                 raise SystemExit(f"--variants: {name}: '+replaysampled' is for LoKA variants with '+graphs'")
             v = replace(v, description=v.description + ", sampled steps replayed", replay_sampled=True)
+        if "static" in suffixes:
+            if v.loka == "off":
+                raise SystemExit(f"--variants: {name}: '+static' is for LoKA variants")
+            v = replace(
+                v, description=v.description + ", static tensor-wise scales",
+                loka_overrides=(*v.loka_overrides, "loka.mods.static_scales=true"),
+            )
         out.append(replace(v, name=canonical_name(name)))
     if len({v.name for v in out}) != len(out):
         raise SystemExit(f"--variants: duplicates in {names}")

@@ -39,9 +39,8 @@ Example:
     >>> x = torch.randn(64, 32)
     >>> q, scale = quantize_static_reference(x, slots[0], Fp8Format.E4M3)  # seeds the slot
     >>> q, scale = quantize_static_reference(x, slots[0], Fp8Format.E4M3)  # fits now
-    >>> bool(scale == slots[0, SCALE]) and float(slots[0, FALLBACKS])
-    True
-    0.0
+    >>> bool(scale == slots[0, SCALE]), float(slots[0, FALLBACKS])
+    (True, 0.0)
 """
 
 from __future__ import annotations

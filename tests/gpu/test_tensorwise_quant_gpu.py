@@ -56,3 +56,45 @@ def test_both_layouts_are_the_reference_payload_and_its_transpose(fmt, shape):
     assert torch.equal(scale, rs)
     assert _same(q, rq)
     assert q_t.is_contiguous() and _same(q_t, rq.t().contiguous())
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+@pytest.mark.parametrize("both", [False, True], ids=["one_layout", "both_layouts"])
+def test_static_scales_match_the_reference_through_drift(fmt, both):
+    """Seed, fit, a 40x drift up (recast, re-seeded), fit again, a 100x drift down, an all-zero
+    tensor: codes, scales and the slot as the PyTorch reference has them, at a training shape."""
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.triton_tensorwise import tensorwise_quant_static
+
+    x = (3 * torch.randn(8192, 2048, device="cuda")).to(torch.bfloat16)
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+    ref_slot = slot.clone()
+    for t in (x, 1.5 * x, 40 * x, 40 * x, x / 100, 0 * x):
+        q, scale, q_t = tensorwise_quant_static(t, slot, fmt=fmt, both=both)
+        rq, rs = ss.quantize_static_reference(t, ref_slot, fmt)
+        assert torch.equal(scale, rs) and _same(q, rq) and torch.equal(slot, ref_slot)
+        if both:
+            assert q_t is not None and _same(q_t, q.t().contiguous())
+    assert ss.fallbacks(slot) == [2]  # the drift up and the drift down; the first call only seeds
+
+
+def test_static_scales_replay_in_a_cuda_graph():
+    """A captured static-scale quantization reads the slot at replay time: a host update of the
+    scale between replays is taken, a drift is recast and counted by the replay itself."""
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.triton_tensorwise import tensorwise_quant_static
+
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+    tensorwise_quant_static(x, slot, both=True)  # seeds
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, scale, _ = tensorwise_quant_static(x, slot, both=True)
+    before = slot.clone()
+    graph.replay()
+    assert torch.equal(scale, before[ss.SCALE]) and ss.fallbacks(slot) == ss.fallbacks(before)
+    ss.set_from_amax(slot, 1000 * float(x.float().abs().amax()), Fp8Format.E4M3)  # far too coarse
+    graph.replay()
+    assert ss.fallbacks(slot)[0] == ss.fallbacks(before)[0] + 1
+    rq, _ = tensorwise_quant_reference(x)
+    assert _same(q, rq)  # the recast is the dynamic payload
