@@ -1,0 +1,261 @@
+"""Static tensor-wise scales: the Triton quantizer (under TRITON_INTERPRET=1) against the PyTorch
+reference through seeding, fits, drifts and non-finite tensors; the rule that decides a fit at
+its edges; the slot helpers; the path sites, Dispatch's timer and the plugin take."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from loka_train.kernels import static_scales as ss
+from loka_train.kernels import triton_tensorwise as tt
+from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+from loka_train.kernels.linear import quantize_operand, quantize_with_transpose
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+
+FMTS = [Fp8Format.E4M3, Fp8Format.E5M2]
+E4M3 = Fp8Format.E4M3
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _slot(margin: float = 2.0, spread: float = 16.0) -> torch.Tensor:
+    return ss.new_slots(1, margin=margin, spread=spread, device=torch.device("cpu"))[0]
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
+@pytest.mark.parametrize("both", [False, True], ids=["one_layout", "both_layouts"])
+def test_kernel_matches_the_reference_through_seed_fit_and_drift(fmt, both, monkeypatch):
+    monkeypatch.setattr(tt, "_BLOCK", 256)  # several programs, a ragged last one
+    monkeypatch.setattr(tt, "_FINAL_BLOCK", 4)  # the check's loop over partials runs more than once
+    monkeypatch.setattr(tt, "_TILE_R", 16)
+    monkeypatch.setattr(tt, "_TILE_C", 8)
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(37, 45, generator=g)).to(torch.bfloat16)
+    x[30, 40] = 25.0  # the amax sits in a late program
+    slot, ref_slot = _slot(), _slot()
+    scales = []
+    for t in (x, 1.5 * x, 40 * x, 40 * x, x / 100, 0 * x):
+        q, scale, q_t = tt.tensorwise_quant_static(t, slot, fmt=fmt, both=both)
+        rq, rs = ss.quantize_static_reference(t, ref_slot, fmt)
+        assert torch.equal(scale, rs) and _same(q, rq) and torch.equal(slot, ref_slot)
+        assert (q_t is not None) == both
+        if q_t is not None:
+            assert _same(q_t, q.t().contiguous())
+        scales.append(float(scale))
+    # Seeded by the first call (dynamic, not counted); then static, a recast at each drift.
+    assert ss.fallbacks(slot) == [2]
+
+    def power_of_two(v: float) -> bool:
+        return v > 0 and float(torch.tensor(v).log2()) % 1 == 0
+
+    # 1.5x, the second 40x and the zeros took the slot's power-of-two scale; the first call
+    # and the two drifts took their dynamic scale (amax / max).
+    assert [power_of_two(v) for v in scales] == [False, True, False, True, False, True]
+
+
+def test_where_the_static_scale_fits_the_codes_are_x_over_the_scale():
+    x = torch.randn(64, 32)
+    slot = _slot()
+    tt.tensorwise_quant_static(x, slot)  # seeds
+    q, scale, _ = tt.tensorwise_quant_static(x, slot)
+    assert float(scale) == float(slot[ss.SCALE]) and ss.fallbacks(slot) == [0]
+    assert _same(q, (x / scale).to(E4M3.dtype))
+    # The seed: the power of two at or above amax * margin / max.
+    want = 2.0 ** torch.ceil(torch.log2(x.abs().amax() * 2.0 / E4M3.max))
+    assert float(scale) == float(want)
+
+
+@pytest.mark.parametrize(
+    ("amax_over_top", "fits"),
+    [(1.0, True), (1.01, False), (1 / 16, True), (1 / 16.5, False), (0.0, True)],
+    ids=["at_the_top", "just_above", "spread_below", "just_below_spread", "all_zero"],
+)
+def test_the_fit_rule_at_its_edges(amax_over_top, fits):
+    """Fits: ``amax / scale`` in ``[max / spread, max]`` (all zeros fit); else recast and counted."""
+    scale = 2.0**-4
+    x = torch.zeros(8, 16)
+    x[3, 5] = amax_over_top * E4M3.max * scale
+    slot, ref_slot = _slot(), _slot()
+    slot[ss.SCALE] = ref_slot[ss.SCALE] = scale
+    q, got, _ = tt.tensorwise_quant_static(x, slot)
+    rq, want = ss.quantize_static_reference(x, ref_slot, E4M3)
+    assert _same(q, rq) and torch.equal(got, want) and torch.equal(slot, ref_slot)
+    assert (float(got) == scale) == fits
+    assert ss.fallbacks(slot) == [0 if fits else 1]
+    if not fits:
+        dynamic = quantize(x, E4M3, Scaling.TENSORWISE)
+        assert _same(q, dynamic.data) and torch.equal(got, dynamic.scale)  # the dynamic payload
+
+
+def test_a_non_finite_tensor_recasts_with_a_nan_scale_and_keeps_the_slot_scale():
+    x = torch.randn(16, 16)
+    slot = _slot()
+    tt.tensorwise_quant_static(x, slot)
+    seeded = float(slot[ss.SCALE])
+    x[2, 3] = float("nan")
+    q, scale, _ = tt.tensorwise_quant_static(x, slot)
+    assert torch.isnan(scale) and torch.isnan(q.float() * scale).all()
+    assert float(slot[ss.SCALE]) == seeded and ss.fallbacks(slot) == [1]
+
+
+def test_an_unset_slot_is_seeded_without_a_count_and_an_empty_tensor_leaves_it():
+    slot = _slot()
+    q, scale, _ = tt.tensorwise_quant_static(torch.zeros(0, 8), slot)
+    assert q.shape == (0, 8) and float(scale) == 1.0 and float(slot[ss.SCALE]) == 0.0
+    tt.tensorwise_quant_static(torch.zeros(4, 8), slot)  # all zeros: nothing to seed from
+    assert float(slot[ss.SCALE]) == 0.0 and ss.fallbacks(slot) == [0]
+    tt.tensorwise_quant_static(torch.randn(4, 8), slot)
+    assert float(slot[ss.SCALE]) > 0 and ss.fallbacks(slot) == [0]
+
+
+def test_set_from_amax_takes_a_power_of_two_with_margin_and_ignores_bad_amaxes():
+    slot = _slot(margin=4.0)
+    ss.set_from_amax(slot, 100.0, E4M3)
+    assert float(slot[ss.SCALE]) == 1.0  # 100 * 4 / 448 = 0.89 -> 1
+    ss.set_from_amax(slot, 448.0 / 4, E4M3)  # exactly 1: stays 1
+    assert float(slot[ss.SCALE]) == 1.0
+    for bad in (0.0, float("inf"), float("nan")):
+        ss.set_from_amax(slot, bad, E4M3)
+        assert float(slot[ss.SCALE]) == 1.0
+    ss.set_from_amax(slot, 100.0, Fp8Format.E5M2)
+    assert float(slot[ss.SCALE]) == 2.0**-7  # 400 / 57344 = 0.00698 -> 2**-7
+
+
+def test_slot_helpers_refuse_bad_input():
+    with pytest.raises(ValueError, match="margin"):
+        ss.new_slots(1, margin=0.5, spread=16.0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="spread"):
+        ss.new_slots(1, margin=2.0, spread=1.0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="static-scale slot"):
+        tt.tensorwise_quant_static(torch.randn(4, 4), torch.zeros(3))
+    with pytest.raises(ValueError, match="static-scale slot"):
+        tt.tensorwise_quant_static(torch.randn(4, 4), torch.zeros(4, dtype=torch.float64))
+
+
+def test_opcheck_static():
+    torch.library.opcheck(
+        torch.ops.loka.tensorwise_quant_static.default, (torch.randn(5, 7), _slot(), "e4m3", True),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_quantize_operand_and_quantize_with_transpose_take_the_slot():
+    plan = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="triton")
+    x = torch.randn(32, 24)
+    slot = _slot()
+    quantize_operand(x, plan.fmt, plan, is_weight=False, static=slot)  # seeds
+    q = quantize_operand(x, plan.fmt, plan, is_weight=False, static=slot)
+    assert float(q.scale) == float(slot[ss.SCALE])
+    dynamic = quantize_operand(x, plan.fmt, plan, is_weight=False)
+    assert float(dynamic.scale) != float(q.scale)  # the slot is what changed the scale
+    q2, q2_t = quantize_with_transpose(x, plan.fmt, plan, plan, plan.fmt, is_weight=False, static=slot)
+    assert q2_t is not None and q2_t.data.is_contiguous() and _same(q2_t.data, q2.data.t().contiguous())
+    assert float(q2.scale) == float(slot[ss.SCALE]) and ss.fallbacks(slot) == [0]
+    rowwise = GemmPlan(precision="fp8", scaling=Scaling.ROWWISE, backend="triton")
+    assert quantize_operand(x, rowwise.fmt, rowwise, is_weight=False, static=slot).scale.shape == (32, 1)
+
+
+def _sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:
+    return float(20 * torch.log10(ref.norm() / (ref - y).norm()).detach())
+
+
+def test_a_site_with_static_scales_trains_like_dynamic_and_seeds_x_and_dy():
+    from loka_train.mods.site import Fp8Linear
+
+    torch.manual_seed(0)
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
+    ref = nn.Linear(64, 48)
+    sites = []
+    for static in (False, True):
+        lin = nn.Linear(64, 48)
+        lin.load_state_dict(ref.state_dict())
+        site = Fp8Linear.from_linear(lin, plan=plan)
+        if static:
+            site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cpu"))
+        sites.append(site)
+    dyn, stat = sites
+    assert dyn.static_slots is None and stat.static_slots is not None
+    for _ in range(3):
+        x = torch.randn(128, 64)
+        g = torch.randn(128, 48)
+        xs = [x.clone().requires_grad_() for _ in range(3)]
+        outs = [m(xi) for m, xi in zip((ref, dyn, stat), xs)]
+        for y in outs:
+            y.backward(g)
+        # Static scales cost at most a fraction of a dB of SQNR against dynamic ones.
+        assert _sqnr(outs[0], outs[2]) > _sqnr(outs[0], outs[1]) - 1.0
+        assert _sqnr(xs[0].grad, xs[2].grad) > _sqnr(xs[0].grad, xs[1].grad) - 1.0
+    slots = stat.static_slots
+    assert (slots[:, ss.SCALE] > 0).all() and ss.fallbacks(slots) == [0, 0]
+    # e4m3 x and e5m2 dY: the dY scale is the one of the e5m2 format's range.
+    assert float(slots[1, ss.SCALE]) < float(slots[0, ss.SCALE])
+
+
+def test_dispatch_times_the_static_path_only_where_sites_take_it():
+    from loka_train.dispatch.timing import GemmTimer
+
+    tw = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="triton")
+    rw = GemmPlan(precision="fp8", scaling=Scaling.ROWWISE, backend="triton")
+    off = GemmTimer(timing="cost_model", device="cpu", out_dtype=torch.float32)
+    on = GemmTimer(timing="cost_model", device="cpu", out_dtype=torch.float32, static_scales=True)
+    assert off.static_slot("forward", tw) is None
+    assert on.static_slot("forward", tw) is not None and on.static_slot("grad_input", tw) is not None
+    assert on.static_slot("grad_weight", tw) is None  # dY^T and X^T take the transposing quantizer
+    assert on.static_slot("forward", rw) is None and on.static_slot("forward", None) is None
+
+
+def test_the_plugin_enables_slots_refreshes_them_from_the_probe_and_reports_fallbacks(tmp_path: Path) -> None:
+    from loka_train.mods.config import ModsConfig
+    from loka_train.plugin.callback import LokaCallback
+    from loka_train.plugin.config import LokaConfig
+    from loka_train.probe.config import ProbeConfig
+    from loka_train.runtime.context import RunContext
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
+    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path)
+    config = LokaConfig(
+        enabled=True, probe=ProbeConfig(every_k_steps=1, interval=2, window=4),
+        mods=ModsConfig(enabled=True, static_scales=True, static_scale_margin=4.0),
+    )
+    cb = LokaCallback(config)
+    cb.on_before_shard(ctx)
+    cb.on_train_start(ctx)
+    assert cb.sites and all(s.static_slots is not None for s in cb.sites.values())
+    x = torch.randn(8, 16)
+    for step in range(2):
+        cb.on_step_start(ctx, step)
+        ctx.model(x).sum().backward()
+        cb.on_step_end(ctx, step, {})
+    assert cb.probe is not None
+    for name, site in cb.sites.items():
+        assert site.static_slots is not None
+        stats = cb.probe.window_stats(name, "forward")
+        amax = float(stats["amax_a"][stats["valid"].bool()].max())
+        fmt = site.plan.forward.fmt
+        want = 2.0 ** torch.ceil(torch.log2(torch.tensor(amax * 4.0 / fmt.max)))
+        assert float(site.static_slots[0, ss.SCALE]) == float(want), name
+    name = sorted(cb.sites)[0]
+    slots = cb.sites[name].static_slots
+    assert slots is not None
+    slots[1, ss.FALLBACKS] = 3
+    lines = [f for f in cb.report(ctx)["fallbacks"] if "static scale" in f]
+    assert lines == [f"kernels: {name} dY: the static scale did not fit 3 tensor(s), which were recast with "
+                     "their dynamic scale (the scale was re-seeded each time)"]
+
+
+def test_mods_config_validates_the_static_scale_knobs():
+    from loka_train.mods.config import ModsConfig
+
+    with pytest.raises(ValueError, match="static_scale_margin"):
+        ModsConfig(static_scale_margin=0.5)
+    with pytest.raises(ValueError, match="static_scale_spread"):
+        ModsConfig(static_scale_spread=1)
+    with pytest.raises(ValueError, match="static_scales"):
+        ModsConfig(static_scales="yes")  # type: ignore[arg-type]
