@@ -349,6 +349,8 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
     """GPU kernel time per step by category, top kernels, and the busy fraction."""
     prof, steps = clock.profile, clock.profile_steps
     per_name: dict[str, float] = {}
+    calls: dict[str, list[float]] = {}
+    """Kernel -> the duration of each of its launches (us): which shapes a kernel's time is."""
     intervals: list[tuple[float, float]] = []
     if clock.cuda:
         from torch.autograd import DeviceType
@@ -361,6 +363,7 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
                 continue
             start, end = float(evt.time_range.start), float(evt.time_range.end)
             per_name[evt.name] = per_name.get(evt.name, 0.0) + (end - start)
+            calls.setdefault(evt.name, []).append(end - start)
             intervals.append((start, end))
         if not intervals:
             raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI unavailable?)")
@@ -389,7 +392,7 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
     for name, us in per_name.items():
         categories[kernel_category(name)] += us
     busy_us = _merged_us(intervals) if intervals else total_us
-    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:15]
     first = clock.profile_first
     window = clock.sampled[first : first + steps]
     return {
@@ -413,7 +416,14 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
             for k, (us, n) in host_top
         ],
         "top_kernels": [
-            {"name": name[:120], "category": kernel_category(name), "ms_per_step": us / 1000.0 / steps}
+            {
+                "name": name[:120], "category": kernel_category(name), "ms_per_step": us / 1000.0 / steps,
+                **({
+                    "calls_per_step": len(calls[name]) / steps,
+                    # The longest launches first (at most 32), to tell a kernel's shapes apart.
+                    "us_per_call": [round(d, 1) for d in sorted(calls[name], reverse=True)[:32]],
+                } if name in calls else {}),
+            }
             for name, us in top
         ],
     }

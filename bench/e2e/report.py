@@ -210,6 +210,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                     lines += ["", f"**{r['config']} {r['variant']}: {p['sampled_steps']} of the {p['steps']} profiled "
                               f"steps (from step {p.get('first_step', '?')}) are the Probe's sampled steps**: its "
                               "table adds their eager samples to the steady steps' kernels."]
+            lines += _kernel_calls_section(profiled)
             lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
                       "steps; shares are of the summed kernel time. FP8 ceiling (high-precision runs) = the "
                       f"speed-up if every GEMM ran {FP8_GEMM_PEAK:g}x faster (FP8 peak) with free quantization "
@@ -467,3 +468,18 @@ def report_data(
         "wall_s": time.perf_counter() - t0,
         "pinned_batches": args.device == "cuda",
     }
+
+
+def _kernel_calls_section(profiled: list[dict[str, Any]]) -> list[str]:
+    """The profiled variants' largest kernels with their launches: how many a step and how long
+    the longest took (the shapes a kernel's time comes from)."""
+    rows = [(r, k) for r in profiled for k in r["profile"]["top_kernels"] if "calls_per_step" in k]
+    if not rows:
+        return []
+    lines = ["", "Largest kernels and their launches (profiled steps; the longest launches first, us):", "",
+             "| config | variant | kernel | ms/step | launches/step | longest launches us |", "|---|---|---|---|---|---|"]
+    for r, k in rows:
+        longest = ", ".join(f"{d:g}" for d in k["us_per_call"][:12])
+        lines.append(f"| {r['config']} | {r['variant']} | {k['name'][:60].replace('|', '/')} | "
+                     f"{k['ms_per_step']:.3f} | {k['calls_per_step']:g} | {longest} |")
+    return lines

@@ -629,3 +629,17 @@ def test_the_ledger_section_states_the_step_time_the_ledger_does_not_see() -> No
     assert _unattributed_line(loka, ledger, [loka]) == []  # no bf16 with the same settings
     other = dict(bf16, variant="bf16")  # eager bf16 is not the reference
     assert _unattributed_line(loka, ledger, [other, loka]) == []
+
+
+def test_the_report_lists_the_largest_kernels_with_their_launches() -> None:
+    from bench.e2e.report import _kernel_calls_section
+
+    row = {"config": "wukong", "variant": "loka", "profile": {"top_kernels": [
+        {"name": "_cast_both_kernel", "category": "other", "ms_per_step": 2.9, "calls_per_step": 10.0,
+         "us_per_call": [460.5, 230.0, 122.25]},
+        {"name": "aten::mm", "category": "gemm", "ms_per_step": 1.0},  # CPU: no launches recorded
+    ]}}
+    lines = _kernel_calls_section([row])
+    assert lines[-1] == "| wukong | loka | _cast_both_kernel | 2.900 | 10 | 460.5, 230, 122.25 |"
+    assert not any("aten::mm" in line for line in lines)
+    assert _kernel_calls_section([{"config": "c", "variant": "v", "profile": {"top_kernels": []}}]) == []
