@@ -62,6 +62,8 @@ _TILE_C = 128
 """Columns of one program of the cast that writes both layouts."""
 _BOTH_WARPS = 8
 """Warps of one program of the cast that writes both layouts."""
+_RECAST_PROGRAMS = 1024
+"""Programs of the static-scale recast (each loops over tiles; all exit at once when the gate is 0)."""
 
 @triton.jit
 def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
@@ -130,20 +132,21 @@ def _cast_kernel(
     STORE_AMAX: tl.constexpr,
     GATED: tl.constexpr,
 ):
-    """The cast; ``STORE_AMAX`` also stores the block's amax (the static-scale pass reads
-    ``x`` once for both), ``GATED`` runs only where ``gate`` holds 1 (the static-scale recast)."""
+    """The cast, block after block (a program takes every ``num_programs``-th); ``STORE_AMAX``
+    also stores each block's amax (the static-scale pass reads ``x`` once for both), ``GATED``
+    runs only where ``gate`` holds 1 (the static-scale recast, launched on few programs)."""
     go = True
     if GATED:
         go = tl.load(gate_ptr) != 0
     if go:
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
-        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        if STORE_AMAX:
-            tl.store(partial_ptr + pid, _tile_amax(x))
+        for blk in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+            offs = (tl.zeros((BLOCK,), tl.int64) + blk) * BLOCK + tl.arange(0, BLOCK)  # int64: N may pass 2**31
+            mask = offs < N
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
+            tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            if STORE_AMAX:
+                tl.store(partial_ptr + blk, _tile_amax(x))
 
 
 @triton.jit
@@ -165,24 +168,25 @@ def _cast_both_kernel(
     STORE_AMAX: tl.constexpr,
     GATED: tl.constexpr,
 ):
-    """_cast_kernel on a (BLOCK_R, BLOCK_C) tile of the (R, C) input, stored as it is into
-    ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX`` and ``GATED`` as there."""
+    """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input (row-major tile order),
+    stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX`` and
+    ``GATED`` as there."""
     go = True
     if GATED:
         go = tl.load(gate_ptr) != 0
     if go:
-        pr = tl.program_id(0)
-        pc = tl.program_id(1)
-        rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
-        # The compiler routes the tile through shared memory: both stores are coalesced.
-        tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
-        if STORE_AMAX:
-            tl.store(partial_ptr + pr * tl.num_programs(1) + pc, _tile_amax(x))
+        tiles_c = tl.cdiv(C, BLOCK_C)
+        for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
+            rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+            cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+            mask = (rows[:, None] < R) & (cols[None, :] < C)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
+            # The compiler routes the tile through shared memory: both stores are coalesced.
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
+            if STORE_AMAX:
+                tl.store(partial_ptr + t, _tile_amax(x))
 
 
 @triton.jit
@@ -264,12 +268,15 @@ def _cast(
     unused = scale  # a pointer the kernel does not read when its flag is off
     p = unused if partial is None else partial
     g = unused if gate is None else gate
+    num_tiles = _num_programs(x, q_t is not None)
+    # The recast runs on few programs that loop over the tiles: most of the time the gate is 0,
+    # and a full grid of programs that only read it would cost a launch of its own.
+    grid = (min(num_tiles, _RECAST_PROGRAMS) if gate is not None else num_tiles,)
     if q_t is None:
-        n = x.numel()
-        _cast_kernel[(_cdiv(n, _BLOCK),)](x, scale, q, n, p, g, BLOCK=_BLOCK, num_warps=8, **common)
+        _cast_kernel[grid](x, scale, q, x.numel(), p, g, BLOCK=_BLOCK, num_warps=8, **common)
     else:
         r, c = x.shape
-        _cast_both_kernel[(_cdiv(r, _TILE_R), _cdiv(c, _TILE_C))](
+        _cast_both_kernel[grid](
             x, scale, q, q_t, r, c, p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS, **common,
         )
 
@@ -283,8 +290,6 @@ def _num_programs(x: Tensor, both: bool) -> int:
 def _checked_2d(x: Tensor, what: str) -> None:
     if x.ndim != 2:
         raise ValueError(f"{what} expects a 2-D input, got shape {tuple(x.shape)}")
-    if _cdiv(x.shape[1], _TILE_C) > 65535:  # CUDA's limit on the grid's second dimension
-        raise ValueError(f"{what}: {x.shape[1]} columns exceed the kernel's {65535 * _TILE_C}")
 
 
 def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
