@@ -16,6 +16,13 @@ and the slot is re-seeded from this tensor's amax, so a drift costs one recast, 
 step. Numerics therefore never saturate, whatever the scale: a stale scale costs time, never a
 clipped value.
 
+Formats with a wider range get more of both (:func:`headroom`): e5m2 has 15 more binades of
+normal values than e4m3, so a gradient's scale seeds with ``128 x margin`` and fits over
+``128**2 x spread``; its codes then start 7 binades below the format's top at most, which leaves
+the values the GEMM feels (those within 2**-20 of the amax) normal. Measured on Wukong's
+gradients, whose amax moves by several binades from step to step early in training, e4m3's
+knobs alone recast most steps.
+
 Where scales come from: the Probe's window (its amax over the sampled steps, all-reduced
 across ranks, :func:`set_from_amax`, with a ``margin`` of headroom, rounded up to a power of two),
 refreshed at each window; before the first window, and after a fallback, from the operand
@@ -27,8 +34,9 @@ quantizer (``loka::tensorwise_quant_static``) and read by the host only between 
 ====  =====================================================================
   0   the static dequantization scale (0: none yet)
   1   fallbacks: calls the scale did not fit (unset slots are not counted)
-  2   margin: headroom of a seeded scale over the amax (``>= 1``)
-  3   spread: how far below the format's top a fitting tensor's amax may sit (``>= 2``)
+  2   margin: headroom of a seeded scale over the amax (``>= 1``; times :func:`headroom`)
+  3   spread: how far below the format's top a fitting tensor's amax may sit (``>= 2``; times
+      :func:`headroom` squared)
 ====  =====================================================================
 
 :func:`quantize_static_reference` is the pure-PyTorch oracle of the Triton kernel (same codes,
@@ -45,6 +53,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -52,6 +62,7 @@ from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 
 __all__ = [
     "FALLBACKS",
+    "headroom",
     "MARGIN",
     "SCALE",
     "SLOT_SIZE",
@@ -66,6 +77,16 @@ __all__ = [
 SCALE, FALLBACKS, MARGIN, SPREAD = 0, 1, 2, 3
 """Positions in a slot (module docstring)."""
 SLOT_SIZE = 4
+
+
+def headroom(fmt: Fp8Format) -> float:
+    """The factor a format's wider range adds to a slot's margin (its square to the spread):
+    ``2**k``, ``k`` half the binades of normal values ``fmt`` has beyond e4m3's, rounded down
+    (1 for e4m3, 128 for e5m2)."""
+    fmt = Fp8Format(fmt)
+    e4m3 = Fp8Format.E4M3
+    extra = math.log2((fmt.max / fmt.min_normal) / (e4m3.max / e4m3.min_normal))
+    return 2.0 ** max(0, math.floor(extra / 2))
 
 
 def new_slots(num: int, *, margin: float, spread: float, device: torch.device) -> Tensor:
@@ -96,10 +117,10 @@ def check_slot(slot: Tensor, device: torch.device) -> None:
 
 
 def _seed(amax: Tensor, margin: Tensor, fmt: Fp8Format) -> Tensor:
-    """The power of two at or above ``amax * margin / fmt.max`` (fp32, from its exponent bits,
-    as the kernel computes it; normal range)."""
+    """The power of two at or above ``amax * margin * headroom / fmt.max`` (fp32, from its
+    exponent bits, as the kernel computes it; normal range)."""
     inv_max = torch.tensor(1.0, dtype=torch.float32) / fmt.max
-    v = amax.float() * (margin.float() * inv_max.to(amax.device))
+    v = amax.float() * ((margin.float() * headroom(fmt)) * inv_max.to(amax.device))
     bits = v.view(torch.int32)
     exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     return (exp.clamp(1, 254) << 23).view(torch.float32)
@@ -121,7 +142,8 @@ def quantize_static_reference(x: Tensor, slot: Tensor, fmt: Fp8Format) -> tuple[
     fits = False
     if is_set and finite:
         peak = amax / static
-        fits = bool(peak <= fmt.max) and (bool(peak * slot[SPREAD] >= fmt.max) or bool(amax == 0))
+        spread = slot[SPREAD] * headroom(fmt) ** 2
+        fits = bool(peak <= fmt.max) and (bool(peak * spread >= fmt.max) or bool(amax == 0))
     if not fits:
         if is_set:
             slot[FALLBACKS] += 1
@@ -134,7 +156,7 @@ def quantize_static_reference(x: Tensor, slot: Tensor, fmt: Fp8Format) -> tuple[
 
 def set_from_amax(slot: Tensor, amax: Tensor | float, fmt: Fp8Format) -> None:
     """Set ``slot``'s scale from an amax seen beforehand (the Probe's window): the power of two
-    at or above ``amax * margin / fmt.max``. A non-finite or zero amax leaves the slot as it is.
+    at or above ``amax * margin * headroom(fmt) / fmt.max``. A non-finite or zero amax leaves the slot as it is.
     In place, on the slot's device, no host sync (``amax`` may be a device tensor)."""
     a = torch.as_tensor(amax, dtype=torch.float32, device=slot.device)
     ok = torch.isfinite(a) & (a > 0)

@@ -191,7 +191,7 @@ def _cast_both_kernel(
 
 @triton.jit
 def _static_check_kernel(partial_ptr, P, slot_ptr, scale_ptr, gate_ptr, inv_max, FP8_MAX: tl.constexpr,
-                         RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HEADROOM: tl.constexpr, RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):
     """Whether the slot's static scale fits this tensor (module docstring): writes the scale
     the payload takes and the gate of the recast; counts a fallback and re-seeds the slot."""
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -201,8 +201,9 @@ def _static_check_kernel(partial_ptr, P, slot_ptr, scale_ptr, gate_ptr, inv_max,
     amax = tl.max(acc, axis=0)
     static = tl.load(slot_ptr)
     count = tl.load(slot_ptr + 1)
-    margin = tl.load(slot_ptr + 2)
-    spread = tl.load(slot_ptr + 3)
+    # The format's headroom (static_scales.headroom, a power of two: exact products).
+    margin = tl.load(slot_ptr + 2) * HEADROOM
+    spread = tl.load(slot_ptr + 3) * (HEADROOM * HEADROOM)
     if RECIPROCAL:
         dynamic = amax * inv_max
     else:
@@ -331,7 +332,8 @@ def _tensorwise_quant_static_impl(x: Tensor, slot: Tensor, fmt: str, both: bool)
     _cast(x, slot, q, q_t if both else None, fmt_, partial=partial)
     _static_check_kernel[(1,)](
         partial, num_programs, slot, scale, gate, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
-        RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK, num_warps=4,
+        HEADROOM=static_scales.headroom(Fp8Format(fmt)), RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK,
+        num_warps=4,
     )
     _cast(x, scale, q, q_t if both else None, fmt_, gate=gate)
     return q, scale, q_t

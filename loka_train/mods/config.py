@@ -111,12 +111,13 @@ class ModsConfig:
 
     static_scale_margin: float = 2.0
     """Headroom of a static scale over the amax it is set from (``>= 1``), before rounding up
-    to a power of two."""
+    to a power of two; e5m2 gradients take 128 times as much (``kernels.static_scales.headroom``:
+    their format has 15 more binades of normal values)."""
 
     static_scale_spread: float = 16.0
     """How far below the format's top (``amax / scale`` against ``fmt.max``) a tensor's amax may
     sit and still take the static scale (``>= 2``): a larger spread recasts less often and
-    leaves the small values fewer FP8 steps."""
+    leaves the small values fewer FP8 steps; e5m2 gradients take ``128**2`` times as much."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
