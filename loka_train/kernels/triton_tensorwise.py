@@ -47,6 +47,7 @@ from loka_train.kernels.triton_kernels import (
 __all__ = [
     "tensorwise_quant",
     "tensorwise_quant_both",
+    "tensorwise_quant_grad_output",
     "tensorwise_quant_reference",
     "tensorwise_quant_static",
 ]
@@ -159,6 +160,7 @@ def _cast_both_kernel(
     C,
     partial_ptr,
     gate_ptr,
+    sums_ptr,
     FP8_MAX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -167,10 +169,13 @@ def _cast_both_kernel(
     Q_MIN_NORMAL: tl.constexpr,
     STORE_AMAX: tl.constexpr,
     GATED: tl.constexpr,
+    COLSUM: tl.constexpr,
 ):
     """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input (row-major tile order),
     stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX`` and
-    ``GATED`` as there."""
+    ``GATED`` as there; ``COLSUM`` also stores each tile's column sums (fp32) into row
+    ``t // tiles_c`` of ``sums`` (cdiv(R, BLOCK_R), C): a linear layer's bias gradient from the
+    read that quantizes its output gradient."""
     go = True
     if GATED:
         go = tl.load(gate_ptr) != 0
@@ -187,6 +192,8 @@ def _cast_both_kernel(
             tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
             if STORE_AMAX:
                 tl.store(partial_ptr + t, _tile_amax(x))
+            if COLSUM:
+                tl.store(sums_ptr + (t // tiles_c).to(tl.int64) * C + cols, tl.sum(x, axis=0), mask=cols < C)
 
 
 @triton.jit
@@ -256,11 +263,12 @@ def _checked(x: Tensor, fmt: str) -> Any:
 
 def _cast(
     x: Tensor, scale: Tensor, q: Tensor, q_t: Tensor | None, fmt_: Any, *, partial: Tensor | None = None,
-    gate: Tensor | None = None,
+    gate: Tensor | None = None, sums: Tensor | None = None,
 ) -> None:
     """One cast pass of ``x`` into ``q`` (and its transpose into ``q_t`` when given) with the
     scale at ``scale``'s first element; with ``partial``, also each program's amax; with
-    ``gate``, only where it holds 1."""
+    ``gate``, only where it holds 1; with ``sums`` (and ``q_t``), also each row of tiles' column
+    sums."""
     qr = _sw_round_args(q.dtype)
     common = dict(
         FP8_MAX=fmt_.max, Q_MANT=qr["MANT"], Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"],
@@ -278,7 +286,8 @@ def _cast(
     else:
         r, c = x.shape
         _cast_both_kernel[grid](
-            x, scale, q, q_t, r, c, p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS, **common,
+            x, scale, q, q_t, r, c, p, g, unused if sums is None else sums, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C,
+            COLSUM=sums is not None, num_warps=_BOTH_WARPS, **common,
         )
 
 
@@ -302,41 +311,63 @@ def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def _tensorwise_quant_both_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
+def _sums_buffer(x: Tensor, column_sums: bool) -> Tensor | None:
+    """Per row of tiles, the column sums of ``x`` (the kernel's partials), or None."""
+    if not column_sums:
+        return None
+    return torch.empty((_cdiv(x.shape[0], _TILE_R), x.shape[1]), device=x.device, dtype=torch.float32)
+
+
+def _column_sums(partials: Tensor | None, x: Tensor) -> Tensor:
+    """The column sums of ``x`` (fp32, ``(C,)``) from the kernel's partials; empty without."""
+    if partials is None:
+        return torch.empty((0,), device=x.device, dtype=torch.float32)
+    return partials.sum(0)
+
+
+def _tensorwise_quant_both_impl(x: Tensor, fmt: str, column_sums: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt)
     _checked_2d(x, "tensorwise_quant_both")
     r, c = x.shape
     q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
     scale = _scale(x, fmt_)
-    if x.numel():
-        _cast(x, scale, q, q_t, fmt_)
-    return q, scale, q_t
+    sums = _sums_buffer(x, column_sums)
+    if x.numel() == 0:
+        return q, scale, q_t, torch.zeros((c if column_sums else 0,), device=x.device, dtype=torch.float32)
+    _cast(x, scale, q, q_t, fmt_, sums=sums)
+    return q, scale, q_t, _column_sums(sums, x)
 
 
-def _tensorwise_quant_static_impl(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _tensorwise_quant_static_impl(
+    x: Tensor, slot: Tensor, fmt: str, both: bool, column_sums: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt)
     static_scales.check_slot(slot, x.device)
-    if both:
+    if both or column_sums:
         _checked_2d(x, "tensorwise_quant_static")
+    if column_sums and not both:
+        raise ValueError("tensorwise_quant_static: column sums come with both layouts")
     q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((x.shape[1], x.shape[0]) if both else (0,), device=x.device, dtype=fmt_.dtype)
     scale = torch.empty((), device=x.device, dtype=torch.float32)
     if x.numel() == 0:
-        return q, scale.fill_(1.0), q_t
+        sums0 = torch.zeros((x.shape[1] if column_sums else 0,), device=x.device, dtype=torch.float32)
+        return q, scale.fill_(1.0), q_t, sums0
+    sums = _sums_buffer(x, column_sums)
     num_programs = _num_programs(x, both)
     partial = torch.empty(num_programs, device=x.device, dtype=torch.float32)
     gate = torch.empty((), device=x.device, dtype=torch.int32)
     # Cast with the slot's scale (its first element), reading x once for the codes and the amax;
     # then decide, and recast with the dynamic scale only where the static one does not fit.
-    _cast(x, slot, q, q_t if both else None, fmt_, partial=partial)
+    _cast(x, slot, q, q_t if both else None, fmt_, partial=partial, sums=sums)
     _static_check_kernel[(1,)](
         partial, num_programs, slot, scale, gate, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
         HEADROOM=static_scales.headroom(Fp8Format(fmt)), RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK,
         num_warps=4,
     )
     _cast(x, scale, q, q_t if both else None, fmt_, gate=gate)
-    return q, scale, q_t
+    return q, scale, q_t, _column_sums(sums, x)
 
 
 @torch.library.custom_op("loka::tensorwise_quant", mutates_args=())
@@ -351,7 +382,7 @@ def _tensorwise_quant_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("loka::tensorwise_quant_both", mutates_args=())
 def _tensorwise_quant_both_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_both_impl(x, fmt)
+    return _tensorwise_quant_both_impl(x, fmt)[:3]
 
 
 @_tensorwise_quant_both_op.register_fake
@@ -361,16 +392,32 @@ def _tensorwise_quant_both_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Te
     return x.new_empty((r, c), dtype=dtype), x.new_empty((), dtype=torch.float32), x.new_empty((c, r), dtype=dtype)
 
 
+@torch.library.custom_op("loka::tensorwise_quant_both_sums", mutates_args=())
+def _tensorwise_quant_both_sums_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _tensorwise_quant_both_impl(x, fmt, column_sums=True)
+
+
+@_tensorwise_quant_both_sums_op.register_fake
+def _tensorwise_quant_both_sums_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q, scale, q_t = _tensorwise_quant_both_fake(x, fmt)
+    return q, scale, q_t, x.new_empty((x.shape[1],), dtype=torch.float32)
+
+
 @torch.library.custom_op("loka::tensorwise_quant_static", mutates_args=("slot",))
-def _tensorwise_quant_static_op(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_static_impl(x, slot, fmt, both)
+def _tensorwise_quant_static_op(
+    x: Tensor, slot: Tensor, fmt: str, both: bool, column_sums: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _tensorwise_quant_static_impl(x, slot, fmt, both, column_sums)
 
 
 @_tensorwise_quant_static_op.register_fake
-def _tensorwise_quant_static_fake(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _tensorwise_quant_static_fake(
+    x: Tensor, slot: Tensor, fmt: str, both: bool, column_sums: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dtype = Fp8Format(fmt).dtype
     q_t = x.new_empty((x.shape[1], x.shape[0]) if both else (0,), dtype=dtype)
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32), q_t
+    sums = x.new_empty((x.shape[1] if column_sums else 0,), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32), q_t, sums
 
 
 def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:
@@ -413,7 +460,7 @@ def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tupl
     fmt_s = Fp8Format(fmt).value
     if opaque.tracing():
         return torch.ops.loka.tensorwise_quant_both(x, fmt_s)
-    return _tensorwise_quant_both_impl(x, fmt_s)
+    return _tensorwise_quant_both_impl(x, fmt_s)[:3]
 
 
 def tensorwise_quant_static(
@@ -442,10 +489,34 @@ def tensorwise_quant_static(
     """
     fmt_s = Fp8Format(fmt).value
     if opaque.tracing():
-        q, scale, q_t = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both)
+        q, scale, q_t, _ = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both, False)
     else:
-        q, scale, q_t = _tensorwise_quant_static_impl(x, slot, fmt_s, both)
+        q, scale, q_t, _ = _tensorwise_quant_static_impl(x, slot, fmt_s, both)
     return q, scale, (q_t if both else None)
+
+
+def tensorwise_quant_grad_output(
+    dy: Tensor, *, fmt: Fp8Format = Fp8Format.E5M2, slot: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A linear layer's output gradient quantized in both layouts, with its column sums (the
+    bias gradient) from the same read: :func:`tensorwise_quant_both` (or, with ``slot``,
+    :func:`tensorwise_quant_static` with ``both``) that also returns ``dy.sum(0)`` in fp32
+    (ops ``loka::tensorwise_quant_both_sums`` / ``loka::tensorwise_quant_static``), where a
+    separate reduction would read ``dy`` once more.
+
+    Returns:
+        ``(q, scale, q_t, sums)``: the payload, its scale and transpose as the function without
+        sums returns them (bit for bit), and the fp32 column sums ``(C,)`` (tile by tile, then
+        over the tiles: equal to ``dy.float().sum(0)`` up to fp32 summation order).
+    """
+    fmt_s = Fp8Format(fmt).value
+    if slot is None:
+        if opaque.tracing():
+            return torch.ops.loka.tensorwise_quant_both_sums(dy, fmt_s)
+        return _tensorwise_quant_both_impl(dy, fmt_s, column_sums=True)
+    if opaque.tracing():
+        return torch.ops.loka.tensorwise_quant_static(dy, slot, fmt_s, True, True)
+    return _tensorwise_quant_static_impl(dy, slot, fmt_s, True, True)
 
 
 def tensorwise_quant_reference(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:

@@ -99,3 +99,26 @@ def test_static_scales_replay_in_a_cuda_graph():
     assert ss.fallbacks(slot)[0] == ss.fallbacks(before)[0] + 1
     rq, _ = tensorwise_quant_reference(x)
     assert _same(q, rq)  # the recast is the dynamic payload
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_grad_output_pass_sums_the_columns(static):
+    """The bias gradient from the two-layout pass of a training-size gradient: the payload as
+    the pass without sums writes it, the sums as fp32 ``dy.sum(0)`` up to summation order."""
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.triton_tensorwise import (
+        tensorwise_quant_grad_output,
+        tensorwise_quant_static,
+    )
+
+    dy = (1e-3 * torch.randn(32768, 2048, device="cuda")).to(torch.bfloat16)
+    slot = None
+    if static:
+        slot = ss.new_slots(1, margin=2.0, spread=16.0, device=dy.device)[0]
+        tensorwise_quant_static(dy, slot, fmt=Fp8Format.E5M2, both=True)  # seeds
+        rq, rs, rq_t = tensorwise_quant_static(dy, slot.clone(), fmt=Fp8Format.E5M2, both=True)
+    else:
+        rq, rs, rq_t = tensorwise_quant_both(dy, fmt=Fp8Format.E5M2)
+    q, scale, q_t, sums = tensorwise_quant_grad_output(dy, fmt=Fp8Format.E5M2, slot=slot)
+    assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq_t)
+    torch.testing.assert_close(sums, dy.float().sum(0), rtol=1e-4, atol=1e-6)

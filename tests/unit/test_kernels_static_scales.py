@@ -144,7 +144,7 @@ def test_slot_helpers_refuse_bad_input():
 
 def test_opcheck_static():
     torch.library.opcheck(
-        torch.ops.loka.tensorwise_quant_static.default, (torch.randn(5, 7), _slot(), "e4m3", True),
+        torch.ops.loka.tensorwise_quant_static.default, (torch.randn(5, 7), _slot(), "e4m3", True, True),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -262,3 +262,61 @@ def test_mods_config_validates_the_static_scale_knobs():
         ModsConfig(static_scale_spread=1)
     with pytest.raises(ValueError, match="static_scales"):
         ModsConfig(static_scales="yes")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------ the bias gradient from the quantizing pass
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_grad_output_pass_sums_the_columns_and_keeps_the_payload(static, monkeypatch):
+    monkeypatch.setattr(tt, "_TILE_R", 8)  # five rows of tiles, the last one ragged
+    monkeypatch.setattr(tt, "_TILE_C", 16)
+    g = torch.Generator().manual_seed(1)
+    dy = (2 * torch.randn(37, 40, generator=g)).to(torch.bfloat16)
+    slot = _slot() if static else None
+    if slot is not None:
+        tt.tensorwise_quant_static(dy, slot, fmt=Fp8Format.E5M2, both=True)  # seeds
+        ref_slot = slot.clone()
+        rq, rs, rq_t = tt.tensorwise_quant_static(dy, ref_slot, fmt=Fp8Format.E5M2, both=True)
+    else:
+        rq, rs, rq_t = tt.tensorwise_quant_both(dy, fmt=Fp8Format.E5M2)
+    q, scale, q_t, sums = tt.tensorwise_quant_grad_output(dy, fmt=Fp8Format.E5M2, slot=slot)
+    assert rq_t is not None and _same(q, rq) and _same(q_t, rq_t) and torch.equal(scale, rs)
+    assert sums.dtype == torch.float32 and sums.shape == (40,)
+    torch.testing.assert_close(sums, dy.float().sum(0), rtol=1e-6, atol=1e-5)
+
+
+def test_opcheck_both_sums():
+    torch.library.opcheck(torch.ops.loka.tensorwise_quant_both_sums.default, (torch.randn(9, 7), "e5m2"),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_tensorwise_linear_takes_its_bias_gradient_from_the_quantizing_pass():
+    """No reduction over dY of its own: the two-layout pass summed its columns."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loka_train.kernels.linear import fp8_linear
+
+    sums: list[tuple[int, ...]] = []
+
+    class Sums(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name == "aten::sum" and args and args[0].ndim == 2 and args[0].shape[0] == 64:
+                sums.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(24, 32, requires_grad=True)
+    b = torch.randn(24, requires_grad=True)
+    g = torch.randn(64, 24)
+    with Sums():
+        fp8_linear(x, w, b, plan).backward(g)
+    assert sums == []
+    assert b.grad is not None
+    torch.testing.assert_close(b.grad, g.sum(0), rtol=1e-6, atol=1e-5)
+    b.grad = None
+    high = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton", grad_weight_fp8=False)
+    with Sums():
+        fp8_linear(x, w, b, LinearPlan(forward=high.forward)).backward(g)  # high-precision grad-input
+    assert sums == [(64, 24)]  # the reduction of its own
