@@ -60,6 +60,49 @@ def _bench_static(x: Any, row: Callable[[str, float, int], None]) -> None:
         row(f"static scale recast ({layouts})", do_bench(recast) * 1e3, (6 if both else 5) * n)
 
 
+DATA = {
+    "randn": lambda t: t,
+    "relu": lambda t: t.clamp_min(0),
+    "grad 1e-6": lambda t: t * 1e-6,
+}
+"""Operand data of ``--contexts``: what the training step feeds the two-layout cast (activations
+behind a ReLU, gradients of a small magnitude) beside the benchmark's standard normal."""
+
+
+def _bench_contexts(m: int, k: int, rows: list[dict]) -> None:
+    """The two-layout cast, dynamic and static, per data kind and format, alone and right after
+    a bf16 GEMM of the step's size (the difference of the two timings): whether the data, the
+    format or a GPU kept busy by GEMMs explains a cast slower in the step than alone."""
+    import torch
+    from triton.testing import do_bench
+
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels import triton_tensorwise as tt
+    from loka_train.kernels.formats import Fp8Format
+
+    base = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(k, k, device="cuda", dtype=torch.bfloat16)
+    gemm_us = do_bench(lambda: a @ w) * 1e3
+    for data, make in DATA.items():
+        x = make(base).contiguous()
+        for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
+            slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+            tt.tensorwise_quant_static(x, slot, fmt=fmt, both=True)  # seeds
+            runs = {
+                "dynamic": lambda x=x, fmt=fmt: tt.tensorwise_quant_both(x, fmt=fmt),
+                "static": lambda x=x, fmt=fmt, slot=slot: tt.tensorwise_quant_static(x, slot, fmt=fmt, both=True),
+            }
+            for kind, run in runs.items():
+                alone = do_bench(run) * 1e3
+                after = do_bench(lambda run=run: (a @ w, run())) * 1e3 - gemm_us
+                rows.append({"m": m, "k": k, "kernel": f"both layouts, {kind}, {data}, {fmt.value}", "us": alone,
+                             "tb_s": 4 * x.numel() / (alone * 1e-6) / 1e12, "us_after_gemm": after})
+            if float(slot[ss.FALLBACKS]):
+                rows.append({"m": m, "k": k, "kernel": f"static, {data}, {fmt.value}",
+                             "error": f"{int(slot[ss.FALLBACKS])} recasts while timed"})
+
+
 def _bench_k(m: int, k: int, rows: list[dict], sweep: bool = True) -> None:
     import torch
     from triton.testing import do_bench
@@ -117,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", type=int, default=32768)
     ap.add_argument("--ks", default="4096,2048,512")
     ap.add_argument("--no-sweep", action="store_true", help="only the default tile of the two-layout cast")
+    ap.add_argument("--contexts", action="store_true",
+                    help="also the two-layout cast per data kind and format, alone and after a GEMM")
     args = ap.parse_args(argv)
     if args.best is not None:
         print(*best_config(json.loads(args.best.read_text())["rows"]))
@@ -127,15 +172,18 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     for k in (int(v) for v in args.ks.split(",")):
         _bench_k(args.m, k, rows, sweep=not args.no_sweep)
+        if args.contexts:
+            _bench_contexts(args.m, k, rows)
     gpu = torch.cuda.get_device_name()
     (args.out / "quant_tiles.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
     lines = [f"# Two-layout tensor-wise quantizer tiles ({gpu})", "",
-             "| M | K | kernel | us | TB/s (min bytes) |", "|---|---|---|---|---|"]
+             "| M | K | kernel | us | TB/s (min bytes) | us right after a GEMM |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['m']} | {r['k']} | {r['kernel']} | {r['error']} | - |")
+            lines.append(f"| {r['m']} | {r['k']} | {r['kernel']} | {r['error']} | - | - |")
         else:
-            lines.append(f"| {r['m']} | {r['k']} | {r['kernel']} | {r['us']:.1f} | {r['tb_s']:.2f} |")
+            after = f"{r['us_after_gemm']:.1f}" if "us_after_gemm" in r else "-"
+            lines.append(f"| {r['m']} | {r['k']} | {r['kernel']} | {r['us']:.1f} | {r['tb_s']:.2f} | {after} |")
     (args.out / "quant_tiles.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -102,8 +102,15 @@ def _scale_kernel(partial_ptr, scale_ptr, P, inv_max, FP8_MAX: tl.constexpr, REC
 def _codes(x, scale_ptr, FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr,
            Q_MIN_NORMAL: tl.constexpr):
     """``x / scale`` (IEEE-rounded division) saturated at ``fmt.max`` and rounded to the
-    format's codes, in fp32: what both casts store."""
-    q = tl.clamp(tl.math.div_rn(x, tl.load(scale_ptr)), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    format's codes, in fp32: what both casts store. A power-of-two scale (every static scale)
+    multiplies by its exact reciprocal instead: the same correctly rounded quotient, without
+    the division's slow path."""
+    s = tl.load(scale_ptr)
+    if (s.to(tl.int32, bitcast=True) & 0x7FFFFF) == 0:  # 2**k (or 0 / inf: the same quotients)
+        y = x * tl.math.div_rn(1.0, s)
+    else:
+        y = tl.math.div_rn(x, s)
+    q = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if Q_MANT > 0:
         q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
     return q
@@ -133,21 +140,31 @@ def _cast_kernel(
     STORE_AMAX: tl.constexpr,
     GATED: tl.constexpr,
 ):
-    """The cast, block after block (a program takes every ``num_programs``-th); ``STORE_AMAX``
-    also stores each block's amax (the static-scale pass reads ``x`` once for both), ``GATED``
-    runs only where ``gate`` holds 1 (the static-scale recast, launched on few programs)."""
-    go = True
+    """The cast of one block a program; ``STORE_AMAX`` also stores the block's amax (the
+    static-scale pass reads ``x`` once for both); ``GATED`` (the static-scale recast, launched on
+    few programs) runs only where ``gate`` holds 1, each program looping over every
+    ``num_programs``-th block."""
     if GATED:
-        go = tl.load(gate_ptr) != 0
-    if go:
-        for blk in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
-            offs = (tl.zeros((BLOCK,), tl.int64) + blk) * BLOCK + tl.arange(0, BLOCK)  # int64: N may pass 2**31
-            mask = offs < N
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
-            tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-            if STORE_AMAX:
-                tl.store(partial_ptr + blk, _tile_amax(x))
+        if tl.load(gate_ptr) != 0:
+            for blk in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+                _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC,
+                            Q_MIN_NORMAL, False)
+    else:
+        _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, tl.program_id(0), FP8_MAX, BLOCK, Q_MANT,
+                    Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX)
+
+
+@triton.jit
+def _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+                STORE_AMAX: tl.constexpr):
+    offs = (tl.zeros((BLOCK,), tl.int64) + blk) * BLOCK + tl.arange(0, BLOCK)  # int64: N may pass 2**31
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if STORE_AMAX:
+        tl.store(partial_ptr + blk, _tile_amax(x))
 
 
 @triton.jit
@@ -176,24 +193,34 @@ def _cast_both_kernel(
     ``GATED`` as there; ``COLSUM`` also stores each tile's column sums (fp32) into row
     ``t // tiles_c`` of ``sums`` (cdiv(R, BLOCK_R), C): a linear layer's bias gradient from the
     read that quantizes its output gradient."""
-    go = True
+    tiles_c = tl.cdiv(C, BLOCK_C)
     if GATED:
-        go = tl.load(gate_ptr) != 0
-    if go:
-        tiles_c = tl.cdiv(C, BLOCK_C)
-        for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
-            rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-            cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-            mask = (rows[:, None] < R) & (cols[None, :] < C)
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
-            # The compiler routes the tile through shared memory: both stores are coalesced.
-            tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
-            if STORE_AMAX:
-                tl.store(partial_ptr + t, _tile_amax(x))
-            if COLSUM:
-                tl.store(sums_ptr + (t // tiles_c).to(tl.int64) * C + cols, tl.sum(x, axis=0), mask=cols < C)
+        if tl.load(gate_ptr) != 0:
+            for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
+                _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, partial_ptr, sums_ptr, t, tiles_c, FP8_MAX,
+                                BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, False)
+    else:
+        _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, partial_ptr, sums_ptr, tl.program_id(0), tiles_c,
+                        FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, COLSUM)
+
+
+@triton.jit
+def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, partial_ptr, sums_ptr, t, tiles_c,
+                    FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
+                    Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
+                    COLSUM: tl.constexpr):
+    rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
+    # The compiler routes the tile through shared memory: both stores are coalesced.
+    tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
+    if STORE_AMAX:
+        tl.store(partial_ptr + t, _tile_amax(x))
+    if COLSUM:
+        tl.store(sums_ptr + (t // tiles_c).to(tl.int64) * C + cols, tl.sum(x, axis=0), mask=cols < C)
 
 
 @triton.jit
