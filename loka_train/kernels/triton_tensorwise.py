@@ -109,7 +109,11 @@ def _codes(x, scale_ptr, FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGI
     if (s.to(tl.int32, bitcast=True) & 0x7FFFFF) == 0:  # 2**k (or 0 / inf: the same quotients)
         y = x * tl.math.div_rn(1.0, s)
     else:
-        y = tl.math.div_rn(x, s)
+        # A zero numerator takes the IEEE division's slow path on the GPU, which doubled the cast
+        # of a ReLU'd activation (half zeros): divide the non-zeros only. A zero's quotient is
+        # ``x * (0 / s)``: a zero of x's sign, or NaN for a NaN scale, as the division gives it.
+        nonzero = x != 0.0
+        y = tl.where(nonzero, tl.math.div_rn(tl.where(nonzero, x, 1.0), s), x * tl.math.div_rn(0.0, s))
     q = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if Q_MANT > 0:
         q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)

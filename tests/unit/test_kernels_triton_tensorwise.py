@@ -128,3 +128,19 @@ def test_both_layouts_refuse_views_and_other_ranks():
 def test_opcheck_both_layouts():
     torch.library.opcheck(torch.ops.loka.tensorwise_quant_both.default, (torch.randn(5, 7), "e5m2"),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
+def test_relu_data_with_signed_zeros_is_bit_identical(fmt):
+    """Half the values zero (a ReLU'd activation), some of them -0.0: the cast divides only the
+    non-zeros and gives every zero its own sign, as the reference's division does."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(33, 65, generator=g).clamp_min(0)
+    x[::3, ::2] = -0.0
+    for t in (x, x.to(torch.bfloat16)):
+        q, scale = tt.tensorwise_quant(t, fmt=fmt)
+        rq, rs = tt.tensorwise_quant_reference(t, fmt=fmt)
+        assert torch.equal(scale, rs) and _same(q, rq)
+        assert (q.view(torch.uint8) == 0x80).any()  # negative zeros kept
+        q, scale, q_t = tt.tensorwise_quant_both(t, fmt=fmt)
+        assert _same(q, rq) and _same(q_t, rq.t().contiguous())
