@@ -311,7 +311,8 @@ _CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
         # (?<!fb): FBGEMM's embedding, jagged and permute kernels live in namespace fbgemm_gpu::
         r"(?<!fb)gemm|sm90|cutlass|matmul|scaled_mm|f8f8|wgmma|xmma|nvjet|cublas|(^|[_:])b?mm([_:]|$)|addmm|"
         r"aten::(mm|bmm|addmm|_scaled_mm|baddbmm)$", re.I)),
-    ("quantize", re.compile(r"quant|amax|fp8|float8|e4m3|e5m2|scale", re.I)),
+    # LoKA's tensor-wise casts (_cast_kernel, _cast_both_kernel) and static-scale check.
+    ("quantize", re.compile(r"quant|amax|fp8|float8|e4m3|e5m2|scale|^_cast(_both)?_kernel$|static_check", re.I)),
     ("embedding", re.compile(r"embedding|tbe|bounds_check|jagged|permute_|segment|index_select|fbgemm", re.I)),
 )
 CATEGORY_NAMES = ("gemm", "quantize", "embedding", "memcpy", "other")

@@ -643,3 +643,11 @@ def test_the_report_lists_the_largest_kernels_with_their_launches() -> None:
     assert lines[-1] == "| wukong | loka | _cast_both_kernel | 2.900 | 10 | 460.5, 230, 122.25 |"
     assert not any("aten::mm" in line for line in lines)
     assert _kernel_calls_section([{"config": "c", "variant": "v", "profile": {"top_kernels": []}}]) == []
+
+
+def test_loka_tensorwise_casts_count_as_quantization() -> None:
+    from bench.e2e.measure import kernel_category
+
+    for name in ("_cast_both_kernel", "_cast_kernel", "_static_check_kernel", "_amax_partial_kernel"):
+        assert kernel_category(name) == "quantize", name
+    assert kernel_category("triton_poi_fused__to_copy_cat_native_layer_norm_backward") == "other"
