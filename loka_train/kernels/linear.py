@@ -388,12 +388,13 @@ def quantize_with_transpose(
             tensorwise_quant_static,
         )
 
+        src = _both_layouts_input(t_RC)
         if static is not None:
-            data, scale, both_t = tensorwise_quant_static(t_RC.contiguous(), static, fmt=fmt, both=True)
+            data, scale, both_t = tensorwise_quant_static(src, static, fmt=fmt, both=True)
             assert both_t is not None
             data_t = both_t
         else:
-            data, scale, data_t = tensorwise_quant_both(t_RC.contiguous(), fmt=fmt)
+            data, scale, data_t = tensorwise_quant_both(src, fmt=fmt)
         return (
             QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
             QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
@@ -403,6 +404,14 @@ def quantize_with_transpose(
         static=static,
     )
     return q, transposed_reuse(q, other_fmt, other)
+
+
+def _both_layouts_input(t: Tensor) -> Tensor:
+    """What the two-layout casts read: ``t`` itself when it is contiguous or only its rows lie
+    apart (a slice of a concatenation's gradient), else a contiguous copy."""
+    from loka_train.kernels.triton_tensorwise import is_row_strided
+
+    return t if is_row_strided(t) else t.contiguous()
 
 
 def quantize_grad_output(
@@ -423,7 +432,7 @@ def quantize_grad_output(
     if bias_grad and writes_both_layouts(plan, dy_MN, fmt, other, other_fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_tensorwise import tensorwise_quant_grad_output
 
-        data, scale, data_t, sums = tensorwise_quant_grad_output(dy_MN.contiguous(), fmt=fmt, slot=static)
+        data, scale, data_t, sums = tensorwise_quant_grad_output(_both_layouts_input(dy_MN), fmt=fmt, slot=static)
         return (
             QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
             QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
@@ -530,12 +539,20 @@ class _PlannedLinearFn(torch.autograd.Function):
 
         with torch.autocast(grad_y.device.type, enabled=False):
             dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
-            if (plan.grad_input.is_fp8 or plan.grad_weight.is_fp8) and not dy_MN.is_contiguous():
+            gw_takes_dy_t = plan.grad_weight if need_w else GemmPlan()
+            read_as_is = (
+                need_x
+                and writes_both_layouts(plan.grad_input, dy_MN, plan.grad_input.fmt, gw_takes_dy_t,
+                                        gw_takes_dy_t.fmt, reference_quantizer=rq)
+                and _both_layouts_input(dy_MN) is dy_MN
+            )
+            if (plan.grad_input.is_fp8 or plan.grad_weight.is_fp8) and not dy_MN.is_contiguous() and not read_as_is:
                 # One copy for every quantizer that reads dY: a gradient that reaches the site
                 # as a slice of a concatenation's (rows strided apart) would otherwise be
                 # copied by each, and grad-weight's dY^T would not be the transposed view of a
                 # contiguous tensor that the transposing quantizer reads (at M > 16384 rows the
-                # reference quantizer's eager passes would take it).
+                # reference quantizer's eager passes would take it). The two-layout cast reads
+                # such rows as they are and hands grad-weight its dY^T: no copy then.
                 dy_MN = dy_MN.contiguous()
             dy_q_t = dy_sums = None
             if need_x:

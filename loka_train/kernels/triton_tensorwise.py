@@ -45,6 +45,7 @@ from loka_train.kernels.triton_kernels import (
 )
 
 __all__ = [
+    "is_row_strided",
     "tensorwise_quant",
     "tensorwise_quant_both",
     "tensorwise_quant_grad_output",
@@ -76,6 +77,19 @@ def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
     num_bad = tl.sum(((x != x) | (ax == float("inf"))).to(tl.int32), axis=0)
     amax = tl.max(ax, axis=0)
     tl.store(partial_ptr + pid, tl.where(num_bad > 0, float("inf"), amax))
+
+
+@triton.jit
+def _amax_partial_rows_kernel(x_ptr, partial_ptr, R, C, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """_amax_partial_kernel over (BLOCK_R, BLOCK_C) tiles of an (R, C) input whose rows lie
+    ``stride_r`` elements apart."""
+    t = tl.program_id(0)
+    tiles_c = tl.cdiv(C, BLOCK_C)
+    rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0)
+    tl.store(partial_ptr + t, _tile_amax(x.to(tl.float32)))
 
 
 @triton.jit
@@ -179,6 +193,7 @@ def _cast_both_kernel(
     qt_ptr,
     R,
     C,
+    stride_r,
     partial_ptr,
     gate_ptr,
     sums_ptr,
@@ -201,22 +216,23 @@ def _cast_both_kernel(
     if GATED:
         if tl.load(gate_ptr) != 0:
             for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
-                _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, partial_ptr, sums_ptr, t, tiles_c, FP8_MAX,
-                                BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, False)
+                _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, sums_ptr, t, tiles_c,
+                                FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, False)
     else:
-        _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, partial_ptr, sums_ptr, tl.program_id(0), tiles_c,
-                        FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, COLSUM)
+        _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, sums_ptr, tl.program_id(0),
+                        tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, COLSUM)
 
 
 @triton.jit
-def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, partial_ptr, sums_ptr, t, tiles_c,
+def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, sums_ptr, t, tiles_c,
                     FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
                     Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
                     COLSUM: tl.constexpr):
     rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # x's rows may lie apart (a slice of a concatenation's gradient); the payloads are contiguous.
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
     # The compiler routes the tile through shared memory: both stores are coalesced.
@@ -274,9 +290,16 @@ def _scale(x: Tensor, fmt_: Any) -> Tensor:
     n = x.numel()
     if n == 0:
         return scale.fill_(1.0)
-    num_blocks = _cdiv(n, _BLOCK)
-    partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
-    _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8)
+    if x.is_contiguous():
+        num_blocks = _cdiv(n, _BLOCK)
+        partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
+        _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8)
+    else:  # rows apart (_checked allows it for the two-layout cast only)
+        num_blocks = _num_programs(x, True)
+        partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
+        _amax_partial_rows_kernel[(num_blocks,)](
+            x, partial, x.shape[0], x.shape[1], x.stride(0), BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
+        )
     _scale_kernel[(1,)](
         partial, scale, num_blocks, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
         RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK, num_warps=4,
@@ -284,11 +307,21 @@ def _scale(x: Tensor, fmt_: Any) -> Tensor:
     return scale
 
 
-def _checked(x: Tensor, fmt: str) -> Any:
+def is_row_strided(x: Tensor) -> bool:
+    """Whether ``x`` is 2-D with contiguous rows that lie apart (``stride == (s, 1)``, ``s`` more
+    than its columns): a slice of a wider tensor's columns, which the two-layout casts read as
+    it is."""
+    return x.ndim == 2 and x.stride(1) == 1 and x.stride(0) > x.shape[1] and x.shape[0] > 1
+
+
+def _checked(x: Tensor, fmt: str, *, rows_apart: bool = False) -> Any:
     fmt_ = _triton_fmt(fmt)
     _check_runnable(x)
-    if not x.is_contiguous():
-        raise ValueError("tensorwise_quant needs a contiguous input (transposed views take loka::transposed_quant)")
+    if not (x.is_contiguous() or (rows_apart and is_row_strided(x))):
+        raise ValueError(
+            "tensorwise_quant needs a contiguous input (transposed views take loka::transposed_quant; "
+            "the two-layout casts also read rows that lie apart)"
+        )
     return fmt_
 
 
@@ -317,7 +350,7 @@ def _cast(
     else:
         r, c = x.shape
         _cast_both_kernel[grid](
-            x, scale, q, q_t, r, c, p, g, unused if sums is None else sums, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C,
+            x, scale, q, q_t, r, c, x.stride(0), p, g, unused if sums is None else sums, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C,
             COLSUM=sums is not None, num_warps=_BOTH_WARPS, **common,
         )
 
@@ -357,7 +390,7 @@ def _column_sums(partials: Tensor | None, x: Tensor) -> Tensor:
 
 
 def _tensorwise_quant_both_impl(x: Tensor, fmt: str, column_sums: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    fmt_ = _checked(x, fmt)
+    fmt_ = _checked(x, fmt, rows_apart=True)
     _checked_2d(x, "tensorwise_quant_both")
     r, c = x.shape
     q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
@@ -373,7 +406,7 @@ def _tensorwise_quant_both_impl(x: Tensor, fmt: str, column_sums: bool = False) 
 def _tensorwise_quant_static_impl(
     x: Tensor, slot: Tensor, fmt: str, both: bool, column_sums: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    fmt_ = _checked(x, fmt)
+    fmt_ = _checked(x, fmt, rows_apart=both)
     static_scales.check_slot(slot, x.device)
     if both or column_sums:
         _checked_2d(x, "tensorwise_quant_static")
@@ -477,12 +510,13 @@ def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tupl
     contiguous, in the same pass (op ``loka::tensorwise_quant_both``).
 
     Args:
-        x: fp32, bf16 or fp16, contiguous, 2-D ``(R, C)``.
+        x: fp32, bf16 or fp16, 2-D ``(R, C)``, contiguous or with its rows apart
+            (:func:`is_row_strided`, read as it is).
         fmt: e4m3 or e5m2.
 
     Returns:
-        ``(q, scale, q_t)``: ``q`` and ``scale`` as :func:`tensorwise_quant` returns them (bit
-        for bit), ``q_t`` equal to ``q.t()``, contiguous ``(C, R)``.
+        ``(q, scale, q_t)``: ``q`` and ``scale`` as :func:`tensorwise_quant` returns them for
+        ``x.contiguous()`` (bit for bit), ``q_t`` equal to ``q.t()``, both contiguous.
 
     Raises:
         ValueError: for a non-contiguous or non-2-D input, or another format.
@@ -504,7 +538,8 @@ def tensorwise_quant_static(
     dynamic scale (bit for bit :func:`tensorwise_quant`'s payload), counted in the slot.
 
     Args:
-        x: fp32, bf16 or fp16, contiguous (2-D with ``both``).
+        x: fp32, bf16 or fp16, contiguous (or, with ``both``, 2-D and possibly with its rows
+            apart, :func:`is_row_strided`).
         slot: the operand's slot (``static_scales.new_slots``), updated in place.
         fmt: e4m3 or e5m2.
         both: also write the payload's transpose, contiguous, in the same pass (as

@@ -122,3 +122,16 @@ def test_grad_output_pass_sums_the_columns(static):
     q, scale, q_t, sums = tensorwise_quant_grad_output(dy, fmt=Fp8Format.E5M2, slot=slot)
     assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq_t)
     torch.testing.assert_close(sums, dy.float().sum(0), rtol=1e-4, atol=1e-6)
+
+
+def test_two_layout_cast_reads_rows_that_lie_apart():
+    """A 32768 x 2048 slice of a 32768 x 3072 gradient (Wukong's concatenation) cast as it is:
+    the payloads and column sums of its contiguous copy."""
+    from loka_train.kernels.triton_tensorwise import tensorwise_quant_grad_output
+
+    wide = (1e-3 * torch.randn(32768, 3072, device="cuda")).to(torch.bfloat16)
+    x = wide[:, 512:2560]
+    got = tensorwise_quant_grad_output(x, fmt=Fp8Format.E5M2)
+    want = tensorwise_quant_grad_output(x.contiguous(), fmt=Fp8Format.E5M2)
+    assert _same(got[0], want[0]) and torch.equal(got[1], want[1]) and _same(got[2], want[2])
+    assert torch.equal(got[3], want[3])

@@ -320,3 +320,30 @@ def test_a_tensorwise_linear_takes_its_bias_gradient_from_the_quantizing_pass():
     with Sums():
         fp8_linear(x, w, b, LinearPlan(forward=high.forward)).backward(g)  # high-precision grad-input
     assert sums == [(64, 24)]  # the reduction of its own
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_two_layout_casts_read_rows_that_lie_apart(static, monkeypatch):
+    """A slice of a wider tensor's columns (a concatenation's gradient) gives what its
+    contiguous copy gives: payloads, scale, column sums and the slot's update."""
+    monkeypatch.setattr(tt, "_TILE_R", 8)
+    monkeypatch.setattr(tt, "_TILE_C", 16)
+    wide = torch.randn(37, 72).to(torch.bfloat16)
+    x = wide[:, 8:48]  # rows 72 apart, 40 columns
+    assert tt.is_row_strided(x) and not x.is_contiguous()
+    assert not tt.is_row_strided(wide) and not tt.is_row_strided(x.t())
+    slots = [_slot(), _slot()] if static else [None, None]
+    if static:
+        for slot in slots:
+            tt.tensorwise_quant_static(x.contiguous(), slot, fmt=Fp8Format.E5M2, both=True)  # seeds
+    got = tt.tensorwise_quant_grad_output(x, fmt=Fp8Format.E5M2, slot=slots[0])
+    want = tt.tensorwise_quant_grad_output(x.contiguous(), fmt=Fp8Format.E5M2, slot=slots[1])
+    assert _same(got[0], want[0]) and torch.equal(got[1], want[1]) and _same(got[2], want[2])
+    assert torch.equal(got[3], want[3])
+    if static:
+        assert torch.equal(slots[0], slots[1])
+    q, scale, q_t = tt.tensorwise_quant_both(x)
+    rq, rs = tt.tensorwise_quant_reference(x.contiguous())
+    assert _same(q, rq) and torch.equal(scale, rs) and _same(q_t, rq.t().contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        tt.tensorwise_quant(x)  # the one-layout cast reads contiguous inputs only
