@@ -180,8 +180,10 @@ def quantize_operand(
     (code traced for inductor to fuse, see :func:`inductor_quantizes`) always takes
     :func:`formats.quantize`. ``count_fallbacks``: a site's own quantization (not a timing or
     a trace), whose reference-quantizer fallbacks :func:`reference_fallbacks` counts.
-    ``static``: the operand's static-scale slot (``kernels.static_scales``), which the Triton
-    tensor-wise quantizer then takes (``loka::tensorwise_quant_static``); other paths ignore it.
+    ``static``: the operand's static-scale slot (``kernels.static_scales``) for a tensor-wise
+    plan: the Triton tensor-wise quantizer then takes it (``loka::tensorwise_quant_static``),
+    other backends (the emulated oracle) its PyTorch reference (host syncs: eager code only;
+    traced code quantizes dynamically); row-wise and block plans ignore it.
     """
     if use_transposed_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_block import transposed_quant
@@ -202,6 +204,14 @@ def quantize_operand(
 
         q, scale, _, _, _, _ = fused_rowwise_quant(t_RC.contiguous(), fmt=fmt)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.ROWWISE, axis=1)
+    if static is not None and plan.scaling is Scaling.TENSORWISE and not reference_quantizer and not opaque.tracing():
+        # The emulated oracle (and any backend without the Triton quantizer) takes the same
+        # static scale, with the reference's fit rule and slot update: the numerics of
+        # ``mods.static_scales`` do not depend on the backend.
+        from loka_train.kernels.static_scales import quantize_static_reference
+
+        q_data, q_scale = quantize_static_reference(t_RC, static, fmt)
+        return QTensor(data=q_data, scale=q_scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
     if (
         count_fallbacks
         and not opaque.tracing()

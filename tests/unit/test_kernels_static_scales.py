@@ -169,11 +169,13 @@ def _sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:
     return float(20 * torch.log10(ref.norm() / (ref - y).norm()).detach())
 
 
-def test_a_site_with_static_scales_trains_like_dynamic_and_seeds_x_and_dy():
+@pytest.mark.parametrize("backend", ["triton", "emulated"])
+def test_a_site_with_static_scales_trains_like_dynamic_and_seeds_x_and_dy(backend):
+    """On the Triton quantizer and on the emulated oracle (its PyTorch reference) alike."""
     from loka_train.mods.site import Fp8Linear
 
     torch.manual_seed(0)
-    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend=backend)
     ref = nn.Linear(64, 48)
     sites = []
     for static in (False, True):
@@ -347,3 +349,17 @@ def test_two_layout_casts_read_rows_that_lie_apart(static, monkeypatch):
     assert _same(q, rq) and torch.equal(scale, rs) and _same(q_t, rq.t().contiguous())
     with pytest.raises(ValueError, match="contiguous"):
         tt.tensorwise_quant(x)  # the one-layout cast reads contiguous inputs only
+
+
+def test_the_emulated_oracle_quantizes_with_the_slot_as_the_kernel_does():
+    """quantize_operand on the emulated backend: the reference's codes, scale and slot update,
+    which the Triton kernel matches bit for bit (the drift test above)."""
+    emulated = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="emulated")
+    triton = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="triton")
+    x = torch.randn(48, 40)
+    slots = [_slot(), _slot()]
+    for t in (x, 2 * x, 300 * x):  # seed, fit, recast
+        a = quantize_operand(t, E4M3, emulated, is_weight=False, static=slots[0])
+        b = quantize_operand(t, E4M3, triton, is_weight=False, static=slots[1])
+        assert torch.equal(a.scale, b.scale) and _same(a.data, b.data) and torch.equal(slots[0], slots[1])
+    assert ss.fallbacks(slots[0]) == [1]
