@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,22 +43,25 @@ def _bench_static(x: Any, row: Callable[[str, float, int], None]) -> None:
         slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
         tt.tensorwise_quant_static(x, slot, both=both)  # seeds the slot
         ref_slot = slot.clone()
-        q, s, _ = tt.tensorwise_quant_static(x, slot, both=both)
+        q, s, q_t = tt.tensorwise_quant_static(x, slot, both=both)
         rq, rs = ss.quantize_static_reference(x, ref_slot, Fp8Format.E4M3)
-        if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+        same_t = q_t is None or torch.equal(q_t.view(torch.uint8), rq.t().contiguous().view(torch.uint8))
+        if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs) and same_t
                 and torch.equal(slot, ref_slot) and float(slot[ss.FALLBACKS]) == 0):
             raise AssertionError(f"static-scale payload ({layouts}) differs from the reference")
+        # Bytes moved at least: read bf16 once, write one or two FP8 payloads.
         row(f"static scale fits ({layouts})",
             do_bench(lambda slot=slot, both=both: tt.tensorwise_quant_static(x, slot, both=both)) * 1e3,
             (4 if both else 3) * n)
-        # A scale far too large for x: every call recasts (and re-seeds, so reset it each time).
+        # A stale power-of-two scale far too large for x: every call recasts (and re-seeds, so
+        # reset it each time); a recast reads x twice and writes the payloads twice.
         stale = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
 
         def recast(stale: Any = stale, both: bool = both) -> None:
-            stale[ss.SCALE] = 1e6
+            stale[ss.SCALE] = 2.0**20
             tt.tensorwise_quant_static(x, stale, both=both)
 
-        row(f"static scale recast ({layouts})", do_bench(recast) * 1e3, (6 if both else 5) * n)
+        row(f"static scale recast ({layouts})", do_bench(recast) * 1e3, (8 if both else 6) * n)
 
 
 DATA = {
@@ -96,8 +100,9 @@ def _bench_contexts(m: int, k: int, rows: list[dict]) -> None:
             for kind, run in runs.items():
                 alone = do_bench(run) * 1e3
                 after = do_bench(lambda run=run: (a @ w, run())) * 1e3 - gemm_us
-                rows.append({"m": m, "k": k, "kernel": f"both layouts, {kind}, {data}, {fmt.value}", "us": alone,
-                             "tb_s": 4 * x.numel() / (alone * 1e-6) / 1e12, "us_after_gemm": after})
+                nbytes = (6 if kind == "dynamic" else 4) * x.numel()  # the dynamic cast reads x twice
+                rows.append({"m": m, "k": k, "kernel": f"two layouts, {kind}, {data}, {fmt.value}", "us": alone,
+                             "tb_s": nbytes / (alone * 1e-6) / 1e12, "us_after_gemm": after})
             if float(slot[ss.FALLBACKS]):
                 rows.append({"m": m, "k": k, "kernel": f"static, {data}, {fmt.value}",
                              "error": f"{int(slot[ss.FALLBACKS])} recasts while timed"})
@@ -138,16 +143,18 @@ def _bench_k(m: int, k: int, rows: list[dict], sweep: bool = True) -> None:
             tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS = defaults
 
 
+_SWEEP_ROW = re.compile(r"both layouts (\d+)x(\d+), (\d+) warps")
+"""The name of a tile sweep's row (``--contexts`` rows are named otherwise)."""
+
+
 def best_config(rows: list[dict]) -> tuple[int, int, int]:
     """(rows, columns, warps) of the fastest two-layout configuration at the largest K timed."""
     k = max(r["k"] for r in rows)
-    timed = [r for r in rows if r["k"] == k and r["kernel"].startswith("both layouts") and "us" in r]
+    timed = [(r, m) for r in rows if r["k"] == k and "us" in r and (m := _SWEEP_ROW.fullmatch(r["kernel"]))]
     if not timed:
         raise SystemExit(f"no two-layout configuration was timed at K={k}")
-    best = min(timed, key=lambda r: r["us"])
-    tile, warps = best["kernel"].removeprefix("both layouts ").split(", ")
-    rows_, cols = tile.split("x")
-    return int(rows_), int(cols), int(warps.split()[0])
+    _, best = min(timed, key=lambda rm: rm[0]["us"])
+    return int(best[1]), int(best[2]), int(best[3])
 
 
 def main(argv: list[str] | None = None) -> None:
