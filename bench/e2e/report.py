@@ -210,13 +210,13 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                     lines += ["", f"**{r['config']} {r['variant']}: {p['sampled_steps']} of the {p['steps']} profiled "
                               f"steps (from step {p.get('first_step', '?')}) are the Probe's sampled steps**: its "
                               "table adds their eager samples to the steady steps' kernels."]
-            lines += _kernel_calls_section(profiled)
             lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
                       "steps; shares are of the summed kernel time. FP8 ceiling (high-precision runs) = the "
                       f"speed-up if every GEMM ran {FP8_GEMM_PEAK:g}x faster (FP8 peak) with free quantization "
                       f"and nothing else changed: step / (step - GEMM ms x {1 - 1 / FP8_GEMM_PEAK:g}); a target above it needs more "
-                      "than FP8 GEMMs.", "",
-                      "### Where the host time goes (profiled steps)", "",
+                      "than FP8 GEMMs."]
+            lines += _kernel_calls_section(profiled)
+            lines += ["", "### Where the host time goes (profiled steps)", "",
                       "| config | variant | aten calls/step | self CPU ms/step | GPU sync wait ms/step | top host ops (self CPU ms/step, calls/step) |",
                       "|---|---|---|---|---|---|"]
             for r in profiled:

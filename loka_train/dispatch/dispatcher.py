@@ -123,7 +123,8 @@ class Dispatcher:
 
     @property
     def timing_source(self) -> str:
-        """Where this dispatcher's GEMM times come from: timing mode, device and output dtype.
+        """Where this dispatcher's GEMM times come from: timing mode, device, output dtype, and
+        whether candidates are timed graph-replayed and with static tensor-wise scales.
         Cached timings are only reused (e.g. from a checkpoint) by a dispatcher of the same
         source."""
         return self.timer.source

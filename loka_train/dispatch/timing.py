@@ -231,7 +231,8 @@ class GemmTimer:
 
     @property
     def source(self) -> str:
-        """Where the times come from: timing mode, device and output dtype. Cached times are
+        """Where the times come from: timing mode, device, output dtype, graph replay and static
+        tensor-wise scales. Cached times are
         only reused (e.g. from a checkpoint) by a timer of the same source."""
         mode = self.mode
         if mode == "measure":
@@ -253,6 +254,8 @@ class GemmTimer:
         if role not in ("forward", "grad_input"):
             return None
         if self._static_slot is None:
+            # The timing's own slot, with the default knobs: on the random operands timed, the
+            # seeded scale fits whatever the run's margin and spread.
             self._static_slot = static_scales.new_slots(1, margin=2.0, spread=16.0, device=self.device)[0]
         return self._static_slot
 

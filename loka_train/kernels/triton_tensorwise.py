@@ -519,7 +519,8 @@ def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tupl
         ``x.contiguous()`` (bit for bit), ``q_t`` equal to ``q.t()``, both contiguous.
 
     Raises:
-        ValueError: for a non-contiguous or non-2-D input, or another format.
+        ValueError: for a non-2-D input, one neither contiguous nor with only its rows apart,
+            or another format.
         RuntimeError: where Triton cannot run.
     """
     fmt_s = Fp8Format(fmt).value
@@ -550,7 +551,8 @@ def tensorwise_quant_static(
         payload and scale; ``q_t`` is ``q``'s transpose with ``both``, else None.
 
     Raises:
-        ValueError: for a non-contiguous input, a bad slot or another format.
+        ValueError: for a non-contiguous input (rows apart are read with ``both``), a bad slot
+            or another format.
         RuntimeError: where Triton cannot run.
     """
     fmt_s = Fp8Format(fmt).value

@@ -107,7 +107,9 @@ class ModsConfig:
     Probe's window amax with ``static_scale_margin`` of headroom. A tensor the scale does not fit
     (it would saturate, or sit more than ``static_scale_spread`` below the format's top) is
     recast with its dynamic scale, counted and reported: no value is ever clipped. Row-wise
-    operands and weights keep dynamic scales."""
+    operands and weights keep dynamic scales, and so do operands quantized inside the fused
+    LayerNorm op (its row-wise forward's backward) or traced for inductor
+    (``compiled_quantizer=inductor``). The fallback counts are fp32 (exact up to 2**24)."""
 
     static_scale_margin: float = 2.0
     """Headroom of a static scale over the amax it is set from (``>= 1``), before rounding up

@@ -300,14 +300,19 @@ class GemmSite(Site):
 
     def enable_static_scales(self, *, margin: float, spread: float, device: torch.device) -> None:
         """Quantize the tensor-wise FP8 ``x`` and ``dY`` with static scales from now on
-        (``mods.static_scales``; ``kernels.static_scales``): fresh slots on ``device``, seeded by
-        the first call each and refreshed from the Probe's window by the plugin. Once per run,
-        before the step is captured (captures keep the slots' addresses).
+        (``mods.static_scales``; ``kernels.static_scales``): slots on ``device``, seeded by the
+        first call each and refreshed from the Probe's window by the plugin. Slots this site
+        already has on ``device`` are kept (captured steps read their addresses), with the new
+        margin and spread.
 
         Raises:
             ValueError: for ``margin < 1`` or ``spread < 2``.
         """
-        self.static_slots = static_scales.new_slots(2, margin=margin, spread=spread, device=device)
+        fresh = static_scales.new_slots(2, margin=margin, spread=spread, device=device)
+        if self.static_slots is not None and self.static_slots.device == fresh.device:
+            self.static_slots[:, static_scales.MARGIN:] = fresh[:, static_scales.MARGIN:]
+        else:
+            self.static_slots = fresh
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``y = x W^T + b`` as the plan says; reports to the observer on sampled steps."""

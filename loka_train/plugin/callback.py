@@ -198,6 +198,9 @@ class LokaCallback(Callback):
             for name, site in self.sites.items():
                 site.set_plan(self.dispatcher.plans[name])
             self._pending_state = None
+        if mods.static_scales:
+            # A resumed run's slots start from the restored window, as the saved run's stood.
+            self._refresh_static_scales()
         if self._dropped_residuals:
             logger.warning(self._dropped_residuals)
             trainer.fallbacks.append(self._dropped_residuals)
@@ -360,7 +363,10 @@ class LokaCallback(Callback):
             if slots is None:
                 continue
             for row, role, gemm in ((0, "forward", site.plan.forward), (1, "grad_input", site.plan.grad_input)):
-                stats = self.probe.window_stats(name, role)
+                try:
+                    stats = self.probe.window_stats(name, role)
+                except ValueError:  # no reduced window yet (a fresh run): the slots seed themselves
+                    return
                 amax = stats["amax_a"][stats["valid"].bool()]
                 if amax.numel():
                     static_scales.set_from_amax(slots[row], float(amax.max()), gemm.fmt)
@@ -583,6 +589,6 @@ def _static_scale_fallbacks(site_map: dict[str, Site]) -> list[str]:
             if n:
                 out.append(
                     f"kernels: {name} {operand}: the static scale did not fit {n} tensor(s), which were "
-                    "recast with their dynamic scale (the scale was re-seeded each time)"
+                    "recast with their dynamic scale (the scale re-seeded from each finite one)"
                 )
     return out

@@ -215,7 +215,7 @@ def test_dispatch_times_the_static_path_only_where_sites_take_it():
     assert on.static_slot("forward", rw) is None and on.static_slot("forward", None) is None
 
 
-def test_the_plugin_enables_slots_refreshes_them_from_the_probe_and_reports_fallbacks(tmp_path: Path) -> None:
+def _plugin_run(tmp_path: Path, **loka):  # type: ignore[no-untyped-def]
     from loka_train.mods.config import ModsConfig
     from loka_train.plugin.callback import LokaCallback
     from loka_train.plugin.config import LokaConfig
@@ -227,10 +227,21 @@ def test_the_plugin_enables_slots_refreshes_them_from_the_probe_and_reports_fall
     ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path)
     config = LokaConfig(
         enabled=True, probe=ProbeConfig(every_k_steps=1, interval=2, window=4),
-        mods=ModsConfig(enabled=True, static_scales=True, static_scale_margin=4.0),
+        mods=ModsConfig(enabled=True, static_scales=True, static_scale_margin=4.0), **loka,
     )
     cb = LokaCallback(config)
     cb.on_before_shard(ctx)
+    return cb, ctx
+
+
+def _window_seed(cb, name: str, role: str, fmt: Fp8Format) -> float:  # type: ignore[no-untyped-def]
+    stats = cb.probe.window_stats(name, role)
+    amax = float(stats["amax_a"][stats["valid"].bool()].max())
+    return float(2.0 ** torch.ceil(torch.log2(torch.tensor(amax * 4.0 * ss.headroom(fmt) / fmt.max))))
+
+
+def test_the_plugin_enables_slots_refreshes_them_from_the_probe_and_reports_fallbacks(tmp_path: Path) -> None:
+    cb, ctx = _plugin_run(tmp_path)
     cb.on_train_start(ctx)
     assert cb.sites and all(s.static_slots is not None for s in cb.sites.values())
     x = torch.randn(8, 16)
@@ -239,20 +250,93 @@ def test_the_plugin_enables_slots_refreshes_them_from_the_probe_and_reports_fall
         ctx.model(x).sum().backward()
         cb.on_step_end(ctx, step, {})
     assert cb.probe is not None
+    # (The plans stay high precision here: only the plugin's refresh writes the slots.)
     for name, site in cb.sites.items():
         assert site.static_slots is not None
-        stats = cb.probe.window_stats(name, "forward")
-        amax = float(stats["amax_a"][stats["valid"].bool()].max())
-        fmt = site.plan.forward.fmt
-        want = 2.0 ** torch.ceil(torch.log2(torch.tensor(amax * 4.0 / fmt.max)))
-        assert float(site.static_slots[0, ss.SCALE]) == float(want), name
+        assert float(site.static_slots[0, ss.SCALE]) == _window_seed(cb, name, "forward", E4M3), name
+    # With an FP8 plan, x's slot takes the forward's format and dY's the grad-input's (e5m2).
     name = sorted(cb.sites)[0]
-    slots = cb.sites[name].static_slots
+    site = cb.sites[name]
+    slots = site.static_slots
     assert slots is not None
+    site.set_plan(LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated"))
+    cb._refresh_static_scales()
+    assert float(slots[0, ss.SCALE]) == _window_seed(cb, name, "forward", E4M3)
+    assert float(slots[1, ss.SCALE]) == _window_seed(cb, name, "grad_input", Fp8Format.E5M2)
+    # (Seeds from x and from dY differ here, so a row refreshed from the other role shows. An
+    # e5m2 seed equals an e4m3 one: 128 / 57344 == 1 / 448, the top codes sit where e4m3's do.)
+    assert _window_seed(cb, name, "grad_input", Fp8Format.E5M2) != _window_seed(cb, name, "forward", E4M3)
     slots[1, ss.FALLBACKS] = 3
     lines = [f for f in cb.report(ctx)["fallbacks"] if "static scale" in f]
     assert lines == [f"kernels: {name} dY: the static scale did not fit 3 tensor(s), which were recast with "
-                     "their dynamic scale (the scale was re-seeded each time)"]
+                     "their dynamic scale (the scale re-seeded from each finite one)"]
+    # A resumed run starts from the restored window's scales, before any step.
+    state = cb.state_dict()
+    resumed, ctx2 = _plugin_run(tmp_path / "resumed")
+    resumed.load_state_dict(state)
+    resumed.on_train_start(ctx2)
+    for name, site in resumed.sites.items():
+        assert site.static_slots is not None
+        assert float(site.static_slots[0, ss.SCALE]) == _window_seed(cb, name, "forward", E4M3), name
+
+
+def test_enabling_static_scales_again_keeps_the_slots():
+    """A captured step reads the slots' addresses: a second enable keeps them, new knobs in place."""
+    from loka_train.mods.site import Fp8Linear
+
+    site = Fp8Linear.from_linear(nn.Linear(8, 4))
+    site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cpu"))
+    slots = site.static_slots
+    assert slots is not None
+    slots[0, ss.SCALE] = 0.25
+    site.enable_static_scales(margin=8.0, spread=32.0, device=torch.device("cpu"))
+    assert site.static_slots is slots
+    assert slots[:, ss.MARGIN].tolist() == [8.0, 8.0] and slots[:, ss.SPREAD].tolist() == [32.0, 32.0]
+    assert float(slots[0, ss.SCALE]) == 0.25
+
+
+def test_static_slots_through_the_compiled_opaque_op_match_eager():
+    """fp8_linear with static slots under torch.compile (the opaque planned_linear op): outputs,
+    gradients and the slots' updates (x in the forward op, dY in the backward op) as in eager code."""
+    from loka_train.kernels.linear import fp8_linear
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
+    torch.manual_seed(0)
+    w0 = torch.randn(24, 32)
+    b0 = torch.randn(24)
+    xs = [torch.randn(64, 32) * s for s in (1.0, 1.5, 50.0)]  # seed, fit, recast
+    g = torch.randn(64, 24)
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        slots = ss.new_slots(2, margin=2.0, spread=16.0, device=torch.device("cpu"))
+        outs = []
+        for x in xs:
+            xr, w, b = x.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
+            y = fn(xr, w, b, slots)
+            y.backward(g)
+            outs.append((y.detach(), xr.grad, w.grad, b.grad))
+        return outs, slots
+
+    def eager(x, w, b, slots):  # type: ignore[no-untyped-def]
+        return fp8_linear(x, w, b, plan, static_slots=slots)
+
+    compiled = torch.compile(eager, backend="aot_eager", fullgraph=True)
+    want, want_slots = run(eager)
+    got, got_slots = run(compiled)
+    assert torch.equal(got_slots, want_slots)
+    assert ss.fallbacks(got_slots)[0] == 1 and (got_slots[:, ss.SCALE] > 0).all()  # the 50x drift recast
+    for a, b in zip(got, want):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+def test_the_timer_names_static_scales_in_its_source(monkeypatch):
+    from loka_train.dispatch.timing import GemmTimer
+
+    monkeypatch.setattr(GemmTimer, "mode", property(lambda self: "measure"))
+    on = GemmTimer(timing="measure", device="cpu", out_dtype=torch.bfloat16, static_scales=True)
+    off = GemmTimer(timing="measure", device="cpu", out_dtype=torch.bfloat16)
+    assert on.source.endswith(", static tensor-wise scales") and "static" not in off.source
 
 
 def test_mods_config_validates_the_static_scale_knobs():
