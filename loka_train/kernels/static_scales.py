@@ -6,22 +6,22 @@ pass reads the operand once, writes the codes and reduces the amax on the way; a
 check then decides whether the static scale *fits* this tensor:
 
 * ``amax / scale <= fmt.max``: no code saturates, and
-* ``amax / scale >= fmt.max / spread`` (or the tensor is all zeros): the codes use the top
-  ``log2(spread)`` binades of the format at most below where a dynamic scale would put them.
+* ``amax / scale >= fmt.max / spread`` (or the tensor is all zeros): the largest code sits at
+  most ``log2(spread)`` binades below the format's top (where a dynamic scale puts it).
 
 Where it fits, the payload keeps the static scale. Where it does not (the operand drifted, a
 non-finite value, or no scale yet), a second pass recasts the tensor with the dynamic scale:
-the payload is then bit for bit the dynamic quantizer's, the fallback is counted in the slot,
-and the slot is re-seeded from this tensor's amax, so a drift costs one recast, not one per
-step. Numerics therefore never saturate, whatever the scale: a stale scale costs time, never a
-clipped value.
+the payload is then bit for bit the dynamic quantizer's, the fallback is counted in the slot
+(not while it has no scale yet), and the slot is re-seeded from this tensor's amax when that is
+finite and not zero, so a drift costs one recast, not one per step. Numerics therefore never
+saturate, whatever the scale: a stale scale costs time, never a clipped value.
 
 Formats with a wider range get more of both (:func:`headroom`): e5m2 has 15 more binades of
 normal values than e4m3, so a gradient's scale seeds with ``128 x margin`` and fits over
-``128**2 x spread``; its codes then start 7 binades below the format's top at most, which leaves
-the values the GEMM feels (those within 2**-20 of the amax) normal. Measured on Wukong's
-gradients, whose amax moves by several binades from step to step early in training, e4m3's
-knobs alone recast most steps.
+``128**2 x spread``. Its largest code then sits 7 binades (and the margin) below e5m2's top,
+where an e4m3 seed would put it (``57344 / 128 == 448``): the codes keep e4m3's absolute range
+and e5m2's extra range absorbs drift. With e4m3's knobs alone, the gradients of Wukong's FM MLPs
+recast on about half the steps of a short run (``docs/performance.md``).
 
 Where scales come from: the Probe's window (its amax over the sampled steps, all-reduced
 across ranks, :func:`set_from_amax`, with a ``margin`` of headroom, rounded up to a power of two),
