@@ -93,13 +93,19 @@ def _amax_partial_rows_kernel(x_ptr, partial_ptr, R, C, stride_r, BLOCK_R: tl.co
 
 
 @triton.jit
-def _scale_kernel(partial_ptr, scale_ptr, P, inv_max, FP8_MAX: tl.constexpr, RECIPROCAL: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _reduced_amax(partial_ptr, P, BLOCK: tl.constexpr):
+    """The largest of ``P`` partial amaxes (inf where a block had a non-finite value)."""
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, P, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < P, other=0.0))
-    amax = tl.max(acc, axis=0)
+    return tl.max(acc, axis=0)
+
+
+@triton.jit
+def _dynamic_scale(amax, inv_max, FP8_MAX: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """The reference's tensor-wise scale of a tensor whose amax is ``amax``: 1 for zeros, NaN
+    for a non-finite value."""
     # As the reference computes ``amax / fmt.max`` on this device: PyTorch divides by a Python
     # scalar as a product with its fp32 reciprocal on CUDA, as a true division on the CPU.
     if RECIPROCAL:
@@ -108,8 +114,13 @@ def _scale_kernel(partial_ptr, scale_ptr, P, inv_max, FP8_MAX: tl.constexpr, REC
         scale = tl.math.div_rn(amax, FP8_MAX)
     scale = tl.maximum(scale, 1.1754943508222875e-38)
     scale = tl.where(amax == 0.0, 1.0, scale)
-    scale = tl.where(amax == float("inf"), float("nan"), scale)
-    tl.store(scale_ptr, scale)
+    return tl.where(amax == float("inf"), float("nan"), scale)
+
+
+@triton.jit
+def _scale_kernel(partial_ptr, scale_ptr, P, inv_max, FP8_MAX: tl.constexpr, RECIPROCAL: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    tl.store(scale_ptr, _dynamic_scale(_reduced_amax(partial_ptr, P, BLOCK), inv_max, FP8_MAX, RECIPROCAL))
 
 
 @triton.jit
@@ -248,24 +259,14 @@ def _static_check_kernel(partial_ptr, P, slot_ptr, scale_ptr, gate_ptr, inv_max,
                          HEADROOM: tl.constexpr, RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):
     """Whether the slot's static scale fits this tensor (module docstring): writes the scale
     the payload takes and the gate of the recast; counts a fallback and re-seeds the slot."""
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, P, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < P, other=0.0))
-    amax = tl.max(acc, axis=0)
+    amax = _reduced_amax(partial_ptr, P, BLOCK)
     static = tl.load(slot_ptr)
     count = tl.load(slot_ptr + 1)
     # The format's headroom (static_scales.headroom, a power of two: exact products).
     margin = tl.load(slot_ptr + 2) * HEADROOM
     spread = tl.load(slot_ptr + 3) * (HEADROOM * HEADROOM)
-    if RECIPROCAL:
-        dynamic = amax * inv_max
-    else:
-        dynamic = tl.math.div_rn(amax, FP8_MAX)
-    dynamic = tl.maximum(dynamic, 1.1754943508222875e-38)
-    dynamic = tl.where(amax == 0.0, 1.0, dynamic)
+    dynamic = _dynamic_scale(amax, inv_max, FP8_MAX, RECIPROCAL)
     finite = amax < float("inf")
-    dynamic = tl.where(finite, dynamic, float("nan"))
     peak = tl.math.div_rn(amax, tl.where(static > 0.0, static, 1.0))  # the largest code's magnitude
     fits = (static > 0.0) & finite & (peak <= FP8_MAX) & ((peak * spread >= FP8_MAX) | (amax == 0.0))
     tl.store(scale_ptr, tl.where(fits, static, dynamic))
