@@ -24,6 +24,7 @@ from typing import Any
 
 from loka_train.dispatch import Dispatcher, PlanChange
 from loka_train.dispatch.planning import plan_for
+from loka_train.kernels import static_scales
 from loka_train.kernels.roles import ROLES
 from loka_train.plugin.plots import Timeline, margin_grid, plot_sqnr_margin, plot_timeline
 from loka_train.probe import Probe
@@ -124,6 +125,16 @@ def run_report(
             f"({probe_report['shadow_gemm_fallback']}): slower sampled steps, statistics equal up to fp32 rounding"
         )
     listed += list(fallbacks)
+    static = []
+    for name in sorted(sites):
+        slots = getattr(sites[name], "static_slots", None)
+        if slots is None:
+            continue
+        for operand, row in zip(("x", "dY"), slots.detach().cpu().tolist()):
+            static.append({
+                "site": name, "operand": operand, "scale": row[static_scales.SCALE],
+                "recasts": int(row[static_scales.FALLBACKS]),
+            })
     return {
         "device": d.device.type,
         "emulated": d.device.type != "cuda",
@@ -141,6 +152,7 @@ def run_report(
         "probe": probe_report,
         "comm": comm,
         "fallbacks": listed,
+        "static_scales": static,
         "plan_export": d.export(),
     }
 
@@ -332,6 +344,15 @@ def markdown(report: dict[str, Any], history: Sequence[PlanChange]) -> str:
             lines.append(
                 f"| {site} | {role} | {shape} | {e['plan']} | {sq} | {budget} | {sp} | {e['why']} |"
             )
+    if report.get("static_scales"):
+        lines += [
+            "", "## Static scales", "",
+            "`mods.static_scales`: the scale each tensor-wise operand's slot holds now (0: none yet, the "
+            "operand is not tensor-wise FP8), and how many tensors it did not fit (recast with their "
+            "dynamic scale).", "",
+            "| site | operand | scale | recasts |", "|---|---|---|---|",
+        ]
+        lines += [f"| {r['site']} | {r['operand']} | {r['scale']:.6g} | {r['recasts']} |" for r in report["static_scales"]]
     lines += ["", "## Plan changes", ""]
     lines += [f"- {c}" for c in history] or ["- none"]
     lines += ["", "## Communication", "", *_comm(report["comm"])]

@@ -267,6 +267,16 @@ def test_the_plugin_enables_slots_refreshes_them_from_the_probe_and_reports_fall
     # e5m2 seed equals an e4m3 one: 128 / 57344 == 1 / 448, the top codes sit where e4m3's do.)
     assert _window_seed(cb, name, "grad_input", Fp8Format.E5M2) != _window_seed(cb, name, "forward", E4M3)
     slots[1, ss.FALLBACKS] = 3
+    report = cb.report(ctx)
+    rows = [r for r in report["static_scales"] if r["site"] == name]
+    assert rows == [
+        {"site": name, "operand": "x", "scale": float(slots[0, ss.SCALE]), "recasts": 0},
+        {"site": name, "operand": "dY", "scale": float(slots[1, ss.SCALE]), "recasts": 3},
+    ]
+    from loka_train.plugin.report import markdown
+
+    md = markdown(report, history=[])
+    assert "## Static scales" in md and f"| {name} | dY | {float(slots[1, ss.SCALE]):.6g} | 3 |" in md
     lines = [f for f in cb.report(ctx)["fallbacks"] if "static scale" in f]
     assert lines == [f"kernels: {name} dY: the static scale did not fit 3 tensor(s), which were recast with "
                      "their dynamic scale (the scale re-seeded from each finite one)"]
