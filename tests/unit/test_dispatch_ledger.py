@@ -169,3 +169,25 @@ def test_zero_half_operands_are_half_zeros_in_the_activations_only(monkeypatch):
     gemm = LedgerGemm(site="s", role="forward", shape=(16, 16, 16), plan=plan.forward, candidates=(plan.forward,))
     measure_ledger([gemm], device=CPU, high_dtype=torch.float32, zero_half=True, timer=lambda run: 1.0)
     assert seen and all(seen)
+
+
+def test_the_ledger_times_static_scales_when_the_sites_take_them(monkeypatch):
+    """With static_scales, a tensor-wise forward's x is quantized with a slot (the emulated
+    oracle's reference path here): the ledger says so, and its quantization is timed."""
+    import loka_train.dispatch.ledger as ledger_mod
+
+    seen = []
+    original = ledger_mod.quantize_operand
+
+    def spy(t, fmt, plan, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs.get("static") is not None)
+        return original(t, fmt, plan, **kwargs)
+
+    monkeypatch.setattr(ledger_mod, "quantize_operand", spy)  # the ledger imported it by name
+    plan = _emulated(Scaling.TENSORWISE).forward
+    gemms = [LedgerGemm("s", "forward", (16, 32, 32), plan, (plan,))]
+    on = measure_ledger(gemms, device=CPU, high_dtype=torch.float32, static_scales=True)
+    assert any(seen) and any("static scales" in n for n in on.notes)
+    seen.clear()
+    off = measure_ledger(gemms, device=CPU, high_dtype=torch.float32)
+    assert seen and not any(seen) and not any("static scales" in n for n in off.notes)
