@@ -134,6 +134,8 @@ def loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[st
         "probe_cuda_graphs": report["probe"]["cuda_graphs"],
         "guard_trips": len(report["guard_trips"]),
         "fallbacks": report["fallbacks"],
+        # mods.static_scales: each tensor-wise operand's slot and its recasts.
+        "static_scales": report.get("static_scales", []),
         "plans": {
             site: {role: e["plan"] for role, e in roles.items()} for site, roles in report["sites"].items()
         },

@@ -166,6 +166,10 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                              + (f", eager calls: {eager}" if eager else ""))
             if r.get("loka", {}).get("guard_trips"):
                 notes.append(f"guard trips {r['loka']['guard_trips']}")
+            static = r.get("loka", {}).get("static_scales") or []
+            if static:
+                recasts = sum(s["recasts"] for s in static)
+                notes.append(f"static scales: {recasts} recast(s) over {sum(s['scale'] > 0 for s in static)} operands")
             if r.get("fallbacks"):
                 notes.append(f"{len(r['fallbacks'])} fallbacks")
             if r.get("compile_skipped_frames"):

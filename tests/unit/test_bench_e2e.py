@@ -651,3 +651,19 @@ def test_loka_tensorwise_casts_count_as_quantization() -> None:
     for name in ("_cast_both_kernel", "_cast_kernel", "_static_check_kernel", "_amax_partial_kernel"):
         assert kernel_category(name) == "quantize", name
     assert kernel_category("triton_poi_fused__to_copy_cat_native_layer_norm_backward") == "other"
+
+
+def test_a_static_scales_run_names_its_recasts_in_the_row(tmp_path: Path) -> None:
+    source = RESULTS / "static_scales_h100_2026-11-26" / "call4" / "e2e_static" / "e2e.json"
+    data = json.loads(source.read_text())
+    (row,) = [r for r in data["results"] if r["variant"] == "loka_aggressive+compile+graphs+static"]
+    row["loka"]["static_scales"] = [
+        {"site": "a", "operand": "x", "scale": 0.5, "recasts": 2},
+        {"site": "a", "operand": "dY", "scale": 0.0, "recasts": 0},  # not tensor-wise FP8
+        {"site": "b", "operand": "x", "scale": 2.0**-7, "recasts": 1},
+    ]
+    (tmp_path / "e2e.json").write_text(json.dumps(data))
+    assert main(["--render", str(tmp_path)]) == 0
+    rows = [x for x in (tmp_path / "e2e.md").read_text().splitlines()
+            if x.startswith("| wukong | loka_aggressive+compile+graphs+static | 26.85")]  # the step-time row
+    assert len(rows) == 1 and "static scales: 3 recast(s) over 2 operands" in rows[0]
