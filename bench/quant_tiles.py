@@ -1,4 +1,5 @@
-"""Tile shapes of the tensor-wise quantizer that writes both layouts (``loka::tensorwise_quant_both``),
+"""Tile shapes of the tensor-wise quantizer that writes both layouts (``loka::tensorwise_quant_both``,
+and in the sweep the static-scale cast with each tile too),
 timed against the one-layout tensor-wise quantizer, the transposing one and the static-scale one
 (``loka::tensorwise_quant_static``, where its scale fits and where it recasts), on the GPU.
 
@@ -112,8 +113,10 @@ def _bench_k(m: int, k: int, rows: list[dict], sweep: bool = True) -> None:
     import torch
     from triton.testing import do_bench
 
+    from loka_train.kernels import static_scales as ss
     from loka_train.kernels import triton_block as tb
     from loka_train.kernels import triton_tensorwise as tt
+    from loka_train.kernels.formats import Fp8Format
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     n = x.numel()
@@ -137,6 +140,18 @@ def _bench_k(m: int, k: int, rows: list[dict], sweep: bool = True) -> None:
             if not same:
                 raise AssertionError("payload differs from the one-layout quantizer's")
             row(name, do_bench(lambda: tt.tensorwise_quant_both(x)) * 1e3, 6 * n)
+            if sweep:  # the same tile for the static-scale cast (one read, amax partials on the way)
+                slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+                tt.tensorwise_quant_static(x, slot, both=True)  # seeds
+                ref_slot = slot.clone()
+                sq, sscale, sq_t = tt.tensorwise_quant_static(x, slot, both=True)
+                rq, rs = ss.quantize_static_reference(x, ref_slot, Fp8Format.E4M3)
+                if not (sq_t is not None and torch.equal(sq.view(torch.uint8), rq.view(torch.uint8))
+                        and torch.equal(sscale, rs)
+                        and torch.equal(sq_t.view(torch.uint8), rq.t().contiguous().view(torch.uint8))):
+                    raise AssertionError("static payload differs from the reference")
+                row(f"static {tile_r}x{tile_c}, {warps} warps",
+                    do_bench(lambda slot=slot: tt.tensorwise_quant_static(x, slot, both=True)) * 1e3, 4 * n)
         except Exception as exc:  # a configuration that fails is reported, not fatal
             rows.append({"m": m, "k": k, "kernel": name, "error": f"{type(exc).__name__}: {exc}"})
         finally:
