@@ -53,7 +53,6 @@ __all__ = [
     "inductor_quantizes",
     "grad_weight_dtype",
     "is_transposed_view",
-    "quantize_grad_output",
     "quantize_operand",
     "quantize_with_transpose",
     "reference_fallbacks",
@@ -424,37 +423,6 @@ def _both_layouts_input(t: Tensor) -> Tensor:
     return t if is_row_strided(t) else t.contiguous()
 
 
-def quantize_grad_output(
-    dy_MN: Tensor,
-    fmt: Fp8Format,
-    plan: GemmPlan,
-    other: GemmPlan,
-    other_fmt: Fp8Format,
-    *,
-    bias_grad: bool,
-    reference_quantizer: bool = False,
-    static: Tensor | None = None,
-) -> tuple[QTensor, QTensor | None, Tensor | None]:
-    """:func:`quantize_with_transpose` of a linear layer's output gradient for grad-input's
-    ``plan``, and, with ``bias_grad`` where one pass writes both layouts
-    (:func:`writes_both_layouts`), the bias gradient ``dY.sum(0)`` in fp32 from the same read
-    (``triton_tensorwise.tensorwise_quant_grad_output``); else None for it (the caller sums)."""
-    if bias_grad and writes_both_layouts(plan, dy_MN, fmt, other, other_fmt, reference_quantizer=reference_quantizer):
-        from loka_train.kernels.triton_tensorwise import tensorwise_quant_grad_output
-
-        data, scale, data_t, sums = tensorwise_quant_grad_output(_both_layouts_input(dy_MN), fmt=fmt, slot=static)
-        return (
-            QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
-            QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
-            sums,
-        )
-    q, q_t = quantize_with_transpose(
-        dy_MN, fmt, plan, other, other_fmt, is_weight=False, reference_quantizer=reference_quantizer,
-        count_fallbacks=True, static=static,
-    )
-    return q, q_t, None
-
-
 def grad_weight_dtype(w_dtype: torch.dtype) -> torch.dtype:
     """Output dtype of an FP8 grad-weight GEMM: the weight's own when a backend writes it
     (fp32 master weights, or bf16: one rounding of the fp32 accumulator either way, without a
@@ -564,16 +532,16 @@ class _PlannedLinearFn(torch.autograd.Function):
                 # reference quantizer's eager passes would take it). The two-layout cast reads
                 # such rows as they are and hands grad-weight its dY^T: no copy then.
                 dy_MN = dy_MN.contiguous()
-            dy_q_t = dy_sums = None
+            dy_q_t = None
             if need_x:
                 gi = plan.grad_input
                 if gi.is_fp8:
                     # dX = dY W = dY @ (W^T)^T: contraction over N.
                     # dY^T only for a grad-weight GEMM that runs (a frozen weight needs none).
                     gw_t = plan.grad_weight if need_w else GemmPlan()
-                    dy_q, dy_q_t, dy_sums = quantize_grad_output(
-                        dy_MN, gi.fmt, gi, gw_t, gw_t.fmt, bias_grad=bool(need_b and ctx.has_bias),
-                        reference_quantizer=rq, static=None if static_slots is None else static_slots[_STATIC_DY],
+                    dy_q, dy_q_t = quantize_with_transpose(
+                        dy_MN, gi.fmt, gi, gw_t, gw_t.fmt, is_weight=False, reference_quantizer=rq,
+                        count_fallbacks=True, static=None if static_slots is None else static_slots[_STATIC_DY],
                     )
                     dx_MK = fp8_gemm_planned(
                         dy_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
@@ -600,9 +568,10 @@ class _PlannedLinearFn(torch.autograd.Function):
                     # CUDA where (X^T dY)^T picks another cuBLAS kernel (1.7e-4 apart in bf16).
                     grad_w = dy_MN.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
             if need_b and ctx.has_bias:
-                # From the quantizing pass where it wrote both layouts (fp32 sums, no bf16
-                # rounding of the sum), else a reduction of its own.
-                grad_b = (dy_MN.sum(0) if dy_sums is None else dy_sums).to(b_dtype)
+                # A reduction of its own: the two-layout cast can sum dY's columns on the way
+                # (triton_tensorwise.tensorwise_quant_grad_output), but in an H100 step the casts
+                # that did took about twice as long, more than this pass costs.
+                grad_b = dy_MN.sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 

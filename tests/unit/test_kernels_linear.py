@@ -386,11 +386,8 @@ def test_reused_tensorwise_operands_are_bit_identical_to_per_role_quantization(p
     g = _gauss(3, 32, 48, seed=3)
     got = _run(lambda x, w, b: fp8_linear(x, w, b, plan), x, w, b, g)
     ref = _per_role_reference(x, w, b, g, plan)
-    for name, r, o in zip(["y", "dx", "dw"], ref, got):
+    for name, r, o in zip(["y", "dx", "dw", "db"], ref, got):
         assert torch.equal(r, o), name
-    # The bias gradient: where the Triton pass writes dY in both layouts it also sums dY's
-    # columns (fp32, tile by tile): the same sum in another order.
-    torch.testing.assert_close(got[3], ref[3], rtol=1e-6, atol=1e-5)
 
 
 def _amax_passes(plan: LinearPlan, *, need_x_grad: bool = True) -> tuple[int, list[tuple[int, ...]]]:

@@ -387,37 +387,6 @@ def test_opcheck_both_sums():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_a_tensorwise_linear_takes_its_bias_gradient_from_the_quantizing_pass():
-    """No reduction over dY of its own: the two-layout pass summed its columns."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from loka_train.kernels.linear import fp8_linear
-
-    sums: list[tuple[int, ...]] = []
-
-    class Sums(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func._schema.name == "aten::sum" and args and args[0].ndim == 2 and args[0].shape[0] == 64:
-                sums.append(tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
-    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
-    x = torch.randn(64, 32, requires_grad=True)
-    w = torch.randn(24, 32, requires_grad=True)
-    b = torch.randn(24, requires_grad=True)
-    g = torch.randn(64, 24)
-    with Sums():
-        fp8_linear(x, w, b, plan).backward(g)
-    assert sums == []
-    assert b.grad is not None
-    torch.testing.assert_close(b.grad, g.sum(0), rtol=1e-6, atol=1e-5)
-    b.grad = None
-    high = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton", grad_weight_fp8=False)
-    with Sums():
-        fp8_linear(x, w, b, LinearPlan(forward=high.forward)).backward(g)  # high-precision grad-input
-    assert sums == [(64, 24)]  # the reduction of its own
-
-
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_two_layout_casts_read_rows_that_lie_apart(static, monkeypatch):
     """A slice of a wider tensor's columns (a concatenation's gradient) gives what its
