@@ -169,7 +169,8 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             static = r.get("loka", {}).get("static_scales") or []
             if static:
                 recasts = sum(s["recasts"] for s in static)
-                notes.append(f"static scales: {recasts} recast(s) over {sum(s['scale'] > 0 for s in static)} operands")
+                used = sum(bool(s.get("tensorwise", True)) for s in static)
+                notes.append(f"static scales: {recasts} recast(s), {used} tensor-wise operands")
             if r.get("fallbacks"):
                 notes.append(f"{len(r['fallbacks'])} fallbacks")
             if r.get("compile_skipped_frames"):

@@ -425,7 +425,7 @@ def measure_ledger(
     timing = "cuda_graph" if device.type == "cuda" and timer is None else "host_clock"
     notes = []
     if static_scales:
-        notes.append("tensor-wise x and dY quantized with static scales (mods.static_scales): one read each")
+        notes.append("tensor-wise x and dY quantized with static scales (mods.static_scales)")
     if device.type != "cuda":
         notes.append("measured on the CPU: FP8 is emulated there; the times say nothing of a GPU")
     return Ledger(rows=rows, device=_device_name(device), timing=timing if timer is None else "custom", notes=notes)

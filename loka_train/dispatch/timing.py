@@ -253,6 +253,10 @@ class GemmTimer:
             return None
         if role not in ("forward", "grad_input"):
             return None
+        if self.device.type == "cuda" and not kernels_linear.takes_triton_quantizers(plan.backend):
+            # The emulated candidate's static path decides on the host (a graphed timing cannot
+            # capture it); it is never the fast one on a GPU: timed with its dynamic scale.
+            return None
         if self._static_slot is None:
             # The timing's own slot, with the default knobs: on the random operands timed, the
             # seeded scale fits whatever the run's margin and spread.

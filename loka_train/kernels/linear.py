@@ -57,6 +57,7 @@ __all__ = [
     "quantize_with_transpose",
     "reference_fallbacks",
     "run_backend",
+    "takes_triton_quantizers",
     "transposed_reuse",
     "use_fused_quantizer",
     "use_tensorwise_quantizer",
@@ -68,6 +69,12 @@ __all__ = [
 # Backends whose operands may come from the fused Triton quantizer. The emulated and bf16
 # backends keep the reference quantizer: they are the oracle the fused one is tested against.
 _FUSED_QUANT_BACKENDS = frozenset({"triton", "torch_scaled_mm", "fbgemm_rowwise"})
+
+
+def takes_triton_quantizers(backend: str) -> bool:
+    """Whether ``backend``'s FP8 operands come from the Triton quantizers where Triton runs (the
+    emulated and bf16 backends keep the reference quantizer: they are the oracle)."""
+    return backend in _FUSED_QUANT_BACKENDS
 
 
 def inductor_quantizes(compiled_quantizer: str) -> bool:
@@ -206,11 +213,20 @@ def quantize_operand(
     if static is not None and plan.scaling is Scaling.TENSORWISE and not reference_quantizer and not opaque.tracing():
         # The emulated oracle (and any backend without the Triton quantizer) takes the same
         # static scale, with the reference's fit rule and slot update: the numerics of
-        # ``mods.static_scales`` do not depend on the backend.
-        from loka_train.kernels.static_scales import quantize_static_reference
+        # ``mods.static_scales`` do not depend on the backend. The reference decides on the
+        # host, which a CUDA graph capture cannot: there the operand takes its dynamic scale,
+        # counted as a fallback.
+        if t_RC.is_cuda and torch.cuda.is_current_stream_capturing():
+            if count_fallbacks:
+                _note_reference_fallback(
+                    f"static-scale operand {tuple(t_RC.shape)} on {plan.backend} in a CUDA graph capture "
+                    "(dynamic scale instead: only the Triton quantizer decides on the device)"
+                )
+        else:
+            from loka_train.kernels.static_scales import quantize_static_reference
 
-        q_data, q_scale = quantize_static_reference(t_RC, static, fmt)
-        return QTensor(data=q_data, scale=q_scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
+            q_data, q_scale = quantize_static_reference(t_RC, static, fmt)
+            return QTensor(data=q_data, scale=q_scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
     if (
         count_fallbacks
         and not opaque.tracing()
@@ -415,12 +431,19 @@ def quantize_with_transpose(
     return q, transposed_reuse(q, other_fmt, other)
 
 
+def _rows_apart(t: Tensor) -> bool:
+    """``triton_tensorwise.is_row_strided`` (False where Triton is not installed)."""
+    if not TRITON_INSTALLED:
+        return False
+    from loka_train.kernels.triton_tensorwise import is_row_strided
+
+    return is_row_strided(t)
+
+
 def _both_layouts_input(t: Tensor) -> Tensor:
     """What the two-layout casts read: ``t`` itself when it is contiguous or only its rows lie
     apart (a slice of a concatenation's gradient), else a contiguous copy."""
-    from loka_train.kernels.triton_tensorwise import is_row_strided
-
-    return t if is_row_strided(t) else t.contiguous()
+    return t if _rows_apart(t) else t.contiguous()
 
 
 def grad_weight_dtype(w_dtype: torch.dtype) -> torch.dtype:
@@ -522,7 +545,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                 need_x
                 and writes_both_layouts(plan.grad_input, dy_MN, plan.grad_input.fmt, gw_takes_dy_t,
                                         gw_takes_dy_t.fmt, reference_quantizer=rq)
-                and _both_layouts_input(dy_MN) is dy_MN
+                and (dy_MN.is_contiguous() or _rows_apart(dy_MN))
             )
             if (plan.grad_input.is_fp8 or plan.grad_weight.is_fp8) and not dy_MN.is_contiguous() and not read_as_is:
                 # One copy for every quantizer that reads dY: a gradient that reaches the site

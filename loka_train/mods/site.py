@@ -302,15 +302,15 @@ class GemmSite(Site):
         """Quantize the tensor-wise FP8 ``x`` and ``dY`` with static scales from now on
         (``mods.static_scales``; ``kernels.static_scales``): slots on ``device``, seeded by the
         first call each and refreshed from the Probe's window by the plugin. Slots this site
-        already has on ``device`` are kept (captured steps read their addresses), with the new
-        margin and spread.
+        already has on ``device`` are kept (captured steps read their addresses), with their
+        scales, the new margin and spread, and their fallback counts reset (a run counts its own).
 
         Raises:
             ValueError: for ``margin < 1`` or ``spread < 2``.
         """
         fresh = static_scales.new_slots(2, margin=margin, spread=spread, device=device)
         if self.static_slots is not None and self.static_slots.device == fresh.device:
-            self.static_slots[:, static_scales.MARGIN:] = fresh[:, static_scales.MARGIN:]
+            self.static_slots[:, static_scales.FALLBACKS:] = fresh[:, static_scales.FALLBACKS:]
         else:
             self.static_slots = fresh
 

@@ -358,15 +358,14 @@ class LokaCallback(Callback):
         the largest amax of ``x`` (forward) and ``dY`` (grad-input) over its valid slots, the
         same on every rank, in the format the site's plan quantizes them to."""
         assert self.probe is not None
+        if not self.probe.has_reduced_window:  # a fresh run: the slots seed themselves
+            return
         for name, site in self.sites.items():
             slots = site.static_slots
             if slots is None:
                 continue
             for row, role, gemm in ((0, "forward", site.plan.forward), (1, "grad_input", site.plan.grad_input)):
-                try:
-                    stats = self.probe.window_stats(name, role)
-                except ValueError:  # no reduced window yet (a fresh run): the slots seed themselves
-                    return
+                stats = self.probe.window_stats(name, role)
                 amax = stats["amax_a"][stats["valid"].bool()]
                 if amax.numel():
                     static_scales.set_from_amax(slots[row], float(amax.max()), gemm.fmt)

@@ -25,6 +25,7 @@ from typing import Any
 from loka_train.dispatch import Dispatcher, PlanChange
 from loka_train.dispatch.planning import plan_for
 from loka_train.kernels import static_scales
+from loka_train.kernels.formats import Scaling
 from loka_train.kernels.roles import ROLES
 from loka_train.plugin.plots import Timeline, margin_grid, plot_sqnr_margin, plot_timeline
 from loka_train.probe import Probe
@@ -130,10 +131,13 @@ def run_report(
         slots = getattr(sites[name], "static_slots", None)
         if slots is None:
             continue
-        for operand, row in zip(("x", "dY"), slots.detach().cpu().tolist()):
+        plan = d.plans[name]
+        for operand, gemm, row in zip(("x", "dY"), (plan.forward, plan.grad_input), slots.detach().cpu().tolist()):
             static.append({
                 "site": name, "operand": operand, "scale": row[static_scales.SCALE],
                 "recasts": int(row[static_scales.FALLBACKS]),
+                # Whether the operand runs tensor-wise FP8 now (the slot is kept either way).
+                "tensorwise": gemm.is_fp8 and gemm.scaling is Scaling.TENSORWISE,
             })
     return {
         "device": d.device.type,
@@ -347,12 +351,15 @@ def markdown(report: dict[str, Any], history: Sequence[PlanChange]) -> str:
     if report.get("static_scales"):
         lines += [
             "", "## Static scales", "",
-            "`mods.static_scales`: the scale each tensor-wise operand's slot holds now (0: none yet, the "
-            "operand is not tensor-wise FP8), and how many tensors it did not fit (recast with their "
-            "dynamic scale).", "",
-            "| site | operand | scale | recasts |", "|---|---|---|---|",
+            "`mods.static_scales`: the scale each operand's slot holds now (0: none yet), whether the "
+            "operand runs tensor-wise FP8 under its current plan (only then is the slot used), and how "
+            "many tensors the scale did not fit (recast with their dynamic scale).", "",
+            "| site | operand | tensor-wise FP8 | scale | recasts |", "|---|---|---|---|---|",
         ]
-        lines += [f"| {r['site']} | {r['operand']} | {r['scale']:.6g} | {r['recasts']} |" for r in report["static_scales"]]
+        lines += [
+            f"| {r['site']} | {r['operand']} | {'yes' if r['tensorwise'] else 'no'} | {r['scale']:.6g} | {r['recasts']} |"
+            for r in report["static_scales"]
+        ]
     lines += ["", "## Plan changes", ""]
     lines += [f"- {c}" for c in history] or ["- none"]
     lines += ["", "## Communication", "", *_comm(report["comm"])]

@@ -355,6 +355,12 @@ class Probe:
         """(site, role) reductions whose ranks had recorded different numbers of samples."""
         return self._window.num_misaligned_events
 
+    @property
+    def has_reduced_window(self) -> bool:
+        """Whether a reduced window exists (after a :meth:`reduce`, or restored with the state)."""
+        window = self._window
+        return window.global_sum is not None and window.global_max is not None
+
     def window_stats(self, site: str, role: str) -> dict[str, Tensor]:
         """Per-slot statistics of the reduced window of one GEMM (host tensors, slot order).
 

@@ -135,3 +135,28 @@ def test_two_layout_cast_reads_rows_that_lie_apart():
     want = tensorwise_quant_grad_output(x.contiguous(), fmt=Fp8Format.E5M2)
     assert _same(got[0], want[0]) and torch.equal(got[1], want[1]) and _same(got[2], want[2])
     assert torch.equal(got[3], want[3])
+
+
+def test_an_emulated_static_operand_in_a_graph_capture_takes_its_dynamic_scale(monkeypatch):
+    """The reference static path decides on the host: inside a CUDA graph capture the operand
+    takes its dynamic scale instead, counted, and the capture succeeds."""
+    import collections
+
+    from loka_train.kernels import linear as kl
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.formats import Scaling
+    from loka_train.kernels.plan import GemmPlan
+
+    monkeypatch.setattr(kl, "_REFERENCE_FALLBACKS", collections.Counter())
+    plan = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="emulated")
+    x = torch.randn(256, 128, device="cuda")
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+    kl.quantize_operand(x, plan.fmt, plan, is_weight=False, static=slot, count_fallbacks=True)  # seeds
+    assert float(slot[ss.SCALE]) > 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = kl.quantize_operand(x, plan.fmt, plan, is_weight=False, static=slot, count_fallbacks=True)
+    graph.replay()
+    rq, rs = tensorwise_quant_reference(x)
+    assert torch.equal(q.scale, rs) and _same(q.data, rq)
+    assert any("CUDA graph capture" in k for k in kl.reference_fallbacks())

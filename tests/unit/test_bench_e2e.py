@@ -658,12 +658,12 @@ def test_a_static_scales_run_names_its_recasts_in_the_row(tmp_path: Path) -> Non
     data = json.loads(source.read_text())
     (row,) = [r for r in data["results"] if r["variant"] == "loka_aggressive+compile+graphs+static"]
     row["loka"]["static_scales"] = [
-        {"site": "a", "operand": "x", "scale": 0.5, "recasts": 2},
-        {"site": "a", "operand": "dY", "scale": 0.0, "recasts": 0},  # not tensor-wise FP8
-        {"site": "b", "operand": "x", "scale": 2.0**-7, "recasts": 1},
+        {"site": "a", "operand": "x", "scale": 0.5, "recasts": 2, "tensorwise": True},
+        {"site": "a", "operand": "dY", "scale": 0.0, "recasts": 0, "tensorwise": False},
+        {"site": "b", "operand": "x", "scale": 2.0**-7, "recasts": 1, "tensorwise": True},
     ]
     (tmp_path / "e2e.json").write_text(json.dumps(data))
     assert main(["--render", str(tmp_path)]) == 0
     rows = [x for x in (tmp_path / "e2e.md").read_text().splitlines()
             if x.startswith("| wukong | loka_aggressive+compile+graphs+static | 26.85")]  # the step-time row
-    assert len(rows) == 1 and "static scales: 3 recast(s) over 2 operands" in rows[0]
+    assert len(rows) == 1 and "static scales: 3 recast(s), 2 tensor-wise operands" in rows[0]

@@ -642,3 +642,25 @@ def test_no_transpose_is_written_for_a_backward_gemm_that_will_not_run(monkeypat
     calls.clear()
     fp8_linear(x, w.detach(), None, plan).backward(_gauss(64, 16, seed=2))  # no grad-weight
     assert calls == [(16, 32)]  # W^T for grad-input; neither x^T nor dY^T
+
+
+def test_an_expanded_gradient_is_copied_once():
+    """A gradient neither contiguous nor with only its rows apart (``y.sum()``'s, all strides 0)
+    is copied once for the tensor-wise casts, not once per check."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    shapes: list[tuple[int, ...]] = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::clone", "aten::contiguous", "aten::_to_copy"):
+                shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    x = _gauss(64, 32).requires_grad_(True)
+    w = _gauss(16, 32, seed=1).requires_grad_(True)
+    y = fp8_linear(x, w, None, plan)
+    with Copies():
+        y.sum().backward()
+    assert [s for s in shapes if s == (64, 16)] == [(64, 16)]

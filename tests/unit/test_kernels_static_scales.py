@@ -269,14 +269,15 @@ def test_the_plugin_enables_slots_refreshes_them_from_the_probe_and_reports_fall
     slots[1, ss.FALLBACKS] = 3
     report = cb.report(ctx)
     rows = [r for r in report["static_scales"] if r["site"] == name]
+    # The plugin's dispatcher still holds the high-precision plan: the slots are not in use.
     assert rows == [
-        {"site": name, "operand": "x", "scale": float(slots[0, ss.SCALE]), "recasts": 0},
-        {"site": name, "operand": "dY", "scale": float(slots[1, ss.SCALE]), "recasts": 3},
+        {"site": name, "operand": "x", "scale": float(slots[0, ss.SCALE]), "recasts": 0, "tensorwise": False},
+        {"site": name, "operand": "dY", "scale": float(slots[1, ss.SCALE]), "recasts": 3, "tensorwise": False},
     ]
     from loka_train.plugin.report import markdown
 
     md = markdown(report, history=[])
-    assert "## Static scales" in md and f"| {name} | dY | {float(slots[1, ss.SCALE]):.6g} | 3 |" in md
+    assert "## Static scales" in md and f"| {name} | dY | no | {float(slots[1, ss.SCALE]):.6g} | 3 |" in md
     lines = [f for f in cb.report(ctx)["fallbacks"] if "static scale" in f]
     assert lines == [f"kernels: {name} dY: the static scale did not fit 3 tensor(s), which were recast with "
                      "their dynamic scale (the scale re-seeded from each finite one)"]
@@ -299,10 +300,11 @@ def test_enabling_static_scales_again_keeps_the_slots():
     slots = site.static_slots
     assert slots is not None
     slots[0, ss.SCALE] = 0.25
+    slots[1, ss.FALLBACKS] = 5  # the earlier run's
     site.enable_static_scales(margin=8.0, spread=32.0, device=torch.device("cpu"))
     assert site.static_slots is slots
     assert slots[:, ss.MARGIN].tolist() == [8.0, 8.0] and slots[:, ss.SPREAD].tolist() == [32.0, 32.0]
-    assert float(slots[0, ss.SCALE]) == 0.25
+    assert float(slots[0, ss.SCALE]) == 0.25 and ss.fallbacks(slots) == [0, 0]
 
 
 def test_static_slots_through_the_compiled_opaque_op_match_eager():
@@ -426,3 +428,15 @@ def test_the_emulated_oracle_quantizes_with_the_slot_as_the_kernel_does():
         b = quantize_operand(t, E4M3, triton, is_weight=False, static=slots[1])
         assert torch.equal(a.scale, b.scale) and _same(a.data, b.data) and torch.equal(slots[0], slots[1])
     assert ss.fallbacks(slots[0]) == [1]
+
+
+def test_the_timer_gives_no_slot_to_the_emulated_candidate_on_a_gpu():
+    """On a GPU the emulated candidate's static path would decide on the host, which a graphed
+    timing cannot capture: it is timed with its dynamic scale (no CUDA needed to ask)."""
+    from loka_train.dispatch.timing import GemmTimer
+
+    emulated = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="emulated")
+    gpu = GemmTimer(timing="cost_model", device="cuda", out_dtype=torch.bfloat16, static_scales=True)
+    assert gpu.static_slot("forward", emulated) is None
+    cpu = GemmTimer(timing="cost_model", device="cpu", out_dtype=torch.float32, static_scales=True)
+    assert cpu.static_slot("forward", emulated) is not None  # the CPU's oracle takes it
