@@ -34,7 +34,9 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
     first runs a *decision run* (``--decide-steps`` steps, the preset with every site sampled
     every step and an interval of ``--decide-interval``), then the timed run starts from fresh
     weights with the decided Probe / Dispatch state (the checkpoint-resume path) and the
-    preset's own sparse sampling schedule, whose sampled steps fall in the timed window.
+    preset's own sparse sampling schedule, whose sampled steps fall in the timed window. With
+    ``--share-decisions``, variants that differ only in how plans run (``+static``) take the
+    first one's decided state: the same plans, one decision run.
     ``loka_*+compile`` runs: dynamo compiles the site code once per distinct site shape and
     dtype (all sites share one code object, hence ``compile_dense`` raises the recompile
     limit) and for eval's no-grad mode, and breaks the graph around the Probe on sampled

@@ -115,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "identical H100 runs after 200 steps, up to 1.2%% after 2000)")
     p.add_argument("--first-seed", type=int, default=0,
                    help="trainer.seed of the first round (round i: first seed + i)")
+    p.add_argument("--share-decisions", action="store_true",
+                   help="LoKA variants that differ only in how plans run (+static, +compile, +pageable) share "
+                        "one decision run per config, batch and seed: the first decides, the others take its "
+                        "plans, so they compare the option on the same plans (and spend one decision run)")
     p.add_argument("--isolate", action="store_true",
                    help="run every (variant, round) in a fresh process, in the rotated order, and "
                         "merge their records: on an H100 a host-bound variant's step time moved by "
@@ -178,6 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--profile-steps and --ne-steps must be >= 0")
     if args.ne_from < 0:
         raise SystemExit("--ne-from must be >= 0 (0: no shared checkpoint)")
+    if args.isolate and args.share_decisions:
+        raise SystemExit("--isolate starts a fresh process per run: --share-decisions has no decision to share")
     if args.isolate and (args.ne_from or args.warm_run):
         raise SystemExit("--isolate starts a fresh process per run: --ne-from's shared checkpoints and "
                          "--warm-run belong to one process; drop them or --isolate")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import logging
 import math
@@ -149,6 +150,20 @@ def decide_overrides(interval: int) -> tuple[str, ...]:
     return ("loka.probe.every_k_steps=1", "loka.probe.sites_per_step=null", f"loka.probe.interval={interval}")
 
 
+SHARED_DECISION_OVERRIDES = ("loka.mods.static_scales=true",)
+"""Overrides that change how a plan runs, not which plan Dispatch picks, among those its
+timings see (the timed run re-plans only at the preset's interval, after the timed steps):
+``--share-decisions`` lets variants that differ in them share one decision run."""
+
+
+def decision_key(config: str, batch: int, seed: int, variant: Variant) -> tuple[Any, ...]:
+    """What a decision run depends on: the job, the seed, the preset and its overrides (less
+    :data:`SHARED_DECISION_OVERRIDES`), and whether Dispatch times candidates graph-replayed
+    (``+graphs``); not ``+compile`` (the decision runs eagerly) nor ``+pageable``."""
+    overrides = tuple(o for o in variant.loka_overrides if o not in SHARED_DECISION_OVERRIDES)
+    return (config, batch, seed, variant.loka, overrides, variant.graphs)
+
+
 def decided_state(state: dict[str, Any]) -> dict[str, Any]:
     """What a timed run takes of a decision run's LoKA state (``LokaCallback.state_dict()``):
     the Probe's windows and verdicts, Dispatch's plans and history, the comm precisions. The
@@ -265,10 +280,13 @@ def run_one(
     torchao_missing: str | None,
     seed: int = 0,
     warm_start: Path | None = None,
+    decisions: dict[tuple[Any, ...], tuple[str, dict[str, Any], dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Decision run (LoKA), then the timed run; every figure of one (config, batch, variant),
     with ``trainer.seed=seed`` in both. With `warm_start` (a base run's out_dir, ``--ne-from``)
-    the timed run resumes its checkpoint instead of starting from fresh weights."""
+    the timed run resumes its checkpoint instead of starting from fresh weights. With
+    `decisions` (``--share-decisions``), a LoKA variant whose decision a variant run before it
+    made already (:func:`decision_key`) takes that decided state instead of deciding anew."""
     from loka_train.plugin.callback import LokaCallback
     from loka_train.runtime.trainer import Trainer
 
@@ -306,7 +324,15 @@ def run_one(
             if trace_early:
                 start_memory_trace()
             state = None
-            if variant.decide:
+            key = decision_key(config, batch, seed, variant)
+            shared = decisions.get(key) if decisions is not None and variant.decide else None
+            if shared is not None:
+                made_by, decide_rec, decided = shared
+                state = copy.deepcopy(decided)
+                rec["decide_overrides"] = []
+                rec["decide"] = {**decide_rec, "s": 0.0, "shared_from": made_by}
+                progress(t0, f"{config} b{batch} {variant.name}: the decision of {made_by} (--share-decisions)")
+            elif variant.decide:
                 decide_extra = decide_overrides(args.decide_interval)
                 # The plans do not depend on compilation: decide eagerly.
                 job = composer.job(
@@ -339,6 +365,8 @@ def run_one(
                 trainer = decider = job = None
                 cleanup(device_type)
                 state = decided_state(state)
+                if decisions is not None:
+                    decisions[key] = (variant.name, dict(rec["decide"]), copy.deepcopy(state))
 
             if warm_start is not None:
                 shutil.copytree(warm_start, f"{tmp}/run", symlinks=True)  # latest: a relative link
@@ -577,6 +605,8 @@ def run_grid(
                         pass
                 progress(t0, f"{config} b{batch}: data ready")
                 warm: dict[int, Path] = {}  # seed -> the base run's out_dir (--ne-from)
+                # --share-decisions: decision_key -> (variant that decided, its record, the state).
+                decisions: dict[tuple[Any, ...], Any] | None = {} if args.share_decisions else None
                 # This (config, batch)'s shared checkpoints, deleted once its runs are done
                 # (or with the stack, when a run raises).
                 base_dir = tempfile.TemporaryDirectory(prefix="e2e_base_")
@@ -593,7 +623,7 @@ def run_grid(
                         progress(t0, f"{config} b{batch} seed {repeat}: {ne_base.name} checkpoint at step "
                                      f"{args.ne_from}, NE {base_rec['eval_ne']:.5f} ({base_rec['wall_s']:.1f}s)")
                     rec = run_one(args, composer, config, batch, variant, t0, torchao_missing, seed=repeat,
-                                  warm_start=warm.get(repeat))
+                                  warm_start=warm.get(repeat), decisions=decisions)
                     runs.raw.append(rec)
                     runs.results[:] = aggregate(runs.raw)
                     tag = f" (run {round_ + 1}/{args.repeats}, seed {repeat})" if args.repeats > 1 else ""

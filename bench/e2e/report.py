@@ -122,7 +122,9 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
            "median step time over runs, mean NE, NE deltas paired by seed (s.e. in the targets)" if args["repeats"] > 1 else ""),
         f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
         f"every step, probe interval {args['decide_interval']}), then the timed run from fresh "
-        "weights with the decided plans and the preset's own sampling schedule",
+        "weights with the decided plans and the preset's own sampling schedule"
+        + ("; variants that differ only in how plans run (+static) share one decision run "
+           "(--share-decisions)" if args.get("share_decisions") else ""),
         f"- wall time of the whole benchmark: {data['wall_s']:.0f} s",
         "",
         "## Configs",
@@ -157,7 +159,10 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 notes.append(f"mean {r['step_ms_mean']:.2f} ms: {len(slow)} steps > 3x the median "
                              f"(max {max(slow):.0f} ms)")
             if "decide" in r:
-                notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
+                if r["decide"].get("shared_from"):
+                    notes.append(f"plans of {r['decide']['shared_from']}'s decision (--share-decisions)")
+                else:
+                    notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
             if r.get("cuda_graphs"):
                 g = r["cuda_graphs"]
                 eager = ", ".join(f"{k} {v}" for k, v in g["eager"].items())

@@ -667,3 +667,21 @@ def test_a_static_scales_run_names_its_recasts_in_the_row(tmp_path: Path) -> Non
     rows = [x for x in (tmp_path / "e2e.md").read_text().splitlines()
             if x.startswith("| wukong | loka_aggressive+compile+graphs+static | 26.85")]  # the step-time row
     assert len(rows) == 1 and "static scales: 3 recast(s), 2 tensor-wise operands" in rows[0]
+
+
+def test_share_decisions_runs_one_decision_for_variants_that_differ_in_how_plans_run(tmp_path: Path) -> None:
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
+            "--no-profile", "--variants", "loka_aggressive,loka_aggressive+static,loka_safe",
+            "--share-decisions", "--out", str(tmp_path)]
+    assert main(args) == 0
+    runs = {r["variant"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["results"]}
+    first, static, safe = runs["loka_aggressive"], runs["loka_aggressive+static"], runs["loka_safe"]
+    assert "shared_from" not in first["decide"] and first["decide"]["s"] > 0
+    assert static["decide"]["shared_from"] == "loka_aggressive" and static["decide"]["s"] == 0.0
+    assert static["loka"]["plans"] == first["loka"]["plans"]  # the same plans, run with static scales
+    assert "loka.mods.static_scales=true" in static["overrides"]
+    assert "shared_from" not in safe["decide"]  # another preset decides for itself
+    md = (tmp_path / "e2e.md").read_text()
+    assert "plans of loka_aggressive's decision (--share-decisions)" in md
+    with pytest.raises(SystemExit, match="share-decisions"):
+        parse_args(["--isolate", "--share-decisions", "--out", str(tmp_path / "x")])
