@@ -55,15 +55,7 @@ def _bench_static(x: Any, row: Callable[[str, float, int], None]) -> None:
         row(f"static scale fits ({layouts})",
             do_bench(lambda slot=slot, both=both: tt.tensorwise_quant_static(x, slot, both=both)) * 1e3,
             (4 if both else 3) * n)
-        if both:
-            # The column sums a linear layer's bias gradient needs, from the same read
-            # (tensorwise_quant_grad_output): what they add to each cast.
-            row("static scale fits (both layouts, column sums)",
-                do_bench(lambda slot=slot: tt.tensorwise_quant_grad_output(x, fmt=Fp8Format.E4M3, slot=slot)) * 1e3,
-                4 * n)
-            row("both layouts, column sums (dynamic)",
-                do_bench(lambda: tt.tensorwise_quant_grad_output(x, fmt=Fp8Format.E4M3)) * 1e3, 6 * n)
-            row("column sums alone (x.sum(0))", do_bench(lambda: x.sum(0)) * 1e3, 2 * n)
+
         # A stale power-of-two scale far too large for x: every call recasts (and re-seeds, so
         # reset it each time); a recast reads x twice and writes the payloads twice.
         stale = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]

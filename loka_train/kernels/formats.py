@@ -59,6 +59,7 @@ __all__ = [
     "QTensor",
     "quantize",
     "dequantize",
+    "is_row_strided",
     "compute_scale",
     "scale_from_amax",
     "expand_scale",
@@ -363,6 +364,13 @@ def quantize(
     return QTensor(
         data=data, scale=scale, fmt=fmt, scaling=scaling, axis=ax, block_size=bs, block_2d=block_2d
     )
+
+
+def is_row_strided(t: Tensor) -> bool:
+    """Whether ``t`` is 2-D with contiguous rows that lie apart (``stride == (s, 1)``, ``s`` more
+    than its columns): a slice of a wider tensor's columns, such as a concatenation's gradient,
+    which the two-layout tensor-wise casts read as it is."""
+    return t.ndim == 2 and t.stride(1) == 1 and t.stride(0) > t.shape[1] and t.shape[0] > 1
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from loka_train.kernels import opaque
 from loka_train.kernels.backends import TRITON_INSTALLED
-from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, quantize
+from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, is_row_strided, quantize
 from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.registry import get_backend
@@ -431,19 +431,10 @@ def quantize_with_transpose(
     return q, transposed_reuse(q, other_fmt, other)
 
 
-def _rows_apart(t: Tensor) -> bool:
-    """``triton_tensorwise.is_row_strided`` (False where Triton is not installed)."""
-    if not TRITON_INSTALLED:
-        return False
-    from loka_train.kernels.triton_tensorwise import is_row_strided
-
-    return is_row_strided(t)
-
-
 def _both_layouts_input(t: Tensor) -> Tensor:
     """What the two-layout casts read: ``t`` itself when it is contiguous or only its rows lie
-    apart (a slice of a concatenation's gradient), else a contiguous copy."""
-    return t if _rows_apart(t) else t.contiguous()
+    apart (:func:`is_row_strided`), else a contiguous copy."""
+    return t if is_row_strided(t) else t.contiguous()
 
 
 def grad_weight_dtype(w_dtype: torch.dtype) -> torch.dtype:
@@ -540,12 +531,13 @@ class _PlannedLinearFn(torch.autograd.Function):
 
         with torch.autocast(grad_y.device.type, enabled=False):
             dy_MN = grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype)
+            # dY^T only for a grad-weight GEMM that runs (a frozen weight needs none).
             gw_takes_dy_t = plan.grad_weight if need_w else GemmPlan()
             read_as_is = (
                 need_x
                 and writes_both_layouts(plan.grad_input, dy_MN, plan.grad_input.fmt, gw_takes_dy_t,
                                         gw_takes_dy_t.fmt, reference_quantizer=rq)
-                and (dy_MN.is_contiguous() or _rows_apart(dy_MN))
+                and (dy_MN.is_contiguous() or is_row_strided(dy_MN))
             )
             if (plan.grad_input.is_fp8 or plan.grad_weight.is_fp8) and not dy_MN.is_contiguous() and not read_as_is:
                 # One copy for every quantizer that reads dY: a gradient that reaches the site
@@ -560,10 +552,8 @@ class _PlannedLinearFn(torch.autograd.Function):
                 gi = plan.grad_input
                 if gi.is_fp8:
                     # dX = dY W = dY @ (W^T)^T: contraction over N.
-                    # dY^T only for a grad-weight GEMM that runs (a frozen weight needs none).
-                    gw_t = plan.grad_weight if need_w else GemmPlan()
                     dy_q, dy_q_t = quantize_with_transpose(
-                        dy_MN, gi.fmt, gi, gw_t, gw_t.fmt, is_weight=False, reference_quantizer=rq,
+                        dy_MN, gi.fmt, gi, gw_takes_dy_t, gw_takes_dy_t.fmt, is_weight=False, reference_quantizer=rq,
                         count_fallbacks=True, static=None if static_slots is None else static_slots[_STATIC_DY],
                     )
                     dx_MK = fp8_gemm_planned(
@@ -591,9 +581,8 @@ class _PlannedLinearFn(torch.autograd.Function):
                     # CUDA where (X^T dY)^T picks another cuBLAS kernel (1.7e-4 apart in bf16).
                     grad_w = dy_MN.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
             if need_b and ctx.has_bias:
-                # A reduction of its own: the two-layout cast can sum dY's columns on the way
-                # (triton_tensorwise.tensorwise_quant_grad_output), but in an H100 step the casts
-                # that did took about twice as long, more than this pass costs.
+                # A reduction of its own: summing dY's columns inside the two-layout cast made
+                # the casts about twice as slow in an H100 step, more than this pass costs.
                 grad_b = dy_MN.sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 

@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from loka_train.kernels import opaque, static_scales
-from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+from loka_train.kernels.formats import Fp8Format, Scaling, is_row_strided, quantize
 from loka_train.kernels.triton_kernels import (
     _cdiv,
     _check_runnable,
@@ -45,10 +45,8 @@ from loka_train.kernels.triton_kernels import (
 )
 
 __all__ = [
-    "is_row_strided",
     "tensorwise_quant",
     "tensorwise_quant_both",
-    "tensorwise_quant_grad_output",
     "tensorwise_quant_reference",
     "tensorwise_quant_static",
 ]
@@ -207,7 +205,6 @@ def _cast_both_kernel(
     stride_r,
     partial_ptr,
     gate_ptr,
-    sums_ptr,
     FP8_MAX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -216,29 +213,25 @@ def _cast_both_kernel(
     Q_MIN_NORMAL: tl.constexpr,
     STORE_AMAX: tl.constexpr,
     GATED: tl.constexpr,
-    COLSUM: tl.constexpr,
 ):
     """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input (row-major tile order),
     stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX`` and
-    ``GATED`` as there; ``COLSUM`` also stores each tile's column sums (fp32) into row
-    ``t // tiles_c`` of ``sums`` (cdiv(R, BLOCK_R), C): a linear layer's bias gradient from the
-    read that quantizes its output gradient."""
+    ``GATED`` as there."""
     tiles_c = tl.cdiv(C, BLOCK_C)
     if GATED:
         if tl.load(gate_ptr) != 0:
             for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
-                _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, sums_ptr, t, tiles_c,
-                                FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, False)
+                _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
+                                FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False)
     else:
-        _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, sums_ptr, tl.program_id(0),
-                        tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, COLSUM)
+        _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, tl.program_id(0),
+                        tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX)
 
 
 @triton.jit
-def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, sums_ptr, t, tiles_c,
+def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
                     FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
-                    Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
-                    COLSUM: tl.constexpr):
+                    Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr):
     rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
@@ -250,8 +243,6 @@ def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr
     tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
     if STORE_AMAX:
         tl.store(partial_ptr + t, _tile_amax(x))
-    if COLSUM:
-        tl.store(sums_ptr + (t // tiles_c).to(tl.int64) * C + cols, tl.sum(x, axis=0), mask=cols < C)
 
 
 @triton.jit
@@ -308,13 +299,6 @@ def _scale(x: Tensor, fmt_: Any) -> Tensor:
     return scale
 
 
-def is_row_strided(x: Tensor) -> bool:
-    """Whether ``x`` is 2-D with contiguous rows that lie apart (``stride == (s, 1)``, ``s`` more
-    than its columns): a slice of a wider tensor's columns, which the two-layout casts read as
-    it is."""
-    return x.ndim == 2 and x.stride(1) == 1 and x.stride(0) > x.shape[1] and x.shape[0] > 1
-
-
 def _checked(x: Tensor, fmt: str, *, rows_apart: bool = False) -> Any:
     fmt_ = _triton_fmt(fmt)
     _check_runnable(x)
@@ -328,12 +312,11 @@ def _checked(x: Tensor, fmt: str, *, rows_apart: bool = False) -> Any:
 
 def _cast(
     x: Tensor, scale: Tensor, q: Tensor, q_t: Tensor | None, fmt_: Any, *, partial: Tensor | None = None,
-    gate: Tensor | None = None, sums: Tensor | None = None,
+    gate: Tensor | None = None,
 ) -> None:
     """One cast pass of ``x`` into ``q`` (and its transpose into ``q_t`` when given) with the
     scale at ``scale``'s first element; with ``partial``, also each program's amax; with
-    ``gate``, only where it holds 1; with ``sums`` (and ``q_t``), also each row of tiles' column
-    sums."""
+    ``gate``, only where it holds 1."""
     qr = _sw_round_args(q.dtype)
     common = dict(
         FP8_MAX=fmt_.max, Q_MANT=qr["MANT"], Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"],
@@ -351,8 +334,8 @@ def _cast(
     else:
         r, c = x.shape
         _cast_both_kernel[grid](
-            x, scale, q, q_t, r, c, x.stride(0), p, g, unused if sums is None else sums, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C,
-            COLSUM=sums is not None, num_warps=_BOTH_WARPS, **common,
+            x, scale, q, q_t, r, c, x.stride(0), p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
+            **common,
         )
 
 
@@ -376,63 +359,41 @@ def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def _sums_buffer(x: Tensor, column_sums: bool) -> Tensor | None:
-    """Per row of tiles, the column sums of ``x`` (the kernel's partials), or None."""
-    if not column_sums:
-        return None
-    return torch.empty((_cdiv(x.shape[0], _TILE_R), x.shape[1]), device=x.device, dtype=torch.float32)
-
-
-def _column_sums(partials: Tensor | None, x: Tensor) -> Tensor:
-    """The column sums of ``x`` (fp32, ``(C,)``) from the kernel's partials; empty without."""
-    if partials is None:
-        return torch.empty((0,), device=x.device, dtype=torch.float32)
-    return partials.sum(0)
-
-
-def _tensorwise_quant_both_impl(x: Tensor, fmt: str, column_sums: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _tensorwise_quant_both_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt, rows_apart=True)
     _checked_2d(x, "tensorwise_quant_both")
     r, c = x.shape
     q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
     scale = _scale(x, fmt_)
-    sums = _sums_buffer(x, column_sums)
-    if x.numel() == 0:
-        return q, scale, q_t, torch.zeros((c if column_sums else 0,), device=x.device, dtype=torch.float32)
-    _cast(x, scale, q, q_t, fmt_, sums=sums)
-    return q, scale, q_t, _column_sums(sums, x)
+    if x.numel():
+        _cast(x, scale, q, q_t, fmt_)
+    return q, scale, q_t
 
 
-def _tensorwise_quant_static_impl(
-    x: Tensor, slot: Tensor, fmt: str, both: bool, column_sums: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _tensorwise_quant_static_impl(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt, rows_apart=both)
     static_scales.check_slot(slot, x.device)
-    if both or column_sums:
+    if both:
         _checked_2d(x, "tensorwise_quant_static")
-    if column_sums and not both:
-        raise ValueError("tensorwise_quant_static: column sums come with both layouts")
     q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((x.shape[1], x.shape[0]) if both else (0,), device=x.device, dtype=fmt_.dtype)
     scale = torch.empty((), device=x.device, dtype=torch.float32)
     if x.numel() == 0:
-        sums0 = torch.zeros((x.shape[1] if column_sums else 0,), device=x.device, dtype=torch.float32)
-        return q, scale.fill_(1.0), q_t, sums0
-    sums = _sums_buffer(x, column_sums)
+        return q, scale.fill_(1.0), q_t
     num_programs = _num_programs(x, both)
     partial = torch.empty(num_programs, device=x.device, dtype=torch.float32)
     gate = torch.empty((), device=x.device, dtype=torch.int32)
     # Cast with the slot's scale (its first element), reading x once for the codes and the amax;
     # then decide, and recast with the dynamic scale only where the static one does not fit.
-    _cast(x, slot, q, q_t if both else None, fmt_, partial=partial, sums=sums)
+    _cast(x, slot, q, q_t if both else None, fmt_, partial=partial)
     _static_check_kernel[(1,)](
         partial, num_programs, slot, scale, gate, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
         HEADROOM=static_scales.headroom(Fp8Format(fmt)), RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK,
         num_warps=4,
     )
     _cast(x, scale, q, q_t if both else None, fmt_, gate=gate)
-    return q, scale, q_t, _column_sums(sums, x)
+    return q, scale, q_t
 
 
 @torch.library.custom_op("loka::tensorwise_quant", mutates_args=())
@@ -447,7 +408,7 @@ def _tensorwise_quant_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("loka::tensorwise_quant_both", mutates_args=())
 def _tensorwise_quant_both_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_both_impl(x, fmt)[:3]
+    return _tensorwise_quant_both_impl(x, fmt)
 
 
 @_tensorwise_quant_both_op.register_fake
@@ -457,32 +418,16 @@ def _tensorwise_quant_both_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Te
     return x.new_empty((r, c), dtype=dtype), x.new_empty((), dtype=torch.float32), x.new_empty((c, r), dtype=dtype)
 
 
-@torch.library.custom_op("loka::tensorwise_quant_both_sums", mutates_args=())
-def _tensorwise_quant_both_sums_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_both_impl(x, fmt, column_sums=True)
-
-
-@_tensorwise_quant_both_sums_op.register_fake
-def _tensorwise_quant_both_sums_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    q, scale, q_t = _tensorwise_quant_both_fake(x, fmt)
-    return q, scale, q_t, x.new_empty((x.shape[1],), dtype=torch.float32)
-
-
 @torch.library.custom_op("loka::tensorwise_quant_static", mutates_args=("slot",))
-def _tensorwise_quant_static_op(
-    x: Tensor, slot: Tensor, fmt: str, both: bool, column_sums: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_static_impl(x, slot, fmt, both, column_sums)
+def _tensorwise_quant_static_op(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _tensorwise_quant_static_impl(x, slot, fmt, both)
 
 
 @_tensorwise_quant_static_op.register_fake
-def _tensorwise_quant_static_fake(
-    x: Tensor, slot: Tensor, fmt: str, both: bool, column_sums: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _tensorwise_quant_static_fake(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
     dtype = Fp8Format(fmt).dtype
     q_t = x.new_empty((x.shape[1], x.shape[0]) if both else (0,), dtype=dtype)
-    sums = x.new_empty((x.shape[1] if column_sums else 0,), dtype=torch.float32)
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32), q_t, sums
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32), q_t
 
 
 def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:
@@ -512,7 +457,7 @@ def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tupl
 
     Args:
         x: fp32, bf16 or fp16, 2-D ``(R, C)``, contiguous or with its rows apart
-            (:func:`is_row_strided`, read as it is).
+            (:func:`kernels.formats.is_row_strided`, read as it is).
         fmt: e4m3 or e5m2.
 
     Returns:
@@ -527,7 +472,7 @@ def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tupl
     fmt_s = Fp8Format(fmt).value
     if opaque.tracing():
         return torch.ops.loka.tensorwise_quant_both(x, fmt_s)
-    return _tensorwise_quant_both_impl(x, fmt_s)[:3]
+    return _tensorwise_quant_both_impl(x, fmt_s)
 
 
 def tensorwise_quant_static(
@@ -541,7 +486,7 @@ def tensorwise_quant_static(
 
     Args:
         x: fp32, bf16 or fp16, contiguous (or, with ``both``, 2-D and possibly with its rows
-            apart, :func:`is_row_strided`).
+            apart, :func:`kernels.formats.is_row_strided`).
         slot: the operand's slot (``static_scales.new_slots``), updated in place.
         fmt: e4m3 or e5m2.
         both: also write the payload's transpose, contiguous, in the same pass (as
@@ -558,34 +503,10 @@ def tensorwise_quant_static(
     """
     fmt_s = Fp8Format(fmt).value
     if opaque.tracing():
-        q, scale, q_t, _ = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both, False)
+        q, scale, q_t = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both)
     else:
-        q, scale, q_t, _ = _tensorwise_quant_static_impl(x, slot, fmt_s, both)
+        q, scale, q_t = _tensorwise_quant_static_impl(x, slot, fmt_s, both)
     return q, scale, (q_t if both else None)
-
-
-def tensorwise_quant_grad_output(
-    dy: Tensor, *, fmt: Fp8Format = Fp8Format.E5M2, slot: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A linear layer's output gradient quantized in both layouts, with its column sums (the
-    bias gradient) from the same read: :func:`tensorwise_quant_both` (or, with ``slot``,
-    :func:`tensorwise_quant_static` with ``both``) that also returns ``dy.sum(0)`` in fp32
-    (ops ``loka::tensorwise_quant_both_sums`` / ``loka::tensorwise_quant_static``), where a
-    separate reduction would read ``dy`` once more.
-
-    Returns:
-        ``(q, scale, q_t, sums)``: the payload, its scale and transpose as the function without
-        sums returns them (bit for bit), and the fp32 column sums ``(C,)`` (tile by tile, then
-        over the tiles: equal to ``dy.float().sum(0)`` up to fp32 summation order).
-    """
-    fmt_s = Fp8Format(fmt).value
-    if slot is None:
-        if opaque.tracing():
-            return torch.ops.loka.tensorwise_quant_both_sums(dy, fmt_s)
-        return _tensorwise_quant_both_impl(dy, fmt_s, column_sums=True)
-    if opaque.tracing():
-        return torch.ops.loka.tensorwise_quant_static(dy, slot, fmt_s, True, True)
-    return _tensorwise_quant_static_impl(dy, slot, fmt_s, True, True)
 
 
 def tensorwise_quant_reference(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:

@@ -51,7 +51,7 @@ from loka_train.kernels import static_scales
 from loka_train.kernels.linear import reference_fallbacks
 from loka_train.kernels.roles import ROLES
 from loka_train.mods import convert, mark_sampled, sites
-from loka_train.mods.site import GemmSite, Site
+from loka_train.mods.site import GemmSite
 from loka_train.plugin.config import LokaConfig
 from loka_train.plugin.report import run_report, write_report
 from loka_train.probe import Probe
@@ -432,7 +432,6 @@ class LokaCallback(Callback):
         assert self.probe is not None and self.dispatcher is not None
         fallbacks = [
             *(trainer.fallbacks if trainer is not None else ()), *_quantizer_fallbacks(self._fallbacks_at_start),
-            *_static_scale_fallbacks(self.sites),
         ]
         return run_report(
             sites=self.sites, probe=self.probe, dispatcher=self.dispatcher, comm_state=self.comm_state,
@@ -575,19 +574,3 @@ def _quantizer_fallbacks(at_start: dict[str, int]) -> list[str]:
         f"kernels: the reference quantizer took {n} x a {what} (no Triton quantizer takes its shape or layout)"
         for what, n in sorted(since.items()) if n > 0
     ]
-
-
-def _static_scale_fallbacks(site_map: dict[str, Site]) -> list[str]:
-    """One line per site operand whose static scale did not fit some of its tensors
-    (``mods.static_scales``): those were recast with their dynamic scale."""
-    out = []
-    for name, site in sorted(site_map.items()):
-        if site.static_slots is None:
-            continue
-        for operand, n in zip(("x", "dY"), static_scales.fallbacks(site.static_slots)):
-            if n:
-                out.append(
-                    f"kernels: {name} {operand}: the static scale did not fit {n} tensor(s), which were "
-                    "recast with their dynamic scale (the scale re-seeded from each finite one)"
-                )
-    return out

@@ -139,6 +139,11 @@ def run_report(
                 # Whether the operand runs tensor-wise FP8 now (the slot is kept either way).
                 "tensorwise": gemm.is_fp8 and gemm.scaling is Scaling.TENSORWISE,
             })
+    listed += [
+        f"kernels: {r['site']} {r['operand']}: the static scale did not fit {r['recasts']} tensor(s), which "
+        "were recast with their dynamic scale (the scale re-seeded from each finite one)"
+        for r in static if r["recasts"]
+    ]
     return {
         "device": d.device.type,
         "emulated": d.device.type != "cuda",

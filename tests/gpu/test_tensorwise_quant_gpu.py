@@ -101,40 +101,25 @@ def test_static_scales_replay_in_a_cuda_graph():
     assert _same(q, rq)  # the recast is the dynamic payload
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_grad_output_pass_sums_the_columns(static):
-    """The bias gradient from the two-layout pass of a training-size gradient: the payload as
-    the pass without sums writes it, the sums as fp32 ``dy.sum(0)`` up to summation order."""
-    from loka_train.kernels import static_scales as ss
-    from loka_train.kernels.triton_tensorwise import (
-        tensorwise_quant_grad_output,
-        tensorwise_quant_static,
-    )
-
-    dy = (1e-3 * torch.randn(32768, 2048, device="cuda")).to(torch.bfloat16)
-    slot = None
-    if static:
-        slot = ss.new_slots(1, margin=2.0, spread=16.0, device=dy.device)[0]
-        tensorwise_quant_static(dy, slot, fmt=Fp8Format.E5M2, both=True)  # seeds
-        rq, rs, rq_t = tensorwise_quant_static(dy, slot.clone(), fmt=Fp8Format.E5M2, both=True)
-    else:
-        rq, rs, rq_t = tensorwise_quant_both(dy, fmt=Fp8Format.E5M2)
-    q, scale, q_t, sums = tensorwise_quant_grad_output(dy, fmt=Fp8Format.E5M2, slot=slot)
-    assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq_t)
-    torch.testing.assert_close(sums, dy.float().sum(0), rtol=1e-4, atol=1e-6)
-
-
 def test_two_layout_cast_reads_rows_that_lie_apart():
     """A 32768 x 2048 slice of a 32768 x 3072 gradient (Wukong's concatenation) cast as it is:
-    the payloads and column sums of its contiguous copy."""
-    from loka_train.kernels.triton_tensorwise import tensorwise_quant_grad_output
+    the payloads of its contiguous copy, with a dynamic and with a static scale."""
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.triton_tensorwise import tensorwise_quant_static
 
     wide = (1e-3 * torch.randn(32768, 3072, device="cuda")).to(torch.bfloat16)
     x = wide[:, 512:2560]
-    got = tensorwise_quant_grad_output(x, fmt=Fp8Format.E5M2)
-    want = tensorwise_quant_grad_output(x.contiguous(), fmt=Fp8Format.E5M2)
+    got = tensorwise_quant_both(x, fmt=Fp8Format.E5M2)
+    want = tensorwise_quant_both(x.contiguous(), fmt=Fp8Format.E5M2)
     assert _same(got[0], want[0]) and torch.equal(got[1], want[1]) and _same(got[2], want[2])
-    assert torch.equal(got[3], want[3])
+    slots = [ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0] for _ in range(2)]
+    for slot in slots:
+        tensorwise_quant_static(x.contiguous(), slot, fmt=Fp8Format.E5M2, both=True)  # seeds
+    got = tensorwise_quant_static(x, slots[0], fmt=Fp8Format.E5M2, both=True)
+    want = tensorwise_quant_static(x.contiguous(), slots[1], fmt=Fp8Format.E5M2, both=True)
+    assert got[2] is not None and want[2] is not None
+    assert _same(got[0], want[0]) and torch.equal(got[1], want[1]) and _same(got[2], want[2])
+    assert torch.equal(slots[0], slots[1])
 
 
 def test_an_emulated_static_operand_in_a_graph_capture_takes_its_dynamic_scale(monkeypatch):
