@@ -119,6 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LoKA variants that differ only in how plans run (+static, +compile, +pageable) share "
                         "one decision run per config, batch and seed: the first decides, the others take its "
                         "plans, so they compare the option on the same plans (and spend one decision run)")
+    p.add_argument("--decide-once", action="store_true",
+                   help="--share-decisions across seeds too: one decision run per config and batch (the "
+                        "first seed's), whose plans every seed's runs take: for an NE protocol over seeds "
+                        "that compares numerics on the same plans, at one ~3 min decision run instead of one "
+                        "a seed")
     p.add_argument("--isolate", action="store_true",
                    help="run every (variant, round) in a fresh process, in the rotated order, and "
                         "merge their records: on an H100 a host-bound variant's step time moved by "
@@ -182,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--profile-steps and --ne-steps must be >= 0")
     if args.ne_from < 0:
         raise SystemExit("--ne-from must be >= 0 (0: no shared checkpoint)")
+    args.share_decisions = args.share_decisions or args.decide_once
     if args.isolate and args.share_decisions:
         raise SystemExit("--isolate starts a fresh process per run: --share-decisions has no decision to share")
     if args.isolate and (args.ne_from or args.warm_run):

@@ -156,8 +156,9 @@ timings see (the timed run re-plans only at the preset's interval, after the tim
 ``--share-decisions`` lets variants that differ in them share one decision run."""
 
 
-def decision_key(config: str, batch: int, seed: int, variant: Variant) -> tuple[Any, ...]:
-    """What a decision run depends on: the job, the seed, the preset and its overrides (less
+def decision_key(config: str, batch: int, seed: int | None, variant: Variant) -> tuple[Any, ...]:
+    """What a decision run depends on: the job, the seed (None: ``--decide-once``, every seed
+    takes the first seed's decision), the preset and its overrides (less
     :data:`SHARED_DECISION_OVERRIDES`), and whether Dispatch times candidates graph-replayed
     (``+graphs``); not ``+compile`` (the decision runs eagerly) nor ``+pageable``."""
     overrides = tuple(o for o in variant.loka_overrides if o not in SHARED_DECISION_OVERRIDES)
@@ -324,14 +325,15 @@ def run_one(
             if trace_early:
                 start_memory_trace()
             state = None
-            key = decision_key(config, batch, seed, variant)
+            key = decision_key(config, batch, None if args.decide_once else seed, variant)
             shared = decisions.get(key) if decisions is not None and variant.decide else None
             if shared is not None:
                 made_by, decide_rec, decided = shared
                 state = copy.deepcopy(decided)
                 rec["decide_overrides"] = []
                 rec["decide"] = {**decide_rec, "s": 0.0, "shared_from": made_by}
-                progress(t0, f"{config} b{batch} {variant.name}: the decision of {made_by} (--share-decisions)")
+                progress(t0, f"{config} b{batch} {variant.name}: the decision of {made_by}, seed "
+                             f"{decide_rec['seed']} (--share-decisions)")
             elif variant.decide:
                 decide_extra = decide_overrides(args.decide_interval)
                 # The plans do not depend on compilation: decide eagerly.
@@ -352,6 +354,7 @@ def run_one(
                     "steps": args.decide_steps,
                     "fp8_coverage": decider.dispatcher.fp8_coverage(),
                     "plan_changes": decider.dispatcher.num_changes,
+                    "seed": seed,
                     "s": time.perf_counter() - started,
                 }
                 progress(

@@ -124,7 +124,8 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         f"every step, probe interval {args['decide_interval']}), then the timed run from fresh "
         "weights with the decided plans and the preset's own sampling schedule"
         + ("; variants that differ only in how plans run (+static) share one decision run "
-           "(--share-decisions)" if args.get("share_decisions") else ""),
+           + ("per config and batch, the first seed's, for every seed (--decide-once)" if args.get("decide_once")
+              else "(--share-decisions)") if args.get("share_decisions") else ""),
         f"- wall time of the whole benchmark: {data['wall_s']:.0f} s",
         "",
         "## Configs",
@@ -159,8 +160,10 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 notes.append(f"mean {r['step_ms_mean']:.2f} ms: {len(slow)} steps > 3x the median "
                              f"(max {max(slow):.0f} ms)")
             if "decide" in r:
-                if r["decide"].get("shared_from"):
-                    notes.append(f"plans of {r['decide']['shared_from']}'s decision (--share-decisions)")
+                d = r["decide"]
+                if d.get("shared_from"):
+                    of_seed = f" of seed {d['seed']}" if d.get("seed", r.get("seed")) != r.get("seed") else ""
+                    notes.append(f"plans of {d['shared_from']}'s decision{of_seed} (--share-decisions)")
                 else:
                     notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
             if r.get("cuda_graphs"):

@@ -6,7 +6,8 @@ traffic per bf16 element. Here three launches move 5: one pass reads ``x`` for p
 amaxes, one program turns them into the scale, one pass reads ``x`` again and writes the FP8
 payload. Results are bit-identical to the reference: the scale is ``amax / fmt.max`` (1 for an
 all-zero tensor, NaN when a value is non-finite), the codes ``x / scale`` rounded to nearest
-even, the division of ``x`` IEEE-rounded (``div_rn``), values saturating at ``fmt.max``.
+even, the division of ``x`` IEEE-rounded (``_quotient``: on CUDA as multiplies and FMAs, the
+division's fast path without its slow one), values saturating at ``fmt.max``.
 
 A tensor-wise payload is what lets a site reuse its forward's ``x`` and ``W`` and its
 grad-input's ``dY`` transposed in the backward (``kernels.linear.transposed_reuse``): with this
@@ -122,21 +123,45 @@ def _scale_kernel(partial_ptr, scale_ptr, P, inv_max, FP8_MAX: tl.constexpr, REC
 
 
 @triton.jit
-def _codes(x, scale_ptr, FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr,
-           Q_MIN_NORMAL: tl.constexpr):
-    """``x / scale`` (IEEE-rounded division) saturated at ``fmt.max`` and rounded to the
-    format's codes, in fp32: what both casts store. A power-of-two scale (every static scale)
-    multiplies by its exact reciprocal instead: the same correctly rounded quotient, without
-    the division's slow path."""
-    s = tl.load(scale_ptr)
-    if (s.to(tl.int32, bitcast=True) & 0x7FFFFF) == 0:  # 2**k (or 0 / inf: the same quotients)
+def _quotient(x, s, FMA_DIV: tl.constexpr):
+    """``x / s`` correctly rounded (IEEE), as the reference divides; ``s`` a positive scalar.
+
+    A power-of-two scale (every static scale) multiplies by its exact reciprocal. With
+    ``FMA_DIV`` (CUDA) other scales take the division's own fast path as multiplies and FMAs:
+    ``y = 1/s`` correctly rounded once a program, ``q = x*y`` and two residual corrections
+    ``q += (x - q*s)*y``, the residual exact by the FMA (Markstein: the second correction
+    rounds correctly), for every quotient whose magnitude lies in ``[2**-20, 2**20]`` with ``s``
+    in ``[2**-50, 2**50]`` (no residual underflows). Outside it the product alone is taken:
+    below, both quotients round to a zero code of x's sign in every FP8 format (half the
+    smallest e5m2 subnormal is 2**-17); above, both saturate (``fmt.max`` is at most 57344);
+    NaN stays NaN. The IEEE division (``div_rn``) takes a slow path on a zero numerator, which
+    doubled the cast of a ReLU'd activation (half zeros); here no element divides. Scales out
+    of that range, and the interpreter (whose FMA rounds twice), divide.
+    """
+    bits = s.to(tl.int32, bitcast=True)
+    if (bits & 0x7FFFFF) == 0:  # 2**k (or 0 / inf: the same quotients)
         y = x * tl.math.div_rn(1.0, s)
+    elif FMA_DIV:
+        if (s >= 8.881784197001252e-16) & (s <= 1125899906842624.0):  # 2**-50, 2**50
+            r = tl.math.div_rn(1.0, s)
+            q0 = x * r
+            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
+            q2 = tl.fma(tl.fma(-q1, s, x), r, q1)
+            a0 = tl.abs(q0)
+            y = tl.where((a0 < 9.5367431640625e-07) | (a0 > 1048576.0), q0, q2)  # 2**-20, 2**20
+        else:
+            y = tl.math.div_rn(x, s)
     else:
-        # A zero numerator takes the IEEE division's slow path on the GPU, which doubled the cast
-        # of a ReLU'd activation (half zeros): divide the non-zeros only. A zero's quotient is
-        # ``x * (0 / s)``: a zero of x's sign, or NaN for a NaN scale, as the division gives it.
-        nonzero = x != 0.0
-        y = tl.where(nonzero, tl.math.div_rn(tl.where(nonzero, x, 1.0), s), x * tl.math.div_rn(0.0, s))
+        y = tl.math.div_rn(x, s)
+    return y
+
+
+@triton.jit
+def _codes(x, scale_ptr, FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr,
+           Q_MIN_NORMAL: tl.constexpr, FMA_DIV: tl.constexpr):
+    """``x / scale`` (:func:`_quotient`) saturated at ``fmt.max`` and rounded to the format's
+    codes, in fp32: what both casts store."""
+    y = _quotient(x, tl.load(scale_ptr), FMA_DIV)
     q = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if Q_MANT > 0:
         q = _round_rne(q, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
@@ -166,6 +191,7 @@ def _cast_kernel(
     Q_MIN_NORMAL: tl.constexpr,
     STORE_AMAX: tl.constexpr,
     GATED: tl.constexpr,
+    FMA_DIV: tl.constexpr,
 ):
     """The cast of one block a program; ``STORE_AMAX`` also stores the block's amax (the
     static-scale pass reads ``x`` once for both); ``GATED`` (the static-scale recast, launched on
@@ -175,20 +201,20 @@ def _cast_kernel(
         if tl.load(gate_ptr) != 0:
             for blk in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
                 _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC,
-                            Q_MIN_NORMAL, False)
+                            Q_MIN_NORMAL, False, FMA_DIV)
     else:
         _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, tl.program_id(0), FP8_MAX, BLOCK, Q_MANT,
-                    Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX)
+                    Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV)
 
 
 @triton.jit
 def _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
                 Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
-                STORE_AMAX: tl.constexpr):
+                STORE_AMAX: tl.constexpr, FMA_DIV: tl.constexpr):
     offs = (tl.zeros((BLOCK,), tl.int64) + blk) * BLOCK + tl.arange(0, BLOCK)  # int64: N may pass 2**31
     mask = offs < N
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL)
+    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     if STORE_AMAX:
         tl.store(partial_ptr + blk, _tile_amax(x))
@@ -213,32 +239,44 @@ def _cast_both_kernel(
     Q_MIN_NORMAL: tl.constexpr,
     STORE_AMAX: tl.constexpr,
     GATED: tl.constexpr,
+    FMA_DIV: tl.constexpr,
+    ROWS_APART: tl.constexpr,
 ):
     """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input (row-major tile order),
-    stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX`` and
-    ``GATED`` as there."""
+    stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX``, ``GATED``
+    and ``FMA_DIV`` as there. The input's rows lie ``stride_r`` elements apart with
+    ``ROWS_APART``, else ``C`` (contiguous: one address for the load and the store, which the
+    contiguous cast measured faster with)."""
     tiles_c = tl.cdiv(C, BLOCK_C)
     if GATED:
         if tl.load(gate_ptr) != 0:
             for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
                 _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
-                                FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False)
+                                FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, FMA_DIV,
+                                ROWS_APART)
     else:
         _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, tl.program_id(0),
-                        tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX)
+                        tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV,
+                        ROWS_APART)
 
 
 @triton.jit
 def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
                     FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
-                    Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr):
+                    Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
+                    FMA_DIV: tl.constexpr, ROWS_APART: tl.constexpr):
     rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     # x's rows may lie apart (a slice of a concatenation's gradient); the payloads are contiguous.
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    if ROWS_APART:
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + offs, q, mask=mask)
     # The compiler routes the tile through shared memory: both stores are coalesced.
     tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
     if STORE_AMAX:
@@ -320,7 +358,7 @@ def _cast(
     qr = _sw_round_args(q.dtype)
     common = dict(
         FP8_MAX=fmt_.max, Q_MANT=qr["MANT"], Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"],
-        STORE_AMAX=partial is not None, GATED=gate is not None,
+        STORE_AMAX=partial is not None, GATED=gate is not None, FMA_DIV=x.device.type == "cuda",
     )
     unused = scale  # a pointer the kernel does not read when its flag is off
     p = unused if partial is None else partial
@@ -335,7 +373,7 @@ def _cast(
         r, c = x.shape
         _cast_both_kernel[grid](
             x, scale, q, q_t, r, c, x.stride(0), p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
-            **common,
+            ROWS_APART=not x.is_contiguous(), **common,
         )
 
 

@@ -47,6 +47,56 @@ def test_non_finite_codes_and_a_graph_replay():
     assert torch.isnan(scale) and torch.isnan(q.float()).all()
 
 
+def _near_midpoints(fmt: Fp8Format, s0: float) -> torch.Tensor:
+    """fp32 values whose quotients by about ``s0`` lie on and within 3 ulps of every midpoint
+    between neighbouring codes of ``fmt`` (both signs), with zeros of both signs, quotients
+    too small for any code, and the largest value (``fmt.max * s0``, the tensor's amax)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()
+    codes = codes[torch.isfinite(codes) & (codes > 0)].unique().sort().values
+    base = ((codes[1:] + codes[:-1]) / 2 * s0).float()
+    xs, up, down = [base], base, base
+    for _ in range(3):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.zeros_like(down))
+        xs += [up, down]
+    x = torch.cat(xs)
+    extra = torch.tensor([0.0, -0.0, s0 * 2**-25, -s0 * 2**-19, s0 * 2**-21, fmt.max * s0])
+    return torch.cat([x, -x, extra.float()])
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+@pytest.mark.parametrize("both", [False, True], ids=["one_layout", "both_layouts"])
+def test_codes_near_every_midpoint_round_as_the_division_does(fmt, both):
+    # Scales that are not powers of two take the casts' multiply-and-FMA quotient: its codes must
+    # be the IEEE division's exactly where rounding is closest to going either way (a plain
+    # product with the reciprocal gets dozens of these wrong).
+    gen = torch.Generator().manual_seed(0)
+    for exp in (-40, -17, -6, 0, 5, 30):
+        s0 = float(1.0 + torch.rand((), generator=gen)) * 2.0**exp
+        x = _near_midpoints(fmt, s0)
+        x = torch.cat([x, x.new_zeros((-x.numel()) % 64)]).reshape(-1, 64).cuda()
+        if both:
+            q, scale, q_t = tensorwise_quant_both(x, fmt=fmt)
+        else:
+            q, scale = tensorwise_quant(x, fmt=fmt)
+        rq, rs = tensorwise_quant_reference(x, fmt=fmt)
+        assert torch.equal(scale, rs)
+        assert (scale.view(torch.int32) & 0x7FFFFF) != 0  # not a power of two: the FMA path ran
+        assert _same(q, rq), f"scale 2**{exp}: {(q.view(torch.uint8) != rq.view(torch.uint8)).sum()} codes differ"
+        if both:
+            assert _same(q_t, rq.t().contiguous())
+
+
+@pytest.mark.parametrize("data", ["relu", "tiny"])
+def test_relu_and_tiny_tensors_match_the_reference(data):
+    x = torch.randn(4096, 1024, device="cuda")
+    x = torch.relu(x) if data == "relu" else x * 1e-14  # a scale below 2**-50 divides
+    for t in (x, x.to(torch.bfloat16)):
+        q, scale, q_t = tensorwise_quant_both(t)
+        rq, rs = tensorwise_quant_reference(t)
+        assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
+
+
 @pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
 @pytest.mark.parametrize("shape", [(8192, 4096), (4096, 2048), (1000, 27)])
 def test_both_layouts_are_the_reference_payload_and_its_transpose(fmt, shape):

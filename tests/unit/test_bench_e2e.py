@@ -685,3 +685,18 @@ def test_share_decisions_runs_one_decision_for_variants_that_differ_in_how_plans
     assert "plans of loka_aggressive's decision (--share-decisions)" in md
     with pytest.raises(SystemExit, match="share-decisions"):
         parse_args(["--isolate", "--share-decisions", "--out", str(tmp_path / "x")])
+
+
+def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: Path) -> None:
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
+            "--no-profile", "--variants", "loka_aggressive,loka_aggressive+static", "--repeats", "2",
+            "--decide-once", "--out", str(tmp_path)]
+    assert main(args) == 0
+    raw = json.loads((tmp_path / "e2e.json").read_text())["runs"]
+    decided = [r for r in raw if "shared_from" not in r["decide"]]
+    assert [(r["variant"], r["seed"]) for r in decided] == [("loka_aggressive", 0)]  # one decision run
+    later = [r for r in raw if r["seed"] == 1]
+    assert len(later) == 2 and all(r["decide"]["shared_from"] == "loka_aggressive" for r in later)
+    assert all(r["decide"]["seed"] == 0 and r["loka"]["plans"] == decided[0]["loka"]["plans"] for r in later)
+    md = (tmp_path / "e2e.md").read_text()
+    assert "the first seed's, for every seed (--decide-once)" in md
