@@ -5,6 +5,7 @@ and the path ``quantize_operand`` takes for tensor-wise operands."""
 import pytest
 import torch
 
+from loka_train.kernels import static_scales
 from loka_train.kernels import triton_tensorwise as tt
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 from loka_train.kernels.linear import quantize_operand, use_tensorwise_quantizer
@@ -105,6 +106,30 @@ def test_both_layouts_are_the_reference_payload_and_its_transpose(fmt, dtype, mo
     assert _same(q_t, rq.t().contiguous())
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_an_fp32_input_gets_its_transpose_copied_not_stored_by_the_tile_kernel(static, monkeypatch):
+    """fp32 tiles take the one-layout cast and a copy of the payload's transpose (the tile
+    kernel's transposed store misplaced codes from fp32 tiles on an H100), rows apart included."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the two-layout tile kernel ran on an fp32 input")
+
+    monkeypatch.setattr(tt, "_cast_both_kernel", refuse)
+    g = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(40, 24, generator=g))[:, :20]  # rows 24 apart
+    rq, rs = tt.tensorwise_quant_reference(x.contiguous())
+    if static:
+        slot = static_scales.new_slots(1, margin=2.0, spread=16.0, device=torch.device("cpu"))[0]
+        tt.tensorwise_quant_static(x, slot, both=True)  # seeds the slot
+        reference_slot = slot.clone()
+        q, scale, q_t = tt.tensorwise_quant_static(x, slot, both=True)
+        rq, rs = static_scales.quantize_static_reference(x.contiguous(), reference_slot, Fp8Format.E4M3)
+        assert torch.equal(slot, reference_slot)
+    else:
+        q, scale, q_t = tt.tensorwise_quant_both(x)
+    assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
+
+
 def test_both_layouts_of_a_non_finite_tensor_dequantize_to_nan():
     x = torch.randn(9, 33)
     x[2, 7] = float("inf")
@@ -132,8 +157,8 @@ def test_opcheck_both_layouts():
 
 @pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
 def test_relu_data_with_signed_zeros_is_bit_identical(fmt):
-    """Half the values zero (a ReLU'd activation), some of them -0.0: the cast divides only the
-    non-zeros and gives every zero its own sign, as the reference's division does."""
+    """Half the values zero (a ReLU'd activation), some of them -0.0: every zero keeps its sign,
+    as the reference's division gives it."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(33, 65, generator=g).clamp_min(0)
     x[::3, ::2] = -0.0
