@@ -616,6 +616,24 @@ _planned_linear_op = opaque.define("planned_linear", _PlannedLinearFn, _planned_
 """``fp8_linear`` as one opaque op for compiled code (``kernels.opaque``)."""
 
 
+class _BiasGradFn(torch.autograd.Function):
+    """``y`` as it is, whose backward also gives ``bias`` its gradient: ``dY`` summed over its
+    rows in the compute dtype, as the op's backward sums it, but as code that ``torch.compile``
+    traces. Inductor then fuses the sum into the pass that produces ``dY`` (a ReLU's backward),
+    where the opaque op would run it as a reduction of its own, one more read of ``dY``. The op
+    still adds the bias in its forward GEMM's epilogue."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, bias: Tensor, cdtype: torch.dtype) -> Tensor:
+        ctx.dtypes = (cdtype, bias.dtype)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        cdtype, b_dtype = ctx.dtypes
+        return grad_y, grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype).sum(0).to(b_dtype), None
+
+
 def fp8_linear(
     x: Tensor,
     weight: Tensor,
@@ -664,10 +682,16 @@ def fp8_linear(
             # casts the gradient back. The values are those of the cast inside. The weight stays
             # as it is: its FP8 gradient's dtype follows the weight's.
             x = x.to(autocast)
-        return _planned_linear_op(
-            x, weight, bias, plan.key, out_dtype, False, True, static_slots, autocast,
-            opaque.needs_grad(x, weight, bias),
+        # The bias gradient outside the op, where inductor fuses it (_BiasGradFn).
+        traced_bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+        op_bias = bias.detach() if traced_bias_grad else bias
+        y = _planned_linear_op(
+            x, weight, op_bias, plan.key, out_dtype, False, True, static_slots, autocast,
+            opaque.needs_grad(x, weight, op_bias),
         )[0]
+        if traced_bias_grad:
+            y = _BiasGradFn.apply(y, bias, x.dtype if autocast is None else autocast)
+        return y
     return _PlannedLinearFn.apply(
         x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(),
         static_slots,

@@ -107,3 +107,32 @@ def test_plans_round_trip_through_their_key() -> None:
     plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton", grad_weight_fp8=False)
     assert LinearPlan.from_key(plan.key) == plan
     assert plan.key != LinearPlan.fp8().key
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_bias_gradient_is_traced_outside_the_op_and_matches_eager(autocast: bool) -> None:
+    """Under compile the op takes the bias for its forward only; dY's row sum is a node of the
+    backward graph (inductor fuses it into dY's producer), bit for bit the eager gradient."""
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE)
+
+    def layer(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return torch.relu(fp8_linear(x, w, b, plan)).square().mean()
+
+    torch.manual_seed(2)
+    params = [torch.randn(12, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True),
+              torch.randn(6, requires_grad=True)]
+
+    def grads(fn) -> tuple[Tensor, ...]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(*params)
+        return torch.autograd.grad(loss, params)
+
+    eager = grads(layer)
+    torch._dynamo.reset()
+    backend = AotEagerAndRecordGraphs()
+    compiled = grads(torch.compile(layer, backend=backend, fullgraph=True, dynamic=False))
+    for g, gc in zip(eager, compiled, strict=True):
+        assert g.dtype == gc.dtype and torch.equal(g, gc)
+    (bw,) = backend.bw_graphs
+    sums = [n for n in bw.graph.nodes if n.op == "call_function" and str(n.target) == "aten.sum.dim_IntList"]
+    assert len(sums) == 1 and sums[0].args[1] == [0]
