@@ -150,7 +150,7 @@ def decide_overrides(interval: int) -> tuple[str, ...]:
     return ("loka.probe.every_k_steps=1", "loka.probe.sites_per_step=null", f"loka.probe.interval={interval}")
 
 
-SHARED_DECISION_OVERRIDES = ("loka.mods.static_scales=true",)
+SHARED_DECISION_OVERRIDES = ("loka.mods.static_scales=true", "loka.mods.static_scales=false")
 """Overrides that change how a plan runs, not which plan Dispatch picks, among those its
 timings see (the timed run re-plans only at the preset's interval, after the timed steps):
 ``--share-decisions`` lets variants that differ in them share one decision run."""

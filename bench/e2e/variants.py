@@ -181,14 +181,15 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
     }
 
 
-SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "static")
+SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "static", "dynamic")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
 (``trainer.cuda_graphs_requested=true``, with ``+graphs``) replays the Probe's sampled steps
 instead of running them eagerly: what replaying them gains. ``+static``
 (``loka.mods.static_scales=true``) quantizes tensor-wise activations and gradients with static
-scales (``kernels.static_scales``)."""
+scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dynamic``
+(``loka.mods.static_scales=false``) with dynamic ones."""
 
 REFERENCE_SUFFIXES = ("compile", "graphs", "pageable")
 """The suffixes that bf16 shares with a variant in the same-settings comparison."""
@@ -231,6 +232,13 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
             v = replace(
                 v, description=v.description + ", static tensor-wise scales",
                 loka_overrides=(*v.loka_overrides, "loka.mods.static_scales=true"),
+            )
+        if "dynamic" in suffixes:
+            if v.loka == "off" or "static" in suffixes:
+                raise SystemExit(f"--variants: {name}: '+dynamic' is for LoKA variants without '+static'")
+            v = replace(
+                v, description=v.description + ", dynamic tensor-wise scales",
+                loka_overrides=(*v.loka_overrides, "loka.mods.static_scales=false"),
             )
         out.append(replace(v, name=canonical_name(name)))
     if len({v.name for v in out}) != len(out):

@@ -13,8 +13,10 @@ and a test fails when a YAML file and its preset differ.
   (weight gradients stay in high precision); FP32 comms. Sampling is sparse (every site on
   every 300th step), sized for long GPU runs.
 * ``aggressive``: FP8 wherever the Probe says it is safe under looser budgets and it is not
-  slower than high precision (margin 0); tensor-wise and row-wise scaling; all three GEMMs;
-  the embedding all-to-all moves down to FP8 when the comm policy measures it safe. On a CPU,
+  slower than high precision (margin 0); tensor-wise and row-wise scaling, tensor-wise
+  activations and gradients with static scales from the Probe's window
+  (``mods.static_scales``); all three GEMMs; the embedding all-to-all moves down to FP8 when
+  the comm policy measures it safe. On a CPU,
   where FP8 is emulated, it takes FP8 wherever it is safe (``dispatch.cpu_objective=
   "coverage"``): a CPU run exercises the numerics a GPU run would risk, not their speed.
 
@@ -239,7 +241,7 @@ def _aggressive() -> LokaConfig:
             hysteresis_intervals=1,
             min_samples=4,
         ),
-        mods=ModsConfig(enabled=True, keep_last_layer_high=True, initial_plan="high"),
+        mods=ModsConfig(enabled=True, keep_last_layer_high=True, initial_plan="high", static_scales=True),
         dispatch=DispatchConfig(
             objective="speed",
             cpu_objective="coverage",  # CPU: FP8 is emulated; exercise its numerics

@@ -687,6 +687,18 @@ def test_share_decisions_runs_one_decision_for_variants_that_differ_in_how_plans
         parse_args(["--isolate", "--share-decisions", "--out", str(tmp_path / "x")])
 
 
+def test_dynamic_suffix_turns_static_scales_off_and_shares_the_decision() -> None:
+    from bench.e2e.protocol import decision_key
+    from bench.e2e.variants import resolve_variants
+
+    aggr, dyn = resolve_variants(["loka_aggressive", "loka_aggressive+dynamic"], "emulated")
+    assert "loka.mods.static_scales=false" in dyn.loka_overrides and dyn.name == "loka_aggressive+dynamic"
+    assert decision_key("wukong", 64, 0, aggr) == decision_key("wukong", 64, 0, dyn)
+    for bad in ("bf16+dynamic", "loka_aggressive+static+dynamic"):
+        with pytest.raises(SystemExit, match="dynamic"):
+            resolve_variants([bad], "emulated")
+
+
 def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: Path) -> None:
     args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
             "--no-profile", "--variants", "loka_aggressive,loka_aggressive+static", "--repeats", "2",
