@@ -683,14 +683,14 @@ def fp8_linear(
             # as it is: its FP8 gradient's dtype follows the weight's.
             x = x.to(autocast)
         # The bias gradient outside the op, where inductor fuses it (_BiasGradFn).
-        traced_bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
-        op_bias = bias.detach() if traced_bias_grad else bias
+        traced_bias = bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
+        op_bias = bias if traced_bias is None else traced_bias.detach()
         y = _planned_linear_op(
             x, weight, op_bias, plan.key, out_dtype, False, True, static_slots, autocast,
             opaque.needs_grad(x, weight, op_bias),
         )[0]
-        if traced_bias_grad:
-            y = _BiasGradFn.apply(y, bias, x.dtype if autocast is None else autocast)
+        if traced_bias is not None:
+            y = _BiasGradFn.apply(y, traced_bias, x.dtype if autocast is None else autocast)
         return y
     return _PlannedLinearFn.apply(
         x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(),

@@ -554,12 +554,18 @@ def test_a_strided_gradient_takes_the_triton_tensorwise_quantizer(monkeypatch):
     assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
 
 
-@pytest.mark.parametrize("scaling", [Scaling.ROWWISE, Scaling.TENSORWISE], ids=lambda s: s.value)
-def test_a_strided_gradient_is_copied_once_and_gives_the_contiguous_ones_results(scaling):
+@pytest.mark.parametrize(
+    "scaling, dtype, num_copies",
+    [(Scaling.ROWWISE, torch.float32, 1), (Scaling.TENSORWISE, torch.bfloat16, 0),
+     (Scaling.TENSORWISE, torch.float32, 1)],
+    ids=["rowwise", "tensorwise-bf16", "tensorwise-fp32"],
+)
+def test_a_strided_gradient_is_copied_once_and_gives_the_contiguous_ones_results(scaling, dtype, num_copies):
     """Row-wise: every FP8 backward GEMM reads the one contiguous copy of a strided dY
     (grad-weight's dY^T is then a transposed view the transposing quantizer reads). Tensor-wise:
-    the two-layout cast reads the strided rows as they are, no copy. Either way the gradients
-    equal those of the same dY passed contiguous."""
+    the two-layout cast reads a 16-bit dY's strided rows as they are, no copy; an fp32 dY takes
+    the one-layout cast, on one contiguous copy. Either way the gradients equal those of the
+    same dY passed contiguous."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     plan = LinearPlan.fp8(scaling=scaling, backend="torch_scaled_mm")
@@ -572,14 +578,14 @@ def test_a_strided_gradient_is_copied_once_and_gives_the_contiguous_ones_results
                 Copies.shapes.append(tuple(args[0].shape))
             return func(*args, **(kwargs or {}))
 
-    g = _gauss(64, 4, 8, seed=2)
+    g = _gauss(64, 4, 8, seed=2).to(dtype)
 
     def run(strided: bool):  # type: ignore[no-untyped-def]
-        x = _gauss(64, 32).requires_grad_(True)
-        w = _gauss(16, 32, seed=1).requires_grad_(True)
+        x = _gauss(64, 32).to(dtype).requires_grad_(True)
+        w = _gauss(16, 32, seed=1).to(dtype).requires_grad_(True)
         y = fp8_linear(x, w, None, plan)
         if strided:
-            z = torch.cat([y.view(64, 2, 8), torch.zeros(64, 2, 8)], dim=1)
+            z = torch.cat([y.view(64, 2, 8), torch.zeros(64, 2, 8, dtype=dtype)], dim=1)
             with Copies():
                 z.backward(g)
         else:
@@ -588,7 +594,7 @@ def test_a_strided_gradient_is_copied_once_and_gives_the_contiguous_ones_results
 
     got = run(True)
     copies = [s for s in Copies.shapes if s in ((64, 16), (16, 64))]
-    assert copies == ([(64, 16)] if scaling is Scaling.ROWWISE else [])  # dY once, or read as it is
+    assert copies == [(64, 16)] * num_copies  # dY once, or read as it is
     want = run(False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
