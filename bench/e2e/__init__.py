@@ -35,8 +35,10 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
     every step and an interval of ``--decide-interval``), then the timed run starts from fresh
     weights with the decided Probe / Dispatch state (the checkpoint-resume path) and the
     preset's own sparse sampling schedule, whose sampled steps fall in the timed window. With
-    ``--share-decisions``, variants that differ only in how plans run (``+static``) take the
-    first one's decided state: the same plans, one decision run.
+    ``--share-decisions``, variants that differ only in how plans run (``+static``,
+    ``+dynamic``) take the first one's decided state: the same plans (those Dispatch picked
+    with the first one's timings), one decision run; ``--decide-once`` also shares it across
+    seeds.
     ``loka_*+compile`` runs: dynamo compiles the site code once per distinct site shape and
     dtype (all sites share one code object, hence ``compile_dense`` raises the recompile
     limit) and for eval's no-grad mode, and breaks the graph around the Probe on sampled

@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-seed", type=int, default=0,
                    help="trainer.seed of the first round (round i: first seed + i)")
     p.add_argument("--share-decisions", action="store_true",
-                   help="LoKA variants that differ only in how plans run (+static, +compile, +pageable) share "
+                   help="LoKA variants that differ only in how plans run (+static, +dynamic, +compile, +pageable) share "
                         "one decision run per config, batch and seed: the first decides, the others take its "
                         "plans, so they compare the option on the same plans (and spend one decision run)")
     p.add_argument("--decide-once", action="store_true",
@@ -189,7 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--ne-from must be >= 0 (0: no shared checkpoint)")
     args.share_decisions = args.share_decisions or args.decide_once
     if args.isolate and args.share_decisions:
-        raise SystemExit("--isolate starts a fresh process per run: --share-decisions has no decision to share")
+        raise SystemExit("--isolate starts a fresh process per run: --share-decisions (and --decide-once) "
+                         "have no decision to share")
     if args.isolate and (args.ne_from or args.warm_run):
         raise SystemExit("--isolate starts a fresh process per run: --ne-from's shared checkpoints and "
                          "--warm-run belong to one process; drop them or --isolate")

@@ -151,9 +151,11 @@ def decide_overrides(interval: int) -> tuple[str, ...]:
 
 
 SHARED_DECISION_OVERRIDES = ("loka.mods.static_scales=true", "loka.mods.static_scales=false")
-"""Overrides that change how a plan runs, not which plan Dispatch picks, among those its
-timings see (the timed run re-plans only at the preset's interval, after the timed steps):
-``--share-decisions`` lets variants that differ in them share one decision run."""
+"""Overrides that change how a plan runs: ``--share-decisions`` lets variants that differ in
+them share one decision run, so that they compare on the same plans. Those plans are what
+Dispatch picked with the deciding variant's timings (static scales make tensor-wise candidates
+cheaper to quantize): the variant listed first decides. A timed run re-plans at the preset's
+interval, with its own timings."""
 
 
 def decision_key(config: str, batch: int, seed: int | None, variant: Variant) -> tuple[Any, ...]:

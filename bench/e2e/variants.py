@@ -209,8 +209,10 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     for name in names:
         stem, *suffixes = name.split("+")
         if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
+            loka_only = ("replaysampled", "static", "dynamic")
             allowed = sorted(base) + [
-                f"{b}+{s}" for b in sorted(base) for s in SUFFIXES if not (base[b].compile and s == "compile")
+                f"{b}+{s}" for b in sorted(base) for s in SUFFIXES
+                if not (base[b].compile and s == "compile") and not (base[b].loka == "off" and s in loka_only)
             ] + ["<variant>+compile+graphs"]
             raise SystemExit(f"--variants: unknown variant {name!r}; choose from {allowed}")
         v = base[stem]

@@ -402,7 +402,8 @@ def quantize_with_transpose(
     transpose; else None.
 
     Where the Triton tensor-wise quantizer runs (:func:`use_tensorwise_quantizer`), one pass
-    writes both payloads (``loka::tensorwise_quant_both``) and the transpose is contiguous, the
+    writes both payloads of a 16-bit ``t`` (``loka::tensorwise_quant_both``; an fp32 one's
+    transpose is copied from its payload) and the transpose is contiguous, the
     K-major layout the other GEMM's backend takes as it is; elsewhere it is the transposed view
     of the payload (``torch._scaled_mm`` then copies it contiguous in a pass of its own). The
     codes are the same either way. ``static``: as in :func:`quantize_operand`.
@@ -545,7 +546,8 @@ class _PlannedLinearFn(torch.autograd.Function):
                 # copied by each, and grad-weight's dY^T would not be the transposed view of a
                 # contiguous tensor that the transposing quantizer reads (at M > 16384 rows the
                 # reference quantizer's eager passes would take it). The two-layout cast reads
-                # such rows as they are and hands grad-weight its dY^T: no copy then.
+                # such rows of a 16-bit dY as they are and hands grad-weight its dY^T: no copy
+                # here then (an fp32 dY it copies itself).
                 dy_MN = dy_MN.contiguous()
             dy_q_t = None
             if need_x:

@@ -14,7 +14,8 @@ grad-input's ``dY`` transposed in the backward (``kernels.linear.transposed_reus
 quantizer a tensor-wise linear layer quantizes two large tensors a step instead of four.
 :func:`tensorwise_quant_both` (op ``loka::tensorwise_quant_both``) also writes the payload's
 transpose, contiguous, in the cast pass, from the same read (6 bytes of traffic per bf16 element
-instead of 5): the layout the backward's GEMM takes
+instead of 5; an fp32 input's transpose is copied from the payload instead, see
+``_transposes_in_kernel``): the layout the backward's GEMM takes
 (K-major, as Hopper's FP8 GEMMs want), where a transposed view of the payload would have a
 backend copy it (``torch._scaled_mm`` makes both operands contiguous) in a pass of its own.
 
@@ -367,10 +368,8 @@ def _cast(
     # The recast runs on few programs that loop over the tiles: most of the time the gate is 0,
     # and a full grid of programs that only read it would cost a launch of its own.
     grid = (min(num_tiles, _RECAST_PROGRAMS) if gate is not None else num_tiles,)
-    if q_t is None or not _transposes_in_kernel(x):
+    if q_t is None:
         _cast_kernel[grid](x, scale, q, x.numel(), p, g, BLOCK=_BLOCK, num_warps=8, **common)
-        if q_t is not None:
-            q_t.copy_(q.t())
     else:
         r, c = x.shape
         _cast_both_kernel[grid](
@@ -380,16 +379,31 @@ def _cast(
 
 
 def _transposes_in_kernel(x: Tensor) -> bool:
-    """Whether the two-layout cast writes the transpose in its own pass: for 16-bit inputs.
-    From fp32 tiles, Triton's transposed store of the FP8 tile put codes in the wrong places on
-    an H100 (Triton 3.6; GPU test ``test_codes_near_every_midpoint_round_as_the_division_does``),
-    so an fp32 input (contiguous) takes the one-layout cast and a copy of its payload's
-    transpose: the same payloads, one more pass."""
+    """Whether the two-layout cast writes the transpose in its own pass: for 16-bit inputs
+    (GPU test ``test_the_tile_kernel_casts_every_16bit_value_in_both_layouts``). From fp32
+    tiles, the transposed store of the FP8 tile put codes in the wrong places on an H100 (Triton
+    3.6), as in triton-lang/triton#11111 (an FP8 value from a NaN-propagating min/max stored
+    both as it is and transposed), so an fp32 input takes the one-layout cast, contiguous, and
+    its payload's transpose is copied after the last cast (:func:`_transpose_payload`): the
+    same payloads, one more pass."""
     return x.element_size() == 2
 
 
+def _two_layout_input(x: Tensor) -> Tensor:
+    """``x`` as the two-layout casts read it: as it is for the tile kernel, else contiguous."""
+    return x if _transposes_in_kernel(x) else x.contiguous()
+
+
+def _transpose_payload(x: Tensor, q: Tensor, q_t: Tensor) -> None:
+    """Where the tile kernel does not write ``q_t`` (:func:`_transposes_in_kernel`), copy it
+    from the finished payload ``q``."""
+    if not _transposes_in_kernel(x):
+        q_t.copy_(q.t())
+
+
 def _num_programs(x: Tensor, both: bool) -> int:
-    if both and _transposes_in_kernel(x):
+    """Programs of one cast pass: tiles of the two-layout kernel with ``both``, else blocks."""
+    if both:
         return _cdiv(x.shape[0], _TILE_R) * _cdiv(x.shape[1], _TILE_C)
     return _cdiv(x.numel(), _BLOCK)
 
@@ -411,14 +425,14 @@ def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 def _tensorwise_quant_both_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt, rows_apart=True)
     _checked_2d(x, "tensorwise_quant_both")
-    if not _transposes_in_kernel(x):
-        x = x.contiguous()
+    x = _two_layout_input(x)
     r, c = x.shape
     q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
     scale = _scale(x, fmt_)
     if x.numel():
-        _cast(x, scale, q, q_t, fmt_)
+        _cast(x, scale, q, q_t if _transposes_in_kernel(x) else None, fmt_)
+        _transpose_payload(x, q, q_t)
     return q, scale, q_t
 
 
@@ -427,25 +441,27 @@ def _tensorwise_quant_static_impl(x: Tensor, slot: Tensor, fmt: str, both: bool)
     static_scales.check_slot(slot, x.device)
     if both:
         _checked_2d(x, "tensorwise_quant_static")
-        if not _transposes_in_kernel(x):
-            x = x.contiguous()
+        x = _two_layout_input(x)
     q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((x.shape[1], x.shape[0]) if both else (0,), device=x.device, dtype=fmt_.dtype)
     scale = torch.empty((), device=x.device, dtype=torch.float32)
     if x.numel() == 0:
         return q, scale.fill_(1.0), q_t
-    num_programs = _num_programs(x, both)
+    tile_q_t = q_t if both and _transposes_in_kernel(x) else None
+    num_programs = _num_programs(x, tile_q_t is not None)
     partial = torch.empty(num_programs, device=x.device, dtype=torch.float32)
     gate = torch.empty((), device=x.device, dtype=torch.int32)
     # Cast with the slot's scale (its first element), reading x once for the codes and the amax;
     # then decide, and recast with the dynamic scale only where the static one does not fit.
-    _cast(x, slot, q, q_t if both else None, fmt_, partial=partial)
+    _cast(x, slot, q, tile_q_t, fmt_, partial=partial)
     _static_check_kernel[(1,)](
         partial, num_programs, slot, scale, gate, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
         HEADROOM=static_scales.headroom(Fp8Format(fmt)), RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK,
         num_warps=4,
     )
-    _cast(x, scale, q, q_t if both else None, fmt_, gate=gate)
+    _cast(x, scale, q, tile_q_t, fmt_, gate=gate)
+    if both:
+        _transpose_payload(x, q, q_t)
     return q, scale, q_t
 
 
@@ -506,11 +522,13 @@ def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Ten
 
 def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`tensorwise_quant` of a 2-D tensor that also writes the payload's transpose,
-    contiguous, in the same pass (op ``loka::tensorwise_quant_both``).
+    contiguous, in the same pass for a 16-bit input (op ``loka::tensorwise_quant_both``; an
+    fp32 input's transpose is copied from the payload, ``_transposes_in_kernel``).
 
     Args:
         x: fp32, bf16 or fp16, 2-D ``(R, C)``, contiguous or with its rows apart
-            (:func:`kernels.formats.is_row_strided`, read as it is).
+            (:func:`kernels.formats.is_row_strided`; a 16-bit one read as it is, an fp32 one
+            copied contiguous first).
         fmt: e4m3 or e5m2.
 
     Returns:
@@ -542,8 +560,8 @@ def tensorwise_quant_static(
             apart, :func:`kernels.formats.is_row_strided`).
         slot: the operand's slot (``static_scales.new_slots``), updated in place.
         fmt: e4m3 or e5m2.
-        both: also write the payload's transpose, contiguous, in the same pass (as
-            :func:`tensorwise_quant_both`).
+        both: also write the payload's transpose, contiguous (as
+            :func:`tensorwise_quant_both` does).
 
     Returns:
         ``(q, scale, q_t)``: bit for bit :func:`static_scales.quantize_static_reference`'s

@@ -87,6 +87,37 @@ def test_codes_near_every_midpoint_round_as_the_division_does(fmt, both):
             assert _same(q_t, rq.t().contiguous())
 
 
+def _every_value(dtype: torch.dtype, top_exp: int) -> torch.Tensor:
+    """Every finite value of the 16-bit ``dtype`` with magnitude below ``2**top_exp`` (both
+    signs, zeros and subnormals included)."""
+    v = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    return v[torch.isfinite(v) & (v.float().abs() < 2.0**top_exp)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+def test_the_tile_kernel_casts_every_16bit_value_in_both_layouts(dtype, fmt):
+    # The two-layout tile kernel (16-bit inputs) under scales that are not powers of two, on
+    # ragged and many-tile shapes and with rows apart: its payload is the reference's and its
+    # transposed store holds exactly that payload's transpose.
+    gen = torch.Generator().manual_seed(5)
+    for top in (15, 9, 2, -6):
+        vals = _every_value(dtype, top)
+        for cols in (96, 1024):
+            n = -(-max(vals.numel(), 64 * cols) // cols) * cols
+            x = vals[torch.randint(vals.numel(), (n,), generator=gen)].reshape(-1, cols)
+            wide = torch.zeros(x.shape[0], cols + 32, dtype=dtype)
+            wide[:, :cols] = x
+            for t in (x.cuda(), wide.cuda()[:, :cols]):
+                q, scale, q_t = tensorwise_quant_both(t, fmt=fmt)
+                rq, rs = tensorwise_quant_reference(t.contiguous(), fmt=fmt)
+                assert torch.equal(scale, rs)
+                if (scale.view(torch.int32) & 0x7FFFFF).item() == 0:
+                    continue  # a power-of-two scale: the product path, covered elsewhere
+                assert _same(q, rq), f"2**{top}, {tuple(t.shape)}: payload differs"
+                assert _same(q_t, rq.t().contiguous()), f"2**{top}, {tuple(t.shape)}: transpose differs"
+
+
 @pytest.mark.parametrize("data", ["relu", "tiny"])
 def test_relu_and_tiny_tensors_match_the_reference(data):
     x = torch.randn(4096, 1024, device="cuda")

@@ -111,23 +111,26 @@ def test_an_fp32_input_gets_its_transpose_copied_not_stored_by_the_tile_kernel(s
     """fp32 tiles take the one-layout cast and a copy of the payload's transpose (the tile
     kernel's transposed store misplaced codes from fp32 tiles on an H100), rows apart included."""
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the two-layout tile kernel ran on an fp32 input")
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the two-layout tile kernel ran on an fp32 input")
 
-    monkeypatch.setattr(tt, "_cast_both_kernel", refuse)
+    monkeypatch.setattr(tt, "_cast_both_kernel", Refuse())
     g = torch.Generator().manual_seed(4)
     x = (3 * torch.randn(40, 24, generator=g))[:, :20]  # rows 24 apart
-    rq, rs = tt.tensorwise_quant_reference(x.contiguous())
-    if static:
-        slot = static_scales.new_slots(1, margin=2.0, spread=16.0, device=torch.device("cpu"))[0]
-        tt.tensorwise_quant_static(x, slot, both=True)  # seeds the slot
-        reference_slot = slot.clone()
-        q, scale, q_t = tt.tensorwise_quant_static(x, slot, both=True)
-        rq, rs = static_scales.quantize_static_reference(x.contiguous(), reference_slot, Fp8Format.E4M3)
-        assert torch.equal(slot, reference_slot)
-    else:
+    if not static:
         q, scale, q_t = tt.tensorwise_quant_both(x)
-    assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
+        rq, rs = tt.tensorwise_quant_reference(x.contiguous())
+        assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
+        return
+    slot = static_scales.new_slots(1, margin=2.0, spread=16.0, device=torch.device("cpu"))[0]
+    reference_slot = slot.clone()
+    # Seeds the slot; fits; then 100x larger: the gated recast, whose codes the transpose takes.
+    for t, recasts in ((x, 0), (x, 0), (100 * x, 1)):
+        q, scale, q_t = tt.tensorwise_quant_static(t, slot, both=True)
+        rq, rs = static_scales.quantize_static_reference(t.contiguous(), reference_slot, Fp8Format.E4M3)
+        assert torch.equal(slot, reference_slot) and slot[static_scales.FALLBACKS] == recasts
+        assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
 
 
 def test_both_layouts_of_a_non_finite_tensor_dequantize_to_nan():
