@@ -228,6 +228,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                       f"speed-up if every GEMM ran {FP8_GEMM_PEAK:g}x faster (FP8 peak) with free quantization "
                       f"and nothing else changed: step / (step - GEMM ms x {1 - 1 / FP8_GEMM_PEAK:g}); a target above it needs more "
                       "than FP8 GEMMs."]
+            lines += _gpu_time_delta_section(profiled)
             lines += _kernel_calls_section(profiled)
             lines += ["", "### Where the host time goes (profiled steps)", "",
                       "| config | variant | aten calls/step | self CPU ms/step | GPU sync wait ms/step | top host ops (self CPU ms/step, calls/step) |",
@@ -280,6 +281,38 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
 
 LEDGER_ROWS = 8
 """Largest GEMMs of each ledger shown in the report (all of them are in the JSON)."""
+
+_DELTA_CATEGORIES = ("gemm", "quantize", "embedding", "memcpy", "other")
+
+
+def _gpu_time_delta_section(profiled: list[dict[str, Any]]) -> list[str]:
+    """Each profiled variant's kernel time a step by category minus that of its profiled bf16
+    with the same settings (same config and batch): where its step gains and what takes it
+    back. Empty when no such pair was profiled."""
+    by_key = {(r["config"], r.get("batch"), r["variant"]): r for r in profiled}
+    out = []
+    for r in profiled:
+        ref = same_settings_reference(r["variant"])
+        b = by_key.get((r["config"], r.get("batch"), ref))
+        if b is None or b is r:
+            continue
+        rc, bc = r["profile"]["categories"], b["profile"]["categories"]
+        d = {c: rc[c]["ms_per_step"] - bc[c]["ms_per_step"] for c in _DELTA_CATEGORIES}
+        saved = -d["gemm"]
+        takes_back = f"{d['quantize'] / saved:.2f}" if saved > 0 else "-"
+        out.append(
+            f"| {r['config']} | {r['variant']} | {ref} | "
+            + " | ".join(f"{d[c]:+.2f}" for c in _DELTA_CATEGORIES)
+            + f" | {r['profile']['kernel_ms_per_step'] - b['profile']['kernel_ms_per_step']:+.2f}"
+            + f" | {r['step_ms_median'] - b['step_ms_median']:+.2f} | {takes_back} |"
+        )
+    if not out:
+        return []
+    return ["", "Against bf16 with the same settings (kernel ms a step of the profiled steps, this variant "
+            "minus bf16; quantize / GEMM saved: how much of what the GEMMs save the quantization kernels "
+            "take back):", "",
+            "| config | variant | against | GEMM | FP8 quant | embedding | copies | other | kernels | median step | quantize / GEMM saved |",
+            "|---|---|---|---|---|---|---|---|---|---|---|", *out]
 
 
 def _unattributed_line(r: dict[str, Any], ledger: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:

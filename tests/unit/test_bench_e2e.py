@@ -712,3 +712,14 @@ def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: P
     assert all(r["decide"]["seed"] == 0 and r["loka"]["plans"] == decided[0]["loka"]["plans"] for r in later)
     md = (tmp_path / "e2e.md").read_text()
     assert "the first seed's, for every seed (--decide-once)" in md
+
+
+def test_the_report_subtracts_bf16s_gpu_time_by_category(tmp_path: Path) -> None:
+    source = RESULTS / "fma_casts_h100_2026-11-26" / "call5" / "e2e_bias" / "e2e.json"
+    (tmp_path / "e2e.json").write_text(source.read_text())
+    assert main(["--render", str(tmp_path)]) == 0
+    rows = [x for x in (tmp_path / "e2e.md").read_text().splitlines()
+            if x.startswith("| wukong | loka_aggressive+compile+graphs+static | bf16+compile+graphs |")]
+    # call5's categories: GEMM 10.676 - 15.884, quantize 2.212 - 0, other 11.153 - 11.889 ms.
+    assert rows == ["| wukong | loka_aggressive+compile+graphs+static | bf16+compile+graphs | -5.21 | +2.21 | "
+                    "-0.01 | -0.01 | -0.74 | -3.75 | -3.86 | 0.42 |"]
