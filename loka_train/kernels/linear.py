@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -498,7 +499,10 @@ class _PlannedLinearFn(torch.autograd.Function):
                     x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q,
                     reference_quantizer=rq,
                 )
-                y = y_MN.reshape(*xc.shape[:-1], wc.shape[0])
+                out_shape = (*xc.shape[:-1], wc.shape[0])
+                # Not a reshape of y_MN where the shape is already right: a view made inside a
+                # Function would refuse an in-place op on the output (an inplace ReLU).
+                y = y_MN if tuple(y_MN.shape) == out_shape else y_MN.reshape(out_shape)
             else:
                 y = F.linear(xc, wc, bc).to(odtype)
         ctx.save_for_backward(
@@ -614,26 +618,21 @@ def _planned_linear_impl(
     )
 
 
-_planned_linear_op = opaque.define("planned_linear", _PlannedLinearFn, _planned_linear_impl, num_extra_args=2)
-"""``fp8_linear`` as one opaque op for compiled code (``kernels.opaque``)."""
+def _bias_grad(attrs: Mapping[str, Any], grad_y: Tensor) -> Tensor:
+    """The bias gradient as ``_PlannedLinearFn.backward`` computes it (``dY`` summed over its
+    rows in the compute dtype), as code the compiled backward traces: inductor fuses the sum
+    into the pass that produces ``dY`` (a ReLU's backward), where the op would run it as a
+    reduction of its own, one more read of ``dY``. The op still adds the bias in its forward
+    GEMM's epilogue."""
+    b_dtype = attrs["dtypes"][2]
+    return grad_y.reshape(-1, grad_y.shape[-1]).to(attrs["cdtype"]).sum(0).to(b_dtype)
 
 
-class _BiasGradFn(torch.autograd.Function):
-    """``y`` as it is, whose backward also gives ``bias`` its gradient: ``dY`` summed over its
-    rows in the compute dtype, as the op's backward sums it, but as code that ``torch.compile``
-    traces. Inductor then fuses the sum into the pass that produces ``dY`` (a ReLU's backward),
-    where the opaque op would run it as a reduction of its own, one more read of ``dY``. The op
-    still adds the bias in its forward GEMM's epilogue."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, bias: Tensor, cdtype: torch.dtype) -> Tensor:
-        ctx.dtypes = (cdtype, bias.dtype)
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor):
-        cdtype, b_dtype = ctx.dtypes
-        return grad_y, grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype).sum(0).to(b_dtype), None
+_planned_linear_op = opaque.define(
+    "planned_linear", _PlannedLinearFn, _planned_linear_impl, num_extra_args=2, traced_grads={2: _bias_grad},
+)
+"""``fp8_linear`` as one opaque op for compiled code (``kernels.opaque``); its bias gradient is
+traced (:func:`_bias_grad`)."""
 
 
 def fp8_linear(
@@ -676,6 +675,12 @@ def fp8_linear(
         raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if x.ndim != 2:
+        # The GEMMs see rows either way; reshaped out here, the output is an ordinary view of
+        # the Function's (one made inside it would refuse an in-place op, an inplace ReLU).
+        y = fp8_linear(x.reshape(-1, x.shape[-1]), weight, bias, plan, out_dtype=out_dtype,
+                       compiled_quantizer=compiled_quantizer, static_slots=static_slots)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:
@@ -684,16 +689,10 @@ def fp8_linear(
             # casts the gradient back. The values are those of the cast inside. The weight stays
             # as it is: its FP8 gradient's dtype follows the weight's.
             x = x.to(autocast)
-        # The bias gradient outside the op, where inductor fuses it (_BiasGradFn).
-        traced_bias = bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
-        op_bias = bias if traced_bias is None else traced_bias.detach()
-        y = _planned_linear_op(
-            x, weight, op_bias, plan.key, out_dtype, False, True, static_slots, autocast,
-            opaque.needs_grad(x, weight, op_bias),
+        return _planned_linear_op(
+            x, weight, bias, plan.key, out_dtype, False, True, static_slots, autocast,
+            opaque.needs_grad(x, weight, bias),
         )[0]
-        if traced_bias is not None:
-            y = _BiasGradFn.apply(y, traced_bias, x.dtype if autocast is None else autocast)
-        return y
     return _PlannedLinearFn.apply(
         x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(),
         static_slots,

@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,14 +298,20 @@ def define(
     impl: Callable[..., list[Tensor]],
     *,
     num_extra_args: int,
+    traced_grads: Mapping[int, Callable[[Mapping[str, Any], Tensor], Tensor]] | None = None,
 ) -> Any:
     """Define the custom op ``loka::<name>`` as the opaque form of ``fn_cls`` and return it.
 
     ``impl`` is the op's body (real and fake): it takes ``fn_cls.forward``'s arguments in order
     (non-tensors in a custom op's types: a plan as its ``key``), then ``num_extra_args`` more
     that get no gradient (autocast dtype, needs-grad flags), and returns :func:`run_forward`
-    ``(name, ...)``. The op's gradient is ``fn_cls.backward``'s, through ``loka::fn_backward``.
+    ``(name, ...)``. The op's gradient is ``fn_cls.backward``'s, through ``loka::fn_backward``,
+    except for the arguments in ``traced_grads``: argument ``i``'s gradient is
+    ``traced_grads[i](attrs, grad_output)`` (``attrs``: what the forward set on its ctx), traced
+    into the backward graph where the compiler can fuse it, and ``fn_cls.backward`` is told
+    that argument needs none.
     """
+    traced = dict(traced_grads or {})
     if name in _FUNCTIONS:
         raise ValueError(f"opaque Function {name!r} is already defined")
     _FUNCTIONS[name] = fn_cls
@@ -319,11 +325,16 @@ def define(
         saved = [_rebuild(r, tensors, output) for r in fwd.refs]
         ctx.save_for_backward(*(s for s in saved if s is not None))
         ctx.mark_non_differentiable(*output[1:])
+        needs = list(fwd.needs_input_grad)
+        ctx.loka_traced = [i for i in sorted(traced) if i < len(needs) and needs[i]]
+        for i in ctx.loka_traced:
+            needs[i] = False  # computed in the traced backward below, not by the Function
+        ctx.loka_attrs = fwd.attrs
         ctx.loka_state = json.dumps({
             "fn": name,
             "attrs": {k: _encode(v) for k, v in fwd.attrs.items()},
             "saved_none": [s is None for s in saved],
-            "needs_input_grad": list(fwd.needs_input_grad),
+            "needs_input_grad": needs,
             "device_type": fwd.device_type,
         })
         ctx.loka_num_args = len(inputs)
@@ -335,9 +346,11 @@ def define(
             return (None,) * ctx.loka_num_args
         given = iter(_fn_backward(grad, list(ctx.saved_tensors), ctx.loka_state))
         present: tuple[bool, ...] = _last.backward
-        fn_grads = tuple(next(given) if p else None for p in present)[:num_fn_args]
-        fn_grads += (None,) * (num_fn_args - len(fn_grads))
-        return fn_grads + (None,) * num_extra_args
+        fn_grads = list(next(given) if p else None for p in present)[:num_fn_args]
+        fn_grads += [None] * (num_fn_args - len(fn_grads))
+        for i in ctx.loka_traced:
+            fn_grads[i] = traced[i](ctx.loka_attrs, grad)
+        return tuple(fn_grads) + (None,) * num_extra_args
 
     op.register_autograd(backward, setup_context=setup_context)
     return op

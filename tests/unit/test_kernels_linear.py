@@ -670,3 +670,25 @@ def test_an_expanded_gradient_is_copied_once():
     with Copies():
         y.sum().backward()
     assert [s for s in shapes if s == (64, 16)] == [(64, 16)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("shape", [(12, 8), (3, 4, 8)], ids=["2d", "3d"])
+def test_an_inplace_op_on_the_output_works_as_on_nn_linears(compiled, shape):
+    """An inplace ReLU after an FP8 linear (a model's ``nn.ReLU(inplace=True)``): the output is
+    no view made inside the Function or the op, so autograd takes the in-place op, and the
+    gradients are those of the out-of-place ReLU."""
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated")
+
+    def layer(x, w, b, inplace):  # type: ignore[no-untyped-def]
+        y = fp8_linear(x, w, b, plan)
+        return (y.relu_() if inplace else torch.relu(y)).square().mean()
+
+    params = [_gauss(*shape).requires_grad_(True), _gauss(6, 8, seed=1).requires_grad_(True),
+              _gauss(6, seed=2).requires_grad_(True)]
+    want = torch.autograd.grad(layer(*params, False), params)
+    torch._dynamo.reset()
+    fn = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+    got = torch.autograd.grad(fn(*params, True), params)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
