@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -500,8 +501,8 @@ class _PlannedLinearFn(torch.autograd.Function):
                     reference_quantizer=rq,
                 )
                 out_shape = (*xc.shape[:-1], wc.shape[0])
-                # Not a reshape of y_MN where the shape is already right: a view made inside a
-                # Function would refuse an in-place op on the output (an inplace ReLU).
+                # fp8_linear passes rows: y_MN as it is. (A view made inside a Function would
+                # refuse an in-place op on the output, an inplace ReLU.)
                 y = y_MN if tuple(y_MN.shape) == out_shape else y_MN.reshape(out_shape)
             else:
                 y = F.linear(xc, wc, bc).to(odtype)
@@ -624,8 +625,10 @@ def _bias_grad(attrs: Mapping[str, Any], grad_y: Tensor) -> Tensor:
     into the pass that produces ``dY`` (a ReLU's backward), where the op would run it as a
     reduction of its own, one more read of ``dY``. The op still adds the bias in its forward
     GEMM's epilogue."""
-    b_dtype = attrs["dtypes"][2]
-    return grad_y.reshape(-1, grad_y.shape[-1]).to(attrs["cdtype"]).sum(0).to(b_dtype)
+    cdtype, b_dtype = attrs["cdtype"], attrs["dtypes"][2]
+    # dtype given: the compiled backward is traced under the forward's autocast, where CUDA
+    # autocast would sum a bf16 dY into fp32 (the Function sums with autocast off).
+    return grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype).sum(0, dtype=cdtype).to(b_dtype)
 
 
 _planned_linear_op = opaque.define(
@@ -676,11 +679,16 @@ def fp8_linear(
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if x.ndim != 2:
-        # The GEMMs see rows either way; reshaped out here, the output is an ordinary view of
-        # the Function's (one made inside it would refuse an in-place op, an inplace ReLU).
-        y = fp8_linear(x.reshape(-1, x.shape[-1]), weight, bias, plan, out_dtype=out_dtype,
-                       compiled_quantizer=compiled_quantizer, static_slots=static_slots)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        # The GEMMs see rows either way. Folded out here (as aten::matmul folds, the output no
+        # autograd view), the output takes in-place ops, and hooks on it (the Probe's) see its
+        # gradient: a view made inside the Function would refuse an inplace ReLU, and after one
+        # on a view of the Function's output, a hook on that view would not fire.
+        # In the compute dtype first: a copy that the reshape makes (a transposed input) moves
+        # what the Function would have cast to anyway.
+        x_rows = x.to(_compute_dtype(x)).reshape(math.prod(x.shape[:-1]), x.shape[-1])
+        y = fp8_linear(x_rows, weight, bias, plan, out_dtype=out_dtype, compiled_quantizer=compiled_quantizer,
+                       static_slots=static_slots)
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
     if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:

@@ -21,7 +21,9 @@ How one Function becomes two ops:
   their sizes and strides) and encodes the ctx's other attributes (plans, dtypes, flags) as a
   string;
 * one shared **backward op**, ``loka::fn_backward(fn, grad, saved, state)``, runs
-  ``Fn.backward`` with a ctx rebuilt from them.
+  ``Fn.backward`` with a ctx rebuilt from them; the gradients of the arguments named in
+  :func:`define`'s ``traced_grads`` (a linear's bias: a sum of the output gradient's rows) are
+  computed instead by traced code in the op's registered backward, which the compiler fuses.
 
 The fake implementation of both ops is the op itself run on fake tensors: every kernel the
 Functions call is an aten op or a custom op with its own fake implementation, which the

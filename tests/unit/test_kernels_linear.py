@@ -692,3 +692,19 @@ def test_an_inplace_op_on_the_output_works_as_on_nn_linears(compiled, shape):
     got = torch.autograd.grad(fn(*params, True), params)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_a_hook_on_an_nd_output_sees_its_gradient_through_an_inplace_op():
+    """The Probe hooks a site's output for dY: with an N-D input and an inplace ReLU after it,
+    the hook still fires with the gradient of the linear's output (the output is no autograd
+    view of the Function's, after which the hook would not fire)."""
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated")
+    x = _gauss(3, 4, 8).requires_grad_(True)
+    w, b = _gauss(6, 8, seed=1), _gauss(6, seed=2)
+    up = _gauss(3, 4, 6, seed=3)
+    seen = {}
+    for inplace in (False, True):
+        y = fp8_linear(x, w, b, plan)
+        y.register_hook(lambda g, inplace=inplace: seen.__setitem__(inplace, g))
+        ((y.relu_() if inplace else torch.relu(y)) * up).sum().backward()
+    assert set(seen) == {False, True} and torch.equal(seen[True], seen[False])

@@ -110,9 +110,11 @@ def test_plans_round_trip_through_their_key() -> None:
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_the_bias_gradient_is_traced_outside_the_op_and_matches_eager(autocast: bool) -> None:
-    """Under compile the op takes the bias for its forward only; dY's row sum is a node of the
-    backward graph (inductor fuses it into dY's producer), bit for bit the eager gradient."""
+def test_the_bias_gradient_is_traced_in_the_ops_backward_and_matches_eager(autocast: bool) -> None:
+    """Under compile the op's registered backward sums dY's rows as a node of the backward graph
+    (inductor fuses it into dY's producer; opaque.define's traced_grads), in the compute dtype
+    named (the backward is traced under the forward's autocast, where CUDA would sum bf16 into
+    fp32), bit for bit the eager gradient."""
     plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE)
 
     def layer(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
@@ -136,3 +138,4 @@ def test_the_bias_gradient_is_traced_outside_the_op_and_matches_eager(autocast: 
     (bw,) = backend.bw_graphs
     sums = [n for n in bw.graph.nodes if n.op == "call_function" and str(n.target) == "aten.sum.dim_IntList"]
     assert len(sums) == 1 and sums[0].args[1] == [0]
+    assert sums[0].kwargs.get("dtype") == (torch.bfloat16 if autocast else torch.float32)
