@@ -455,6 +455,8 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 
 class _PlannedLinearFn(torch.autograd.Function):
+    """:func:`fp8_linear` on rows: ``x`` is 2-D ``(M, K)`` (fp8_linear folds N-D inputs)."""
+
     @staticmethod
     def forward(
         ctx,
@@ -500,10 +502,9 @@ class _PlannedLinearFn(torch.autograd.Function):
                     x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q,
                     reference_quantizer=rq,
                 )
-                out_shape = (*xc.shape[:-1], wc.shape[0])
-                # fp8_linear passes rows: y_MN as it is. (A view made inside a Function would
-                # refuse an in-place op on the output, an inplace ReLU.)
-                y = y_MN if tuple(y_MN.shape) == out_shape else y_MN.reshape(out_shape)
+                # fp8_linear hands in rows (it folds N-D inputs outside): y_MN as it is, no
+                # view made here, which would refuse an in-place op on the output.
+                y = y_MN
             else:
                 y = F.linear(xc, wc, bc).to(odtype)
         ctx.save_for_backward(
