@@ -51,6 +51,7 @@ __all__ = [
     "tensorwise_quant_both",
     "tensorwise_quant_reference",
     "tensorwise_quant_static",
+    "static_fixup",
 ]
 
 _BLOCK = 8192
@@ -290,6 +291,7 @@ def _static_check_kernel(partial_ptr, P, slot_ptr, scale_ptr, gate_ptr, inv_max,
     """Whether the slot's static scale fits this tensor (module docstring): writes the scale
     the payload takes and the gate of the recast; counts a fallback and re-seeds the slot."""
     amax = _reduced_amax(partial_ptr, P, BLOCK)
+    amax = tl.where(amax != amax, float("inf"), amax)  # a NaN amax (static_fixup's) as the partials say it
     static = tl.load(slot_ptr)
     count = tl.load(slot_ptr + 1)
     # The format's headroom (static_scales.headroom, a power of two: exact products).
@@ -497,6 +499,75 @@ def _tensorwise_quant_static_fake(x: Tensor, slot: Tensor, fmt: str, both: bool)
     dtype = Fp8Format(fmt).dtype
     q_t = x.new_empty((x.shape[1], x.shape[0]) if both else (0,), dtype=dtype)
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32), q_t
+
+
+def _static_fixup_impl(x: Tensor, q: Tensor, q_t: Tensor | None, amax: Tensor, slot: Tensor, fmt: str) -> Tensor:
+    fmt_ = Fp8Format(fmt)
+    static_scales.check_slot(slot, x.device)
+    if x.numel() == 0:
+        return torch.ones((), device=x.device, dtype=torch.float32)
+    from loka_train.kernels.triton_kernels import triton_runnable
+
+    if not triton_runnable(x.device)[0]:
+        # The reference decides on the host (eager code off CUDA: no graph capture to break).
+        ref_slot = slot.clone()
+        ref_q, scale = static_scales.quantize_static_reference(x, ref_slot, fmt_)
+        if not torch.equal(scale, slot[static_scales.SCALE]) or not bool(slot[static_scales.SCALE] > 0):
+            q.copy_(ref_q)
+            if q_t is not None:
+                q_t.copy_(ref_q.t())
+        slot.copy_(ref_slot)
+        return scale.to(torch.float32).reshape(())
+    tfmt = _triton_fmt(fmt)
+    scale = torch.empty((), device=x.device, dtype=torch.float32)
+    gate = torch.empty((), device=x.device, dtype=torch.int32)
+    _static_check_kernel[(1,)](
+        amax.reshape(1), 1, slot, scale, gate, _reciprocal(tfmt.max), FP8_MAX=tfmt.max,
+        HEADROOM=static_scales.headroom(fmt_), RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK, num_warps=4,
+    )
+    if q_t is not None and _transposes_in_kernel(x):
+        _cast(x, scale, q, q_t, tfmt, gate=gate)
+    else:
+        _cast(x.contiguous(), scale, q, None, tfmt, gate=gate)
+        if q_t is not None:  # an fp32 x (_transposes_in_kernel): the transpose from the payload
+            q_t.copy_(q.t())
+    return scale
+
+
+@torch.library.custom_op("loka::tensorwise_static_fixup", mutates_args=("q", "q_t"))
+def _static_fixup_op(x: Tensor, q: Tensor, q_t: Tensor | None, amax: Tensor, slot: Tensor, fmt: str) -> Tensor:
+    return _static_fixup_impl(x, q, q_t, amax, slot, fmt)
+
+
+@_static_fixup_op.register_fake
+def _static_fixup_fake(x: Tensor, q: Tensor, q_t: Tensor | None, amax: Tensor, slot: Tensor, fmt: str) -> Tensor:
+    return x.new_empty((), dtype=torch.float32)
+
+
+def static_fixup(
+    x: Tensor, q: Tensor, q_t: Tensor | None, amax: Tensor, slot: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3
+) -> Tensor:
+    """Finish a static-scale cast whose codes were computed elsewhere
+    (:func:`static_scales.traced_codes`, fused by inductor into ``x``'s producer): decide from
+    ``amax`` whether the slot's scale fits ``x``, as :func:`tensorwise_quant_static` does, and
+    where it does not, recast ``x`` into ``q`` (and ``q_t``, its transpose) in place with the
+    dynamic scale, count the fallback and re-seed the slot. Returns the scale the payload takes.
+
+    On a GPU it runs on the device (one program decides, a gated recast exits at once where the
+    scale fits): nothing syncs the host, so a CUDA graph captures it. Where Triton does not run,
+    the PyTorch reference decides on the host. Op ``loka::tensorwise_static_fixup`` (``q`` and
+    ``q_t`` declared mutated; the slot, as every static-scale op's, updated in place undeclared:
+    only the host reads it, between steps, and traced code reads only its scale, before this op).
+
+    Args:
+        x: the operand (fp32, bf16 or fp16, 2-D with ``q_t``, contiguous).
+        q, q_t: its codes (and their transpose, or None) with the slot's scale.
+        amax: 0-dim fp32, ``x``'s largest magnitude (NaN or inf for a non-finite value).
+        slot: the operand's slot (``static_scales.new_slots``).
+        fmt: e4m3 or e5m2, ``q``'s format.
+    """
+    fmt_s = Fp8Format(fmt).value
+    return torch.ops.loka.tensorwise_static_fixup(x, q, q_t, amax, slot, fmt_s)
 
 
 def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:

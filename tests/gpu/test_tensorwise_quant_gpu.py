@@ -182,6 +182,46 @@ def test_static_scales_replay_in_a_cuda_graph():
     assert _same(q, rq)  # the recast is the dynamic payload
 
 
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_inductor_fused_static_cast_and_fixup_match_the_reference_through_drift(fmt, dtype):
+    """The codes inductor computes in the producer's pass (static_scales.traced_codes, compiled
+    with a ReLU) and the fixup op: payloads, transpose, scale and slot as the reference has them
+    through a seed, fits, drifts up and down, a NaN and zeros; then inside a CUDA graph."""
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.triton_tensorwise import static_fixup
+
+    def produce(t, slot):
+        h = torch.relu(t)
+        q, q_t, amax = ss.traced_codes(h, slot, fmt, both=True)
+        return h, q, q_t, amax
+
+    compiled = torch.compile(produce, dynamic=False)
+    x = (3 * torch.randn(4096, 2048, device="cuda")).to(dtype)
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+    ref_slot = slot.clone()
+    up, down = (40, 100) if fmt is Fp8Format.E4M3 else (1000, 10**5)
+    nan = x.clone()
+    nan[5, 7] = float("nan")
+    for t in (x, 1.5 * x, up * x, up * x, x / down, nan, 0 * x):
+        h, q, q_t, amax = compiled(t, slot)
+        scale = static_fixup(h, q, q_t, amax, slot, fmt=fmt)
+        rq, rs = ss.quantize_static_reference(h, ref_slot, fmt)
+        assert torch.equal(scale, rs) or (torch.isnan(scale) and torch.isnan(rs))
+        assert _same(q, rq) and _same(q_t, rq.t().contiguous()) and torch.equal(slot, ref_slot)
+    h, q, q_t, amax = compiled(x, slot)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h, q, q_t, amax = compiled(x, slot)
+        scale = static_fixup(h, q, q_t, amax, slot, fmt=fmt)
+    before = ss.fallbacks(slot)[0]
+    x.mul_(up)  # the captured scale no longer fits: the replay recasts and counts it
+    graph.replay()
+    rq, rs = tensorwise_quant_reference(torch.relu(x), fmt=fmt)
+    assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
+    assert ss.fallbacks(slot)[0] == before + 1
+
+
 def test_two_layout_cast_reads_rows_that_lie_apart():
     """A 32768 x 2048 slice of a 32768 x 3072 gradient (Wukong's concatenation) cast as it is:
     the payloads of its contiguous copy, with a dynamic and with a static scale."""

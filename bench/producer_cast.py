@@ -1,0 +1,145 @@
+"""What a static-scale FP8 cast costs when inductor fuses it into the pass that produces its
+operand (``static_scales.traced_codes`` + ``triton_tensorwise.static_fixup``), against the
+producer alone and the producer followed by the Triton cast (``loka::tensorwise_quant_static``,
+both layouts), on the GPU.
+
+Producers: a ReLU (the input of Wukong's FM MLP out and of over-arch 1) and a LayerNorm over
+the rows (the input of an MLP after a norm). Each fused variant's payloads are checked bit for
+bit against the Triton cast's first. Times are medians of ``triton.testing.do_bench`` (us); the
+kernels each variant launches come from one profiled call.
+
+    python -m bench.producer_cast --out DIR [--m 32768] [--ks 4096,2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _kernels(fn: Callable[[], Any]) -> list[dict[str, Any]]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            out.append({"name": e.key[:120], "us": round(e.device_time_total / max(e.count, 1), 1), "calls": e.count})
+    return sorted(out, key=lambda d: -d["us"])
+
+
+def run(m: int, k: int) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels import triton_tensorwise as tt
+    from loka_train.kernels.formats import Fp8Format
+
+    fmt = Fp8Format.E4M3
+    dev = torch.device("cuda")
+    y = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    ln_w = torch.randn(k, device=dev, dtype=torch.bfloat16)
+    ln_b = torch.randn(k, device=dev, dtype=torch.bfloat16)
+    producers: dict[str, Callable[[Any], Any]] = {
+        "relu": torch.relu,
+        "layernorm": lambda t: F.layer_norm(t, (k,), ln_w, ln_b),
+    }
+    rows: list[dict[str, Any]] = []
+    for pname, prod in producers.items():
+        slot = ss.new_slots(1, margin=2.0, spread=16.0, device=dev)[0]
+        h_ref = prod(y)
+        tt.tensorwise_quant_static(h_ref, slot, both=True)  # seeds the slot
+        ref_q, ref_s, ref_qt = tt.tensorwise_quant_static(h_ref, slot, both=True)
+        assert ref_qt is not None
+
+        def fused_keep(t: Any, slot: Any = slot, prod: Any = prod) -> Any:
+            h = prod(t)
+            q, q_t, amax = ss.traced_codes(h, slot, fmt, both=True)
+            return h, q, q_t, amax
+
+        def fused_drop(t: Any, slot: Any = slot, prod: Any = prod) -> Any:
+            h = prod(t)
+            q, q_t, amax = ss.traced_codes(h, slot, fmt, both=True)
+            return q, q_t, amax
+
+        def fused_no_amax(t: Any, slot: Any = slot, prod: Any = prod) -> Any:
+            h = prod(t)
+            q, q_t, _ = ss.traced_codes(h, slot, fmt, both=True)
+            return h, q, q_t
+
+        def fused_one_layout(t: Any, slot: Any = slot, prod: Any = prod) -> Any:
+            h = prod(t)
+            q, _, amax = ss.traced_codes(h, slot, fmt, both=False)
+            return h, q, amax
+
+        c_prod = torch.compile(prod, dynamic=False)
+        c_keep = torch.compile(fused_keep, dynamic=False)
+        c_drop = torch.compile(fused_drop, dynamic=False)
+        c_noamax = torch.compile(fused_no_amax, dynamic=False)
+        c_one = torch.compile(fused_one_layout, dynamic=False)
+
+        # Bit for bit against the Triton cast, the fixup included (the scale fits: it leaves them).
+        h, q, q_t, amax = c_keep(y)
+        scale = tt.static_fixup(h, q, q_t, amax, slot, fmt=fmt)
+        same = (torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+                and torch.equal(q_t.view(torch.uint8), ref_qt.view(torch.uint8))
+                and torch.equal(scale, ref_s) and float(amax) == float(h_ref.abs().amax().float()))
+        if not same:
+            raise AssertionError(f"{pname}: the fused codes differ from the Triton cast's")
+
+        def keep_fixup(c_keep: Any = c_keep, slot: Any = slot) -> Any:
+            h, q, q_t, amax = c_keep(y)
+            return tt.static_fixup(h, q, q_t, amax, slot, fmt=fmt)
+
+        variants: dict[str, Callable[[], Any]] = {
+            f"{pname} alone (compiled)": lambda c=c_prod: c(y),
+            f"{pname} then the Triton two-layout static cast": lambda c=c_prod, slot=slot: tt.tensorwise_quant_static(
+                c(y), slot, both=True),
+            f"{pname} + fused cast, both layouts, amax (output kept)": lambda c=c_keep: c(y),
+            f"{pname} + fused cast + fixup op": keep_fixup,
+            f"{pname} + fused cast, both layouts, amax (output dropped)": lambda c=c_drop: c(y),
+            f"{pname} + fused cast, both layouts, no amax": lambda c=c_noamax: c(y),
+            f"{pname} + fused cast, one layout, amax": lambda c=c_one: c(y),
+        }
+        for name, fn in variants.items():
+            us = do_bench(fn) * 1e3
+            rows.append({"m": m, "k": k, "producer": pname, "variant": name, "us": round(us, 1),
+                         "kernels": _kernels(fn)})
+            print(f"{m}x{k} {name}: {us:.1f} us", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--m", type=int, default=32768)
+    ap.add_argument("--ks", default="4096,2048")
+    args = ap.parse_args(argv)
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for k in (int(v) for v in args.ks.split(",")):
+        rows += run(args.m, k)
+    (args.out / "producer_cast.json").write_text(json.dumps(
+        {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1))
+    lines = ["| M x K | variant | us | kernels (us each) |", "|---|---|---|---|"]
+    for r in rows:
+        ks = ", ".join(f"{d['name'][:60]} {d['us']}" for d in r["kernels"][:4])
+        lines.append(f"| {r['m']} x {r['k']} | {r['variant']} | {r['us']} | {ks} |")
+    (args.out / "producer_cast.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
