@@ -1,12 +1,15 @@
-"""What a static-scale FP8 cast costs when inductor fuses it into the pass that produces its
-operand (``static_scales.traced_codes`` + ``triton_tensorwise.static_fixup``), against the
-producer alone and the producer followed by the Triton cast (``loka::tensorwise_quant_static``,
-both layouts), on the GPU.
+"""What a static-scale FP8 cast of an activation costs with its producer, on the GPU: the
+producer alone (compiled), the producer then the Triton cast (``loka::tensorwise_quant_static``,
+both layouts: what a site pays after a ReLU module), the ReLU folded into that cast
+(``relu=True``, ``mods.fold_relu``), and the cast written as plain torch ops that inductor fuses
+into the producer (:func:`traced_codes`; with its amax for the fit check, without it, one
+layout).
 
 Producers: a ReLU (the input of Wukong's FM MLP out and of over-arch 1) and a LayerNorm over
-the rows (the input of an MLP after a norm). Each fused variant's payloads are checked bit for
-bit against the Triton cast's first. Times are medians of ``triton.testing.do_bench`` (us); the
-kernels each variant launches come from one profiled call.
+the rows (the input of an MLP after a norm). The folded and fused payloads are checked bit for
+bit against the Triton cast's first (a ReLU's only: a compiled LayerNorm rounds its own way).
+Times are medians of ``triton.testing.do_bench`` (us); the kernels each variant launches come
+from one profiled call.
 
     python -m bench.producer_cast --out DIR [--m 32768] [--ks 4096,2048]
 """
@@ -18,6 +21,19 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def traced_codes(x: Any, slot: Any, fmt: Any, *, both: bool) -> tuple[Any, Any, Any]:
+    """``x``'s codes with the slot's power-of-two scale in plain torch ops (its reciprocal exact,
+    from the exponent bits), the transpose with ``both``, and the amax a fit check needs."""
+    import torch
+
+    from loka_train.kernels.static_scales import SCALE
+
+    exp = (slot[SCALE:SCALE + 1].view(torch.int32) >> 23) & 0xFF
+    inv = ((254 - exp).clamp(min=0) << 23).view(torch.float32)
+    q = (x.float() * inv).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    return q, (q.t().contiguous() if both else None), x.abs().amax().float()
 
 
 def _kernels(fn: Callable[[], Any]) -> list[dict[str, Any]]:
@@ -64,22 +80,22 @@ def run(m: int, k: int) -> list[dict[str, Any]]:
 
         def fused_keep(t: Any, slot: Any = slot, prod: Any = prod) -> Any:
             h = prod(t)
-            q, q_t, amax = ss.traced_codes(h, slot, fmt, both=True)
+            q, q_t, amax = traced_codes(h, slot, fmt, both=True)
             return h, q, q_t, amax
 
         def fused_drop(t: Any, slot: Any = slot, prod: Any = prod) -> Any:
             h = prod(t)
-            q, q_t, amax = ss.traced_codes(h, slot, fmt, both=True)
+            q, q_t, amax = traced_codes(h, slot, fmt, both=True)
             return q, q_t, amax
 
         def fused_no_amax(t: Any, slot: Any = slot, prod: Any = prod) -> Any:
             h = prod(t)
-            q, q_t, _ = ss.traced_codes(h, slot, fmt, both=True)
+            q, q_t, _ = traced_codes(h, slot, fmt, both=True)
             return h, q, q_t
 
         def fused_one_layout(t: Any, slot: Any = slot, prod: Any = prod) -> Any:
             h = prod(t)
-            q, _, amax = ss.traced_codes(h, slot, fmt, both=False)
+            q, _, amax = traced_codes(h, slot, fmt, both=False)
             return h, q, amax
 
         c_prod = torch.compile(prod, dynamic=False)
@@ -88,29 +104,29 @@ def run(m: int, k: int) -> list[dict[str, Any]]:
         c_noamax = torch.compile(fused_no_amax, dynamic=False)
         c_one = torch.compile(fused_one_layout, dynamic=False)
 
-        # Bit for bit against the Triton cast, the fixup included (the scale fits: it leaves them).
-        h, q, q_t, amax = c_keep(y)
-        scale = tt.static_fixup(h, q, q_t, amax, slot, fmt=fmt)
-        same = (torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-                and torch.equal(q_t.view(torch.uint8), ref_qt.view(torch.uint8))
-                and torch.equal(scale, ref_s) and float(amax) == float(h_ref.abs().amax().float()))
-        if not same:
-            raise AssertionError(f"{pname}: the fused codes differ from the Triton cast's")
+        def same(q: Any, q_t: Any, ref_q: Any = ref_q, ref_qt: Any = ref_qt) -> bool:
+            return (torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+                    and torch.equal(q_t.view(torch.uint8), ref_qt.view(torch.uint8)))
 
-        def keep_fixup(c_keep: Any = c_keep, slot: Any = slot) -> Any:
-            h, q, q_t, amax = c_keep(y)
-            return tt.static_fixup(h, q, q_t, amax, slot, fmt=fmt)
+        if pname == "relu":
+            _, q, q_t, amax = c_keep(y)
+            fq, fs, fq_t = tt.tensorwise_quant_static(y, slot, both=True, relu=True)
+            if not (same(q, q_t) and float(amax) == float(h_ref.abs().amax().float())
+                    and same(fq, fq_t) and torch.equal(fs, ref_s)):
+                raise AssertionError("relu: the folded or fused codes differ from the Triton cast's")
 
         variants: dict[str, Callable[[], Any]] = {
             f"{pname} alone (compiled)": lambda c=c_prod: c(y),
             f"{pname} then the Triton two-layout static cast": lambda c=c_prod, slot=slot: tt.tensorwise_quant_static(
                 c(y), slot, both=True),
-            f"{pname} + fused cast, both layouts, amax (output kept)": lambda c=c_keep: c(y),
-            f"{pname} + fused cast + fixup op": keep_fixup,
-            f"{pname} + fused cast, both layouts, amax (output dropped)": lambda c=c_drop: c(y),
-            f"{pname} + fused cast, both layouts, no amax": lambda c=c_noamax: c(y),
-            f"{pname} + fused cast, one layout, amax": lambda c=c_one: c(y),
+            f"{pname} + inductor-fused cast, both layouts, amax (output kept)": lambda c=c_keep: c(y),
+            f"{pname} + inductor-fused cast, both layouts, amax (output dropped)": lambda c=c_drop: c(y),
+            f"{pname} + inductor-fused cast, both layouts, no amax": lambda c=c_noamax: c(y),
+            f"{pname} + inductor-fused cast, one layout, amax": lambda c=c_one: c(y),
         }
+        if pname == "relu":
+            variants["relu folded into the Triton two-layout static cast"] = (
+                lambda slot=slot: tt.tensorwise_quant_static(y, slot, both=True, relu=True))
         for name, fn in variants.items():
             us = do_bench(fn) * 1e3
             rows.append({"m": m, "k": k, "producer": pname, "variant": name, "us": round(us, 1),

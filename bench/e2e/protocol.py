@@ -150,7 +150,9 @@ def decide_overrides(interval: int) -> tuple[str, ...]:
     return ("loka.probe.every_k_steps=1", "loka.probe.sites_per_step=null", f"loka.probe.interval={interval}")
 
 
-SHARED_DECISION_OVERRIDES = ("loka.mods.static_scales=true", "loka.mods.static_scales=false")
+SHARED_DECISION_OVERRIDES = (
+    "loka.mods.static_scales=true", "loka.mods.static_scales=false", "loka.mods.fold_relu=false",
+)
 """Overrides that change how a plan runs: ``--share-decisions`` lets variants that differ in
 them share one decision run, so that they compare on the same plans. Those plans are what
 Dispatch picked with the deciding variant's timings (static scales make tensor-wise candidates

@@ -181,7 +181,7 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
     }
 
 
-SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "static", "dynamic")
+SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "static", "dynamic", "nofold")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
@@ -189,7 +189,9 @@ measures what pinning the batches gains (on by default on CUDA). ``+replaysample
 instead of running them eagerly: what replaying them gains. ``+static``
 (``loka.mods.static_scales=true``) quantizes tensor-wise activations and gradients with static
 scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dynamic``
-(``loka.mods.static_scales=false``) with dynamic ones."""
+(``loka.mods.static_scales=false``) with dynamic ones. ``+nofold`` (``loka.mods.fold_relu=false``)
+keeps each ReLU a pass of its own instead of folding it into the next site's FP8 cast: what the
+folding gains."""
 
 REFERENCE_SUFFIXES = ("compile", "graphs", "pageable")
 """The suffixes that bf16 shares with a variant in the same-settings comparison."""
@@ -209,7 +211,7 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     for name in names:
         stem, *suffixes = name.split("+")
         if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
-            loka_only = ("replaysampled", "static", "dynamic")
+            loka_only = ("replaysampled", "static", "dynamic", "nofold")
             allowed = sorted(base) + [
                 f"{b}+{s}" for b in sorted(base) for s in SUFFIXES
                 if not (base[b].compile and s == "compile") and not (base[b].loka == "off" and s in loka_only)
@@ -241,6 +243,13 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
             v = replace(
                 v, description=v.description + ", dynamic tensor-wise scales",
                 loka_overrides=(*v.loka_overrides, "loka.mods.static_scales=false"),
+            )
+        if "nofold" in suffixes:
+            if v.loka == "off":
+                raise SystemExit(f"--variants: {name}: '+nofold' is for LoKA variants")
+            v = replace(
+                v, description=v.description + ", ReLUs not folded into the casts",
+                loka_overrides=(*v.loka_overrides, "loka.mods.fold_relu=false"),
             )
         out.append(replace(v, name=canonical_name(name)))
     if len({v.name for v in out}) != len(out):

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "fp8_linear",
     "fp8_gemm_planned",
+    "folds_input_relu",
     "inductor_quantizes",
     "grad_weight_dtype",
     "is_transposed_view",
@@ -172,6 +173,7 @@ def quantize_operand(
     reference_quantizer: bool = False,
     count_fallbacks: bool = False,
     static: Tensor | None = None,
+    relu: bool = False,
 ) -> QTensor:
     """Quantize a 2-D GEMM operand along its last (contraction) dim as ``plan`` asks.
 
@@ -192,7 +194,11 @@ def quantize_operand(
     plan: the Triton tensor-wise quantizer then takes it (``loka::tensorwise_quant_static``),
     other backends (the emulated oracle) its PyTorch reference (host syncs: eager code only;
     traced code quantizes dynamically); row-wise and block plans ignore it.
+    ``relu``: quantize ``torch.relu(t_RC)``: the Triton tensor-wise quantizers apply it as they
+    read ``t_RC`` (no pass writes the ReLU's output); every other path computes it first.
     """
+    if relu and not use_tensorwise_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
+        t_RC, relu = torch.relu(t_RC), False
     if use_transposed_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_block import transposed_quant
 
@@ -203,9 +209,9 @@ def quantize_operand(
         from loka_train.kernels.triton_tensorwise import tensorwise_quant, tensorwise_quant_static
 
         if static is not None:
-            q, scale, _ = tensorwise_quant_static(t_RC.contiguous(), static, fmt=fmt)
+            q, scale, _ = tensorwise_quant_static(t_RC.contiguous(), static, fmt=fmt, relu=relu)
         else:
-            q, scale = tensorwise_quant(t_RC.contiguous(), fmt=fmt)
+            q, scale = tensorwise_quant(t_RC.contiguous(), fmt=fmt, relu=relu)
         return QTensor(data=q, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1)
     if use_fused_quantizer(plan, t_RC, fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_kernels import fused_rowwise_quant
@@ -398,6 +404,7 @@ def quantize_with_transpose(
     reference_quantizer: bool = False,
     count_fallbacks: bool = False,
     static: Tensor | None = None,
+    relu: bool = False,
 ) -> tuple[QTensor, QTensor | None]:
     """``t_RC`` quantized for ``plan`` (:func:`quantize_operand`) and, where the GEMM ``other``
     takes its transpose over as operand in ``other_fmt`` (:func:`transposed_reuse`), that
@@ -408,7 +415,7 @@ def quantize_with_transpose(
     transpose is copied from its payload) and the transpose is contiguous, the
     K-major layout the other GEMM's backend takes as it is; elsewhere it is the transposed view
     of the payload (``torch._scaled_mm`` then copies it contiguous in a pass of its own). The
-    codes are the same either way. ``static``: as in :func:`quantize_operand`.
+    codes are the same either way. ``static``, ``relu``: as in :func:`quantize_operand`.
     """
     if writes_both_layouts(plan, t_RC, fmt, other, other_fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_tensorwise import (
@@ -418,18 +425,18 @@ def quantize_with_transpose(
 
         src = _both_layouts_input(t_RC)
         if static is not None:
-            data, scale, both_t = tensorwise_quant_static(src, static, fmt=fmt, both=True)
+            data, scale, both_t = tensorwise_quant_static(src, static, fmt=fmt, both=True, relu=relu)
             assert both_t is not None
             data_t = both_t
         else:
-            data, scale, data_t = tensorwise_quant_both(src, fmt=fmt)
+            data, scale, data_t = tensorwise_quant_both(src, fmt=fmt, relu=relu)
         return (
             QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
             QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
         )
     q = quantize_operand(
         t_RC, fmt, plan, is_weight=is_weight, reference_quantizer=reference_quantizer, count_fallbacks=count_fallbacks,
-        static=static,
+        static=static, relu=relu,
     )
     return q, transposed_reuse(q, other_fmt, other)
 
@@ -455,7 +462,12 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 
 class _PlannedLinearFn(torch.autograd.Function):
-    """:func:`fp8_linear` on rows: ``x`` is 2-D ``(M, K)`` (fp8_linear folds N-D inputs)."""
+    """:func:`fp8_linear` on rows: ``x`` is 2-D ``(M, K)`` (fp8_linear folds N-D inputs).
+
+    With ``input_relu`` (an FP8 forward whose ``x`` the Triton tensor-wise quantizer takes,
+    :func:`folds_input_relu`) the GEMMs take ``relu(x)``: the forward's cast applies it, a
+    high-precision backward GEMM recomputes it, and the gradient returned for ``x`` is the one
+    for ``relu(x)``: fp8_linear's :class:`_ReluGradFn` masks it."""
 
     @staticmethod
     def forward(
@@ -468,6 +480,7 @@ class _PlannedLinearFn(torch.autograd.Function):
         reference_quantizer: bool,
         grad_enabled: bool,
         static_slots: Tensor | None,
+        input_relu: bool = False,
     ) -> Tensor:
         dev = x.device.type
         rq = reference_quantizer
@@ -493,6 +506,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                 x_q, x_q_t = quantize_with_transpose(
                     x_MK, fwd.fmt, fwd, gw, gw.operand_b_fmt, is_weight=False, reference_quantizer=rq,
                     count_fallbacks=True, static=None if static_slots is None else static_slots[_STATIC_X],
+                    relu=input_relu,
                 )
                 w_q, w_q_t = quantize_with_transpose(
                     wc, fwd.operand_b_fmt, fwd, gi, gi.operand_b_fmt, is_weight=True, reference_quantizer=rq,
@@ -506,7 +520,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                 # view made here, which would refuse an in-place op on the output.
                 y = y_MN
             else:
-                y = F.linear(xc, wc, bc).to(odtype)
+                y = F.linear(torch.relu(xc) if input_relu else xc, wc, bc).to(odtype)
         ctx.save_for_backward(
             xc if x_q_t is None else None,
             wc,
@@ -519,6 +533,7 @@ class _PlannedLinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.cdtype = cdtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.input_relu = input_relu
         return y
 
     @staticmethod
@@ -529,6 +544,8 @@ class _PlannedLinearFn(torch.autograd.Function):
         cdtype = ctx.cdtype
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.input_relu and xc is not None:
+            xc = torch.relu(xc)  # what the GEMMs took (the gradient for x is masked outside)
         grad_x = grad_w = grad_b = None
 
         def reused(data: Tensor | None, scale: Tensor | None, fmt: Fp8Format) -> QTensor | None:
@@ -592,7 +609,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                 # A reduction of its own: summing dY's columns inside the two-layout cast made
                 # the casts about twice as slow in an H100 step, more than this pass costs.
                 grad_b = dy_MN.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _planned_linear_impl(
@@ -604,6 +621,7 @@ def _planned_linear_impl(
     reference_quantizer: bool,
     grad_enabled: bool,
     static_slots: Tensor | None,
+    input_relu: bool,
     autocast_dtype: torch.dtype | None,
     needs_grad: list[bool],
 ) -> list[Tensor]:
@@ -615,7 +633,8 @@ def _planned_linear_impl(
     # backward a functional copy whose updates are lost.
     return opaque.run_forward(
         "planned_linear",
-        (x, weight, bias, LinearPlan.from_key(plan), out_dtype, reference_quantizer, grad_enabled, static_slots),
+        (x, weight, bias, LinearPlan.from_key(plan), out_dtype, reference_quantizer, grad_enabled, static_slots,
+         input_relu),
         needs_grad, autocast_dtype, x.device.type,
     )
 
@@ -639,6 +658,35 @@ _planned_linear_op = opaque.define(
 traced (:func:`_bias_grad`)."""
 
 
+def folds_input_relu(plan: LinearPlan, x: Tensor, compiled_quantizer: str = "custom") -> bool:
+    """Whether ``fp8_linear(x, ..., input_relu=True)`` folds the ReLU into the cast of ``x``
+    (the forward is FP8 and the Triton tensor-wise quantizer takes ``x``; not in code traced
+    for inductor to quantize), rather than computing ``torch.relu(x)`` first."""
+    fwd = plan.forward
+    return (
+        fwd.is_fp8
+        and x.ndim >= 1
+        and use_tensorwise_quantizer(fwd, x, fwd.fmt, reference_quantizer=inductor_quantizes(compiled_quantizer))
+    )
+
+
+class _ReluGradFn(torch.autograd.Function):
+    """The identity forward, ``torch.relu``'s backward (``threshold_backward``: zero where
+    ``x <= 0``, NaN's gradient kept): wrapped around an FP8 linear's input when its cast applies
+    the ReLU. Traced by ``torch.compile``, the mask fuses with the code around it (the previous
+    layer's bias gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(grad, x, 0)
+
+
 def fp8_linear(
     x: Tensor,
     weight: Tensor,
@@ -648,6 +696,7 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None,
     compiled_quantizer: str = "custom",
     static_slots: Tensor | None = None,
+    input_relu: bool = False,
 ) -> Tensor:
     """``y = x W^T + b`` with each of its three GEMMs computed as ``plan`` says.
 
@@ -664,6 +713,10 @@ def fp8_linear(
             ``x`` (row 0) and ``dY`` (row 1), or None: a tensor-wise operand that the Triton
             tensor-wise quantizer takes then quantizes with its slot's static scale where it
             fits (``loka::tensorwise_quant_static``), updating the slot in place.
+        input_relu: compute ``fp8_linear(torch.relu(x), ...)`` (forward and gradients the
+            same). Where :func:`folds_input_relu` holds, the ReLU is applied by the cast that
+            reads ``x``: no pass writes ``relu(x)``, which is what the ReLU module before the
+            layer cost; elsewhere ``torch.relu(x)`` runs first.
 
     Returns:
         ``(..., N)`` tensor.
@@ -679,6 +732,10 @@ def fp8_linear(
         raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if input_relu and not folds_input_relu(plan, x, compiled_quantizer):
+        x, input_relu = torch.relu(x), False
+    if input_relu:
+        x = _ReluGradFn.apply(x)
     if x.ndim != 2:
         # The GEMMs see rows either way. Folded out here (as aten::matmul folds, the output no
         # autograd view), the output takes in-place ops, and hooks on it (the Probe's) see its
@@ -687,9 +744,22 @@ def fp8_linear(
         # In the compute dtype first: a copy that the reshape makes (a transposed input) moves
         # what the Function would have cast to anyway.
         x_rows = x.to(_compute_dtype(x)).reshape(math.prod(x.shape[:-1]), x.shape[-1])
-        y = fp8_linear(x_rows, weight, bias, plan, out_dtype=out_dtype, compiled_quantizer=compiled_quantizer,
-                       static_slots=static_slots)
+        y = _fp8_linear_rows(x_rows, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
+    return _fp8_linear_rows(x, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)
+
+
+def _fp8_linear_rows(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: LinearPlan,
+    out_dtype: torch.dtype | None,
+    compiled_quantizer: str,
+    static_slots: Tensor | None,
+    input_relu: bool,
+) -> Tensor:
+    """:func:`fp8_linear` of a 2-D ``x`` (its checks and ReLU decision made)."""
     if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:
@@ -699,10 +769,10 @@ def fp8_linear(
             # as it is: its FP8 gradient's dtype follows the weight's.
             x = x.to(autocast)
         return _planned_linear_op(
-            x, weight, bias, plan.key, out_dtype, False, True, static_slots, autocast,
+            x, weight, bias, plan.key, out_dtype, False, True, static_slots, input_relu, autocast,
             opaque.needs_grad(x, weight, bias),
         )[0]
     return _PlannedLinearFn.apply(
         x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(),
-        static_slots,
+        static_slots, input_relu,
     )

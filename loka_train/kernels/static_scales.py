@@ -72,7 +72,6 @@ __all__ = [
     "new_slots",
     "quantize_static_reference",
     "set_from_amax",
-    "traced_codes",
 ]
 
 SCALE, FALLBACKS, MARGIN, SPREAD = 0, 1, 2, 3
@@ -153,30 +152,6 @@ def quantize_static_reference(x: Tensor, slot: Tensor, fmt: Fp8Format) -> tuple[
         return dynamic.data, dynamic.scale
     q = torch.div(x, static.reshape((1,) * x.ndim)).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     return q, static
-
-
-def traced_codes(x: Tensor, slot: Tensor, fmt: Fp8Format, *, both: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    """``x``'s codes with the slot's static scale, in plain torch ops for inductor to fuse into
-    the pass that produces ``x`` (a ReLU, a LayerNorm, a bias add): ``(q, q_t, amax)``, ``q_t``
-    the payload's transpose, contiguous (with ``both``, else None), ``amax`` the fp32 largest
-    ``|x|`` (NaN where ``x`` holds one).
-
-    The scale is a power of two (or 0: none yet), so its reciprocal comes exactly from its
-    exponent bits and the product is the quotient the Triton cast computes: where the scale fits
-    (module docstring), the codes are bit for bit ``loka::tensorwise_quant_static``'s. Whether it
-    fits is not decided here: ``triton_tensorwise.static_fixup`` decides from ``amax``, recasts
-    ``q`` and ``q_t`` in place where it does not, and updates the slot. Until then the codes of a
-    scale that does not fit are garbage (saturated or zero), never used.
-    """
-    fmt = Fp8Format(fmt)
-    exp = (slot[SCALE:SCALE + 1].view(torch.int32) >> 23) & 0xFF
-    # 2**-e for the scale 2**e: exponent field 254 - field (a field of 0, no scale yet, gives
-    # 2**127; of 254, 2**127's scale, gives 0: neither fits, see the fixup).
-    inv = ((254 - exp).clamp(min=0) << 23).view(torch.float32)
-    q = (x.float() * inv).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    q_t = q.t().contiguous() if both else None
-    amax = x.abs().amax().float()
-    return q, q_t, amax
 
 
 def set_from_amax(slot: Tensor, amax: Tensor | float, fmt: Fp8Format) -> None:

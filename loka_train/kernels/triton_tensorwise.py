@@ -51,7 +51,6 @@ __all__ = [
     "tensorwise_quant_both",
     "tensorwise_quant_reference",
     "tensorwise_quant_static",
-    "static_fixup",
 ]
 
 _BLOCK = 8192
@@ -69,10 +68,19 @@ _RECAST_PROGRAMS = 1024
 """Programs of the static-scale recast (each loops over tiles; all exit at once when the gate is 0)."""
 
 @triton.jit
-def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
+def _input(x, RELU: tl.constexpr):
+    """``x`` (fp32) as the casts read it: through a ReLU with ``RELU``, as ``torch.relu`` gives
+    it (``-0.0`` and NaN kept), so an activation's FP8 codes come from its producer's output."""
+    if RELU:
+        x = tl.where(x < 0.0, 0.0, x)
+    return x
+
+
+@triton.jit
+def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, RELU: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    x = _input(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32), RELU)
     ax = tl.abs(x)
     # tl.max drops NaN: a block with a non-finite value reports inf (the scale is then NaN).
     num_bad = tl.sum(((x != x) | (ax == float("inf"))).to(tl.int32), axis=0)
@@ -81,7 +89,8 @@ def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _amax_partial_rows_kernel(x_ptr, partial_ptr, R, C, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _amax_partial_rows_kernel(x_ptr, partial_ptr, R, C, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                              RELU: tl.constexpr):
     """_amax_partial_kernel over (BLOCK_R, BLOCK_C) tiles of an (R, C) input whose rows lie
     ``stride_r`` elements apart."""
     t = tl.program_id(0)
@@ -90,7 +99,7 @@ def _amax_partial_rows_kernel(x_ptr, partial_ptr, R, C, stride_r, BLOCK_R: tl.co
     cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0)
-    tl.store(partial_ptr + t, _tile_amax(x.to(tl.float32)))
+    tl.store(partial_ptr + t, _tile_amax(_input(x.to(tl.float32), RELU)))
 
 
 @triton.jit
@@ -194,8 +203,9 @@ def _cast_kernel(
     STORE_AMAX: tl.constexpr,
     GATED: tl.constexpr,
     FMA_DIV: tl.constexpr,
+    RELU: tl.constexpr,
 ):
-    """The cast of one block a program; ``STORE_AMAX`` also stores the block's amax (the
+    """The cast of one block a program (of ``x`` through a ReLU with ``RELU``, :func:`_input`); ``STORE_AMAX`` also stores the block's amax (the
     static-scale pass reads ``x`` once for both); ``GATED`` (the static-scale recast, launched on
     few programs) runs only where ``gate`` holds 1, each program looping over every
     ``num_programs``-th block."""
@@ -203,19 +213,19 @@ def _cast_kernel(
         if tl.load(gate_ptr) != 0:
             for blk in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
                 _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC,
-                            Q_MIN_NORMAL, False, FMA_DIV)
+                            Q_MIN_NORMAL, False, FMA_DIV, RELU)
     else:
         _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, tl.program_id(0), FP8_MAX, BLOCK, Q_MANT,
-                    Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV)
+                    Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV, RELU)
 
 
 @triton.jit
 def _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
                 Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
-                STORE_AMAX: tl.constexpr, FMA_DIV: tl.constexpr):
+                STORE_AMAX: tl.constexpr, FMA_DIV: tl.constexpr, RELU: tl.constexpr):
     offs = (tl.zeros((BLOCK,), tl.int64) + blk) * BLOCK + tl.arange(0, BLOCK)  # int64: N may pass 2**31
     mask = offs < N
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = _input(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), RELU)
     q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     if STORE_AMAX:
@@ -243,6 +253,7 @@ def _cast_both_kernel(
     GATED: tl.constexpr,
     FMA_DIV: tl.constexpr,
     ROWS_APART: tl.constexpr,
+    RELU: tl.constexpr,
 ):
     """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input (row-major tile order),
     stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX``, ``GATED``
@@ -255,18 +266,18 @@ def _cast_both_kernel(
             for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
                 _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
                                 FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, FMA_DIV,
-                                ROWS_APART)
+                                ROWS_APART, RELU)
     else:
         _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, tl.program_id(0),
                         tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV,
-                        ROWS_APART)
+                        ROWS_APART, RELU)
 
 
 @triton.jit
 def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
                     FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
                     Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
-                    FMA_DIV: tl.constexpr, ROWS_APART: tl.constexpr):
+                    FMA_DIV: tl.constexpr, ROWS_APART: tl.constexpr, RELU: tl.constexpr):
     rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
@@ -276,7 +287,7 @@ def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0)
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x = _input(x.to(tl.float32), RELU)
     q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs, q, mask=mask)
     # The compiler routes the tile through shared memory: both stores are coalesced.
@@ -291,7 +302,6 @@ def _static_check_kernel(partial_ptr, P, slot_ptr, scale_ptr, gate_ptr, inv_max,
     """Whether the slot's static scale fits this tensor (module docstring): writes the scale
     the payload takes and the gate of the recast; counts a fallback and re-seeds the slot."""
     amax = _reduced_amax(partial_ptr, P, BLOCK)
-    amax = tl.where(amax != amax, float("inf"), amax)  # a NaN amax (static_fixup's) as the partials say it
     static = tl.load(slot_ptr)
     count = tl.load(slot_ptr + 1)
     # The format's headroom (static_scales.headroom, a power of two: exact products).
@@ -317,8 +327,9 @@ def _reciprocal(v: float) -> float:
     return float(torch.tensor(1.0, dtype=torch.float32) / v)
 
 
-def _scale(x: Tensor, fmt_: Any) -> Tensor:
-    """The tensor-wise scale of ``x`` (amax partials, then one program): a 0-dim fp32 tensor."""
+def _scale(x: Tensor, fmt_: Any, relu: bool = False) -> Tensor:
+    """The tensor-wise scale of ``x`` (of ``relu(x)`` with ``relu``; amax partials, then one
+    program): a 0-dim fp32 tensor."""
     scale = torch.empty((), device=x.device, dtype=torch.float32)
     n = x.numel()
     if n == 0:
@@ -326,12 +337,13 @@ def _scale(x: Tensor, fmt_: Any) -> Tensor:
     if x.is_contiguous():
         num_blocks = _cdiv(n, _BLOCK)
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
-        _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8)
+        _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8, RELU=relu)
     else:  # rows apart (_checked allows it for the two-layout cast only)
         num_blocks = _cdiv(x.shape[0], _TILE_R) * _cdiv(x.shape[1], _TILE_C)
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
         _amax_partial_rows_kernel[(num_blocks,)](
             x, partial, x.shape[0], x.shape[1], x.stride(0), BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
+            RELU=relu,
         )
     _scale_kernel[(1,)](
         partial, scale, num_blocks, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
@@ -353,15 +365,15 @@ def _checked(x: Tensor, fmt: str, *, rows_apart: bool = False) -> Any:
 
 def _cast(
     x: Tensor, scale: Tensor, q: Tensor, q_t: Tensor | None, fmt_: Any, *, partial: Tensor | None = None,
-    gate: Tensor | None = None,
+    gate: Tensor | None = None, relu: bool = False,
 ) -> None:
-    """One cast pass of ``x`` into ``q`` (and its transpose into ``q_t`` when given) with the
-    scale at ``scale``'s first element; with ``partial``, also each program's amax; with
-    ``gate``, only where it holds 1."""
+    """One cast pass of ``x`` (of ``relu(x)`` with ``relu``) into ``q`` (and its transpose into
+    ``q_t`` when given) with the scale at ``scale``'s first element; with ``partial``, also each
+    program's amax; with ``gate``, only where it holds 1."""
     qr = _sw_round_args(q.dtype)
     common = dict(
         FP8_MAX=fmt_.max, Q_MANT=qr["MANT"], Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"],
-        STORE_AMAX=partial is not None, GATED=gate is not None, FMA_DIV=x.device.type == "cuda",
+        STORE_AMAX=partial is not None, GATED=gate is not None, FMA_DIV=x.device.type == "cuda", RELU=relu,
     )
     unused = scale  # a pointer the kernel does not read when its flag is off
     p = unused if partial is None else partial
@@ -415,30 +427,32 @@ def _checked_2d(x: Tensor, what: str) -> None:
         raise ValueError(f"{what} expects a 2-D input, got shape {tuple(x.shape)}")
 
 
-def _tensorwise_quant_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+def _tensorwise_quant_impl(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor]:
     fmt_ = _checked(x, fmt)
     q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
-    scale = _scale(x, fmt_)
+    scale = _scale(x, fmt_, relu)
     if x.numel():
-        _cast(x, scale, q, None, fmt_)
+        _cast(x, scale, q, None, fmt_, relu=relu)
     return q, scale
 
 
-def _tensorwise_quant_both_impl(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
+def _tensorwise_quant_both_impl(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt, rows_apart=True)
     _checked_2d(x, "tensorwise_quant_both")
     x = _two_layout_input(x)
     r, c = x.shape
     q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
-    scale = _scale(x, fmt_)
+    scale = _scale(x, fmt_, relu)
     if x.numel():
-        _cast(x, scale, q, q_t if _transposes_in_kernel(x) else None, fmt_)
+        _cast(x, scale, q, q_t if _transposes_in_kernel(x) else None, fmt_, relu=relu)
         _transpose_payload(x, q, q_t)
     return q, scale, q_t
 
 
-def _tensorwise_quant_static_impl(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _tensorwise_quant_static_impl(
+    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt, rows_apart=both)
     static_scales.check_slot(slot, x.device)
     if both:
@@ -455,131 +469,71 @@ def _tensorwise_quant_static_impl(x: Tensor, slot: Tensor, fmt: str, both: bool)
     gate = torch.empty((), device=x.device, dtype=torch.int32)
     # Cast with the slot's scale (its first element), reading x once for the codes and the amax;
     # then decide, and recast with the dynamic scale only where the static one does not fit.
-    _cast(x, slot, q, tile_q_t, fmt_, partial=partial)
+    _cast(x, slot, q, tile_q_t, fmt_, partial=partial, relu=relu)
     _static_check_kernel[(1,)](
         partial, num_programs, slot, scale, gate, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
         HEADROOM=static_scales.headroom(Fp8Format(fmt)), RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK,
         num_warps=4,
     )
-    _cast(x, scale, q, tile_q_t, fmt_, gate=gate)
+    _cast(x, scale, q, tile_q_t, fmt_, gate=gate, relu=relu)
     if both:
         _transpose_payload(x, q, q_t)
     return q, scale, q_t
 
 
 @torch.library.custom_op("loka::tensorwise_quant", mutates_args=())
-def _tensorwise_quant_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
-    return _tensorwise_quant_impl(x, fmt)
+def _tensorwise_quant_op(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor]:
+    return _tensorwise_quant_impl(x, fmt, relu)
 
 
 @_tensorwise_quant_op.register_fake
-def _tensorwise_quant_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+def _tensorwise_quant_fake(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor]:
     return x.new_empty(x.shape, dtype=Fp8Format(fmt).dtype), x.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("loka::tensorwise_quant_both", mutates_args=())
-def _tensorwise_quant_both_op(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_both_impl(x, fmt)
+def _tensorwise_quant_both_op(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    return _tensorwise_quant_both_impl(x, fmt, relu)
 
 
 @_tensorwise_quant_both_op.register_fake
-def _tensorwise_quant_both_fake(x: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor]:
+def _tensorwise_quant_both_fake(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     dtype = Fp8Format(fmt).dtype
     r, c = x.shape
     return x.new_empty((r, c), dtype=dtype), x.new_empty((), dtype=torch.float32), x.new_empty((c, r), dtype=dtype)
 
 
 @torch.library.custom_op("loka::tensorwise_quant_static", mutates_args=("slot",))
-def _tensorwise_quant_static_op(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_static_impl(x, slot, fmt, both)
+def _tensorwise_quant_static_op(
+    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _tensorwise_quant_static_impl(x, slot, fmt, both, relu)
 
 
 @_tensorwise_quant_static_op.register_fake
-def _tensorwise_quant_static_fake(x: Tensor, slot: Tensor, fmt: str, both: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _tensorwise_quant_static_fake(
+    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     dtype = Fp8Format(fmt).dtype
     q_t = x.new_empty((x.shape[1], x.shape[0]) if both else (0,), dtype=dtype)
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32), q_t
 
 
-def _static_fixup_impl(x: Tensor, q: Tensor, q_t: Tensor | None, amax: Tensor, slot: Tensor, fmt: str) -> Tensor:
-    fmt_ = Fp8Format(fmt)
-    static_scales.check_slot(slot, x.device)
-    if x.numel() == 0:
-        return torch.ones((), device=x.device, dtype=torch.float32)
-    from loka_train.kernels.triton_kernels import triton_runnable
-
-    if not triton_runnable(x.device)[0]:
-        # The reference decides on the host (eager code off CUDA: no graph capture to break).
-        ref_slot = slot.clone()
-        ref_q, scale = static_scales.quantize_static_reference(x, ref_slot, fmt_)
-        if not torch.equal(scale, slot[static_scales.SCALE]) or not bool(slot[static_scales.SCALE] > 0):
-            q.copy_(ref_q)
-            if q_t is not None:
-                q_t.copy_(ref_q.t())
-        slot.copy_(ref_slot)
-        return scale.to(torch.float32).reshape(())
-    tfmt = _triton_fmt(fmt)
-    scale = torch.empty((), device=x.device, dtype=torch.float32)
-    gate = torch.empty((), device=x.device, dtype=torch.int32)
-    _static_check_kernel[(1,)](
-        amax.reshape(1), 1, slot, scale, gate, _reciprocal(tfmt.max), FP8_MAX=tfmt.max,
-        HEADROOM=static_scales.headroom(fmt_), RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK, num_warps=4,
-    )
-    if q_t is not None and _transposes_in_kernel(x):
-        _cast(x, scale, q, q_t, tfmt, gate=gate)
-    else:
-        _cast(x.contiguous(), scale, q, None, tfmt, gate=gate)
-        if q_t is not None:  # an fp32 x (_transposes_in_kernel): the transpose from the payload
-            q_t.copy_(q.t())
-    return scale
-
-
-@torch.library.custom_op("loka::tensorwise_static_fixup", mutates_args=("q", "q_t"))
-def _static_fixup_op(x: Tensor, q: Tensor, q_t: Tensor | None, amax: Tensor, slot: Tensor, fmt: str) -> Tensor:
-    return _static_fixup_impl(x, q, q_t, amax, slot, fmt)
-
-
-@_static_fixup_op.register_fake
-def _static_fixup_fake(x: Tensor, q: Tensor, q_t: Tensor | None, amax: Tensor, slot: Tensor, fmt: str) -> Tensor:
-    return x.new_empty((), dtype=torch.float32)
-
-
-def static_fixup(
-    x: Tensor, q: Tensor, q_t: Tensor | None, amax: Tensor, slot: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3
-) -> Tensor:
-    """Finish a static-scale cast whose codes were computed elsewhere
-    (:func:`static_scales.traced_codes`, fused by inductor into ``x``'s producer): decide from
-    ``amax`` whether the slot's scale fits ``x``, as :func:`tensorwise_quant_static` does, and
-    where it does not, recast ``x`` into ``q`` (and ``q_t``, its transpose) in place with the
-    dynamic scale, count the fallback and re-seed the slot. Returns the scale the payload takes.
-
-    On a GPU it runs on the device (one program decides, a gated recast exits at once where the
-    scale fits): nothing syncs the host, so a CUDA graph captures it. Where Triton does not run,
-    the PyTorch reference decides on the host. Op ``loka::tensorwise_static_fixup`` (``q`` and
-    ``q_t`` declared mutated; the slot, as every static-scale op's, updated in place undeclared:
-    only the host reads it, between steps, and traced code reads only its scale, before this op).
-
-    Args:
-        x: the operand (fp32, bf16 or fp16, 2-D with ``q_t``, contiguous).
-        q, q_t: its codes (and their transpose, or None) with the slot's scale.
-        amax: 0-dim fp32, ``x``'s largest magnitude (NaN or inf for a non-finite value).
-        slot: the operand's slot (``static_scales.new_slots``).
-        fmt: e4m3 or e5m2, ``q``'s format.
-    """
-    fmt_s = Fp8Format(fmt).value
-    return torch.ops.loka.tensorwise_static_fixup(x, q, q_t, amax, slot, fmt_s)
-
-
-def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor]:
+def tensorwise_quant(
+    x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, relu: bool = False
+) -> tuple[Tensor, Tensor]:
     """Quantize a contiguous float tensor to FP8 with one scale for the whole tensor.
 
     Args:
         x: fp32, bf16 or fp16, contiguous, any shape.
         fmt: e4m3 or e5m2.
+        relu: quantize ``torch.relu(x)``, applied as the pass reads ``x`` (an activation's
+            producer folded into its cast: no pass writes the ReLU's output).
 
     Returns:
         ``(q, scale)``: the FP8 payload shaped like ``x`` and the 0-dim fp32 dequantization
-        scale, bit-identical to :func:`tensorwise_quant_reference`.
+        scale, bit-identical to :func:`tensorwise_quant_reference` (of ``torch.relu(x)`` with
+        ``relu``).
 
     Raises:
         ValueError: for a non-contiguous input or another format.
@@ -587,11 +541,13 @@ def tensorwise_quant(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Ten
     """
     fmt_s = Fp8Format(fmt).value
     if opaque.tracing():
-        return torch.ops.loka.tensorwise_quant(x, fmt_s)
-    return _tensorwise_quant_impl(x, fmt_s)
+        return torch.ops.loka.tensorwise_quant(x, fmt_s, relu)
+    return _tensorwise_quant_impl(x, fmt_s, relu)
 
 
-def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tuple[Tensor, Tensor, Tensor]:
+def tensorwise_quant_both(
+    x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, relu: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`tensorwise_quant` of a 2-D tensor that also writes the payload's transpose,
     contiguous, in the same pass for a 16-bit input (op ``loka::tensorwise_quant_both``; an
     fp32 input's transpose is copied from the payload, ``_transposes_in_kernel``).
@@ -601,6 +557,7 @@ def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tupl
             (:func:`kernels.formats.is_row_strided`; a 16-bit one read as it is, an fp32 one
             copied contiguous first).
         fmt: e4m3 or e5m2.
+        relu: as in :func:`tensorwise_quant`.
 
     Returns:
         ``(q, scale, q_t)``: ``q`` and ``scale`` as :func:`tensorwise_quant` returns them for
@@ -613,12 +570,12 @@ def tensorwise_quant_both(x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3) -> tupl
     """
     fmt_s = Fp8Format(fmt).value
     if opaque.tracing():
-        return torch.ops.loka.tensorwise_quant_both(x, fmt_s)
-    return _tensorwise_quant_both_impl(x, fmt_s)
+        return torch.ops.loka.tensorwise_quant_both(x, fmt_s, relu)
+    return _tensorwise_quant_both_impl(x, fmt_s, relu)
 
 
 def tensorwise_quant_static(
-    x: Tensor, slot: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, both: bool = False
+    x: Tensor, slot: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, both: bool = False, relu: bool = False
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Tensor-wise quantization with the static scale that ``slot`` holds, where it fits ``x``
     (op ``loka::tensorwise_quant_static``; ``kernels.static_scales`` says when it fits and how
@@ -633,6 +590,7 @@ def tensorwise_quant_static(
         fmt: e4m3 or e5m2.
         both: also write the payload's transpose, contiguous (as
             :func:`tensorwise_quant_both` does).
+        relu: as in :func:`tensorwise_quant` (the slot's fit and amax are ``torch.relu(x)``'s).
 
     Returns:
         ``(q, scale, q_t)``: bit for bit :func:`static_scales.quantize_static_reference`'s
@@ -645,9 +603,9 @@ def tensorwise_quant_static(
     """
     fmt_s = Fp8Format(fmt).value
     if opaque.tracing():
-        q, scale, q_t = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both)
+        q, scale, q_t = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both, relu)
     else:
-        q, scale, q_t = _tensorwise_quant_static_impl(x, slot, fmt_s, both)
+        q, scale, q_t = _tensorwise_quant_static_impl(x, slot, fmt_s, both, relu)
     return q, scale, (q_t if both else None)
 
 

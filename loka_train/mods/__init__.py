@@ -28,10 +28,11 @@ Example:
 
 from loka_train.mods.bmm_site import BmmSite
 from loka_train.mods.config import INITIAL_PLANS, SITE_FAMILIES, ModsConfig
-from loka_train.mods.convert import ConvertReport, convert, sites
+from loka_train.mods.convert import ConvertReport, convert, fold_relus, sites
 from loka_train.mods.interaction import CrossNet, DotInteraction
 from loka_train.mods.planned import planned_bmm, planned_linear
 from loka_train.mods.site import (
+    FoldedRelu,
     Fp8Linear,
     FusedLinearSite,
     GemmSite,
@@ -41,6 +42,8 @@ from loka_train.mods.site import (
 from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
 
 __all__ = [
+    "FoldedRelu",
+    "fold_relus",
     "INITIAL_PLANS",
     "SITE_FAMILIES",
     "BmmSite",

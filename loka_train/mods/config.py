@@ -65,6 +65,16 @@ class ModsConfig:
     does not quantize (tensor-wise) runs LayerNorm, the Linear and the activation as separate
     modules instead."""
 
+    fold_relu: bool = True
+    """A ReLU between two layers, where the second is a converted linear site (``nn.ReLU`` then a
+    Linear in an ``nn.Sequential``; TorchRec ``Perceptron`` activations ``torch.relu`` before
+    another Perceptron), is applied by that site instead (:class:`~loka_train.mods.site.FoldedRelu`
+    takes its place): where the site's FP8 forward takes the Triton tensor-wise cast, the cast
+    applies it as it reads the pre-activation, so no pass writes the ReLU's output (a full read
+    and write of the activation a step); elsewhere the site computes ``torch.relu`` first, the
+    same ops as before. The module that held the ReLU then returns its pre-activation; the
+    model's output, its gradients and the state dict are unchanged."""
+
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias
     feeds a DC offset into the next GEMM's FP8 input, so its per-row amax, and with it the
@@ -138,6 +148,7 @@ class ModsConfig:
         for name in (
             "keep_last_layer_high",
             "fused_norm_quant",
+            "fold_relu",
             "drop_unstable_bias",
             "horizontal_fusion",
             "dcn_epilogue_fusion",

@@ -38,16 +38,19 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import InteractionArch
 from torchrec.modules.crossnet import LowRankCrossNet
+from torchrec.modules.mlp import Perceptron
 
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.settings import KernelSettings
 from loka_train.models.wukong import WukongLayer
 from loka_train.mods.config import ModsConfig
 from loka_train.mods.interaction import CrossNet, DotInteraction
-from loka_train.mods.site import Fp8Linear, Site
+from loka_train.mods.site import FoldedRelu, Fp8Linear, Site
 from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
 from loka_train.utils.names import strip_wrapper_prefixes
 
@@ -68,6 +71,8 @@ class ConvertReport:
     """Module fqn -> why it was left alone."""
     fallbacks: list[str] = field(default_factory=list)
     """Sites that could not take the initial plan and start in high precision, with why."""
+    folded_relus: list[str] = field(default_factory=list)
+    """Sites that apply the ReLU before them (``mods.fold_relu``)."""
 
 
 def _is_embedding(module: nn.Module) -> bool:
@@ -235,6 +240,8 @@ def convert(
     if isinstance(model, Site):
         raise ValueError("convert needs a model that contains the sites, not a site itself")
     converter.walk(model, "")
+    if config.fold_relu:
+        converter.report.folded_relus = fold_relus(model)
     for module in model.modules():
         if isinstance(module, Fp8FMBlock) and module._fusable():
             first = module.mlp[0]
@@ -248,6 +255,41 @@ def convert(
         len(report.converted), len(report.skipped), len(report.fallbacks),
     )
     return model
+
+
+def _relu_fn(fn: object) -> bool:
+    return fn is torch.relu or fn is F.relu or type(fn) is nn.ReLU
+
+
+def fold_relus(model: nn.Module) -> list[str]:
+    """Fold each ReLU that feeds a linear site straight into that site (``mods.fold_relu``):
+    in every ``nn.Sequential``, an ``nn.ReLU`` followed by an :class:`Fp8Linear`, and a TorchRec
+    ``Perceptron`` whose activation is ``torch.relu`` (or ``F.relu``, ``nn.ReLU()``) followed by
+    a ``Perceptron`` whose Linear is a site. The ReLU's place takes a :class:`FoldedRelu`; the
+    site's ``input_relu`` is set. Returns the names of the sites that took a ReLU."""
+    folded: list[str] = []
+    for seq in model.modules():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        children = list(seq.named_children())
+        for (name_a, a), (_, b) in zip(children, children[1:], strict=False):
+            if type(a) is nn.ReLU and isinstance(b, Fp8Linear) and not b.input_relu:
+                setattr(seq, name_a, FoldedRelu())
+                b.input_relu = True
+                folded.append(b.site_name)
+            elif (
+                isinstance(a, Perceptron)
+                and isinstance(b, Perceptron)
+                and _relu_fn(a._activation_fn)
+                and isinstance(b._linear, Fp8Linear)
+                and not b._linear.input_relu
+            ):
+                a._activation_fn = FoldedRelu()
+                b._linear.input_relu = True
+                folded.append(b._linear.site_name)
+    if folded:
+        logger.info("mods: %d ReLUs folded into the next site's FP8 cast: %s", len(folded), ", ".join(folded))
+    return folded
 
 
 def sites(model: nn.Module) -> dict[str, Site]:

@@ -111,8 +111,10 @@ def planned_linear(
     pad_to_multiple: int = 1,
     compiled_quantizer: str = "custom",
     static_slots: Tensor | None = None,
+    input_relu: bool = False,
 ) -> Tensor:
-    """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded where needed.
+    """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded where needed
+    (of ``relu(x)`` with ``input_relu``).
 
     An all-HIGH plan calls ``F.linear`` (bit-identical to ``nn.Linear``, also in its
     gradients); otherwise :func:`loka_train.kernels.fp8_linear` runs, on zero-padded operands
@@ -127,18 +129,23 @@ def planned_linear(
         pad_to_multiple: pad multiple for FP8 GEMMs (1: no padding).
         compiled_quantizer: what quantizes under ``torch.compile`` (``mods.compiled_quantizer``).
         static_slots: static-scale slots of ``x`` and ``dY`` (``kernels.fp8_linear``), or None.
+        input_relu: the layer takes ``torch.relu(x)``: applied by the FP8 cast of ``x`` where
+            ``kernels.fp8_linear`` folds it, else computed first (and always for a padded call).
 
     Returns:
         ``(..., N)``.
     """
     if not any_fp8(plan):
-        return F.linear(x, weight, bias)
+        return F.linear(torch.relu(x) if input_relu else x, weight, bias)
     n, k = weight.shape
     m = x.numel() // k if k else 0  # not x.reshape(-1, k): that copies a non-contiguous x
     pad = fp8_padding(plan, m, k, n, pad_to_multiple, x.device.type, _compute_dtype(x), False)
     if pad is None or pad == (0, 0, 0):
         # None: padding cannot help; fp8_linear raises with the backend's reason.
-        return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer, static_slots=static_slots)
+        return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer, static_slots=static_slots,
+                          input_relu=input_relu)
+    if input_relu:
+        x = torch.relu(x)
     pad_m, pad_k, pad_n = pad
     with profiled("loka/mods/pad"):
         xp = F.pad(x.reshape(-1, k), (0, pad_k, 0, pad_m))

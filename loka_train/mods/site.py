@@ -85,6 +85,7 @@ __all__ = [
     "Site",
     "GemmSite",
     "Fp8Linear",
+    "FoldedRelu",
     "FusedLinearSite",
     "mark_sampled",
 ]
@@ -134,6 +135,9 @@ class Site(nn.Module):
         self._mkn = (0, 0, 0)
         self.num_fallbacks = 0
         """Times this site took a logged fallback (e.g. an unfusable padded shape)."""
+        self.input_relu = False
+        """Whether the site takes ``relu(x)`` for its input ``x``: the ReLU before it was folded
+        into its FP8 cast (:class:`FoldedRelu`, ``mods.fold_relu``)."""
         self.static_slots: Tensor | None = None
         """Static-scale slots ``(2, 4)`` of the FP8 ``x`` and ``dY`` (``kernels.static_scales``),
         or None (dynamic scales); see :meth:`GemmSite.enable_static_scales`."""
@@ -320,10 +324,11 @@ class GemmSite(Site):
         self._set_mkn((x.numel() // k if k else 0, k, n))
         y = planned_linear(
             x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple,
-            compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots,
+            compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots, input_relu=self.input_relu,
         )
         if self._should_observe():
-            self._observe(x.detach().reshape(-1, k), weight.detach(), y, None)
+            x_obs = torch.relu(x.detach()) if self.input_relu else x.detach()
+            self._observe(x_obs.reshape(-1, k), weight.detach(), y, None)
         return y
 
     @torch.compiler.disable
@@ -499,6 +504,22 @@ class Fp8Linear(GemmSite, nn.Linear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, "
             f"pad_to_multiple={self.pad_to_multiple}, {Site.extra_repr(self)}"
         )
+
+
+class FoldedRelu(nn.Module):
+    """Where a ReLU was, when the site after it applies it (``mods.fold_relu``): the identity.
+
+    The next site's FP8 cast reads the pre-activation and applies the ReLU as it quantizes
+    (``kernels.fp8_linear``'s ``input_relu``), so no pass writes the ReLU's output; the site
+    computes ``torch.relu`` itself where it does not quantize that way. Holds no state: a
+    checkpoint is the same with or without it.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return "applied by the next site"
 
 
 def _act(z: Tensor, activation: str) -> Tensor:

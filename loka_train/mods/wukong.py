@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from loka_train.kernels.plan import LinearPlan
 from loka_train.models.wukong import FactorizationMachineBlock, WukongLayer
 from loka_train.mods.bmm_site import BmmSite
-from loka_train.mods.site import Fp8Linear, FusedLinearSite
+from loka_train.mods.site import FoldedRelu, Fp8Linear, FusedLinearSite
 from loka_train.utils.profiling import profiled
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Fp8FMBlock(FactorizationMachineBlock):
             and isinstance(mlp, nn.Sequential)
             and len(mlp) == 3
             and isinstance(mlp[0], Fp8Linear)
-            and isinstance(mlp[1], nn.ReLU)
+            and isinstance(mlp[1], nn.ReLU | FoldedRelu)
         )
 
     def forward(self, x_BND: Tensor) -> Tensor:
@@ -96,8 +96,10 @@ class Fp8FMBlock(FactorizationMachineBlock):
         flat = fm_BNK.flatten(1)
         first = self.mlp[0]
         if self._fusable() and isinstance(first, Fp8Linear):
+            # A ReLU folded into mlp.2's cast (mods.fold_relu) is not applied here.
+            act = "none" if isinstance(self.mlp[1], FoldedRelu) else "relu"
             with profiled("loka/mods/fused_norm_linear"):
-                h = first.forward_layernorm(flat, self.norm, activation="relu")
+                h = first.forward_layernorm(flat, self.norm, activation=act)
             out = self.mlp[2](h)
         else:
             out = self.mlp(self.norm(flat))

@@ -391,16 +391,16 @@ def test_tensorwise_site_takes_its_transposes_from_the_quantizing_pass(m, k, n, 
     both = triton_tensorwise.tensorwise_quant_both
     calls = []
 
-    def counted(t, *, fmt):
+    def counted(t, *, fmt, relu=False):
         calls.append(tuple(t.shape))
-        return both(t, fmt=fmt)
+        return both(t, fmt=fmt, relu=relu)
 
     monkeypatch.setattr(triton_tensorwise, "tensorwise_quant_both", counted)
     got = run()
     assert calls == [(m, k), (n, k), (m, n)]  # x and W in the forward, dY in the backward
 
-    def one_layout(t, *, fmt):
-        q, scale, _ = both(t, fmt=fmt)
+    def one_layout(t, *, fmt, relu=False):
+        q, scale, _ = both(t, fmt=fmt, relu=relu)
         return q, scale, q.t()
 
     monkeypatch.setattr(triton_tensorwise, "tensorwise_quant_both", one_layout)

@@ -182,46 +182,6 @@ def test_static_scales_replay_in_a_cuda_graph():
     assert _same(q, rq)  # the recast is the dynamic payload
 
 
-@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_inductor_fused_static_cast_and_fixup_match_the_reference_through_drift(fmt, dtype):
-    """The codes inductor computes in the producer's pass (static_scales.traced_codes, compiled
-    with a ReLU) and the fixup op: payloads, transpose, scale and slot as the reference has them
-    through a seed, fits, drifts up and down, a NaN and zeros; then inside a CUDA graph."""
-    from loka_train.kernels import static_scales as ss
-    from loka_train.kernels.triton_tensorwise import static_fixup
-
-    def produce(t, slot):
-        h = torch.relu(t)
-        q, q_t, amax = ss.traced_codes(h, slot, fmt, both=True)
-        return h, q, q_t, amax
-
-    compiled = torch.compile(produce, dynamic=False)
-    x = (3 * torch.randn(4096, 2048, device="cuda")).to(dtype)
-    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
-    ref_slot = slot.clone()
-    up, down = (40, 100) if fmt is Fp8Format.E4M3 else (1000, 10**5)
-    nan = x.clone()
-    nan[5, 7] = float("nan")
-    for t in (x, 1.5 * x, up * x, up * x, x / down, nan, 0 * x):
-        h, q, q_t, amax = compiled(t, slot)
-        scale = static_fixup(h, q, q_t, amax, slot, fmt=fmt)
-        rq, rs = ss.quantize_static_reference(h, ref_slot, fmt)
-        assert torch.equal(scale, rs) or (torch.isnan(scale) and torch.isnan(rs))
-        assert _same(q, rq) and _same(q_t, rq.t().contiguous()) and torch.equal(slot, ref_slot)
-    h, q, q_t, amax = compiled(x, slot)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h, q, q_t, amax = compiled(x, slot)
-        scale = static_fixup(h, q, q_t, amax, slot, fmt=fmt)
-    before = ss.fallbacks(slot)[0]
-    x.mul_(up)  # the captured scale no longer fits: the replay recasts and counts it
-    graph.replay()
-    rq, rs = tensorwise_quant_reference(torch.relu(x), fmt=fmt)
-    assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
-    assert ss.fallbacks(slot)[0] == before + 1
-
-
 def test_two_layout_cast_reads_rows_that_lie_apart():
     """A 32768 x 2048 slice of a 32768 x 3072 gradient (Wukong's concatenation) cast as it is:
     the payloads of its contiguous copy, with a dynamic and with a static scale."""
@@ -266,3 +226,59 @@ def test_an_emulated_static_operand_in_a_graph_capture_takes_its_dynamic_scale(m
     rq, rs = tensorwise_quant_reference(x)
     assert torch.equal(q.scale, rs) and _same(q.data, rq)
     assert any("CUDA graph capture" in k for k in kl.reference_fallbacks())
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2], ids=lambda f: f.value)
+def test_a_relu_folded_into_the_static_two_layout_cast_is_the_cast_of_the_relu(fmt):
+    """At a training shape, through a seed, a fit and a recast: the codes, transpose, scale and
+    slot of relu(x) (mods.fold_relu), as the reference has them."""
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.triton_tensorwise import tensorwise_quant_static
+
+    x = (3 * torch.randn(8192, 2048, device="cuda")).to(torch.bfloat16)
+    x[0, :3] = torch.tensor([-0.0, 0.0, float("-inf")])  # -inf: ReLU drops it
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+    ref_slot = slot.clone()
+    up = 40 if fmt is Fp8Format.E4M3 else 1000
+    for t in (x, 1.5 * x, up * x):
+        q, scale, q_t = tensorwise_quant_static(t, slot, fmt=fmt, both=True, relu=True)
+        rq, rs = ss.quantize_static_reference(torch.relu(t), ref_slot, fmt)
+        assert torch.equal(scale, rs) and _same(q, rq) and torch.equal(slot, ref_slot)
+        assert q_t is not None and _same(q_t, rq.t().contiguous())
+    assert ss.fallbacks(slot) == [1]
+
+
+def test_a_folded_relu_trains_like_the_relu_module_compiled():
+    """fp8_linear(x, input_relu=True) against fp8_linear(relu(x)) under torch.compile (inductor)
+    on torch_scaled_mm: output and gradients bit for bit, static scales on."""
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.formats import Scaling
+    from loka_train.kernels.linear import fp8_linear
+    from loka_train.kernels.plan import LinearPlan
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    torch.manual_seed(0)
+    w0 = torch.randn(1024, 2048, device="cuda") / 45
+    x0 = torch.randn(4096, 2048, device="cuda")
+    g = torch.randn(4096, 1024, device="cuda")
+    outs = []
+    for folded in (True, False):
+        torch._dynamo.reset()
+        slots = ss.new_slots(2, margin=2.0, spread=16.0, device=x0.device)
+
+        def f(x, w, folded=folded, slots=slots):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if folded:
+                    return fp8_linear(x, w, None, plan, static_slots=slots, input_relu=True)
+                return fp8_linear(torch.relu(x), w, None, plan, static_slots=slots)
+
+        fn = torch.compile(f)
+        got = []
+        for s in (1.0, 1.5, 40.0):  # seed, fit, recast
+            x, w = (s * x0).requires_grad_(), w0.clone().requires_grad_()
+            y = fn(x, w)
+            y.backward(g)
+            got += [y.detach(), x.grad, w.grad]
+        outs.append(got)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -91,7 +91,7 @@ def test_the_ops_run_eagerly_with_the_functions_gradients() -> None:
     x, w, b = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True), torch.randn(5, requires_grad=True)
     y = fp8_linear(x, w, b, plan)
     g = torch.autograd.grad(y.square().sum(), (x, w, b))
-    y_op = _planned_linear_op(x, w, b, plan.key, None, False, True, None, None, opaque.needs_grad(x, w, b))[0]
+    y_op = _planned_linear_op(x, w, b, plan.key, None, False, True, None, False, None, opaque.needs_grad(x, w, b))[0]
     g_op = torch.autograd.grad(y_op.square().sum(), (x, w, b))
     assert torch.equal(y, y_op)
     for a, c in zip(g, g_op, strict=True):

@@ -1,0 +1,204 @@
+"""A ReLU folded into the next site's FP8 cast (``mods.fold_relu``): the Triton tensor-wise casts
+(under TRITON_INTERPRET=1) quantize ``relu(x)`` bit for bit as the reference quantizes it;
+``fp8_linear(x, input_relu=True)`` is ``fp8_linear(relu(x))`` in its output and gradients, eagerly
+and compiled; ``convert`` folds the ReLUs of ``nn.Sequential`` MLPs and TorchRec Perceptrons, and
+a folded model trains like the unfolded one; the Probe sees the ReLU's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from loka_train.kernels import static_scales as ss
+from loka_train.kernels import triton_tensorwise as tt
+from loka_train.kernels.formats import Fp8Format, Scaling
+from loka_train.kernels.linear import folds_input_relu, fp8_linear
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.mods import FoldedRelu, Fp8Linear, ModsConfig, convert, sites
+
+FMTS = [Fp8Format.E4M3, Fp8Format.E5M2]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _data(seed: int = 0, shape: tuple[int, int] = (37, 70)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (4 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+    x[1, 2], x[3, 4], x[5, 6] = -0.0, 0.0, -300.0  # signed zeros; a negative amax ReLU drops
+    return x
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
+def test_every_tensorwise_cast_quantizes_the_relu_of_its_input(fmt, monkeypatch):
+    monkeypatch.setattr(tt, "_BLOCK", 512)  # several programs, a ragged last one
+    monkeypatch.setattr(tt, "_TILE_R", 16)
+    x = _data()
+    rq, rs = tt.tensorwise_quant_reference(torch.relu(x), fmt=fmt)
+    q, s = tt.tensorwise_quant(x, fmt=fmt, relu=True)
+    assert torch.equal(s, rs) and _same(q, rq)
+    q, s, q_t = tt.tensorwise_quant_both(x, fmt=fmt, relu=True)
+    assert torch.equal(s, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
+    apart = torch.cat([x, x], dim=1)[:, :70]  # rows apart: the two-layout cast reads them as they are
+    q, s, q_t = tt.tensorwise_quant_both(apart, fmt=fmt, relu=True)
+    assert torch.equal(s, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
+    for both in (False, True):
+        slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+        ref_slot = slot.clone()
+        up = 80 if fmt is Fp8Format.E4M3 else 10**4  # beyond each format's headroom
+        for t in (x, 1.5 * x, up * x, x):  # seed, fit, recast, recast back
+            q, s, q_t = tt.tensorwise_quant_static(t, slot, fmt=fmt, both=both, relu=True)
+            rq, rs = ss.quantize_static_reference(torch.relu(t), ref_slot, fmt)
+            assert torch.equal(s, rs) and _same(q, rq) and torch.equal(slot, ref_slot)
+            assert q_t is None or _same(q_t, rq.t().contiguous())
+        assert ss.fallbacks(slot) == [2]
+
+
+def test_the_relu_keeps_nan_as_torch_relu_does():
+    x = _data()
+    x[7, 8] = float("nan")
+    q, s = tt.tensorwise_quant(x, relu=True)
+    rq, rs = tt.tensorwise_quant_reference(torch.relu(x))
+    assert torch.isnan(s) and torch.isnan(rs)
+    # Every dequantized value is NaN through the scale (the interpreter casts NaN to a finite
+    # FP8 code: the codes themselves are compared on the GPU only).
+    assert torch.isnan(q.float() * s).all()
+    if torch.cuda.is_available():
+        assert _same(q, rq)
+
+
+def test_opcheck_with_relu():
+    x = _data().float()
+    torch.library.opcheck(torch.ops.loka.tensorwise_quant.default, (x, "e4m3", True))
+    torch.library.opcheck(torch.ops.loka.tensorwise_quant_both.default, (x, "e4m3", True))
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+    torch.library.opcheck(torch.ops.loka.tensorwise_quant_static.default, (x, slot, "e4m3", True, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+TW = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
+MIXED = LinearPlan(
+    forward=GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="triton"),
+    grad_input=GemmPlan(),  # high precision
+    grad_weight=GemmPlan(),
+)
+
+
+def test_it_folds_only_where_the_triton_tensorwise_cast_takes_x():
+    x = torch.randn(8, 32)
+    assert folds_input_relu(TW, x) and folds_input_relu(MIXED, x)
+    assert not folds_input_relu(LinearPlan.high_precision(), x)
+    assert not folds_input_relu(LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton"), x)
+    assert not folds_input_relu(LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated"), x)
+    assert not folds_input_relu(TW, x, "inductor") or not torch.compiler.is_compiling()
+
+
+@pytest.mark.parametrize("plan", [TW, MIXED, LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton")],
+                         ids=["tensorwise", "fp8_forward_only", "rowwise_unfolded"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_input_relu_is_the_linear_of_the_relu(plan, static, compiled):
+    """Output, all three gradients and the slots' updates, bit for bit, over a seed, a fit and
+    a recast; compiled through the opaque op (aot_eager) too."""
+    w0, b0 = torch.randn(24, 48), torch.randn(24)
+    xs = [4 * torch.randn(3, 20, 48) * s for s in (1.0, 1.5, 60.0)]  # N-D: folded to rows
+    xs[0][0, 0, :5] = torch.tensor([-0.0, 0.0, -1.0, 2.0, -3.0])
+    g = torch.randn(3, 20, 24)
+
+    def run(folded: bool):  # type: ignore[no-untyped-def]
+        slots = ss.new_slots(2, margin=2.0, spread=16.0, device=torch.device("cpu")) if static else None
+
+        def f(x, w, b):  # type: ignore[no-untyped-def]
+            if folded:
+                return fp8_linear(x, w, b, plan, static_slots=slots, input_relu=True)
+            return fp8_linear(torch.relu(x), w, b, plan, static_slots=slots)
+
+        torch._dynamo.reset()  # the same code object compiles for every parametrization
+        fn = torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f
+        outs = []
+        for x in xs:
+            xr, w, b = x.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
+            y = fn(xr, w, b)
+            y.backward(g)
+            outs += [y.detach(), xr.grad, w.grad, b.grad]
+        return outs, slots
+
+    got, got_slots = run(True)
+    want, want_slots = run(False)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if static:
+        assert torch.equal(got_slots, want_slots)
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8))
+
+
+def test_convert_folds_the_relus_of_sequentials_and_perceptrons():
+    from torchrec.models.dlrm import OverArch
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"mlp": _mlp(), "over": OverArch(in_features=16, layer_sizes=[32, 24, 1])})
+    convert(model, config=ModsConfig(sites=["mlp"], keep_last_layer_high=True))
+    found = sites(model)
+    assert isinstance(model["mlp"][1], FoldedRelu) and isinstance(model["mlp"][3], FoldedRelu)
+    assert found["mlp.2"].input_relu and found["mlp.4"].input_relu and not found["mlp.0"].input_relu
+    perceptrons = model["over"].model[0]._mlp
+    assert isinstance(perceptrons[0]._activation_fn, FoldedRelu)
+    assert perceptrons[1]._activation_fn is torch.relu  # feeds the logit layer, which is no site
+    assert found["over.model.0._mlp.1._linear"].input_relu
+    assert sorted(model.loka_mods_report.folded_relus) == [
+        "mlp.2", "mlp.4", "over.model.0._mlp.1._linear"]
+    off = nn.ModuleDict({"mlp": _mlp()})
+    convert(off, config=ModsConfig(sites=["mlp"], fold_relu=False))
+    assert isinstance(off["mlp"][1], nn.ReLU) and not any(s.input_relu for s in sites(off).values())
+
+
+@pytest.mark.parametrize("plan", [LinearPlan.high_precision(), TW], ids=["high", "tensorwise"])
+def test_a_folded_model_trains_like_the_unfolded_one(plan):
+    """Same outputs, gradients and parameters after two SGD steps, bit for bit."""
+    torch.manual_seed(0)
+    base = _mlp()
+    models = []
+    for fold in (True, False):
+        m = _mlp()
+        m.load_state_dict(base.state_dict())
+        convert(m, config=ModsConfig(sites=["mlp"], fold_relu=fold, keep_last_layer_high=False))
+        for site in sites(m).values():
+            site.set_plan(plan)
+        models.append(m)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for step in range(2):
+        x = torch.randn(40, 32, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            y = m(x)
+            y.square().mean().backward()
+            opt.step()
+            outs.append(y.detach())
+        assert torch.equal(outs[0], outs[1])
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+
+
+def test_the_probe_sees_the_relu_output_as_the_folded_site_input():
+    seen: dict[str, torch.Tensor] = {}
+
+    class Spy:
+        def observe(self, name, role, a, b):  # type: ignore[no-untyped-def]
+            seen[role] = a
+
+    lin = nn.Linear(16, 8)
+    site = Fp8Linear.from_linear(lin, plan=TW)
+    site.input_relu = True
+    site.site_name = "s"
+    site.observer = Spy()  # type: ignore[assignment]
+    site.sampling = True
+    x = torch.randn(12, 16, requires_grad=True)
+    site(x).sum().backward()
+    assert torch.equal(seen["forward"], torch.relu(x.detach()))
+    assert (seen["forward"] >= 0).all() and "grad_weight" in seen
