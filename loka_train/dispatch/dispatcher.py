@@ -104,6 +104,7 @@ class Dispatcher:
         self.num_changes = 0
         self._pad: dict[str, int] = {}
         self._shares_operands: set[str] = set()
+        self._input_relu: set[str] = set()
         self.unsupported: dict[str, str] = {}
         """backend/scaling -> why it cannot run here (reported once)."""
         self._pending: dict[tuple[str, str], tuple[str, int]] = {}
@@ -143,6 +144,7 @@ class Dispatcher:
         supports: SiteSupports | None = None,
         pad_to_multiple: int = 1,
         shares_operands: bool = False,
+        input_relu: bool = False,
     ) -> None:
         """Add a site with its initial plan (and GEMM shapes, if already known).
 
@@ -158,8 +160,15 @@ class Dispatcher:
             shares_operands: its GEMMs hand tensor-wise FP8 operands to one another
                 (``Site.shares_operands``): under the speed objective they are planned together
                 (``planning.joint_targets``).
+            input_relu: the ReLU before it is folded into it (``Site.input_relu``,
+                ``mods.fold_relu``): a forward candidate whose cast does not apply it pays a
+                ReLU pass over ``x`` on top of its GEMM (:meth:`GemmTimer.relu_pass_s`).
         """
         self.plans[site] = plan
+        if input_relu:
+            self._input_relu.add(site)
+        else:
+            self._input_relu.discard(site)
         if shares_operands:
             self._shares_operands.add(site)
         else:
@@ -177,6 +186,13 @@ class Dispatcher:
     def _estimate(self, role: str, shape: Shape, plan: GemmPlan | None) -> float:
         """Seconds of one GEMM (cached; see ``timing.GemmTimer.estimate``)."""
         return self.timer.estimate(role, shape, plan)
+
+    def _unfolded_relu_s(self, site: str, role: str, shape: Shape, plan: GemmPlan | None) -> float:
+        """What a candidate pays for the ReLU folded into ``site`` where its cast does not
+        apply it (:meth:`register`'s ``input_relu``): a ReLU pass over the forward's ``x``."""
+        if role != "forward" or site not in self._input_relu or self.timer.folds_relu(plan):
+            return 0.0
+        return self.timer.relu_pass_s(shape[0], shape[1])
 
     def _measure_key(self, key: str) -> float:
         """Seconds of the GEMM a timing key names, measured here (for the agreement)."""
@@ -200,8 +216,11 @@ class Dispatcher:
         if shape is None:
             return Target(current, "shape not seen yet", False)
         plans = self._candidates(site, role, shape)
-        times = {p: self._estimate(role, shape, p) for p in planning.eligible(verdicts, site, role, plans)}
-        t_high = self._estimate(role, shape, None)
+        times = {
+            p: self._estimate(role, shape, p) + self._unfolded_relu_s(site, role, shape, p)
+            for p in planning.eligible(verdicts, site, role, plans)
+        }
+        t_high = self._estimate(role, shape, None) + self._unfolded_relu_s(site, role, shape, None)
         failures = {
             p: self.measure_failures.get(timing_key(role, shape, p), "no time")
             for p, t in times.items()
@@ -227,13 +246,15 @@ class Dispatcher:
             # the backend, and it keeps the joint search (and what it times) small.
             fastest: dict[object, tuple[float, GemmPlan]] = {}
             for p in planning.eligible(verdicts, site, role, self._candidates(site, role, shapes[role])):
-                t = self._estimate(role, shapes[role], p)
+                t = self._estimate(role, shapes[role], p) + self._unfolded_relu_s(site, role, shapes[role], p)
                 if math.isfinite(t) and (p.scaling not in fastest or t < fastest[p.scaling][0]):
                     fastest[p.scaling] = (t, p)
             options[role] = [p for _, p in fastest.values()]
 
         def time(role: str, plan: GemmPlan | None, reuse: tuple[bool, bool]) -> float:
-            return self.timer.estimate(role, shapes[role], plan, reuse)
+            return self.timer.estimate(role, shapes[role], plan, reuse) + self._unfolded_relu_s(
+                site, role, shapes[role], plan
+            )
 
         joint = planning.joint_targets(
             targets={r: targets[r] for r in seen}, options=options, time=time, margin=self.config.margin

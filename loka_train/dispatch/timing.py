@@ -283,6 +283,31 @@ class GemmTimer:
             self.timings[key] = t
         return self.timings[key]
 
+    def folds_relu(self, plan: GemmPlan | None) -> bool:
+        """Whether a site's forward under ``plan`` applies a folded ReLU in its cast
+        (``kernels.fp8_linear``'s ``input_relu``: the Triton tensor-wise cast, where Triton runs
+        on this device)."""
+        if plan is None or not plan.is_fp8 or plan.scaling is not Scaling.TENSORWISE:
+            return False
+        if not kernels_linear.takes_triton_quantizers(plan.backend):
+            return False
+        from loka_train.kernels.backends import TRITON_INSTALLED
+
+        if not TRITON_INSTALLED:
+            return False
+        from loka_train.kernels.triton_kernels import triton_runnable
+
+        return triton_runnable(self.device)[0]
+
+    def relu_pass_s(self, m: int, k: int) -> float:
+        """Seconds of a ReLU pass over an ``(m, k)`` activation in the sites' compute dtype (a
+        read and a write at the cost model's bandwidth, plus a launch): what a forward candidate
+        pays that does not apply a folded ReLU in its cast. From the roofline in every timing
+        mode, so that every rank adds the same (measured, a 32768 x 4096 bf16 ReLU took 176 us
+        on an H100, the roofline says 196)."""
+        elem = torch.finfo(self.out_dtype).bits // 8  # the sites' compute dtype
+        return 2.0 * elem * m * k / self.cost_model.bandwidth + self.cost_model.launch_s
+
     def measure(
         self, shape: Shape, plan: GemmPlan | None, role: str = "forward", reuse: Reuse = NO_REUSE
     ) -> float:

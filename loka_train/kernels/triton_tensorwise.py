@@ -70,9 +70,10 @@ _RECAST_PROGRAMS = 1024
 @triton.jit
 def _input(x, RELU: tl.constexpr):
     """``x`` (fp32) as the casts read it: through a ReLU with ``RELU``, as ``torch.relu`` gives
-    it (``-0.0`` and NaN kept), so an activation's FP8 codes come from its producer's output."""
+    it on CUDA (NaN kept, ``-0.0`` to ``0.0``; the CPU's keeps ``-0.0``, a zero code of the
+    other sign that no GEMM result tells apart), so an activation's codes come from its producer."""
     if RELU:
-        x = tl.where(x < 0.0, 0.0, x)
+        x = tl.where(x <= 0.0, 0.0, x)
     return x
 
 

@@ -189,6 +189,7 @@ class LokaCallback(Callback):
             self.dispatcher.register(
                 name, plan=site.plan, supports=site.supports_plan,
                 pad_to_multiple=getattr(site, "pad_to_multiple", 1), shares_operands=site.shares_operands,
+                input_relu=site.input_relu,
             )
         if self._pending_state is not None:
             self.probe.load_state_dict(self._pending_state["probe"])

@@ -432,3 +432,26 @@ def test_timings_of_another_source_are_not_reused() -> None:
     other = fresh(torch.bfloat16)
     other.load_state_dict(state)
     assert other.state_dict()["timings"] == {}
+
+
+def test_a_folded_relu_is_charged_to_the_forward_candidates_whose_cast_does_not_apply_it() -> None:
+    """A site that takes the ReLU before it (mods.fold_relu): its high-precision and row-wise
+    forward candidates pay a ReLU pass over x, the tensor-wise Triton one does not; other roles
+    and sites without a folded ReLU pay nothing."""
+    d = Dispatcher(DispatchConfig(objective="speed", scalings=("tensorwise", "rowwise")), device="cpu")
+    shape = (32768, 4096, 2048)
+    d.register("folded", plan=LinearPlan.high_precision(), shapes={"forward": shape}, input_relu=True)
+    d.register("plain", plan=LinearPlan.high_precision(), shapes={"forward": shape})
+    tw = GemmPlan(precision=Precision.FP8, scaling=Scaling.TENSORWISE, backend="triton")
+    rw = GemmPlan(precision=Precision.FP8, scaling=Scaling.ROWWISE, backend="triton")
+    emulated = GemmPlan(precision=Precision.FP8, scaling=Scaling.TENSORWISE, backend="emulated")
+    relu = d.timer.relu_pass_s(32768, 4096)
+    elem = torch.finfo(d.timer.out_dtype).bits // 8  # the sites' compute dtype
+    assert relu == pytest.approx(2 * elem * 32768 * 4096 / GpuCostModel().bandwidth + GpuCostModel().launch_s)
+    assert d.timer.folds_relu(tw) and not d.timer.folds_relu(rw) and not d.timer.folds_relu(emulated)
+    charged = {p: d._unfolded_relu_s("folded", "forward", shape, p) for p in (tw, rw, emulated, None)}
+    assert charged == {tw: 0.0, rw: relu, emulated: relu, None: relu}
+    assert d._unfolded_relu_s("folded", "grad_input", shape, None) == 0.0
+    assert d._unfolded_relu_s("plain", "forward", shape, None) == 0.0
+    d.register("folded", plan=LinearPlan.high_precision(), shapes={"forward": shape})  # registered again: no ReLU
+    assert d._unfolded_relu_s("folded", "forward", shape, None) == 0.0

@@ -24,6 +24,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _relu(x: torch.Tensor) -> torch.Tensor:
+    """``torch.relu`` as CUDA computes it (``-0.0`` to ``0.0``; the CPU's keeps ``-0.0``)."""
+    return torch.relu(x) + 0.0
+
+
 def _data(seed: int = 0, shape: tuple[int, int] = (37, 70)) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = (4 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
@@ -36,7 +41,7 @@ def test_every_tensorwise_cast_quantizes_the_relu_of_its_input(fmt, monkeypatch)
     monkeypatch.setattr(tt, "_BLOCK", 512)  # several programs, a ragged last one
     monkeypatch.setattr(tt, "_TILE_R", 16)
     x = _data()
-    rq, rs = tt.tensorwise_quant_reference(torch.relu(x), fmt=fmt)
+    rq, rs = tt.tensorwise_quant_reference(_relu(x), fmt=fmt)
     q, s = tt.tensorwise_quant(x, fmt=fmt, relu=True)
     assert torch.equal(s, rs) and _same(q, rq)
     q, s, q_t = tt.tensorwise_quant_both(x, fmt=fmt, relu=True)
@@ -50,7 +55,7 @@ def test_every_tensorwise_cast_quantizes_the_relu_of_its_input(fmt, monkeypatch)
         up = 80 if fmt is Fp8Format.E4M3 else 10**4  # beyond each format's headroom
         for t in (x, 1.5 * x, up * x, x):  # seed, fit, recast, recast back
             q, s, q_t = tt.tensorwise_quant_static(t, slot, fmt=fmt, both=both, relu=True)
-            rq, rs = ss.quantize_static_reference(torch.relu(t), ref_slot, fmt)
+            rq, rs = ss.quantize_static_reference(_relu(t), ref_slot, fmt)
             assert torch.equal(s, rs) and _same(q, rq) and torch.equal(slot, ref_slot)
             assert q_t is None or _same(q_t, rq.t().contiguous())
         assert ss.fallbacks(slot) == [2]
@@ -60,7 +65,7 @@ def test_the_relu_keeps_nan_as_torch_relu_does():
     x = _data()
     x[7, 8] = float("nan")
     q, s = tt.tensorwise_quant(x, relu=True)
-    rq, rs = tt.tensorwise_quant_reference(torch.relu(x))
+    rq, rs = tt.tensorwise_quant_reference(_relu(x))
     assert torch.isnan(s) and torch.isnan(rs)
     # Every dequantized value is NaN through the scale (the interpreter casts NaN to a finite
     # FP8 code: the codes themselves are compared on the GPU only).
