@@ -743,10 +743,26 @@ def fp8_linear(
         # on a view of the Function's output, a hook on that view would not fire.
         # In the compute dtype first: a copy that the reshape makes (a transposed input) moves
         # what the Function would have cast to anyway.
-        x_rows = x.to(_compute_dtype(x)).reshape(math.prod(x.shape[:-1]), x.shape[-1])
+        x_rows = _rows(x, _compute_dtype(x))
         y = _fp8_linear_rows(x_rows, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
     return _fp8_linear_rows(x, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)
+
+
+def _rows(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` (N-D) as ``(M, K)`` rows in ``dtype``: a view where the layout allows, else a copy;
+    ``x_BND.transpose(1, 2)`` on a GPU through ``loka::transposed_rows`` (coalesced on both
+    sides, where inductor's copy read with strides: ``kernels.triton_layout``)."""
+    from loka_train.kernels.triton_layout import is_batch_transposed
+
+    if x.is_cuda and is_batch_transposed(x) and TRITON_INSTALLED:
+        from loka_train.kernels.triton_kernels import triton_runnable
+
+        if triton_runnable(x.device)[0]:
+            from loka_train.kernels.triton_layout import transposed_rows
+
+            return transposed_rows(x, dtype)
+    return x.to(dtype).reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _fp8_linear_rows(

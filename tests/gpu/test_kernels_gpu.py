@@ -407,3 +407,14 @@ def test_tensorwise_site_takes_its_transposes_from_the_quantizing_pass(m, k, n, 
     views = run()
     for a, b in zip(got, views):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_transposed_rows_are_the_reshaped_copy_bit_for_bit(dtype):
+    """loka::transposed_rows at Wukong's first-layer shape (32768 x 27 x 128 fp32) and a ragged
+    one, against x.to(dtype).reshape(-1, N)."""
+    from loka_train.kernels.triton_layout import transposed_rows
+
+    for shape in ((32768, 27, 128), (7, 70, 130)):
+        x = torch.randn(*shape, device="cuda").transpose(1, 2)
+        assert torch.equal(transposed_rows(x, dtype), x.to(dtype).reshape(-1, shape[1]))
