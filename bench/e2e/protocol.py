@@ -130,6 +130,9 @@ def loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[st
         "high_gemms": high,
         "not_sites": {k: v for k, v in not_sites.items() if "embedding" not in v},
         "mods_fallbacks": list(mods_report.fallbacks) if mods_report is not None else [],
+        # Sites that apply the ReLU before them (mods.fold_relu); it saves a pass where the
+        # site's forward casts tensor-wise.
+        "folded_relus": list(getattr(mods_report, "folded_relus", [])),
         "plan_changes": report["plan_changes"],
         # The Probe's measurement graphs: each new shape's capture syncs the device once.
         "probe_cuda_graphs": report["probe"]["cuda_graphs"],
