@@ -466,7 +466,8 @@ class _PlannedLinearFn(torch.autograd.Function):
 
     With ``input_relu`` (an FP8 forward whose ``x`` the Triton tensor-wise quantizer takes,
     :func:`folds_input_relu`) the GEMMs take ``relu(x)``: the forward's cast applies it, a
-    high-precision backward GEMM recomputes it, and the gradient returned for ``x`` is the one
+    grad-weight GEMM that does not take the forward's transposed payload over recomputes it
+    (one more pass over ``x`` in the backward), and the gradient returned for ``x`` is the one
     for ``relu(x)``: fp8_linear's :class:`_ReluGradFn` masks it."""
 
     @staticmethod
@@ -544,8 +545,8 @@ class _PlannedLinearFn(torch.autograd.Function):
         cdtype = ctx.cdtype
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.input_relu and xc is not None:
-            xc = torch.relu(xc)  # what the GEMMs took (the gradient for x is masked outside)
+        if ctx.input_relu and xc is not None and need_w:
+            xc = torch.relu(xc)  # what grad-weight takes (the gradient for x is masked outside)
         grad_x = grad_w = grad_b = None
 
         def reused(data: Tensor | None, scale: Tensor | None, fmt: Fp8Format) -> QTensor | None:
@@ -673,8 +674,8 @@ def folds_input_relu(plan: LinearPlan, x: Tensor, compiled_quantizer: str = "cus
 class _ReluGradFn(torch.autograd.Function):
     """The identity forward, ``torch.relu``'s backward (``threshold_backward``: zero where
     ``x <= 0``, NaN's gradient kept): wrapped around an FP8 linear's input when its cast applies
-    the ReLU. Traced by ``torch.compile``, the mask fuses with the code around it (the previous
-    layer's bias gradient)."""
+    the ReLU. Traced by ``torch.compile``, where inductor may fuse the mask with the code around
+    it (on an H100 it ran as a pass of its own between two opaque FP8 ops)."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -732,10 +733,6 @@ def fp8_linear(
         raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if input_relu and not folds_input_relu(plan, x, compiled_quantizer):
-        x, input_relu = torch.relu(x), False
-    if input_relu:
-        x = _ReluGradFn.apply(x)
     if x.ndim != 2:
         # The GEMMs see rows either way. Folded out here (as aten::matmul folds, the output no
         # autograd view), the output takes in-place ops, and hooks on it (the Probe's) see its
@@ -753,14 +750,11 @@ def _rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x`` (N-D) as ``(M, K)`` rows in ``dtype``: a view where the layout allows, else a copy;
     ``x_BND.transpose(1, 2)`` on a GPU through ``loka::transposed_rows`` (coalesced on both
     sides, where inductor's copy read with strides: ``kernels.triton_layout``)."""
-    from loka_train.kernels.triton_layout import is_batch_transposed
-
-    if x.is_cuda and is_batch_transposed(x) and TRITON_INSTALLED:
+    if x.is_cuda and TRITON_INSTALLED:
         from loka_train.kernels.triton_kernels import triton_runnable
+        from loka_train.kernels.triton_layout import is_batch_transposed, transposed_rows
 
-        if triton_runnable(x.device)[0]:
-            from loka_train.kernels.triton_layout import transposed_rows
-
+        if is_batch_transposed(x) and triton_runnable(x.device)[0]:
             return transposed_rows(x, dtype)
     return x.to(dtype).reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
@@ -775,7 +769,12 @@ def _fp8_linear_rows(
     static_slots: Tensor | None,
     input_relu: bool,
 ) -> Tensor:
-    """:func:`fp8_linear` of a 2-D ``x`` (its checks and ReLU decision made)."""
+    """:func:`fp8_linear` of a 2-D ``x`` (its checks made): the ReLU's fold is decided on the
+    rows the Function casts."""
+    if input_relu and not folds_input_relu(plan, x, compiled_quantizer):
+        x, input_relu = torch.relu(x), False
+    if input_relu:
+        x = _ReluGradFn.apply(x)
     if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:

@@ -71,9 +71,12 @@ class ModsConfig:
     another Perceptron), is applied by that site instead (:class:`~loka_train.mods.site.FoldedRelu`
     takes its place): where the site's FP8 forward takes the Triton tensor-wise cast, the cast
     applies it as it reads the pre-activation, so no pass writes the ReLU's output (a full read
-    and write of the activation a step); elsewhere the site computes ``torch.relu`` first, the
-    same ops as before. The module that held the ReLU then returns its pre-activation; the
-    model's output, its gradients and the state dict are unchanged."""
+    and write of the activation a step); elsewhere the site computes ``torch.relu`` first. Wukong's
+    FM block keeps the ReLU in its fused LayerNorm op where that op runs (``fused_norm_quant``
+    with a row-wise FP8 forward). The module that held the ReLU then returns its
+    pre-activation; the model's output, its gradients and the state dict are unchanged. Where
+    the site's grad-weight does not take the forward's transposed FP8 payload over, its backward
+    recomputes the ReLU (one pass), which Dispatch does not charge."""
 
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -263,25 +264,33 @@ def _relu_fn(fn: object) -> bool:
 
 def fold_relus(model: nn.Module) -> list[str]:
     """Fold each ReLU that feeds a linear site straight into that site (``mods.fold_relu``):
-    in every ``nn.Sequential``, an ``nn.ReLU`` followed by an :class:`Fp8Linear`, and a TorchRec
-    ``Perceptron`` whose activation is ``torch.relu`` (or ``F.relu``, ``nn.ReLU()``) followed by
-    a ``Perceptron`` whose Linear is a site. The ReLU's place takes a :class:`FoldedRelu`; the
-    site's ``input_relu`` is set. Returns the names of the sites that took a ReLU."""
+    in every plain ``nn.Sequential`` (its own ``forward``), an ``nn.ReLU`` followed by an
+    :class:`Fp8Linear`, and a TorchRec ``Perceptron`` whose activation is ``torch.relu`` (or
+    ``F.relu``, ``nn.ReLU()``) followed by a ``Perceptron`` whose Linear is a site. The ReLU's
+    place takes a :class:`FoldedRelu`; the site's ``input_relu`` is set. A module the model holds
+    more than once (a site, or a Perceptron whose activation would change) is left alone: its
+    other uses do not follow a ReLU. Returns the names of the sites that took a ReLU."""
+    uses = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+
+    def once(*modules: nn.Module) -> bool:
+        return all(uses[id(m)] == 1 for m in modules)
+
     folded: list[str] = []
     for seq in model.modules():
-        if not isinstance(seq, nn.Sequential):
+        if not isinstance(seq, nn.Sequential) or type(seq).forward is not nn.Sequential.forward:
             continue
-        children = list(seq.named_children())
+        children = [(n, m) for n, m in seq._modules.items() if m is not None]  # every slot, repeats too
         for (name_a, a), (_, b) in zip(children, children[1:], strict=False):
-            if type(a) is nn.ReLU and isinstance(b, Fp8Linear) and not b.input_relu:
+            if type(a) is nn.ReLU and isinstance(b, Fp8Linear) and once(b) and not b.input_relu:
                 setattr(seq, name_a, FoldedRelu())
                 b.input_relu = True
                 folded.append(b.site_name)
             elif (
-                isinstance(a, Perceptron)
-                and isinstance(b, Perceptron)
+                type(a) is Perceptron
+                and type(b) is Perceptron
                 and _relu_fn(a._activation_fn)
                 and isinstance(b._linear, Fp8Linear)
+                and once(a, b, b._linear)
                 and not b._linear.input_relu
             ):
                 a._activation_fn = FoldedRelu()

@@ -318,16 +318,20 @@ class GemmSite(Site):
         else:
             self.static_slots = fresh
 
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """``y = x W^T + b`` as the plan says; reports to the observer on sampled steps."""
+    def linear(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *, input_relu: bool | None = None
+    ) -> Tensor:
+        """``y = x W^T + b`` as the plan says (of ``relu(x)`` with ``input_relu``, by default the
+        site's :attr:`input_relu`); reports to the observer on sampled steps."""
+        relu = self.input_relu if input_relu is None else input_relu
         n, k = weight.shape
         self._set_mkn((x.numel() // k if k else 0, k, n))
         y = planned_linear(
             x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple,
-            compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots, input_relu=self.input_relu,
+            compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots, input_relu=relu,
         )
         if self._should_observe():
-            x_obs = torch.relu(x.detach()) if self.input_relu else x.detach()
+            x_obs = torch.relu(x.detach()) if relu else x.detach()
             self._observe(x_obs.reshape(-1, k), weight.detach(), y, None)
         return y
 
@@ -426,8 +430,22 @@ class Fp8Linear(GemmSite, nn.Linear):
     def _active_bias(self) -> Tensor | None:
         return None if self.bias_dropped else self.bias
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.linear(x, self.weight, self._active_bias())
+    def forward(self, x: Tensor, *, input_relu: bool | None = None) -> Tensor:
+        """``y = x W^T + b``; ``input_relu``: see :meth:`GemmSite.linear` (False where the caller
+        applied the folded ReLU itself)."""
+        return self.linear(x, self.weight, self._active_bias(), input_relu=input_relu)
+
+    def runs_fused_norm(self, x: Tensor) -> bool:
+        """Whether :meth:`forward_layernorm` on ``x`` runs the fused op (its activation then
+        applied in the GEMM's epilogue and its backward's cast) rather than the separate
+        modules: a forward the LayerNorm kernel quantizes, at a shape that needs no padding of
+        ``K`` or ``M``."""
+        plan = self.plan
+        if not fuses_quantizer(plan.forward, x, inductor_quantizes(self.compiled_quantizer)):
+            return False
+        k, n = self.in_features, self.out_features
+        m = x.numel() // k if k else 0
+        return fp8_padding(plan, m, k, n, self.pad_to_multiple, x.device.type, _compute_dtype(x), True) is not None
 
     def forward_layernorm(self, x: Tensor, norm: nn.LayerNorm, *, activation: str = "relu") -> Tensor:
         """``act(self(norm(x)))`` as one fused op: with a row-wise FP8 forward on a backend
@@ -450,6 +468,11 @@ class Fp8Linear(GemmSite, nn.Linear):
         """
         if activation not in FUSED_ACTIVATIONS:
             raise ValueError(f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
+        if self.input_relu:
+            raise ValueError(
+                f"{self.site_name or 'site'}: forward_layernorm feeds the site a LayerNorm's output; a site that "
+                "takes a folded ReLU (input_relu) cannot take it"
+            )
         k = self.in_features
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")

@@ -96,11 +96,14 @@ class Fp8FMBlock(FactorizationMachineBlock):
         flat = fm_BNK.flatten(1)
         first = self.mlp[0]
         if self._fusable() and isinstance(first, Fp8Linear):
-            # A ReLU folded into mlp.2's cast (mods.fold_relu) is not applied here.
-            act = "none" if isinstance(self.mlp[1], FoldedRelu) else "relu"
+            second = self.mlp[2]
+            folded = isinstance(self.mlp[1], FoldedRelu) and isinstance(second, Fp8Linear)
+            # A ReLU folded into mlp.2 (mods.fold_relu) is applied by the fused op where it runs
+            # (free in its GEMM's epilogue and its backward's cast), else by mlp.2's cast.
+            in_op = not folded or first.runs_fused_norm(flat)
             with profiled("loka/mods/fused_norm_linear"):
-                h = first.forward_layernorm(flat, self.norm, activation=act)
-            out = self.mlp[2](h)
+                h = first.forward_layernorm(flat, self.norm, activation="relu" if in_op else "none")
+            out = second(h, input_relu=False) if folded and in_op else second(h)
         else:
             out = self.mlp(self.norm(flat))
         return out.view(-1, self.num_out, self.dim)

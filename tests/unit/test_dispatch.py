@@ -455,3 +455,30 @@ def test_a_folded_relu_is_charged_to_the_forward_candidates_whose_cast_does_not_
     assert d._unfolded_relu_s("plain", "forward", shape, None) == 0.0
     d.register("folded", plan=LinearPlan.high_precision(), shapes={"forward": shape})  # registered again: no ReLU
     assert d._unfolded_relu_s("folded", "forward", shape, None) == 0.0
+
+
+def test_the_charge_for_an_unfolded_relu_decides_between_close_candidates(monkeypatch) -> None:
+    """High precision 1.00, tensor-wise (Triton, folds the ReLU) 1.05, row-wise 1.02 (times
+    set): without a folded ReLU the site stays high; with one, the charge (0.1) to the
+    candidates that do not fold it makes tensor-wise the fastest."""
+    cfg = DispatchConfig(objective="speed", scalings=("tensorwise", "rowwise"), cpu_backends=("triton",),
+                         hysteresis_intervals=1, fp8_roles=("forward",), margin=0.0)
+    chosen = {}
+    for folded in (False, True):
+        probe = _probe()
+        d = Dispatcher(cfg, device="meta")  # not the CPU: the speed objective applies
+        for site in SITES:
+            d.register(site, plan=LinearPlan.high_precision(), shapes={"forward": (M, K, N)}, input_relu=folded)
+
+        def estimate(role, shape, plan, reuse=(False, False)):  # type: ignore[no-untyped-def]
+            if plan is None:
+                return 1.0
+            return 1.05 if plan.scaling is Scaling.TENSORWISE else 1.02
+
+        monkeypatch.setattr(d.timer, "estimate", estimate)
+        monkeypatch.setattr(d.timer, "relu_pass_s", lambda m, k: 0.1)
+        monkeypatch.setattr(d.timer, "folds_relu", lambda plan: plan is not None and plan.scaling is Scaling.TENSORWISE)
+        _run(probe, d, range(0, 8), False, [])
+        chosen[folded] = d.plans["a"].forward
+    assert not chosen[False].is_fp8
+    assert chosen[True].is_fp8 and chosen[True].scaling is Scaling.TENSORWISE

@@ -91,13 +91,15 @@ MIXED = LinearPlan(
 )
 
 
-def test_it_folds_only_where_the_triton_tensorwise_cast_takes_x():
+def test_it_folds_only_where_the_triton_tensorwise_cast_takes_x(monkeypatch):
     x = torch.randn(8, 32)
     assert folds_input_relu(TW, x) and folds_input_relu(MIXED, x)
     assert not folds_input_relu(LinearPlan.high_precision(), x)
     assert not folds_input_relu(LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton"), x)
     assert not folds_input_relu(LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="emulated"), x)
-    assert not folds_input_relu(TW, x, "inductor") or not torch.compiler.is_compiling()
+    assert not folds_input_relu(TW, x.t())  # a transposed view: the transposing quantizer's
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as traced code sees it
+    assert folds_input_relu(TW, x, "custom") and not folds_input_relu(TW, x, "inductor")
 
 
 @pytest.mark.parametrize("plan", [TW, MIXED, LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton")],
@@ -207,3 +209,40 @@ def test_the_probe_sees_the_relu_output_as_the_folded_site_input():
     site(x).sum().backward()
     assert torch.equal(seen["forward"], torch.relu(x.detach()))
     assert (seen["forward"] >= 0).all() and "grad_weight" in seen
+
+
+def test_rows_that_come_out_transposed_take_the_relu_first():
+    """An N-D input whose rows are a transposed view: the cast cannot read them, so the ReLU is
+    computed first (the fold is decided on the rows the Function casts): the same output and
+    gradients. (A padded call: tests/unit/test_mods_sites.py.)"""
+    torch.manual_seed(0)
+    w0 = torch.randn(24, 40)
+    x0 = torch.randn(40, 5, 6).permute(1, 2, 0)
+    outs = []
+    for folded in (True, False):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fp8_linear(x, w, None, TW, input_relu=True) if folded else fp8_linear(torch.relu(x), w, None, TW)
+        y.square().sum().backward()
+        outs.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_a_module_held_twice_is_not_folded():
+    from loka_train.mods import fold_relus
+
+    torch.manual_seed(0)
+    site = Fp8Linear.from_linear(nn.Linear(16, 16))
+    model = nn.Sequential(nn.ReLU(), site, nn.Tanh(), site)  # the second use follows no ReLU
+    x = torch.randn(8, 16)
+    want = model(x)
+    assert fold_relus(model) == [] and isinstance(model[0], nn.ReLU) and not site.input_relu
+    assert torch.equal(model(x), want)
+
+    class Custom(nn.Sequential):
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return self[2](self[1](self[0](x))) + self[0](x)
+
+    custom = Custom(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    convert(custom, config=ModsConfig(sites=["mlp"], keep_last_layer_high=False))
+    assert isinstance(custom[1], nn.ReLU)  # a forward of its own may use the ReLU's input

@@ -178,3 +178,16 @@ def test_the_report_lists_operands_the_reference_quantizer_took(tmp_path: Path, 
     lines = [f for f in cb.report(ctx)["fallbacks"] if f.startswith("kernels:")]
     assert lines == ["kernels: the reference quantizer took 2 x a rowwise operand (4, 32) with strides (32, 1) "
                      "on torch_scaled_mm (no Triton quantizer takes its shape or layout)"]
+
+
+def test_dispatch_knows_which_sites_take_a_folded_relu(tmp_path: Path) -> None:
+    """The ReLU before the second Linear folds into it (mods.fold_relu; the third Linear, the
+    logit layer, is no site): Dispatch charges its forward candidates that do not apply it,
+    and no other site's."""
+    cb, _ = _started(_config(), tmp_path)
+    assert cb.dispatcher is not None
+    folded = {name for name, site in cb.sites.items() if site.input_relu}
+    assert folded == {"2"}
+    shape = (64, 32, 16)
+    charged = {name for name in cb.sites if cb.dispatcher._unfolded_relu_s(name, "forward", shape, None) > 0}
+    assert charged == folded

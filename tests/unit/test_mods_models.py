@@ -481,3 +481,43 @@ def test_every_site_operand_takes_a_triton_quantizer(kind: str, scaling: str) ->
     assert torch.isfinite(out["loss"])
     after = kernels_linear.reference_fallbacks()
     assert {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)} == {}
+
+
+def test_wukong_without_folded_relus_is_identical_too(originals: dict) -> None:
+    """mods.fold_relu off (the ReLU modules stay): the high-precision model is bit-identical,
+    with and without the fused LayerNorm op."""
+    original, ref = originals["wukong"]
+    for fused in (False, True):
+        model, _ = convert_copy(original, **{**ALL_OFF, "fused_norm_quant": fused, "fold_relu": False})
+        assert not any(getattr(s, "input_relu", False) for s in sites(model).values())
+        got = run_step(model)
+        for key, value in ref.items():
+            assert torch.equal(got[key], value), (fused, key)
+
+
+@pytest.mark.parametrize("mlp0_scaling", ["rowwise", "tensorwise"])
+def test_a_folded_fm_relu_trains_like_the_relu_module(mlp0_scaling: str, originals: dict) -> None:
+    """The FM MLP's ReLU folded into mlp.2 (tensor-wise on the Triton quantizer): with mlp.0's
+    forward row-wise the fused LayerNorm op runs and applies the ReLU itself (mlp.2 then does
+    not), with it tensor-wise the separate modules run and mlp.2's cast applies it; either way
+    the step is the unfolded one, bit for bit."""
+    from loka_train.kernels import GemmPlan, Scaling
+
+    original, _ = originals["wukong"]
+    first = LinearPlan(forward=GemmPlan(precision="fp8", scaling=Scaling(mlp0_scaling), backend="triton"))
+    second = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
+    got = []
+    for fold in (True, False):
+        model, _ = convert_copy(original, **{**ALL_OFF, "fused_norm_quant": True, "fold_relu": fold})
+        for name, site in sites(model).items():
+            site.set_plan(first if name.endswith("fmb.mlp.0") else second if name.endswith("fmb.mlp.2") else HIGH)
+        mlp0 = next(s for n, s in sites(model).items() if n.endswith("fmb.mlp.0"))
+        assert isinstance(mlp0, Fp8Linear)
+        batch = dataset().batch(0)
+        assert fold == any(getattr(s, "input_relu", False) for s in sites(model).values())
+        got.append(run_step(model))
+        if fold:
+            flat = torch.randn(batch.dense_features.shape[0], mlp0.in_features)
+            assert mlp0.runs_fused_norm(flat) == (mlp0_scaling == "rowwise")
+    for key, value in got[1].items():
+        assert torch.equal(got[0][key], value), key

@@ -169,6 +169,22 @@ def strict16() -> Iterator[LinearPlan]:
         yield LinearPlan.fp8(backend=_Strict16.name)
 
 
+def test_a_padded_call_takes_the_folded_relu_first(strict16: LinearPlan) -> None:
+    """A padded FP8 call cannot fold the ReLU into its cast: it computes it first, the same
+    output and gradients as the ReLU module before the layer."""
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(30, 40), torch.randn(24, 40)
+    outs = []
+    for folded in (True, False):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = planned_linear(x if folded else torch.relu(x), w, None, strict16, pad_to_multiple=16, input_relu=folded)
+        y.square().sum().backward()
+        outs.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert not torch.equal(outs[0][0], planned_linear(x0, w0, None, strict16, pad_to_multiple=16))
+
+
 def test_padding_is_exact_and_transparent(strict16: LinearPlan) -> None:
     gen = torch.Generator().manual_seed(2)
     m, k, n = 21, 13, 7
