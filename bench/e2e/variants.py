@@ -193,6 +193,13 @@ scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dyna
 keeps each ReLU a pass of its own instead of folding it into the next site's FP8 cast: what the
 folding gains."""
 
+LOKA_OVERRIDE_SUFFIXES = {
+    "static": (", static tensor-wise scales", "loka.mods.static_scales=true"),
+    "dynamic": (", dynamic tensor-wise scales", "loka.mods.static_scales=false"),
+    "nofold": (", ReLUs not folded into the casts", "loka.mods.fold_relu=false"),
+}
+"""LoKA suffixes that add one override to the preset: what the description says, the override."""
+
 REFERENCE_SUFFIXES = ("compile", "graphs", "pageable")
 """The suffixes that bf16 shares with a variant in the same-settings comparison."""
 
@@ -230,27 +237,13 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
             if "graphs" not in suffixes or v.loka == "off":
                 raise SystemExit(f"--variants: {name}: '+replaysampled' is for LoKA variants with '+graphs'")
             v = replace(v, description=v.description + ", sampled steps replayed", replay_sampled=True)
-        if "static" in suffixes:
-            if v.loka == "off":
-                raise SystemExit(f"--variants: {name}: '+static' is for LoKA variants")
-            v = replace(
-                v, description=v.description + ", static tensor-wise scales",
-                loka_overrides=(*v.loka_overrides, "loka.mods.static_scales=true"),
-            )
-        if "dynamic" in suffixes:
-            if v.loka == "off" or "static" in suffixes:
-                raise SystemExit(f"--variants: {name}: '+dynamic' is for LoKA variants without '+static'")
-            v = replace(
-                v, description=v.description + ", dynamic tensor-wise scales",
-                loka_overrides=(*v.loka_overrides, "loka.mods.static_scales=false"),
-            )
-        if "nofold" in suffixes:
-            if v.loka == "off":
-                raise SystemExit(f"--variants: {name}: '+nofold' is for LoKA variants")
-            v = replace(
-                v, description=v.description + ", ReLUs not folded into the casts",
-                loka_overrides=(*v.loka_overrides, "loka.mods.fold_relu=false"),
-            )
+        if "dynamic" in suffixes and "static" in suffixes:
+            raise SystemExit(f"--variants: {name}: '+dynamic' and '+static' exclude each other")
+        for suffix, (what, override) in LOKA_OVERRIDE_SUFFIXES.items():
+            if suffix in suffixes:
+                if v.loka == "off":
+                    raise SystemExit(f"--variants: {name}: '+{suffix}' is for LoKA variants")
+                v = replace(v, description=v.description + what, loka_overrides=(*v.loka_overrides, override))
         out.append(replace(v, name=canonical_name(name)))
     if len({v.name for v in out}) != len(out):
         raise SystemExit(f"--variants: duplicates in {names}")

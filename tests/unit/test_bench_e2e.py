@@ -699,6 +699,17 @@ def test_dynamic_suffix_turns_static_scales_off_and_shares_the_decision() -> Non
             resolve_variants([bad], "emulated")
 
 
+def test_nofold_suffix_turns_the_relu_fold_off_and_shares_the_decision() -> None:
+    from bench.e2e.protocol import decision_key
+    from bench.e2e.variants import resolve_variants
+
+    aggr, nofold = resolve_variants(["loka_aggressive+graphs", "loka_aggressive+graphs+nofold"], "emulated")
+    assert nofold.loka_overrides == ("loka.mods.fold_relu=false",) and "not folded" in nofold.description
+    assert decision_key("wukong", 64, 0, aggr) == decision_key("wukong", 64, 0, nofold)
+    with pytest.raises(SystemExit, match="nofold"):
+        resolve_variants(["bf16+nofold"], "emulated")
+
+
 def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: Path) -> None:
     args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
             "--no-profile", "--variants", "loka_aggressive,loka_aggressive+static", "--repeats", "2",
