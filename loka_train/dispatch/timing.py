@@ -303,8 +303,8 @@ class GemmTimer:
         """Seconds of a ReLU pass over an ``(m, k)`` activation in the sites' compute dtype (a
         read and a write at the cost model's bandwidth, plus a launch): what a forward candidate
         pays that does not apply a folded ReLU in its cast. From the roofline in every timing
-        mode, so that every rank adds the same (measured, a 32768 x 4096 bf16 ReLU took 176 us
-        on an H100, the roofline says 196)."""
+        mode, so that every rank adds the same (a 32768 x 4096 bf16 ReLU took 176 us on an H100,
+        bench/results/fold_relu_h100-h200_2026-11-26/call2/producer.txt; the roofline says 196)."""
         elem = torch.finfo(self.out_dtype).bits // 8  # the sites' compute dtype
         return 2.0 * elem * m * k / self.cost_model.bandwidth + self.cost_model.launch_s
 

@@ -4,7 +4,7 @@ A linear layer over ``x_BDN = x_BND.transpose(1, 2)`` (Wukong's projections of `
 GEMMs on the rows ``(B * D, N)``, which no view of ``x_BND`` gives: they must be copied. Traced
 as ``x.to(dtype).reshape(-1, N)``, inductor wrote that copy element by element with strided
 reads (1.39 ms a step for Wukong's first layer, 32768 x 128 x 27 fp32 to bf16, on an H100,
-against about 0.25 ms for the bytes it moves). Here each program loads a ``(BLOCK_N, BLOCK_D)``
+against about 0.25 ms for the bytes it moves; bench/results/fold_relu_h100-h200_2026-11-26/NOTES.md). Here each program loads a ``(BLOCK_N, BLOCK_D)``
 tile of one ``x_BND[b]`` along ``D`` (contiguous) and stores it transposed into the rows, where
 the ``(D, N)`` block of one batch is contiguous: both sides coalesced.
 
