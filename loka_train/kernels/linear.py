@@ -642,9 +642,9 @@ def _planned_linear_impl(
 
 def _bias_grad(attrs: Mapping[str, Any], grad_y: Tensor) -> Tensor:
     """The bias gradient as ``_PlannedLinearFn.backward`` computes it (``dY`` summed over its
-    rows in the compute dtype), as code the compiled backward traces: inductor fuses the sum
-    into the pass that produces ``dY`` (a ReLU's backward), where the op would run it as a
-    reduction of its own, one more read of ``dY``. The op still adds the bias in its forward
+    rows in the compute dtype), as code the compiled backward traces: inductor can fuse the
+    sum into the pass that produces ``dY``, where the op would run it as a reduction of its
+    own, one more read of ``dY``. The op still adds the bias in its forward
     GEMM's epilogue."""
     cdtype, b_dtype = attrs["cdtype"], attrs["dtypes"][2]
     # dtype given: the compiled backward is traced under the forward's autocast, where CUDA
@@ -664,10 +664,8 @@ def folds_input_relu(plan: LinearPlan, x: Tensor, compiled_quantizer: str = "cus
     (the forward is FP8 and the Triton tensor-wise quantizer takes ``x``; not in code traced
     for inductor to quantize), rather than computing ``torch.relu(x)`` first."""
     fwd = plan.forward
-    return (
-        fwd.is_fp8
-        and x.ndim >= 1
-        and use_tensorwise_quantizer(fwd, x, fwd.fmt, reference_quantizer=inductor_quantizes(compiled_quantizer))
+    return fwd.is_fp8 and use_tensorwise_quantizer(
+        fwd, x, fwd.fmt, reference_quantizer=inductor_quantizes(compiled_quantizer)
     )
 
 

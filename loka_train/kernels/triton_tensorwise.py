@@ -206,8 +206,9 @@ def _cast_kernel(
     FMA_DIV: tl.constexpr,
     RELU: tl.constexpr,
 ):
-    """The cast of one block a program (of ``x`` through a ReLU with ``RELU``, :func:`_input`); ``STORE_AMAX`` also stores the block's amax (the
-    static-scale pass reads ``x`` once for both); ``GATED`` (the static-scale recast, launched on
+    """The cast of one block a program (of ``x`` through a ReLU with ``RELU``, :func:`_input`);
+    ``STORE_AMAX`` also stores the block's amax (the static-scale pass reads ``x`` once for
+    both); ``GATED`` (the static-scale recast, launched on
     few programs) runs only where ``gate`` holds 1, each program looping over every
     ``num_programs``-th block."""
     if GATED:
@@ -340,7 +341,7 @@ def _scale(x: Tensor, fmt_: Any, relu: bool = False) -> Tensor:
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
         _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8, RELU=relu)
     else:  # rows apart (_checked allows it for the two-layout cast only)
-        num_blocks = _cdiv(x.shape[0], _TILE_R) * _cdiv(x.shape[1], _TILE_C)
+        num_blocks = _num_programs(x, True)
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
         _amax_partial_rows_kernel[(num_blocks,)](
             x, partial, x.shape[0], x.shape[1], x.stride(0), BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,

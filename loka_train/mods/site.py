@@ -440,12 +440,18 @@ class Fp8Linear(GemmSite, nn.Linear):
         applied in the GEMM's epilogue and its backward's cast) rather than the separate
         modules: a forward the LayerNorm kernel quantizes, at a shape that needs no padding of
         ``K`` or ``M``."""
-        plan = self.plan
-        if not fuses_quantizer(plan.forward, x, inductor_quantizes(self.compiled_quantizer)):
-            return False
+        return self._norm_quantized(x) and self._fused_norm_padding(x) is not None
+
+    def _norm_quantized(self, x: Tensor) -> bool:
+        """Whether the LayerNorm kernel quantizes this forward's input (``kernels.fused``)."""
+        return fuses_quantizer(self.plan.forward, x, inductor_quantizes(self.compiled_quantizer))
+
+    def _fused_norm_padding(self, x: Tensor) -> tuple[int, int, int] | None:
+        """The fused op's padding of ``(M, K, N)`` at ``x`` (only ``N`` can be padded), or None
+        where its backend would need ``K`` or ``M`` padded."""
         k, n = self.in_features, self.out_features
         m = x.numel() // k if k else 0
-        return fp8_padding(plan, m, k, n, self.pad_to_multiple, x.device.type, _compute_dtype(x), True) is not None
+        return fp8_padding(self.plan, m, k, n, self.pad_to_multiple, x.device.type, _compute_dtype(x), True)
 
     def forward_layernorm(self, x: Tensor, norm: nn.LayerNorm, *, activation: str = "relu") -> Tensor:
         """``act(self(norm(x)))`` as one fused op: with a row-wise FP8 forward on a backend
@@ -477,7 +483,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
-        if not fuses_quantizer(plan.forward, x, inductor_quantizes(self.compiled_quantizer)):
+        if not self._norm_quantized(x):
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
             # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site. Under
@@ -490,17 +496,15 @@ class Fp8Linear(GemmSite, nn.Linear):
             return _act(self(norm(x)), activation)
         m = x.numel() // k if k else 0
         n = self.out_features
-        pad_n = 0
-        if any_fp8(plan):
-            pad = fp8_padding(plan, m, k, n, self.pad_to_multiple, x.device.type, _compute_dtype(x), True)
-            if pad is None:
-                self._fallback(
-                    "fused_norm_pad",
-                    f"the backend needs K={k} or M={m} padded, which the fused LayerNorm op cannot do; "
-                    "running LayerNorm and the padded FP8 Linear separately",
-                )
-                return _act(self(norm(x)), activation)
-            pad_n = pad[2]
+        pad = self._fused_norm_padding(x)  # the forward is FP8 here: the LayerNorm kernel quantizes it
+        if pad is None:
+            self._fallback(
+                "fused_norm_pad",
+                f"the backend needs K={k} or M={m} padded, which the fused LayerNorm op cannot do; "
+                "running LayerNorm and the padded FP8 Linear separately",
+            )
+            return _act(self(norm(x)), activation)
+        pad_n = pad[2]
         self._set_mkn((m, k, n))
         weight, bias = self.weight, self._active_bias()
         if pad_n:
