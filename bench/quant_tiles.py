@@ -10,12 +10,8 @@ kernel moves at least: its reads of the bf16 input (two for a dynamic scale, one
 scale that fits, two for a recast) and its writes of the FP8 payloads.
 
     python -m bench.quant_tiles --out DIR [--m 32768] [--ks 4096,2048,512] [--no-sweep] [--contexts]
-    python -m bench.quant_tiles --best DIR/quant_tiles.json   # prints "ROWS COLS WARPS GROUP" of
-                                                              # the fastest configuration at the largest K
-
-A configuration is a tile (rows x columns), the warps of its program and how many tiles, one
-under the other, one program casts (``triton_tensorwise._TILE_GROUP``: the static-scale cast
-then reduces its amax once for all of them).
+    python -m bench.quant_tiles --best DIR/quant_tiles.json   # prints "ROWS COLS WARPS" of the
+                                                              # fastest configuration at the largest K
 """
 
 from __future__ import annotations
@@ -28,9 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-CONFIGS = [(r, c, w, 1) for (r, c), w in itertools.product(((32, 128), (64, 64), (64, 128), (128, 64), (128, 128)), (4, 8))]
-CONFIGS += [(r, c, w, g) for (r, c), w, g in itertools.product(((32, 128), (64, 64), (32, 64)), (4, 8), (2, 4))]
-"""(rows, columns, warps, tiles a program) of the two-layout cast."""
+CONFIGS = [(r, c, w) for (r, c), w in itertools.product(((32, 128), (64, 64), (64, 128), (128, 64), (128, 128)), (4, 8))]
+"""(rows, columns, warps) of one program of the two-layout cast."""
 
 
 def _bench_static(x: Any, row: Callable[[str, float, int], None]) -> None:
@@ -136,11 +131,10 @@ def _bench_k(m: int, k: int, rows: list[dict], sweep: bool = True) -> None:
     row("tensorwise (one layout)", do_bench(lambda: tt.tensorwise_quant(x)) * 1e3, 5 * n)
     row("transposed tensorwise (amax given)", do_bench(lambda: tb.transposed_quant(x, amax=amax)) * 1e3, 3 * n)
     _bench_static(x, row)
-    defaults = (tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS, tt._TILE_GROUP)
-    for tile_r, tile_c, warps, group in CONFIGS if sweep else [defaults]:
-        config = f"{tile_r}x{tile_c}, {warps} warps, {group} tiles a program"
-        name = f"both layouts {config}"
-        tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS, tt._TILE_GROUP = tile_r, tile_c, warps, group
+    defaults = (tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS)
+    for tile_r, tile_c, warps in CONFIGS if sweep else [defaults]:
+        name = f"both layouts {tile_r}x{tile_c}, {warps} warps"
+        tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS = tile_r, tile_c, warps
         try:
             q, s, q_t = tt.tensorwise_quant_both(x)
             same = (torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
@@ -157,31 +151,27 @@ def _bench_k(m: int, k: int, rows: list[dict], sweep: bool = True) -> None:
                 if not (sq_t is not None and torch.equal(sq.view(torch.uint8), rq.view(torch.uint8))
                         and torch.equal(sscale, rs) and float(slot[ss.FALLBACKS]) == 0
                         and torch.equal(sq_t.view(torch.uint8), rq.t().contiguous().view(torch.uint8))):
-                    raise AssertionError(f"static {config}: payload differs from the reference")
-                row(f"static {config}",
+                    raise AssertionError(f"static {tile_r}x{tile_c}, {warps} warps: payload differs from the reference")
+                row(f"static {tile_r}x{tile_c}, {warps} warps",
                     do_bench(lambda slot=slot: tt.tensorwise_quant_static(x, slot, both=True)) * 1e3, 4 * n)
         except Exception as exc:  # a configuration that fails is reported, not fatal
             rows.append({"m": m, "k": k, "kernel": name, "error": f"{type(exc).__name__}: {exc}"})
         finally:
-            tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS, tt._TILE_GROUP = defaults
+            tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS = defaults
 
 
-_SWEEP_ROW = re.compile(r"(both layouts|static) (\d+)x(\d+), (\d+) warps(?:, (\d+) tiles a program)?")
-"""The name of a tile sweep's row (``--contexts`` rows are named otherwise); results written
-before tiles were grouped name no group (one tile a program)."""
+_SWEEP_ROW = re.compile(r"both layouts (\d+)x(\d+), (\d+) warps")
+"""The name of a tile sweep's row (``--contexts`` rows are named otherwise)."""
 
 
-def best_config(rows: list[dict], kind: str = "both layouts") -> tuple[int, int, int, int]:
-    """(rows, columns, warps, tiles a program) of the fastest two-layout configuration at the
-    largest K timed: of the dynamic-scale cast (``kind`` "both layouts") or the static one
-    ("static")."""
+def best_config(rows: list[dict]) -> tuple[int, int, int]:
+    """(rows, columns, warps) of the fastest two-layout configuration at the largest K timed."""
     k = max(r["k"] for r in rows)
-    timed = [(r, m) for r in rows if r["k"] == k and "us" in r and (m := _SWEEP_ROW.fullmatch(r["kernel"]))
-             and m[1] == kind]
+    timed = [(r, m) for r in rows if r["k"] == k and "us" in r and (m := _SWEEP_ROW.fullmatch(r["kernel"]))]
     if not timed:
-        raise SystemExit(f"no two-layout configuration ({kind}) was timed at K={k}")
+        raise SystemExit(f"no two-layout configuration was timed at K={k}")
     _, best = min(timed, key=lambda rm: rm[0]["us"])
-    return int(best[2]), int(best[3]), int(best[4]), int(best[5] or 1)
+    return int(best[1]), int(best[2]), int(best[3])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,8 +181,6 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--best", type=Path, metavar="JSON", help="print the fastest configuration of a result")
-    ap.add_argument("--best-kind", default="both layouts", choices=("both layouts", "static"),
-                    help="with --best: the dynamic-scale cast's configurations or the static one's")
     ap.add_argument("--m", type=int, default=32768)
     ap.add_argument("--ks", default="4096,2048,512")
     ap.add_argument("--no-sweep", action="store_true", help="only the default tile of the two-layout cast")
@@ -200,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="also the two-layout cast per data kind and format, alone and after a GEMM")
     args = ap.parse_args(argv)
     if args.best is not None:
-        print(*best_config(json.loads(args.best.read_text())["rows"], args.best_kind))
+        print(*best_config(json.loads(args.best.read_text())["rows"]))
         return
     if args.out is None:
         ap.error("--out is required")

@@ -64,8 +64,6 @@ _TILE_C = 128
 """Columns of one program of the cast that writes both layouts."""
 _BOTH_WARPS = 8
 """Warps of one program of the cast that writes both layouts."""
-_TILE_GROUP = 1
-"""Tiles, one under the other, that one program of the cast that writes both layouts casts."""
 _RECAST_PROGRAMS = 1024
 """Programs of the static-scale recast (each loops over tiles; all exit at once when the gate is 0)."""
 
@@ -250,7 +248,6 @@ def _cast_both_kernel(
     FP8_MAX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    GROUP_R: tl.constexpr,
     Q_MANT: tl.constexpr,
     Q_SUB_MAGIC: tl.constexpr,
     Q_MIN_NORMAL: tl.constexpr,
@@ -260,40 +257,31 @@ def _cast_both_kernel(
     ROWS_APART: tl.constexpr,
     RELU: tl.constexpr,
 ):
-    """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input, stored as they are into
-    ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX``, ``GATED`` and ``FMA_DIV`` as there.
-    A program casts ``GROUP_R`` tiles, one under the other (the column block of ``GROUP_R *
-    BLOCK_R`` rows), and keeps their elementwise amax in registers: one reduction a program
-    for the amax it stores. The input's rows lie ``stride_r`` elements apart with
+    """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input (row-major tile order),
+    stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX``, ``GATED``
+    and ``FMA_DIV`` as there. The input's rows lie ``stride_r`` elements apart with
     ``ROWS_APART``, else ``C`` (contiguous: one address for the load and the store, which the
     contiguous cast measured faster with)."""
     tiles_c = tl.cdiv(C, BLOCK_C)
     if GATED:
         if tl.load(gate_ptr) != 0:
             for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
-                _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, t // tiles_c, t % tiles_c,
-                                FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV,
+                _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
+                                FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, FMA_DIV,
                                 ROWS_APART, RELU)
     else:
-        pid = tl.program_id(0)
-        acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-        for i in tl.static_range(GROUP_R):
-            ax = _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, (pid // tiles_c) * GROUP_R + i,
-                                 pid % tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL,
-                                 FMA_DIV, ROWS_APART, RELU)
-            acc = tl.maximum(acc, ax, propagate_nan=tl.PropagateNan.ALL)
-        if STORE_AMAX:
-            tl.store(partial_ptr + pid, _tile_amax(acc))
+        _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, tl.program_id(0),
+                        tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV,
+                        ROWS_APART, RELU)
 
 
 @triton.jit
-def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, tile_r, tile_c,
+def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
                     FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
-                    Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, FMA_DIV: tl.constexpr,
-                    ROWS_APART: tl.constexpr, RELU: tl.constexpr):
-    """Casts the tile (``tile_r``, ``tile_c``); returns its ``|x|`` (0 outside the input)."""
-    rows = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)
+                    Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
+                    FMA_DIV: tl.constexpr, ROWS_APART: tl.constexpr, RELU: tl.constexpr):
+    rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     # x's rows may lie apart (a slice of a concatenation's gradient); the payloads are contiguous.
     offs = rows[:, None].to(tl.int64) * C + cols[None, :]
@@ -306,7 +294,8 @@ def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, tile_r, til
     tl.store(q_ptr + offs, q, mask=mask)
     # The compiler routes the tile through shared memory: both stores are coalesced.
     tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
-    return tl.abs(x)
+    if STORE_AMAX:
+        tl.store(partial_ptr + t, _tile_amax(x))
 
 
 @triton.jit
@@ -352,7 +341,7 @@ def _scale(x: Tensor, fmt_: Any, relu: bool = False) -> Tensor:
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
         _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8, RELU=relu)
     else:  # rows apart (_checked allows it for the two-layout cast only)
-        num_blocks = _num_tiles(x)
+        num_blocks = _num_programs(x, True)
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
         _amax_partial_rows_kernel[(num_blocks,)](
             x, partial, x.shape[0], x.shape[1], x.stride(0), BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
@@ -391,17 +380,17 @@ def _cast(
     unused = scale  # a pointer the kernel does not read when its flag is off
     p = unused if partial is None else partial
     g = unused if gate is None else gate
-    num_programs = _num_programs(x, q_t is not None)
+    num_tiles = _num_programs(x, q_t is not None)
     # The recast runs on few programs that loop over the tiles: most of the time the gate is 0,
     # and a full grid of programs that only read it would cost a launch of its own.
-    grid = (min(num_programs, _RECAST_PROGRAMS) if gate is not None else num_programs,)
+    grid = (min(num_tiles, _RECAST_PROGRAMS) if gate is not None else num_tiles,)
     if q_t is None:
         _cast_kernel[grid](x, scale, q, x.numel(), p, g, BLOCK=_BLOCK, num_warps=8, **common)
     else:
         r, c = x.shape
         _cast_both_kernel[grid](
-            x, scale, q, q_t, r, c, x.stride(0), p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, GROUP_R=_TILE_GROUP,
-            num_warps=_BOTH_WARPS, ROWS_APART=not x.is_contiguous(), **common,
+            x, scale, q, q_t, r, c, x.stride(0), p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
+            ROWS_APART=not x.is_contiguous(), **common,
         )
 
 
@@ -429,16 +418,10 @@ def _transpose_payload(x: Tensor, q: Tensor, q_t: Tensor) -> None:
 
 
 def _num_programs(x: Tensor, both: bool) -> int:
-    """Programs of one cast pass: groups of tiles of the two-layout kernel with ``both``, else
-    blocks."""
+    """Programs of one cast pass: tiles of the two-layout kernel with ``both``, else blocks."""
     if both:
-        return _cdiv(_cdiv(x.shape[0], _TILE_R), _TILE_GROUP) * _cdiv(x.shape[1], _TILE_C)
+        return _cdiv(x.shape[0], _TILE_R) * _cdiv(x.shape[1], _TILE_C)
     return _cdiv(x.numel(), _BLOCK)
-
-
-def _num_tiles(x: Tensor) -> int:
-    """Tiles of the two-layout kernel's shape over ``x``."""
-    return _cdiv(x.shape[0], _TILE_R) * _cdiv(x.shape[1], _TILE_C)
 
 
 def _checked_2d(x: Tensor, what: str) -> None:

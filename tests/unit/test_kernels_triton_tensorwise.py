@@ -89,11 +89,9 @@ def test_opcheck():
 # ------------------------------------------------------------------ both layouts in one pass
 
 
-@pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_both_layouts_are_the_reference_payload_and_its_transpose(fmt, dtype, group, monkeypatch):
-    monkeypatch.setattr(tt, "_TILE_GROUP", group)  # 3 row tiles: a group past the last row
+def test_both_layouts_are_the_reference_payload_and_its_transpose(fmt, dtype, monkeypatch):
     monkeypatch.setattr(tt, "_TILE_R", 16)  # ragged tiles in both dims
     monkeypatch.setattr(tt, "_TILE_C", 8)
     monkeypatch.setattr(tt, "_BLOCK", 256)
