@@ -58,12 +58,15 @@ _BLOCK = 8192
 _FINAL_BLOCK = 1024
 """Partial amaxes the finishing program reads per iteration."""
 _TILE_R = 32
-"""Rows of one program of the cast that writes both layouts (the fastest of the ten
-configurations ``python -m bench.quant_tiles`` times on an H100, within 3% of 64 x 64)."""
+"""Rows of one program of the cast that writes both layouts. With ``_TILE_C`` and
+``_BOTH_WARPS``: of the configurations ``python -m bench.quant_tiles`` times on an H100, within
+3% of the fastest static-scale cast (64 x 128, 4 warps) and of the fastest dynamic one of one
+tile a program (64 x 64, 4 warps)."""
 _TILE_C = 128
 """Columns of one program of the cast that writes both layouts."""
-_BOTH_WARPS = 8
-"""Warps of one program of the cast that writes both layouts."""
+_BOTH_WARPS = 4
+"""Warps of one program of the cast that writes both layouts (8 made the static-scale cast 15%
+slower at 32768 x 4096 and 32768 x 2048 on an H100)."""
 _RECAST_PROGRAMS = 1024
 """Programs of the static-scale recast (each loops over tiles; all exit at once when the gate is 0)."""
 

@@ -107,6 +107,26 @@ def test_a_non_finite_tensor_recasts_with_a_nan_scale_and_keeps_the_slot_scale()
     assert float(slot[ss.SCALE]) == seeded and ss.fallbacks(slot) == [1]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("row", [5, 20, 36], ids=["first_tile", "second_tile", "last_tile"])
+def test_a_non_finite_value_in_any_tile_recasts_the_two_layouts(bad, row, monkeypatch):
+    """The two-layout cast reduces its amax tile by tile: a NaN or an infinity in any tile
+    makes the tensor's amax infinite (NaN scale, a counted recast, the slot kept), as the
+    reference's."""
+    monkeypatch.setattr(tt, "_TILE_R", 8)
+    monkeypatch.setattr(tt, "_TILE_C", 16)
+    x = torch.randn(37, 40).to(torch.bfloat16)
+    slot, ref_slot = _slot(), _slot()
+    tt.tensorwise_quant_static(x, slot, both=True)
+    ss.quantize_static_reference(x, ref_slot, E4M3)
+    x[row, 17] = bad
+    q, scale, q_t = tt.tensorwise_quant_static(x, slot, both=True)
+    _, rs = ss.quantize_static_reference(x, ref_slot, E4M3)
+    assert torch.isnan(scale) and torch.isnan(rs) and torch.equal(slot, ref_slot) and ss.fallbacks(slot) == [1]
+    # Every value dequantizes to NaN (the interpreter converts NaN to another code than the CPU).
+    assert torch.isnan(q.float() * scale).all() and torch.isnan(q_t.float() * scale).all()
+
+
 def test_an_unset_slot_is_seeded_without_a_count_and_an_empty_tensor_leaves_it():
     slot = _slot()
     q, scale, _ = tt.tensorwise_quant_static(torch.zeros(0, 8), slot)
