@@ -8,12 +8,6 @@ against about 0.25 ms for the bytes it moves; bench/results/fold_relu_h100-h200_
 tile of one ``x_BND[b]`` along ``D`` (contiguous) and stores it transposed into the rows, where
 the ``(D, N)`` block of one batch is contiguous: both sides coalesced.
 
-The rows are written :func:`row_stride` elements apart: ``N`` rounded up to 16 bytes. cuBLAS
-picks its GEMM kernels by the alignment of the leading dimension, and a high-precision GEMM
-over rows 27 wide (``N`` of Wukong's first layer, 54 bytes in bf16) ran on an
-``align1`` kernel (0.46 ms a step for ``xt_proj``'s grad-weight on an H100); the padding is
-never written nor read.
-
 The op's gradient is the rows' gradient viewed back as ``(B, D, N)`` (a view: no copy).
 
 Example:
@@ -32,7 +26,7 @@ from torch import Tensor
 
 from loka_train.kernels.triton_kernels import _check_runnable
 
-__all__ = ["is_batch_transposed", "row_stride", "transposed_rows"]
+__all__ = ["is_batch_transposed", "transposed_rows"]
 
 _BLOCK_D = 64
 """Columns of ``x_BND`` (rows of the output) one program moves."""
@@ -46,22 +40,15 @@ def is_batch_transposed(x: Tensor) -> bool:
     return x.ndim == 3 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
 
 
-def row_stride(n: int, dtype: torch.dtype) -> int:
-    """Elements between two of :func:`transposed_rows`' rows of ``n`` elements of ``dtype``:
-    ``n`` rounded up to a multiple of 16 bytes."""
-    per_16_bytes = max(1, 16 // dtype.itemsize)
-    return -(-n // per_16_bytes) * per_16_bytes
-
-
 @triton.jit
-def _transposed_rows_kernel(x_ptr, out_ptr, D, N, NS, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _transposed_rows_kernel(x_ptr, out_ptr, D, N, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (n[:, None] < N) & (d[None, :] < D)
-    tile = tl.load(x_ptr + b * N * D + n[:, None] * D + d[None, :], mask=mask)  # (BLOCK_N, BLOCK_D) of x_BND[b]
-    # Batch b's D rows of the output, NS elements apart.
-    tl.store(out_ptr + b * D * NS + d[None, :] * NS + n[:, None], tile.to(out_ptr.dtype.element_ty), mask=mask)
+    base = b * N * D  # x_BND[b] and the output's (D, N) block of batch b start at the same offset
+    tile = tl.load(x_ptr + base + n[:, None] * D + d[None, :], mask=mask)  # (BLOCK_N, BLOCK_D)
+    tl.store(out_ptr + base + d[None, :] * N + n[:, None], tile.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _transposed_rows_impl(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -71,19 +58,13 @@ def _transposed_rows_impl(x: Tensor, dtype: torch.dtype) -> Tensor:
             f"with strides {x.stride()}"
         )
     _check_runnable(x)
-    out = _empty_rows(x, dtype)
+    b, d, n = x.shape
+    out = torch.empty((b * d, n), device=x.device, dtype=dtype)
     if out.numel():
-        b, d, n = x.shape
         block_n = min(_MAX_BLOCK_N, triton.next_power_of_2(n))
         grid = (b, triton.cdiv(d, _BLOCK_D), triton.cdiv(n, block_n))
-        _transposed_rows_kernel[grid](x, out, d, n, out.stride(0), BLOCK_D=_BLOCK_D, BLOCK_N=block_n, num_warps=4)
+        _transposed_rows_kernel[grid](x, out, d, n, BLOCK_D=_BLOCK_D, BLOCK_N=block_n, num_warps=4)
     return out
-
-
-def _empty_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The ``(B * D, N)`` output of ``x = x_BDN``, its rows :func:`row_stride` apart."""
-    b, d, n = x.shape
-    return torch.empty_strided((b * d, n), (row_stride(n, dtype), 1), device=x.device, dtype=dtype)
 
 
 @torch.library.custom_op("loka::transposed_rows", mutates_args=())
@@ -93,7 +74,8 @@ def _transposed_rows_op(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 @_transposed_rows_op.register_fake
 def _transposed_rows_fake(x: Tensor, dtype: torch.dtype) -> Tensor:
-    return _empty_rows(x, dtype)
+    b, d, n = x.shape
+    return x.new_empty((b * d, n), dtype=dtype)
 
 
 def _setup_context(ctx: object, inputs: tuple[Tensor, torch.dtype], output: Tensor) -> None:
@@ -111,8 +93,7 @@ _transposed_rows_op.register_autograd(_backward, setup_context=_setup_context)
 
 def transposed_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x.to(dtype).reshape(-1, N)`` of ``x = x_BND.transpose(1, 2)`` (:func:`is_batch_transposed`)
-    in one coalesced pass: the ``(B * D, N)`` rows, :func:`row_stride` elements apart (contiguous
-    where ``N`` fills 16-byte multiples), bit for bit that copy.
+    in one coalesced pass: the ``(B * D, N)`` rows, contiguous, bit for bit that copy.
     Differentiable (the gradient is the rows' viewed back).
 
     Raises:
