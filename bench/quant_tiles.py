@@ -9,7 +9,7 @@ Each configuration's output is checked bit for bit against the one-layout quanti
 kernel moves at least: its reads of the bf16 input (two for a dynamic scale, one for a static
 scale that fits, two for a recast) and its writes of the FP8 payloads.
 
-    python -m bench.quant_tiles --out DIR [--m 32768] [--ks 4096,2048,512] [--no-sweep] [--contexts]
+    python -m bench.quant_tiles --out DIR [--m 32768] [--ks 4096,2048,512] [--no-sweep] [--contexts] [--rowwise]
     python -m bench.quant_tiles --best DIR/quant_tiles.json   # prints "ROWS COLS WARPS" of the
                                                               # fastest configuration at the largest K
 """
@@ -160,6 +160,45 @@ def _bench_k(m: int, k: int, rows: list[dict], sweep: bool = True) -> None:
             tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS = defaults
 
 
+ROWWISE_CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 8), (4, 16)]
+"""(rows, warps) of one program of the row-wise quantizer (``loka::rowwise_quant``) that
+``--rowwise`` times; the kernel holds whole rows."""
+
+
+def _bench_rowwise(m: int, k: int, rows: list[dict]) -> None:
+    """The row-wise quantizer per launch configuration, on a plain bf16 ``x`` and with the
+    ReLU-backward gate (``dZ = dY * (Y > 0)``), each checked bit for bit against the default
+    configuration's output before it is timed."""
+    import torch
+    from triton.testing import do_bench
+
+    from loka_train.kernels import triton_kernels as tk
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    default = tk._quant_launch_params
+    runs = {"plain": lambda: tk.fused_rowwise_quant(x), "gated": lambda: tk.fused_rowwise_quant(x, gate=gate)}
+    refs = {name: run()[:2] for name, run in runs.items()}
+    block_k = tk._next_pow2(k)
+    for block_m, warps in ROWWISE_CONFIGS:
+        tk._quant_launch_params = lambda k_, bm=block_m, w=warps: (bm, tk._next_pow2(k_), w)
+        try:
+            for name, run in runs.items():
+                label = f"row-wise {name} {block_m}x{block_k}, {warps} warps"
+                try:
+                    q, scale = run()[:2]
+                    if not (torch.equal(q.view(torch.uint8), refs[name][0].view(torch.uint8))
+                            and torch.equal(scale, refs[name][1])):
+                        raise AssertionError("payload differs from the default configuration's")
+                    nbytes = (5 if name == "gated" else 3) * x.numel()  # bf16 x (and gate) read, FP8 written
+                    us = do_bench(run) * 1e3
+                    rows.append({"m": m, "k": k, "kernel": label, "us": us, "tb_s": nbytes / (us * 1e-6) / 1e12})
+                except Exception as exc:  # a configuration that fails is reported, not fatal
+                    rows.append({"m": m, "k": k, "kernel": label, "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            tk._quant_launch_params = default
+
+
 _SWEEP_ROW = re.compile(r"both layouts (\d+)x(\d+), (\d+) warps")
 """The name of a tile sweep's row (``--contexts`` rows are named otherwise)."""
 
@@ -184,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", type=int, default=32768)
     ap.add_argument("--ks", default="4096,2048,512")
     ap.add_argument("--no-sweep", action="store_true", help="only the default tile of the two-layout cast")
+    ap.add_argument("--rowwise", action="store_true",
+                    help="also the row-wise quantizer per launch configuration (rows a program, warps)")
     ap.add_argument("--contexts", action="store_true",
                     help="also the two-layout cast per data kind and format, alone and after a GEMM")
     args = ap.parse_args(argv)
@@ -198,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         _bench_k(args.m, k, rows, sweep=not args.no_sweep)
         if args.contexts:
             _bench_contexts(args.m, k, rows)
+        if args.rowwise:
+            _bench_rowwise(args.m, k, rows)
     gpu = torch.cuda.get_device_name()
     (args.out / "quant_tiles.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
     lines = [f"# Two-layout tensor-wise quantizer tiles ({gpu})", "",

@@ -315,6 +315,9 @@ _CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("quantize", re.compile(r"quant|amax|fp8|float8|e4m3|e5m2|scale|^_cast(_both)?_kernel$|static_check", re.I)),
     ("embedding", re.compile(r"embedding|tbe|bounds_check|jagged|permute_|segment|index_select|fbgemm", re.I)),
 )
+TOP_KERNELS = 40
+"""Kernels a profile lists by their time a step (enough to name every quantization kernel of a
+step and the high-precision GEMMs of the small sites)."""
 CATEGORY_NAMES = ("gemm", "quantize", "embedding", "memcpy", "other")
 
 
@@ -393,7 +396,7 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
     for name, us in per_name.items():
         categories[kernel_category(name)] += us
     busy_us = _merged_us(intervals) if intervals else total_us
-    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:15]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     first = clock.profile_first
     window = clock.sampled[first : first + steps]
     return {
