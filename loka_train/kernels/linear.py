@@ -739,22 +739,42 @@ def fp8_linear(
         # In the compute dtype first: a copy that the reshape makes (a transposed input) moves
         # what the Function would have cast to anyway.
         x_rows = _rows(x, _compute_dtype(x))
+        if x_rows.shape[-1] != weight.shape[1]:  # rows zero-padded for aligned GEMMs: the weight too
+            weight = F.pad(weight, (0, x_rows.shape[-1] - weight.shape[1]))
         y = _fp8_linear_rows(x_rows, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)
-        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
     return _fp8_linear_rows(x, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)
+
+
+_ALIGNED_K = 16
+"""Elements a contraction dimension is padded to a multiple of where the rows are copied anyway
+(:func:`_rows`): cuBLAS's aligned bf16 kernels need 8, the FP8 backends 16."""
 
 
 def _rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x`` (N-D) as ``(M, K)`` rows in ``dtype``: a view where the layout allows, else a copy;
     ``x_BND.transpose(1, 2)`` on a GPU through ``loka::transposed_rows`` (coalesced on both
-    sides, where inductor's copy read with strides: ``kernels.triton_layout``)."""
-    if x.is_cuda and TRITON_INSTALLED:
-        from loka_train.kernels.triton_kernels import triton_runnable
-        from loka_train.kernels.triton_layout import is_batch_transposed, transposed_rows
+    sides, where inductor's copy read with strides: ``kernels.triton_layout``), its rows
+    zero-padded to a multiple of ``_ALIGNED_K`` (more columns than ``K``: the caller pads the
+    weight to match). The high-precision GEMMs inside the FP8 op run in aten, where nothing pads
+    an unaligned ``K`` as inductor does for compiled GEMMs."""
+    if _copies_transposed_rows(x):
+        from loka_train.kernels.triton_layout import transposed_rows
 
-        if is_batch_transposed(x) and triton_runnable(x.device)[0]:
-            return transposed_rows(x, dtype)
+        k = x.shape[-1]
+        return transposed_rows(x, dtype, -(-k // _ALIGNED_K) * _ALIGNED_K)
     return x.to(dtype).reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _copies_transposed_rows(x: Tensor) -> bool:
+    """Whether :func:`_rows` copies ``x``'s rows with ``loka::transposed_rows``: a batch of
+    transposed matrices on a GPU where Triton runs."""
+    if not (x.is_cuda and TRITON_INSTALLED):
+        return False
+    from loka_train.kernels.triton_kernels import triton_runnable
+    from loka_train.kernels.triton_layout import is_batch_transposed
+
+    return is_batch_transposed(x) and triton_runnable(x.device)[0]
 
 
 def _fp8_linear_rows(

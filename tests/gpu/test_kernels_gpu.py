@@ -417,4 +417,38 @@ def test_transposed_rows_are_the_reshaped_copy_bit_for_bit(dtype):
 
     for shape in ((32768, 27, 128), (7, 70, 130)):
         x = torch.randn(*shape, device="cuda").transpose(1, 2)
-        assert torch.equal(transposed_rows(x, dtype), x.to(dtype).reshape(-1, shape[1]))
+        want = x.to(dtype).reshape(-1, shape[1])
+        assert torch.equal(transposed_rows(x, dtype), want)
+        width = -(-shape[1] // 16) * 16 + 16  # zero-padded columns past N, a whole tile of them too
+        padded = transposed_rows(x, dtype, width)
+        assert torch.equal(padded[:, : shape[1]], want) and not padded[:, shape[1]:].any()
+
+
+def test_fp8_linear_pads_the_transposed_rows_of_a_27_wide_input_on_the_gpu():
+    """Wukong's first projection (K = 27) takes its rows zero-padded to 32 and its weight padded
+    to match: the output and the gradients are the unpadded layer's, eager and compiled."""
+    from loka_train.kernels.linear import fp8_linear
+    from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
+
+    plan = LinearPlan(forward=GemmPlan(), grad_input=GemmPlan(precision=Precision.FP8), grad_weight=GemmPlan())
+    x_BND = torch.randn(256, 27, 128, device="cuda")
+    w = torch.randn(64, 27, device="cuda") / 5
+    b = torch.randn(64, device="cuda")
+    g = torch.randn(256, 128, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        xb, wl, bl = (t.clone().requires_grad_() for t in (x_BND, w, b))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(xb.transpose(1, 2), wl, bl)
+        y.backward(g)
+        return [y.detach().float(), xb.grad, wl.grad, bl.grad]
+
+    ref = run(lambda x, w_, b_: torch.nn.functional.linear(x, w_, b_))
+    eager = run(lambda x, w_, b_: fp8_linear(x, w_, b_, plan))
+    compiled = run(torch.compile(lambda x, w_, b_: fp8_linear(x, w_, b_, plan), dynamic=False))
+    for got in (eager, compiled):
+        torch.testing.assert_close(got[0], ref[0], rtol=2e-2, atol=2e-2)  # bf16 forward
+        torch.testing.assert_close(got[2], ref[2], rtol=2e-2, atol=0.5)   # bf16 grad-weight
+        torch.testing.assert_close(got[3], ref[3], rtol=2e-2, atol=0.5)
+        rel = (got[1] - ref[1]).norm() / ref[1].norm()  # the FP8 grad-input (e5m2 x e4m3)
+        assert got[1].shape == ref[1].shape and rel < 0.1, float(rel)

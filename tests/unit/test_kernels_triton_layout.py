@@ -50,3 +50,69 @@ def test_other_layouts_are_refused():
         transposed_rows(torch.randn(2, 3, 4), torch.float32)
     with pytest.raises(ValueError, match="transpose"):
         transposed_rows(torch.randn(4, 3, 2).permute(2, 1, 0), torch.float32)
+
+
+@pytest.mark.parametrize(("n", "width"), [(27, 32), (5, 16), (16, 16)])
+def test_rows_are_zero_padded_to_the_width(n, width):
+    x = torch.randn(3, n, 40).transpose(1, 2)
+    got = transposed_rows(x, torch.float32, width)
+    assert got.shape == (120, width) and got.is_contiguous()
+    assert torch.equal(got[:, :n], x.reshape(-1, n))
+    assert torch.equal(got[:, n:], torch.zeros(120, width - n))
+
+
+def test_the_gradient_of_padded_rows_drops_the_padding():
+    x_BND = torch.randn(2, 5, 8, requires_grad=True)
+    g = torch.randn(16, 16)
+    transposed_rows(x_BND.transpose(1, 2), torch.float32, 16).backward(g)
+    assert torch.equal(x_BND.grad, g[:, :5].reshape(2, 8, 5).transpose(1, 2))
+
+
+def test_a_width_narrower_than_the_rows_is_refused():
+    with pytest.raises(ValueError, match="narrower"):
+        transposed_rows(torch.randn(2, 27, 8).transpose(1, 2), torch.float32, 16)
+
+
+@pytest.mark.parametrize("plan_name", ["high", "tensorwise", "rowwise", "fp8_grad_input_only"])
+def test_fp8_linear_over_padded_transposed_rows_matches_the_unpadded_layer(plan_name, monkeypatch):
+    """fp8_linear copies the rows of a transposed input (Wukong's xt_proj, K = 27) zero-padded
+    to K = 32 and pads its weight to match: forward and gradients are the unpadded layer's (the
+    padding adds zero products), for every kind of plan such a site runs."""
+    from loka_train.kernels import linear
+    from loka_train.kernels.formats import Scaling
+    from loka_train.kernels.linear import fp8_linear
+    from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
+
+    plans = {
+        "high": LinearPlan.high_precision(),
+        "tensorwise": LinearPlan.fp8(scaling=Scaling.TENSORWISE),
+        "rowwise": LinearPlan.fp8(scaling=Scaling.ROWWISE),
+        "fp8_grad_input_only": LinearPlan(
+            forward=GemmPlan(), grad_input=GemmPlan(precision=Precision.FP8), grad_weight=GemmPlan()),
+    }
+    plan = plans[plan_name]
+    gen = torch.Generator().manual_seed(0)
+    x_BND = torch.randn(4, 27, 40, generator=gen)
+    w, b = torch.randn(16, 27, generator=gen), torch.randn(16, generator=gen)
+    g = torch.randn(4, 40, 16, generator=gen)
+    padded: list[torch.Size] = []
+    real = linear._fp8_linear_rows
+
+    def rows_seen(x, *args):  # type: ignore[no-untyped-def]
+        padded.append(x.shape)
+        return real(x, *args)
+
+    monkeypatch.setattr(linear, "_fp8_linear_rows", rows_seen)
+
+    def run(pad: bool):
+        monkeypatch.setattr(linear, "_copies_transposed_rows", lambda x: pad and is_batch_transposed(x))
+        xb, wl, bl = (t.clone().requires_grad_() for t in (x_BND, w, b))
+        y = fp8_linear(xb.transpose(1, 2), wl, bl, plan)
+        y.backward(g)
+        return y.detach(), xb.grad, wl.grad, bl.grad
+
+    got, want = run(True), run(False)
+    assert padded == [torch.Size([160, 32]), torch.Size([160, 27])]
+    for a, e in zip(got, want):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
