@@ -756,8 +756,8 @@ def _rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     ``x_BND.transpose(1, 2)`` on a GPU through ``loka::transposed_rows`` (coalesced on both
     sides, where inductor's copy read with strides: ``kernels.triton_layout``), its rows
     zero-padded to a multiple of ``_ALIGNED_K`` (more columns than ``K``: the caller pads the
-    weight to match). The high-precision GEMMs inside the FP8 op run in aten, where nothing pads
-    an unaligned ``K`` as inductor does for compiled GEMMs."""
+    weight to match). The high-precision GEMMs inside the FP8 op run in aten, which takes an
+    unaligned ``K`` as it is (cuBLAS's ``align1`` kernels)."""
     if _copies_transposed_rows(x):
         from loka_train.kernels.triton_layout import transposed_rows
 
