@@ -747,22 +747,25 @@ def fp8_linear(
 
 
 _ALIGNED_K = 16
-"""Elements a contraction dimension is padded to a multiple of where the rows are copied anyway
-(:func:`_rows`): cuBLAS's aligned bf16 kernels need 8, the FP8 backends 16."""
+"""Where the rows are copied anyway (:func:`_rows`), a contraction dimension that is not a
+multiple of 8 (what cuBLAS's aligned bf16 kernels need) is zero-padded to a multiple of this
+(what the FP8 backends need)."""
 
 
 def _rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x`` (N-D) as ``(M, K)`` rows in ``dtype``: a view where the layout allows, else a copy;
     ``x_BND.transpose(1, 2)`` on a GPU through ``loka::transposed_rows`` (coalesced on both
     sides, where inductor's copy read with strides: ``kernels.triton_layout``), its rows
-    zero-padded to a multiple of ``_ALIGNED_K`` (more columns than ``K``: the caller pads the
-    weight to match). The high-precision GEMMs inside the FP8 op run in aten, which takes an
-    unaligned ``K`` as it is (cuBLAS's ``align1`` kernels)."""
+    zero-padded to a multiple of ``_ALIGNED_K`` where ``K`` is not a multiple of 8 (more columns
+    than ``K``: the caller pads the weight to match). The high-precision GEMMs inside the FP8
+    op run in aten, which takes an unaligned ``K`` as it is (cuBLAS's ``align1`` kernels).
+    The site's plan was decided at the unpadded ``K`` (its shape, Dispatch's timings,
+    ``planned_linear``'s own padding): the padding only adds zero products."""
     if _copies_transposed_rows(x):
         from loka_train.kernels.triton_layout import transposed_rows
 
         k = x.shape[-1]
-        return transposed_rows(x, dtype, -(-k // _ALIGNED_K) * _ALIGNED_K)
+        return transposed_rows(x, dtype, k if k % 8 == 0 else -(-k // _ALIGNED_K) * _ALIGNED_K)
     return x.to(dtype).reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 

@@ -10,10 +10,8 @@ the ``(D, N)`` block of one batch is contiguous: both sides coalesced.
 
 With ``width`` larger than ``N`` the rows are written ``width`` elements wide, the columns past
 ``N`` zeros: a linear layer then runs its GEMMs over a contraction dimension that cuBLAS's
-aligned kernels take (``fp8_linear`` pads its weight to match). Unpadded, Wukong's first-layer
-projection (``N`` = 27) ran its high-precision forward and grad-weight on ``align1`` kernels
-inside the FP8 op: 0.95 ms a step on an H100, with no such kernel among the bf16 model's 40
-largest (bench/results/cast_warps_h100-h200_2026-11-26/NOTES.md).
+aligned kernels take (``fp8_linear`` pads its weight to match), where an ``N`` such as Wukong's
+27 leaves only its ``align1`` kernels.
 
 The op's gradient is the rows' gradient (its first ``N`` columns) viewed back as ``(B, D, N)``.
 

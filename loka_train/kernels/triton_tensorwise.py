@@ -65,8 +65,8 @@ tile a program (64 x 64, 4 warps)."""
 _TILE_C = 128
 """Columns of one program of the cast that writes both layouts."""
 _BOTH_WARPS = 4
-"""Warps of one program of the cast that writes both layouts (8 made the static-scale cast 15%
-slower at 32768 x 4096 and 32768 x 2048 on an H100)."""
+"""Warps of one program of the cast that writes both layouts (the faster of 4 and 8 for the
+static-scale cast in ``python -m bench.quant_tiles``)."""
 _RECAST_PROGRAMS = 1024
 """Programs of the static-scale recast (each loops over tiles; all exit at once when the gate is 0)."""
 

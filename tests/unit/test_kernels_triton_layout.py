@@ -39,9 +39,10 @@ def test_the_gradient_is_the_rows_gradient_viewed_back():
     assert torch.equal(x_BND.grad, ref.grad)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("args", [(torch.bfloat16,), (torch.bfloat16, 32)], ids=["rows", "padded"])
+def test_opcheck(args):
     x = torch.randn(3, 27, 40).transpose(1, 2)
-    torch.library.opcheck(torch.ops.loka.transposed_rows.default, (x, torch.bfloat16),
+    torch.library.opcheck(torch.ops.loka.transposed_rows.default, (x, *args),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -52,8 +53,9 @@ def test_other_layouts_are_refused():
         transposed_rows(torch.randn(4, 3, 2).permute(2, 1, 0), torch.float32)
 
 
-@pytest.mark.parametrize(("n", "width"), [(27, 32), (5, 16), (16, 16)])
-def test_rows_are_zero_padded_to_the_width(n, width):
+@pytest.mark.parametrize(("n", "width"), [(27, 32), (5, 16), (16, 16), (5, 200)])
+def test_rows_are_zero_padded_to_the_width(n, width, monkeypatch):
+    monkeypatch.setattr(tl_, "_MAX_BLOCK_N", 32)  # width 200: tiles wholly past N, a ragged last one
     x = torch.randn(3, n, 40).transpose(1, 2)
     got = transposed_rows(x, torch.float32, width)
     assert got.shape == (120, width) and got.is_contiguous()
@@ -116,3 +118,19 @@ def test_fp8_linear_over_padded_transposed_rows_matches_the_unpadded_layer(plan_
     for a, e in zip(got, want):
         assert a.shape == e.shape
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_an_aligned_k_is_not_padded(monkeypatch):
+    """K a multiple of 8 already takes cuBLAS's aligned kernels: the rows stay K wide."""
+    from loka_train.kernels import linear
+
+    monkeypatch.setattr(linear, "_copies_transposed_rows", is_batch_transposed)
+    seen: list[torch.Size] = []
+    real = linear._fp8_linear_rows
+    monkeypatch.setattr(linear, "_fp8_linear_rows", lambda x, *a: seen.append(x.shape) or real(x, *a))
+    from loka_train.kernels.linear import fp8_linear
+    from loka_train.kernels.plan import LinearPlan
+
+    for k in (24, 27):
+        fp8_linear(torch.randn(2, k, 8).transpose(1, 2), torch.randn(4, k), None, LinearPlan.fp8())
+    assert seen == [torch.Size([16, 24]), torch.Size([16, 32])]
