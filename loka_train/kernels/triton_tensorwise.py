@@ -60,8 +60,8 @@ _FINAL_BLOCK = 1024
 _TILE_R = 32
 """Rows of one program of the cast that writes both layouts. With ``_TILE_C`` and
 ``_BOTH_WARPS``: of the configurations ``python -m bench.quant_tiles`` times on an H100, within
-3% of the fastest static-scale cast (64 x 128, 4 warps) and of the fastest dynamic one of one
-tile a program (64 x 64, 4 warps)."""
+3% of the fastest static-scale cast (64 x 128, 4 warps) and of the fastest dynamic one
+(64 x 64, 4 warps)."""
 _TILE_C = 128
 """Columns of one program of the cast that writes both layouts."""
 _BOTH_WARPS = 4
