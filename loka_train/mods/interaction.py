@@ -12,7 +12,8 @@
 DCN epilogue fusion (``epilogue_fusion=True``): layer ``l`` computes
 ``x_{l+1} = x0 * (W (V x_l) + b) + x_l`` as the second GEMM with the bias in its epilogue,
 then one ``torch.addcmul(x_l, x0, z)``: one elementwise kernel instead of three (bias add,
-multiply, residual add), and its backward needs no separate bias reduction over ``x0 * ...``.
+multiply, residual add). The backward is that of the formula: ``dZ = x0 * g``, the bias
+gradient its column sum (traced beside the FP8 op, for inductor to fuse).
 It applies to layers whose ``W`` GEMM runs an FP8 plan; a layer in high precision keeps
 TorchRec's formula op for op, so a converted model without FP8 is bit-identical to the
 original, also under bf16 autocast.
