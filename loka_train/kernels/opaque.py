@@ -346,12 +346,15 @@ def define(
         num_fn_args = ctx.loka_num_args - num_extra_args
         if grad is None:
             return (None,) * ctx.loka_num_args
+        # The traced gradients first: traced before the op, inductor fuses them with the code
+        # that produces ``grad``; after it, they became passes of their own.
+        traced_grads = {i: traced[i](ctx.loka_attrs, grad) for i in ctx.loka_traced}
         given = iter(_fn_backward(grad, list(ctx.saved_tensors), ctx.loka_state))
         present: tuple[bool, ...] = _last.backward
         fn_grads = list(next(given) if p else None for p in present)[:num_fn_args]
         fn_grads += [None] * (num_fn_args - len(fn_grads))
-        for i in ctx.loka_traced:
-            fn_grads[i] = traced[i](ctx.loka_attrs, grad)
+        for i, g in traced_grads.items():
+            fn_grads[i] = g
         return tuple(fn_grads) + (None,) * num_extra_args
 
     op.register_autograd(backward, setup_context=setup_context)

@@ -136,6 +136,45 @@ def test_the_bias_gradient_is_traced_in_the_ops_backward_and_matches_eager(autoc
     for g, gc in zip(eager, compiled, strict=True):
         assert g.dtype == gc.dtype and torch.equal(g, gc)
     (bw,) = backend.bw_graphs
-    sums = [n for n in bw.graph.nodes if n.op == "call_function" and str(n.target) == "aten.sum.dim_IntList"]
+    nodes = list(bw.graph.nodes)
+    sums = [n for n in nodes if n.op == "call_function" and str(n.target) == "aten.sum.dim_IntList"]
     assert len(sums) == 1 and sums[0].args[1] == [0]
     assert sums[0].kwargs.get("dtype") == (torch.bfloat16 if autocast else torch.float32)
+    # Traced before the op: the node inductor can fuse with dY's producer (next test).
+    (op,) = [n for n in nodes if n.op == "call_function" and "fn_backward" in str(n.target)]
+    assert nodes.index(sums[0]) < nodes.index(op)
+
+
+def test_inductor_fuses_the_traced_bias_gradient_into_the_kernel_that_writes_dy() -> None:
+    """DCN's fused cross layer: ``addcmul(x, x0, fp8_linear(xv, W, b))`` with the op's backward in
+    high precision. The bias gradient (a column sum of ``dY = x0 * g``) is computed in the kernel
+    that writes ``dY``, before the op, as inductor does for ``F.linear``'s; traced after the op,
+    it was a kernel of its own that read ``g`` and ``x0`` again."""
+    from torch._inductor.utils import run_and_get_code
+
+    from loka_train.kernels.plan import GemmPlan, Precision
+
+    plan = LinearPlan(forward=GemmPlan(precision=Precision.FP8), grad_input=GemmPlan(), grad_weight=GemmPlan())
+
+    def layer(x0: Tensor, xv: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return torch.addcmul(x0, x0, fp8_linear(xv, w, b, plan))
+
+    torch.manual_seed(3)
+    x0, xv, w, b = (torch.randn(*s, requires_grad=True) for s in ((64, 24), (64, 8), (24, 8), (24,)))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, dynamic=False)
+
+    def step() -> None:
+        y = compiled(x0, xv, w, b)
+        y.backward(torch.ones_like(y))
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(step)
+    lines = [ln.strip() for ln in codes[-1].splitlines()]
+    op_at = next(i for i, ln in enumerate(lines) if "torch.ops.loka.fn_backward.default(" in ln)
+    calls = [(i, ln.split("(")[0]) for i, ln in enumerate(lines)  # kernel calls, not their definitions
+             if ln.startswith("cpp_fused_") and " = " not in ln.split("(")[0]]
+    summing = [(i, name) for i, name in calls if "sum" in name]
+    assert len(summing) == 1, calls
+    at, name = summing[0]
+    assert at < op_at and "mul" in name, calls
