@@ -67,3 +67,41 @@ def test_compiled_fp8_tower_is_one_graph_and_matches_eager(backend: str, scaling
                 assert sqnr_db(g.float(), gc.float()) > 25, (compiler, sqnr_db(g.float(), gc.float()))
         if compiler == "aot_eager":
             assert torch.equal(loss, loss_c)
+
+
+def test_inductor_fuses_the_traced_bias_gradient_into_the_kernel_that_writes_dy_on_the_gpu() -> None:
+    """DCN's fused cross layer at a training-like width, compiled for the GPU: the bias gradient
+    of the FP8 site (a column sum of ``dY = x0 * g``) is summed in the Triton kernel that writes
+    ``dY``, launched before the op's backward, not by a reduction of its own after it."""
+    from torch._inductor.utils import run_and_get_code
+
+    from loka_train.kernels.plan import GemmPlan, Precision
+
+    ok, why = fp8_available("cuda")
+    if not ok:
+        pytest.skip(why)
+    plan = LinearPlan(forward=GemmPlan(precision=Precision.FP8, backend="torch_scaled_mm"),
+                      grad_input=GemmPlan(), grad_weight=GemmPlan())
+
+    def layer(x0: Tensor, xv: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return torch.addcmul(x0, x0, fp8_linear(xv, w, b, plan))
+
+    torch.manual_seed(4)
+    shapes = ((4096, 1024), (4096, 256), (1024, 256), (1024,))
+    x0, xv, w, b = (torch.randn(*s, device="cuda", requires_grad=True) for s in shapes)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, dynamic=False)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = compiled(x0, xv, w, b)
+        y.backward(torch.ones_like(y))
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(step)
+    lines = [ln.strip() for ln in codes[-1].splitlines()]
+    op_at = next(i for i, ln in enumerate(lines) if "torch.ops.loka.fn_backward.default(" in ln)
+    launches = [(i, ln.split(".run(")[0]) for i, ln in enumerate(lines) if ln.startswith("triton_") and ".run(" in ln]
+    # The kernel that multiplies (writes dY) also sums, before the op (a split reduction's
+    # second stage may follow anywhere: it reads partial sums only).
+    assert any("mul" in name and "sum" in name and i < op_at for i, name in launches), launches
