@@ -73,9 +73,8 @@ def test_inductor_fuses_the_traced_bias_gradient_into_the_kernel_that_writes_dy_
     """DCN's fused cross layer at a training-like width, compiled for the GPU: the bias gradient
     of the FP8 site (a column sum of ``dY = x0 * g``) is summed in the Triton kernel that writes
     ``dY``, launched before the op's backward, not by a reduction of its own after it."""
-    from torch._inductor.utils import run_and_get_code
-
     from loka_train.kernels.plan import GemmPlan, Precision
+    from tests.inductor_code import backward_code
 
     ok, why = fp8_available("cuda")
     if not ok:
@@ -88,19 +87,8 @@ def test_inductor_fuses_the_traced_bias_gradient_into_the_kernel_that_writes_dy_
 
     torch.manual_seed(4)
     shapes = ((4096, 1024), (4096, 256), (1024, 256), (1024,))
-    x0, xv, w, b = (torch.randn(*s, device="cuda", requires_grad=True) for s in shapes)
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, dynamic=False)
-
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = compiled(x0, xv, w, b)
-        y.backward(torch.ones_like(y))
-
-    with torch._inductor.config.patch(force_disable_caches=True):
-        _, codes = run_and_get_code(step)
-    lines = [ln.strip() for ln in codes[-1].splitlines()]
-    op_at = next(i for i, ln in enumerate(lines) if "torch.ops.loka.fn_backward.default(" in ln)
+    params = (torch.randn(*s, device="cuda", requires_grad=True) for s in shapes)
+    lines, op_at = backward_code(layer, *params, autocast="cuda")
     launches = [(i, ln.split(".run(")[0]) for i, ln in enumerate(lines) if ln.startswith("triton_") and ".run(" in ln]
     # The kernel that multiplies (writes dY) also sums, before the op (a split reduction's
     # second stage may follow anywhere: it reads partial sums only).

@@ -150,9 +150,8 @@ def test_inductor_fuses_the_traced_bias_gradient_into_the_kernel_that_writes_dy(
     high precision. The bias gradient (a column sum of ``dY = x0 * g``) is computed in the kernel
     that writes ``dY``, before the op, as inductor does for ``F.linear``'s; traced after the op,
     it was a kernel of its own that read ``g`` and ``x0`` again."""
-    from torch._inductor.utils import run_and_get_code
-
     from loka_train.kernels.plan import GemmPlan, Precision
+    from tests.inductor_code import backward_code
 
     plan = LinearPlan(forward=GemmPlan(precision=Precision.FP8), grad_input=GemmPlan(), grad_weight=GemmPlan())
 
@@ -160,18 +159,8 @@ def test_inductor_fuses_the_traced_bias_gradient_into_the_kernel_that_writes_dy(
         return torch.addcmul(x0, x0, fp8_linear(xv, w, b, plan))
 
     torch.manual_seed(3)
-    x0, xv, w, b = (torch.randn(*s, requires_grad=True) for s in ((64, 24), (64, 8), (24, 8), (24,)))
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, dynamic=False)
-
-    def step() -> None:
-        y = compiled(x0, xv, w, b)
-        y.backward(torch.ones_like(y))
-
-    with torch._inductor.config.patch(force_disable_caches=True):
-        _, codes = run_and_get_code(step)
-    lines = [ln.strip() for ln in codes[-1].splitlines()]
-    op_at = next(i for i, ln in enumerate(lines) if "torch.ops.loka.fn_backward.default(" in ln)
+    params = (torch.randn(*s, requires_grad=True) for s in ((64, 24), (64, 8), (24, 8), (24,)))
+    lines, op_at = backward_code(layer, *params)
     calls = [(i, ln.split("(")[0]) for i, ln in enumerate(lines)  # kernel calls, not their definitions
              if ln.startswith("cpp_fused_") and " = " not in ln.split("(")[0]]
     summing = [(i, name) for i, name in calls if "sum" in name]

@@ -75,8 +75,24 @@ def test_a_width_narrower_than_the_rows_is_refused():
         transposed_rows(torch.randn(2, 27, 8).transpose(1, 2), torch.float32, 16)
 
 
+@pytest.fixture
+def rows_seen(monkeypatch):
+    """The shapes of the rows fp8_linear hands its Function, in call order."""
+    from loka_train.kernels import linear
+
+    seen: list[torch.Size] = []
+    real = linear._fp8_linear_rows
+
+    def record(x, *args):  # type: ignore[no-untyped-def]
+        seen.append(x.shape)
+        return real(x, *args)
+
+    monkeypatch.setattr(linear, "_fp8_linear_rows", record)
+    return seen
+
+
 @pytest.mark.parametrize("plan_name", ["high", "tensorwise", "rowwise", "fp8_grad_input_only"])
-def test_fp8_linear_over_padded_transposed_rows_matches_the_unpadded_layer(plan_name, monkeypatch):
+def test_fp8_linear_over_padded_transposed_rows_matches_the_unpadded_layer(plan_name, rows_seen, monkeypatch):
     """fp8_linear copies the rows of a transposed input (Wukong's xt_proj, K = 27) zero-padded
     to K = 32 and pads its weight to match: forward and gradients are the unpadded layer's (the
     padding adds zero products), for every kind of plan such a site runs."""
@@ -97,14 +113,6 @@ def test_fp8_linear_over_padded_transposed_rows_matches_the_unpadded_layer(plan_
     x_BND = torch.randn(4, 27, 40, generator=gen)
     w, b = torch.randn(16, 27, generator=gen), torch.randn(16, generator=gen)
     g = torch.randn(4, 40, 16, generator=gen)
-    padded: list[torch.Size] = []
-    real = linear._fp8_linear_rows
-
-    def rows_seen(x, *args):  # type: ignore[no-untyped-def]
-        padded.append(x.shape)
-        return real(x, *args)
-
-    monkeypatch.setattr(linear, "_fp8_linear_rows", rows_seen)
 
     def run(pad: bool):
         monkeypatch.setattr(linear, "_copies_transposed_rows", lambda x: pad and is_batch_transposed(x))
@@ -114,23 +122,19 @@ def test_fp8_linear_over_padded_transposed_rows_matches_the_unpadded_layer(plan_
         return y.detach(), xb.grad, wl.grad, bl.grad
 
     got, want = run(True), run(False)
-    assert padded == [torch.Size([160, 32]), torch.Size([160, 27])]
+    assert rows_seen == [torch.Size([160, 32]), torch.Size([160, 27])]
     for a, e in zip(got, want):
         assert a.shape == e.shape
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
-def test_an_aligned_k_is_not_padded(monkeypatch):
+def test_an_aligned_k_is_not_padded(rows_seen, monkeypatch):
     """K a multiple of 8 already takes cuBLAS's aligned kernels: the rows stay K wide."""
     from loka_train.kernels import linear
-
-    monkeypatch.setattr(linear, "_copies_transposed_rows", is_batch_transposed)
-    seen: list[torch.Size] = []
-    real = linear._fp8_linear_rows
-    monkeypatch.setattr(linear, "_fp8_linear_rows", lambda x, *a: seen.append(x.shape) or real(x, *a))
     from loka_train.kernels.linear import fp8_linear
     from loka_train.kernels.plan import LinearPlan
 
+    monkeypatch.setattr(linear, "_copies_transposed_rows", is_batch_transposed)
     for k in (24, 27):
         fp8_linear(torch.randn(2, k, 8).transpose(1, 2), torch.randn(4, k), None, LinearPlan.fp8())
-    assert seen == [torch.Size([16, 24]), torch.Size([16, 32])]
+    assert rows_seen == [torch.Size([16, 24]), torch.Size([16, 32])]
