@@ -1,5 +1,5 @@
 """What inductor generated for a compiled function's backward: its lines, and where in them the
-opaque FP8 op's backward (``loka::fn_backward``) is called (the DCN fusion tests, CPU and GPU)."""
+opaque FP8 op's backward (``loka::fn_backward``) is called (the DCN fusion test)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 
-def backward_code(fn: Callable[..., Tensor], *args: Tensor, autocast: str | None = None) -> tuple[list[str], int]:
+def backward_code(fn: Callable[..., Tensor], *args: Tensor) -> tuple[list[str], int]:
     """Compiles ``fn``, runs it forward and backward once (gradient ones) with inductor's caches
     off (a cached graph would not show a change of the op's backward), and returns the stripped
     lines of the backward's generated code and the index of the line that calls the op."""
@@ -19,8 +19,7 @@ def backward_code(fn: Callable[..., Tensor], *args: Tensor, autocast: str | None
     compiled = torch.compile(fn, dynamic=False)
 
     def step() -> None:
-        with torch.autocast(autocast or "cpu", dtype=torch.bfloat16, enabled=autocast is not None):
-            y = compiled(*args)
+        y = compiled(*args)
         y.backward(torch.ones_like(y))
 
     with torch._inductor.config.patch(force_disable_caches=True):

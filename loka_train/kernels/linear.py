@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "fp8_linear",
     "fp8_gemm_planned",
+    "folds_bias_grad",
     "folds_input_relu",
     "inductor_quantizes",
     "grad_weight_dtype",
@@ -454,6 +455,26 @@ def grad_weight_dtype(w_dtype: torch.dtype) -> torch.dtype:
     return w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
+def _extended_k(k: int) -> int:
+    """Columns of ``[X, 1, 0...]`` for a bias folded into grad-weight: ``K + 1`` rounded up to a
+    multiple of 8 (cuBLAS's aligned 16-bit kernels)."""
+    return -(-(k + 1) // 8) * 8
+
+
+def folds_bias_grad(plan: LinearPlan, k: int, n: int, *, need_w: bool, need_b: bool) -> bool:
+    """Whether ``fp8_linear``'s bias gradient comes out of its grad-weight GEMM, as column ``K``
+    of ``dY^T @ [X, 1, 0...]``, instead of a column sum of ``dY``: for a high-precision
+    grad-weight that runs, a bias that wants a gradient, and ``N >= 2 x`` the extended ``K``
+    (:func:`_extended_k`), where copying ``X`` one column wider moves fewer bytes than a
+    reduction reading ``dY`` (``M x N``). DCN's cross layers (``K`` = rank 512, ``N`` 3456)
+    are such sites: under ``torch.compile`` their sum ran as a split reduction of its own.
+
+    The weight's gradient is unchanged in value up to the GEMM's kernel choice; the bias's is
+    dY's rows summed in fp32 and rounded once to the compute dtype, as the sum rounds.
+    """
+    return need_w and need_b and not plan.grad_weight.is_fp8 and n >= 2 * _extended_k(k)
+
+
 def _compute_dtype(x: Tensor) -> torch.dtype:
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
@@ -532,6 +553,9 @@ class _PlannedLinearFn(torch.autograd.Function):
         ctx.plan = plan
         ctx.reference_quantizer = rq
         ctx.has_bias = bias is not None
+        if folds_bias_grad(plan, x.shape[-1], weight.shape[0], need_w=bool(need_w),
+                           need_b=bias is not None and grad_enabled and ctx.needs_input_grad[2]):
+            ctx.own_grads = (2,)  # the bias gradient comes out of the grad-weight GEMM (opaque.define)
         ctx.cdtype = cdtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.input_relu = input_relu
@@ -601,12 +625,27 @@ class _PlannedLinearFn(torch.autograd.Function):
                         role="grad_weight", a_q=dy_q_t, b_q=x_q_t, reference_quantizer=rq,
                         count_fallbacks=True,
                     ).to(w_dtype)
+                elif getattr(ctx, "own_grads", ()):
+                    # dY^T @ [X, 1, 0...]: the bias gradient is the GEMM's column K (fp32
+                    # accumulation rounded once to the compute dtype, as the sum rounds), where
+                    # a reduction of its own would read all of dY again (folds_bias_grad).
+                    x_MK = xc.reshape(-1, xc.shape[-1])
+                    k = x_MK.shape[1]
+                    x_ext = x_MK.new_empty(x_MK.shape[0], _extended_k(k))
+                    # A copy into the rows and two fills (no host scalar copied: CUDA graph
+                    # capture), where torch.cat with an expanded tail took 40% longer.
+                    x_ext[:, :k].copy_(x_MK)
+                    x_ext[:, k + 1:].zero_()
+                    x_ext[:, k].fill_(1)
+                    gwb = dy_MN.t().mm(x_ext)
+                    grad_w = gwb[:, :k].to(w_dtype, memory_format=torch.contiguous_format)
+                    grad_b = gwb[:, k].to(b_dtype)
                 else:
                     # The GEMM autograd's linear backward runs (mm_mat2_backward with a
                     # contiguous W: dY^T @ X), so HIGH matches F.linear bit for bit, also on
                     # CUDA where (X^T dY)^T picks another cuBLAS kernel (1.7e-4 apart in bf16).
                     grad_w = dy_MN.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
-            if need_b and ctx.has_bias:
+            if need_b and ctx.has_bias and grad_b is None:
                 # A reduction of its own: summing dY's columns inside the two-layout cast made
                 # the casts about twice as slow in an H100 step, more than this pass costs.
                 grad_b = dy_MN.sum(0).to(b_dtype)
@@ -643,9 +682,10 @@ def _planned_linear_impl(
 def _bias_grad(attrs: Mapping[str, Any], grad_y: Tensor) -> Tensor:
     """The bias gradient as ``_PlannedLinearFn.backward`` computes it (``dY`` summed over its
     rows in the compute dtype), as code the compiled backward traces: inductor can fuse the
-    sum into the pass that produces ``dY``, where the op would run it as a reduction of its
-    own, one more read of ``dY``. The op still adds the bias in its forward
-    GEMM's epilogue."""
+    sum into the pass that produces ``dY`` (on the CPU it does; on a GPU its split reductions
+    may read ``dY`` again), where the op would run it as a reduction of its own, one more read
+    of ``dY``. Not traced where :func:`folds_bias_grad` takes the gradient from grad-weight.
+    The op still adds the bias in its forward GEMM's epilogue."""
     cdtype, b_dtype = attrs["cdtype"], attrs["dtypes"][2]
     # dtype given: the compiled backward is traced under the forward's autocast, where CUDA
     # autocast would sum a bf16 dY into fp32 (the Function sums with autocast off).

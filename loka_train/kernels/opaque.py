@@ -311,7 +311,8 @@ def define(
     except for the arguments in ``traced_grads``: argument ``i``'s gradient is
     ``traced_grads[i](attrs, grad_output)`` (``attrs``: what the forward set on its ctx), traced
     into the backward graph where the compiler can fuse it, and ``fn_cls.backward`` is told
-    that argument needs none.
+    that argument needs none; unless the forward named ``i`` in ``ctx.own_grads`` (a tuple of
+    argument indices): then ``fn_cls.backward`` computes that gradient itself.
     """
     traced = dict(traced_grads or {})
     if name in _FUNCTIONS:
@@ -328,7 +329,8 @@ def define(
         ctx.save_for_backward(*(s for s in saved if s is not None))
         ctx.mark_non_differentiable(*output[1:])
         needs = list(fwd.needs_input_grad)
-        ctx.loka_traced = [i for i in sorted(traced) if i < len(needs) and needs[i]]
+        own = fwd.attrs.get("own_grads", ())  # the Function computes these itself this time
+        ctx.loka_traced = [i for i in sorted(traced) if i < len(needs) and needs[i] and i not in own]
         for i in ctx.loka_traced:
             needs[i] = False  # computed in the traced backward below, not by the Function
         ctx.loka_attrs = fwd.attrs

@@ -708,3 +708,99 @@ def test_a_hook_on_an_nd_output_sees_its_gradient_through_an_inplace_op():
         y.register_hook(lambda g, inplace=inplace: seen.__setitem__(inplace, g))
         ((y.relu_() if inplace else torch.relu(y)) * up).sum().backward()
     assert set(seen) == {False, True} and torch.equal(seen[True], seen[False])
+
+
+# --------------------------------------------------------- bias gradient out of grad-weight
+
+_FWD_ONLY = LinearPlan(forward=GemmPlan(precision=Precision.FP8, backend="emulated"),
+                       grad_input=GemmPlan(), grad_weight=GemmPlan())
+
+
+def test_folds_bias_grad_takes_a_high_grad_weight_of_a_narrow_k_only():
+    from loka_train.kernels.linear import folds_bias_grad
+
+    # K + 1 rounded up to a multiple of 8, at most half of N.
+    assert folds_bias_grad(_FWD_ONLY, 16, 48, need_w=True, need_b=True)  # 24 x 2 <= 48
+    assert not folds_bias_grad(_FWD_ONLY, 16, 47, need_w=True, need_b=True)
+    assert folds_bias_grad(_FWD_ONLY, 15, 32, need_w=True, need_b=True)  # 16 x 2
+    assert not folds_bias_grad(_FWD_ONLY, 16, 48, need_w=False, need_b=True)  # frozen weight
+    assert not folds_bias_grad(_FWD_ONLY, 16, 48, need_w=True, need_b=False)  # no bias gradient
+    fp8_gw = dataclasses.replace(_FWD_ONLY, grad_weight=GemmPlan(precision=Precision.FP8, backend="emulated"))
+    assert not folds_bias_grad(fp8_gw, 16, 48, need_w=True, need_b=True)
+
+
+def _ops_of_backward(y, g):
+    """The aten ops the backward of ``y`` runs, and whether any took a 0-dim tensor (on a GPU a
+    host scalar copied to the device, which CUDA graph capture refuses)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen, scalars = [], []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            flat = list(args) + list((kwargs or {}).values())
+            scalars.extend(str(func) for a in flat if isinstance(a, torch.Tensor) and a.dim() == 0)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        y.backward(g)
+    return seen, scalars
+
+
+@pytest.mark.parametrize("k", [16, 13], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_narrow_layers_bias_gradient_comes_out_of_its_grad_weight_gemm(k, dtype):
+    """``N >= 2 x`` the extended ``K``: one GEMM over ``[X, 1, 0...]`` gives dW and db, no sum
+    over dY; dW as F.linear's (the same products, one more output column), db dY's column sums
+    (fp32 accumulation rounded once to the compute dtype); no host scalar reaches the backward."""
+    n, m = 48, 64
+    x, w, b = _gauss(m, k, seed=1, dtype=dtype), _gauss(n, k, seed=2), _gauss(n, seed=3)
+    g = _gauss(m, n, seed=4, dtype=dtype)
+    x, w, b = _leaf(x), _leaf(w), _leaf(b)
+    y = fp8_linear(x, w, b, _FWD_ONLY)
+    ops, scalars = _ops_of_backward(y, g)
+    assert "sum" not in ops and ops.count("mm") == 2, ops  # grad-input and the extended grad-weight
+    assert not scalars, scalars
+    xr, wr, br = _leaf(x.detach()), _leaf(w.detach().to(dtype)), _leaf(b.detach().to(dtype))
+    F.linear(xr, wr, br).backward(g)
+    if dtype == torch.float32:
+        torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.grad, br.grad, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 rounding of an fp32 accumulator each
+        assert w.grad.dtype == b.grad.dtype == torch.float32
+        torch.testing.assert_close(w.grad, g.float().t() @ x.detach().float(), rtol=8e-3, atol=1e-2)
+        torch.testing.assert_close(b.grad, g.float().sum(0), rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)  # grad-input untouched
+
+
+def test_a_wide_layer_or_a_frozen_weight_sums_its_bias_gradient():
+    """Where the fold does not pay (``N`` below twice the extended ``K``) or there is no
+    grad-weight GEMM to fold into, the bias gradient is dY's column sum, as F.linear's."""
+    for n, frozen in ((47, False), (48, True)):
+        x, w, b = _leaf(_gauss(64, 16, seed=1)), _gauss(n, 16, seed=2), _leaf(_gauss(n, seed=3))
+        w = w if frozen else _leaf(w)
+        y = fp8_linear(x, w, b, _FWD_ONLY)
+        ops, _ = _ops_of_backward(y, _gauss(64, n, seed=4))
+        assert "sum" in ops, (n, frozen, ops)
+
+
+def test_the_folded_bias_gradient_is_computed_by_the_compiled_op_as_in_eager_code():
+    """Under torch.compile the op's backward computes the folded bias gradient itself (no sum is
+    traced into the backward graph, ``ctx.own_grads``), bit for bit the eager gradients."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    def layer(x, w, b):
+        return torch.relu(fp8_linear(x, w, b, _FWD_ONLY)).square().mean()
+
+    params = [_leaf(_gauss(64, 16, seed=1)), _leaf(_gauss(48, 16, seed=2)), _leaf(_gauss(48, seed=3))]
+    eager = torch.autograd.grad(layer(*params), params)
+    torch._dynamo.reset()
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.autograd.grad(torch.compile(layer, backend=backend, fullgraph=True, dynamic=False)(*params),
+                                   params)
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e, c)
+    (bw,) = backend.bw_graphs
+    targets = [str(n.target) for n in bw.graph.nodes if n.op == "call_function"]
+    assert not any("sum" in t for t in targets) and any("fn_backward" in t for t in targets), targets

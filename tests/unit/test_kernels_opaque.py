@@ -149,7 +149,8 @@ def test_inductor_fuses_the_traced_bias_gradient_into_the_kernel_that_writes_dy(
     """DCN's fused cross layer: ``addcmul(x, x0, fp8_linear(xv, W, b))`` with the op's backward in
     high precision. The bias gradient (a column sum of ``dY = x0 * g``) is computed in the kernel
     that writes ``dY``, before the op, as inductor does for ``F.linear``'s; traced after the op,
-    it was a kernel of its own that read ``g`` and ``x0`` again."""
+    it was a kernel of its own that read ``g`` and ``x0`` again. (The CPU's code; on a GPU,
+    inductor's split reductions may still sum in a kernel of their own.)"""
     from loka_train.kernels.plan import GemmPlan, Precision
     from tests.inductor_code import backward_code
 
