@@ -86,7 +86,7 @@ def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, RELU: tl.co
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = _input(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32), RELU)
     # A block with a non-finite value reports inf (the scale is then NaN).
-    tl.store(partial_ptr + pid, _tile_amax(x))
+    tl.store(partial_ptr + pid, _block_amax(x))
 
 
 @triton.jit
@@ -182,9 +182,18 @@ def _codes(x, scale_ptr, FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGI
 
 @triton.jit
 def _tile_amax(x):
-    """Largest |value| of a tile, inf where a value is not finite (tl.max drops NaN: a NaN
-    enters as inf). One reduction: the tile's cast waits on each."""
+    """Largest |value| of a 2-D tile, inf where a value is not finite (tl.max drops NaN: a NaN
+    enters as inf). One reduction: the two-layout casts ran 3-15% faster than with two."""
     return tl.max(tl.where(x != x, float("inf"), tl.abs(x)))
+
+
+@triton.jit
+def _block_amax(x):
+    """:func:`_tile_amax` of a 1-D block, in two reductions (a count of non-finite values and
+    the max): the one-reduction form made the one-layout static cast 1.5-1.9x slower."""
+    ax = tl.abs(x)
+    num_bad = tl.sum(((x != x) | (ax == float("inf"))).to(tl.int32))
+    return tl.where(num_bad > 0, float("inf"), tl.max(ax))
 
 
 @triton.jit
@@ -230,7 +239,7 @@ def _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX: tl.conste
     q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     if STORE_AMAX:
-        tl.store(partial_ptr + blk, _tile_amax(x))
+        tl.store(partial_ptr + blk, _block_amax(x))
 
 
 @triton.jit
