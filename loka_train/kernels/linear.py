@@ -638,8 +638,9 @@ class _PlannedLinearFn(torch.autograd.Function):
                     x_ext[:, k + 1:].zero_()
                     x_ext[:, k].fill_(1)
                     gwb = dy_MN.t().mm(x_ext)
-                    grad_w = gwb[:, :k].to(w_dtype, memory_format=torch.contiguous_format)
-                    grad_b = gwb[:, k].to(b_dtype)
+                    # Copies of their own: contiguous, as F.linear's, and not keeping gwb alive.
+                    grad_w = gwb.new_empty((gwb.shape[0], k), dtype=w_dtype).copy_(gwb[:, :k])
+                    grad_b = gwb.new_empty(gwb.shape[0], dtype=b_dtype).copy_(gwb[:, k])
                 else:
                     # The GEMM autograd's linear backward runs (mm_mat2_backward with a
                     # contiguous W: dY^T @ X), so HIGH matches F.linear bit for bit, also on

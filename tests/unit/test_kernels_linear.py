@@ -774,6 +774,19 @@ def test_a_narrow_layers_bias_gradient_comes_out_of_its_grad_weight_gemm(k, dtyp
     torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)  # grad-input untouched
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_folded_gradients_are_contiguous_tensors_of_their_own(w_dtype):
+    """dW and db come out of one GEMM but are returned as contiguous copies, as F.linear's: a
+    view of the GEMM's output would be strided, share its storage with the other gradient and
+    keep the whole output alive."""
+    x = _leaf(_gauss(64, 16, seed=1, dtype=w_dtype))
+    w, b = _leaf(_gauss(48, 16, seed=2, dtype=w_dtype)), _leaf(_gauss(48, seed=3, dtype=w_dtype))
+    gw, gb = torch.autograd.grad(fp8_linear(x, w, b, _FWD_ONLY), (w, b), _gauss(64, 48, seed=4, dtype=w_dtype))
+    assert gw.is_contiguous() and gw.stride() == (16, 1) and gb.is_contiguous()
+    assert gw.untyped_storage().nbytes() == gw.numel() * gw.element_size()
+    assert gw.untyped_storage().data_ptr() != gb.untyped_storage().data_ptr()
+
+
 def test_a_wide_layer_or_a_frozen_weight_sums_its_bias_gradient():
     """Where the fold does not pay (``N`` below twice the extended ``K``) or there is no
     grad-weight GEMM to fold into, the bias gradient is dY's column sum, as F.linear's."""
