@@ -229,6 +229,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                       f"and nothing else changed: step / (step - GEMM ms x {1 - 1 / FP8_GEMM_PEAK:g}); a target above it needs more "
                       "than FP8 GEMMs."]
             lines += _gpu_time_delta_section(profiled)
+            lines += _unaligned_gemms_section(profiled)
             lines += _kernel_calls_section(profiled)
             lines += ["", "### Where the host time goes (profiled steps)", "",
                       "| config | variant | aten calls/step | self CPU ms/step | GPU sync wait ms/step | top host ops (self CPU ms/step, calls/step) |",
@@ -514,6 +515,25 @@ def report_data(
         "wall_s": time.perf_counter() - t0,
         "pinned_batches": args.device == "cuda",
     }
+
+
+def _unaligned_gemms_section(profiled: list[dict[str, Any]]) -> list[str]:
+    """The GEMM kernels of each profiled variant that cuBLAS picks where an operand's dimension
+    or address is not 16-byte aligned (``align1`` / ``align2`` in their names), among its largest
+    kernels: they run several times slower than the aligned ones, and a compiled bf16 step takes
+    them on some machines and not on others, which moves the reference of every ratio."""
+    lines = []
+    for r in profiled:
+        slow = [k for k in r["profile"]["top_kernels"]
+                if k.get("category") == "gemm" and ("align1" in k["name"] or "align2" in k["name"])]
+        if slow:
+            ms = sum(k["ms_per_step"] for k in slow)
+            calls = sum(k.get("calls_per_step", 0) for k in slow)
+            lines.append(f"- {r['config']} {r['variant']}: {ms:.2f} ms a step in {len(slow)} kernel(s), "
+                         f"{calls:g} launches")
+    if not lines:
+        return []
+    return ["", "Unaligned GEMM kernels (cuBLAS `align1` / `align2`, among the largest kernels):", "", *lines]
 
 
 def _kernel_calls_section(profiled: list[dict[str, Any]]) -> list[str]:

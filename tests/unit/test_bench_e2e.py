@@ -645,6 +645,23 @@ def test_the_report_lists_the_largest_kernels_with_their_launches() -> None:
     assert _kernel_calls_section([{"config": "c", "variant": "v", "profile": {"top_kernels": []}}]) == []
 
 
+def test_the_report_names_unaligned_gemm_kernels_per_variant() -> None:
+    from bench.e2e.report import _unaligned_gemms_section
+
+    kernels = [
+        {"name": "void cutlass::Kernel2<cutlass_75_tensorop_bf16_s1688gemm_bf16_64x64_32x6_nn_align1>",
+         "category": "gemm", "ms_per_step": 0.45, "calls_per_step": 5.0},
+        {"name": "nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", "category": "gemm", "ms_per_step": 3.4},
+        {"name": "triton_poi_fused_align1_lookalike", "category": "other", "ms_per_step": 0.3},
+    ]
+    bf16 = {"config": "wukong", "variant": "bf16+compile+graphs", "profile": {"top_kernels": kernels}}
+    loka = {"config": "wukong", "variant": "loka", "profile": {"top_kernels": kernels[1:]}}
+    lines = _unaligned_gemms_section([bf16, loka])
+    assert lines[-1] == "- wukong bf16+compile+graphs: 0.45 ms a step in 1 kernel(s), 5 launches"
+    assert not any("loka" in line for line in lines)
+    assert _unaligned_gemms_section([loka]) == []
+
+
 def test_loka_tensorwise_casts_count_as_quantization() -> None:
     from bench.e2e.measure import kernel_category
 
