@@ -455,10 +455,14 @@ def grad_weight_dtype(w_dtype: torch.dtype) -> torch.dtype:
     return w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _extended_k(k: int) -> int:
     """Columns of ``[X, 1, 0...]`` for a bias folded into grad-weight: ``K + 1`` rounded up to a
     multiple of 8 (cuBLAS's aligned 16-bit kernels)."""
-    return -(-(k + 1) // 8) * 8
+    return _round_up(k + 1, 8)
 
 
 def folds_bias_grad(plan: LinearPlan, k: int, n: int, *, need_w: bool, need_b: bool) -> bool:
@@ -806,7 +810,7 @@ def _rows(x: Tensor, dtype: torch.dtype) -> Tensor:
         from loka_train.kernels.triton_layout import transposed_rows
 
         k = x.shape[-1]
-        return transposed_rows(x, dtype, k if k % 8 == 0 else -(-k // _ALIGNED_K) * _ALIGNED_K)
+        return transposed_rows(x, dtype, k if k % 8 == 0 else _round_up(k, _ALIGNED_K))
     return x.to(dtype).reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 

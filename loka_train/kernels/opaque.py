@@ -348,8 +348,9 @@ def define(
         num_fn_args = ctx.loka_num_args - num_extra_args
         if grad is None:
             return (None,) * ctx.loka_num_args
-        # The traced gradients first: traced before the op, inductor fuses them with the code
-        # that produces ``grad``; after it, they became passes of their own.
+        # The traced gradients first: traced before the op, inductor can fuse them with the code
+        # that produces ``grad`` (on the CPU it does; a GPU's split reduction may stay apart);
+        # after it, they became passes of their own.
         traced_grads = {i: traced[i](ctx.loka_attrs, grad) for i in ctx.loka_traced}
         given = iter(_fn_backward(grad, list(ctx.saved_tensors), ctx.loka_state))
         present: tuple[bool, ...] = _last.backward

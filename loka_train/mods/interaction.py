@@ -13,7 +13,9 @@ DCN epilogue fusion (``epilogue_fusion=True``): layer ``l`` computes
 ``x_{l+1} = x0 * (W (V x_l) + b) + x_l`` as the second GEMM with the bias in its epilogue,
 then one ``torch.addcmul(x_l, x0, z)``: one elementwise kernel instead of three (bias add,
 multiply, residual add). The backward is that of the formula: ``dZ = x0 * g``, the bias
-gradient its column sum (traced beside the FP8 op, for inductor to fuse).
+gradient its column sum, traced beside the FP8 op for inductor to fuse, or, where ``W``'s
+grad-weight runs in high precision and the rank is at most about half the width, a column of
+that GEMM (``kernels.linear.folds_bias_grad``).
 It applies to layers whose ``W`` GEMM runs an FP8 plan; a layer in high precision keeps
 TorchRec's formula op for op, so a converted model without FP8 is bit-identical to the
 original, also under bf16 autocast.
