@@ -33,6 +33,7 @@ from bench.e2e.variants import (
     canonical_name,
     resolve_variants,
     torchao_status,
+    with_loka_overrides,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LoKA variants measure the per-GEMM ledger after training (loka.ledger=true): "
                         "in the JSON and the report, with the step speed-ups it predicts")
     p.add_argument("--profile-variants", default="bf16,loka_aggressive", help="variants whose steps are profiled")
+    p.add_argument("--loka-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a hydra override of the preset for every loka_safe / loka_aggressive variant "
+                        "(repeatable), e.g. loka.probe.sites_per_step=2; its decision run takes it too")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also write each profiled window (first round) as a gzipped Chrome trace "
                         "DIR/<config>_b<batch>_<variant>.json.gz, for perfetto / chrome://tracing")
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.device == "cuda" and not torch.cuda.is_available():
         logger.error("no CUDA device: use --dry-run (tiny) or --device cpu (real configs) on a CPU")
         return 2
-    variants = resolve_variants(args.variant_names, args.fp8_backend)
+    variants = with_loka_overrides(resolve_variants(args.variant_names, args.fp8_backend), args.loka_override)
     (ne_base,) = resolve_variants([args.ne_base], args.fp8_backend)
     if args.ne_from and (ne_base.loka != "off" or ne_base.torchao):
         raise SystemExit(f"--ne-base {ne_base.name}: the shared checkpoint comes from a run without LoKA or torchao")

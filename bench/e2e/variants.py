@@ -250,6 +250,30 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     return out
 
 
+def with_loka_overrides(variants: list[Variant], overrides: list[str]) -> list[Variant]:
+    """`variants` with `overrides` (``loka.*`` hydra overrides, ``--loka-override``) added to the
+    preset of every LoKA variant (``loka_safe``, ``loka_aggressive``); the others unchanged.
+
+    Example:
+        >>> v = with_loka_overrides(resolve_variants(["bf16", "loka_safe"], "emulated"), ["loka.probe.sites_per_step=2"])
+        >>> [x.loka_overrides for x in v]
+        [(), ('loka.probe.sites_per_step=2',)]
+    """
+    for o in overrides:
+        key, eq, _ = o.partition("=")
+        if not eq or not key.startswith("loka.") or key.startswith("loka.enabled"):
+            raise SystemExit(f"--loka-override {o!r}: give KEY=VALUE with a loka.* key other than loka.enabled "
+                             "(e.g. loka.probe.sites_per_step=2)")
+    if not overrides:
+        return variants
+    what = ", " + " ".join(overrides)
+    return [
+        replace(v, description=v.description + what, loka_overrides=(*v.loka_overrides, *overrides))
+        if v.name.split("+")[0] in LOKA_VARIANTS else v
+        for v in variants
+    ]
+
+
 # ----------------------------------------------------------------------- composition
 class Composer:
     """Composes JobConfigs from conf/ (validated by the schema), like launch/train.py."""

@@ -15,7 +15,7 @@ from bench.e2e.cli import main, parse_args
 from bench.e2e.measure import StepClock
 from bench.e2e.protocol import aggregate, run_order
 from bench.e2e.report import _fp8_cell, _ne_delta_cell, _slow_steps_section
-from bench.e2e.variants import job_overrides, resolve_variants, torchao_modules
+from bench.e2e.variants import job_overrides, resolve_variants, torchao_modules, with_loka_overrides
 from bench.e2e.verdicts import SPEED_ONLY, add_ratios, evaluate_targets, fp8_ceiling, ne_measured
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -252,6 +252,23 @@ def test_torchao_rowwise_leaves_out_exactly_the_linears_with_transposed_3d_input
     # Nothing else is left out: the row-wise recipe converts every other Linear tensor-wise takes.
     assert set(tensor_converted) - set(row_converted) == three_d & set(tensor_converted)
     assert three_d & set(tensor_converted), "some 3-D-input Linears have 16-multiple dims here"
+
+
+def test_loka_overrides_reach_every_loka_variant_and_no_other() -> None:
+    args = parse_args(["--dry-run", "--out", "unused"])
+    variants = with_loka_overrides(
+        resolve_variants(["bf16+compile+graphs", "loka_aggressive+compile+graphs", "loka_safe", "fp8_everywhere"],
+                         "emulated"),
+        ["loka.probe.sites_per_step=2", "loka.probe.every_k_steps=10"],
+    )
+    runs = {v.name: job_overrides(args, "dcn", 64, v, "o", steps=1, eval_batches=1) for v in variants}
+    for name in ("loka_aggressive+compile+graphs", "loka_safe"):
+        assert runs[name][-2:] == ["loka.probe.sites_per_step=2", "loka.probe.every_k_steps=10"], name
+    for name in ("bf16+compile+graphs", "fp8_everywhere"):
+        assert not any("sites_per_step" in o for o in runs[name]), name
+    for bad in ("probe.sites_per_step=2", "loka.probe.sites_per_step", "loka.enabled=false"):
+        with pytest.raises(SystemExit, match="--loka-override"):
+            with_loka_overrides(variants, [bad])
 
 
 def test_rounds_rotate_the_variant_order() -> None:
