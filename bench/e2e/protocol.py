@@ -155,6 +155,7 @@ def decide_overrides(interval: int) -> tuple[str, ...]:
 
 SHARED_DECISION_OVERRIDES = (
     "loka.mods.static_scales=true", "loka.mods.static_scales=false", "loka.mods.fold_relu=false",
+    "loka.probe.sites_per_step=2",  # the decision run samples every site whatever the schedule
 )
 """Overrides that change how a plan runs: ``--share-decisions`` lets variants that differ in
 them share one decision run, so that they compare on the same plans. Those plans are what

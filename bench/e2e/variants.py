@@ -181,7 +181,7 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
     }
 
 
-SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "static", "dynamic", "nofold")
+SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "static", "dynamic", "nofold", "rotate")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
@@ -191,12 +191,14 @@ instead of running them eagerly: what replaying them gains. ``+static``
 scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dynamic``
 (``loka.mods.static_scales=false``) with dynamic ones. ``+nofold`` (``loka.mods.fold_relu=false``)
 keeps each ReLU a pass of its own instead of folding it into the next site's FP8 cast: what the
-folding gains."""
+folding gains. ``+rotate`` (``loka.probe.sites_per_step=2``) samples a rotating pair of sites on
+each sampled step instead of the preset's schedule of sites: what a sampled step then costs."""
 
 LOKA_OVERRIDE_SUFFIXES = {
     "static": (", static tensor-wise scales", "loka.mods.static_scales=true"),
     "dynamic": (", dynamic tensor-wise scales", "loka.mods.static_scales=false"),
     "nofold": (", ReLUs not folded into the casts", "loka.mods.fold_relu=false"),
+    "rotate": (", 2 sites a sampled step", "loka.probe.sites_per_step=2"),
 }
 """LoKA suffixes that add one override to the preset: what the description says, the override."""
 

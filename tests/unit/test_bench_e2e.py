@@ -266,6 +266,12 @@ def test_loka_overrides_reach_every_loka_variant_and_no_other() -> None:
         assert runs[name][-2:] == ["loka.probe.sites_per_step=2", "loka.probe.every_k_steps=10"], name
     for name in ("bf16+compile+graphs", "fp8_everywhere"):
         assert not any("sites_per_step" in o for o in runs[name]), name
+    # +rotate: two sites a sampled step, on the same plans as the preset's schedule (shared decision).
+    from bench.e2e.protocol import decision_key
+
+    (plain, rotated) = resolve_variants(["loka_safe+graphs", "loka_safe+graphs+rotate"], "emulated")
+    assert "loka.probe.sites_per_step=2" in job_overrides(args, "dcn", 64, rotated, "o", steps=1, eval_batches=1)
+    assert decision_key("dcn", 64, 0, plain) == decision_key("dcn", 64, 0, rotated)
     for bad in ("probe.sites_per_step=2", "loka.probe.sites_per_step", "loka.enabled=false"):
         with pytest.raises(SystemExit, match="--loka-override"):
             with_loka_overrides(variants, [bad])
