@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
 from loka_train.kernels.plan import LinearPlan
@@ -61,24 +60,10 @@ class BmmSite(Site):
         self._set_mkn((b * m, k, bt_BKN.shape[-1]))
         y = planned_bmm(a_BMK, bt_BKN, self.plan, compiled_quantizer=self.compiled_quantizer)
         if self._should_observe():
-            self._observe(a_BMK, bt_BKN, y)
+            # The first OBSERVED_BATCHES batches, as one block-diagonal GEMM: x (s*M, K) and
+            # w (s*N, K); dY is the block-diagonal of those batches' gradients.
+            s = min(b, OBSERVED_BATCHES)
+            x_MK = a_BMK[:s].detach().reshape(-1, k)
+            w_NK = bt_BKN[:s].detach().transpose(1, 2).reshape(-1, k)
+            y = self._observe(x_MK, w_NK, y, mkn=(b * m, k, bt_BKN.shape[-1]), kind="bmm")
         return y
-
-    @torch.compiler.disable
-    def _observe(self, a_BMK: Tensor, bt_BKN: Tensor, y: Tensor) -> None:
-        obs, name = self.observer, self.site_name
-        assert obs is not None
-        s = min(a_BMK.shape[0], OBSERVED_BATCHES)
-        k = a_BMK.shape[-1]
-        x_MK = a_BMK[:s].detach().reshape(-1, k)
-        w_NK = bt_BKN[:s].detach().transpose(1, 2).reshape(-1, k)
-        obs.observe(name, "forward", x_MK, w_NK)
-        if not y.requires_grad:
-            return
-
-        def hook(grad: Tensor) -> None:
-            dy_MN = torch.block_diag(*grad[:s].detach())
-            obs.observe(name, "grad_input", dy_MN, w_NK)
-            obs.observe(name, "grad_weight", dy_MN, x_MK)
-
-        y.register_hook(hook)

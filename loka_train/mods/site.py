@@ -62,7 +62,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -74,6 +74,7 @@ from loka_train.kernels.fused import FUSED_ACTIVATIONS, fuses_quantizer, layerno
 from loka_train.kernels.linear import _compute_dtype, inductor_quantizes
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.registry import get_backend
+from loka_train.mods import probe_tap
 from loka_train.mods.planned import any_fp8, fp8_padding, gemm_plans, planned_linear
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ class Site(nn.Module):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.site_name = ""
+        self._tap_id = probe_tap.register(self)
         self.pad_to_multiple = int(pad_to_multiple)
         self.compiled_quantizer = "custom"
         self.observer = None
@@ -193,6 +195,7 @@ class Site(nn.Module):
         """Report operands to ``probe`` on the steps it samples this site (the site must be
         registered with it; :func:`mark_sampled` turns the reports on per step)."""
         self.observer = probe
+        self._tap_id = probe_tap.register(self)  # a copy of a site reports as itself once attached
 
     def detach_observer(self) -> None:
         """Stop reporting."""
@@ -214,9 +217,9 @@ class Site(nn.Module):
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
         # Not in compiled code: a module attribute written there is a guard that fails on the
-        # next call (a recompile per module, and per batch shape). The eager calls record it:
-        # the Probe's sampled steps run uncompiled (trainer.compile_dense), and Dispatch plans
-        # from the shapes those steps saw.
+        # next call (a recompile per module, and per batch shape). Eager calls record it, and
+        # compiled sampled steps through their taps (which run as opaque ops): Dispatch plans
+        # from the shapes the Probe's sampled steps saw.
         if torch.compiler.is_compiling():
             return
         # nn.Module.__setattr__ costs microseconds on every call; shapes rarely change.
@@ -230,11 +233,45 @@ class Site(nn.Module):
         ``no_grad`` after step ``s``, while step ``s`` may still be a sampled one); its batches
         must not take the window slots of a sampled training step. All checks are plain attribute
         and grad-mode reads, which dynamo guards on like any module flag: code compiled for an
-        unsampled training step or for an evaluation has no graph break here, and the sampled
-        steps run the eager ``_observe`` (compiled code recompiles for them, or, as the runtime
-        does, runs them uncompiled).
+        unsampled training step or for an evaluation holds no report, and code compiled for a
+        sampled step holds the taps (:meth:`_observe`), without a graph break.
         """
         return self.training and torch.is_grad_enabled() and self.sampling and self.observer is not None
+
+    def _observe(
+        self,
+        a: Tensor,
+        b: Tensor,
+        y: Tensor,
+        *,
+        mkn: tuple[int, int, int],
+        z_MN: Tensor | None = None,
+        activation: str = "none",
+        kind: str = "linear",
+    ) -> Tensor:
+        """Report the forward operands ``(a, b)`` now and both gradient roles when ``y``'s
+        gradient arrives (``dY`` from it as :data:`probe_tap.KINDS` says: through the activation
+        of ``z_MN``, or the block-diagonal of a batched site's observed batches); return the
+        tensor to continue with. Eager code calls the observer and hooks ``y``; compiled code
+        gets the ``loka::probe_tap`` op (:mod:`loka_train.mods.probe_tap`: no graph break, the
+        same reports), which also records the GEMM shape ``mkn`` that eager calls record."""
+        if torch.compiler.is_compiling():
+            return torch.ops.loka.probe_tap(y, a, b, z_MN, self._tap_id, kind, activation, list(mkn))
+        self._observe_eager(a, b, y, z_MN, activation, kind)
+        return y
+
+    @torch.compiler.disable
+    def _observe_eager(
+        self, a: Tensor, b: Tensor, y: Tensor, z_MN: Tensor | None, activation: str, kind: str
+    ) -> None:
+        probe_tap.report_forward(self, a, b)
+        if not y.requires_grad:
+            return
+
+        def hook(grad: Tensor) -> None:
+            probe_tap.report_grads(self, grad, a, b, z_MN, kind, activation)
+
+        y.register_hook(hook)
 
     def _fallback(self, key: str, message: str) -> None:
         """Count a fallback and log it once per site and kind."""
@@ -252,10 +289,10 @@ def mark_sampled(sites: Iterable[Site], step: int) -> list[Site]:
     ``sampling`` flag to that; return the sites that sample.
 
     The one place where "does this site report on this step" is decided: call it at every step
-    start, after ``probe.begin_step(step)``. A loop that compiles or graphs the dense modules
-    must run the returned sites eagerly (their reports are host work that compiled code and
-    graph replays skip); the LoKA callback hands them to the loop as ``eager_modules``. A site
-    without an observer never samples.
+    start, after ``probe.begin_step(step)``. A loop that graphs the dense modules must not
+    replay the returned sites (their reports are host work that a replay skips); compiled code
+    keeps them as opaque ops (:mod:`loka_train.mods.probe_tap`). The LoKA callback hands them to
+    the loop as ``eager_modules``. A site without an observer never samples.
 
     Example:
         >>> probe.begin_step(step)
@@ -332,32 +369,8 @@ class GemmSite(Site):
         )
         if self._should_observe():
             x_obs = torch.relu(x.detach()) if relu else x.detach()
-            self._observe(x_obs.reshape(-1, k), weight.detach(), y, None)
+            y = self._observe(x_obs.reshape(-1, k), weight.detach(), y, mkn=(x.numel() // k if k else 0, k, n))
         return y
-
-    @torch.compiler.disable
-    def _observe(
-        self,
-        x_MK: Tensor,
-        w_NK: Tensor,
-        y: Tensor,
-        grad_fn: Callable[[Tensor], Tensor] | None,
-    ) -> None:
-        """Forward now, both gradient roles from a hook on ``y``'s gradient. ``grad_fn`` maps
-        the output gradient to the GEMM's ``dY`` (e.g. through a fused activation)."""
-        obs, name = self.observer, self.site_name
-        assert obs is not None
-        obs.observe(name, "forward", x_MK, w_NK)
-        if not y.requires_grad:
-            return
-
-        def hook(grad: Tensor) -> None:
-            dy = grad if grad_fn is None else grad_fn(grad)
-            dy_MN = dy.detach().reshape(-1, dy.shape[-1])
-            obs.observe(name, "grad_input", dy_MN, w_NK)
-            obs.observe(name, "grad_weight", dy_MN, x_MK)
-
-        y.register_hook(hook)
 
 
 class Fp8Linear(GemmSite, nn.Linear):
@@ -522,7 +535,7 @@ class Fp8Linear(GemmSite, nn.Linear):
             with torch.no_grad():
                 h_MK = F.layer_norm(x.detach(), (k,), norm.weight, norm.bias, norm.eps).reshape(-1, k)
                 z_MN = F.linear(h_MK, weight.detach(), None if bias is None else bias.detach())
-            self._observe(h_MK, weight.detach(), y, _activation_grad(z_MN, activation))
+            y = self._observe(h_MK, weight.detach(), y, mkn=(m, k, n), z_MN=z_MN, activation=activation)
         return y
 
     def extra_repr(self) -> str:
@@ -555,21 +568,6 @@ def _act(z: Tensor, activation: str) -> Tensor:
     if activation == "silu":
         return F.silu(z)
     return z
-
-
-def _activation_grad(z_MN: Tensor, activation: str) -> Callable[[Tensor], Tensor]:
-    """Maps the gradient of ``act(z)`` to the gradient of ``z`` (for the observer)."""
-
-    def fn(grad: Tensor) -> Tensor:
-        g_MN = grad.reshape(-1, grad.shape[-1])
-        if activation == "relu":
-            return torch.where(z_MN > 0, g_MN, torch.zeros_like(g_MN))
-        if activation == "silu":
-            sig = torch.sigmoid(z_MN)
-            return g_MN * sig * (1 + z_MN * (1 - sig))
-        return g_MN
-
-    return fn
 
 
 class FusedLinearSite(GemmSite):

@@ -313,8 +313,9 @@ class LokaCallback(Callback):
             self.comm_state.begin_step(step)
 
     def eager_modules(self, trainer: Trainer, step: int) -> Collection[nn.Module]:
-        """The sites the Probe samples on `step`: their statistics are host work that compiled
-        code and CUDA graph replays would skip."""
+        """The sites the Probe samples on `step`: their statistics are host work that CUDA graph
+        replays would skip (compiled code keeps it as opaque ops, ``mods.probe_tap``, which the
+        loop runs with ``trainer.compile_sampled``)."""
         return self._sampled
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:

@@ -108,11 +108,13 @@ def eager_or_compiled(
     step against 14 ms for the same model in bf16,
     ``bench/results/e2e_rotated_batches_h100_2026-11-24b/NOTES.md``). Compiled only
     for the other steps, the compiled code has no break; the requested steps, eager either way,
-    do their host work.
+    do their host work. With ``eager.compiled_requests`` (``trainer.compile_sampled``) the
+    requested steps run `compiled` too: the LoKA Probe's reports enter compiled code as opaque
+    ops, without a break (``mods.probe_tap``).
     """
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if module.training and torch.is_grad_enabled() and eager.runs_eagerly(module):
+        if module.training and torch.is_grad_enabled() and eager.runs_eagerly(module) and not eager.compiled_requests:
             return eager_forward(*args, **kwargs)
         return compiled(*args, **kwargs)
 

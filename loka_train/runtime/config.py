@@ -152,6 +152,15 @@ class TrainerConfig:
     style, batch 32768, H100) it left the sampled step's time unchanged and raised the peak
     reserved memory (``docs/performance.md``)."""
 
+    compile_sampled: bool = False
+    """With ``compile_dense``: on the steps where a callback requests a module (the LoKA Probe's
+    sampled steps), run the module's compiled forward, not replayed, instead of its uncompiled
+    one. The sampled sites report through opaque ops in the compiled code (``mods.probe_tap``:
+    the same reports, no graph break), so a sampled step pays the Probe's measurements without
+    the uncompiled forward and backward. Each new set of sampled sites in a module compiles
+    once more (the presets sample every site at once: one more variant per module). Not
+    with ``cuda_graphs_requested``, which replays the uncompiled forward."""
+
     cuda_graphs_share_outputs: bool = True
     """With ``cuda_graphs``: the bottom MLP's and the interaction's replays return their graphs'
     output buffers, which the next graphed module reads in place, instead of copies (DCN at
@@ -273,6 +282,14 @@ class TrainerConfig:
             raise ValueError(f"trainer.compile_dense must be a bool, got {self.compile_dense!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"trainer.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.compile_sampled, bool):
+            raise ValueError(f"trainer.compile_sampled must be a bool, got {self.compile_sampled!r}")
+        if self.compile_sampled and not self.compile_dense:
+            raise ValueError("trainer.compile_sampled=true runs the sampled steps' compiled code: "
+                             "set trainer.compile_dense=true too, or compile_sampled=false")
+        if self.compile_sampled and self.cuda_graphs_requested:
+            raise ValueError("trainer.compile_sampled=true and trainer.cuda_graphs_requested=true exclude each "
+                             "other (the second replays the uncompiled forward): set one of them to false")
         if not isinstance(self.cuda_graphs_share_outputs, bool):
             raise ValueError(
                 f"trainer.cuda_graphs_share_outputs must be a bool, got {self.cuda_graphs_share_outputs!r}"

@@ -62,6 +62,10 @@ class EagerSteps:
         """Whether the current step's requests allow a graphed loop to capture and replay the
         requested modules' uncompiled forwards (the requesting callbacks defer their host work
         to replays: :func:`loka_train.utils.capture.after_replay`)."""
+        self.compiled_requests = False
+        """Whether a requested module runs its compiled forward (not replayed) instead of its
+        uncompiled one (``trainer.compile_sampled``): for callbacks whose host work reaches
+        compiled code as opaque ops, as the LoKA Probe's does (``mods.probe_tap``)."""
 
     def watch(self, module: nn.Module) -> None:
         """Answer :meth:`runs_eagerly` for `module` from the next :meth:`begin_step` on."""

@@ -27,8 +27,9 @@ What runs eagerly, and why (every call is counted by reason in :meth:`DenseGraph
   or a capture that failed (e.g. an op that synchronises with the host); the module then
   stays eager for the run.
 
-With ``compile``, a ``requested`` call runs the module's own uncompiled forward, and every
-other unreplayed call the compiled one (:func:`loka_train.runtime.compile.eager_or_compiled`
+With ``compile``, a ``requested`` call runs the module's own uncompiled forward (its compiled
+one, not replayed, with ``EagerSteps.compiled_requests``), and every other unreplayed call the
+compiled one (:func:`loka_train.runtime.compile.eager_or_compiled`
 says why: host work inside a layer loop made dynamo skip the whole frame).
 
 A signature is: autocast state, the input shapes / dtypes / requires-grad, the
@@ -393,9 +394,10 @@ class DenseGraphs:
 
     def _unreplayed(self, entry: _Entry, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call that is not replayed: on a step that requests the module (also when its
-        capture failed, or in a replayable request's warm-up), its own uncompiled forward;
-        otherwise its (compiled) forward, the variant that the capture compiles and records."""
-        if self.eager.runs_eagerly(entry.module) and reason not in ("eval", "no_grad"):
+        capture failed, or in a replayable request's warm-up), its own uncompiled forward, or its
+        compiled one with ``eager.compiled_requests`` (``trainer.compile_sampled``); otherwise
+        its (compiled) forward, the variant that the capture compiles and records."""
+        if self.eager.runs_eagerly(entry.module) and reason not in ("eval", "no_grad") and not self.eager.compiled_requests:
             return entry.eager(*args, **kwargs)
         return entry.forward(*args, **kwargs)
 

@@ -5,8 +5,9 @@ The known issue this guards against (bench/results/e2e_rotated_batches_h100_2026
 layer loop"): a graph break inside DCN's loop over cross layers (the sites' Probe check, and on
 torch 2.11 one inside the traced FP8 backward) made dynamo run the whole cross network eagerly
 for the rest of the run (on an H100 it cost DCN at batch 32768 8.6 ms per step). Now the FP8
-Functions are opaque custom ops (``kernels.opaque``) and compiled code runs only on steps where no
-site samples (the Probe's steps take the uncompiled forward), so no frame is skipped.
+Functions are opaque custom ops (``kernels.opaque``) and a sampled site reports through opaque ops
+too (``mods.probe_tap``), whether the Probe's steps take the uncompiled forward (the default) or
+the compiled one (``trainer.compile_sampled``), so no frame is skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from tests.dist._multiprocess import run_multiprocess
 from tests.dist._tiny import tiny_data, tiny_model, tiny_trainer
 
 
-def _train(rank: int, world_size: int, out: str, model: str, break_in_sites: bool) -> dict[str, Any]:
+def _train(rank: int, world_size: int, out: str, model: str, break_in_sites: bool,
+           compile_sampled: bool = False) -> dict[str, Any]:
     import torch
 
     from loka_train.mods import site as site_mod
@@ -43,15 +45,28 @@ def _train(rank: int, world_size: int, out: str, model: str, break_in_sites: boo
     loka = preset("aggressive", "loka.dispatch.enabled=false", "loka.guard.enabled=false",
                   "loka.comm_enabled=false", "loka.mods.initial_plan=fp8_rowwise",
                   "loka.mods.backend=emulated")
+    from loka_train.mods import probe_tap
+
+    taps = [0]  # reports that came through the compiled code's taps
+    site_of = probe_tap._site
+
+    def counted(tap_id: int) -> Any:
+        taps[0] += 1
+        return site_of(tap_id)
+
+    probe_tap._site = counted  # type: ignore[assignment]
     before = dynamo_frame_skips()
     trainer = Trainer(model=tiny_model(model), data=tiny_data(),
-                      trainer=tiny_trainer(Path(out), compile_dense=True, compile_backend="eager", steps=4),
-                      callbacks=[LokaCallback(loka)])
+                      trainer=tiny_trainer(Path(out), compile_dense=True, compile_backend="eager", steps=4,
+                                           compile_sampled=compile_sampled),
+                      callbacks=[callback := LokaCallback(loka)])
     summary = trainer.fit()
+    assert callback.probe is not None
     after = dynamo_frame_skips()
     skipped = sorted(f for f, n in after.items() if n > before.get(f, 0))
     return {"skipped": skipped, "fallbacks": summary["fallbacks"], "frames": summary["compile_skipped_frames"],
-            "fp8_sites": sum(s.has_fp8() for s in sites(trainer.model).values())}
+            "fp8_sites": sum(s.has_fp8() for s in sites(trainer.model).values()),
+            "num_obs": callback.probe.state_dict()["num_obs"], "taps": taps[0]}
 
 
 @pytest.mark.parametrize("model", ["dcn", "wukong", "dlrm"])
@@ -60,6 +75,21 @@ def test_compiled_fp8_models_skip_no_frame(tmp_path: Path, model: str) -> None:
     assert result["fp8_sites"] > 0, result
     assert result["skipped"] == [] and result["frames"] == [], result
     assert not [f for f in result["fallbacks"] if f.startswith("compile_dense:")], result
+
+
+@pytest.mark.parametrize("model", ["dcn", "wukong"])
+def test_compiled_sampled_steps_skip_no_frame_and_observe_what_uncompiled_ones_do(tmp_path: Path, model: str) -> None:
+    """``trainer.compile_sampled``: the Probe's sampled steps run the compiled modules, whose
+    sites report through opaque ops (no frame skipped, DCN's and Wukong's layer loops
+    included), and the Probe takes as many samples of every site and role as with the
+    uncompiled sampled steps."""
+    compiled = run_multiprocess(_train, 1, str(tmp_path / "on"), model, False, True)[0]
+    uncompiled = run_multiprocess(_train, 1, str(tmp_path / "off"), model, False, False)[0]
+    assert compiled["skipped"] == [] and compiled["frames"] == [], compiled
+    assert not [f for f in compiled["fallbacks"] if f.startswith("compile_dense:")], compiled
+    assert compiled["taps"] > 0 and uncompiled["taps"] == 0, (compiled["taps"], uncompiled["taps"])
+    assert compiled["num_obs"] == uncompiled["num_obs"], (compiled["num_obs"], uncompiled["num_obs"])
+    assert any(n > 0 for per_site in compiled["num_obs"] for n in per_site), compiled
 
 
 def test_frames_dynamo_skips_are_listed_fallbacks(tmp_path: Path) -> None:

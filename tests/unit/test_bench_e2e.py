@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,16 @@ def test_variant_suffixes_combine() -> None:
     args = parse_args(["--dry-run", "--out", "unused"])
     assert "trainer.cuda_graphs_requested=true" in job_overrides(args, "dcn", 64, replayed, "o", steps=1, eval_batches=1)
     assert not any("cuda_graphs_requested" in o for o in job_overrides(args, "dcn", 64, v, "o", steps=1, eval_batches=1))
+    # Sampled steps compiled: a LoKA variant with +compile only; the decision run (compile off) leaves it out.
+    (comp,) = resolve_variants(["loka_aggressive+compile+graphs+compilesampled"], "torch_scaled_mm")
+    assert comp.compile_sampled and same_settings_reference(comp.name) == "bf16+compile+graphs"
+    assert "trainer.compile_sampled=true" in job_overrides(args, "dcn", 64, comp, "o", steps=1, eval_batches=1)
+    decide = replace(comp, compile=False)
+    assert not any("compile_sampled" in o for o in job_overrides(args, "dcn", 64, decide, "o", steps=1, eval_batches=1))
+    for bad in ("loka_safe+graphs+compilesampled", "bf16+compile+compilesampled",
+                "loka_safe+compile+graphs+replaysampled+compilesampled"):
+        with pytest.raises(SystemExit, match="compilesampled"):
+            resolve_variants([bad], "torch_scaled_mm")
     for bad in ("bf16+compile+graphs+replaysampled", "loka_safe+compile+replaysampled"):
         with pytest.raises(SystemExit, match="replaysampled"):
             resolve_variants([bad], "torch_scaled_mm")

@@ -135,6 +135,39 @@ def test_eval_no_grad_and_sampled_steps_run_eagerly() -> None:
     assert probe.report()["sites"]["tower.site"]["num_observations"]["forward"] == 3
 
 
+def test_with_compiled_requests_a_sampled_step_runs_the_compiled_forward_unreplayed() -> None:
+    """``trainer.compile_sampled``: the steps that request the module run its compiled forward,
+    not a replay and not its uncompiled forward; the site still reports (through its taps)."""
+    tower, log = Tower(), []
+    ran: list[str] = []
+
+    def compile(fn: Any) -> Any:
+        def compiled(*args: Any, **kwargs: Any) -> Any:
+            ran.append("compiled")
+            return fn(*args, **kwargs)
+
+        return compiled
+
+    eager = EagerSteps()
+    eager.compiled_requests = True
+    graphs = _graphs(tower, log, warmup_calls=1, compile=compile, eager=eager)
+    probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, interval=100, window=2, min_samples=1))
+    tower.site.site_name = "tower.site"
+    probe.register_site("tower.site", **tower.site.probe_spec())
+    tower.site.attach_observer(probe)
+    x = torch.randn(3, 8)
+    for step in range(6):
+        probe.begin_step(step)
+        graphs.eager.begin_step(mark_sampled([tower.site], step))
+        before = len(ran)
+        tower(x).sum().backward()
+        if step % 2 == 0:  # requested: the compiled forward ran for this call, unreplayed
+            assert len(ran) > before, step
+    stats = graphs.stats()
+    assert stats["eager"]["requested"] == 3 and stats["replays"] == 2
+    assert probe.report()["sites"]["tower.site"]["num_observations"]["forward"] == 3
+
+
 def test_a_plan_change_or_a_new_shape_recaptures() -> None:
     tower, log = Tower(), []
     graphs = _graphs(tower, log, warmup_calls=1, max_variants=1)
@@ -274,6 +307,9 @@ def test_the_trainer_refuses_cuda_graphs_on_a_cpu_device() -> None:
     [
         ({"cuda_graphs": "yes"}, "must be a bool"),
         ({"cuda_graphs_share_outputs": "no"}, "trainer.cuda_graphs_share_outputs must be a bool"),
+        ({"compile_sampled": "yes", "compile_dense": True}, "trainer.compile_sampled must be a bool"),
+        ({"compile_sampled": True}, "set trainer.compile_dense=true too"),
+        ({"compile_sampled": True, "compile_dense": True, "cuda_graphs_requested": True}, "exclude each other"),
     ],
 )
 def test_trainer_config_refuses_impossible_graph_settings(kwargs: dict, match: str) -> None:
@@ -650,16 +686,29 @@ def test_trainer_compiles_modules_with_sites_behind_the_eager_router(monkeypatch
     fake.cfg = TrainerConfig(compile_dense=True, device="cpu", compile_backend="eager")
     fake.model, fake.graphs, fake.compiled_modules, fake.eager = model, None, [], EagerSteps()
     trainer_mod.Trainer._compile_dense(fake)
+    assert not fake.eager.compiled_requests  # trainer.compile_sampled is off by default
     assert fake.compiled_modules == ["dense_arch", "over_arch"] and in_place == ["over_arch"]
     assert "forward" in vars(model.dense_arch) and len(compiled) == 1
     x = torch.randn(3, 8)
     torch.testing.assert_close(model.dense_arch(x), Tower.forward(model.dense_arch, x))
 
 
+def test_trainer_compile_sampled_reaches_the_eager_router() -> None:
+    from loka_train.runtime import trainer as trainer_mod
+
+    fake = type("T", (), {})()
+    fake.cfg = TrainerConfig(compile_dense=True, compile_sampled=True, device="cpu", compile_backend="eager")
+    model = nn.Module()
+    model.dense_arch = Tower()
+    fake.model, fake.graphs, fake.compiled_modules, fake.eager = model, None, [], EagerSteps()
+    trainer_mod.Trainer._compile_dense(fake)
+    assert fake.eager.compiled_requests
+
+
 def test_captures_run_with_sampling_off_so_compiled_captures_have_no_graph_break() -> None:
-    """A sampled site reports to its Probe through a graph break (``torch.compiler.disable``);
-    the graphs capture only on steps that do not request the module eagerly, on which no site
-    inside it samples, so the compiled code they record is one graph."""
+    """A sampled site reports to its Probe through the taps (``mods.probe_tap``), opaque ops in
+    one graph; the graphs capture only on steps that do not request the module eagerly, on
+    which no site inside it samples, so the compiled code they record holds no tap."""
     tower = Tower()
     probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, interval=100, window=2, min_samples=1))
     tower.site.site_name = "tower.site"
@@ -671,7 +720,9 @@ def test_captures_run_with_sampling_off_so_compiled_captures_have_no_graph_break
     observed = torch._dynamo.explain(Tower.forward)(tower, x)
     tower.site.set_sampling(False)
     plain = torch._dynamo.explain(Tower.forward)(tower, x)
-    assert observed.graph_break_count >= 1 and plain.graph_break_count == 0, (observed, plain)
+    assert observed.graph_break_count == plain.graph_break_count == 0, (observed, plain)
+    assert observed.graph_count == plain.graph_count == 1
+    assert "probe_tap" in str(observed.graphs[0].graph) and "probe_tap" not in str(plain.graphs[0].graph)
 
     # The router's warm-up call, its captures (and the stand-in's replays, which re-run them)
     # run with the site's sampling off: none of them is on a sampled step.
@@ -740,10 +791,12 @@ def _linears(graphs: list[torch.fx.GraphModule]) -> list[int]:
 
 
 def test_an_observing_site_in_a_layer_loop_no_longer_leaves_the_module_uncompiled() -> None:
-    """Compiled as is, a sampled site's report (a graph break) inside the loop makes dynamo
-    skip the whole forward: the layers run eagerly, unfused (DCN on an H100 ran 23 ms per step
-    instead of 14). ``eager_or_compiled`` compiles it for the unsampled steps only: one graph with
-    every layer, and the Probe's own steps run the uncompiled forward, observed."""
+    """A sampled site's report inside the loop was a graph break, which made dynamo skip the
+    whole forward: the layers ran eagerly, unfused (DCN on an H100 ran 23 ms per step instead of
+    14). Its reports are now opaque ops (``mods.probe_tap``): compiled as is, the sampled
+    forward is one graph with every layer. ``eager_or_compiled`` compiles it for the unsampled
+    steps and runs the Probe's own steps uncompiled, observed; with ``compiled_requests``
+    (``trainer.compile_sampled``) those run compiled too, observed."""
     from loka_train.runtime.compile import eager_or_compiled
 
     x = torch.randn(4, 8)
@@ -757,8 +810,11 @@ def test_an_observing_site_in_a_layer_loop_no_longer_leaves_the_module_uncompile
     stack, probe = _observed_stack(every_k_steps=1)  # step 0 samples every layer
     probe.begin_step(0)
     mark_sampled(stack.layers, 0)
-    torch.compile(stack.forward, backend=backend)(x)
-    assert max(_linears(seen), default=0) < 3  # as is: no graph holds the layers together
+    torch.compile(stack.forward, backend=backend)(x).sum().backward()
+    assert _linears(seen) == [3]  # as is: one graph holds the layers and their taps
+    assert str(seen[0].graph).count("probe_tap") == 3
+    observations = probe.report()["sites"]["stack.0"]["num_observations"]
+    assert observations["forward"] == 1 and observations["grad_weight"] == 1
 
     torch._dynamo.reset()
     seen.clear()
@@ -783,6 +839,12 @@ def test_an_observing_site_in_a_layer_loop_no_longer_leaves_the_module_uncompile
     begin(1)
     forward(x)  # the next step samples nothing: the same compiled graph again
     assert len(seen) == 1
+    eager.compiled_requests = True
+    begin(2)  # samples: the compiled forward with the taps, a graph of its own, observed
+    forward(x).sum().backward()
+    assert _linears(seen) == [3, 3] and "probe_tap" in str(seen[1].graph)
+    observations = probe.report()["sites"]["stack.0"]["num_observations"]
+    assert observations["forward"] == 2 and observations["grad_input"] == 2
 
 
 def test_the_run_summary_table_shows_compiled_modules_and_graph_counts() -> None:

@@ -1,0 +1,161 @@
+"""The Probe's taps (``mods.probe_tap``): a sampled site's reports inside compiled code.
+
+A compiled sampled step must report to the observer exactly what an eager one reports (the same
+operands, for every role of every kind of site), without a graph break (a break inside a loop
+over layers makes dynamo give up the whole module), and the compiled code of unsampled steps
+must hold no tap.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+from loka_train.kernels.plan import LinearPlan
+from loka_train.mods import BmmSite, Fp8Linear
+from loka_train.mods.site import Site
+
+FP8 = LinearPlan.fp8(backend="emulated")
+
+
+class Recorder:
+    """An observer that keeps a copy of every report, by (site, role)."""
+
+    def __init__(self) -> None:
+        self.reports: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def observe(self, name: str, role: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.reports.setdefault((name, role), []).append((a.detach().clone(), b.detach().clone()))
+
+
+class LayerLoop(nn.Module):
+    """Every observed path of a site (fused LayerNorm-Linear with a ReLU, plain Linear with a
+    folded input ReLU, bmm), in a Python loop over layers."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(16) for _ in range(layers))
+        self.ins = nn.ModuleList(Fp8Linear.from_linear(nn.Linear(16, 32), plan=FP8) for _ in range(layers))
+        self.outs = nn.ModuleList(Fp8Linear.from_linear(nn.Linear(32, 16)) for _ in range(layers))
+        for out in self.outs:
+            out.input_relu = True
+        self.inter = BmmSite(plan=FP8)
+
+    def forward(self, x_BMK: torch.Tensor) -> torch.Tensor:
+        for norm, lin_in, lin_out in zip(self.norms, self.ins, self.outs):
+            x_BMK = x_BMK + lin_out(lin_in.forward_layernorm(x_BMK, norm, activation="none"))
+        return self.inter(x_BMK, x_BMK.transpose(1, 2))
+
+    def sites(self) -> dict[str, Site]:
+        return {name: m for name, m in self.named_modules() if isinstance(m, Site)}
+
+
+def _net(recorder: Recorder | None, sampling: bool = True) -> LayerLoop:
+    torch.manual_seed(0)
+    net = LayerLoop()
+    for name, site in net.sites().items():
+        site.site_name = name
+        if recorder is not None:
+            site.attach_observer(recorder)  # type: ignore[arg-type]
+            site.set_sampling(sampling)
+    return net
+
+
+def _step(net: nn.Module) -> None:
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
+    net(x).square().sum().backward()
+
+
+def test_a_compiled_sampled_step_reports_what_an_eager_one_does_without_a_graph_break() -> None:
+    eager = Recorder()
+    _step(_net(eager))
+    compiled = Recorder()
+    net = _net(compiled)
+    torch._dynamo.reset()
+    _step(torch.compile(net, backend="aot_eager", fullgraph=True))  # a graph break raises
+    sites = set(_net(None).sites())
+    assert set(eager.reports) == {(s, r) for s in sites for r in ("forward", "grad_input", "grad_weight")}
+    assert set(compiled.reports) == set(eager.reports)
+    for key, want in eager.reports.items():
+        got = compiled.reports[key]
+        assert len(got) == len(want) == 1, key
+        for g, w in zip(got[0], want[0]):
+            assert g.shape == w.shape, key
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_the_compiled_taps_record_the_gemm_shapes_that_eager_calls_record() -> None:
+    want = _net(Recorder())
+    _step(want)
+    got = _net(Recorder())
+    torch._dynamo.reset()
+    _step(torch.compile(got, backend="aot_eager", fullgraph=True))
+    shapes = {name: site.gemm_shapes() for name, site in want.sites().items()}
+    assert all(s["forward"][0] > 0 for s in shapes.values())
+    assert {name: site.gemm_shapes() for name, site in got.sites().items()} == shapes
+
+
+def test_only_the_sampled_steps_compiled_code_holds_the_taps() -> None:
+    graphs: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    recorder = Recorder()
+    net = _net(recorder, sampling=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(net, backend=backend, fullgraph=True)
+    _step(compiled)
+    assert graphs and not any("probe_tap" in g for g in graphs)
+    assert recorder.reports == {}
+    for site in net.sites().values():
+        site.set_sampling(True)
+    _step(compiled)
+    assert len(graphs) == 2 and graphs[1].count("loka.probe_tap") == len(net.sites())
+    assert len(recorder.reports) == 3 * len(net.sites())
+
+
+def test_the_compiled_probe_window_matches_the_eager_one() -> None:
+    """With the real Probe: the same statistics in its window, compiled (fullgraph) or eager."""
+    from loka_train.mods import mark_sampled
+    from loka_train.probe import Probe, ProbeConfig
+
+    def run(compiled: bool) -> Probe:
+        net = _net(None)
+        probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, window=4, interval=50, min_samples=1))
+        for name, site in net.sites().items():
+            probe.register_site(name, **site.probe_spec())
+            site.attach_observer(probe)
+        torch._dynamo.reset()
+        model = torch.compile(net, backend="aot_eager", fullgraph=True) if compiled else net
+        for step in range(2):
+            probe.begin_step(step)
+            assert len(mark_sampled(net.sites().values(), step)) == len(net.sites())
+            _step(model)
+        probe.reduce()
+        return probe
+
+    eager, compiled = run(False), run(True)
+    assert compiled.state_dict()["num_obs"] == eager.state_dict()["num_obs"]
+    for site in _net(None).sites():
+        for role in ("forward", "grad_input", "grad_weight"):
+            got, want = compiled.window_stats(site, role), eager.window_stats(site, role)
+            assert bool(want["valid"].any()), (site, role)
+            torch.testing.assert_close(got["sqnr_db"], want["sqnr_db"], rtol=1e-4, atol=1e-3)
+
+
+def test_a_tap_whose_site_is_gone_says_so() -> None:
+    from loka_train.mods import probe_tap
+
+    class Gone:
+        site_name, observer = "x", Recorder()
+
+        def _set_mkn(self, mkn: tuple[int, int, int]) -> None: ...
+
+    tap_id = probe_tap.register(Gone())  # the only reference: collected at once
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        torch.ops.loka.probe_tap(torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2), None, tap_id, "linear",
+                                 "none", [2, 2, 2])
