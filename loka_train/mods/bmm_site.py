@@ -16,12 +16,10 @@ from torch import Tensor
 
 from loka_train.kernels.plan import LinearPlan
 from loka_train.mods.planned import gemm_plans, planned_bmm
+from loka_train.mods.probe_tap import OBSERVED_BATCHES
 from loka_train.mods.site import Site
 
 __all__ = ["OBSERVED_BATCHES", "BmmSite"]
-
-OBSERVED_BATCHES = 8
-"""Batches of a batched (bmm) site that are reported to the observer on a sampled step."""
 
 
 class BmmSite(Site):

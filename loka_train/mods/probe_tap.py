@@ -18,7 +18,8 @@ reports through two custom ops that dynamo puts in the graph like any other op:
 
 The copies are what a custom op must return (an output may not alias an input); they are made
 only on the sampled steps, whose compiled code alone holds the taps (dynamo guards on the
-site's ``sampling`` flag). ``site`` is the integer :func:`register` gave the site. Reports go
+site's ``sampling`` flag). A site whose output nothing reads reports nothing when compiled (the
+graph drops the tap with the output); eager code reports its forward. ``site`` is the integer :func:`register` gave the site. Reports go
 through the same functions as the eager path's (:func:`report_forward`, :func:`report_grads`),
 so a sampled step reports the same operands compiled or not.
 
@@ -48,7 +49,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["KINDS", "activation_grad", "register", "report_forward", "report_grads"]
+__all__ = ["KINDS", "OBSERVED_BATCHES", "activation_grad", "register", "report_forward", "report_grads"]
+
+OBSERVED_BATCHES = 8
+"""Batches of a batched (bmm) site that are reported to the observer on a sampled step (as one
+block-diagonal GEMM)."""
 
 KINDS = ("linear", "bmm")
 """How ``dY`` comes from the output's gradient: ``linear`` (rows of the gradient, through the
@@ -116,13 +121,11 @@ def report_grads(site: _Reporting, grad: Tensor, a: Tensor, b: Tensor, z: Tensor
         return
     grad = grad.detach()
     if kind == "bmm":
-        s = a.shape[0] // grad.shape[1] if grad.shape[1] else 0
-        dy_MN = torch.block_diag(*grad[:s])
+        dy_MN = torch.block_diag(*grad[:OBSERVED_BATCHES])
     elif kind == "linear":
         dy_MN = grad.reshape(-1, grad.shape[-1]) if z is None else activation_grad(z, activation)(grad)
     else:
         raise ValueError(f"probe tap kind {kind!r}: one of {KINDS}")
-    dy_MN = dy_MN.reshape(-1, dy_MN.shape[-1])
     obs.observe(site.site_name, "grad_input", dy_MN, b)
     obs.observe(site.site_name, "grad_weight", dy_MN, a)
 

@@ -190,6 +190,11 @@ class Site(nn.Module):
         """Keyword arguments of ``Probe.register_site`` for this site."""
         return {"weight_shape": self.weight_shape()}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (deepcopy, pickle) is a site of its own: its taps must not name the original.
+        super().__setstate__(state)
+        self._tap_id = probe_tap.register(self)
+
     # ----------------------------------------------------------------------- observer
     def attach_observer(self, probe: Probe) -> None:
         """Report operands to ``probe`` on the steps it samples this site (the site must be

@@ -159,3 +159,45 @@ def test_a_tap_whose_site_is_gone_says_so() -> None:
     with pytest.raises(RuntimeError, match="no longer exists"):
         torch.ops.loka.probe_tap(torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2), None, tap_id, "linear",
                                  "none", [2, 2, 2])
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 6), (3, 0, 6)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_empty_batch_of_a_sampled_batched_site_reports_empty_operands(shape: tuple[int, ...], compiled: bool) -> None:
+    recorder = Recorder()
+    site = BmmSite()
+    site.site_name = "inter"
+    site.attach_observer(recorder)  # type: ignore[arg-type]
+    site.set_sampling(True)
+    a = torch.randn(*shape, requires_grad=True)
+    torch._dynamo.reset()
+    fn = torch.compile(site, backend="aot_eager", fullgraph=True) if compiled else site
+    fn(a, a.transpose(1, 2).detach()).sum().backward()
+    assert set(recorder.reports) == {("inter", r) for r in ("forward", "grad_input", "grad_weight")}
+    (dy, _), = recorder.reports[("inter", "grad_input")]
+    assert dy.numel() == 0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_site_reports_as_itself_when_compiled(how: str) -> None:
+    import copy
+    import io
+
+    original = Fp8Linear.from_linear(nn.Linear(8, 4))
+    original.site_name = "orig"
+    original.attach_observer(Recorder())  # type: ignore[arg-type]
+    original.set_sampling(True)
+    if how == "deepcopy":
+        clone = copy.deepcopy(original)
+    else:
+        buf = io.BytesIO()
+        torch.save(original, buf)
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+    clone.site_name = "copy"
+    clone.observer = Recorder()
+    assert clone._tap_id != original._tap_id
+    torch._dynamo.reset()
+    torch.compile(clone, backend="aot_eager", fullgraph=True)(torch.randn(3, 8)).sum().backward()
+    assert original.observer.reports == {}  # type: ignore[union-attr]
+    assert set(clone.observer.reports) == {("copy", r) for r in ("forward", "grad_input", "grad_weight")}
