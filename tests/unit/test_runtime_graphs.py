@@ -112,13 +112,19 @@ def test_warmup_then_capture_then_replays_with_the_eager_result() -> None:
     assert tower.site.weight.grad is not None and tower.scale.grad is not None
 
 
-def test_eval_no_grad_and_sampled_steps_run_eagerly() -> None:
-    tower, log = Tower(), []
-    graphs = _graphs(tower, log, warmup_calls=1)
+def _observe_tower(tower: Tower) -> Probe:
+    """A Probe that samples the tower's site on every other step (0, 2, ...)."""
     probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, interval=100, window=2, min_samples=1))
     tower.site.site_name = "tower.site"
     probe.register_site("tower.site", **tower.site.probe_spec())
     tower.site.attach_observer(probe)
+    return probe
+
+
+def test_eval_no_grad_and_sampled_steps_run_eagerly() -> None:
+    tower, log = Tower(), []
+    graphs = _graphs(tower, log, warmup_calls=1)
+    probe = _observe_tower(tower)
     x = torch.randn(3, 8)
     for step in range(6):
         probe.begin_step(step)
@@ -151,10 +157,7 @@ def test_with_compiled_requests_a_sampled_step_runs_the_compiled_forward_unrepla
     eager = EagerSteps()
     eager.compiled_requests = True
     graphs = _graphs(tower, log, warmup_calls=1, compile=compile, eager=eager)
-    probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, interval=100, window=2, min_samples=1))
-    tower.site.site_name = "tower.site"
-    probe.register_site("tower.site", **tower.site.probe_spec())
-    tower.site.attach_observer(probe)
+    probe = _observe_tower(tower)
     x = torch.randn(3, 8)
     for step in range(6):
         probe.begin_step(step)
