@@ -9,16 +9,19 @@ graph break, and a break inside a loop over layers (DCN's cross layers, Wukong's
 reports through two custom ops that dynamo puts in the graph like any other op:
 
 * ``loka::probe_tap(y, a, b, z, site, kind, activation, mkn)`` returns a copy of ``y``; running,
-  it records the site's GEMM shape ``mkn`` and reports the forward operands ``(a, b)``. Its
-  gradient is ``loka::probe_tap_grad`` of the incoming gradient;
+  it records the site's GEMM shape ``mkn`` and, if the site samples on this step (its
+  ``sampling`` flag, read as it runs), reports the forward operands ``(a, b)``. Its gradient is
+  ``loka::probe_tap_grad`` of the incoming gradient;
 * ``loka::probe_tap_grad(grad, a, b, z, site, kind, activation)`` returns a copy of ``grad``;
-  running, it reports the grad-input and grad-weight operands, with ``dY`` taken from ``grad``
-  as eager code takes it (through the activation of ``z`` for a fused LayerNorm site, as the
-  block-diagonal of the observed batches for a batched site).
+  running, it reports the grad-input and grad-weight operands if the site samples, with ``dY``
+  taken from ``grad`` as eager code takes it (through the activation of ``z`` for a fused
+  LayerNorm site, as the block-diagonal of the observed batches for a batched site).
 
 The copies are what a custom op must return (an output may not alias an input); they are made
-only on the sampled steps, whose compiled code alone holds the taps (dynamo guards on the
-site's ``sampling`` flag). A site whose output nothing reads reports nothing when compiled (the
+only on the sampled steps, whose compiled code alone holds the taps: dynamo guards on the
+observer's ``samples_step`` (the Probe's: the step samples some site), so one compiled variant
+serves every set of sampled sites (``probe.sites_per_step``), each tap reporting where its site
+samples. A site whose output nothing reads reports nothing when compiled (the
 graph drops the tap with the output); eager code reports its forward. ``site`` is the integer :func:`register` gave the site. Reports go
 through the same functions as the eager path's (:func:`report_forward`, :func:`report_grads`),
 so a sampled step reports the same operands compiled or not.
@@ -63,6 +66,7 @@ activation of ``z`` when one is given) or ``bmm`` (the block-diagonal of the obs
 class _Reporting(Protocol):
     site_name: str
     observer: Any
+    sampling: bool
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None: ...
 
@@ -137,7 +141,8 @@ def _probe_tap(
     s = _site(site)
     m, k, n = mkn
     s._set_mkn((m, k, n))
-    report_forward(s, a, b)
+    if s.sampling:
+        report_forward(s, a, b)
     return y.clone()
 
 
@@ -150,7 +155,9 @@ def _(y: Tensor, a: Tensor, b: Tensor, z: Tensor | None, site: int, kind: str, a
 @torch.library.custom_op("loka::probe_tap_grad", mutates_args=())
 def _probe_tap_grad(grad: Tensor, a: Tensor, b: Tensor, z: Tensor | None, site: int, kind: str,
                     activation: str) -> Tensor:
-    report_grads(_site(site), grad, a, b, z, kind, activation)
+    s = _site(site)
+    if s.sampling:
+        report_grads(s, grad, a, b, z, kind, activation)
     return grad.clone()
 
 

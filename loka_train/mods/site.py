@@ -239,9 +239,18 @@ class Site(nn.Module):
         must not take the window slots of a sampled training step. All checks are plain attribute
         and grad-mode reads, which dynamo guards on like any module flag: code compiled for an
         unsampled training step or for an evaluation holds no report, and code compiled for a
-        sampled step holds the taps (:meth:`_observe`), without a graph break.
+        sampled step holds the taps (:meth:`_observe`), without a graph break. Compiled code
+        reads the observer's ``samples_step`` (whether the step samples any site) where it has
+        one, as the Probe does, instead of the site's own flag: every site of a module then gets
+        a tap in one compiled variant, whichever of them sample (the taps report only where
+        their site samples), rather than a variant per set of sampled sites.
         """
-        return self.training and torch.is_grad_enabled() and self.sampling and self.observer is not None
+        if not (self.training and torch.is_grad_enabled() and self.observer is not None):
+            return False
+        if torch.compiler.is_compiling():
+            samples_step = getattr(self.observer, "samples_step", None)  # not a guard on self.sampling
+            return self.sampling if samples_step is None else bool(samples_step)
+        return self.sampling
 
     def _observe(
         self,

@@ -201,3 +201,57 @@ def test_a_copied_site_reports_as_itself_when_compiled(how: str) -> None:
     torch.compile(clone, backend="aot_eager", fullgraph=True)(torch.randn(3, 8)).sum().backward()
     assert original.observer.reports == {}  # type: ignore[union-attr]
     assert set(clone.observer.reports) == {("copy", r) for r in ("forward", "grad_input", "grad_weight")}
+
+
+def test_rotating_sampled_sites_share_one_compiled_variant_and_sample_as_eager() -> None:
+    """``probe.sites_per_step``: each sampled step samples other sites. Compiled code guards on
+    the Probe's ``samples_step``, not on each site's flag: two variants (unsampled, sampled)
+    however the sites rotate, and every site's window as in the eager run."""
+    from loka_train.mods import mark_sampled
+    from loka_train.probe import Probe, ProbeConfig
+
+    def run(compiled: bool) -> tuple[Probe, int]:
+        graphs = [0]
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
+            graphs[0] += 1
+            return gm.forward
+
+        net = _net(None)
+        probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=1, prime_all_sites=False, window=8,
+                                  interval=100, min_samples=1))
+        for name, site in net.sites().items():
+            probe.register_site(name, **site.probe_spec())
+            site.attach_observer(probe)
+        torch._dynamo.reset()
+        model = torch.compile(net, backend=backend, fullgraph=True) if compiled else net
+        sampled = []
+        for step in range(2 * len(net.sites())):
+            probe.begin_step(step)
+            sampled.append(tuple(s.site_name for s in mark_sampled(net.sites().values(), step)))
+            _step(model)
+        assert all(len(s) == (1 if i % 2 == 0 else 0) for i, s in enumerate(sampled)), sampled
+        assert len(set(sampled)) > 2  # the sites rotate
+        return probe, graphs[0]
+
+    eager, _ = run(False)
+    compiled, graphs = run(True)
+    assert graphs == 2, graphs
+    assert compiled.state_dict()["num_obs"] == eager.state_dict()["num_obs"]
+
+
+def test_in_the_shared_variant_only_the_sampled_sites_report() -> None:
+    """An observer with ``samples_step`` (as the Probe) gets taps at every site; a tap reports
+    only where its own site samples."""
+
+    class StepRecorder(Recorder):
+        samples_step = True
+
+    recorder = StepRecorder()
+    net = _net(None)
+    for name, site in net.sites().items():
+        site.attach_observer(recorder)  # type: ignore[arg-type]
+        site.set_sampling(name == "outs.1")
+    torch._dynamo.reset()
+    _step(torch.compile(net, backend="aot_eager", fullgraph=True))
+    assert set(recorder.reports) == {("outs.1", r) for r in ("forward", "grad_input", "grad_weight")}

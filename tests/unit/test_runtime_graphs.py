@@ -721,7 +721,9 @@ def test_captures_run_with_sampling_off_so_compiled_captures_have_no_graph_break
     assert mark_sampled([tower.site], 0) == [tower.site]
     x = torch.randn(3, 8)
     observed = torch._dynamo.explain(Tower.forward)(tower, x)
-    tower.site.set_sampling(False)
+    probe.config.every_k_steps = 1000  # step 1 samples nothing
+    probe.begin_step(1)
+    assert mark_sampled([tower.site], 1) == [] and not probe.samples_step
     plain = torch._dynamo.explain(Tower.forward)(tower, x)
     assert observed.graph_break_count == plain.graph_break_count == 0, (observed, plain)
     assert observed.graph_count == plain.graph_count == 1
@@ -732,8 +734,7 @@ def test_captures_run_with_sampling_off_so_compiled_captures_have_no_graph_break
     seen: list[bool] = []
     site_forward = tower.site.forward
     tower.site.forward = lambda t: (seen.append(tower.site.sampling), site_forward(t))[1]  # type: ignore[method-assign]
-    probe.config.every_k_steps = 1000  # steps 1-3 do not sample: warm-up, capture, replay
-    graphs = _graphs(tower, [], warmup_calls=1)
+    graphs = _graphs(tower, [], warmup_calls=1)  # steps 1-3 do not sample: warm-up, capture, replay
     for step in (1, 2, 3):
         probe.begin_step(step)
         graphs.eager.begin_step(mark_sampled([tower.site], step))
