@@ -157,9 +157,9 @@ class TrainerConfig:
     sampled steps), run the module's compiled forward, not replayed, instead of its uncompiled
     one. The sampled sites report through opaque ops in the compiled code (``mods.probe_tap``:
     the same reports, no graph break), so a sampled step pays the Probe's measurements without
-    the uncompiled forward and backward. Each new set of sampled sites in a module compiles
-    once more (the presets sample every site at once: one more variant per module). Not
-    with ``cuda_graphs_requested``, which replays the uncompiled forward."""
+    the uncompiled forward and backward. A module compiles one more variant, for the sampled
+    steps, whichever of its sites sample. Not with ``cuda_graphs_requested``, which replays the
+    uncompiled forward."""
 
     cuda_graphs_share_outputs: bool = True
     """With ``cuda_graphs``: the bottom MLP's and the interaction's replays return their graphs'
