@@ -21,17 +21,18 @@ The copies are what a custom op must return (an output may not alias an input); 
 only on the sampled steps, whose compiled code alone holds the taps: dynamo guards on the
 observer's ``samples_step`` (the Probe's: the step samples some site), so one compiled variant
 serves every set of sampled sites (``probe.sites_per_step``), each tap reporting where its site
-samples. A site whose output nothing reads reports nothing when compiled (the
-graph drops the tap with the output); eager code reports its forward. ``site`` is the integer :func:`register` gave the site. Reports go
-through the same functions as the eager path's (:func:`report_forward`, :func:`report_grads`),
-so a sampled step reports the same operands compiled or not.
+samples. A site whose output nothing reads reports nothing when compiled (the graph drops the
+tap with the output); eager code reports its forward. ``site`` is the integer :func:`register`
+gave the site. Reports go through the same functions as the eager path's
+(:func:`report_forward`, :func:`report_grads`), so a sampled step reports the same operands
+compiled or not.
 
 Example:
     >>> class Recorder:
     ...     def __init__(self): self.roles = []
     ...     def observe(self, name, role, a, b): self.roles.append(role)
     >>> class FakeSite:
-    ...     site_name, observer = "top.0", Recorder()
+    ...     site_name, observer, sampling = "top.0", Recorder(), True
     ...     def _set_mkn(self, mkn): self.mkn = mkn
     >>> site = FakeSite(); tap_id = register(site)
     >>> x, w = torch.randn(4, 3), torch.randn(2, 3)
