@@ -214,11 +214,14 @@ class Site(nn.Module):
         if on != self.sampling:
             self.sampling = on
 
-    def forward_key(self) -> tuple[LinearPlan, bool]:
-        """What, besides the parameters and inputs, decides what the forward does: the plan, and
-        whether it reports to the observer (``sampling``). A loop that captures the forward
-        captures it again (or takes the capture it keeps for that key) when it changes."""
-        return self.plan, self.sampling
+    def forward_key(self) -> tuple[LinearPlan, bool, bool]:
+        """What, besides the parameters and inputs, decides what the forward does: the plan,
+        whether it reports to the observer (``sampling``), and whether the observer samples any
+        site on this step (its ``samples_step``: compiled code holds the taps then, see
+        :meth:`_should_observe`). A loop that captures the forward captures it again (or takes
+        the capture it keeps for that key) when it changes."""
+        samples_step = self.observer is not None and bool(getattr(self.observer, "samples_step", False))
+        return self.plan, self.sampling, samples_step
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
         # Not in compiled code: a module attribute written there is a guard that fails on the

@@ -255,3 +255,26 @@ def test_in_the_shared_variant_only_the_sampled_sites_report() -> None:
     torch._dynamo.reset()
     _step(torch.compile(net, backend="aot_eager", fullgraph=True))
     assert set(recorder.reports) == {("outs.1", r) for r in ("forward", "grad_input", "grad_weight")}
+
+
+def test_a_site_keys_its_forward_on_the_step_sampling_any_site() -> None:
+    """A module's capture records its compiled code, which holds the taps on steps where the
+    Probe samples any site: its signature (the sites' ``forward_key``) must tell such a step
+    apart even for a site that does not sample, or an unsampled step would replay the taps."""
+    from loka_train.mods import mark_sampled
+    from loka_train.probe import Probe, ProbeConfig
+
+    net = _net(None)
+    probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=1, prime_all_sites=False, window=2,
+                              interval=100, min_samples=1))
+    for name, site in net.sites().items():
+        probe.register_site(name, **site.probe_spec())
+        site.attach_observer(probe)
+    probe.begin_step(2)  # samples one site
+    sampled = mark_sampled(net.sites().values(), 2)
+    idle = next(s for s in net.sites().values() if s not in sampled)
+    on_sampled_step = idle.forward_key()
+    probe.begin_step(3)  # samples none
+    assert mark_sampled(net.sites().values(), 3) == []
+    assert not idle.sampling and on_sampled_step[1] is False
+    assert on_sampled_step != idle.forward_key() and on_sampled_step[2] and not idle.forward_key()[2]
