@@ -18,10 +18,10 @@ reports through two custom ops that dynamo puts in the graph like any other op:
   LayerNorm site, as the block-diagonal of the observed batches for a batched site).
 
 The copies are what a custom op must return (an output may not alias an input); they are made
-only on the sampled steps, whose compiled code alone holds the taps: dynamo guards on the
-observer's ``samples_step`` (the Probe's: the step samples some site), so one compiled variant
-serves every set of sampled sites (``probe.sites_per_step``), each tap reporting where its site
-samples. A site whose output nothing reads reports nothing when compiled (the graph drops the
+only on the sampled steps, in the modules that hold a sampled site: dynamo guards on whether the
+site's module is requested (``Site.module_requested``, told by the runtime at each step start),
+so one compiled variant serves every set of sampled sites (``probe.sites_per_step``), each tap
+reporting where its site samples. A site whose output nothing reads reports nothing when compiled (the graph drops the
 tap with the output); eager code reports its forward. ``site`` is the integer :func:`register`
 gave the site. Reports go through the same functions as the eager path's
 (:func:`report_forward`, :func:`report_grads`), so a sampled step reports the same operands

@@ -129,6 +129,7 @@ class Site(nn.Module):
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.site_name = ""
         self._tap_id = probe_tap.register(self)
+        self._module_requested: bool | None = None
         self.pad_to_multiple = int(pad_to_multiple)
         self.compiled_quantizer = "custom"
         self.observer = None
@@ -214,14 +215,22 @@ class Site(nn.Module):
         if on != self.sampling:
             self.sampling = on
 
-    def forward_key(self) -> tuple[LinearPlan, bool, bool]:
-        """What, besides the parameters and inputs, decides what the forward does: the plan,
-        whether it reports to the observer (``sampling``), and whether the observer samples any
-        site on this step (its ``samples_step``: compiled code holds the taps then, see
-        :meth:`_should_observe`). A loop that captures the forward captures it again (or takes
-        the capture it keeps for that key) when it changes."""
-        samples_step = self.observer is not None and bool(getattr(self.observer, "samples_step", False))
-        return self.plan, self.sampling, samples_step
+    def forward_key(self) -> tuple[LinearPlan, bool]:
+        """What, besides the parameters and inputs, decides what the forward does: the plan, and
+        whether it reports to the observer (``sampling``). A loop that captures the forward
+        captures it again (or takes the capture it keeps for that key) when it changes. (Code
+        compiled for a requested module holds the taps, :meth:`module_requested`; such a module
+        is not replayed from a capture of its compiled code.)"""
+        return self.plan, self.sampling
+
+    def module_requested(self, on: bool) -> None:
+        """Whether the compiled module holding this site runs as requested on this step (the
+        runtime's :class:`~loka_train.runtime.eager.EagerSteps` tells, at each step start): its
+        compiled code then holds a tap at every site, each reporting only where its site samples,
+        so the module compiles one sampled variant whichever of its sites sample. A site never
+        told (no such loop) guards compiled code on its own ``sampling`` flag instead."""
+        if on != self._module_requested:  # nn.Module.__setattr__ costs microseconds
+            self._module_requested = on
 
     def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
         # Not in compiled code: a module attribute written there is a guard that fails on the
@@ -243,16 +252,15 @@ class Site(nn.Module):
         and grad-mode reads, which dynamo guards on like any module flag: code compiled for an
         unsampled training step or for an evaluation holds no report, and code compiled for a
         sampled step holds the taps (:meth:`_observe`), without a graph break. Compiled code
-        reads the observer's ``samples_step`` (whether the step samples any site) where it has
-        one, as the Probe does, instead of the site's own flag: every site of a module then gets
-        a tap in one compiled variant, whichever of them sample (the taps report only where
-        their site samples), rather than a variant per set of sampled sites.
+        reads whether its module is requested (:meth:`module_requested`) where a loop says so,
+        instead of the site's own flag: one compiled variant per module, whichever of its sites
+        sample, rather than a variant per set of sampled sites.
         """
         if not (self.training and torch.is_grad_enabled() and self.observer is not None):
             return False
         if torch.compiler.is_compiling():
-            samples_step = getattr(self.observer, "samples_step", None)  # not a guard on self.sampling
-            return self.sampling if samples_step is None else bool(samples_step)
+            told = self._module_requested  # not a guard on self.sampling where a loop tells
+            return self.sampling if told is None else told
         return self.sampling
 
     def _observe(

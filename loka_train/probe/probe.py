@@ -87,10 +87,6 @@ class Probe:
         self._weight_shapes: dict[str, tuple[int, int] | None] = {}
         self._budgets: dict[str, dict[str, float]] = {}
         self._sampler = Sampler(config)
-        self.samples_step = False
-        """Whether the current step samples any site (set by :meth:`begin_step`). Compiled code
-        guards on it, not on each site's flag: one compiled variant serves every set of sampled
-        sites, its taps reporting where their site samples (``mods.probe_tap``)."""
         self._window = Window(size=config.window, num_candidates=len(self.candidates), device=self.device)
         self._measurement = Measurement(config, self.candidates, self._window.layout, device=self.device)
         # Block and MX tiles span the output features: those candidates see every one.
@@ -159,9 +155,6 @@ class Probe:
     def begin_step(self, step: int) -> None:
         """Set the current training step (call at the start of every step)."""
         self._sampler.begin_step(step)
-        samples = self.config.enabled and bool(self._sites) and self._sampler.step % self.config.every_k_steps == 0
-        if samples != self.samples_step:  # written on few steps
-            self.samples_step = samples
 
     @property
     def step(self) -> int:

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-__all__ = ["EagerSteps", "Keyed", "keyed_modules"]
+__all__ = ["EagerSteps", "Keyed", "RequestAware", "keyed_modules"]
 
 
 @runtime_checkable
@@ -40,6 +40,16 @@ class Keyed(Protocol):
     def forward_key(self) -> Hashable:
         """That state, hashable: two calls with equal keys (and equal inputs and parameters)
         compute the same."""
+        ...
+
+
+@runtime_checkable
+class RequestAware(Protocol):
+    """A module told at every step start whether the watched module holding it runs as
+    requested on the step (a LoKA site: its compiled code then holds the Probe's taps)."""
+
+    def module_requested(self, on: bool) -> None:
+        """Whether the watched module holding it is requested on the step about to run."""
         ...
 
 
@@ -57,6 +67,7 @@ class EagerSteps:
 
     def __init__(self) -> None:
         self._members: dict[nn.Module, frozenset[nn.Module]] = {}
+        self._aware: dict[nn.Module, tuple[RequestAware, ...]] = {}
         self._eager: frozenset[nn.Module] = frozenset()
         self.replayable = False
         """Whether the current step's requests allow a graphed loop to capture and replay the
@@ -68,8 +79,10 @@ class EagerSteps:
         compiled code as opaque ops, as the LoKA Probe's does (``mods.probe_tap``)."""
 
     def watch(self, module: nn.Module) -> None:
-        """Answer :meth:`runs_eagerly` for `module` from the next :meth:`begin_step` on."""
+        """Answer :meth:`runs_eagerly` for `module` from the next :meth:`begin_step` on, and tell
+        its :class:`RequestAware` members at each :meth:`begin_step` whether it is requested."""
         self._members[module] = frozenset(module.modules())
+        self._aware[module] = tuple(m for m in module.modules() if isinstance(m, RequestAware))
 
     def begin_step(self, requested: Iterable[nn.Module], *, replayable: bool = False) -> None:
         """The modules that must run eagerly on the step about to run (the callbacks'
@@ -80,6 +93,10 @@ class EagerSteps:
         self._eager = frozenset(
             module for module, members in self._members.items() if not members.isdisjoint(wanted)
         )
+        for module, aware in self._aware.items():
+            on = module in self._eager
+            for member in aware:
+                member.module_requested(on)
 
     def runs_eagerly(self, module: nn.Module) -> bool:
         """Whether the watched `module` runs eagerly on the current step."""

@@ -16,6 +16,7 @@ from torch import nn
 from loka_train.kernels.plan import LinearPlan
 from loka_train.mods import BmmSite, Fp8Linear
 from loka_train.mods.site import Site
+from loka_train.runtime.eager import EagerSteps
 
 FP8 = LinearPlan.fp8(backend="emulated")
 
@@ -205,8 +206,8 @@ def test_a_copied_site_reports_as_itself_when_compiled(how: str) -> None:
 
 def test_rotating_sampled_sites_share_one_compiled_variant_and_sample_as_eager() -> None:
     """``probe.sites_per_step``: each sampled step samples other sites. Compiled code guards on
-    the Probe's ``samples_step``, not on each site's flag: two variants (unsampled, sampled)
-    however the sites rotate, and every site's window as in the eager run."""
+    whether its module is requested (the runtime tells), not on each site's flag: two variants
+    (unsampled, sampled) however the sites rotate, and every site's window as in the eager run."""
     from loka_train.mods import mark_sampled
     from loka_train.probe import Probe, ProbeConfig
 
@@ -223,12 +224,16 @@ def test_rotating_sampled_sites_share_one_compiled_variant_and_sample_as_eager()
         for name, site in net.sites().items():
             probe.register_site(name, **site.probe_spec())
             site.attach_observer(probe)
+        eager = EagerSteps()  # what the runtime's loops do: tells each site whether its module is requested
+        eager.watch(net)
         torch._dynamo.reset()
         model = torch.compile(net, backend=backend, fullgraph=True) if compiled else net
         sampled = []
         for step in range(2 * len(net.sites())):
             probe.begin_step(step)
-            sampled.append(tuple(s.site_name for s in mark_sampled(net.sites().values(), step)))
+            sites = mark_sampled(net.sites().values(), step)
+            eager.begin_step(sites)
+            sampled.append(tuple(s.site_name for s in sites))
             _step(model)
         assert all(len(s) == (1 if i % 2 == 0 else 0) for i, s in enumerate(sampled)), sampled
         assert len(set(sampled)) > 2  # the sites rotate
@@ -240,41 +245,43 @@ def test_rotating_sampled_sites_share_one_compiled_variant_and_sample_as_eager()
     assert compiled.state_dict()["num_obs"] == eager.state_dict()["num_obs"]
 
 
-def test_in_the_shared_variant_only_the_sampled_sites_report() -> None:
-    """An observer with ``samples_step`` (as the Probe) gets taps at every site; a tap reports
-    only where its own site samples."""
+def test_in_a_requested_module_every_site_has_a_tap_and_only_the_sampled_ones_report() -> None:
+    graphs: list[str] = []
 
-    class StepRecorder(Recorder):
-        samples_step = True
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
+        graphs.append(str(gm.graph))
+        return gm.forward
 
-    recorder = StepRecorder()
+    recorder = Recorder()
     net = _net(None)
     for name, site in net.sites().items():
         site.attach_observer(recorder)  # type: ignore[arg-type]
         site.set_sampling(name == "outs.1")
+    eager = EagerSteps()
+    eager.watch(net)
+    eager.begin_step([net.outs[1]])
+    assert all(site._module_requested for site in net.sites().values())
     torch._dynamo.reset()
-    _step(torch.compile(net, backend="aot_eager", fullgraph=True))
+    _step(torch.compile(net, backend=backend, fullgraph=True))
+    assert graphs[0].count("loka.probe_tap") == len(net.sites())
     assert set(recorder.reports) == {("outs.1", r) for r in ("forward", "grad_input", "grad_weight")}
 
 
-def test_a_site_keys_its_forward_on_the_step_sampling_any_site() -> None:
-    """A module's capture records its compiled code, which holds the taps on steps where the
-    Probe samples any site: its signature (the sites' ``forward_key``) must tell such a step
-    apart even for a site that does not sample, or an unsampled step would replay the taps."""
-    from loka_train.mods import mark_sampled
-    from loka_train.probe import Probe, ProbeConfig
+def test_a_module_that_is_not_requested_compiles_without_taps() -> None:
+    """On a step that samples a site elsewhere, a watched module holding no sampled site is told
+    so: its compiled code holds no tap (no variant, copy or capture for it)."""
+    graphs: list[str] = []
 
-    net = _net(None)
-    probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=1, prime_all_sites=False, window=2,
-                              interval=100, min_samples=1))
-    for name, site in net.sites().items():
-        probe.register_site(name, **site.probe_spec())
-        site.attach_observer(probe)
-    probe.begin_step(2)  # samples one site
-    sampled = mark_sampled(net.sites().values(), 2)
-    idle = next(s for s in net.sites().values() if s not in sampled)
-    on_sampled_step = idle.forward_key()
-    probe.begin_step(3)  # samples none
-    assert mark_sampled(net.sites().values(), 3) == []
-    assert not idle.sampling and on_sampled_step[1] is False
-    assert on_sampled_step != idle.forward_key() and on_sampled_step[2] and not idle.forward_key()[2]
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    net, other = _net(Recorder(), sampling=False), nn.Linear(2, 2)
+    eager = EagerSteps()
+    eager.watch(net)
+    eager.watch(other)
+    eager.begin_step([other])  # another module is requested, not this one
+    assert not any(site._module_requested for site in net.sites().values())
+    torch._dynamo.reset()
+    _step(torch.compile(net, backend=backend, fullgraph=True))
+    assert graphs and not any("probe_tap" in g for g in graphs)

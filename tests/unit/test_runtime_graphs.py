@@ -723,7 +723,7 @@ def test_captures_run_with_sampling_off_so_compiled_captures_have_no_graph_break
     observed = torch._dynamo.explain(Tower.forward)(tower, x)
     probe.config.every_k_steps = 1000  # step 1 samples nothing
     probe.begin_step(1)
-    assert mark_sampled([tower.site], 1) == [] and not probe.samples_step
+    assert mark_sampled([tower.site], 1) == []
     plain = torch._dynamo.explain(Tower.forward)(tower, x)
     assert observed.graph_break_count == plain.graph_break_count == 0, (observed, plain)
     assert observed.graph_count == plain.graph_count == 1
