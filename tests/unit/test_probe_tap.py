@@ -8,6 +8,8 @@ must hold no tap.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch._dynamo
@@ -64,6 +66,17 @@ def _net(recorder: Recorder | None, sampling: bool = True) -> LayerLoop:
     return net
 
 
+def _recording_backend() -> tuple[Any, list[str]]:
+    """A ``torch.compile`` backend that runs each graph as traced and keeps its code."""
+    graphs: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    return backend, graphs
+
+
 def _step(net: nn.Module) -> None:
     x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
     net(x).square().sum().backward()
@@ -99,12 +112,7 @@ def test_the_compiled_taps_record_the_gemm_shapes_that_eager_calls_record() -> N
 
 
 def test_only_the_sampled_steps_compiled_code_holds_the_taps() -> None:
-    graphs: list[str] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
-        graphs.append(str(gm.graph))
-        return gm.forward
-
+    backend, graphs = _recording_backend()
     recorder = Recorder()
     net = _net(recorder, sampling=False)
     torch._dynamo.reset()
@@ -212,12 +220,7 @@ def test_rotating_sampled_sites_share_one_compiled_variant_and_sample_as_eager()
     from loka_train.probe import Probe, ProbeConfig
 
     def run(compiled: bool) -> tuple[Probe, int]:
-        graphs = [0]
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
-            graphs[0] += 1
-            return gm.forward
-
+        backend, graphs = _recording_backend()
         net = _net(None)
         probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=1, prime_all_sites=False, window=8,
                                   interval=100, min_samples=1))
@@ -237,7 +240,7 @@ def test_rotating_sampled_sites_share_one_compiled_variant_and_sample_as_eager()
             _step(model)
         assert all(len(s) == (1 if i % 2 == 0 else 0) for i, s in enumerate(sampled)), sampled
         assert len(set(sampled)) > 2  # the sites rotate
-        return probe, graphs[0]
+        return probe, len(graphs)
 
     eager, _ = run(False)
     compiled, graphs = run(True)
@@ -246,12 +249,7 @@ def test_rotating_sampled_sites_share_one_compiled_variant_and_sample_as_eager()
 
 
 def test_in_a_requested_module_every_site_has_a_tap_and_only_the_sampled_ones_report() -> None:
-    graphs: list[str] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
-        graphs.append(str(gm.graph))
-        return gm.forward
-
+    backend, graphs = _recording_backend()
     recorder = Recorder()
     net = _net(None)
     for name, site in net.sites().items():
@@ -270,12 +268,7 @@ def test_in_a_requested_module_every_site_has_a_tap_and_only_the_sampled_ones_re
 def test_a_module_that_is_not_requested_compiles_without_taps() -> None:
     """On a step that samples a site elsewhere, a watched module holding no sampled site is told
     so: its compiled code holds no tap (no variant, copy or capture for it)."""
-    graphs: list[str] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
-        graphs.append(str(gm.graph))
-        return gm.forward
-
+    backend, graphs = _recording_backend()
     net, other = _net(Recorder(), sampling=False), nn.Linear(2, 2)
     eager = EagerSteps()
     eager.watch(net)
