@@ -201,7 +201,6 @@ class Site(nn.Module):
         """Report operands to ``probe`` on the steps it samples this site (the site must be
         registered with it; :func:`mark_sampled` turns the reports on per step)."""
         self.observer = probe
-        self._tap_id = probe_tap.register(self)  # a copy of a site reports as itself once attached
 
     def detach_observer(self) -> None:
         """Stop reporting."""
@@ -285,7 +284,6 @@ class Site(nn.Module):
         self._observe_eager(a, b, y, z_MN, activation, kind)
         return y
 
-    @torch.compiler.disable
     def _observe_eager(
         self, a: Tensor, b: Tensor, y: Tensor, z_MN: Tensor | None, activation: str, kind: str
     ) -> None:

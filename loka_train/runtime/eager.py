@@ -69,6 +69,8 @@ class EagerSteps:
         self._members: dict[nn.Module, frozenset[nn.Module]] = {}
         self._aware: dict[nn.Module, tuple[RequestAware, ...]] = {}
         self._eager: frozenset[nn.Module] = frozenset()
+        self._told: frozenset[nn.Module] | None = None
+        """The requested set the RequestAware members were last told (None: tell at the next step)."""
         self.replayable = False
         """Whether the current step's requests allow a graphed loop to capture and replay the
         requested modules' uncompiled forwards (the requesting callbacks defer their host work
@@ -83,6 +85,7 @@ class EagerSteps:
         its :class:`RequestAware` members at each :meth:`begin_step` whether it is requested."""
         self._members[module] = frozenset(module.modules())
         self._aware[module] = tuple(m for m in module.modules() if isinstance(m, RequestAware))
+        self._told = None
 
     def begin_step(self, requested: Iterable[nn.Module], *, replayable: bool = False) -> None:
         """The modules that must run eagerly on the step about to run (the callbacks'
@@ -93,10 +96,12 @@ class EagerSteps:
         self._eager = frozenset(
             module for module, members in self._members.items() if not members.isdisjoint(wanted)
         )
-        for module, aware in self._aware.items():
-            on = module in self._eager
-            for member in aware:
-                member.module_requested(on)
+        if self._eager != self._told:  # most steps request what the last one did: nothing to tell
+            self._told = self._eager
+            for module, aware in self._aware.items():
+                on = module in self._eager
+                for member in aware:
+                    member.module_requested(on)
 
     def runs_eagerly(self, module: nn.Module) -> bool:
         """Whether the watched `module` runs eagerly on the current step."""

@@ -278,3 +278,16 @@ def test_a_module_that_is_not_requested_compiles_without_taps() -> None:
     torch._dynamo.reset()
     _step(torch.compile(net, backend=backend, fullgraph=True))
     assert graphs and not any("probe_tap" in g for g in graphs)
+
+
+def test_eager_steps_tell_each_site_whether_its_module_is_requested_as_that_changes() -> None:
+    first, second = _net(None), _net(None)
+    eager = EagerSteps()
+    eager.watch(first)
+    eager.begin_step([first.outs[0]])
+    assert all(site._module_requested is True for site in first.sites().values())
+    eager.watch(second)  # watched later: told at the next step, though the request is the same
+    eager.begin_step([first.outs[0]])
+    assert all(site._module_requested is False for site in second.sites().values())
+    eager.begin_step([])
+    assert not any(site._module_requested for net in (first, second) for site in net.sites().values())
