@@ -125,9 +125,10 @@ class Variant:
     replay_sampled: bool = False
     """``trainer.cuda_graphs_requested=true``: the Probe's sampled steps replay a capture of the
     sampled modules instead of running them eagerly."""
-    compile_sampled: bool = False
-    """``trainer.compile_sampled=true`` (only where ``compile`` is on: not in a decision run):
-    the Probe's sampled steps run the compiled modules, their sites reporting through taps."""
+    compile_sampled: bool | None = None
+    """``trainer.compile_sampled`` (only where ``compile`` is on: not in a decision run): None
+    leaves the trainer's default (the Probe's sampled steps run the compiled modules, their
+    sites reporting through taps), False runs the sampled modules' uncompiled code."""
 
 
 def base_variants(fp8_backend: str) -> dict[str, Variant]:
@@ -184,15 +185,16 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
     }
 
 
-SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "compilesampled", "static", "dynamic", "nofold",
-            "rotate")
+SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "compilesampled", "eagersampled", "static", "dynamic",
+            "nofold", "rotate")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
 (``trainer.cuda_graphs_requested=true``, with ``+graphs``) replays the Probe's sampled steps
-instead of running them eagerly: what replaying them gains. ``+compilesampled``
-(``trainer.compile_sampled=true``, with ``+compile``) runs them compiled instead, the sites
-reporting through opaque ops: what compiling them gains. ``+static``
+instead of running them compiled. With ``+compile`` the sampled steps run the compiled modules,
+the sites reporting through opaque ops (the trainer's default); ``+eagersampled``
+(``trainer.compile_sampled=false``) runs the sampled modules' uncompiled code instead: what
+compiling them gains. ``+compilesampled`` names the default (``trainer.compile_sampled=true``). ``+static``
 (``loka.mods.static_scales=true``) quantizes tensor-wise activations and gradients with static
 scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dynamic``
 (``loka.mods.static_scales=false``) with dynamic ones. ``+nofold`` (``loka.mods.fold_relu=false``)
@@ -226,7 +228,7 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     for name in names:
         stem, *suffixes = name.split("+")
         if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
-            loka_only = ("replaysampled", "compilesampled", "static", "dynamic", "nofold", "rotate")
+            loka_only = ("replaysampled", "compilesampled", "eagersampled", "static", "dynamic", "nofold", "rotate")
             allowed = sorted(base) + [
                 f"{b}+{s}" for b in sorted(base) for s in SUFFIXES
                 if not (base[b].compile and s == "compile") and not (base[b].loka == "off" and s in loka_only)
@@ -250,6 +252,11 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
                 raise SystemExit(f"--variants: {name}: '+compilesampled' is for LoKA variants with '+compile' "
                                  "(and without '+replaysampled')")
             v = replace(v, description=v.description + ", sampled steps compiled", compile_sampled=True)
+        if "eagersampled" in suffixes:
+            if "compile" not in suffixes or "compilesampled" in suffixes or v.loka == "off":
+                raise SystemExit(f"--variants: {name}: '+eagersampled' is for LoKA variants with '+compile' "
+                                 "(and without '+compilesampled')")
+            v = replace(v, description=v.description + ", sampled steps uncompiled", compile_sampled=False)
         if "dynamic" in suffixes and "static" in suffixes:
             raise SystemExit(f"--variants: {name}: '+dynamic' and '+static' exclude each other")
         for suffix, (what, override) in LOKA_OVERRIDE_SUFFIXES.items():
@@ -349,7 +356,8 @@ def job_overrides(
         f"trainer.cuda_graphs={str(variant.graphs).lower()}",
         *(["trainer.pin_memory=false"] if variant.pageable else []),
         *(["trainer.cuda_graphs_requested=true"] if variant.replay_sampled else []),
-        *(["trainer.compile_sampled=true"] if variant.compile_sampled and variant.compile else []),
+        *([f"trainer.compile_sampled={str(variant.compile_sampled).lower()}"]
+          if variant.compile_sampled is not None and variant.compile else []),
         f"trainer.compile_backend={args.compile_backend}",
         f"loka={variant.loka}",
         *variant.loka_overrides,

@@ -152,14 +152,16 @@ class TrainerConfig:
     style, batch 32768, H100) it left the sampled step's time unchanged and raised the peak
     reserved memory (``docs/performance.md``)."""
 
-    compile_sampled: bool = False
+    compile_sampled: bool | None = None
     """With ``compile_dense``: on the steps where a callback requests a module (the LoKA Probe's
     sampled steps), run the module's compiled forward, not replayed, instead of its uncompiled
     one. The sampled sites report through opaque ops in the compiled code (``mods.probe_tap``:
     the same reports, no graph break), so a sampled step pays the Probe's measurements without
-    the uncompiled forward and backward. A module compiles one more variant, for the sampled
-    steps, whichever of its sites sample. Not with ``cuda_graphs_requested``, which replays the
-    uncompiled forward."""
+    the uncompiled forward and backward, and holds less memory. A module compiles one more
+    variant, for the sampled steps, whichever of its sites sample. Not with
+    ``cuda_graphs_requested``, which replays the uncompiled forward. ``null`` (default): on
+    wherever ``compile_dense`` is on and ``cuda_graphs_requested`` off (:attr:`sampled_compiled`);
+    ``false`` runs the sampled modules' uncompiled code."""
 
     cuda_graphs_share_outputs: bool = True
     """With ``cuda_graphs``: the bottom MLP's and the interaction's replays return their graphs'
@@ -219,6 +221,14 @@ class TrainerConfig:
 
     stop_after_step: int | None = None
     """Stop (as if killed) right after this step, after its checkpoint if one is due."""
+
+    @property
+    def sampled_compiled(self) -> bool:
+        """Whether the requested modules run their compiled code (``compile_sampled`` resolved:
+        ``null`` is on with ``compile_dense`` and without ``cuda_graphs_requested``)."""
+        if self.compile_sampled is None:
+            return self.compile_dense and not self.cuda_graphs_requested
+        return self.compile_sampled
 
     def dense_lr_at(self, step: int) -> float:
         """The dense learning rate of `step` (0-based): linear warm-up, ``dense_lr``, then the decay.
@@ -282,8 +292,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.compile_dense must be a bool, got {self.compile_dense!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"trainer.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
-        if not isinstance(self.compile_sampled, bool):
-            raise ValueError(f"trainer.compile_sampled must be a bool, got {self.compile_sampled!r}")
+        if self.compile_sampled is not None and not isinstance(self.compile_sampled, bool):
+            raise ValueError(f"trainer.compile_sampled must be true, false or null (auto), got {self.compile_sampled!r}")
         if self.compile_sampled and not self.compile_dense:
             raise ValueError("trainer.compile_sampled=true runs the sampled steps' compiled code: "
                              "set trainer.compile_dense=true too, or compile_sampled=false")

@@ -232,7 +232,7 @@ class Trainer:
         so its tracing calls these modules without entering them.
         """
         self._frame_skips = FrameSkips()
-        self.eager.compiled_requests = self.cfg.compile_sampled
+        self.eager.compiled_requests = self.cfg.sampled_compiled
         options = compile_options(self.cfg.compile_backend)
         if self.cfg.cuda_graphs:
             self.graphs = self._install_graphs(compile=lambda fn: torch.compile(fn, **options))

@@ -27,7 +27,7 @@ from tests.dist._tiny import tiny_data, tiny_model, tiny_trainer
 
 
 def _train(rank: int, world_size: int, out: str, model: str, break_in_sites: bool,
-           compile_sampled: bool = False) -> dict[str, Any]:
+           compile_sampled: bool | None = None) -> dict[str, Any]:
     import torch
 
     from loka_train.mods import site as site_mod

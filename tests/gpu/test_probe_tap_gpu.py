@@ -43,7 +43,7 @@ def _run(compiled: bool, sampling: bool) -> tuple[Probe, list[torch.Tensor]]:
     torch.manual_seed(0)
     net = Cross(LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")).cuda()
     probe = Probe(ProbeConfig(every_k_steps=1 if sampling else 1000, sites_per_step=None, window=4,
-                              interval=50, min_samples=1))
+                              interval=50, min_samples=1), device="cuda")
     for name, site in net.sites().items():
         site.site_name = name
         probe.register_site(name, **site.probe_spec())

@@ -209,6 +209,16 @@ def test_variant_suffixes_combine() -> None:
                 "loka_safe+compile+graphs+replaysampled+compilesampled"):
         with pytest.raises(SystemExit, match="compilesampled"):
             resolve_variants([bad], "torch_scaled_mm")
+    # +compile alone leaves the trainer's default (sampled steps compiled); +eagersampled turns it off.
+    assert v.compile_sampled is None
+    assert not any("compile_sampled" in o for o in job_overrides(args, "dcn", 64, v, "o", steps=1, eval_batches=1))
+    (eager,) = resolve_variants(["loka_aggressive+compile+graphs+eagersampled"], "torch_scaled_mm")
+    assert eager.compile_sampled is False and same_settings_reference(eager.name) == "bf16+compile+graphs"
+    assert "trainer.compile_sampled=false" in job_overrides(args, "dcn", 64, eager, "o", steps=1, eval_batches=1)
+    for bad in ("loka_safe+graphs+eagersampled", "bf16+compile+eagersampled",
+                "loka_safe+compile+compilesampled+eagersampled"):
+        with pytest.raises(SystemExit, match="eagersampled"):
+            resolve_variants([bad], "torch_scaled_mm")
     for bad in ("bf16+compile+graphs+replaysampled", "loka_safe+compile+replaysampled"):
         with pytest.raises(SystemExit, match="replaysampled"):
             resolve_variants([bad], "torch_scaled_mm")

@@ -310,7 +310,7 @@ def test_the_trainer_refuses_cuda_graphs_on_a_cpu_device() -> None:
     [
         ({"cuda_graphs": "yes"}, "must be a bool"),
         ({"cuda_graphs_share_outputs": "no"}, "trainer.cuda_graphs_share_outputs must be a bool"),
-        ({"compile_sampled": "yes", "compile_dense": True}, "trainer.compile_sampled must be a bool"),
+        ({"compile_sampled": "yes", "compile_dense": True}, r"trainer.compile_sampled must be true, false or null \(auto\)"),
         ({"compile_sampled": True}, "set trainer.compile_dense=true too"),
         ({"compile_sampled": True, "compile_dense": True, "cuda_graphs_requested": True}, "exclude each other"),
     ],
@@ -689,23 +689,35 @@ def test_trainer_compiles_modules_with_sites_behind_the_eager_router(monkeypatch
     fake.cfg = TrainerConfig(compile_dense=True, device="cpu", compile_backend="eager")
     fake.model, fake.graphs, fake.compiled_modules, fake.eager = model, None, [], EagerSteps()
     trainer_mod.Trainer._compile_dense(fake)
-    assert not fake.eager.compiled_requests  # trainer.compile_sampled is off by default
+    assert fake.eager.compiled_requests  # trainer.compile_sampled follows compile_dense by default
     assert fake.compiled_modules == ["dense_arch", "over_arch"] and in_place == ["over_arch"]
     assert "forward" in vars(model.dense_arch) and len(compiled) == 1
     x = torch.randn(3, 8)
     torch.testing.assert_close(model.dense_arch(x), Tower.forward(model.dense_arch, x))
 
 
-def test_trainer_compile_sampled_reaches_the_eager_router() -> None:
+@pytest.mark.parametrize(("kwargs", "compiled"), [
+    ({"compile_sampled": True}, True),
+    ({"compile_sampled": False}, False),
+    ({}, True),  # null: on with compile_dense
+    ({"cuda_graphs_requested": True}, False),  # null: off where the requested modules are replayed
+])
+def test_trainer_compile_sampled_reaches_the_eager_router(kwargs: dict, compiled: bool) -> None:
     from loka_train.runtime import trainer as trainer_mod
 
     fake = type("T", (), {})()
-    fake.cfg = TrainerConfig(compile_dense=True, compile_sampled=True, device="cpu", compile_backend="eager")
+    fake.cfg = TrainerConfig(compile_dense=True, device="cpu", compile_backend="eager", **kwargs)
+    assert fake.cfg.sampled_compiled is compiled
     model = nn.Module()
     model.dense_arch = Tower()
     fake.model, fake.graphs, fake.compiled_modules, fake.eager = model, None, [], EagerSteps()
     trainer_mod.Trainer._compile_dense(fake)
-    assert fake.eager.compiled_requests
+    assert fake.eager.compiled_requests is compiled
+
+
+def test_compile_sampled_default_is_off_without_compile_dense() -> None:
+    assert TrainerConfig(device="cpu").sampled_compiled is False
+    assert TrainerConfig(device="cpu", compile_dense=True).sampled_compiled is True
 
 
 def test_captures_run_with_sampling_off_so_compiled_captures_have_no_graph_break() -> None:
