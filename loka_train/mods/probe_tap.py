@@ -17,10 +17,6 @@ reports through two custom ops that dynamo puts in the graph like any other op:
   taken from ``grad`` as eager code takes it (through the activation of ``z`` for a fused
   LayerNorm site, as the block-diagonal of the observed batches for a batched site).
 
-Both ops take their inputs in whatever layout the compiled code holds them
-(``torch.Tag.flexible_layout``): the reports read values, not strides, so inductor need not
-copy an input (a transposed view, a slice of a concatenation) into the layout eager code had.
-
 The copies are what a custom op must return (an output may not alias an input); they are made
 only on the sampled steps, in the modules that hold a sampled site: dynamo guards on whether the
 site's module is requested (``Site.module_requested``, told by the runtime at each step start),
@@ -139,7 +135,7 @@ def report_grads(site: _Reporting, grad: Tensor, a: Tensor, b: Tensor, z: Tensor
     obs.observe(site.site_name, "grad_weight", dy_MN, a)
 
 
-@torch.library.custom_op("loka::probe_tap", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+@torch.library.custom_op("loka::probe_tap", mutates_args=())
 def _probe_tap(
     y: Tensor, a: Tensor, b: Tensor, z: Tensor | None, site: int, kind: str, activation: str, mkn: list[int]
 ) -> Tensor:
@@ -157,7 +153,7 @@ def _(y: Tensor, a: Tensor, b: Tensor, z: Tensor | None, site: int, kind: str, a
     return torch.empty_like(y)
 
 
-@torch.library.custom_op("loka::probe_tap_grad", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+@torch.library.custom_op("loka::probe_tap_grad", mutates_args=())
 def _probe_tap_grad(grad: Tensor, a: Tensor, b: Tensor, z: Tensor | None, site: int, kind: str,
                     activation: str) -> Tensor:
     s = _site(site)

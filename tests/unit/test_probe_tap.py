@@ -16,7 +16,7 @@ import torch._dynamo
 from torch import nn
 
 from loka_train.kernels.plan import LinearPlan
-from loka_train.mods import BmmSite, Fp8Linear, probe_tap
+from loka_train.mods import BmmSite, Fp8Linear
 from loka_train.mods.site import Site
 from loka_train.runtime.eager import EagerSteps
 
@@ -291,48 +291,3 @@ def test_eager_steps_tell_each_site_whether_its_module_is_requested_as_that_chan
     assert all(site._module_requested is False for site in second.sites().values())
     eager.begin_step([])
     assert not any(site._module_requested for net in (first, second) for site in net.sites().values())
-
-
-def test_inductor_hands_the_taps_their_inputs_in_any_layout_and_they_report_the_same_values() -> None:
-    """The taps are ``flexible_layout``: inductor adds no layout constraint (no copy of a
-    transposed or sliced input into eager's strides), and the reports hold the same values."""
-    from torch._library.utils import get_layout_constraint_tag
-
-    for op in (torch.ops.loka.probe_tap.default, torch.ops.loka.probe_tap_grad.default):
-        # Untagged, a custom op gets the default: its inputs copied into eager's exact strides.
-        assert get_layout_constraint_tag(op) == torch.Tag.flexible_layout, op
-
-    class Site:
-        site_name, sampling = "proj", True
-
-        def __init__(self) -> None:
-            self.observer = Recorder()
-
-        def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
-            self.mkn = mkn
-
-    def fn(x: torch.Tensor, w: torch.Tensor, tap: int) -> torch.Tensor:
-        a = torch.relu(x).transpose(0, 1)  # a transposed input, as Wukong's projections take
-        y = a @ w.t()
-        return torch.ops.loka.probe_tap(y, a, w, None, tap, "linear", "none", [a.shape[0], a.shape[1], w.shape[0]])
-
-    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(2))
-    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
-    reports = []
-    for compile_ in (False, True):
-        site = Site()
-        tap = probe_tap.register(site)
-        torch._dynamo.reset()
-        run = torch.compile(fn, backend="inductor", fullgraph=True) if compile_ else fn
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = run(xr, wr, tap)
-        out.square().sum().backward()
-        reports.append((out.detach(), xr.grad, site.observer.reports))
-    (want_out, want_grad, want), (got_out, got_grad, got) = reports
-    torch.testing.assert_close(got_out, want_out)
-    torch.testing.assert_close(got_grad, want_grad)
-    assert set(got) == set(want) == {("proj", r) for r in ("forward", "grad_input", "grad_weight")}
-    for key in want:
-        for (ga, gb), (wa, wb) in zip(got[key], want[key], strict=True):
-            torch.testing.assert_close(ga, wa, msg=lambda m, k=key: f"{k}: {m}")
-            torch.testing.assert_close(gb, wb, msg=lambda m, k=key: f"{k}: {m}")
