@@ -16,7 +16,7 @@ import torch._dynamo
 from torch import nn
 
 from loka_train.kernels.plan import LinearPlan
-from loka_train.mods import BmmSite, Fp8Linear
+from loka_train.mods import BmmSite, Fp8Linear, probe_tap
 from loka_train.mods.site import Site
 from loka_train.runtime.eager import EagerSteps
 
@@ -291,3 +291,45 @@ def test_eager_steps_tell_each_site_whether_its_module_is_requested_as_that_chan
     assert all(site._module_requested is False for site in second.sites().values())
     eager.begin_step([])
     assert not any(site._module_requested for net in (first, second) for site in net.sites().values())
+
+
+def test_inductor_compiled_taps_report_the_operands_of_a_transposed_input() -> None:
+    """Under inductor (not only aot_eager), a tap on a transposed input (as Wukong's projections
+    take) reports the GEMM's operands, ``dY`` for both gradient roles, and changes neither the
+    output nor the gradients."""
+
+    class Site:
+        site_name, sampling = "proj", True
+
+        def __init__(self) -> None:
+            self.observer = Recorder()
+
+        def _set_mkn(self, mkn: tuple[int, int, int]) -> None:
+            self.mkn = mkn
+
+    def fn(x: torch.Tensor, w: torch.Tensor, tap: int) -> torch.Tensor:
+        a = torch.relu(x).transpose(0, 1)
+        y = a @ w.t()
+        return torch.ops.loka.probe_tap(y, a, w, None, tap, "linear", "none", [a.shape[0], a.shape[1], w.shape[0]])
+
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    site = Site()
+    tap = probe_tap.register(site)
+    torch._dynamo.reset()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = torch.compile(fn, backend="inductor", fullgraph=True)(xr, wr, tap)
+    out.square().sum().backward()
+    a = torch.relu(x).t()
+    y = a @ w.t()
+    dy = 2 * y
+    torch.testing.assert_close(out.detach(), y)
+    torch.testing.assert_close(xr.grad, (dy @ w).t() * (x > 0))
+    torch.testing.assert_close(wr.grad, dy.t() @ a)
+    assert site.mkn == (24, 16, 8)
+    want = {"forward": (a, w), "grad_input": (dy, w), "grad_weight": (dy, a)}
+    assert set(site.observer.reports) == {("proj", role) for role in want}
+    for role, (wa, wb) in want.items():
+        ((ga, gb),) = site.observer.reports[("proj", role)]
+        torch.testing.assert_close(ga, wa, msg=lambda m, r=role: f"{r}: {m}")
+        torch.testing.assert_close(gb, wb, msg=lambda m, r=role: f"{r}: {m}")
