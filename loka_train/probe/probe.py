@@ -46,7 +46,7 @@ from loka_train.kernels.roles import ROLES
 from loka_train.probe.candidates import ROLE_INDEX, Candidate, candidates_of
 from loka_train.probe.config import ProbeConfig
 from loka_train.probe.measurement import Measurement, operands_2d
-from loka_train.probe.sampling import Sampler, select
+from loka_train.probe.sampling import FullPasses, Sampler, select
 from loka_train.probe.verdicts import KeyState, Verdict, VerdictKey, jsonable, judge, unjudged
 from loka_train.probe.window import Window
 from loka_train.utils import capture
@@ -87,6 +87,8 @@ class Probe:
         self._weight_shapes: dict[str, tuple[int, int] | None] = {}
         self._budgets: dict[str, dict[str, float]] = {}
         self._sampler = Sampler(config)
+        self._passes = FullPasses()
+        """The step's full-operand reads, shared by the roles of a site (:class:`FullPasses`)."""
         self._window = Window(size=config.window, num_candidates=len(self.candidates), device=self.device)
         self._measurement = Measurement(config, self.candidates, self._window.layout, device=self.device)
         # Block and MX tiles span the output features: those candidates see every one.
@@ -155,6 +157,7 @@ class Probe:
     def begin_step(self, step: int) -> None:
         """Set the current training step (call at the start of every step)."""
         self._sampler.begin_step(step)
+        self._passes.clear()
 
     @property
     def step(self) -> int:
@@ -262,12 +265,14 @@ class Probe:
             logger.debug("probe: %s/%s step %d has an empty operand; nothing recorded", site, role, step)
             return
         with torch.no_grad(), record_function("loka/probe/observe"):
-            # The full operands are read here (counts, peak rows); the measurement gets the rows.
-            selection = select(role, a2, b2, out_ref, self.config.max_rows, max_cols=self._max_cols)
             # Inside a capture of the sampled module (``trainer.cuda_graphs``): no nested graph,
             # and the sample is written into its window slot after every replay, at the step
             # current then (the measured vectors live at fixed addresses in the capture).
             deferred = capture.deferring()
+            # The full operands are read here (counts, peak rows), each once a step outside a
+            # capture; the measurement gets the rows.
+            selection = select(role, a2, b2, out_ref, self.config.max_rows, max_cols=self._max_cols,
+                               passes=None if deferred else self._passes)
             vec_sum, vec_max = self._measurement.measure(
                 role, *selection, graphable=out_ref is None and not deferred
             )

@@ -8,8 +8,9 @@
   spread, plus the row holding the largest |value|, so on finite inputs the tensor-wise scale
   is the full tensor's; a row holding a non-finite value is not picked). Non-finite values are
   counted on the full tensors. Those two reductions (one kernel on CUDA) are all that reads
-  the full operands: the statistics, and the CUDA graphs that compute them, see only the
-  selected rows (:func:`select`).
+  the full operands, once a step for an operand two roles share (:class:`FullPasses`): the
+  statistics, and the CUDA graphs that compute them, see only the selected rows
+  (:func:`select`).
 
 Example:
     >>> from loka_train.probe.config import ProbeConfig
@@ -20,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import weakref
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -30,7 +33,7 @@ from loka_train.kernels.triton_rowstats import SUPPORTED_DTYPES, row_stats
 from loka_train.probe.config import ProbeConfig
 from loka_train.probe.measurement import count_nonfinite
 
-__all__ = ["Sampler", "Selection", "cut_columns", "select"]
+__all__ = ["FullPasses", "Sampler", "Selection", "cut_columns", "select"]
 
 
 class Sampler:
@@ -88,6 +91,56 @@ class Selection(NamedTuple):
     """The high-precision result cut to the selected rows, or None."""
 
 
+class FullPasses:
+    """The full-operand reads of one step, so that an operand two roles of a site share is read
+    once: ``X`` (the forward's a, the grad-weight's b) and ``dY`` (the grad-input's a, the
+    grad-weight's a). The forward and grad-input passes are kept; the grad-weight takes them
+    over (and drops them). An operand is the same when its address, shape, strides, dtype and
+    version counter are and the tensor that owned that address then (its view base) is still
+    alive, so no other tensor can have taken the address; an entry holds that tensor weakly
+    and keeps nothing alive. Call :meth:`clear` at every step start (what a site whose backward
+    never came left)."""
+
+    KEEP = {"forward": (True, False), "grad_input": (True, False), "grad_weight": (False, False)}
+    """Per role, whether the passes of a and b are kept for a later role of the same step."""
+
+    TAKE = {"forward": (False, False), "grad_input": (False, False), "grad_weight": (True, True)}
+    """Per role, whether a and b look for a kept pass (and drop it when found)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, tuple[weakref.ref[Tensor], Tensor, Tensor | None]] = {}
+        self.reads = 0
+        """Full passes run."""
+        self.reused = 0
+        """Full passes taken over from an earlier role."""
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def __getstate__(self) -> dict[str, int]:
+        return {"reads": self.reads, "reused": self.reused}  # the kept passes belong to their step
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __call__(self, x: Tensor, *, peaks: bool, kernel: bool, keep: bool, take: bool) -> tuple[Tensor, Tensor | None]:
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
+        if take:
+            hit = self._kept.pop(key, None)
+            if hit is not None and hit[0]() is not None and (hit[2] is not None or not peaks):
+                self.reused += 1
+                return hit[1], hit[2] if peaks else None
+        self.reads += 1
+        nf, peak = _full_pass(x, peaks=peaks, kernel=kernel)
+        if keep:
+            self._kept[key] = (weakref.ref(x if x._base is None else x._base), nf, peak)
+        return nf, peak
+
+
 def select(
     role: str,
     a: Tensor,
@@ -97,6 +150,7 @@ def select(
     *,
     max_cols: int | None = None,
     kernel: bool | None = None,
+    passes: FullPasses | None = None,
 ) -> Selection:
     """The work of a sample on the full operands: their non-finite counts, and the rows to
     measure.
@@ -116,6 +170,8 @@ def select(
         max_rows: ``ProbeConfig.max_rows``.
         max_cols: ``ProbeConfig.max_cols`` (None where block or MX candidates are measured).
         kernel: use the row-statistics kernel (default: on CUDA where Triton runs).
+        passes: the step's :class:`FullPasses` (an operand an earlier role of the site read is
+            not read again), or None: every operand is read.
 
     Returns:
         ``(a, b, nf_a, nf_b, out_ref)`` with ``a`` (and ``b`` for grad-weight, ``out_ref`` for
@@ -126,14 +182,20 @@ def select(
         kernel = a.device.type == "cuda" and triton_runnable(a.device)[0]
     subsample = max_rows is not None and a.shape[0] > max_rows
     # Non-finite values are counted on the full operands: none may slip past a subsample.
-    nf_a, peak_a = _full_pass(a, peaks=subsample, kernel=kernel)
+    if passes is None:
+        full_a = full_b = _full_pass
+    else:
+        (keep_a, keep_b), (take_a, take_b) = passes.KEEP[role], passes.TAKE[role]
+        full_a = partial(passes, keep=keep_a, take=take_a)
+        full_b = partial(passes, keep=keep_b, take=take_b)
+    nf_a, peak_a = full_a(a, peaks=subsample, kernel=kernel)
     # For grad-weight, b (X) is an activation as large as a; elsewhere it is the weight, whose
     # count in PyTorch ops (a full-size product, a comparison and a sum) reads and writes it
     # several times where the kernel reads it once.
     # The forward's weight rows are its output features: their peaks pick the rows `max_cols`
     # keeps, from the same read.
     cut_rows_b = role == "forward" and max_cols is not None and b.shape[0] > max_cols
-    nf_b, peak_b = _full_pass(b, peaks=(subsample and role == "grad_weight") or cut_rows_b, kernel=kernel)
+    nf_b, peak_b = full_b(b, peaks=(subsample and role == "grad_weight") or cut_rows_b, kernel=kernel)
     if subsample:
         assert max_rows is not None and peak_a is not None
         rows = _spread(a.shape[0], max_rows, [p for p in (peak_a, peak_b) if p is not None])

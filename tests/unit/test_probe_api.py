@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -420,3 +420,91 @@ def test_count_nonfinite_counts_under_torch_compile() -> None:
         assert int(torch.compile(count_nonfinite, backend="inductor")(x)) == 3
     finally:
         torch._dynamo.reset()
+
+
+def _site_step(probe: Probe, x_MK: torch.Tensor, w_NK: torch.Tensor, dy_MN: torch.Tensor,
+               between: Callable[[], None] = lambda: None) -> None:
+    """One sampled step of one site, in the order a training step reports it."""
+    probe.begin_step(0)
+    probe.observe_forward("s", x_MK, w_NK)
+    between()
+    probe.observe_backward("s", dy_MN, x_MK, w_NK)
+
+
+def test_an_operand_two_roles_share_is_read_once_a_step_with_the_same_statistics() -> None:
+    """X (forward, grad-weight) and dY (grad-input, grad-weight) are each read in full once a
+    step: the grad-weight takes over the earlier roles' counts and peak rows, and the window
+    holds what reading them again gives."""
+    from loka_train.probe.sampling import FullPasses
+
+    class ReadsAgain(FullPasses):
+        TAKE = {role: (False, False) for role in FullPasses.TAKE}
+
+    x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(4))
+    x_MK[201, 5], x_MK[77, 3] = 1e4, float("nan")
+    dy_MN = torch.randn(256, N, generator=torch.Generator().manual_seed(5))
+    dy_MN[12, 7] = float("inf")
+    w_NK = torch.randn(N, K, generator=torch.Generator().manual_seed(6))
+    probes = []
+    for passes in (FullPasses(), ReadsAgain()):
+        probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
+        probe.register_site("s", weight_shape=(N, K))
+        probe._passes = passes
+        _site_step(probe, x_MK.clone(), w_NK, dy_MN.clone())
+        probe.reduce()
+        probes.append(probe)
+    once, again = probes
+    assert (once._passes.reads, once._passes.reused) == (4, 2)  # X, W, dY, W read; X, dY taken over
+    assert (again._passes.reads, again._passes.reused) == (6, 0)
+    assert len(once._passes) == 0  # the grad-weight dropped what it took
+    for role in ("forward", "grad_input", "grad_weight"):
+        got, want = once.window_stats("s", role), again.window_stats("s", role)
+        for key in want:
+            assert torch.equal(got[key], want[key]), (role, key)
+    gw = once.window_stats("s", "grad_weight")
+    assert float(gw["nonfinite_a"][0]) == 1.0 and float(gw["nonfinite_b"][0]) == 1.0
+    assert float(gw["amax_b"][0]) == 1e4
+
+
+def test_a_shared_operand_is_read_again_when_it_changed_or_its_owner_is_gone() -> None:
+    x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(4))
+    dy_MN = torch.randn(256, N, generator=torch.Generator().manual_seed(5))
+    w_NK = torch.randn(N, K)
+    probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
+    probe.register_site("s", weight_shape=(N, K))
+
+    def poison() -> None:
+        x_MK[3, 3] = float("inf")  # in place: the version counter moves
+
+    _site_step(probe, x_MK, w_NK, dy_MN, between=poison)
+    probe.reduce()
+    assert (probe._passes.reads, probe._passes.reused) == (5, 1)  # X read again; dY taken over
+    assert float(probe.window_stats("s", "grad_weight")["nonfinite_b"][0]) == 1.0
+    assert float(probe.window_stats("s", "forward")["nonfinite_a"][0]) == 0.0
+    # A kept pass whose tensor no longer exists is not taken: its address may be another's now.
+    passes = probe._passes
+    passes.clear()
+    x = torch.randn(16, K)
+    passes(x, peaks=True, kernel=False, keep=True, take=False)
+    ((key, (_, nf, peak)),) = passes._kept.items()
+    passes._kept[key] = (lambda: None, nf, peak)  # as if x had been freed
+    passes(x, peaks=True, kernel=False, keep=False, take=True)
+    assert passes.reused == 1 and passes.reads == 7
+    # A step start drops what a site whose backward never came left.
+    passes(x, peaks=False, kernel=False, keep=True, take=False)
+    probe.begin_step(1)
+    assert len(passes) == 0
+
+
+def test_a_probe_with_kept_passes_pickles_and_copies_without_them() -> None:
+    import copy
+    import pickle
+
+    probe = Probe(_cfg(max_rows=8))
+    probe.register_site("s", weight_shape=(N, K))
+    x_MK = torch.randn(64, K)
+    probe.begin_step(0)
+    probe.observe_forward("s", x_MK, torch.randn(N, K))
+    assert len(probe._passes) == 1
+    for clone in (pickle.loads(pickle.dumps(probe)), copy.deepcopy(probe)):
+        assert len(clone._passes) == 0 and clone._passes.reads == probe._passes.reads
