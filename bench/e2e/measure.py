@@ -77,7 +77,7 @@ class StepClock(Callback):
         """``step_diag``: per step end, (host perf_counter, and the CUDA caching allocator's
         cumulative cudaMalloc calls, cudaFree calls and allocation retries)."""
         self.sampled: list[bool] = []
-        """Per step: whether a callback ran dense modules eagerly on it (the LoKA Probe's
+        """Per step: whether a callback requested dense modules on it (the LoKA Probe's
         sampled steps), from the run's first step on."""
         self.step_peak_gb: list[tuple[float, float]] = []
         """CUDA, per step: (peak allocated, peak reserved) GB within the step (the allocator's
@@ -227,7 +227,7 @@ class StepClock(Callback):
 
     def split_by_sampling(self) -> dict[str, Any]:
         """The timed steps and the steps' memory, split by whether a callback sampled the step
-        (ran dense modules eagerly): median step ms and count of each, and the peak allocated /
+        (requested dense modules): median step ms and count of each, and the peak allocated /
         reserved GB over each kind of step (CUDA). Sampled steps are what the Probe costs; the
         others are what LoKA costs on every step."""
         times = self.step_ms()
@@ -263,7 +263,7 @@ def profile_offset(first_profiled: int, profile_steps: int, every_k_steps: int |
     """Steps to shift a profiled window that would start at step ``first_profiled`` (the run's
     step index) so that none of its ``profile_steps`` steps is one the Probe samples (every
     ``every_k_steps``-th step; None: nothing is sampled): the profile then shows the steady
-    steps, not the Probe's eager samples. At most ``profile_steps``; 0 when no shift can avoid
+    steps, not the Probe's samples. At most ``profile_steps``; 0 when no shift can avoid
     a sampled step (``every_k_steps <= profile_steps``)."""
     if not profile_steps or not every_k_steps or every_k_steps <= profile_steps:
         return 0

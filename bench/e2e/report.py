@@ -222,7 +222,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 if p.get("sampled_steps"):
                     lines += ["", f"**{r['config']} {r['variant']}: {p['sampled_steps']} of the {p['steps']} profiled "
                               f"steps (from step {p.get('first_step', '?')}) are the Probe's sampled steps**: its "
-                              "table adds their eager samples to the steady steps' kernels."]
+                              "table adds their samples (and the requested modules' unreplayed code) to the steady steps' kernels."]
             lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
                       "steps; shares are of the summed kernel time. FP8 ceiling (high-precision runs) = the "
                       f"speed-up if every GEMM ran {FP8_GEMM_PEAK:g}x faster (FP8 peak) with free quantization "
@@ -405,8 +405,8 @@ def _memory_section(rows: list[dict[str, Any]], *, isolated: bool) -> list[str]:
         out.append(f"| {r['config']} | {r['variant']} | {before_cell} | {r['gpu_peak_allocated_gb']:.2f} | "
                    f"{r['gpu_peak_reserved_gb']:.2f} | {ratio} | {_by_sampling_cell(r, 'unsampled')} | "
                    f"{_by_sampling_cell(r, 'sampled')} |")
-    out += ["", "Sampled steps are those on which a callback ran dense modules eagerly (the LoKA Probe's "
-            "samples); the peaks per kind of step are within the step (the allocator's peak is reset at "
+    out += ["", "Sampled steps are those on which a callback requested dense modules outside the graphs (the "
+            "LoKA Probe's samples); the peaks per kind of step are within the step (the allocator's peak is reset at "
             "every step end). Every peak includes what was allocated before the run: what earlier runs "
             "of the process (other variants, a LoKA variant's decision run) left, with the data; "
             "`--isolate` runs each variant in a fresh process."]
