@@ -506,7 +506,8 @@ def report_data(
                               "loka_overrides": list(v.loka_overrides), "compile": v.compile,
                               "graphs": v.graphs, "torchao": v.torchao, "decide": v.decide,
                               "pageable": v.pageable, "replay_sampled": v.replay_sampled,
-                              "compile_sampled": v.compile_sampled} for v in variants},
+                              "compile_sampled": v.compile and not v.replay_sampled and v.compile_sampled is not False}
+                    for v in variants},
         "results": runs.results,
         "runs": runs.raw,
         "ne_bases": runs.bases,

@@ -191,10 +191,11 @@ SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "compilesampled", 
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
 (``trainer.cuda_graphs_requested=true``, with ``+graphs``) replays the Probe's sampled steps
-instead of running them compiled. With ``+compile`` the sampled steps run the compiled modules,
-the sites reporting through opaque ops (the trainer's default); ``+eagersampled``
+instead of running them. With ``+compile`` the sampled steps run the compiled modules, the sites
+reporting through opaque ops (the trainer's default); ``+eagersampled``
 (``trainer.compile_sampled=false``) runs the sampled modules' uncompiled code instead: what
-compiling them gains. ``+compilesampled`` names the default (``trainer.compile_sampled=true``). ``+static``
+compiling them gains. ``+compilesampled`` names the default (``trainer.compile_sampled=true``).
+``+static``
 (``loka.mods.static_scales=true``) quantizes tensor-wise activations and gradients with static
 scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dynamic``
 (``loka.mods.static_scales=false``) with dynamic ones. ``+nofold`` (``loka.mods.fold_relu=false``)

@@ -272,7 +272,7 @@ class Probe:
             # The full operands are read here (counts, peak rows), each once a step outside a
             # capture; the measurement gets the rows.
             selection = select(role, a2, b2, out_ref, self.config.max_rows, max_cols=self._max_cols,
-                               passes=None if deferred else self._passes)
+                               passes=None if deferred else self._passes, site=site)
             vec_sum, vec_max = self._measurement.measure(
                 role, *selection, graphable=out_ref is None and not deferred
             )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -94,21 +94,22 @@ class Selection(NamedTuple):
 class FullPasses:
     """The full-operand reads of one step, so that an operand two roles of a site share is read
     once: ``X`` (the forward's a, the grad-weight's b) and ``dY`` (the grad-input's a, the
-    grad-weight's a). The forward and grad-input passes are kept; the grad-weight takes them
-    over (and drops them). An operand is the same when its address, shape, strides, dtype and
-    version counter are and the tensor that owned that address then (its view base) is still
-    alive, so no other tensor can have taken the address; an entry holds that tensor weakly
-    and keeps nothing alive. Call :meth:`clear` at every step start (what a site whose backward
-    never came left)."""
+    grad-weight's a). Per site, the forward's read of ``X`` and the grad-input's of ``dY`` are
+    kept; the site's grad-weight takes them over (and drops them). A kept read is taken only by
+    a tensor on the same storage object (held weakly: an entry keeps nothing alive, and while
+    that storage lives no other tensor can have its address) with the same offset, shape,
+    strides, dtype and version counter. Inference tensors (no version counter) are read every
+    time. At most two entries a site; call :meth:`clear` at every step start (what a site whose
+    backward never came left)."""
 
-    KEEP = {"forward": (True, False), "grad_input": (True, False), "grad_weight": (False, False)}
-    """Per role, whether the passes of a and b are kept for a later role of the same step."""
+    KEEP = {"forward": ("x", None), "grad_input": ("dy", None), "grad_weight": (None, None)}
+    """Per role, under which name the reads of a and b are kept for the site's later roles."""
 
-    TAKE = {"forward": (False, False), "grad_input": (False, False), "grad_weight": (True, True)}
-    """Per role, whether a and b look for a kept pass (and drop it when found)."""
+    TAKE = {"forward": (None, None), "grad_input": (None, None), "grad_weight": ("dy", "x")}
+    """Per role, which kept reads a and b take over (when they are the same tensor)."""
 
     def __init__(self) -> None:
-        self._kept: dict[tuple, tuple[weakref.ref[Tensor], Tensor, Tensor | None]] = {}
+        self._kept: dict[tuple[str, str], tuple[weakref.ref[Any], tuple[Any, ...] | None, Tensor, Tensor | None]] = {}
         self.reads = 0
         """Full passes run."""
         self.reused = 0
@@ -127,17 +128,21 @@ class FullPasses:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def __call__(self, x: Tensor, *, peaks: bool, kernel: bool, keep: bool, take: bool) -> tuple[Tensor, Tensor | None]:
-        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
-        if take:
-            hit = self._kept.pop(key, None)
-            if hit is not None and hit[0]() is not None and (hit[2] is not None or not peaks):
+    def __call__(
+        self, x: Tensor, *, site: str, peaks: bool, kernel: bool, keep: str | None, take: str | None
+    ) -> tuple[Tensor, Tensor | None]:
+        tracked = not x.is_inference()
+        meta = (x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version) if tracked else None
+        if take is not None and tracked:
+            hit = self._kept.pop((site, take), None)
+            if (hit is not None and hit[0]() is x.untyped_storage() and hit[1] == meta
+                    and (hit[3] is not None or not peaks)):
                 self.reused += 1
-                return hit[1], hit[2] if peaks else None
+                return hit[2], hit[3] if peaks else None
         self.reads += 1
         nf, peak = _full_pass(x, peaks=peaks, kernel=kernel)
-        if keep:
-            self._kept[key] = (weakref.ref(x if x._base is None else x._base), nf, peak)
+        if keep is not None and tracked:
+            self._kept[(site, keep)] = (weakref.ref(x.untyped_storage()), meta, nf, peak)
         return nf, peak
 
 
@@ -151,6 +156,7 @@ def select(
     max_cols: int | None = None,
     kernel: bool | None = None,
     passes: FullPasses | None = None,
+    site: str = "",
 ) -> Selection:
     """The work of a sample on the full operands: their non-finite counts, and the rows to
     measure.
@@ -172,6 +178,7 @@ def select(
         kernel: use the row-statistics kernel (default: on CUDA where Triton runs).
         passes: the step's :class:`FullPasses` (an operand an earlier role of the site read is
             not read again), or None: every operand is read.
+        site: the site measured (what `passes` keys its reads by).
 
     Returns:
         ``(a, b, nf_a, nf_b, out_ref)`` with ``a`` (and ``b`` for grad-weight, ``out_ref`` for
@@ -186,8 +193,8 @@ def select(
         full_a = full_b = _full_pass
     else:
         (keep_a, keep_b), (take_a, take_b) = passes.KEEP[role], passes.TAKE[role]
-        full_a = partial(passes, keep=keep_a, take=take_a)
-        full_b = partial(passes, keep=keep_b, take=take_b)
+        full_a = partial(passes, site=site, keep=keep_a, take=take_a)
+        full_b = partial(passes, site=site, keep=keep_b, take=take_b)
     nf_a, peak_a = full_a(a, peaks=subsample, kernel=kernel)
     # For grad-weight, b (X) is an activation as large as a; elsewhere it is the weight, whose
     # count in PyTorch ops (a full-size product, a comparison and a sum) reads and writes it

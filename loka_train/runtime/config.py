@@ -296,7 +296,7 @@ class TrainerConfig:
             raise ValueError(f"trainer.compile_sampled must be true, false or null (auto), got {self.compile_sampled!r}")
         if self.compile_sampled and not self.compile_dense:
             raise ValueError("trainer.compile_sampled=true runs the sampled steps' compiled code: "
-                             "set trainer.compile_dense=true too, or compile_sampled=false")
+                             "set trainer.compile_dense=true too, or compile_sampled=null (it then follows compile_dense)")
         if self.compile_sampled and self.cuda_graphs_requested:
             raise ValueError("trainer.compile_sampled=true and trainer.cuda_graphs_requested=true exclude each "
                              "other (the second replays the uncompiled forward): set one of them to false")

@@ -6,8 +6,9 @@ layer loop"): a graph break inside DCN's loop over cross layers (the sites' Prob
 torch 2.11 one inside the traced FP8 backward) made dynamo run the whole cross network eagerly
 for the rest of the run (on an H100 it cost DCN at batch 32768 8.6 ms per step). Now the FP8
 Functions are opaque custom ops (``kernels.opaque``) and a sampled site reports through opaque ops
-too (``mods.probe_tap``), whether the Probe's steps take the uncompiled forward (the default) or
-the compiled one (``trainer.compile_sampled``), so no frame is skipped.
+too (``mods.probe_tap``), whether the Probe's steps take the compiled forward
+(``trainer.compile_sampled``, by default with ``compile_dense``) or the uncompiled one, so no
+frame is skipped.
 """
 
 from __future__ import annotations

@@ -438,7 +438,7 @@ def test_an_operand_two_roles_share_is_read_once_a_step_with_the_same_statistics
     from loka_train.probe.sampling import FullPasses
 
     class ReadsAgain(FullPasses):
-        TAKE = {role: (False, False) for role in FullPasses.TAKE}
+        TAKE = {role: (None, None) for role in FullPasses.TAKE}
 
     x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(4))
     x_MK[201, 5], x_MK[77, 3] = 1e4, float("nan")
@@ -481,19 +481,42 @@ def test_a_shared_operand_is_read_again_when_it_changed_or_its_owner_is_gone() -
     assert (probe._passes.reads, probe._passes.reused) == (5, 1)  # X read again; dY taken over
     assert float(probe.window_stats("s", "grad_weight")["nonfinite_b"][0]) == 1.0
     assert float(probe.window_stats("s", "forward")["nonfinite_a"][0]) == 0.0
-    # A kept pass whose tensor no longer exists is not taken: its address may be another's now.
+    # A kept read whose storage no longer exists is not taken: its address may be another's now.
     passes = probe._passes
     passes.clear()
     x = torch.randn(16, K)
-    passes(x, peaks=True, kernel=False, keep=True, take=False)
-    ((key, (_, nf, peak)),) = passes._kept.items()
-    passes._kept[key] = (lambda: None, nf, peak)  # as if x had been freed
-    passes(x, peaks=True, kernel=False, keep=False, take=True)
+    passes(x, site="s", peaks=True, kernel=False, keep="x", take=None)
+    (key,) = passes._kept
+    passes._kept[key] = (lambda: None, *passes._kept[key][1:])  # as if x's storage had been freed
+    passes(x, site="s", peaks=True, kernel=False, keep=None, take="x")
     assert passes.reused == 1 and passes.reads == 7
+    # Nor is a read kept for another site, or for another name of the same site.
+    passes(x, site="s", peaks=True, kernel=False, keep="x", take=None)
+    passes(x, site="t", peaks=True, kernel=False, keep=None, take="x")
+    passes(x, site="s", peaks=True, kernel=False, keep=None, take="dy")
+    assert passes.reused == 1 and passes.reads == 10
+    # Nor by another tensor at the same address: a view into the same storage elsewhere.
+    base = torch.randn(32, K)
+    passes(base[:16], site="s", peaks=True, kernel=False, keep="x", take=None)
+    passes(base[16:], site="s", peaks=True, kernel=False, keep=None, take="x")
+    assert passes.reused == 1 and passes.reads == 12
     # A step start drops what a site whose backward never came left.
-    passes(x, peaks=False, kernel=False, keep=True, take=False)
+    passes(x, site="s", peaks=False, kernel=False, keep="x", take=None)
     probe.begin_step(1)
     assert len(passes) == 0
+
+
+def test_inference_tensors_are_observed_and_read_every_time() -> None:
+    """Tensors made under ``torch.inference_mode`` have no version counter: the Probe still
+    observes them (it never raises on its inputs), reading each operand in full."""
+    with torch.inference_mode():
+        x_MK, dy_MN, w_NK = torch.randn(256, K), torch.randn(256, N), torch.randn(N, K)
+    probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
+    probe.register_site("s", weight_shape=(N, K))
+    _site_step(probe, x_MK, w_NK, dy_MN)
+    assert (probe._passes.reads, probe._passes.reused) == (6, 0) and len(probe._passes) == 0
+    probe.reduce()
+    assert float(probe.window_stats("s", "grad_weight")["count"][0]) == 1.0
 
 
 def test_a_probe_with_kept_passes_pickles_and_copies_without_them() -> None:

@@ -149,6 +149,10 @@ def test_the_compiled_probe_window_matches_the_eager_one() -> None:
 
     eager, compiled = run(False), run(True)
     assert compiled.state_dict()["num_obs"] == eager.state_dict()["num_obs"]
+    # The grad-weight takes over X's and dY's full reads in compiled code too (the saved X is
+    # another tensor object on the forward's storage).
+    n = len(_net(None).sites())
+    assert eager._passes.reused == compiled._passes.reused == 2 * 2 * n, (eager._passes.reused, compiled._passes.reused)
     for site in _net(None).sites():
         for role in ("forward", "grad_input", "grad_weight"):
             got, want = compiled.window_stats(site, role), eager.window_stats(site, role)
