@@ -222,7 +222,8 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 if p.get("sampled_steps"):
                     lines += ["", f"**{r['config']} {r['variant']}: {p['sampled_steps']} of the {p['steps']} profiled "
                               f"steps (from step {p.get('first_step', '?')}) are the Probe's sampled steps**: its "
-                              "table adds their samples (and the requested modules' unreplayed code) to the steady steps' kernels."]
+                              "table adds their samples (and the requested modules' unreplayed code) to the "
+                              "steady steps' kernels."]
             lines += ["", "busy = merged kernel time per step / median step time of the timed (unprofiled) "
                       "steps; shares are of the summed kernel time. FP8 ceiling (high-precision runs) = the "
                       f"speed-up if every GEMM ran {FP8_GEMM_PEAK:g}x faster (FP8 peak) with free quantization "
