@@ -5,9 +5,9 @@ each role's sample (the full-operand counts and row selection, then the statisti
 GEMMs of every candidate of the preset on the selected rows) runs ``--iters`` times after a
 warm-up, each role alone (in a training step the grad-weight takes over the full reads of X and
 dY that the forward and grad-input made: ``probe.sampling.FullPasses``); CUDA events give its
-time, and a profiler pass groups its kernels by name; on any device, the aten operators one sample dispatches are counted, and those that are not views
-(each a kernel launch on a GPU: on the small, row-cut operands of a sample their number, not
-their bytes, sets its cost). Eager
+time, and a profiler pass groups its kernels by name; on any device, the aten operators one
+sample dispatches are counted, and those that are not views (each a kernel launch on a GPU: on
+the small, row-cut operands of a sample their number, not their bytes, sets its cost). Eager
 (``Probe.observe`` as a sampled eager step calls it) and, with ``--graphed``, as the capture of
 a sampled module replays it (no nested measurement graph).
 
