@@ -146,3 +146,37 @@ def test_graphs_share_one_set_of_input_buffers() -> None:
             assert torch.equal(e["valid"], g["valid"]) and bool(e["valid"].all()), (site, role)
             for key in ("sqnr_db", "underflow_a", "saturation_a", "amax_a", "amax_b"):
                 torch.testing.assert_close(g[key], e[key], rtol=1e-5, atol=1e-6, msg=f"{site} {role} {key}")
+
+
+def test_shared_full_reads_give_the_window_of_reading_every_operand() -> None:
+    """On CUDA (the row-statistics kernel): a site's grad-weight takes over the full reads of X
+    and dY (``probe.sampling.FullPasses``), and the window equals the one that reads them again,
+    non-finite values and outlier rows included."""
+    from loka_train.probe.sampling import FullPasses
+
+    class ReadsAgain(FullPasses):
+        TAKE = {role: (None, None) for role in FullPasses.TAKE}
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x[1234, 5], x[77, 9] = 3e3, float("inf")
+    dy = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy[42, 1] = float("nan")
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    probes = []
+    for passes in (FullPasses(), ReadsAgain()):
+        probe = Probe(ProbeConfig(every_k_steps=1, interval=1, window=4, min_samples=1, max_rows=1024),
+                      device=torch.device("cuda"))
+        probe.register_site("s", weight_shape=(256, 512))
+        probe._passes = passes
+        probe.begin_step(0)
+        probe.observe_forward("s", x, w)
+        probe.observe_backward("s", dy, x, w)
+        probe.reduce()
+        probes.append(probe)
+    once, again = probes
+    assert (once._passes.reads, once._passes.reused) == (4, 2)
+    for role in ("forward", "grad_input", "grad_weight"):
+        got, want = once.window_stats("s", role), again.window_stats("s", role)
+        for key in want:
+            assert torch.equal(got[key], want[key]), (role, key)
