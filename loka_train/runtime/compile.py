@@ -114,7 +114,7 @@ def eager_or_compiled(
     """
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if module.training and torch.is_grad_enabled() and eager.runs_eagerly(module) and not eager.compiled_requests:
+        if module.training and torch.is_grad_enabled() and eager.runs_uncompiled(module):
             return eager_forward(*args, **kwargs)
         return compiled(*args, **kwargs)
 

@@ -106,3 +106,8 @@ class EagerSteps:
     def runs_eagerly(self, module: nn.Module) -> bool:
         """Whether the watched `module` runs eagerly on the current step."""
         return module in self._eager
+
+    def runs_uncompiled(self, module: nn.Module) -> bool:
+        """Whether the watched `module` runs its uncompiled forward on the current step: it is
+        requested, and requested modules do not run compiled (:attr:`compiled_requests`)."""
+        return module in self._eager and not self.compiled_requests

@@ -397,7 +397,7 @@ class DenseGraphs:
         capture failed, or in a replayable request's warm-up), its own uncompiled forward, or its
         compiled one with ``eager.compiled_requests`` (``trainer.compile_sampled``); otherwise
         its (compiled) forward, the variant that the capture compiles and records."""
-        if self.eager.runs_eagerly(entry.module) and reason not in ("eval", "no_grad") and not self.eager.compiled_requests:
+        if self.eager.runs_uncompiled(entry.module) and reason not in ("eval", "no_grad"):
             return entry.eager(*args, **kwargs)
         return entry.forward(*args, **kwargs)
 
