@@ -6,12 +6,18 @@ into the producer (:func:`traced_codes`; with its amax for the fit check, withou
 layout).
 
 Producers: a ReLU (the input of Wukong's FM MLP out and of over-arch 1) and a LayerNorm over
-the rows (the input of an MLP after a norm). The folded and fused payloads are checked bit for
+the rows (the input of an MLP after a norm). ``--cross``: DCN's cross layer
+``x0 * (xw + b) + xl`` in fp32 (its output is the next layer's ``V`` input and over-arch 0's),
+with the casts DCN's sites run on it: row-wise (the Triton one-pass quantizer after the
+producer, against :func:`formats.quantize` traced for inductor to fuse into it) and dynamic
+tensor-wise (the Triton two-pass cast after it, against the traced reference); the traced
+codes are compared with the Triton ones and the share of differing codes reported (fp32
+division: a code one step apart where a quotient rounds the other way). The folded and fused payloads are checked bit for
 bit against the Triton cast's first (a ReLU's only: a compiled LayerNorm rounds its own way).
 Times are medians of ``triton.testing.do_bench`` (us); the kernels each variant launches come
 from one profiled call.
 
-    python -m bench.producer_cast --out DIR [--m 32768] [--ks 4096,2048]
+    python -m bench.producer_cast --out DIR [--m 32768] [--ks 4096,2048] [--cross 3456]
 """
 
 from __future__ import annotations
@@ -135,18 +141,77 @@ def run(m: int, k: int) -> list[dict[str, Any]]:
     return rows
 
 
+def run_cross(m: int, k: int) -> list[dict[str, Any]]:
+    """DCN's cross-layer output and the casts of it that its sites run (module docstring)."""
+    import torch
+    from triton.testing import do_bench
+
+    from loka_train.kernels import triton_kernels as tk
+    from loka_train.kernels import triton_tensorwise as tt
+    from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+
+    fmt = Fp8Format.E4M3
+    dev = torch.device("cuda")
+    x0 = torch.randn(m, k, device=dev)
+    xl = torch.randn(m, k, device=dev)
+    xw = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, device=dev)
+
+    def cross(x0: Any, xw: Any, b: Any, xl: Any) -> Any:
+        return x0 * (xw.float() + b) + xl
+
+    def fused(scaling: Scaling) -> Callable[..., Any]:
+        def fn(x0: Any, xw: Any, b: Any, xl: Any) -> Any:
+            h = cross(x0, xw, b, xl)
+            q = quantize(h, fmt, scaling, axis=-1)
+            return h, q.data, q.scale
+        return fn
+
+    c_cross = torch.compile(cross, dynamic=False)
+    c_row = torch.compile(fused(Scaling.ROWWISE), dynamic=False)
+    c_tw = torch.compile(fused(Scaling.TENSORWISE), dynamic=False)
+    args = (x0, xw, b, xl)
+    h = c_cross(*args)
+    checks: dict[str, float] = {}
+    tq = tk.fused_rowwise_quant(h, fmt=fmt)[0]
+    _, iq, _ = c_row(*args)
+    checks["rowwise"] = float((tq.view(torch.uint8) != iq.view(torch.uint8)).float().mean())
+    wq, _ = tt.tensorwise_quant(h, fmt=fmt)
+    _, iq, _ = c_tw(*args)
+    checks["tensorwise"] = float((wq.view(torch.uint8) != iq.view(torch.uint8)).float().mean())
+    print(f"{m}x{k} cross: codes differing from the Triton casts': {checks}", flush=True)
+    variants: dict[str, Callable[[], Any]] = {
+        "cross alone (compiled)": lambda: c_cross(*args),
+        "cross then the Triton row-wise quantizer": lambda: tk.fused_rowwise_quant(c_cross(*args), fmt=fmt),
+        "cross + inductor-fused row-wise cast (output kept)": lambda: c_row(*args),
+        "cross then the Triton tensor-wise cast (dynamic)": lambda: tt.tensorwise_quant(c_cross(*args), fmt=fmt),
+        "cross + inductor-fused tensor-wise cast (dynamic, output kept)": lambda: c_tw(*args),
+    }
+    rows: list[dict[str, Any]] = []
+    for name, fn in variants.items():
+        us = do_bench(fn) * 1e3
+        rows.append({"m": m, "k": k, "producer": "cross", "variant": name, "us": round(us, 1),
+                     "kernels": _kernels(fn), "codes_differing": checks})
+        print(f"{m}x{k} {name}: {us:.1f} us", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--m", type=int, default=32768)
     ap.add_argument("--ks", default="4096,2048")
+    ap.add_argument("--cross", default="", help="widths of DCN cross layers to time (comma-separated); "
+                    "none by default")
     args = ap.parse_args(argv)
     import torch
 
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for k in (int(v) for v in args.ks.split(",")):
+    for k in (int(v) for v in args.ks.split(",") if v):
         rows += run(args.m, k)
+    for k in (int(v) for v in args.cross.split(",") if v):
+        rows += run_cross(args.m, k)
     (args.out / "producer_cast.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1))
     lines = ["| M x K | variant | us | kernels (us each) |", "|---|---|---|---|"]
