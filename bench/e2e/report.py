@@ -41,6 +41,7 @@ from bench.e2e.verdicts import (
     ne_measured,
     same_settings_reference,
 )
+from loka_train.dispatch.ledger import site_table
 
 
 def _version(module: str, dist_names: tuple[str, ...]) -> str | None:
@@ -366,23 +367,32 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
             "| speed-up as paid | Dispatch's speed-up |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        # quant ms: what the quantization costs the step (a ReLU pass that the cast takes over
+        # from high precision counted off); high ms: the GEMM, and a ReLU pass it runs before.
         for row in sorted(ledger["rows"], key=lambda x: -x["high_ms"])[:LEDGER_ROWS]:
             # The chosen FP8 plan's times (none when its timing failed), the fastest candidate's
             # for a GEMM in high precision.
+            def total(f: dict[str, Any]) -> float:
+                return f["gemm_ms"] + f["quant_a_ms"] + f["quant_b_ms"] + f.get("relu_ms", 0.0)
+
             times = [f for f in row["fp8"] if f["plan"] == row["plan"]] if row["plan"] != "high" else sorted(
-                row["fp8"], key=lambda f: f["gemm_ms"] + f["quant_a_ms"] + f["quant_b_ms"])[:1]
+                row["fp8"], key=total)[:1]
+            high_relu = row.get("relu_ms", 0.0)
+            high = row["high_ms"] + high_relu
             if times:
                 f = times[0]
-                quant = f["quant_a_ms"] + f["quant_b_ms"]
-                total = f["gemm_ms"] + quant
-                cells = (f"{f['gemm_ms']:.3f} | {quant:.3f} | {total:.3f} | {row['quant_over_saved']:.2f} | "
-                         f"{fmt_x(row['high_ms'] / total if total > 0 else math.inf)}")
+                quant = total(f) - f["gemm_ms"] - high_relu
+                cells = (f"{f['gemm_ms']:.3f} | {quant:.3f} | {total(f):.3f} | {row['quant_over_saved']:.2f} | "
+                         f"{fmt_x(high / total(f) if total(f) > 0 else math.inf)}")
             else:
                 cells = "- | - | - | - | -"
             planned = row.get("planned_speedup")
             cells += f" | {'-' if planned is None else fmt_x(planned)}"
+            relu = f" (+{high_relu:.3f} ReLU)" if high_relu else ""
             out.append(f"| {row['site']} | {row['role']} | {'x'.join(map(str, row['shape']))} | {row['plan']} | "
-                       f"{row['high_ms']:.3f} | {cells} |")
+                       f"{row['high_ms']:.3f}{relu} | {cells} |")
+        if ledger.get("sites"):
+            out += ["", *site_table(ledger["sites"])]
     return out
 
 

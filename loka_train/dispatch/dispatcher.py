@@ -338,6 +338,7 @@ class Dispatcher:
                     candidates=tuple(self._candidates(site, role, shape)),
                     site_plan=self._joint_plan(site),
                     planned_speedup=self.planned_speedup(site, role),
+                    input_relu=role == "forward" and site in self._input_relu,
                 ))
         return out
 

@@ -8,13 +8,17 @@ ledger measures, the way the site runs them:
   the quantization of each operand (from the role's real layouts: ``x``, ``W``; ``dY``,
   ``W^T``; ``dY^T``, ``X^T``); an operand that the site takes over from another of its GEMMs
   (tensor-wise payloads reused transposed, :func:`loka_train.kernels.linear.transposed_reuse`)
-  costs nothing, as in the site.
+  costs nothing, as in the site;
+* for a forward whose site has the ReLU before it folded in (``mods.fold_relu``), the ReLU
+  pass that high precision runs first, and a candidate whose cast applies the ReLU runs not:
+  such a cast's quantization costs the step only what it takes beyond that pass.
 
 From these it predicts what FP8 does to a step (Amdahl, from measured times): the saving of the
 plan the run chose, the saving if every GEMM took its fastest FP8 candidate where that beats
 high precision with quantization paid ("best as paid"), and the ceiling if quantization were
 free ("quantization free": the FP8 GEMM alone). ``quant / saved`` per GEMM says how much of
-what the FP8 GEMM saves its quantization eats (1.0 or more: FP8 cannot pay there).
+what the FP8 GEMM saves its quantization eats (1.0 or more: FP8 cannot pay there);
+:meth:`Ledger.sites` sums it per site under the chosen plans.
 
 The times come from ``GemmTimer.time``: CUDA-graph replays on a GPU (what a graphed step runs),
 the host clock elsewhere (the emulated backend on a CPU: the numbers say nothing of a GPU).
@@ -28,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,6 +54,7 @@ __all__ = [
     "LedgerRow",
     "Fp8Times",
     "measure_ledger",
+    "site_table",
 ]
 
 Shape = tuple[int, int, int]
@@ -76,6 +81,10 @@ class LedgerGemm:
     planned_speedup: float | None = None
     """The speed-up over high precision Dispatch decided the FP8 plan on, from the times it took
     then (``Dispatcher.planned_speedup``); None for a high-precision plan."""
+    input_relu: bool = False
+    """A forward whose site has the ReLU before it folded in (``Site.input_relu``,
+    ``mods.fold_relu``): high precision, and an FP8 candidate whose cast does not apply it, run
+    a ReLU pass over ``x`` first; a cast that applies it runs none (as Dispatch charges them)."""
 
 
 @dataclass(frozen=True)
@@ -92,11 +101,14 @@ class Fp8Times:
     quant_b_ms: float
     """Quantizing operand ``b`` (the weight in forward and grad-input: every step today); a
     reused one as in ``quant_a_ms``."""
+    relu_ms: float = 0.0
+    """The ReLU pass this candidate runs before its GEMM (``LedgerGemm.input_relu`` where its
+    cast does not apply the ReLU); 0 where its cast applies it, or where there is none."""
 
     @property
     def total_ms(self) -> float:
-        """GEMM plus the quantization the site pays."""
-        return self.gemm_ms + self.quant_a_ms + self.quant_b_ms
+        """GEMM plus the quantization the site pays, plus a ReLU pass its cast does not fold."""
+        return self.gemm_ms + self.quant_a_ms + self.quant_b_ms + self.relu_ms
 
     @property
     def quant_ms(self) -> float:
@@ -119,6 +131,19 @@ class LedgerRow:
     planned_speedup: float | None = None
     """Dispatch's speed-up for the chosen FP8 plan when it chose it (``LedgerGemm``): next to
     this ledger's own measurement, a plan taken on a timing the ledger does not confirm shows."""
+    relu_ms: float = 0.0
+    """The ReLU pass that high precision runs before this GEMM (``LedgerGemm.input_relu``)."""
+
+    @property
+    def high_total_ms(self) -> float:
+        """The high-precision GEMM plus the ReLU pass it runs before it (``relu_ms``)."""
+        return self.high_ms + self.relu_ms
+
+    def quant_paid_ms(self, t: Fp8Times) -> float:
+        """What quantizing costs the step under candidate ``t``: its casts, plus the ReLU pass
+        it runs, less the one high precision runs (a cast that applies a folded ReLU takes
+        that pass over: only what it costs beyond the pass is the quantization's)."""
+        return t.quant_ms + t.relu_ms - self.relu_ms
 
     def _times(self, plan: str) -> Fp8Times | None:
         return next((t for t in self.fp8 if t.plan == plan), None)
@@ -143,14 +168,14 @@ class LedgerRow:
         """High-precision time minus the chosen plan's (0 in high precision; negative when the
         chosen FP8 plan is slower than high precision)."""
         c = self.chosen
-        return 0.0 if c is None else self.high_ms - c.total_ms
+        return 0.0 if c is None else self.high_total_ms - c.total_ms
 
     @property
     def saved_best_ms(self) -> float:
         """What the fastest FP8 candidate saves with its quantization paid (never negative:
         a GEMM where FP8 loses stays in high precision)."""
         b = self.best
-        return 0.0 if b is None else max(0.0, self.high_ms - b.total_ms)
+        return 0.0 if b is None else max(0.0, self.high_total_ms - b.total_ms)
 
     @property
     def saved_ceiling_ms(self) -> float:
@@ -160,13 +185,14 @@ class LedgerRow:
 
     @property
     def quant_over_saved(self) -> float:
-        """For the candidate with the fastest GEMM: its quantization over what its GEMM saves
-        (inf when the FP8 GEMM alone saves nothing)."""
+        """For the candidate with the fastest GEMM: the quantization it pays
+        (:meth:`quant_paid_ms`) over what its GEMM saves (inf when the FP8 GEMM alone saves
+        nothing)."""
         g = self.fastest_gemm
         if g is None:
             return math.nan
         saved = self.high_ms - g.gemm_ms
-        return g.quant_ms / saved if saved > 0 else math.inf
+        return self.quant_paid_ms(g) / saved if saved > 0 else math.inf
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -204,6 +230,30 @@ class Ledger:
             "saved_best_ms": sum(r.saved_best_ms for r in self.rows),
             "saved_ceiling_ms": sum(r.saved_ceiling_ms for r in self.rows),
         }
+
+    def sites(self) -> list[dict[str, Any]]:
+        """Per site with a GEMM in FP8, under the chosen plans: what its FP8 GEMMs save against
+        high precision (the GEMMs alone), the quantization the site pays for them
+        (:meth:`LedgerRow.quant_paid_ms`: casts and transposed writes, less a ReLU pass a cast
+        takes over) and its share of that saving; largest saving first. A GEMM whose chosen
+        plan has no times (its timing failed) is left out and named in ``untimed``."""
+        by_site: dict[str, dict[str, Any]] = {}
+        for r in self.rows:
+            if r.plan == "high":
+                continue
+            s = by_site.setdefault(r.site, {"site": r.site, "roles": [], "untimed": [], "gemm_saved_ms": 0.0,
+                                             "quant_paid_ms": 0.0})
+            c = r.chosen
+            if c is None:
+                s["untimed"].append(r.role)
+                continue
+            s["roles"].append(r.role)
+            s["gemm_saved_ms"] += r.high_ms - c.gemm_ms
+            s["quant_paid_ms"] += r.quant_paid_ms(c)
+        for s in by_site.values():
+            saved = s["gemm_saved_ms"]
+            s["quant_over_saved"] = s["quant_paid_ms"] / saved if saved > 0 else math.inf
+        return sorted(by_site.values(), key=lambda s: -s["gemm_saved_ms"])
 
     def predict(self, step_ms: float, *, planned_step: bool = True) -> dict[str, float]:
         """Step speed-ups over an all-high-precision step (Amdahl, from measured GEMM times).
@@ -243,6 +293,7 @@ class Ledger:
             "timing": self.timing,
             "rows": [r.to_dict() for r in self.rows],
             "totals": self.totals(),
+            "sites": self.sites(),
             "notes": list(self.notes),
         }
         if step_ms is not None:
@@ -258,8 +309,8 @@ class Ledger:
             rows = rows[:top]
         lines = [
             "| site | GEMM | M x K x N | plan | high ms | FP8 GEMM ms | quant a ms | quant b ms "
-            "| FP8 total ms | speed-up as paid | Dispatch's speed-up | quant / saved |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| FP8 total ms | speed-up as paid | Dispatch's speed-up | quant / saved | ReLU pass ms (high, FP8) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             # An FP8 plan without a time of its own (its timing failed) shows none: another
@@ -271,15 +322,19 @@ class Ledger:
             else:
                 cells = [
                     f"{f.gemm_ms:.3f}", f"{f.quant_a_ms:.3f}", f"{f.quant_b_ms:.3f}",
-                    f"{f.total_ms:.3f}", _x(r.high_ms / f.total_ms if f.total_ms > 0 else math.inf),
+                    f"{f.total_ms:.3f}", _x(r.high_total_ms / f.total_ms if f.total_ms > 0 else math.inf),
                     planned, _ratio(r.quant_over_saved),
                 ]
+            relu = "-" if r.relu_ms == 0 and (f is None or f.relu_ms == 0) else (
+                f"{r.relu_ms:.3f}, {'-' if f is None else f'{f.relu_ms:.3f}'}")
+            cells.append(relu)
             lines.append(
                 f"| {r.site} | {r.role} | {'x'.join(map(str, r.shape))} | {r.plan} | "
                 f"{r.high_ms:.3f} | " + " | ".join(cells) + " |"
             )
         if top is not None and len(self.rows) > top:
             lines.append(f"\n{len(self.rows) - top} smaller GEMMs not shown (all in the JSON).")
+        lines += ["", *site_table(self.sites())]
         t = self.totals()
         lines += [
             "",
@@ -298,12 +353,31 @@ class Ledger:
         lines.append(
             f"Timing: {self.timing} on {self.device}. The chosen plan's times are shown where the "
             "GEMM runs in FP8, the fastest candidate's otherwise; 'quant / saved': what quantizing "
-            "costs over what the FP8 GEMM saves (>= 1: FP8 cannot pay there); 'Dispatch's "
+            "costs over what the FP8 GEMM saves (>= 1: FP8 cannot pay there), a ReLU pass that a cast "
+            "takes over from high precision counted off (last column); 'Dispatch's "
             "speed-up': the chosen FP8 plan's speed-up in the times Dispatch took when it chose it "
             "(far from 'speed-up as paid': the plan rests on a timing this measurement does not confirm)."
         )
         lines += [f"- {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def site_table(sites: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Markdown of :meth:`Ledger.sites` (also from a ledger's JSON); empty without FP8 sites."""
+    if not sites:
+        return []
+    lines = [
+        "Per site, the chosen plans: what its FP8 GEMMs save (the GEMMs alone) and what its "
+        "quantization costs the step (casts and transposed writes, less a ReLU pass a cast takes over):",
+        "",
+        "| site | FP8 GEMMs | GEMMs saved ms | quantization paid ms | quantization / saved |",
+        "|---|---|---|---|---|",
+    ]
+    for s in sites:
+        roles = ", ".join(s["roles"]) + (f" (untimed: {', '.join(s['untimed'])})" if s["untimed"] else "")
+        lines.append(f"| {s['site']} | {roles} | {s['gemm_saved_ms']:.3f} | {s['quant_paid_ms']:.3f} | "
+                     f"{_ratio(s['quant_over_saved'])} |")
+    return lines
 
 
 def _x(v: float) -> str:
@@ -323,22 +397,27 @@ Timer = Callable[[Callable[[], object]], float]
 
 def _fp8_times(
     gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer, *, zero_half: bool = False,
-    static: Tensor | None = None,
+    static: Tensor | None = None, relu: tuple[bool, float] | None = None,
 ) -> Fp8Times:
     """As the site runs it (``GemmTimer.measure_once``): a shape the backend refuses zero-padded
     to multiples of 16 (the padding copies are not in these columns), a reused operand what the
     other GEMM's quantizer hands over (:func:`~loka_train.dispatch.timing.reused_payload`),
     charged the transposed write that quantizer makes for it; ``a`` with the static-scale slot
-    ``static`` where given."""
+    ``static`` where given. ``relu`` (a forward of a site with a folded ReLU): whether this
+    candidate's cast applies it (then ``a`` is cast with ``relu=True``) and the ReLU pass's
+    milliseconds, which a candidate whose cast does not apply it pays (it casts ``relu(a)``)."""
     shape = gemm.shape
     problem = gemm_problem(gemm.role, shape, plan, device_type=device.type, out_dtype=torch.bfloat16)
     if not get_backend(plan.backend).supports(problem)[0]:
         shape = padded(shape, 16)
     a, b, b_is_weight, out_dtype = role_operands(gemm.role, shape, device=device, zero_half=zero_half)
     reuse_a, reuse_b = site_reuse(gemm.role, plan, gemm.site_plan)
+    folds, relu_ms = relu if relu is not None else (False, 0.0)
+    if relu is not None and not folds:
+        a = torch.relu(a)  # what the ReLU pass hands a cast that does not apply it
 
     def quant_a() -> QTensor:
-        return quantize_operand(a, plan.fmt, plan, is_weight=False, static=static)
+        return quantize_operand(a, plan.fmt, plan, is_weight=False, static=static, relu=folds)
 
     def quant_b() -> QTensor:
         return quantize_operand(b, plan.operand_b_fmt, plan, is_weight=b_is_weight)
@@ -355,6 +434,7 @@ def _fp8_times(
         gemm_ms=timer(lambda: run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=gemm.role)),
         quant_a_ms=transposed_write_s(a, plan.fmt, plan, timer) if reuse_a else timer(quant_a),
         quant_b_ms=transposed_write_s(b, plan.operand_b_fmt, plan, timer) if reuse_b else timer(quant_b),
+        relu_ms=0.0 if folds else relu_ms,
     )
 
 
@@ -398,15 +478,25 @@ def measure_ledger(
         if key_high not in cache:
             a, b, _, _ = role_operands(g.role, g.shape, device=device, dtype=high_dtype, zero_half=zero_half)
             cache[key_high] = time_ms(_matmul(a, b))
+        relu_ms = 0.0
+        relu_pass = g.input_relu and g.role == "forward"
+        if relu_pass:
+            key_relu = ("relu", g.shape[0], g.shape[1])
+            if key_relu not in cache:
+                x, _, _, _ = role_operands("forward", g.shape, device=device, dtype=high_dtype, zero_half=zero_half)
+                cache[key_relu] = time_ms(_relu(x))
+            relu_ms = cache[key_relu]
         candidates = list(dict.fromkeys([*g.candidates, *([g.plan] if g.plan.is_fp8 else [])]))
         times: list[Fp8Times] = []
         failures: list[str] = []
         for plan in candidates:
-            key = (str(plan), g.role, g.shape, site_reuse(g.role, plan, g.site_plan))
+            relu = (slots.folds_relu(plan), relu_ms) if relu_pass else None
+            key = (str(plan), g.role, g.shape, site_reuse(g.role, plan, g.site_plan), relu)
             if key not in cache:
                 try:
                     cache[key] = _fp8_times(
-                        g, plan, device, time_ms, zero_half=zero_half, static=slots.static_slot(g.role, plan)
+                        g, plan, device, time_ms, zero_half=zero_half, static=slots.static_slot(g.role, plan),
+                        relu=relu,
                     )
                 except Exception as exc:  # one backend's failure must not lose the ledger
                     cache[key] = f"{plan}: {type(exc).__name__}: {exc}"
@@ -419,7 +509,7 @@ def measure_ledger(
             LedgerRow(
                 site=g.site, role=g.role, shape=g.shape, plan=str(g.plan) if g.plan.is_fp8 else "high",
                 high_ms=cache[key_high], fp8=tuple(times), failures=tuple(failures),
-                planned_speedup=g.planned_speedup,
+                planned_speedup=g.planned_speedup, relu_ms=relu_ms,
             )
         )
     timing = "cuda_graph" if device.type == "cuda" and timer is None else "host_clock"
@@ -433,6 +523,10 @@ def measure_ledger(
 
 def _milliseconds(gemm_timer: GemmTimer) -> Timer:
     return lambda run: gemm_timer.time(run) * 1e3
+
+
+def _relu(x: Tensor) -> Callable[[], Tensor]:
+    return lambda: torch.relu(x)
 
 
 def _matmul(a: Tensor, b: Tensor) -> Callable[[], Tensor]:

@@ -795,3 +795,18 @@ def test_the_report_subtracts_bf16s_gpu_time_by_category(tmp_path: Path) -> None
     # call5's categories: GEMM 10.676 - 15.884, quantize 2.212 - 0, other 11.153 - 11.889 ms.
     assert rows == ["| wukong | loka_aggressive+compile+graphs+static | bf16+compile+graphs | -5.21 | +2.21 | "
                     "-0.01 | -0.01 | -0.74 | -3.75 | -3.86 | 0.42 |"]
+
+
+def test_the_report_ledger_counts_a_relu_pass_a_cast_takes_over_and_lists_the_sites() -> None:
+    from bench.e2e.report import _ledger_section
+    from loka_train.dispatch.ledger import Fp8Times, Ledger, LedgerRow
+
+    row = LedgerRow(site="over.1", role="forward", shape=(8, 8, 8), plan="tw", high_ms=1.0, relu_ms=0.2,
+                    fp8=(Fp8Times(plan="tw", gemm_ms=0.5, quant_a_ms=0.25, quant_b_ms=0.01),))
+    ledger = Ledger(rows=[row], device="cpu", timing="custom").to_dict(step_ms=10.0)
+    run = {"config": "wukong", "batch": 8, "variant": "loka_aggressive+compile+graphs", "status": "ok",
+           "step_ms_median": 10.0, "loka": {"ledger": ledger}}
+    md = "\n".join(_ledger_section([run]))
+    # quant: 0.26 of casts less the 0.2 ms pass; total 0.76 against 1.2 (GEMM and pass).
+    assert "| over.1 | forward | 8x8x8 | tw | 1.000 (+0.200 ReLU) | 0.500 | 0.060 | 0.760 | 0.12 | 1.58x | - |" in md
+    assert "| over.1 | forward | 0.500 | 0.060 | 0.12 |" in md

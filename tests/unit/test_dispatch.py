@@ -453,8 +453,12 @@ def test_a_folded_relu_is_charged_to_the_forward_candidates_whose_cast_does_not_
     assert charged == {tw: 0.0, rw: relu, emulated: relu, None: relu}
     assert d._unfolded_relu_s("folded", "grad_input", shape, None) == 0.0
     assert d._unfolded_relu_s("plain", "forward", shape, None) == 0.0
+    # The ledger times the folded forward's ReLU pass the same way (ledger.LedgerGemm.input_relu).
+    assert {(g.site, g.role): g.input_relu for g in d.ledger_gemms()} == {
+        ("folded", "forward"): True, ("plain", "forward"): False}
     d.register("folded", plan=LinearPlan.high_precision(), shapes={"forward": shape})  # registered again: no ReLU
     assert d._unfolded_relu_s("folded", "forward", shape, None) == 0.0
+    assert not any(g.input_relu for g in d.ledger_gemms())
 
 
 def test_the_charge_for_an_unfolded_relu_decides_between_close_candidates(monkeypatch) -> None:

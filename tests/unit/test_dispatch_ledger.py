@@ -191,3 +191,83 @@ def test_the_ledger_times_static_scales_when_the_sites_take_them(monkeypatch):
     seen.clear()
     off = measure_ledger(gemms, device=CPU, high_dtype=torch.float32)
     assert seen and not any(seen) and not any("static scales" in n for n in off.notes)
+
+
+def test_a_cast_that_takes_over_a_relu_pass_pays_only_what_it_costs_beyond_the_pass():
+    """High precision runs a 0.2 ms ReLU pass before its 1.0 ms GEMM; a folded cast (0.25 ms)
+    pays 0.05 ms of quantization, a cast of relu(x) (0.15 ms) pays 0.15 ms and the pass."""
+    folded = Fp8Times(plan="tw", gemm_ms=0.5, quant_a_ms=0.25, quant_b_ms=0.0)
+    unfolded = Fp8Times(plan="rw", gemm_ms=0.6, quant_a_ms=0.15, quant_b_ms=0.0, relu_ms=0.2)
+    row = LedgerRow(site="s", role="forward", shape=(8, 8, 8), plan="tw", high_ms=1.0, fp8=(folded, unfolded),
+                    relu_ms=0.2)
+    assert row.high_total_ms == pytest.approx(1.2)
+    assert row.quant_paid_ms(folded) == pytest.approx(0.05)
+    assert row.quant_paid_ms(unfolded) == pytest.approx(0.15)
+    assert unfolded.total_ms == pytest.approx(0.95) and folded.total_ms == pytest.approx(0.75)
+    assert row.saved_as_planned_ms == pytest.approx(1.2 - 0.75)
+    assert row.best is folded and row.saved_best_ms == pytest.approx(0.45)
+    assert row.fastest_gemm is folded and row.quant_over_saved == pytest.approx(0.05 / 0.5)
+    md = Ledger(rows=[row], device="cpu", timing="custom").markdown()
+    assert "| 0.200, 0.000 |" in md and "1.60x" in md  # 1.2 / 0.75
+
+
+def test_per_site_the_quantization_paid_over_what_the_fp8_gemms_save():
+    fwd = LedgerRow(site="a", role="forward", shape=(8, 8, 8), plan="p", high_ms=1.0, relu_ms=0.2,
+                    fp8=(Fp8Times(plan="p", gemm_ms=0.5, quant_a_ms=0.3, quant_b_ms=0.02),))
+    gi = LedgerRow(site="a", role="grad_input", shape=(8, 8, 8), plan="p", high_ms=1.0,
+                   fp8=(Fp8Times(plan="p", gemm_ms=0.6, quant_a_ms=0.1, quant_b_ms=0.0),))
+    gw = LedgerRow(site="a", role="grad_weight", shape=(8, 8, 8), plan="high", high_ms=1.0,
+                   fp8=(Fp8Times(plan="q", gemm_ms=0.1, quant_a_ms=0.0, quant_b_ms=0.0),))
+    small = LedgerRow(site="b", role="forward", shape=(8, 8, 8), plan="p", high_ms=0.3,
+                      fp8=(Fp8Times(plan="p", gemm_ms=0.2, quant_a_ms=0.2, quant_b_ms=0.0),))
+    lost = LedgerRow(site="b", role="grad_input", shape=(8, 8, 8), plan="p", high_ms=0.3, fp8=(),
+                     failures=("p: RuntimeError: boom",))
+    ledger = Ledger(rows=[small, lost, gw, gi, fwd, _row("high", 5.0)], device="cpu", timing="custom")
+    a, b = ledger.sites()  # largest saving first; the all-high site "s" has no line
+    assert a["site"] == "a" and a["roles"] == ["grad_input", "forward"] and a["untimed"] == []
+    assert a["gemm_saved_ms"] == pytest.approx(0.5 + 0.4)  # the high grad-weight saves nothing
+    assert a["quant_paid_ms"] == pytest.approx((0.32 - 0.2) + 0.1)
+    assert a["quant_over_saved"] == pytest.approx(0.22 / 0.9)
+    assert b["site"] == "b" and b["untimed"] == ["grad_input"] and b["quant_over_saved"] == pytest.approx(2.0)
+    assert ledger.to_dict()["sites"] == ledger.sites()
+    md = ledger.markdown()
+    assert "| a | grad_input, forward | 0.900 | 0.220 | 0.24 |" in md
+    assert "| b | forward (untimed: grad_input) | 0.100 | 0.200 | 2.00 |" in md
+
+
+def test_a_folded_relu_is_timed_as_the_site_runs_it(monkeypatch):
+    """A forward with input_relu: high precision gets the ReLU pass; a candidate whose cast does
+    not apply it (the emulated backend) casts relu(x) and pays the pass; one whose cast applies
+    it casts x with relu=True and pays none. Other roles and sites time no ReLU."""
+    import loka_train.dispatch.ledger as ledger_mod
+    from loka_train.dispatch.timing import GemmTimer
+
+    seen = []
+    original = ledger_mod.quantize_operand
+
+    def spy(t, fmt, plan, **kwargs):  # type: ignore[no-untyped-def]
+        if not kwargs.get("is_weight"):
+            seen.append((kwargs.get("relu", False), bool((t < 0).any())))
+        return original(t, fmt, plan, **kwargs)
+
+    monkeypatch.setattr(ledger_mod, "quantize_operand", spy)
+    timed = []
+
+    def timer(run):  # type: ignore[no-untyped-def]
+        timed.append(run)
+        run()
+        return 0.125 * len(timed)
+
+    plan = _emulated(Scaling.TENSORWISE)
+    gemms = [LedgerGemm("s", role, (32, 16, 24), getattr(plan, role), (getattr(plan, role),), input_relu=True)
+             for role in ("forward", "grad_input")]
+    gemms.append(LedgerGemm("t", "forward", (32, 16, 24), plan.forward, (plan.forward,)))
+    fwd, gi, other = measure_ledger(gemms, device=CPU, high_dtype=torch.float32, timer=timer).rows
+    assert fwd.relu_ms == 0.25 and gi.relu_ms == 0.0 and other.relu_ms == 0.0  # the second timing
+    (t,) = fwd.fp8
+    assert t.relu_ms == fwd.relu_ms and seen[0] == (False, False)  # relu(x) cast, the pass paid
+    assert all(r.fp8[0].relu_ms == 0.0 for r in (gi, other))
+    seen.clear()
+    monkeypatch.setattr(GemmTimer, "folds_relu", lambda self, p: p is not None and p.is_fp8)
+    fwd = measure_ledger(gemms[:1], device=CPU, high_dtype=torch.float32, timer=timer).rows[0]
+    assert fwd.fp8[0].relu_ms == 0.0 and fwd.relu_ms > 0 and seen[0] == (True, True)  # x cast with relu=True
