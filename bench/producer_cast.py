@@ -8,16 +8,19 @@ layout).
 Producers: a ReLU (the input of Wukong's FM MLP out and of over-arch 1) and a LayerNorm over
 the rows (the input of an MLP after a norm). ``--cross``: DCN's cross layer
 ``x0 * (xw + b) + xl`` in fp32 (its output is the next layer's ``V`` input and over-arch 0's),
-with the casts DCN's sites run on it: row-wise (the Triton one-pass quantizer after the
-producer, against :func:`formats.quantize` traced for inductor to fuse into it) and dynamic
-tensor-wise (the Triton two-pass cast after it, against the traced reference); the traced
-codes are compared with the Triton ones and the share of differing codes reported (fp32
-division: a code one step apart where a quotient rounds the other way). The folded and fused payloads are checked bit for
+with the casts DCN's sites run on it: the site casts the fp32 output to a bf16 copy in traced
+code (fused into the producer) and quantizes the copy; row-wise (the Triton one-pass quantizer
+after the producer, against :func:`formats.quantize` traced for inductor to fuse into it) and
+dynamic tensor-wise (the Triton two-pass cast after it, against the traced reference), then
+the same casts of the fp32 output itself; the traced codes are compared with the Triton ones
+and the share of differing codes reported (fp32 division: a code one step apart where a
+quotient rounds the other way). ``--ks=`` times no ReLU or LayerNorm producer. The folded and fused payloads are checked bit for
 bit against the Triton cast's first (a ReLU's only: a compiled LayerNorm rounds its own way).
 Times are medians of ``triton.testing.do_bench`` (us); the kernels each variant launches come
 from one profiled call.
 
     python -m bench.producer_cast --out DIR [--m 32768] [--ks 4096,2048] [--cross 3456]
+    python -m bench.producer_cast --out DIR --ks= --cross 3456,1024
 """
 
 from __future__ import annotations
@@ -142,7 +145,10 @@ def run(m: int, k: int) -> list[dict[str, Any]]:
 
 
 def run_cross(m: int, k: int) -> list[dict[str, Any]]:
-    """DCN's cross-layer output and the casts of it that its sites run (module docstring)."""
+    """DCN's cross-layer output and the casts of it that its sites run (module docstring): as
+    a site takes it, the fp32 output and its bf16 copy (``kernels.linear`` casts an fp32
+    activation to the autocast dtype in traced code, fused into the producer), the cast reading
+    the copy; and, fp32 ``h`` cast directly, the form an earlier version of this benchmark timed."""
     import torch
     from triton.testing import do_bench
 
@@ -160,32 +166,46 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
     def cross(x0: Any, xw: Any, b: Any, xl: Any) -> Any:
         return x0 * (xw.float() + b) + xl
 
-    def fused(scaling: Scaling) -> Callable[..., Any]:
+    def cross_copy(x0: Any, xw: Any, b: Any, xl: Any) -> Any:
+        h = cross(x0, xw, b, xl)
+        return h, h.to(torch.bfloat16)
+
+    def fused(scaling: Scaling, *, copy: bool) -> Callable[..., Any]:
         def fn(x0: Any, xw: Any, b: Any, xl: Any) -> Any:
             h = cross(x0, xw, b, xl)
-            q = quantize(h, fmt, scaling, axis=-1)
-            return h, q.data, q.scale
+            hc = h.to(torch.bfloat16) if copy else h
+            q = quantize(hc, fmt, scaling, axis=-1)
+            return h, hc, q.data, q.scale
         return fn
 
     c_cross = torch.compile(cross, dynamic=False)
-    c_row = torch.compile(fused(Scaling.ROWWISE), dynamic=False)
-    c_tw = torch.compile(fused(Scaling.TENSORWISE), dynamic=False)
+    c_copy = torch.compile(cross_copy, dynamic=False)
+    c_row, c_tw = (torch.compile(fused(sc, copy=True), dynamic=False) for sc in (Scaling.ROWWISE, Scaling.TENSORWISE))
+    c_row32, c_tw32 = (torch.compile(fused(sc, copy=False), dynamic=False) for sc in (Scaling.ROWWISE, Scaling.TENSORWISE))
     args = (x0, xw, b, xl)
-    h = c_cross(*args)
-    checks: dict[str, float] = {}
-    tq = tk.fused_rowwise_quant(h, fmt=fmt)[0]
-    _, iq, _ = c_row(*args)
-    checks["rowwise"] = float((tq.view(torch.uint8) != iq.view(torch.uint8)).float().mean())
-    wq, _ = tt.tensorwise_quant(h, fmt=fmt)
-    _, iq, _ = c_tw(*args)
-    checks["tensorwise"] = float((wq.view(torch.uint8) != iq.view(torch.uint8)).float().mean())
+
+    def differing(a: Any, b: Any) -> float:
+        return float((a.view(torch.uint8) != b.view(torch.uint8)).float().mean())
+
+    h, hc = c_copy(*args)
+    checks = {
+        "rowwise": differing(tk.fused_rowwise_quant(hc, fmt=fmt)[0], c_row(*args)[2]),
+        "tensorwise": differing(tt.tensorwise_quant(hc, fmt=fmt)[0], c_tw(*args)[2]),
+        "rowwise_fp32": differing(tk.fused_rowwise_quant(h, fmt=fmt)[0], c_row32(*args)[2]),
+    }
     print(f"{m}x{k} cross: codes differing from the Triton casts': {checks}", flush=True)
     variants: dict[str, Callable[[], Any]] = {
         "cross alone (compiled)": lambda: c_cross(*args),
-        "cross then the Triton row-wise quantizer": lambda: tk.fused_rowwise_quant(c_cross(*args), fmt=fmt),
-        "cross + inductor-fused row-wise cast (output kept)": lambda: c_row(*args),
-        "cross then the Triton tensor-wise cast (dynamic)": lambda: tt.tensorwise_quant(c_cross(*args), fmt=fmt),
-        "cross + inductor-fused tensor-wise cast (dynamic, output kept)": lambda: c_tw(*args),
+        "cross and its bf16 copy (compiled)": lambda: c_copy(*args),
+        "cross and its bf16 copy, then the Triton row-wise quantizer on the copy (the site today)":
+            lambda: tk.fused_rowwise_quant(c_copy(*args)[1], fmt=fmt),
+        "cross and its bf16 copy + inductor-fused row-wise cast of the copy": lambda: c_row(*args),
+        "cross and its bf16 copy, then the Triton tensor-wise cast (dynamic)":
+            lambda: tt.tensorwise_quant(c_copy(*args)[1], fmt=fmt),
+        "cross and its bf16 copy + inductor-fused tensor-wise cast (dynamic)": lambda: c_tw(*args),
+        "cross then the Triton row-wise quantizer on fp32": lambda: tk.fused_rowwise_quant(c_cross(*args), fmt=fmt),
+        "cross + inductor-fused row-wise cast of fp32": lambda: c_row32(*args),
+        "cross + inductor-fused tensor-wise cast of fp32 (dynamic)": lambda: c_tw32(*args),
     }
     rows: list[dict[str, Any]] = []
     for name, fn in variants.items():

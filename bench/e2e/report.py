@@ -391,6 +391,11 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
             relu = f" (+{high_relu:.3f} ReLU)" if high_relu else ""
             out.append(f"| {row['site']} | {row['role']} | {'x'.join(map(str, row['shape']))} | {row['plan']} | "
                        f"{row['high_ms']:.3f}{relu} | {cells} |")
+        out += ["", "high ms: the GEMM (and the ReLU pass high precision runs before it, where the site folds "
+                "one); quant ms: what quantizing costs the step under the plan shown, its casts and "
+                "transposed writes and a ReLU pass it runs, less the one high precision runs (below 0 where "
+                "a cast that applies the ReLU costs less than that pass); quant / saved: of the candidate "
+                "with the fastest GEMM alone, which may not be the plan shown."]
         if ledger.get("sites"):
             out += ["", *site_table(ledger["sites"])]
     return out

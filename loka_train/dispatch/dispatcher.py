@@ -188,11 +188,51 @@ class Dispatcher:
         return self.timer.estimate(role, shape, plan)
 
     def _unfolded_relu_s(self, site: str, role: str, shape: Shape, plan: GemmPlan | None) -> float:
-        """What a candidate pays for the ReLU folded into ``site`` where its cast does not
-        apply it (:meth:`register`'s ``input_relu``): a ReLU pass over the forward's ``x``."""
+        """What a candidate of one GEMM pays for the ReLU folded into ``site``
+        (:meth:`register`'s ``input_relu``), the site's other plans as they are now: its own
+        pass (:meth:`_own_relu_s`) and the backward's second one (:meth:`_relu_again_s`), which
+        a folding forward pays where grad-weight does not take its ``x`` over, and a grad-weight
+        candidate (high precision too) that does not take ``x`` over from a folding forward."""
+        if site not in self._input_relu or role not in ("forward", "grad_weight"):
+            return 0.0
+        own = self._own_relu_s(site, role, plan)
+        if own:
+            return own
+        now = self.plans[site]
+        plans = {"forward": plan or GemmPlan(), "grad_weight": now.grad_weight} if role == "forward" else {
+            "forward": now.forward, "grad_weight": plan or GemmPlan()}
+        return self._relu_again_s(site, plans)
+
+    def _own_relu_s(self, site: str, role: str, plan: GemmPlan | None) -> float:
+        """A ReLU pass over ``x`` for a forward candidate of a site with a folded ReLU whose
+        cast does not apply it (high precision included): the pass the ReLU module runs."""
         if role != "forward" or site not in self._input_relu or self.timer.folds_relu(plan):
             return 0.0
-        return self.timer.relu_pass_s(shape[0], shape[1])
+        return self._relu_pass_s(site)
+
+    def _relu_again_s(self, site: str, plans: Mapping[str, GemmPlan]) -> float:
+        """The ReLU pass that ``site``'s backward runs again under ``plans`` (role -> plan;
+        grad-weight's as it is now where not given): the forward's cast applies the folded ReLU
+        and the grad-weight GEMM, whose shape has been seen, does not take the forward's ``x``
+        over (:func:`planning.takes_forward_x`)."""
+        fwd = plans.get("forward")
+        gw = plans.get("grad_weight", self.plans[site].grad_weight)
+        if (
+            site not in self._input_relu
+            or fwd is None
+            or "grad_weight" not in self.shapes[site]
+            or not self.timer.folds_relu(fwd)
+            or planning.takes_forward_x(gw, fwd)
+        ):
+            return 0.0
+        return self._relu_pass_s(site)
+
+    def _relu_pass_s(self, site: str) -> float:
+        """A ReLU pass over the forward's ``x`` (``M x K``; from grad-weight's ``(N, M, K)``
+        where the forward's shape is not known)."""
+        shapes = self.shapes[site]
+        m, k = shapes["forward"][:2] if "forward" in shapes else shapes["grad_weight"][1:]
+        return self.timer.relu_pass_s(m, k)
 
     def _measure_key(self, key: str) -> float:
         """Seconds of the GEMM a timing key names, measured here (for the agreement)."""
@@ -252,12 +292,11 @@ class Dispatcher:
             options[role] = [p for _, p in fastest.values()]
 
         def time(role: str, plan: GemmPlan | None, reuse: tuple[bool, bool]) -> float:
-            return self.timer.estimate(role, shapes[role], plan, reuse) + self._unfolded_relu_s(
-                site, role, shapes[role], plan
-            )
+            return self.timer.estimate(role, shapes[role], plan, reuse) + self._own_relu_s(site, role, plan)
 
         joint = planning.joint_targets(
-            targets={r: targets[r] for r in seen}, options=options, time=time, margin=self.config.margin
+            targets={r: targets[r] for r in seen}, options=options, time=time, margin=self.config.margin,
+            extra=lambda plans: self._relu_again_s(site, plans),
         )
         return {**targets, **joint}
 
@@ -339,6 +378,7 @@ class Dispatcher:
                     site_plan=self._joint_plan(site),
                     planned_speedup=self.planned_speedup(site, role),
                     input_relu=role == "forward" and site in self._input_relu,
+                    grad_weight_plan=plan.grad_weight if "grad_weight" in self.shapes[site] else None,
                 ))
         return out
 
@@ -361,7 +401,9 @@ class Dispatcher:
         t_fp8 = timings.get(timing_key(role, shape, plan, reuse))
         if t_high is None or t_fp8 is None or not (t_fp8 > 0 and math.isfinite(t_fp8)):
             return None
-        return t_high / t_fp8
+        # With the ReLU passes Dispatch charged them (a folded ReLU), as the ledger counts them.
+        return (t_high + self._unfolded_relu_s(site, role, shape, None)) / (
+            t_fp8 + self._unfolded_relu_s(site, role, shape, plan))
 
     def fp8_coverage(self) -> float:
         """Fraction of (site, role) GEMMs currently planned in FP8."""

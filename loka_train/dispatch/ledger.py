@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loka_train.dispatch.planning import gemm_problem, padded, site_reuse
+from loka_train.dispatch.planning import gemm_problem, padded, site_reuse, takes_forward_x
 from loka_train.dispatch.timing import GemmTimer, reused_payload, role_operands, transposed_write_s
 from loka_train.kernels.formats import QTensor
 from loka_train.kernels.gemm import GemmProblem
@@ -84,7 +84,13 @@ class LedgerGemm:
     input_relu: bool = False
     """A forward whose site has the ReLU before it folded in (``Site.input_relu``,
     ``mods.fold_relu``): high precision, and an FP8 candidate whose cast does not apply it, run
-    a ReLU pass over ``x`` first; a cast that applies it runs none (as Dispatch charges them)."""
+    a ReLU pass over ``x`` first; a cast that applies it runs none, unless the site's
+    grad-weight does not take its ``x`` over (``grad_weight_plan``): the backward then runs
+    the ReLU again (``planning.takes_forward_x``), charged here to the forward. As Dispatch
+    charges them; with the default ``compiled_quantizer`` (under ``inductor`` a site computes
+    the ReLU first, which neither sees)."""
+    grad_weight_plan: GemmPlan | None = None
+    """The site's grad-weight plan for ``input_relu`` (None: the site has no grad-weight GEMM)."""
 
 
 @dataclass(frozen=True)
@@ -102,12 +108,13 @@ class Fp8Times:
     """Quantizing operand ``b`` (the weight in forward and grad-input: every step today); a
     reused one as in ``quant_a_ms``."""
     relu_ms: float = 0.0
-    """The ReLU pass this candidate runs before its GEMM (``LedgerGemm.input_relu`` where its
-    cast does not apply the ReLU); 0 where its cast applies it, or where there is none."""
+    """The ReLU pass this candidate runs (``LedgerGemm.input_relu``): before its GEMM where
+    its cast does not apply the ReLU, in the backward where its cast applies it and grad-weight
+    does not take ``x`` over; 0 where neither, or where there is none."""
 
     @property
     def total_ms(self) -> float:
-        """GEMM plus the quantization the site pays, plus a ReLU pass its cast does not fold."""
+        """GEMM plus the quantization the site pays, plus the ReLU pass it runs (``relu_ms``)."""
         return self.gemm_ms + self.quant_a_ms + self.quant_b_ms + self.relu_ms
 
     @property
@@ -179,9 +186,11 @@ class LedgerRow:
 
     @property
     def saved_ceiling_ms(self) -> float:
-        """What FP8 would save with quantization free (the GEMM alone)."""
-        g = self.fastest_gemm
-        return 0.0 if g is None else max(0.0, self.high_ms - g.gemm_ms)
+        """What FP8 would save with quantization free: the GEMM alone and the ReLU pass it
+        runs, the least of those over the candidates."""
+        if not self.fp8:
+            return 0.0
+        return max(0.0, self.high_total_ms - min(t.gemm_ms + t.relu_ms for t in self.fp8))
 
     @property
     def quant_over_saved(self) -> float:
@@ -267,7 +276,8 @@ class Ledger:
         Returns:
             ``high_step_ms`` and the speed-ups ``as_planned``, ``best_as_paid`` and
             ``quant_free`` (``high_step_ms`` over the step with that saving), plus
-            ``gemm_ceiling``: the step with every GEMM ``FP8_GEMM_CEILING`` times faster.
+            ``gemm_ceiling``: the step with every GEMM ``FP8_GEMM_CEILING`` times faster (and
+            the ReLU passes that folding casts save).
         """
         if not step_ms > 0:
             raise ValueError(f"step_ms must be > 0, got {step_ms}")
@@ -278,7 +288,9 @@ class Ledger:
             rest = high_step - saved
             return high_step / rest if rest > 0 else math.inf
 
-        ceiling_saved = t["high_ms"] * (1.0 - 1.0 / FP8_GEMM_CEILING)
+        # With the ReLU passes that a folding cast saves (none where a candidate runs one).
+        relu_saved = sum(r.relu_ms - min(t.relu_ms for t in r.fp8) for r in self.rows if r.fp8)
+        ceiling_saved = t["high_ms"] * (1.0 - 1.0 / FP8_GEMM_CEILING) + relu_saved
         return {
             "high_step_ms": high_step,
             "as_planned": speedup(t["saved_as_planned_ms"]),
@@ -397,22 +409,24 @@ Timer = Callable[[Callable[[], object]], float]
 
 def _fp8_times(
     gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer, *, zero_half: bool = False,
-    static: Tensor | None = None, relu: tuple[bool, float] | None = None,
+    static: Tensor | None = None, relu: tuple[bool, bool, float] | None = None,
 ) -> Fp8Times:
     """As the site runs it (``GemmTimer.measure_once``): a shape the backend refuses zero-padded
     to multiples of 16 (the padding copies are not in these columns), a reused operand what the
     other GEMM's quantizer hands over (:func:`~loka_train.dispatch.timing.reused_payload`),
     charged the transposed write that quantizer makes for it; ``a`` with the static-scale slot
     ``static`` where given. ``relu`` (a forward of a site with a folded ReLU): whether this
-    candidate's cast applies it (then ``a`` is cast with ``relu=True``) and the ReLU pass's
-    milliseconds, which a candidate whose cast does not apply it pays (it casts ``relu(a)``)."""
+    candidate's cast applies it (then ``a`` is cast with ``relu=True``), whether the backward
+    runs it again (grad-weight does not take ``x`` over), and the ReLU pass's milliseconds,
+    which a candidate whose cast does not apply it pays (it casts ``relu(a)``), and one whose
+    backward runs it again."""
     shape = gemm.shape
     problem = gemm_problem(gemm.role, shape, plan, device_type=device.type, out_dtype=torch.bfloat16)
     if not get_backend(plan.backend).supports(problem)[0]:
         shape = padded(shape, 16)
     a, b, b_is_weight, out_dtype = role_operands(gemm.role, shape, device=device, zero_half=zero_half)
     reuse_a, reuse_b = site_reuse(gemm.role, plan, gemm.site_plan)
-    folds, relu_ms = relu if relu is not None else (False, 0.0)
+    folds, again, relu_ms = relu if relu is not None else (False, False, 0.0)
     if relu is not None and not folds:
         a = torch.relu(a)  # what the ReLU pass hands a cast that does not apply it
 
@@ -434,7 +448,7 @@ def _fp8_times(
         gemm_ms=timer(lambda: run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=gemm.role)),
         quant_a_ms=transposed_write_s(a, plan.fmt, plan, timer) if reuse_a else timer(quant_a),
         quant_b_ms=transposed_write_s(b, plan.operand_b_fmt, plan, timer) if reuse_b else timer(quant_b),
-        relu_ms=0.0 if folds else relu_ms,
+        relu_ms=relu_ms if (again or not folds) else 0.0,
     )
 
 
@@ -490,7 +504,11 @@ def measure_ledger(
         times: list[Fp8Times] = []
         failures: list[str] = []
         for plan in candidates:
-            relu = (slots.folds_relu(plan), relu_ms) if relu_pass else None
+            relu = None
+            if relu_pass:
+                folds = slots.folds_relu(plan)
+                gw = g.grad_weight_plan
+                relu = (folds, folds and gw is not None and not takes_forward_x(gw, plan), relu_ms)
             key = (str(plan), g.role, g.shape, site_reuse(g.role, plan, g.site_plan), relu)
             if key not in cache:
                 try:

@@ -51,6 +51,7 @@ __all__ = [
     "GRAD_WEIGHT_OUT_DTYPE",
     "HysteresisStep",
     "Shape",
+    "SiteExtra",
     "SiteSupports",
     "Target",
     "candidates",
@@ -65,6 +66,7 @@ __all__ = [
     "reused_operands",
     "roles_of",
     "site_total",
+    "takes_forward_x",
     "target",
     "verdict_of",
 ]
@@ -438,6 +440,15 @@ def reused_operands(role: str, plan: GemmPlan, site_plan: LinearPlan) -> tuple[b
     return False, False
 
 
+def takes_forward_x(grad_weight: GemmPlan, forward: GemmPlan) -> bool:
+    """Whether a grad-weight GEMM under ``grad_weight`` takes the forward's ``x`` over
+    (transposed) under ``forward`` (:func:`reused_operands`): where the forward's cast applies a
+    folded ReLU and grad-weight does not take its ``x`` over, the backward runs the ReLU on
+    ``x`` again (``kernels.linear``), the pass the fold saved in the forward."""
+    site_plan = LinearPlan(forward=forward, grad_weight=grad_weight)
+    return reused_operands("grad_weight", grad_weight, site_plan)[1]
+
+
 def site_reuse(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple[bool, bool]:
     """:func:`reused_operands` for a site planned jointly (``site_plan`` given), nothing
     reused otherwise (a site whose GEMMs do not share operands, ``site_plan=None``)."""
@@ -447,15 +458,20 @@ def site_reuse(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple
 SiteTime = Callable[[str, GemmPlan | None, tuple[bool, bool]], float]
 """``time(role, plan or None for high precision, reused operands) -> seconds`` of one GEMM."""
 
+SiteExtra = Callable[[Mapping[str, GemmPlan]], float]
+"""``extra(plans) -> seconds`` a site pays under ``plans`` (role -> plan) beyond its GEMMs'
+own times, for what depends on several of its plans at once (a folded ReLU run again in the
+backward: :func:`takes_forward_x`)."""
 
-def site_total(plans: Mapping[str, GemmPlan], time: SiteTime) -> float:
+
+def site_total(plans: Mapping[str, GemmPlan], time: SiteTime, extra: SiteExtra | None = None) -> float:
     """Seconds of a site's GEMMs under ``plans`` (role -> plan), with the quantization each
-    pays given what it reuses from the others."""
+    pays given what it reuses from the others, plus ``extra(plans)`` where given."""
     site_plan = LinearPlan(**{**roles_of(LinearPlan()), **plans})
     return sum(
         time(role, plan, reused_operands(role, plan, site_plan)) if plan.is_fp8 else time(role, None, (False, False))
         for role, plan in plans.items()
-    )
+    ) + (extra(plans) if extra is not None else 0.0)
 
 
 def joint_targets(
@@ -464,6 +480,7 @@ def joint_targets(
     options: Mapping[str, Sequence[GemmPlan]],
     time: SiteTime,
     margin: float,
+    extra: SiteExtra | None = None,
 ) -> dict[str, Target]:
     """A site's plans chosen together, where one GEMM's plan changes what another pays.
 
@@ -483,6 +500,7 @@ def joint_targets(
         options: each role's safe candidates with a finite time (:func:`eligible`).
         time: the GEMM times (see :data:`SiteTime`).
         margin: the relative speed-up FP8 must show.
+        extra: what the site pays beyond its GEMMs under an assignment (:data:`SiteExtra`).
 
     Returns:
         ``targets`` with the roles the joint choice changes replaced (same urgency; the reason
@@ -497,12 +515,12 @@ def joint_targets(
     ):
         return dict(targets)
     per_gemm = {r: targets[r].plan for r in roles}
-    t_per_gemm = site_total(per_gemm, time)
-    t_high = site_total({r: GemmPlan() for r in roles}, time)
+    t_per_gemm = site_total(per_gemm, time, extra)
+    t_high = site_total({r: GemmPlan() for r in roles}, time, extra)
     best: tuple[float, dict[str, GemmPlan]] | None = None
     for combo in itertools.product(*([GemmPlan(), *options.get(r, ())] for r in roles)):
         plans = dict(zip(roles, combo))
-        t = site_total(plans, time)
+        t = site_total(plans, time, extra)
         if best is None or t < best[0]:
             best = (t, plans)
     assert best is not None  # the all-high assignment is always there

@@ -486,3 +486,58 @@ def test_the_charge_for_an_unfolded_relu_decides_between_close_candidates(monkey
         chosen[folded] = d.plans["a"].forward
     assert not chosen[False].is_fp8
     assert chosen[True].is_fp8 and chosen[True].scaling is Scaling.TENSORWISE
+
+
+def test_a_folded_relu_runs_again_in_the_backward_where_grad_weight_does_not_take_x_over() -> None:
+    """A forward whose cast applies the ReLU saves the pass only where grad-weight takes its x
+    over (the tensor-wise payload, transposed); otherwise the backward runs the ReLU on x again
+    (kernels.linear), and Dispatch charges that pass: to the folding forward while grad-weight
+    does not take x, to a grad-weight candidate (high precision too) that does not take it
+    from a folding forward, and to a whole assignment in the joint choice."""
+    from loka_train.dispatch.planning import takes_forward_x
+
+    d = Dispatcher(DispatchConfig(objective="speed", scalings=("tensorwise", "rowwise")), device="cpu")
+    tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
+    rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton")
+    fwd_shape, gw_shape = (32768, 4096, 2048), (2048, 32768, 4096)
+    d.register("folded", plan=LinearPlan.high_precision(), shapes={"forward": fwd_shape, "grad_weight": gw_shape},
+               input_relu=True)
+    relu = d.timer.relu_pass_s(32768, 4096)
+    assert takes_forward_x(tw.grad_weight, tw.forward)
+    assert not takes_forward_x(GemmPlan(), tw.forward) and not takes_forward_x(tw.grad_weight, rw.forward)
+    assert not takes_forward_x(rw.grad_weight, tw.forward)
+    # Grad-weight in high precision now: the folding forward pays the pass in the backward.
+    charge = {p: d._unfolded_relu_s("folded", "forward", fwd_shape, p) for p in (tw.forward, rw.forward, None)}
+    assert charge == {tw.forward: relu, rw.forward: relu, None: relu}
+    assert d._unfolded_relu_s("folded", "grad_weight", gw_shape, None) == 0.0  # the forward does not fold
+    # The forward folds now: grad-weight candidates that do not take its x pay the pass.
+    d.plans["folded"] = LinearPlan(forward=tw.forward)
+    charge = {p: d._unfolded_relu_s("folded", "grad_weight", gw_shape, p) for p in (tw.grad_weight, rw.grad_weight, None)}
+    assert charge == {tw.grad_weight: 0.0, rw.grad_weight: relu, None: relu}
+    # Grad-weight takes x over: the fold saves the pass.
+    d.plans["folded"] = tw
+    assert d._unfolded_relu_s("folded", "forward", fwd_shape, tw.forward) == 0.0
+    assert d._relu_again_s("folded", {"forward": tw.forward, "grad_weight": tw.grad_weight}) == 0.0
+    assert d._relu_again_s("folded", {"forward": tw.forward, "grad_weight": GemmPlan()}) == relu
+    assert d._relu_again_s("folded", {"forward": rw.forward, "grad_weight": GemmPlan()}) == 0.0
+    # No grad-weight GEMM seen (a frozen weight): nothing runs again.
+    d.register("frozen", plan=LinearPlan(forward=tw.forward), shapes={"forward": fwd_shape}, input_relu=True)
+    assert d._unfolded_relu_s("frozen", "forward", fwd_shape, tw.forward) == 0.0
+    # The ledger's forward rows carry the grad-weight plan that decides it.
+    gemms = {(g.site, g.role): g for g in d.ledger_gemms()}
+    assert gemms[("folded", "forward")].grad_weight_plan == tw.grad_weight
+    assert gemms[("frozen", "forward")].grad_weight_plan is None
+
+
+def test_dispatchs_planned_speedup_counts_the_relu_passes_it_charged() -> None:
+    from loka_train.dispatch.timing import timing_key
+
+    d = Dispatcher(DispatchConfig(objective="speed", scalings=("tensorwise",)), device="cpu")
+    rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton")
+    shape = (32768, 4096, 2048)
+    d.register("folded", plan=LinearPlan(forward=rw.forward), shapes={"forward": shape}, input_relu=True)
+    relu = d.timer.relu_pass_s(32768, 4096)
+    d.timer.timings[timing_key("forward", shape, None)] = 1e-3
+    d.timer.timings[timing_key("forward", shape, rw.forward, (False, False))] = 0.8e-3
+    # A row-wise cast does not apply the ReLU: both pay the pass.
+    assert d.planned_speedup("folded", "forward") == pytest.approx((1e-3 + relu) / (0.8e-3 + relu))

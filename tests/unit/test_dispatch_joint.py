@@ -268,3 +268,23 @@ def test_a_reused_operand_written_in_the_quantizing_pass_costs_its_transposed_wr
     assert timer.measure_once((16, 48, 24), plan, "grad_weight", (True, False)) == 8.0
     assert writes == [(16, 48), (24, 48)]  # each operand's write timed once
     assert timer.measure_once((16, 48, 24), plan, "grad_weight") == 1.0
+
+
+def test_what_a_site_pays_beyond_its_gemms_enters_the_joint_choice() -> None:
+    """``extra`` (a folded ReLU run again in the backward) is added to every assignment: with
+    0.2 ms charged wherever grad-weight does not take the forward's x over, a site whose
+    grad-weight takes it wins over row-wise GEMMs it would otherwise lose to."""
+    time = _time_fn(_times(gw_reused=0.95))  # reuse alone does not pay: row-wise stays
+    targets = _per_gemm()
+    assert joint_targets(targets=targets, options=OPTIONS, time=time, margin=0.05) == targets
+
+    def extra(plans):  # type: ignore[no-untyped-def]
+        gw = plans.get("grad_weight", GemmPlan())
+        return 0.0 if reused_operands("grad_weight", gw, LinearPlan(**plans))[1] else 0.2
+
+    assert site_total({r: getattr(RW, r) for r in ROLES3}, time, extra) == pytest.approx(2.55 + 0.2)
+    assert site_total({r: getattr(TW, r) for r in ROLES3}, time, extra) == pytest.approx(2.57)
+    out = joint_targets(targets=targets, options=OPTIONS, time=time, margin=0.05, extra=extra)
+    # Tensor-wise forward and grad-weight (x taken over: no charge); grad-input ties at 0.80.
+    assert out["forward"].plan == TW.forward and out["grad_weight"].plan == TW.grad_weight
+    assert site_total({r: out[r].plan for r in ROLES3}, time, extra) == pytest.approx(2.57)

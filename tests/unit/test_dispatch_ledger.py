@@ -207,6 +207,12 @@ def test_a_cast_that_takes_over_a_relu_pass_pays_only_what_it_costs_beyond_the_p
     assert row.saved_as_planned_ms == pytest.approx(1.2 - 0.75)
     assert row.best is folded and row.saved_best_ms == pytest.approx(0.45)
     assert row.fastest_gemm is folded and row.quant_over_saved == pytest.approx(0.05 / 0.5)
+    # With quantization free the folded candidate saves its GEMM's lead and the pass: never
+    # less than the best as paid.
+    assert row.saved_ceiling_ms == pytest.approx(1.2 - 0.5) and row.saved_ceiling_ms >= row.saved_best_ms
+    p = Ledger(rows=[row], device="cpu", timing="custom").predict(10.0)
+    assert p["quant_free"] >= p["best_as_paid"]
+    assert p["gemm_ceiling"] == pytest.approx(p["high_step_ms"] / (p["high_step_ms"] - 0.5 - 0.2))
     md = Ledger(rows=[row], device="cpu", timing="custom").markdown()
     assert "| 0.200, 0.000 |" in md and "1.60x" in md  # 1.2 / 0.75
 
@@ -271,3 +277,13 @@ def test_a_folded_relu_is_timed_as_the_site_runs_it(monkeypatch):
     monkeypatch.setattr(GemmTimer, "folds_relu", lambda self, p: p is not None and p.is_fp8)
     fwd = measure_ledger(gemms[:1], device=CPU, high_dtype=torch.float32, timer=timer).rows[0]
     assert fwd.fp8[0].relu_ms == 0.0 and fwd.relu_ms > 0 and seen[0] == (True, True)  # x cast with relu=True
+    # The same fold where grad-weight does not take x over (high precision, row-wise): the
+    # backward runs the ReLU again and the candidate pays it; a tensor-wise one takes x over.
+    rw = _emulated(Scaling.ROWWISE).grad_weight
+    for gw_plan, again in ((GemmPlan(), True), (rw, True), (plan.grad_weight, False)):
+        seen.clear()
+        g = LedgerGemm("s", "forward", (32, 16, 24), plan.forward, (plan.forward,), input_relu=True,
+                       grad_weight_plan=gw_plan)
+        fwd = measure_ledger([g], device=CPU, high_dtype=torch.float32, timer=timer).rows[0]
+        assert seen[0] == (True, True) and (fwd.fp8[0].relu_ms == fwd.relu_ms > 0) == again
+        assert fwd.quant_paid_ms(fwd.fp8[0]) == pytest.approx(fwd.fp8[0].quant_ms - (0 if again else fwd.relu_ms))
