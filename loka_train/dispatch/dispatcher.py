@@ -214,7 +214,9 @@ class Dispatcher:
         """The ReLU pass that ``site``'s backward runs again under ``plans`` (role -> plan;
         grad-weight's as it is now where not given): the forward's cast applies the folded ReLU
         and the grad-weight GEMM, whose shape has been seen, does not take the forward's ``x``
-        over (:func:`planning.takes_forward_x`)."""
+        over (:func:`planning.takes_forward_x`). A site whose weight takes no gradient runs no
+        grad-weight and no second pass; its shapes still name the role (``Site.gemm_shapes``),
+        so it is charged one: no model here freezes a folded site's weight."""
         fwd = plans.get("forward")
         gw = plans.get("grad_weight", self.plans[site].grad_weight)
         if (
@@ -401,7 +403,10 @@ class Dispatcher:
         t_fp8 = timings.get(timing_key(role, shape, plan, reuse))
         if t_high is None or t_fp8 is None or not (t_fp8 > 0 and math.isfinite(t_fp8)):
             return None
-        # With the ReLU passes Dispatch charged them (a folded ReLU), as the ledger counts them.
+        if role != "forward":
+            return t_high / t_fp8
+        # With the ReLU passes Dispatch charges a forward (a folded ReLU), which the ledger
+        # counts on the forward's row too: the grad-weight's share of a second pass stays there.
         return (t_high + self._unfolded_relu_s(site, role, shape, None)) / (
             t_fp8 + self._unfolded_relu_s(site, role, shape, plan))
 

@@ -90,7 +90,9 @@ class LedgerGemm:
     charges them; with the default ``compiled_quantizer`` (under ``inductor`` a site computes
     the ReLU first, which neither sees)."""
     grad_weight_plan: GemmPlan | None = None
-    """The site's grad-weight plan for ``input_relu`` (None: the site has no grad-weight GEMM)."""
+    """The site's grad-weight plan for ``input_relu`` (None: the site has no grad-weight GEMM).
+    Every forward candidate is charged as if grad-weight kept this plan: a row's "best" and
+    "quantization free" figures do not weigh a grad-weight plan chosen with them."""
 
 
 @dataclass(frozen=True)

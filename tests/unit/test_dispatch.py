@@ -499,6 +499,8 @@ def test_a_folded_relu_runs_again_in_the_backward_where_grad_weight_does_not_tak
     d = Dispatcher(DispatchConfig(objective="speed", scalings=("tensorwise", "rowwise")), device="cpu")
     tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
     rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton")
+    # Where Triton runs (interpreted on a CPU), the tensor-wise cast applies the ReLU.
+    d.timer.folds_relu = lambda p: p is not None and p.is_fp8 and p.scaling is Scaling.TENSORWISE  # type: ignore[method-assign]
     fwd_shape, gw_shape = (32768, 4096, 2048), (2048, 32768, 4096)
     d.register("folded", plan=LinearPlan.high_precision(), shapes={"forward": fwd_shape, "grad_weight": gw_shape},
                input_relu=True)
@@ -520,7 +522,7 @@ def test_a_folded_relu_runs_again_in_the_backward_where_grad_weight_does_not_tak
     assert d._relu_again_s("folded", {"forward": tw.forward, "grad_weight": tw.grad_weight}) == 0.0
     assert d._relu_again_s("folded", {"forward": tw.forward, "grad_weight": GemmPlan()}) == relu
     assert d._relu_again_s("folded", {"forward": rw.forward, "grad_weight": GemmPlan()}) == 0.0
-    # No grad-weight GEMM seen (a frozen weight): nothing runs again.
+    # No grad-weight GEMM seen: nothing runs again.
     d.register("frozen", plan=LinearPlan(forward=tw.forward), shapes={"forward": fwd_shape}, input_relu=True)
     assert d._unfolded_relu_s("frozen", "forward", fwd_shape, tw.forward) == 0.0
     # The ledger's forward rows carry the grad-weight plan that decides it.
@@ -541,3 +543,10 @@ def test_dispatchs_planned_speedup_counts_the_relu_passes_it_charged() -> None:
     d.timer.timings[timing_key("forward", shape, rw.forward, (False, False))] = 0.8e-3
     # A row-wise cast does not apply the ReLU: both pay the pass.
     assert d.planned_speedup("folded", "forward") == pytest.approx((1e-3 + relu) / (0.8e-3 + relu))
+    # Grad-weight's speed-up is its GEMMs' alone: the ledger counts a second pass on the forward.
+    gw_shape = (2048, 32768, 4096)
+    d.register("folded", plan=LinearPlan(forward=rw.forward, grad_weight=rw.grad_weight),
+               shapes={"forward": shape, "grad_weight": gw_shape}, input_relu=True)
+    d.timer.timings[timing_key("grad_weight", gw_shape, None)] = 1e-3
+    d.timer.timings[timing_key("grad_weight", gw_shape, rw.grad_weight, (False, False))] = 0.8e-3
+    assert d.planned_speedup("folded", "grad_weight") == pytest.approx(1.25)
