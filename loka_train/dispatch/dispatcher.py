@@ -195,7 +195,7 @@ class Dispatcher:
         candidate (high precision too) that does not take ``x`` over from a folding forward."""
         if site not in self._input_relu or role not in ("forward", "grad_weight"):
             return 0.0
-        own = self._own_relu_s(site, role, plan)
+        own = self._own_relu_s(site, role, shape, plan)
         if own:
             return own
         now = self.plans[site]
@@ -203,12 +203,13 @@ class Dispatcher:
             "forward": now.forward, "grad_weight": plan or GemmPlan()}
         return self._relu_again_s(site, plans)
 
-    def _own_relu_s(self, site: str, role: str, plan: GemmPlan | None) -> float:
-        """A ReLU pass over ``x`` for a forward candidate of a site with a folded ReLU whose
-        cast does not apply it (high precision included): the pass the ReLU module runs."""
+    def _own_relu_s(self, site: str, role: str, shape: Shape, plan: GemmPlan | None) -> float:
+        """A ReLU pass over ``x`` (the forward's ``shape``) for a forward candidate of a site
+        with a folded ReLU whose cast does not apply it (high precision included): the pass the
+        ReLU module runs."""
         if role != "forward" or site not in self._input_relu or self.timer.folds_relu(plan):
             return 0.0
-        return self._relu_pass_s(site)
+        return self.timer.relu_pass_s(shape[0], shape[1])
 
     def _relu_again_s(self, site: str, plans: Mapping[str, GemmPlan]) -> float:
         """The ReLU pass that ``site``'s backward runs again under ``plans`` (role -> plan;
@@ -294,7 +295,8 @@ class Dispatcher:
             options[role] = [p for _, p in fastest.values()]
 
         def time(role: str, plan: GemmPlan | None, reuse: tuple[bool, bool]) -> float:
-            return self.timer.estimate(role, shapes[role], plan, reuse) + self._own_relu_s(site, role, plan)
+            return self.timer.estimate(role, shapes[role], plan, reuse) + self._own_relu_s(
+                site, role, shapes[role], plan)
 
         joint = planning.joint_targets(
             targets={r: targets[r] for r in seen}, options=options, time=time, margin=self.config.margin,
