@@ -3,9 +3,11 @@
 At a site's real shapes (default: Wukong's over-arch 0, 32768 x 4096 -> 4096, bf16 operands),
 each role's sample (the full-operand counts and row selection, then the statistics and shadow
 GEMMs of every candidate of the preset on the selected rows) runs ``--iters`` times after a
-warm-up, each role alone (in a training step the grad-weight takes over the full reads of X and
-dY that the forward and grad-input made: ``probe.sampling.FullPasses``); CUDA events give its
-time, and a profiler pass groups its kernels by name; on any device, the aten operators one
+warm-up, each role alone, then the site's three roles in a row as a training step runs them,
+with the grad-weight taking over the full reads of X and dY that the forward and grad-input
+made (``probe.sampling.FullPasses``) and with every role reading its own ("site, full reads
+shared / not shared": what the shared reads save); CUDA events give its time, and a profiler
+pass groups its kernels by name; on any device, the aten operators one
 sample dispatches are counted, and those that are not views (each a kernel launch on a GPU: on
 the small, row-cut operands of a sample their number, not their bytes, sets its cost). Eager
 (``Probe.observe`` as a sampled eager step calls it) and, with ``--graphed``, as the capture of
@@ -65,6 +67,46 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _measure(sample: Any, device: torch.device, args: argparse.Namespace, key: str) -> dict[str, Any]:
+    """``sample()`` after ``args.warmup`` runs: CUDA-event times of ``args.iters`` runs, its
+    kernels by name from one profiled run (CUDA), and the aten operators of one run."""
+    for _ in range(args.warmup):
+        sample()
+    times = []
+    for _ in range(args.iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            sample()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    kernels: dict[str, float] = defaultdict(float)
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            sample()
+            torch.cuda.synchronize()
+        for evt in prof.key_averages():
+            if evt.device_time_total > 0:
+                kernels[evt.key[:90]] += evt.device_time_total / 1000.0
+    counter = _OpCounter()
+    with counter:
+        sample()
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
+    result = {
+        "aten_ops": counter.count,
+        "aten_ops_not_views": counter.computing,
+        "ms_median": sorted(times)[len(times) // 2] if times else None,
+        "kernel_ms_total": sum(kernels.values()),
+        "top_kernels_ms": top,
+    }
+    print(f"{key}: {result['ms_median']} ms, {counter.count} aten ops ({counter.computing} not views); "
+          "top kernels:", flush=True)
+    for name, ms in top:
+        print(f"    {ms:8.3f} ms  {name}", flush=True)
+    return result
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     M, K, N = (int(v) for v in args.shape.split(","))
@@ -78,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"shape": [M, K, N], "preset": args.preset, "max_cols": cfg.max_cols,
                            "device": str(device),
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-                           "candidates": None, "roles": {}}
+                           "candidates": None, "roles": {}, "site": {}}
     for deferred in (False, True) if args.graphed else (False,):
         probe = Probe(cfg, device=device)
         probe.register_site("site", weight_shape=(N, K))
@@ -86,43 +128,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for role in _ROLE_OPERANDS:
             a, b = _operands(role, x_MK, w_NK, dy_MN)
             sample = partial(_sample, probe, role, a, b, deferred=deferred)
-
             probe.begin_step(0)  # the first sampled step samples every site
-            for _ in range(args.warmup):
-                sample()
-            times = []
-            for _ in range(args.iters):
-                if device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    sample()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-            kernels: dict[str, float] = defaultdict(float)
-            if device.type == "cuda":
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    sample()
-                    torch.cuda.synchronize()
-                for evt in prof.key_averages():
-                    if evt.device_time_total > 0:
-                        kernels[evt.key[:90]] += evt.device_time_total / 1000.0
-            counter = _OpCounter()
-            with counter:
-                sample()
-            top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
             key = f"{role}{' (graphed)' if deferred else ''}"
-            out["roles"][key] = {
-                "aten_ops": counter.count,
-                "aten_ops_not_views": counter.computing,
-                "ms_median": sorted(times)[len(times) // 2] if times else None,
-                "kernel_ms_total": sum(kernels.values()),
-                "top_kernels_ms": top,
-            }
-            print(f"{key}: {out['roles'][key]['ms_median']} ms, {counter.count} aten ops "
-                  f"({counter.computing} not views); top kernels:", flush=True)
-            for name, ms in top:
-                print(f"    {ms:8.3f} ms  {name}", flush=True)
+            out["roles"][key] = _measure(sample, device, args, key)
+        if not deferred:
+            # The site's three roles as a sampled step runs them: grad-weight takes over the full
+            # reads of X and dY that forward and grad-input made (probe.sampling.FullPasses),
+            # against each role reading its operands itself (begin_step clears the kept reads).
+            for shared in (True, False):
+                def site_step(shared: bool = shared, probe: Probe = probe) -> None:
+                    for role in _ROLE_OPERANDS:
+                        if role == "forward" or not shared:
+                            probe.begin_step(0)
+                        _sample(probe, role, *_operands(role, x_MK, w_NK, dy_MN), deferred=False)
+
+                key = f"site, full reads {'shared' if shared else 'not shared'}"
+                out["site"][key] = _measure(site_step, device, args, key)
     return out
 
 

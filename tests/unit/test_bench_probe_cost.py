@@ -25,3 +25,14 @@ def test_probe_cost_takes_max_cols(tmp_path: Path) -> None:
     assert main(["--device", "cpu", "--shape", "64,32,16", "--iters", "1", "--warmup", "1", "--max-cols", "none",
                  "--out", str(out)]) == 0
     assert json.loads(out.read_text())["max_cols"] is None
+
+
+def test_probe_cost_times_a_sites_roles_with_and_without_shared_full_reads(tmp_path: Path) -> None:
+    """The site's three roles in a row: with the grad-weight taking over the forward's and the
+    grad-input's full reads it dispatches fewer operators than with every role reading its own."""
+    out = tmp_path / "cost.json"
+    assert main(["--device", "cpu", "--shape", "64,32,16", "--iters", "1", "--warmup", "1", "--preset", "safe",
+                 "--out", str(out)]) == 0
+    site = json.loads(out.read_text())["site"]
+    shared, own = site["site, full reads shared"], site["site, full reads not shared"]
+    assert 0 < shared["aten_ops_not_views"] < own["aten_ops_not_views"]
