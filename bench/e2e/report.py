@@ -41,7 +41,7 @@ from bench.e2e.verdicts import (
     ne_measured,
     same_settings_reference,
 )
-from loka_train.dispatch.ledger import site_table
+from loka_train.dispatch.ledger import LedgerRow, site_table
 
 
 def _version(module: str, dist_names: tuple[str, ...]) -> str | None:
@@ -367,30 +367,19 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
             "| speed-up as paid | Dispatch's speed-up |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        # quant ms: what the quantization costs the step (a ReLU pass that the cast takes over
-        # from high precision counted off); high ms: the GEMM, and a ReLU pass it runs before.
-        for row in sorted(ledger["rows"], key=lambda x: -x["high_ms"])[:LEDGER_ROWS]:
-            # The chosen FP8 plan's times (none when its timing failed), the fastest candidate's
-            # for a GEMM in high precision.
-            def total(f: dict[str, Any]) -> float:
-                return f["gemm_ms"] + f["quant_a_ms"] + f["quant_b_ms"] + f.get("relu_ms", 0.0)
-
-            times = [f for f in row["fp8"] if f["plan"] == row["plan"]] if row["plan"] != "high" else sorted(
-                row["fp8"], key=total)[:1]
-            high_relu = row.get("relu_ms", 0.0)
-            high = row["high_ms"] + high_relu
-            if times:
-                f = times[0]
-                quant = total(f) - f["gemm_ms"] - high_relu
-                cells = (f"{f['gemm_ms']:.3f} | {quant:.3f} | {total(f):.3f} | {row['quant_over_saved']:.2f} | "
-                         f"{fmt_x(high / total(f) if total(f) > 0 else math.inf)}")
+        for d in sorted(ledger["rows"], key=lambda x: -x["high_ms"])[:LEDGER_ROWS]:
+            row = LedgerRow.from_dict(d)
+            f = row.shown
+            if f is not None:
+                cells = (f"{f.gemm_ms:.3f} | {row.quant_paid_ms(f):.3f} | {f.total_ms:.3f} | "
+                         f"{row.quant_over_saved:.2f} | "
+                         f"{fmt_x(row.high_total_ms / f.total_ms if f.total_ms > 0 else math.inf)}")
             else:
                 cells = "- | - | - | - | -"
-            planned = row.get("planned_speedup")
-            cells += f" | {'-' if planned is None else fmt_x(planned)}"
-            relu = f" (+{high_relu:.3f} ReLU)" if high_relu else ""
-            out.append(f"| {row['site']} | {row['role']} | {'x'.join(map(str, row['shape']))} | {row['plan']} | "
-                       f"{row['high_ms']:.3f}{relu} | {cells} |")
+            cells += f" | {'-' if row.planned_speedup is None else fmt_x(row.planned_speedup)}"
+            relu = f" (+{row.relu_ms:.3f} ReLU)" if row.relu_ms else ""
+            out.append(f"| {row.site} | {row.role} | {'x'.join(map(str, row.shape))} | {row.plan} | "
+                       f"{row.high_ms:.3f}{relu} | {cells} |")
         out += ["", "high ms: the GEMM (and the ReLU pass high precision runs before it, where the site folds "
                 "one); quant ms: what quantizing costs the step under the plan shown, its casts and "
                 "transposed writes and a ReLU pass it runs, less the one high precision runs (below 0 where "
@@ -522,7 +511,7 @@ def report_data(
                               "loka_overrides": list(v.loka_overrides), "compile": v.compile,
                               "graphs": v.graphs, "torchao": v.torchao, "decide": v.decide,
                               "pageable": v.pageable, "replay_sampled": v.replay_sampled,
-                              "compile_sampled": v.compile and not v.replay_sampled and v.compile_sampled is not False}
+                              "compile_sampled": v.sampled_compiled}
                     for v in variants},
         "results": runs.results,
         "runs": runs.raw,

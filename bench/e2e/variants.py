@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from loka_train.runtime.callbacks import Callback
+from loka_train.runtime.config import TrainerConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -129,6 +130,16 @@ class Variant:
     """``trainer.compile_sampled`` (only where ``compile`` is on: not in a decision run): None
     leaves the trainer's default (the Probe's sampled steps run the compiled modules, their
     sites reporting through taps), False runs the sampled modules' uncompiled code."""
+
+    @property
+    def sampled_compiled(self) -> bool:
+        """Whether the timed run's sampled steps run the compiled modules: ``compile_sampled``
+        as the trainer resolves it (``TrainerConfig.sampled_compiled``)."""
+        return TrainerConfig(
+            compile_dense=self.compile, cuda_graphs=self.graphs,
+            cuda_graphs_requested=self.replay_sampled and self.graphs,
+            compile_sampled=self.compile_sampled if self.compile else None,
+        ).sampled_compiled
 
 
 def base_variants(fp8_backend: str) -> dict[str, Variant]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -154,6 +154,17 @@ class LedgerRow:
         that pass over: only what it costs beyond the pass is the quantization's)."""
         return t.quant_ms + t.relu_ms - self.relu_ms
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LedgerRow:
+        """A row read back from :meth:`to_dict` (a report rendered from a ledger's JSON): its
+        derived keys are left out, and a field a ledger written before it existed takes its
+        default."""
+        own, times = {f.name for f in fields(cls)}, {f.name for f in fields(Fp8Times)}
+        kw = {k: v for k, v in d.items() if k in own}
+        kw.update(shape=tuple(d["shape"]), failures=tuple(d.get("failures", ())),
+                  fp8=tuple(Fp8Times(**{k: v for k, v in t.items() if k in times}) for t in d["fp8"]))
+        return cls(**kw)
+
     def _times(self, plan: str) -> Fp8Times | None:
         return next((t for t in self.fp8 if t.plan == plan), None)
 
@@ -161,6 +172,13 @@ class LedgerRow:
     def chosen(self) -> Fp8Times | None:
         """The chosen FP8 candidate's times (None when the GEMM runs in high precision)."""
         return self._times(self.plan)
+
+    @property
+    def shown(self) -> Fp8Times | None:
+        """The candidate a table shows: the chosen FP8 plan's times where the GEMM runs in FP8
+        (None where their timing failed: another candidate's would sit next to Dispatch's
+        speed-up for the chosen plan), the best as paid where it runs in high precision."""
+        return self.chosen if self.plan != "high" else self.best
 
     @property
     def best(self) -> Fp8Times | None:
@@ -327,9 +345,7 @@ class Ledger:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            # An FP8 plan without a time of its own (its timing failed) shows none: another
-            # candidate's would sit next to Dispatch's speed-up for the chosen plan.
-            f = r.chosen if r.plan != "high" else r.best
+            f = r.shown
             planned = "-" if r.planned_speedup is None else _x(r.planned_speedup)
             if f is None:
                 cells = ["-"] * 5 + [planned, "-"]

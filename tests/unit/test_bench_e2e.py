@@ -810,3 +810,33 @@ def test_the_report_ledger_counts_a_relu_pass_a_cast_takes_over_and_lists_the_si
     # quant: 0.26 of casts less the 0.2 ms pass; total 0.76 against 1.2 (GEMM and pass).
     assert "| over.1 | forward | 8x8x8 | tw | 1.000 (+0.200 ReLU) | 0.500 | 0.060 | 0.760 | 0.12 | 1.58x | - |" in md
     assert "| over.1 | forward | 0.500 | 0.060 | 0.12 |" in md
+
+
+def test_the_report_renders_a_ledger_written_before_the_relu_pass_and_the_sites() -> None:
+    from bench.e2e.report import _ledger_section
+    from loka_train.dispatch.ledger import Fp8Times, Ledger, LedgerRow
+
+    row = LedgerRow(site="over.0", role="forward", shape=(8, 8, 8), plan="tw", high_ms=1.0,
+                    fp8=(Fp8Times(plan="tw", gemm_ms=0.5, quant_a_ms=0.2, quant_b_ms=0.05),))
+    ledger = Ledger(rows=[row], device="cpu", timing="custom").to_dict(step_ms=10.0)
+    del ledger["sites"], ledger["rows"][0]["relu_ms"], ledger["rows"][0]["fp8"][0]["relu_ms"]
+    run = {"config": "wukong", "batch": 8, "variant": "loka_aggressive+compile+graphs", "status": "ok",
+           "step_ms_median": 10.0, "loka": {"ledger": ledger}}
+    md = "\n".join(_ledger_section([run]))
+    assert "| over.0 | forward | 8x8x8 | tw | 1.000 | 0.500 | 0.250 | 0.750 | 0.50 | 1.33x | - |" in md
+    assert "Per site" not in md
+
+
+def test_a_variant_says_whether_its_sampled_steps_run_compiled_as_the_trainer_resolves_it() -> None:
+    names = ["bf16+compile+graphs", "loka_aggressive", "loka_aggressive+compile+graphs",
+             "loka_aggressive+compile+graphs+eagersampled", "loka_aggressive+compile+graphs+compilesampled",
+             "loka_aggressive+compile+graphs+replaysampled"]
+    resolved = {name: v.sampled_compiled for name, v in zip(names, resolve_variants(names, "emulated"))}
+    assert resolved == {
+        "bf16+compile+graphs": True,  # the trainer's default with compile_dense: nothing is requested there
+        "loka_aggressive": False,
+        "loka_aggressive+compile+graphs": True,
+        "loka_aggressive+compile+graphs+eagersampled": False,
+        "loka_aggressive+compile+graphs+compilesampled": True,
+        "loka_aggressive+compile+graphs+replaysampled": False,
+    }

@@ -287,3 +287,15 @@ def test_a_folded_relu_is_timed_as_the_site_runs_it(monkeypatch):
         fwd = measure_ledger([g], device=CPU, high_dtype=torch.float32, timer=timer).rows[0]
         assert seen[0] == (True, True) and (fwd.fp8[0].relu_ms == fwd.relu_ms > 0) == again
         assert fwd.quant_paid_ms(fwd.fp8[0]) == pytest.approx(fwd.fp8[0].quant_ms - (0 if again else fwd.relu_ms))
+
+
+def test_a_row_reads_back_from_its_json_and_from_one_written_before_the_relu_pass():
+    row = LedgerRow(site="s", role="forward", shape=(8, 8, 8), plan="tw", high_ms=1.0, relu_ms=0.2,
+                    fp8=(Fp8Times(plan="tw", gemm_ms=0.5, quant_a_ms=0.25, quant_b_ms=0.01, relu_ms=0.2),),
+                    failures=("rw: RuntimeError: boom",), planned_speedup=1.3)
+    assert LedgerRow.from_dict(row.to_dict()) == row
+    old = row.to_dict()
+    del old["relu_ms"], old["fp8"][0]["relu_ms"]
+    back = LedgerRow.from_dict(old)
+    assert back.relu_ms == 0.0 and back.fp8[0].relu_ms == 0.0 and back.shown == back.chosen
+    assert back.quant_paid_ms(back.fp8[0]) == pytest.approx(0.26)
