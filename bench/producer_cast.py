@@ -216,21 +216,34 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _widths(text: str) -> list[int]:
+    """``--ks`` / ``--cross``: positive integers, comma-separated (empty: none)."""
+    try:
+        widths = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give widths as comma-separated integers, e.g. 4096,2048 "
+                                         "(or nothing: --ks=)") from None
+    if any(w <= 0 for w in widths):
+        raise argparse.ArgumentTypeError(f"{text!r}: widths must be positive")
+    return widths
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--m", type=int, default=32768)
-    ap.add_argument("--ks", default="4096,2048")
-    ap.add_argument("--cross", default="", help="widths of DCN cross layers to time (comma-separated); "
-                    "none by default")
+    ap.add_argument("--ks", type=_widths, default="4096,2048",
+                    help="widths of the ReLU and LayerNorm producers (comma-separated; --ks= for none)")
+    ap.add_argument("--cross", type=_widths, default="", help="widths of DCN cross layers to time "
+                    "(comma-separated); none by default")
     args = ap.parse_args(argv)
     import torch
 
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for k in (int(v) for v in args.ks.split(",") if v):
+    for k in args.ks:
         rows += run(args.m, k)
-    for k in (int(v) for v in args.cross.split(",") if v):
+    for k in args.cross:
         rows += run_cross(args.m, k)
     (args.out / "producer_cast.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1))
