@@ -20,7 +20,7 @@ from loka_train.kernels.capability import fp8_available
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize, sqnr_db
 from loka_train.kernels.fused import layernorm_linear
 from loka_train.kernels.gemm import GemmProblem
-from loka_train.kernels.linear import fp8_linear
+from loka_train.kernels.linear import folds_bias_grad, fp8_linear
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.registry import get_backend, registered_backends
 
@@ -331,10 +331,12 @@ def _fwd_bwd_autocast(fn, x, w, b, g):
     return [y.detach()] + [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(2048, 13, 512), (1024, 256, 512), (8192, 512, 256)])
+@pytest.mark.parametrize(("m", "k", "n"), [(2048, 13, 24), (1024, 256, 512), (8192, 512, 256)])
 def test_high_plan_is_f_linear_bit_for_bit_under_autocast(m, k, n):
     """All-high fp8_linear under bf16 autocast runs exactly autograd's GEMMs (the grad-weight
-    GEMM as dY^T @ X, not (X^T dY)^T, which cuBLAS computes with another kernel)."""
+    GEMM as dY^T @ X, not (X^T dY)^T, which cuBLAS computes with another kernel), where the bias
+    gradient is a sum of dY (the folded form is the next test's)."""
+    assert not folds_bias_grad(LinearPlan.high_precision(), k, n, need_w=True, need_b=True)
     x = _gauss(m, k)
     w = _gauss(n, k, seed=1)
     b = _gauss(n, seed=2)
@@ -344,6 +346,29 @@ def test_high_plan_is_f_linear_bit_for_bit_under_autocast(m, k, n):
     got = _fwd_bwd_autocast(lambda x, w, b: fp8_linear(x, w, b, LinearPlan.high_precision()), x, w, b, g)
     for name, r, o in zip(["y", "dx", "dw", "db"], ref, got):
         assert torch.equal(r, o), name
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(2048, 13, 512), (4096, 512, 3456)])
+def test_high_plan_with_the_bias_gradient_folded_into_grad_weight(m, k, n):
+    """Where the bias gradient comes out of the grad-weight GEMM (``folds_bias_grad``: DCN's
+    cross layers), the forward and dx are F.linear's bit for bit; dw is the same product from
+    a wider GEMM (another kernel may accumulate in another order: within two bf16 ulps); db is
+    dY's rows summed in fp32 and rounded once."""
+    assert folds_bias_grad(LinearPlan.high_precision(), k, n, need_w=True, need_b=True)
+    x = _gauss(m, k)
+    w = _gauss(n, k, seed=1)
+    b = _gauss(n, seed=2)
+    g = _gauss(m, n, seed=3, dtype=torch.bfloat16)
+
+    ref = _fwd_bwd_autocast(F.linear, x, w, b, g)
+    got = _fwd_bwd_autocast(lambda x, w, b: fp8_linear(x, w, b, LinearPlan.high_precision()), x, w, b, g)
+    for name, r, o in zip(["y", "dx"], ref[:2], got[:2]):
+        assert torch.equal(r, o), name
+    exact_dw = g.float().t() @ x.to(torch.bfloat16).float()
+    assert got[2].dtype == ref[2].dtype
+    torch.testing.assert_close(got[2].float(), exact_dw, rtol=2**-7, atol=1e-3 * exact_dw.abs().max().item())
+    exact_db = g.float().sum(0)
+    torch.testing.assert_close(got[3].float(), exact_db, rtol=2**-8, atol=1e-4 * exact_db.abs().max().item())
 
 
 @pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE], ids=lambda s: s.value)
