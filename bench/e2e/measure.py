@@ -91,12 +91,14 @@ class StepClock(Callback):
         decision run): what earlier runs left allocated then has its allocation stacks."""
         self.memory_peak: dict[str, Any] | None = None
         self._memory_baseline = 0
+        self._reserved_baseline = 0
         self._memory_before: list[dict[str, Any]] = []
 
     def on_train_start(self, trainer: Any) -> None:
         self.first_step = trainer.step
         if self.memory_trace:
             self._memory_baseline = torch.cuda.memory_allocated()
+            self._reserved_baseline = torch.cuda.memory_reserved()
             if self.memory_trace_running:
                 # What is allocated as training starts, by the stacks that allocated it.
                 self._memory_before = live_blocks_by_owner(
@@ -189,6 +191,7 @@ class StepClock(Callback):
                       if self.warmup <= i < self.warmup + self.timed and not sampled]
             self.memory_peak = memory_peak_owners(
                 snapshot, device=torch.cuda.current_device(), baseline_bytes=self._memory_baseline,
+                reserved_bytes=self._reserved_baseline,
                 steady_steps=steady, steps_total=len(self.sampled),
             )
             self.memory_peak["before_owners"] = self._memory_before
@@ -519,7 +522,7 @@ def _memory_trace_step_marker() -> None:
 
 def memory_peak_owners(
     snapshot: dict[str, Any], *, device: int, baseline_bytes: int, top: int = 25,
-    steady_steps: Collection[int] = (), steps_total: int | None = None,
+    steady_steps: Collection[int] = (), steps_total: int | None = None, reserved_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The live allocations at the traced peak, by owner, from a CUDA allocator snapshot taken
     with its history recorded (``torch.cuda.memory._record_memory_history(stacks="python")``).
@@ -545,6 +548,12 @@ def memory_peak_owners(
     steps). `steps_total` (the steps that ended while recording) numbers the steps from the end
     of the trace, so that a ring that wrapped (its first markers lost) still names them right.
 
+    With `reserved_bytes` (what the allocator reserved when the run's recording started, or
+    at its start marker), also the peak of reserved memory (``reserved``): the trace's
+    ``segment_alloc`` / ``segment_free`` events replayed (cudaMalloc and cudaFree of the
+    caching allocator, graph pools included), the step it fell in, what was allocated then,
+    and the segments reserved since the start by the stack whose allocation asked for them.
+
     >>> f = [{"filename": "/x/loka_train/kernels/linear.py", "line": 9, "name": "forward"}]
     >>> snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 2**30, "frames": f},
     ...                            {"action": "alloc", "addr": 2, "size": 2**29, "frames": []},
@@ -558,14 +567,31 @@ def memory_peak_owners(
     events = recorded
     live: dict[int, tuple[int, str]] = {}
     total = 0
+    segments: dict[int, tuple[int, str]] = {}
+    reserved = 0
 
     def replay(e: dict[str, Any]) -> None:
-        nonlocal total
-        if e.get("action") == "alloc":
+        nonlocal total, reserved
+        action = e.get("action")
+        if action == "alloc":
             live[e["addr"]] = (int(e["size"]), _owner(e.get("frames") or []))
             total += int(e["size"])
-        elif e.get("action") == "free_completed" and e["addr"] in live:
+        elif action == "free_completed" and e["addr"] in live:
             total -= live.pop(e["addr"])[0]
+        elif action in ("segment_alloc", "segment_map"):
+            old = segments.get(e["addr"], (0, ""))[0]
+            segments[e["addr"]] = (old + int(e["size"]), _owner(e.get("frames") or []))
+            reserved += int(e["size"])
+        elif action in ("segment_free", "segment_unmap"):
+            # A segment reserved before the recording: its release lowers the untraced part.
+            size = int(e["size"])
+            reserved -= size
+            if e["addr"] in segments:
+                left = segments[e["addr"]][0] - size
+                if left > 0:
+                    segments[e["addr"]] = (left, segments[e["addr"]][1])
+                else:
+                    segments.pop(e["addr"])
 
     # A recording begun before this run (`_memory_trace_start_marker`): the blocks allocated
     # before the marker and still live there are in `baseline_bytes`; replayed, their frees
@@ -578,6 +604,9 @@ def memory_peak_owners(
     # What `baseline_bytes` holds beyond the replayed blocks (allocated before the recording).
     untraced = max(baseline_bytes - total, 0)
     peak, peak_live = total, dict(live)
+    # Likewise for reserved memory: its replayed segments are counted from here.
+    untraced_reserved = (reserved_bytes or 0) - reserved
+    reserved_peak, reserved_step, reserved_alloc, reserved_segments = reserved, None, total, dict(segments)
     steady = set(steady_steps)
 
     # The first traced event's step: the steps recorded minus the step ends still in the trace.
@@ -593,6 +622,8 @@ def memory_peak_owners(
                 peak, peak_live = total, dict(live)
             if step in steady and total > steady_peak:
                 steady_peak, steady_step, steady_live = total, step, dict(live)
+        elif e.get("action") in ("segment_alloc", "segment_map") and reserved > reserved_peak:
+            reserved_peak, reserved_step, reserved_alloc, reserved_segments = reserved, step, total, dict(segments)
 
     return {
         "peak_gb": (untraced + peak) / 2**30,
@@ -606,6 +637,13 @@ def memory_peak_owners(
         "steady": None if steady_step is None else {
             "peak_gb": (untraced + steady_peak) / 2**30, "step": steady_step,
             "owners": _by_owner(steady_live.values(), top),
+        },
+        "reserved": None if reserved_bytes is None else {
+            "peak_gb": (untraced_reserved + reserved_peak) / 2**30,
+            "step": reserved_step,
+            "allocated_gb": (untraced + reserved_alloc) / 2**30,
+            "before_gb": reserved_bytes / 2**30,
+            "segments": _by_owner(reserved_segments.values(), top),
         },
     }
 
@@ -627,6 +665,14 @@ def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
                   "of the variant's decision run, so `(no stack)` is what earlier runs of the process left):",
                   "", "| owner (innermost first) | GB | blocks |", "|---|---|---|"]
         lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in before[:top]]
+    res = m.get("reserved")
+    if res is not None:
+        when = "when the trace started" if res["step"] is None else f"in step {res['step']} of the trace"
+        lines += ["", f"Peak reserved {res['peak_gb']:.2f} GB {when}, {res['allocated_gb']:.2f} GB allocated then "
+                  f"({res['before_gb']:.2f} GB reserved when the trace started); the segments reserved since, by "
+                  "the allocation that asked for them:", "", "| segment: owner (innermost first) | GB | segments |",
+                  "|---|---|---|"]
+        lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in res["segments"][:top]]
     steady = m.get("steady")
     if steady is not None:
         lines += ["", f"Peak of the unsampled timed steps: {steady['peak_gb']:.2f} GB (step {steady['step']} of the "

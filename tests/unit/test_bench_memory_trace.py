@@ -176,3 +176,60 @@ def test_what_is_allocated_as_training_starts_is_listed_by_owner() -> None:
     # Recorded from before the run, but the trace lacks its start marker: said.
     md = "\n".join(measure.memory_owners_md("wukong", {**m, "recorded_before_run": True}))
     assert "The training-start marker is not in the trace" in md
+
+
+CAPTURE = _frames(("/repo/loka_train/runtime/graph_capture.py", 270, "__init__"))
+
+
+def test_the_reserved_peak_replays_the_segments_and_names_who_asked_for_them() -> None:
+    """cudaMalloc / cudaFree of the caching allocator (``segment_alloc`` / ``segment_free``,
+    expandable segments' ``segment_map`` / ``segment_unmap``) replayed on what was reserved when
+    the recording started: the peak falls in step 1, where a capture's segment comes on top of
+    the Probe's, after a segment from before the trace was released."""
+    gb = 2**30
+    events = [
+        {"action": "segment_alloc", "addr": 10, "size": 2 * gb, "frames": PROBE},  # step 0: 3 + 2
+        {"action": "alloc", "addr": 1, "size": gb, "frames": PROBE},
+        {"action": "free_completed", "addr": 1, "size": gb, "frames": []},
+        *_step_end(100),
+        {"action": "segment_free", "addr": 99, "size": gb, "frames": []},  # reserved before the trace
+        {"action": "segment_alloc", "addr": 20, "size": 3 * gb, "frames": CAPTURE},  # step 1: 2 + 2 + 3
+        {"action": "alloc", "addr": 2, "size": 2 * gb, "frames": CAPTURE},
+        {"action": "segment_map", "addr": 30, "size": gb // 2, "frames": SITE},  # 7.5: the peak
+        {"action": "segment_unmap", "addr": 30, "size": gb // 2, "frames": []},
+        {"action": "segment_free", "addr": 10, "size": 2 * gb, "frames": []},
+        *_step_end(101),
+        {"action": "segment_alloc", "addr": 40, "size": gb, "frames": SITE},  # step 2: 6 GB, below
+    ]
+    m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=gb, reserved_bytes=3 * gb)
+    res = m["reserved"]
+    assert res["peak_gb"] == 7.5 and res["step"] == 1 and res["before_gb"] == 3.0
+    assert res["allocated_gb"] == 3.0  # the baseline and the capture's block
+    owners = {o["owner"]: o["gb"] for o in res["segments"]}
+    capture = "loka_train/runtime/graph_capture.py:270 __init__"
+    site = "loka_train/kernels/linear.py:310 forward < loka_train/mods/site.py:88 forward < loka_train/runtime/trainer.py:500 _step"
+    assert owners == {"loka_train/probe/measurement.py:120 measure": 2.0, capture: 3.0, site: 0.5}
+    md = "\n".join(measure.memory_owners_md("wukong", m))
+    assert "Peak reserved 7.50 GB in step 1 of the trace, 3.00 GB allocated then (3.00 GB reserved" in md
+    assert f"| `{capture}` | 3.000 | 1 |" in md
+    # Not asked for (no reserved figure at the start): none given.
+    assert measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=0)["reserved"] is None
+
+
+def test_the_reserved_peak_after_a_start_marker_counts_what_the_decision_run_reserved_once() -> None:
+    """A recording begun before the run: the decision run's segments still reserved at the start
+    marker are in ``reserved_bytes`` (not counted twice); one it releases during the run lowers
+    the reserved total."""
+    gb = 2**30
+    events = [
+        {"action": "segment_alloc", "addr": 10, "size": 4 * gb, "frames": DECISION},  # decision run
+        {"action": "alloc", "addr": 1, "size": 512, "frames": START},
+        {"action": "free_completed", "addr": 1, "size": 512, "frames": []},
+        {"action": "segment_alloc", "addr": 20, "size": 2 * gb, "frames": CAPTURE},  # 5 + 2
+        {"action": "segment_free", "addr": 10, "size": 4 * gb, "frames": []},  # 3
+        {"action": "segment_alloc", "addr": 30, "size": 3 * gb, "frames": SITE},  # 6: below the peak
+    ]
+    m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=0, reserved_bytes=5 * gb)
+    assert m["start_marker"] and m["reserved"]["peak_gb"] == 7.0
+    assert {o["owner"] for o in m["reserved"]["segments"]} == {
+        "loka_train/probe/measurement.py:495 views", "loka_train/runtime/graph_capture.py:270 __init__"}
