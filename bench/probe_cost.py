@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from loka_train.plugin.config import LokaConfig
 from loka_train.probe import Probe
+from loka_train.probe.sampling import FullPasses
 from loka_train.utils.capture import replay_hooks
 
 _ROLE_OPERANDS = ("forward", "grad_input", "grad_weight")
@@ -134,12 +135,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not deferred:
             # The site's three roles as a sampled step runs them: grad-weight takes over the full
             # reads of X and dY that forward and grad-input made (probe.sampling.FullPasses),
-            # against each role reading its operands itself (begin_step clears the kept reads).
+            # against each role reading its operands itself (``share=False``).
             for shared in (True, False):
-                def site_step(shared: bool = shared, probe: Probe = probe) -> None:
+                probe._passes = FullPasses(share=shared)
+
+                def site_step(probe: Probe = probe) -> None:
+                    probe.begin_step(0)
                     for role in _ROLE_OPERANDS:
-                        if role == "forward" or not shared:
-                            probe.begin_step(0)
                         _sample(probe, role, *_operands(role, x_MK, w_NK, dy_MN), deferred=False)
 
                 key = f"site, full reads {'shared' if shared else 'not shared'}"

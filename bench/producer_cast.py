@@ -148,7 +148,8 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
     """DCN's cross-layer output and the casts of it that its sites run (module docstring): as
     a site takes it, the fp32 output and its bf16 copy (``kernels.linear`` casts an fp32
     activation to the autocast dtype in traced code, fused into the producer), the cast reading
-    the copy; and, fp32 ``h`` cast directly, the form an earlier version of this benchmark timed."""
+    the copy; and, for comparison, fp32 ``h`` cast directly (the Triton quantizer then reads
+    twice the bytes)."""
     import torch
     from triton.testing import do_bench
 
@@ -197,7 +198,7 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
     variants: dict[str, Callable[[], Any]] = {
         "cross alone (compiled)": lambda: c_cross(*args),
         "cross and its bf16 copy (compiled)": lambda: c_copy(*args),
-        "cross and its bf16 copy, then the Triton row-wise quantizer on the copy (the site today)":
+        "cross and its bf16 copy, then the Triton row-wise quantizer on the copy (as the sites run it)":
             lambda: tk.fused_rowwise_quant(c_copy(*args)[1], fmt=fmt),
         "cross and its bf16 copy + inductor-fused row-wise cast of the copy": lambda: c_row(*args),
         "cross and its bf16 copy, then the Triton tensor-wise cast (dynamic)":

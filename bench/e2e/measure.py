@@ -548,11 +548,12 @@ def memory_peak_owners(
     steps). `steps_total` (the steps that ended while recording) numbers the steps from the end
     of the trace, so that a ring that wrapped (its first markers lost) still names them right.
 
-    With `reserved_bytes` (what the allocator reserved when the run's recording started, or
-    at its start marker), also the peak of reserved memory (``reserved``): the trace's
-    ``segment_alloc`` / ``segment_free`` events replayed (cudaMalloc and cudaFree of the
-    caching allocator, graph pools included), the step it fell in, what was allocated then,
-    and the segments reserved since the start by the stack whose allocation asked for them.
+    With `reserved_bytes` (what the allocator reserved as training started: when the run's
+    recording started, or at its start marker), also the peak of reserved memory
+    (``reserved``): the trace's ``segment_alloc`` / ``segment_free`` events replayed
+    (cudaMalloc and cudaFree of the caching allocator, graph pools included), the step it fell
+    in, what was allocated then, and the segments reserved since training started by the stack
+    whose allocation asked for them (those from before are in ``before_gb``).
 
     >>> f = [{"filename": "/x/loka_train/kernels/linear.py", "line": 9, "name": "forward"}]
     >>> snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 2**30, "frames": f},
@@ -583,7 +584,8 @@ def memory_peak_owners(
             segments[e["addr"]] = (old + int(e["size"]), _owner(e.get("frames") or []))
             reserved += int(e["size"])
         elif action in ("segment_free", "segment_unmap"):
-            # A segment reserved before the recording: its release lowers the untraced part.
+            # (Of a segment not replayed, reserved before the recording or the start marker, the
+            # release lowers the reserved total only.)
             size = int(e["size"])
             reserved -= size
             if e["addr"] in segments:
@@ -601,6 +603,7 @@ def memory_peak_owners(
         for e in events[: starts[-1]]:
             replay(e)
         events = events[starts[-1] + 1:]  # (the marker's own free finds nothing live)
+        segments.clear()  # reserved before training started: in `reserved_bytes`, not listed
     # What `baseline_bytes` holds beyond the replayed blocks (allocated before the recording).
     untraced = max(baseline_bytes - total, 0)
     peak, peak_live = total, dict(live)
@@ -669,7 +672,7 @@ def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
     if res is not None:
         when = "when the trace started" if res["step"] is None else f"in step {res['step']} of the trace"
         lines += ["", f"Peak reserved {res['peak_gb']:.2f} GB {when}, {res['allocated_gb']:.2f} GB allocated then "
-                  f"({res['before_gb']:.2f} GB reserved when the trace started); the segments reserved since, by "
+                  f"({res['before_gb']:.2f} GB reserved as training started); the segments reserved since, by "
                   "the allocation that asked for them:", "", "| segment: owner (innermost first) | GB | segments |",
                   "|---|---|---|"]
         lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in res["segments"][:top]]

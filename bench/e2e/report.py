@@ -373,7 +373,7 @@ def _ledger_section(rows: list[dict[str, Any]]) -> list[str]:
             if f is not None:
                 cells = (f"{f.gemm_ms:.3f} | {row.quant_paid_ms(f):.3f} | {f.total_ms:.3f} | "
                          f"{row.quant_over_saved:.2f} | "
-                         f"{fmt_x(row.high_total_ms / f.total_ms if f.total_ms > 0 else math.inf)}")
+                         f"{fmt_x(row.speedup_as_paid(f))}")
             else:
                 cells = "- | - | - | - | -"
             cells += f" | {'-' if row.planned_speedup is None else fmt_x(row.planned_speedup)}"

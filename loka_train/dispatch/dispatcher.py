@@ -162,7 +162,9 @@ class Dispatcher:
                 (``planning.joint_targets``).
             input_relu: the ReLU before it is folded into it (``Site.input_relu``,
                 ``mods.fold_relu``): a forward candidate whose cast does not apply it pays a
-                ReLU pass over ``x`` on top of its GEMM (:meth:`GemmTimer.relu_pass_s`).
+                ReLU pass over ``x`` on top of its GEMM (:meth:`GemmTimer.relu_pass_s`), and
+                one whose cast applies it pays the pass the backward runs again where
+                grad-weight does not take its ``x`` over (:meth:`_relu_again_s`).
         """
         self.plans[site] = plan
         if input_relu:
@@ -212,21 +214,16 @@ class Dispatcher:
         return self.timer.relu_pass_s(shape[0], shape[1])
 
     def _relu_again_s(self, site: str, plans: Mapping[str, GemmPlan]) -> float:
-        """The ReLU pass that ``site``'s backward runs again under ``plans`` (role -> plan;
-        grad-weight's as it is now where not given): the forward's cast applies the folded ReLU
-        and the grad-weight GEMM, whose shape has been seen, does not take the forward's ``x``
-        over (:func:`planning.takes_forward_x`). A site whose weight takes no gradient runs no
+        """The ReLU pass that ``site``'s backward runs again under ``plans`` (role -> plan, the
+        forward's and, once its shape has been seen, grad-weight's): the forward's cast applies
+        the folded ReLU and the grad-weight GEMM does not take the forward's ``x`` over
+        (:func:`planning.runs_relu_again`). A site whose weight takes no gradient runs no
         grad-weight and no second pass; its shapes still name the role (``Site.gemm_shapes``),
         so it is charged one: no model here freezes a folded site's weight."""
         fwd = plans.get("forward")
-        gw = plans.get("grad_weight", self.plans[site].grad_weight)
-        if (
-            site not in self._input_relu
-            or fwd is None
-            or "grad_weight" not in self.shapes[site]
-            or not self.timer.folds_relu(fwd)
-            or planning.takes_forward_x(gw, fwd)
-        ):
+        gw = plans.get("grad_weight") if "grad_weight" in self.shapes[site] else None
+        if site not in self._input_relu or fwd is None or not planning.runs_relu_again(
+                fwd, gw, folds=self.timer.folds_relu(fwd)):
             return 0.0
         return self._relu_pass_s(site)
 
@@ -285,8 +282,9 @@ class Dispatcher:
         seen = [r for r in ROLES if r in shapes]
         options: dict[str, list[GemmPlan]] = {}
         for role in seen:
-            # The fastest safe candidate of each scaling: reuse depends on the scaling, not on
-            # the backend, and it keeps the joint search (and what it times) small.
+            # The fastest safe candidate of each scaling (with the ReLU passes it pays against
+            # the site's other plans as they are now): reuse depends on the scaling, not on the
+            # backend, and it keeps the joint search (and what it times) small.
             fastest: dict[object, tuple[float, GemmPlan]] = {}
             for p in planning.eligible(verdicts, site, role, self._candidates(site, role, shapes[role])):
                 t = self._estimate(role, shapes[role], p) + self._unfolded_relu_s(site, role, shapes[role], p)
@@ -393,8 +391,10 @@ class Dispatcher:
     def planned_speedup(self, site: str, role: str) -> float | None:
         """High-precision time over the planned FP8 GEMM's, as Dispatch timed them (the FP8
         GEMM with the operands its site takes over from its other GEMMs, where Dispatch
-        planned the site jointly), from the timings already taken: never benchmarks. None for
-        a high-precision plan, an unseen shape, or a time not taken."""
+        planned the site jointly), from the timings already taken: never benchmarks. A
+        forward's times include the ReLU passes Dispatch charges it (:meth:`_unfolded_relu_s`);
+        other roles' are their GEMMs' alone. None for a high-precision plan, an unseen shape,
+        or a time not taken."""
         plan = getattr(self.plans[site], role)
         shape = self.shapes[site].get(role)
         if shape is None or not plan.is_fp8:

@@ -11,7 +11,9 @@ ledger measures, the way the site runs them:
   costs nothing, as in the site;
 * for a forward whose site has the ReLU before it folded in (``mods.fold_relu``), the ReLU
   pass that high precision runs first, and a candidate whose cast applies the ReLU runs not:
-  such a cast's quantization costs the step only what it takes beyond that pass.
+  such a cast's quantization costs the step only what it takes beyond that pass, unless the
+  site's grad-weight does not take its ``x`` over, where the backward runs the ReLU again and
+  the forward is charged that pass.
 
 From these it predicts what FP8 does to a step (Amdahl, from measured times): the saving of the
 plan the run chose, the saving if every GEMM took its fastest FP8 candidate where that beats
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loka_train.dispatch.planning import gemm_problem, padded, site_reuse, takes_forward_x
+from loka_train.dispatch.planning import gemm_problem, padded, runs_relu_again, site_reuse
 from loka_train.dispatch.timing import GemmTimer, reused_payload, role_operands, transposed_write_s
 from loka_train.kernels.formats import QTensor
 from loka_train.kernels.gemm import GemmProblem
@@ -86,7 +88,7 @@ class LedgerGemm:
     ``mods.fold_relu``): high precision, and an FP8 candidate whose cast does not apply it, run
     a ReLU pass over ``x`` first; a cast that applies it runs none, unless the site's
     grad-weight does not take its ``x`` over (``grad_weight_plan``): the backward then runs
-    the ReLU again (``planning.takes_forward_x``), charged here to the forward. As Dispatch
+    the ReLU again (``planning.runs_relu_again``), charged here to the forward. As Dispatch
     charges them; with the default ``compiled_quantizer`` (under ``inductor`` a site computes
     the ReLU first, which neither sees)."""
     grad_weight_plan: GemmPlan | None = None
@@ -147,6 +149,11 @@ class LedgerRow:
     def high_total_ms(self) -> float:
         """The high-precision GEMM plus the ReLU pass it runs before it (``relu_ms``)."""
         return self.high_ms + self.relu_ms
+
+    def speedup_as_paid(self, t: Fp8Times) -> float:
+        """High precision's time (with its ReLU pass) over candidate ``t``'s, its quantization
+        paid (inf for a time of 0)."""
+        return self.high_total_ms / t.total_ms if t.total_ms > 0 else math.inf
 
     def quant_paid_ms(self, t: Fp8Times) -> float:
         """What quantizing costs the step under candidate ``t``: its casts, plus the ReLU pass
@@ -352,7 +359,7 @@ class Ledger:
             else:
                 cells = [
                     f"{f.gemm_ms:.3f}", f"{f.quant_a_ms:.3f}", f"{f.quant_b_ms:.3f}",
-                    f"{f.total_ms:.3f}", _x(r.high_total_ms / f.total_ms if f.total_ms > 0 else math.inf),
+                    f"{f.total_ms:.3f}", _x(r.speedup_as_paid(f)),
                     planned, _ratio(r.quant_over_saved),
                 ]
             relu = "-" if r.relu_ms == 0 and (f is None or f.relu_ms == 0) else (
@@ -526,7 +533,7 @@ def measure_ledger(
             if relu_pass:
                 folds = slots.folds_relu(plan)
                 gw = g.grad_weight_plan
-                relu = (folds, folds and gw is not None and not takes_forward_x(gw, plan), relu_ms)
+                relu = (folds, runs_relu_again(plan, gw, folds=folds), relu_ms)
             key = (str(plan), g.role, g.shape, site_reuse(g.role, plan, g.site_plan), relu)
             if key not in cache:
                 try:

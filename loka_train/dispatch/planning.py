@@ -60,6 +60,7 @@ __all__ = [
     "gemm_problem",
     "hysteresis",
     "joint_targets",
+    "runs_relu_again",
     "padded",
     "parse_plan_key",
     "plan_for",
@@ -447,6 +448,13 @@ def takes_forward_x(grad_weight: GemmPlan, forward: GemmPlan) -> bool:
     ``x`` again (``kernels.linear``), the pass the fold saved in the forward."""
     site_plan = LinearPlan(forward=forward, grad_weight=grad_weight)
     return reused_operands("grad_weight", grad_weight, site_plan)[1]
+
+
+def runs_relu_again(forward: GemmPlan, grad_weight: GemmPlan | None, *, folds: bool) -> bool:
+    """Whether the backward runs a folded ReLU again: ``forward``'s cast applies it (``folds``)
+    and a grad-weight GEMM (``grad_weight``; None where none runs) does not take the forward's
+    ``x`` over (:func:`takes_forward_x`). Dispatch and the ledger charge that pass."""
+    return folds and grad_weight is not None and not takes_forward_x(grad_weight, forward)
 
 
 def site_reuse(role: str, plan: GemmPlan, site_plan: LinearPlan | None) -> tuple[bool, bool]:

@@ -302,7 +302,8 @@ class GemmTimer:
     def relu_pass_s(self, m: int, k: int) -> float:
         """Seconds of a ReLU pass over an ``(m, k)`` activation in the sites' compute dtype (a
         read and a write at the cost model's bandwidth, plus a launch): what a forward candidate
-        pays that does not apply a folded ReLU in its cast. From the roofline in every timing
+        pays that does not apply a folded ReLU in its cast, and the pass the backward runs again
+        where one that applies it hands no ``x`` to grad-weight. From the roofline in every timing
         mode, so that every rank adds the same (a 32768 x 4096 bf16 ReLU took 176 us on an H100,
         bench/results/fold_relu_h100-h200_2026-11-26/call2/producer.txt; the roofline says 196)."""
         elem = torch.finfo(self.out_dtype).bits // 8  # the sites' compute dtype

@@ -100,7 +100,8 @@ class FullPasses:
     that storage lives no other tensor can have its address) with the same offset, shape,
     strides, dtype and version counter. Inference tensors (no version counter) are read every
     time. At most two entries a site; call :meth:`clear` at every step start (what a site whose
-    backward never came left)."""
+    backward never came left). ``share=False`` reads every operand of every role (the A/B of
+    ``bench.probe_cost``)."""
 
     KEEP = {"forward": ("x", None), "grad_input": ("dy", None), "grad_weight": (None, None)}
     """Per role, under which name the reads of a and b are kept for the site's later roles."""
@@ -108,7 +109,8 @@ class FullPasses:
     TAKE = {"forward": (None, None), "grad_input": (None, None), "grad_weight": ("dy", "x")}
     """Per role, which kept reads a and b take over (when they are the same tensor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, share: bool = True) -> None:
+        self.share = share
         self._kept: dict[tuple[str, str], tuple[weakref.ref[Any], tuple[Any, ...] | None, Tensor, Tensor | None]] = {}
         self.reads = 0
         """Full passes run."""
@@ -118,10 +120,11 @@ class FullPasses:
     def clear(self) -> None:
         self._kept.clear()
 
-    def __getstate__(self) -> dict[str, int]:
-        return {"reads": self.reads, "reused": self.reused}  # the kept passes belong to their step
+    def __getstate__(self) -> dict[str, Any]:
+        # The kept passes belong to their step.
+        return {"share": self.share, "reads": self.reads, "reused": self.reused}
 
-    def __setstate__(self, state: dict[str, int]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
         self.__dict__.update(state)
 
@@ -133,7 +136,7 @@ class FullPasses:
     ) -> tuple[Tensor, Tensor | None]:
         tracked = not x.is_inference()
         meta = (x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version) if tracked else None
-        if take is not None and tracked:
+        if take is not None and tracked and self.share:
             hit = self._kept.pop((site, take), None)
             if (hit is not None and hit[0]() is x.untyped_storage() and hit[1] == meta
                     and (hit[3] is not None or not peaks)):
@@ -187,6 +190,8 @@ def select(
     """
     if kernel is None:
         kernel = a.device.type == "cuda" and triton_runnable(a.device)[0]
+    if passes is not None and not site:
+        raise ValueError("select: passes given without the site whose reads they keep")
     subsample = max_rows is not None and a.shape[0] > max_rows
     # Non-finite values are counted on the full operands: none may slip past a subsample.
     if passes is None:

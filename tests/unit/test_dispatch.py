@@ -531,11 +531,12 @@ def test_a_folded_relu_runs_again_in_the_backward_where_grad_weight_does_not_tak
     assert gemms[("frozen", "forward")].grad_weight_plan is None
 
 
-def test_dispatchs_planned_speedup_counts_the_relu_passes_it_charged() -> None:
+def test_dispatchs_planned_speedup_counts_the_relu_passes_it_charged(monkeypatch: pytest.MonkeyPatch) -> None:
     from loka_train.dispatch.timing import timing_key
 
     d = Dispatcher(DispatchConfig(objective="speed", scalings=("tensorwise",)), device="cpu")
     rw = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton")
+    tw = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="triton")
     shape = (32768, 4096, 2048)
     d.register("folded", plan=LinearPlan(forward=rw.forward), shapes={"forward": shape}, input_relu=True)
     relu = d.timer.relu_pass_s(32768, 4096)
@@ -543,10 +544,14 @@ def test_dispatchs_planned_speedup_counts_the_relu_passes_it_charged() -> None:
     d.timer.timings[timing_key("forward", shape, rw.forward, (False, False))] = 0.8e-3
     # A row-wise cast does not apply the ReLU: both pay the pass.
     assert d.planned_speedup("folded", "forward") == pytest.approx((1e-3 + relu) / (0.8e-3 + relu))
-    # Grad-weight's speed-up is its GEMMs' alone: the ledger counts a second pass on the forward.
+    # Grad-weight's speed-up is its GEMMs' alone, where Dispatch charges a grad-weight candidate
+    # (and high precision) the second pass of a folding forward whose x it does not take over:
+    # the ledger counts that pass on the forward's row.
+    monkeypatch.setattr(d.timer, "folds_relu", lambda plan: plan is not None and plan.scaling is Scaling.TENSORWISE)
     gw_shape = (2048, 32768, 4096)
-    d.register("folded", plan=LinearPlan(forward=rw.forward, grad_weight=rw.grad_weight),
+    d.register("folded", plan=LinearPlan(forward=tw.forward, grad_weight=rw.grad_weight),
                shapes={"forward": shape, "grad_weight": gw_shape}, input_relu=True)
+    assert d._unfolded_relu_s("folded", "grad_weight", gw_shape, rw.grad_weight) == pytest.approx(relu)
     d.timer.timings[timing_key("grad_weight", gw_shape, None)] = 1e-3
     d.timer.timings[timing_key("grad_weight", gw_shape, rw.grad_weight, (False, False))] = 0.8e-3
     assert d.planned_speedup("folded", "grad_weight") == pytest.approx(1.25)

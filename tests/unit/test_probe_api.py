@@ -437,16 +437,13 @@ def test_an_operand_two_roles_share_is_read_once_a_step_with_the_same_statistics
     holds what reading them again gives."""
     from loka_train.probe.sampling import FullPasses
 
-    class ReadsAgain(FullPasses):
-        TAKE = {role: (None, None) for role in FullPasses.TAKE}
-
     x_MK = torch.randn(256, K, generator=torch.Generator().manual_seed(4))
     x_MK[201, 5], x_MK[77, 3] = 1e4, float("nan")
     dy_MN = torch.randn(256, N, generator=torch.Generator().manual_seed(5))
     dy_MN[12, 7] = float("inf")
     w_NK = torch.randn(N, K, generator=torch.Generator().manual_seed(6))
     probes = []
-    for passes in (FullPasses(), ReadsAgain()):
+    for passes in (FullPasses(), FullPasses(share=False)):
         probe = Probe(_cfg(max_rows=8, interval=1, min_samples=1))
         probe.register_site("s", weight_shape=(N, K))
         probe._passes = passes
