@@ -528,3 +528,12 @@ def test_a_probe_with_kept_passes_pickles_and_copies_without_them() -> None:
     assert len(probe._passes) == 1
     for clone in (pickle.loads(pickle.dumps(probe)), copy.deepcopy(probe)):
         assert len(clone._passes) == 0 and clone._passes.reads == probe._passes.reads
+
+
+def test_select_refuses_shared_reads_without_a_site() -> None:
+    from loka_train.probe.sampling import FullPasses, select
+
+    a, b = torch.randn(8, 4), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="without the site"):
+        select("forward", a, b, None, 4, passes=FullPasses())
+    assert select("forward", a, b, None, 4, passes=FullPasses(), site="s").a.shape[1] == 4
