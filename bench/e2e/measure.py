@@ -647,8 +647,44 @@ def memory_peak_owners(
             "allocated_gb": (untraced + reserved_alloc) / 2**30,
             "before_gb": reserved_bytes / 2**30,
             "segments": _by_owner(reserved_segments.values(), top),
+            "peak_pools": _segments_by_pool(reserved_segments, snapshot, device),
+            "end_pools": _pools_at_end(snapshot, device),
         },
     }
+
+
+_OWN_POOL = "the allocator's own pool"
+_GRAPH_POOLS = "CUDA graphs' pools"
+
+
+def _pool_name(pool_id: Any) -> str:
+    """A snapshot segment's ``segment_pool_id``: (0, 0) is the allocator's own pool, any other a
+    private pool (CUDA graph captures)."""
+    return _OWN_POOL if tuple(pool_id or (0, 0)) == (0, 0) else _GRAPH_POOLS
+
+
+def _segments_by_pool(segments: dict[int, tuple[int, str]], snapshot: dict[str, Any], device: int) -> dict[str, float]:
+    """GB of `segments` (address -> (bytes, owner)) by the pool that owns them in the snapshot
+    taken as the trace stopped; a segment no longer reserved then is counted as such."""
+    pools = {int(seg["address"]): _pool_name(seg.get("segment_pool_id"))
+             for seg in snapshot.get("segments", []) if seg.get("device", device) == device}
+    out: dict[str, float] = {}
+    for addr, (size, _) in segments.items():
+        name = pools.get(addr, "released before the trace stopped")
+        out[name] = out.get(name, 0.0) + size / 2**30
+    return out
+
+
+def _pools_at_end(snapshot: dict[str, Any], device: int) -> dict[str, dict[str, float]]:
+    """Reserved and allocated GB by pool in the snapshot taken as the trace stopped."""
+    out: dict[str, dict[str, float]] = {}
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        acc = out.setdefault(_pool_name(seg.get("segment_pool_id")), {"reserved_gb": 0.0, "allocated_gb": 0.0})
+        acc["reserved_gb"] += int(seg["total_size"]) / 2**30
+        acc["allocated_gb"] += int(seg.get("allocated_size", 0)) / 2**30
+    return out
 
 
 def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
@@ -676,6 +712,13 @@ def memory_owners_md(name: str, m: dict[str, Any], top: int = 12) -> list[str]:
                   "the allocation that asked for them:", "", "| segment: owner (innermost first) | GB | segments |",
                   "|---|---|---|"]
         lines += [f"| `{o['owner']}` | {o['gb']:.3f} | {o['blocks']} |" for o in res["segments"][:top]]
+        pools = res.get("peak_pools") or {}
+        if pools:
+            lines += ["", "Those segments by pool: " + "; ".join(f"{k} {v:.2f} GB" for k, v in sorted(pools.items())) + "."]
+        end = res.get("end_pools") or {}
+        if end:
+            lines += ["", "Reserved (allocated) as the trace stopped, by pool: " + "; ".join(
+                f"{k} {v['reserved_gb']:.2f} GB ({v['allocated_gb']:.2f} GB)" for k, v in sorted(end.items())) + "."]
     steady = m.get("steady")
     if steady is not None:
         lines += ["", f"Peak of the unsampled timed steps: {steady['peak_gb']:.2f} GB (step {steady['step']} of the "

@@ -201,8 +201,17 @@ def test_the_reserved_peak_replays_the_segments_and_names_who_asked_for_them() -
         *_step_end(101),
         {"action": "segment_alloc", "addr": 40, "size": gb, "frames": SITE},  # step 2: 6 GB, below
     ]
-    m = measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=gb, reserved_bytes=3 * gb)
+    # As the trace stopped: the capture's segment in a graph's private pool, step 2's in the
+    # allocator's own (2 GB of 4 in use there: one reserved before the trace too).
+    at_end = [{"address": 20, "total_size": 3 * gb, "allocated_size": 2 * gb, "segment_pool_id": (1, 3)},
+              {"address": 40, "total_size": gb, "allocated_size": 0, "segment_pool_id": (0, 0)},
+              {"address": 50, "total_size": 3 * gb, "allocated_size": 2 * gb, "segment_pool_id": (0, 0)}]
+    m = measure.memory_peak_owners({"device_traces": [events], "segments": at_end}, device=0, baseline_bytes=gb,
+                                   reserved_bytes=3 * gb)
     res = m["reserved"]
+    assert res["peak_pools"] == {"CUDA graphs' pools": 3.0, "released before the trace stopped": 2.5}
+    assert res["end_pools"] == {"CUDA graphs' pools": {"reserved_gb": 3.0, "allocated_gb": 2.0},
+                                "the allocator's own pool": {"reserved_gb": 4.0, "allocated_gb": 2.0}}
     assert res["peak_gb"] == 7.5 and res["step"] == 1 and res["before_gb"] == 3.0
     assert res["allocated_gb"] == 3.0  # the baseline and the capture's block
     owners = {o["owner"]: o["gb"] for o in res["segments"]}
@@ -212,6 +221,8 @@ def test_the_reserved_peak_replays_the_segments_and_names_who_asked_for_them() -
     md = "\n".join(measure.memory_owners_md("wukong", m))
     assert "Peak reserved 7.50 GB in step 1 of the trace, 3.00 GB allocated then (3.00 GB reserved as training" in md
     assert f"| `{capture}` | 3.000 | 1 |" in md
+    assert "Those segments by pool: CUDA graphs' pools 3.00 GB; released before the trace stopped 2.50 GB." in md
+    assert "by pool: CUDA graphs' pools 3.00 GB (2.00 GB); the allocator's own pool 4.00 GB (2.00 GB)." in md
     # Not asked for (no reserved figure at the start): none given.
     assert measure.memory_peak_owners({"device_traces": [events]}, device=0, baseline_bytes=0)["reserved"] is None
 
