@@ -32,8 +32,9 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
   * ``loka_safe`` / ``loka_aggressive``: the presets. Their first re-plan comes after hundreds
     of steps (probe interval 500 / 200), far beyond a short benchmark, so each LoKA variant
     first runs a *decision run* (``--decide-steps`` steps, the preset with every site sampled
-    every step and an interval of ``--decide-interval``), then the timed run starts from fresh
-    weights with the decided Probe / Dispatch state (the checkpoint-resume path) and the
+    every step and an interval of ``--decide-interval``; with ``--ne-from``, from the shared
+    checkpoint), then the timed run starts from fresh weights (or that checkpoint) with the
+    decided Probe / Dispatch state (the checkpoint-resume path) and the
     preset's own sparse sampling schedule, whose sampled steps fall in the timed window. With
     ``--share-decisions``, variants that differ only in how plans run (``+static``,
     ``+dynamic``) take the first one's decided state: the same plans (those Dispatch picked

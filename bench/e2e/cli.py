@@ -93,8 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ne-from", type=int, default=0, metavar="N0",
                    help="paired continuations: per seed, --ne-base trains N0 steps and saves a checkpoint; "
                         "every variant resumes that checkpoint (trainer.resume_new_callbacks) and runs its "
-                        "warm-up, timed and profiled steps, and --ne-steps in all, from there. The variants "
-                        "of one seed then differ only in the steps after N0 (0: every run from step 0)")
+                        "warm-up, timed and profiled steps, and --ne-steps in all, from there; a LoKA "
+                        "variant's decision run resumes it too (its plans from the Probe's statistics of the "
+                        "steps after N0). The variants of one seed then differ only in the steps after N0 (0: "
+                        "every run from step 0)")
     p.add_argument("--ne-decay", type=float, default=0.0, metavar="F",
                    help="decay both learning rates over the last fraction F of every variant's n steps "
                         "(trainer.lr_decay_*, power 2: the first of them at the full rate, the last at "
@@ -183,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # Cycling a few batches let the 10k-row tables memorize them: on an H100 (16 batches of
         # 8192, 60 steps) eval NE came out 1.0-1.5 and moved 6-8% between bf16 and
         # bf16+compile, so no NE delta meant anything.
-        args.cache_batches = max(args.ne_from + args.train_steps, args.decide_steps)
+        args.cache_batches = args.ne_from + max(args.train_steps, args.decide_steps)
     for name in ("warmup", "steps", "eval_batches", "decide_steps", "decide_interval", "cache_batches", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")

@@ -3,7 +3,8 @@
 Every run is a real ``Trainer`` job, world size 1, all in this one process, one after another
 (:func:`run_grid`). The train and eval batches are generated once per (config, batch) and
 shared by every run (:func:`shared_datasets`). A LoKA variant first runs a decision run, then
-its timed run from fresh weights with the decided state (:func:`run_one`). ``--repeats N``
+its timed run from fresh weights (or both from a shared checkpoint) with the decided state
+(:func:`run_one`). ``--repeats N``
 runs N rounds whose variant order rotates, round i with ``trainer.seed=i`` for every variant
 (:func:`run_order`), so that runs of the same seed pair up; :func:`aggregate` folds each
 variant's rounds into one record. The NE protocol: ``--ne-steps`` trains past the timed window
@@ -145,6 +146,15 @@ def loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[st
         },
         "ledger": None if cb.ledger is None else cb.ledger.to_dict(step_ms or cb.step_ms),
     }
+
+
+class _StartStep(Callback):
+    """The step a run starts at (a resumed run: its checkpoint's)."""
+
+    step: int | None = None
+
+    def on_train_start(self, trainer: Any) -> None:
+        self.step = trainer.step
 
 
 def decide_overrides(interval: int) -> tuple[str, ...]:
@@ -293,7 +303,7 @@ def run_one(
 ) -> dict[str, Any]:
     """Decision run (LoKA), then the timed run; every figure of one (config, batch, variant),
     with ``trainer.seed=seed`` in both. With `warm_start` (a base run's out_dir, ``--ne-from``)
-    the timed run resumes its checkpoint instead of starting from fresh weights. With
+    both resume its checkpoint instead of starting from fresh weights. With
     `decisions` (``--share-decisions``), a LoKA variant whose decision a variant run before it
     made already (:func:`decision_key`) takes that decided state instead of deciding anew."""
     from loka_train.plugin.callback import LokaCallback
@@ -344,22 +354,32 @@ def run_one(
                              f"{decide_rec['seed']} (--share-decisions)")
             elif variant.decide:
                 decide_extra = decide_overrides(args.decide_interval)
+                # A continuation (--ne-from) decides from the checkpoint it continues: the
+                # plans a run has at that step come from the Probe's statistics of the steps
+                # before it, not from those of fresh weights.
+                decide_from = 0
+                if warm_start is not None:
+                    shutil.copytree(warm_start, f"{tmp}/decide", symlinks=True)
+                    decide_from = args.ne_from
                 # The plans do not depend on compilation: decide eagerly.
                 job = composer.job(
                     job_overrides(
                         args, config, batch, replace(variant, compile=False), f"{tmp}/decide",
-                        steps=args.decide_steps, eval_batches=1,
+                        steps=decide_from + args.decide_steps, eval_batches=1,
                         extra=(*decide_extra, f"trainer.seed={seed}"),
+                        resume="must" if warm_start is not None else "never",
                     )
                 )
-                rec["decide_overrides"] = list(decide_extra) + [f"trainer.steps={args.decide_steps}"]
+                rec["decide_overrides"] = list(decide_extra) + [f"trainer.steps={decide_from + args.decide_steps}"]
                 decider = LokaCallback(job.loka)
-                trainer = Trainer(model=job.model, data=job.data, trainer=job.trainer, callbacks=[decider])
+                start = _StartStep()
+                trainer = Trainer(model=job.model, data=job.data, trainer=job.trainer, callbacks=[decider, start])
                 trainer.fit()
                 state = decider.state_dict()
                 assert decider.dispatcher is not None
                 rec["decide"] = {
                     "steps": args.decide_steps,
+                    "from_step": start.step,
                     "fp8_coverage": decider.dispatcher.fp8_coverage(),
                     "plan_changes": decider.dispatcher.num_changes,
                     "seed": seed,

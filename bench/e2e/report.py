@@ -166,7 +166,8 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                     of_seed = f" of seed {d['seed']}" if d.get("seed", r.get("seed")) != r.get("seed") else ""
                     notes.append(f"plans of {d['shared_from']}'s decision{of_seed} (--share-decisions)")
                 else:
-                    notes.append(f"decided in {r['decide']['steps']} steps ({r['decide']['plan_changes']} changes)")
+                    start = f" from step {d['from_step']}" if d.get("from_step") else ""
+                    notes.append(f"decided in {d['steps']} steps{start} ({d['plan_changes']} changes)")
             if r.get("cuda_graphs"):
                 g = r["cuda_graphs"]
                 eager = ", ".join(f"{k} {v}" for k, v in g["eager"].items())

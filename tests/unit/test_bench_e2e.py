@@ -786,6 +786,18 @@ def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: P
     assert "the first seed's, for every seed (--decide-once)" in md
 
 
+def test_a_continuations_decision_run_resumes_the_checkpoint_it_continues(tmp_path: Path) -> None:
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
+            "--no-profile", "--ne-steps", "3", "--ne-from", "4", "--decide-steps", "2",
+            "--variants", "bf16,loka_aggressive", "--out", str(tmp_path)]
+    assert main(args) == 0
+    (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
+    # Steps 4 and 5 of the seed's checkpoint, not two steps of fresh weights.
+    assert loka["decide"]["from_step"] == 4 and "trainer.steps=6" in loka["decide_overrides"]
+    assert loka["status"] == "ok" and loka["steps"] == 7
+    assert "decided in 2 steps from step 4" in (tmp_path / "e2e.md").read_text()
+
+
 def test_the_report_subtracts_bf16s_gpu_time_by_category(tmp_path: Path) -> None:
     source = RESULTS / "fma_casts_h100_2026-11-26" / "call5" / "e2e_bias" / "e2e.json"
     (tmp_path / "e2e.json").write_text(source.read_text())
