@@ -183,8 +183,12 @@ class LokaCallback(Callback):
                     site.enable_static_scales(
                         margin=mods.static_scale_margin, spread=mods.static_scale_spread, device=trainer.device
                     )
+        last_site = next(reversed(self.sites), None)
         for name, site in self.sites.items():
-            self.probe.register_site(name, **site.probe_spec())
+            spec = site.probe_spec()
+            if name == last_site and self.config.probe.last_site_budget_db:
+                spec["sqnr_budget_db"] = {**spec.get("sqnr_budget_db", {}), **self.config.probe.last_site_budget_db}
+            self.probe.register_site(name, **spec)
             site.attach_observer(self.probe)
             self.dispatcher.register(
                 name, plan=site.plan, supports=site.supports_plan,

@@ -13,7 +13,8 @@ and a test fails when a YAML file and its preset differ.
   (weight gradients stay in high precision); FP32 comms. Sampling is sparse (every site on
   every 300th step), sized for long GPU runs.
 * ``aggressive``: FP8 wherever the Probe says it is safe under looser budgets and it is not
-  slower than high precision (margin 0); tensor-wise and row-wise scaling, tensor-wise
+  slower than high precision (margin 0), except the grad-weight of the layer before the logit,
+  held to safe's floor (``probe.last_site_budget_db``); tensor-wise and row-wise scaling, tensor-wise
   activations and gradients with static scales from the Probe's window
   (``mods.static_scales``); all three GEMMs; the embedding all-to-all moves down to FP8 when
   the comm policy measures it safe. On a CPU,
@@ -238,6 +239,7 @@ def _aggressive() -> LokaConfig:
             scalings=(Scaling.TENSORWISE, Scaling.ROWWISE),
             quantile=0.1,
             sqnr_budget_db={"forward": 18.0, "grad_input": 14.0, "grad_weight": 14.0},
+            last_site_budget_db={"grad_weight": 20.0},  # safe's floor: the layer before the logit
             hysteresis_intervals=1,
             min_samples=4,
         ),

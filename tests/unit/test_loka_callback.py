@@ -191,3 +191,22 @@ def test_dispatch_knows_which_sites_take_a_folded_relu(tmp_path: Path) -> None:
     shape = (64, 32, 16)
     charged = {name for name in cb.sites if cb.dispatcher._unfolded_relu_s(name, "forward", shape, None) > 0}
     assert charged == folded
+
+
+def test_the_last_site_takes_its_own_sqnr_floors(tmp_path: Path) -> None:
+    """``probe.last_site_budget_db``: the last site in model order (the layer that feeds the
+    logit layer, which stays high) is judged against its own floors for the roles given; every
+    other site, and its other roles, against ``sqnr_budget_db``."""
+    probe_cfg = ProbeConfig(every_k_steps=1, interval=50, window=4, last_site_budget_db={"grad_weight": 20.0})
+    cb, _ = _started(_config(probe=probe_cfg), tmp_path)
+    assert cb.probe is not None
+    budgets = {name: s["sqnr_budget_db"] for name, s in cb.probe.report()["sites"].items()}
+    *others, last = list(cb.sites)
+    assert others and last == "2"  # nn.Sequential's second Linear; "4", the logit layer, stays high
+    assert budgets[last] == {**probe_cfg.sqnr_budget_db, "grad_weight": 20.0}
+    assert all(budgets[name] == probe_cfg.sqnr_budget_db for name in others)
+    # The aggressive preset holds that grad-weight to safe's floor.
+    aggressive, safe = LokaConfig.preset("aggressive"), LokaConfig.preset("safe")
+    assert aggressive.probe.last_site_budget_db == {"grad_weight": safe.probe.sqnr_budget_db["grad_weight"]}
+    with pytest.raises(ValueError, match="last_site_budget_db has unknown roles"):
+        ProbeConfig(last_site_budget_db={"dgrad": 20.0})
