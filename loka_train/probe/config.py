@@ -144,9 +144,10 @@ class ProbeConfig:
     top-MLP layer that feeds the logit layer, which stays high precision), replacing
     ``sqnr_budget_db``'s for the roles given; None: that site has every site's floors. Its
     ``dY`` is the loss gradient through the logit weight (one value per sample times one per
-    feature before the ReLU mask): on Wukong its FP8 grad-weight passed a 14 dB floor and
-    still moved NE by +0.07% in the paired protocol (``docs/performance.md``), so the
-    aggressive preset holds that GEMM to safe's grad-weight floor."""
+    feature before the ReLU mask). On Wukong, aggressive plans that ran that grad-weight in FP8
+    (it passed a 14 dB floor) moved NE by +0.07% in the paired protocol, and plans that kept
+    it in high precision by +0.001% (``docs/performance.md``): the aggressive preset holds it
+    to a 20 dB floor, safe's for grad-weight."""
 
     quantile: float = 0.1
     """The verdict compares this low quantile of the window's per-sample SQNR to the budget."""
