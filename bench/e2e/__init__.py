@@ -39,7 +39,9 @@ Variants (``--variants``; a ``+compile`` suffix compiles the dense submodules of
     ``--share-decisions``, variants that differ only in how plans run (``+static``,
     ``+dynamic``) take the first one's decided state: the same plans (those Dispatch picked
     with the first one's timings), one decision run; ``--decide-once`` also shares it across
-    seeds.
+    seeds; ``--decisions DIR`` keeps each decided state in a file and takes it from there in
+    later processes and calls, so that speed runs in processes of their own, the ledger and
+    the paired NE measure the same plans.
     ``loka_*+compile`` runs: dynamo compiles the site code once per distinct site shape and
     dtype (all sites share one code object, hence ``compile_dense`` raises the recompile
     limit) and for eval's no-grad mode, and breaks the graph around the Probe on sampled

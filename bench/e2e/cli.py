@@ -130,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "first seed's), whose plans every seed's runs take: for an NE protocol over seeds "
                         "that compares numerics on the same plans, at one ~3 min decision run instead of one "
                         "a seed")
+    p.add_argument("--decisions", default=None, metavar="DIR",
+                   help="keep every decision run's decided state in DIR and take one from there when it "
+                        "holds it (the same config, batch, seed or --decide-once, preset and overrides, "
+                        "decision length, interval and --ne-from): the runs of --isolate's processes and "
+                        "of later calls then time and measure the NE of the same plans")
     p.add_argument("--isolate", action="store_true",
                    help="run every (variant, round) in a fresh process, in the rotated order, and "
                         "merge their records: on an H100 a host-bound variant's step time moved by "

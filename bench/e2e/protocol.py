@@ -24,8 +24,11 @@ import argparse
 import contextlib
 import copy
 import gc
+import hashlib
+import json
 import logging
 import math
+import os
 import re
 import shutil
 import statistics
@@ -192,6 +195,37 @@ def decided_state(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "guard": {"best_ne": None, "cooldown": 0, "trips": []}, "timeline": [], "compressors": []}
 
 
+def decision_file(directory: str | Path, args: argparse.Namespace, config: str, batch: int, seed: int | None,
+                  variant: Variant) -> Path:
+    """Where ``--decisions DIR`` keeps the decided state of one decision run: a file named by a
+    hash of everything the decision depends on (:func:`decision_key`, and every override
+    unless ``--share-decisions`` lets variants share it, the decision run's length, interval
+    and starting checkpoint), with that key readable in a ``.json`` beside it."""
+    key = decision_key(config, batch, seed, variant)
+    if not args.share_decisions:
+        key = (*key, tuple(variant.loka_overrides))
+    key = (*key, args.decide_steps, args.decide_interval, args.ne_from)
+    digest = hashlib.sha1(json.dumps(key, default=str).encode()).hexdigest()[:16]
+    return Path(directory) / f"{config}_b{batch}_{variant.loka}_{digest}.pt"
+
+
+def load_decision(path: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The (decision record, decided state) saved at `path`, or None where there is none."""
+    if not path.exists():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    return saved["decide"], saved["state"]
+
+
+def save_decision(path: Path, decide_rec: dict[str, Any], state: dict[str, Any], key_text: str) -> None:
+    """Write a decided state for :func:`load_decision` (atomically: a run cut short leaves none)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"decide": decide_rec, "state": state}, tmp)
+    os.replace(tmp, path)
+    path.with_suffix(".json").write_text(json.dumps({"key": key_text, "decide": decide_rec}, indent=1) + "\n")
+
+
 def cleanup(device_type: str) -> None:
     """Free what a run left: its compiled graphs and the GPU memory it cached."""
     import torch._dynamo
@@ -345,6 +379,13 @@ def run_one(
             state = None
             key = decision_key(config, batch, None if args.decide_once else seed, variant)
             shared = decisions.get(key) if decisions is not None and variant.decide else None
+            # --decisions DIR: a decision made before (another process, another call) is taken
+            # as it was saved; one made here is saved there.
+            stored = loaded = None
+            if variant.decide and getattr(args, "decisions", None):
+                stored = decision_file(args.decisions, args, config, batch,
+                                       None if args.decide_once else seed, variant)
+                loaded = load_decision(stored) if shared is None else None
             if shared is not None:
                 made_by, decide_rec, decided = shared
                 state = copy.deepcopy(decided)
@@ -352,6 +393,13 @@ def run_one(
                 rec["decide"] = {**decide_rec, "s": 0.0, "shared_from": made_by}
                 progress(t0, f"{config} b{batch} {variant.name}: the decision of {made_by}, seed "
                              f"{decide_rec['seed']} (--share-decisions)")
+            elif loaded is not None:
+                assert stored is not None
+                decide_rec, state = loaded
+                rec["decide_overrides"] = []
+                rec["decide"] = {**decide_rec, "s": 0.0, "loaded_from": stored.name}
+                progress(t0, f"{config} b{batch} {variant.name}: the decision of {decide_rec['variant']}, seed "
+                             f"{decide_rec['seed']}, from {stored} (--decisions)")
             elif variant.decide:
                 decide_extra = decide_overrides(args.decide_interval)
                 # A continuation (--ne-from) decides from the checkpoint it continues: the
@@ -398,6 +446,9 @@ def run_one(
                 state = decided_state(state)
                 if decisions is not None:
                     decisions[key] = (variant.name, dict(rec["decide"]), copy.deepcopy(state))
+                if stored is not None:
+                    save_decision(stored, {**rec["decide"], "variant": variant.name}, state,
+                                  f"{config} b{batch} {variant.name} seed {rec['decide']['seed']}")
 
             if warm_start is not None:
                 shutil.copytree(warm_start, f"{tmp}/run", symlinks=True)  # latest: a relative link

@@ -162,7 +162,9 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                              f"(max {max(slow):.0f} ms)")
             if "decide" in r:
                 d = r["decide"]
-                if d.get("shared_from"):
+                if d.get("loaded_from"):
+                    notes.append(f"plans of the decision saved in {d['loaded_from']} (--decisions)")
+                elif d.get("shared_from"):
                     of_seed = f" of seed {d['seed']}" if d.get("seed", r.get("seed")) != r.get("seed") else ""
                     notes.append(f"plans of {d['shared_from']}'s decision{of_seed} (--share-decisions)")
                 else:

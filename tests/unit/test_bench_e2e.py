@@ -571,9 +571,10 @@ def test_isolate_runs_each_variant_and_round_in_its_own_process_and_merges_them(
     from bench.e2e import isolate
 
     assert isolate.child_argv(
-        ["--dry-run", "--isolate", "--variants", "a,b", "--repeats=3", "--ledger", "--out", "x", "--configs", "dcn"],
+        ["--dry-run", "--isolate", "--variants", "a,b", "--repeats=3", "--ledger", "--out", "x", "--configs", "dcn",
+         "--decisions", "d"],
         config="dcn", batch=64, variant="b", seed=2, out=tmp_path / "o",
-    ) == ["--dry-run", "--ledger", "--configs", "dcn", "--batches", "64", "--variants", "b", "--repeats", "1",
+    ) == ["--dry-run", "--ledger", "--decisions", "d", "--configs", "dcn", "--batches", "64", "--variants", "b", "--repeats", "1",
           "--first-seed", "2", "--out", str(tmp_path / "o")]
     calls: list[list[str]] = []
     ms = {("bf16", 0): 10.0, ("loka_safe", 0): 8.0, ("bf16", 1): 12.0, ("loka_safe", 1): 9.0}
@@ -796,6 +797,26 @@ def test_a_continuations_decision_run_resumes_the_checkpoint_it_continues(tmp_pa
     assert loka["decide"]["from_step"] == 4 and "trainer.steps=6" in loka["decide_overrides"]
     assert loka["status"] == "ok" and loka["steps"] == 7
     assert "decided in 2 steps from step 4" in (tmp_path / "e2e.md").read_text()
+
+
+def test_decisions_saved_in_a_directory_are_taken_by_later_runs(tmp_path: Path) -> None:
+    """--decisions DIR: the first run's decision is saved there; a later benchmark (another
+    process, another call) with the same job takes it instead of deciding, and another seed
+    (without --decide-once) decides for itself."""
+    store = tmp_path / "decisions"
+    common = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
+              "--no-profile", "--variants", "loka_aggressive", "--decisions", str(store)]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    (saved,) = sorted(store.glob("*.pt"))
+    assert saved.with_suffix(".json").exists()
+    assert main([*common, "--out", str(tmp_path / "b")]) == 0
+    assert main([*common, "--first-seed", "1", "--out", str(tmp_path / "c")]) == 0
+    first, again, other = (json.loads((tmp_path / d / "e2e.json").read_text())["runs"][0] for d in "abc")
+    assert "loaded_from" not in first["decide"] and first["decide"]["s"] > 0
+    assert again["decide"]["loaded_from"] == saved.name and again["decide"]["s"] == 0.0
+    assert again["loka"]["plans"] == first["loka"]["plans"] and again["decide"]["seed"] == 0
+    assert "loaded_from" not in other["decide"] and len(list(store.glob("*.pt"))) == 2
+    assert f"plans of the decision saved in {saved.name} (--decisions)" in (tmp_path / "b" / "e2e.md").read_text()
 
 
 def test_the_report_subtracts_bf16s_gpu_time_by_category(tmp_path: Path) -> None:
