@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "every variant resumes that checkpoint (trainer.resume_new_callbacks) and runs its "
                         "warm-up, timed and profiled steps, and --ne-steps in all, from there; a LoKA "
                         "variant's decision run resumes it too (its plans from the Probe's statistics of the "
-                        "steps after N0). The variants of one seed then differ only in the steps after N0 (0: "
+                        "steps after N0; with --decide-once, of the first seed's checkpoint). The variants of one seed then differ only in the steps after N0 (0: "
                         "every run from step 0)")
     p.add_argument("--ne-decay", type=float, default=0.0, metavar="F",
                    help="decay both learning rates over the last fraction F of every variant's n steps "

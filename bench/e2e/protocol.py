@@ -147,6 +147,11 @@ def loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[st
         "plans": {
             site: {role: e["plan"] for role, e in roles.items()} for site, roles in report["sites"].items()
         },
+        # The Probe's low-quantile SQNR of each FP8 GEMM's plan, against its floor.
+        "fp8_sqnr_db": {
+            f"{site}/{role}": {"sqnr_lo_db": e["sqnr_lo_db"], "budget_db": e["budget_db"]}
+            for site, roles in report["sites"].items() for role, e in roles.items() if "sqnr_lo_db" in e
+        },
         "ledger": None if cb.ledger is None else cb.ledger.to_dict(step_ms or cb.step_ms),
     }
 
@@ -189,9 +194,9 @@ def decision_key(config: str, batch: int, seed: int | None, variant: Variant) ->
 def decided_state(state: dict[str, Any]) -> dict[str, Any]:
     """What a timed run takes of a decision run's LoKA state (``LokaCallback.state_dict()``):
     the Probe's windows and verdicts, Dispatch's plans and history, the comm precisions. The
-    timed run starts from fresh weights, so the quality guard, the plan timeline and the
-    dense-gradient error-feedback residuals (rounding of the decision run's gradients) do not
-    carry over."""
+    timed run starts again from fresh weights (or the checkpoint the decision run resumed), so
+    the quality guard, the plan timeline and the dense-gradient error-feedback residuals
+    (rounding of the decision run's gradients) do not carry over."""
     return {**state, "guard": {"best_ne": None, "cooldown": 0, "trips": []}, "timeline": [], "compressors": []}
 
 
@@ -402,9 +407,9 @@ def run_one(
                              f"{decide_rec['seed']}, from {stored} (--decisions)")
             elif variant.decide:
                 decide_extra = decide_overrides(args.decide_interval)
-                # A continuation (--ne-from) decides from the checkpoint it continues: the
-                # plans a run has at that step come from the Probe's statistics of the steps
-                # before it, not from those of fresh weights.
+                # A continuation (--ne-from) decides from the checkpoint it continues: its plans
+                # come from the Probe's statistics of the steps after N0, at the trained
+                # weights the timed run continues, not from those of fresh weights.
                 decide_from = 0
                 if warm_start is not None:
                     shutil.copytree(warm_start, f"{tmp}/decide", symlinks=True)

@@ -122,8 +122,11 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         + (f"; {args['repeats']} interleaved runs per variant (trainer.seed 0..{args['repeats'] - 1}): "
            "median step time over runs, mean NE, NE deltas paired by seed (s.e. in the targets)" if args["repeats"] > 1 else ""),
         f"- LoKA variants: a {args['decide_steps']}-step decision run (preset, every site sampled "
-        f"every step, probe interval {args['decide_interval']}), then the timed run from fresh "
-        "weights with the decided plans and the preset's own sampling schedule"
+        f"every step, probe interval {args['decide_interval']}"
+        + (f", resuming the step-{args['ne_from']} checkpoint" if args.get("ne_from") else "")
+        + "), then the timed run "
+        + ("from that checkpoint" if args.get("ne_from") else "from fresh weights")
+        + " with the decided plans and the preset's own sampling schedule"
         + ("; variants that differ only in how plans run (+static, +dynamic, +nofold) share one decision run "
            + ("per config and batch, the first seed's, for every seed (--decide-once)" if args.get("decide_once")
               else "(--share-decisions)") if args.get("share_decisions") else ""),

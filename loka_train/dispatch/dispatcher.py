@@ -346,11 +346,14 @@ class Dispatcher:
         self.num_changes += len(changes)
         return changes
 
-    def force_high(self, *, step: int, reason: str, sites: list[str] | None = None) -> list[PlanChange]:
-        """Move sites (default: all) fully to high precision now (the quality guard's lever)."""
+    def force_high(
+        self, *, step: int, reason: str, sites: list[str] | None = None, roles: tuple[str, ...] = ROLES
+    ) -> list[PlanChange]:
+        """Move `roles` (default: all) of sites (default: all) to high precision now (the
+        quality guard's lever)."""
         changes = []
         for site in sorted(sites if sites is not None else self.plans):
-            for role in ROLES:
+            for role in roles:
                 current = getattr(self.plans[site], role)
                 if current.is_fp8:
                     self.plans[site] = LinearPlan(**{**planning.roles_of(self.plans[site]), role: GemmPlan()})

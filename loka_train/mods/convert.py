@@ -74,6 +74,10 @@ class ConvertReport:
     """Sites that could not take the initial plan and start in high precision, with why."""
     folded_relus: list[str] = field(default_factory=list)
     """Sites that apply the ReLU before them (``mods.fold_relu``)."""
+    logit_feeder: str | None = None
+    """The site whose output feeds the logit layer (the model's last ``nn.Linear``): the last
+    site inside the nearest module before that layer in their container that holds a site
+    (the DLRM family's top-MLP layer before the logit); None where there is none."""
 
 
 def _is_embedding(module: nn.Module) -> bool:
@@ -90,6 +94,26 @@ def _last_linear_fqn(model: nn.Module) -> str | None:
         if isinstance(module, nn.Linear) and not isinstance(module, Site):
             last = fqn
     return last
+
+
+def _feeder_of(model: nn.Module, fqn: str) -> str | None:
+    """The last site inside the nearest module registered before ``fqn`` in ``fqn``'s container
+    that holds one (activations between them hold none: in a ``Sequential`` that is the module
+    whose output reaches ``fqn``), or None."""
+    parent_fqn, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_fqn)
+    names = list(parent._modules)
+    if child not in names:
+        return None
+    for before in reversed(names[: names.index(child)]):
+        sibling = parent._modules[before]
+        if sibling is None:
+            continue
+        prefix = f"{parent_fqn}.{before}" if parent_fqn else before
+        found = [name for name, module in sibling.named_modules(prefix=prefix) if isinstance(module, Site)]
+        if found:
+            return found[-1]
+    return None
 
 
 class _Converter:
@@ -235,12 +259,12 @@ def convert(
         logger.info("mods: disabled (mods.enabled=False); model left unchanged")
         setattr(model, "loka_mods_report", ConvertReport())  # noqa: B010 - a plain attribute
         return model
-    converter = _Converter(
-        config, module_filter_fn, _last_linear_fqn(model) if config.keep_last_layer_high else None
-    )
+    last_linear = _last_linear_fqn(model)
+    converter = _Converter(config, module_filter_fn, last_linear if config.keep_last_layer_high else None)
     if isinstance(model, Site):
         raise ValueError("convert needs a model that contains the sites, not a site itself")
     converter.walk(model, "")
+    converter.report.logit_feeder = None if last_linear is None else _feeder_of(model, last_linear)
     if config.fold_relu:
         converter.report.folded_relus = fold_relus(model)
     for module in model.modules():

@@ -85,6 +85,7 @@ class LokaCallback(Callback):
     def __init__(self, config: LokaConfig) -> None:
         self.config = config
         self.sites: dict[str, Any] = {}
+        self._logit_feeder: str | None = None  # mods' ConvertReport.logit_feeder
         self._sampled: Collection[nn.Module] = ()
         """The sites the Probe samples on the current step."""
         self.probe: Probe | None = None
@@ -137,6 +138,7 @@ class LokaCallback(Callback):
             return
         if self.config.mods.enabled:
             convert(trainer.model, config=self.config.mods)
+            self._logit_feeder = trainer.model.loka_mods_report.logit_feeder
         if self.config.comm_enabled and trainer.world_size == 1:
             # No all-to-all, no gradient all-reduce to compress: codecs and hooks would only cost.
             logger.info("LoKA comm: one process, nothing to communicate: the comm codecs and the "
@@ -183,12 +185,18 @@ class LokaCallback(Callback):
                     site.enable_static_scales(
                         margin=mods.static_scale_margin, spread=mods.static_scale_spread, device=trainer.device
                     )
-        last_site = next(reversed(self.sites), None)
+        floors = self.config.probe.logit_feeder_floors
+        if floors and self._logit_feeder is None:
+            logger.warning("LoKA: probe.logit_feeder_budget_db=%s applies to no site: no site feeds the "
+                           "model's last Linear (mods.sites=%s)", floors, self.config.mods.sites)
+        elif floors:
+            logger.info("LoKA: %s, which feeds the logit layer, has its own SQNR floors %s",
+                        self._logit_feeder, floors)
         for name, site in self.sites.items():
-            spec = site.probe_spec()
-            if name == last_site and self.config.probe.last_site_budget_db:
-                spec["sqnr_budget_db"] = {**spec.get("sqnr_budget_db", {}), **self.config.probe.last_site_budget_db}
-            self.probe.register_site(name, **spec)
+            if name == self._logit_feeder and floors:
+                self.probe.register_site(name, **site.probe_spec(), sqnr_budget_db=floors)
+            else:
+                self.probe.register_site(name, **site.probe_spec())
             site.attach_observer(self.probe)
             self.dispatcher.register(
                 name, plan=site.plan, supports=site.supports_plan,
@@ -200,6 +208,13 @@ class LokaCallback(Callback):
             # Plans the current dispatch config does not allow are reset (logged, counted in
             # the history); every site then takes the restored plan.
             self.dispatcher.load_state_dict(self._pending_state["dispatch"], step=self.probe.step)
+            # A GEMM whose SQNR floor this run raises runs high until the Probe judges it again.
+            for name, role, saved, now in self.probe.budget_changes:
+                if now > saved:
+                    self.dispatcher.force_high(
+                        step=self.probe.step, sites=[name], roles=(role,),
+                        reason=f"SQNR floor raised from {saved:.1f} to {now:.1f} dB since the checkpoint",
+                    )
             for name, site in self.sites.items():
                 site.set_plan(self.dispatcher.plans[name])
             self._pending_state = None

@@ -14,7 +14,7 @@ and a test fails when a YAML file and its preset differ.
   every 300th step), sized for long GPU runs.
 * ``aggressive``: FP8 wherever the Probe says it is safe under looser budgets and it is not
   slower than high precision (margin 0), except the grad-weight of the layer before the logit,
-  held to safe's floor (``probe.last_site_budget_db``); tensor-wise and row-wise scaling, tensor-wise
+  held to a 20 dB floor (``probe.logit_feeder_budget_db``); tensor-wise and row-wise scaling, tensor-wise
   activations and gradients with static scales from the Probe's window
   (``mods.static_scales``); all three GEMMs; the embedding all-to-all moves down to FP8 when
   the comm policy measures it safe. On a CPU,
@@ -239,7 +239,7 @@ def _aggressive() -> LokaConfig:
             scalings=(Scaling.TENSORWISE, Scaling.ROWWISE),
             quantile=0.1,
             sqnr_budget_db={"forward": 18.0, "grad_input": 14.0, "grad_weight": 14.0},
-            last_site_budget_db={"grad_weight": 20.0},  # safe's floor: the layer before the logit
+            logit_feeder_budget_db={"forward": None, "grad_input": None, "grad_weight": 20.0},  # 20 dB as in safe: the layer before the logit
             hysteresis_intervals=1,
             min_samples=4,
         ),

@@ -139,15 +139,16 @@ class ProbeConfig:
     """Default SQNR floor per GEMM role (keys: forward, grad_input, grad_weight); a site may
     override it at registration."""
 
-    last_site_budget_db: dict[str, float] | None = None
-    """Per-role SQNR floors of the last site registered (in model order: the DLRM family's
-    top-MLP layer that feeds the logit layer, which stays high precision), replacing
-    ``sqnr_budget_db``'s for the roles given; None: that site has every site's floors. Its
-    ``dY`` is the loss gradient through the logit weight (one value per sample times one per
-    feature before the ReLU mask). On Wukong, aggressive plans that ran that grad-weight in FP8
-    (it passed a 14 dB floor) moved NE by +0.07% in the paired protocol, and plans that kept
-    it in high precision by +0.001% (``docs/performance.md``): the aggressive preset holds it
-    to a 20 dB floor, safe's for grad-weight."""
+    logit_feeder_budget_db: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(ROLES))
+    """Per-role SQNR floors of the site that feeds the logit layer (``mods``'
+    ``ConvertReport.logit_feeder``: the DLRM family's last top-MLP layer), replacing
+    ``sqnr_budget_db``'s for the roles not None (keys: forward, grad_input, grad_weight; all None:
+    that site has every site's floors). Its
+    ``dY`` is the loss gradient through the logit weight, one value per sample times one per
+    feature before the ReLU mask, where a tensor-wise e5m2 grad-weight can cost NE that its
+    SQNR does not show (``docs/performance.md``, the paired NE protocol). Applied by the LoKA
+    callback, which knows that site; a Probe used on its own takes per-site floors at
+    ``register_site``."""
 
     quantile: float = 0.1
     """The verdict compares this low quantile of the window's per-sample SQNR to the budget."""
@@ -212,14 +213,13 @@ class ProbeConfig:
                 f"probe.sqnr_budget_db needs exactly the keys {list(ROLES)}, got {sorted(budgets)}"
             )
         self.sqnr_budget_db = {r: float(budgets[r]) for r in ROLES}
-        if self.last_site_budget_db is not None:
-            last = dict(self.last_site_budget_db)
-            unknown = set(last) - set(ROLES)
-            if unknown:
-                raise ValueError(
-                    f"probe.last_site_budget_db has unknown roles {sorted(unknown)}; use some of {list(ROLES)}"
-                )
-            self.last_site_budget_db = {r: float(v) for r, v in last.items()}
+        feeder = {**dict.fromkeys(ROLES), **dict(self.logit_feeder_budget_db or {})}
+        if set(feeder) != set(ROLES):
+            raise ValueError(
+                f"probe.logit_feeder_budget_db has unknown roles {sorted(set(feeder) - set(ROLES))}; its keys "
+                f"are {list(ROLES)} (None: the site's usual floor)"
+            )
+        self.logit_feeder_budget_db = {r: None if feeder[r] is None else float(feeder[r]) for r in ROLES}
         if not 0.0 <= self.quantile <= 0.5:
             raise ValueError(f"probe.quantile={self.quantile} must be in [0, 0.5] (a low quantile)")
         if self.margin_db < 0:
@@ -229,3 +229,8 @@ class ProbeConfig:
         for name in ("max_saturation_fraction", "max_underflow_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"probe.{name}={getattr(self, name)} must be in [0, 1]")
+
+    @property
+    def logit_feeder_floors(self) -> dict[str, float]:
+        """The roles :attr:`logit_feeder_budget_db` sets a floor for, and their floors."""
+        return {r: v for r, v in self.logit_feeder_budget_db.items() if v is not None}

@@ -102,6 +102,9 @@ class Probe:
         """Per ``site/role/candidate``: (step, SQNR low quantile) at every reduction."""
         self.num_reduces = 0
         self.num_verdict_changes = 0
+        self.budget_changes: list[tuple[str, str, float, float]] = []
+        """``(site, role, saved floor, this run's floor)`` where :meth:`load_state_dict` found the
+        checkpoint's SQNR floor differ from the registered one (the registered one holds)."""
 
     # ------------------------------------------------------------------ registration
 
@@ -545,6 +548,7 @@ class Probe:
                 f"(loka.probe.formats / loka.probe.scalings); {_RESUME_FIX}"
             )
         names = [s["name"] for s in state["sites"]]
+        self.budget_changes = []
         if not self._sites:
             for s in state["sites"]:
                 self.register_site(s["name"], weight_shape=s["weight_shape"], sqnr_budget_db=s["sqnr_budget_db"])
@@ -553,16 +557,32 @@ class Probe:
                 f"probe state sites {names} != registered sites {self._sites} (the model or "
                 f"loka.mods changed); {_RESUME_FIX}"
             )
+        else:
+            # Registered floors (this run's config) win; the verdicts the saved floors gave are
+            # dropped below, so no GEMM stays judged against a floor this run does not have.
+            for s in state["sites"]:
+                for role, saved in s["sqnr_budget_db"].items():
+                    now = self._budgets[s["name"]][role]
+                    if float(saved) != now:
+                        self.budget_changes.append((s["name"], role, float(saved), now))
+                        logger.warning(
+                            "probe: %s/%s: the checkpoint judged it against an SQNR floor of %.1f dB, this "
+                            "run's config sets %.1f dB: its saved verdicts are dropped, it is judged again "
+                            "at the next interval", s["name"], role, float(saved), now,
+                        )
         self._sampler.step = int(state["step"])
         self._window.load(state)
+        changed = {(site, role) for site, role, _, _ in self.budget_changes}
         self._key_state = {
             (k[0], k[1], Fp8Format(k[2]), Scaling(k[3])): KeyState(bool(v[0]), int(v[1]))
             for k, v in state["key_state"].items()
+            if (k[0], k[1]) not in changed
         }
         self._verdicts = {}
         for d in state["verdicts"]:
             v = Verdict.from_dict(d)
-            self._verdicts[(v.site, v.role, v.fmt, v.scaling)] = v
+            if (v.site, v.role) not in changed:
+                self._verdicts[(v.site, v.role, v.fmt, v.scaling)] = v
         self.history = [dict(h) for h in state["history"]]
         self.series = {k: [tuple(p) for p in v] for k, v in state["series"].items()}  # type: ignore[misc]
         counters = state["counters"]

@@ -815,6 +815,10 @@ def test_decisions_saved_in_a_directory_are_taken_by_later_runs(tmp_path: Path) 
     assert "loaded_from" not in first["decide"] and first["decide"]["s"] > 0
     assert again["decide"]["loaded_from"] == saved.name and again["decide"]["s"] == 0.0
     assert again["loka"]["plans"] == first["loka"]["plans"] and again["decide"]["seed"] == 0
+    # Each FP8 GEMM's SQNR verdict is recorded with its floor.
+    fp8 = {f"{s}/{r}" for s, roles in first["loka"]["plans"].items() for r, p in roles.items() if p.startswith("fp8")}
+    assert fp8 and set(first["loka"]["fp8_sqnr_db"]) == fp8
+    assert all(v["sqnr_lo_db"] >= v["budget_db"] for v in first["loka"]["fp8_sqnr_db"].values())
     assert "loaded_from" not in other["decide"] and len(list(store.glob("*.pt"))) == 2
     assert f"plans of the decision saved in {saved.name} (--decisions)" in (tmp_path / "b" / "e2e.md").read_text()
 

@@ -123,3 +123,14 @@ def test_pin_memory_composes(override: str | None, expected: bool | None) -> Non
 def test_pin_memory_on_a_cpu_run_names_the_fix() -> None:
     with pytest.raises(ValueError, match="trainer.pin_memory=true needs trainer.device=cuda"):
         _compose("trainer.pin_memory=true")
+
+
+def test_the_logit_feeders_floor_is_set_and_cleared_from_the_command_line() -> None:
+    safe = _compose("loka=safe", "loka.probe.logit_feeder_budget_db.grad_weight=20").loka
+    assert safe.probe.logit_feeder_floors == {"grad_weight": 20.0}
+    assert _compose("loka=safe").loka.probe.logit_feeder_floors == {}
+    assert _compose("loka=aggressive").loka.probe.logit_feeder_floors == {"grad_weight": 20.0}
+    cleared = _compose("loka=aggressive", "loka.probe.logit_feeder_budget_db.grad_weight=null").loka
+    assert cleared.probe.logit_feeder_floors == {}
+    with pytest.raises(Exception, match="dgrad"):
+        _compose("loka=aggressive", "loka.probe.logit_feeder_budget_db.dgrad=20")
