@@ -50,7 +50,7 @@ from loka_train.dispatch.ledger import Ledger, measure_ledger
 from loka_train.kernels import static_scales
 from loka_train.kernels.linear import reference_fallbacks
 from loka_train.kernels.roles import ROLES
-from loka_train.mods import convert, mark_sampled, sites
+from loka_train.mods import ConvertReport, convert, mark_sampled, sites
 from loka_train.mods.site import GemmSite
 from loka_train.plugin.config import LokaConfig
 from loka_train.plugin.report import run_report, write_report
@@ -138,7 +138,8 @@ class LokaCallback(Callback):
             return
         if self.config.mods.enabled:
             convert(trainer.model, config=self.config.mods)
-            self._logit_feeder = trainer.model.loka_mods_report.logit_feeder
+            report = getattr(trainer.model, "loka_mods_report", None)
+            self._logit_feeder = report.logit_feeder if isinstance(report, ConvertReport) else None
         if self.config.comm_enabled and trainer.world_size == 1:
             # No all-to-all, no gradient all-reduce to compress: codecs and hooks would only cost.
             logger.info("LoKA comm: one process, nothing to communicate: the comm codecs and the "

@@ -219,7 +219,7 @@ class ProbeConfig:
                 f"probe.logit_feeder_budget_db has unknown roles {sorted(set(feeder) - set(ROLES))}; its keys "
                 f"are {list(ROLES)} (None: the site's usual floor)"
             )
-        self.logit_feeder_budget_db = {r: None if feeder[r] is None else float(feeder[r]) for r in ROLES}
+        self.logit_feeder_budget_db = {r: None if (v := feeder[r]) is None else float(v) for r in ROLES}
         if not 0.0 <= self.quantile <= 0.5:
             raise ValueError(f"probe.quantile={self.quantile} must be in [0, 0.5] (a low quantile)")
         if self.margin_db < 0:
