@@ -60,7 +60,7 @@ from loka_train.kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["layernorm_linear", "FUSED_ACTIVATIONS", "fuses_quantizer"]
+__all__ = ["layernorm_linear", "layernorm_linear_served", "FUSED_ACTIVATIONS", "fuses_quantizer"]
 
 FUSED_ACTIVATIONS = ("none", "relu", "silu")
 
@@ -95,6 +95,32 @@ def _gemm_act(plan, a_q, b_q, *, bias, activation, out_dtype, role):
         return out, (pre if activation == "silu" else None)
     z = run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias)
     return _act(z, activation), (z if activation == "silu" else None)
+
+
+def layernorm_linear_served(
+    x_MK: Tensor,
+    ln_weight: Tensor | None,
+    ln_bias: Tensor | None,
+    eps: float,
+    w_q: QTensor,
+    bias: Tensor | None,
+    plan: GemmPlan,
+    *,
+    activation: str,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The forward of :func:`layernorm_linear` with the weight quantized beforehand (``w_q``,
+    as the op's forward quantizes it): the LayerNorm kernel emits the row-wise FP8 input, the
+    GEMM takes it with ``w_q`` and applies the bias and activation in its epilogue where the
+    backend can. For inference (no autograd); ``plan`` a row-wise forward that
+    :func:`fuses_quantizer` takes, ``x_MK`` in the compute dtype."""
+    from loka_train.kernels import triton_kernels as tk
+
+    q, s, _, _, _, _ = tk.fused_rowwise_quant(
+        x_MK, fmt=plan.fmt, layernorm=True, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps,
+    )
+    h_q = QTensor(data=q, scale=s, fmt=plan.fmt, scaling=Scaling.ROWWISE, axis=1)
+    return _gemm_act(plan, h_q, w_q, bias=bias, activation=activation, out_dtype=out_dtype, role="forward")[0]
 
 
 def _act(z: Tensor, activation: str) -> Tensor:

@@ -16,7 +16,8 @@ grad-weight. Every site is an :class:`nn.Module` deriving from :class:`Site` and
   ``forward (x_MK, w_NK)``, ``grad_input (dy_MN, w_NK)``, ``grad_weight (dy_MN, x_MK)``.
   Operands are the logical (unpadded) ones.
 
-Registering sites with a Probe, and sampling them (what the LoKA callback does)::
+Registering sites with a Probe, and sampling them (what the LoKA callback does; it also
+registers ``ConvertReport.logit_feeder`` with ``probe.logit_feeder_budget_db``'s floors)::
 
     for name, site in mods.sites(model).items():
         probe.register_site(name, **site.probe_spec())
@@ -468,7 +469,11 @@ class Fp8Linear(GemmSite, nn.Linear):
 
     def forward(self, x: Tensor, *, input_relu: bool | None = None) -> Tensor:
         """``y = x W^T + b``; ``input_relu``: see :meth:`GemmSite.linear` (False where the caller
-        applied the folded ReLU itself)."""
+        applied the folded ReLU itself). A served site (``loka_train.export.serve``) called
+        without autograd takes its weight quantized once."""
+        served = self._modules.get("served")
+        if served is not None and not torch.is_grad_enabled():
+            return served(self, x, relu=self.input_relu if input_relu is None else input_relu)
         return self.linear(x, self.weight, self._active_bias(), input_relu=input_relu)
 
     def runs_fused_norm(self, x: Tensor) -> bool:
@@ -519,6 +524,10 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
+        served: Any = self._modules.get("served")
+        if served is not None and not torch.is_grad_enabled():
+            y = served.forward_layernorm(self, x, norm, activation)
+            return _act(self(norm(x)), activation) if y is None else y
         if not self._norm_quantized(x):
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in

@@ -1,0 +1,28 @@
+"""Serving what was trained: a LoKA model's dense towers for inference, and a numerics debugger.
+
+* :func:`serve` (:mod:`.serving`): every site in the precision its plan chose for the forward
+  GEMM, FP8 weights quantized once (:class:`ServeConfig`);
+* :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
+  fp32 on the same input and against a reference model, and the input's saturation.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from loka_train.kernels.plan import LinearPlan
+    >>> from loka_train.mods import ModsConfig, convert
+    >>> net = convert(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)),
+    ...               config=ModsConfig(keep_last_layer_high=True))
+    >>> served = serve(net, plans={"0": LinearPlan.fp8(backend="emulated")}, config=ServeConfig(dtype="fp32"))
+    >>> served_sites(served)["0"]
+    'fp8:e4m3/rowwise@emulated, weight quantized once'
+    >>> with torch.no_grad():
+    ...     rows = compare_sites(served, lambda m: m(torch.randn(8, 16)))
+    >>> rows[0].local_sqnr_db > 20
+    True
+"""
+
+from loka_train.export.config import ServeConfig
+from loka_train.export.debugger import SiteNumerics, compare_sites, format_numerics
+from loka_train.export.serving import ServedWeight, serve, served_sites
+
+__all__ = ["ServeConfig", "ServedWeight", "SiteNumerics", "compare_sites", "format_numerics", "serve", "served_sites"]

@@ -1,0 +1,250 @@
+"""A trained model's dense towers made ready to serve: each site in the precision its plan
+chose for the forward GEMM, FP8 weights quantized once.
+
+In inference the weights are fixed, so an FP8 site need not quantize its weight at every
+call, as its training forward does (the weight changes at every optimizer step there).
+:func:`serve` prepares a model that :func:`loka_train.mods.convert` converted (the trained one,
+with the plans Dispatch chose, or plans given) for inference, in place:
+
+* every site keeps its plan's forward GEMM (the backward roles are set to high precision:
+  nothing runs them without autograd) and stops reporting to a Probe;
+* an :class:`~loka_train.mods.site.Fp8Linear` whose forward is FP8 gets a
+  :class:`ServedWeight`: its weight's FP8 payload, quantized once as the training forward
+  quantizes it (the same quantizer, format, scaling and zero padding, from the weight rounded
+  to the compute dtype), so that a call under ``torch.no_grad()`` quantizes only its input,
+  with the kernel the training forward uses (Triton's one-pass quantizers where they run,
+  the ReLU a folded site applies taken in the cast, the LayerNorm kernel emitting the FP8
+  input where the training forward fuses it). Such a call computes what the trained site's
+  forward computes, code for code;
+* the other sites (batched ``bmm`` sites, horizontally fused ones and DCN's cross layers,
+  whose weights reach them at call time) run their training forward with the forward plan,
+  quantizing their weight at every call: :func:`served_sites` says which site runs how.
+
+A call with autograd on runs the site's training path (its weight quantized per call), so a
+served model can still be fine-tuned; a weight changed after :func:`serve` is seen only after
+serving it again. Example::
+
+    model = serve(trained_model)                # after training, or with plans=...
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model.model(dense, sparse)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from loka_train.export.config import ServeConfig
+from loka_train.kernels.formats import QTensor
+from loka_train.kernels.fused import fuses_quantizer, layernorm_linear_served
+from loka_train.kernels.linear import (
+    _compute_dtype,
+    inductor_quantizes,
+    quantize_operand,
+    run_backend,
+)
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.mods.convert import sites as find_sites
+from loka_train.mods.planned import fp8_padding
+from loka_train.mods.site import Fp8Linear, Site
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ServedWeight", "serve", "served_sites"]
+
+_X = 0
+"""Row of a site's static-scale slots that holds its input ``x`` (``kernels.static_scales``)."""
+
+
+class ServedWeight(nn.Module):
+    """One ``Fp8Linear``'s weight quantized once for its FP8 forward plan, and the forward
+    that takes it (``y = x W^T + b``, only ``x`` quantized per call).
+
+    Its buffers (``w_data``, ``w_scale``, ``bias``) are the site's state-dict entries
+    ``<site>.served.*``; the site's own parameters stay as they were.
+
+    Args:
+        site: the site, with the FP8 forward plan it will serve.
+        dtype: the compute dtype calls run in (the weight is rounded to it, then quantized).
+
+    Raises:
+        ValueError: for a high-precision forward plan.
+    """
+
+    w_data: Tensor
+    w_scale: Tensor
+    bias: Tensor | None
+
+    def __init__(self, site: Fp8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        gemm = site.plan.forward
+        if not gemm.is_fp8:
+            raise ValueError(f"{site.site_name}: ServedWeight needs an FP8 forward plan, got {gemm}")
+        self.gemm: GemmPlan = gemm
+        self.dtype = dtype
+        self.k, self.n = site.in_features, site.out_features
+        self.reference_quantizer = inductor_quantizes(site.compiled_quantizer)
+        # The zero columns of K and rows of N the backend needs at the shapes the site trained
+        # at (M only where grad-weight runs FP8, which serving never does).
+        m = site.gemm_shapes()["forward"][0] or 16
+        pad = fp8_padding(LinearPlan(forward=gemm), m, self.k, self.n, site.pad_to_multiple,
+                          site.weight.device.type, dtype, False)
+        self.pad_k, self.pad_n = (0, 0) if pad is None else (pad[1], pad[2])
+        with torch.no_grad():
+            w = F.pad(site.weight.detach().to(dtype), (0, self.pad_k, 0, self.pad_n))
+            q = quantize_operand(w, gemm.operand_b_fmt, gemm, is_weight=True,
+                                 reference_quantizer=self.reference_quantizer)
+            bias = site._active_bias()
+            b = None if bias is None else F.pad(bias.detach().to(dtype), (0, self.pad_n))
+        self.w_fmt, self.w_scaling, self.w_axis = q.fmt, q.scaling, q.axis
+        self.w_block_size, self.w_block_2d = q.block_size, q.block_2d
+        self.register_buffer("w_data", q.data)
+        self.register_buffer("w_scale", q.scale)
+        self.register_buffer("bias", b)
+
+    def weight_q(self) -> QTensor:
+        """The quantized weight, as the backends take it."""
+        return QTensor(data=self.w_data, scale=self.w_scale, fmt=self.w_fmt, scaling=self.w_scaling,
+                       axis=self.w_axis, block_size=self.w_block_size, block_2d=self.w_block_2d)
+
+    def _shape_served(self, site: Fp8Linear, x: Tensor) -> bool:
+        """Whether this call's rows take the padding the weight was quantized with (else the
+        site's training path runs, logged once and counted)."""
+        m = x.numel() // self.k if self.k else 0
+        pad = fp8_padding(LinearPlan(forward=self.gemm), m, self.k, self.n, site.pad_to_multiple,
+                          x.device.type, self.dtype, False)
+        if pad is not None and (pad[1], pad[2]) == (self.pad_k, self.pad_n):
+            return True
+        site._fallback(
+            "served_padding",
+            f"M={m} takes padding {pad} where the served weight has (K {self.pad_k}, N {self.pad_n}): "
+            "this call quantizes the weight as in training",
+        )
+        return False
+
+    def _check_dtype(self, site: Fp8Linear, x: Tensor) -> torch.dtype:
+        cdtype = _compute_dtype(x)
+        if cdtype != self.dtype:
+            raise ValueError(
+                f"{site.site_name}: served for {self.dtype} (its FP8 weight quantized from the weight in "
+                f"that dtype) but called in {cdtype}: run it under autocast to {self.dtype} (or with such "
+                "inputs), or serve it with ServeConfig(dtype=...) for this dtype"
+            )
+        return cdtype
+
+    def forward(self, site: Fp8Linear, x: Tensor, *, relu: bool) -> Tensor:
+        """``site``'s forward on ``x`` (of ``relu(x)`` with ``relu``) with the served weight."""
+        cdtype = self._check_dtype(site, x)
+        if not self._shape_served(site, x):
+            return site.linear(x, site.weight, site._active_bias(), input_relu=relu)
+        k, n = self.k, self.n
+        with torch.autocast(x.device.type, enabled=False):
+            x_MK = x.reshape(-1, k).to(cdtype)
+            if self.pad_k:
+                x_MK = F.pad(x_MK, (0, self.pad_k))
+            slots = site.static_slots
+            x_q = quantize_operand(
+                x_MK, self.gemm.fmt, self.gemm, is_weight=False, reference_quantizer=self.reference_quantizer,
+                count_fallbacks=True, static=None if slots is None else slots[_X], relu=relu,
+            )
+            y_MN = run_backend(self.gemm, x_q, self.weight_q(), out_dtype=cdtype, role="forward", bias_N=self.bias)
+        if self.pad_n:
+            y_MN = y_MN[:, :n]
+        return y_MN.reshape(*x.shape[:-1], n)
+
+    def forward_layernorm(self, site: Fp8Linear, x: Tensor, norm: nn.LayerNorm, activation: str) -> Tensor | None:
+        """``act(site(norm(x)))`` with the LayerNorm kernel emitting the FP8 input, where the
+        training forward fuses them (``Fp8Linear.forward_layernorm``); None where it does not
+        (the caller then runs the separate modules)."""
+        cdtype = self._check_dtype(site, x)
+        k = self.k
+        x_MK = x.reshape(-1, k)
+        if self.pad_k or not fuses_quantizer(self.gemm, x_MK, self.reference_quantizer):
+            return None
+        if not self._shape_served(site, x):
+            return None
+        with torch.autocast(x.device.type, enabled=False):
+            lnw = None if norm.weight is None else norm.weight.to(cdtype)
+            lnb = None if norm.bias is None else norm.bias.to(cdtype)
+            y_MN = layernorm_linear_served(
+                x_MK.to(cdtype), lnw, lnb, norm.eps, self.weight_q(), self.bias, self.gemm,
+                activation=activation, out_dtype=cdtype,
+            )
+        if self.pad_n:
+            y_MN = y_MN[:, : self.n]
+        return y_MN.reshape(*x.shape[:-1], self.n)
+
+    def extra_repr(self) -> str:
+        return f"{self.gemm}, {self.dtype}, weight {tuple(self.w_data.shape)} quantized once"
+
+
+def serve(
+    model: nn.Module, *, config: ServeConfig | None = None, plans: Mapping[str, LinearPlan] | None = None
+) -> nn.Module:
+    """Prepare `model`'s LoKA sites for inference, in place (see the module docstring); returns
+    `model`, in eval mode.
+
+    Args:
+        model: a model :func:`loka_train.mods.convert` converted (wrappers such as
+            ``DistributedModelParallel`` included), with its trained weights.
+        config: the compute dtype and whether FP8 weights are quantized once
+            (:class:`~loka_train.export.config.ServeConfig`).
+        plans: site name -> plan (the forward GEMM's is served), e.g. Dispatch's
+            ``export()`` read back with ``LinearPlan.from_dict``; default: each site's
+            current plan.
+
+    Raises:
+        ValueError: where `model` has no site, or `plans` names a site it does not have.
+    """
+    cfg = config or ServeConfig()
+    found = find_sites(model)
+    if not found:
+        raise ValueError(
+            "serve: the model has no LoKA site; convert it with loka_train.mods.convert (as the "
+            "LoKA callback does before sharding) and load its trained weights first"
+        )
+    unknown = sorted(set(plans or {}) - set(found))
+    if unknown:
+        raise ValueError(f"serve: plans name sites the model does not have: {unknown}; its sites: {sorted(found)}")
+    model.eval()
+    for name, site in found.items():
+        plan = (plans or {}).get(name, site.plan)
+        site.detach_observer()
+        site.set_sampling(False)
+        site.set_plan(LinearPlan(forward=plan.forward))
+        if "served" in site._modules:
+            del site._modules["served"]  # served before: quantized anew for this plan and dtype
+        if isinstance(site, Fp8Linear) and plan.forward.is_fp8 and cfg.quantize_weights_once:
+            site.served = ServedWeight(site, cfg.torch_dtype)
+    logger.info(
+        "serve: %d sites, %d FP8 forwards, %d with their weight quantized once (%s)",
+        len(found), sum(s.plan.forward.is_fp8 for s in found.values()),
+        sum("served" in s._modules for s in found.values()), cfg.dtype,
+    )
+    return model
+
+
+def served_sites(model: nn.Module) -> dict[str, str]:
+    """How each site of a served model runs its forward: site name -> description."""
+    out: dict[str, str] = {}
+    for name, site in find_sites(model).items():
+        gemm = site.plan.forward
+        if not gemm.is_fp8:
+            out[name] = "high precision"
+        elif "served" in site._modules:
+            out[name] = f"{gemm}, weight quantized once"
+        else:
+            out[name] = f"{gemm}, weight quantized at every call ({_why_per_call(site)})"
+    return out
+
+
+def _why_per_call(site: Site) -> str:
+    if site.kind == "bmm":
+        return "a batched GEMM of two activations"
+    if not isinstance(site, Fp8Linear):
+        return "its weight reaches it at call time"
+    return "ServeConfig.quantize_weights_once is off"

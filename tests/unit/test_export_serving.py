@@ -1,0 +1,212 @@
+"""``loka_train.export``: serving a trained model (plans carried over, FP8 weights quantized
+once, the training forward's numerics) and the numerics debugger, on the CPU (the emulated
+oracle, and the Triton kernels under the interpreter)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import loka_train.export.serving as serving_module
+from loka_train.export import ServeConfig, compare_sites, format_numerics, serve, served_sites
+from loka_train.kernels.formats import Scaling, sqnr_db
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.mods import ModsConfig, convert, sites
+from loka_train.mods.site import Fp8Linear
+from loka_train.probe import Probe, ProbeConfig
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 1))
+    return convert(net, config=ModsConfig(enabled=True))
+
+
+def _plans(backend: str, scaling: Scaling) -> dict[str, LinearPlan]:
+    return {"0": LinearPlan.fp8(backend=backend, scaling=scaling), "2": LinearPlan.fp8(backend=backend, scaling=scaling)}
+
+
+@pytest.mark.parametrize(
+    ("backend", "scaling", "dtype"),
+    [
+        ("emulated", Scaling.ROWWISE, "fp32"),
+        ("emulated", Scaling.TENSORWISE, "bf16"),
+        ("triton", Scaling.TENSORWISE, "bf16"),  # the folded ReLU in the Triton cast
+        ("triton", Scaling.ROWWISE, "bf16"),
+    ],
+)
+def test_served_outputs_are_the_training_forward_with_the_weight_quantized_once(
+    backend: str, scaling: Scaling, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trained = _mlp()
+    plans = _plans(backend, scaling)
+    for name, site in sites(trained).items():
+        site.set_plan(plans[name])
+    served = serve(copy.deepcopy(trained), config=ServeConfig(dtype=dtype), plans=plans)
+    x = torch.randn(40, 32)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    with torch.no_grad(), autocast:
+        expected = trained(x)
+    quantized: list[bool] = []
+    real = serving_module.quantize_operand
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        quantized.append(kwargs["is_weight"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(serving_module, "quantize_operand", counting)
+    with torch.no_grad(), autocast:
+        outs = [served(x) for _ in range(3)]
+    for out in outs:
+        assert torch.equal(out, expected)
+    # Three calls of two FP8 sites: six input casts, no weight cast.
+    assert quantized == [False] * 6
+    # Plans carried over (the forward's; nothing runs the backward roles), observers detached.
+    for name, site in sites(served).items():
+        assert site.plan == LinearPlan(forward=plans[name].forward) and site.observer is None
+        assert "served" in site._modules
+    assert served_sites(served) == {n: f"{plans[n].forward}, weight quantized once" for n in plans}
+    assert not served.training
+
+
+def test_the_served_payload_is_in_the_state_dict_and_a_weight_changed_later_needs_serving_again() -> None:
+    model = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="fp32"))
+    keys = set(model.state_dict())
+    assert {"0.served.w_data", "0.served.w_scale", "0.served.bias", "0.weight"} <= keys
+    assert model.state_dict()["0.served.w_data"].dtype == torch.float8_e4m3fn
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        before = model(x)
+        model[0].weight.mul_(2)
+        assert torch.equal(model(x), before)  # the payload quantized at serve time
+        serve(model, config=ServeConfig(dtype="fp32"))
+        assert not torch.equal(model(x), before)
+
+
+def test_static_scales_are_the_trained_sites_and_autograd_takes_the_training_path() -> None:
+    trained = _mlp()
+    plans = _plans("emulated", Scaling.TENSORWISE)
+    for name, site in sites(trained).items():
+        site.set_plan(plans[name])
+        assert isinstance(site, Fp8Linear)
+        site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cpu"))
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        trained(x)  # seeds the slots
+    served = serve(copy.deepcopy(trained), config=ServeConfig(dtype="fp32"))
+    with torch.no_grad():
+        assert torch.equal(served(x), trained(x))
+    xg = x.clone().requires_grad_()
+    served(xg).sum().backward()  # the training path: a gradient flows
+    assert xg.grad is not None and xg.grad.abs().sum() > 0
+
+
+def test_serving_refuses_what_it_cannot_serve() -> None:
+    with pytest.raises(ValueError, match="no LoKA site"):
+        serve(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match=r"plans name sites the model does not have: \['9'\]"):
+        serve(_mlp(), plans={"9": LinearPlan.fp8(backend="emulated")})
+    with pytest.raises(ValueError, match="choose one of"):
+        ServeConfig(dtype="fp16")
+    model = serve(_mlp(), plans=_plans("emulated", Scaling.ROWWISE))  # bf16 by default
+    with torch.no_grad(), pytest.raises(ValueError, match=r"served for torch.bfloat16 .* run it under autocast"):
+        model(torch.randn(4, 32))  # an fp32 call: other codes than the payload's
+
+
+def test_without_quantizing_once_the_training_path_serves() -> None:
+    plans = _plans("emulated", Scaling.ROWWISE)
+    model = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32", quantize_weights_once=False))
+    assert not any("served" in s._modules for s in sites(model).values())
+    assert served_sites(model)["0"].endswith("weight quantized at every call (ServeConfig.quantize_weights_once is off)")
+
+
+@pytest.mark.parametrize("backend", ["emulated", "triton"])
+def test_a_layernorm_feeding_a_served_site_is_the_training_forward(backend: str) -> None:
+    """``forward_layernorm``: where the LayerNorm kernel quantizes the FP8 input (row-wise on
+    Triton), the served site takes its output with the weight quantized once."""
+    torch.manual_seed(3)
+    norm = nn.LayerNorm(32)
+    nn.init.normal_(norm.weight)
+    nn.init.normal_(norm.bias)
+    site = Fp8Linear.from_linear(nn.Linear(32, 48), plan=LinearPlan.fp8(backend=backend))
+    site.site_name = "s"
+    holder = nn.ModuleDict({"s": site})
+    x = torch.randn(24, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = site.forward_layernorm(x, norm, activation="relu")
+        serve(holder)
+        served = site.forward_layernorm(x, norm, activation="relu")
+    assert torch.equal(served, expected)
+
+
+# ------------------------------------------------------------------------------ debugger
+def test_the_debugger_measures_each_site_against_fp32_and_the_reference() -> None:
+    plans = _plans("emulated", Scaling.TENSORWISE)
+    high = _mlp()
+    served = serve(copy.deepcopy(high), plans=plans, config=ServeConfig(dtype="fp32"))
+    serve(high, plans={n: LinearPlan() for n in plans}, config=ServeConfig(dtype="fp32"))
+    x = torch.randn(64, 32)
+    with torch.no_grad():
+        rows = compare_sites(served, lambda m: m(x), reference=high)
+        alone = compare_sites(served, lambda m: m(x))
+        ref_rows = compare_sites(high, lambda m: m(x), reference=high)
+    assert [r.site for r in rows] == ["0", "2"]  # in the order they ran
+    first, second = rows
+    # Site 0 reads the model's input: its local error is all the drift there is.
+    assert first.drift_sqnr_db == pytest.approx(first.local_sqnr_db, abs=1e-3)
+    with torch.no_grad():
+        h = served[0](x)
+        manual = sqnr_db(torch.nn.functional.linear(torch.relu(h.float()), served[2].weight, served[2].bias),
+                         served[2](h))
+    assert second.local_sqnr_db == pytest.approx(float(manual), abs=1e-3)
+    # Site 2's output carries site 0's error as well.
+    assert second.drift_sqnr_db is not None and second.drift_sqnr_db < second.local_sqnr_db
+    assert 20 < first.local_sqnr_db < 60 and first.saturated == 0.0 and first.local_max_rel_err > 0
+    assert all(r.drift_sqnr_db is None for r in alone)
+    # The reference against itself: no error anywhere (high precision is exact against fp32 here).
+    assert all(r.drift_sqnr_db == 200.0 for r in ref_rows)
+    table = format_numerics(rows)
+    assert table.splitlines()[0].startswith("site") and len(table.splitlines()) == 3
+
+
+def test_the_debugger_counts_what_a_static_scale_misses_and_what_the_cast_flushes() -> None:
+    plans = _plans("emulated", Scaling.TENSORWISE)
+    model = _mlp()
+    for name, site in sites(model).items():
+        site.set_plan(plans[name])
+        site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cpu"))
+    with torch.no_grad():
+        model(torch.randn(16, 32))  # seeds the slots at this scale
+        serve(model, config=ServeConfig(dtype="fp32"))
+        x = torch.randn(16, 32)
+        x[0, 0] = 1e4  # far beyond the seeded scale's room
+        row = compare_sites(model, lambda m: m(x))[0]
+        plain = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32"))  # dynamic scales
+        x[0, 0] = 1e6  # the tensor-wise scale follows it: most other values fall below e4m3's range
+        flushed = compare_sites(plain, lambda m: m(x))[0]
+    assert row.site == "0" and row.saturated == pytest.approx(1 / (16 * 32))
+    assert flushed.saturated == 0.0 and flushed.underflow > 0.5 and row.underflow < flushed.underflow
+
+
+def test_the_debugger_needs_sites_that_run() -> None:
+    with pytest.raises(ValueError, match="no LoKA site"):
+        compare_sites(nn.Linear(2, 2), lambda m: m(torch.randn(1, 2)))
+    with pytest.raises(ValueError, match="no site of the model ran"):
+        compare_sites(_mlp(), lambda m: None)
+    model = _mlp()
+    compare_sites(model, lambda m: m(torch.randn(2, 32)))
+    assert not any(k in s.__dict__ for s in sites(model).values() for k in ("forward", "linear"))  # unwrapped
+
+
+def test_a_probe_attached_before_serving_is_detached() -> None:
+    model = _mlp()
+    probe = Probe(ProbeConfig(every_k_steps=1))
+    for name, site in sites(model).items():
+        probe.register_site(name, **site.probe_spec())
+        site.attach_observer(probe)
+    serve(model, plans=_plans("emulated", Scaling.ROWWISE), config=ServeConfig(dtype="fp32"))
+    assert all(s.observer is None and not s.sampling for s in sites(model).values())
+    assert GemmPlan() == sites(model)["0"].plan.grad_weight
