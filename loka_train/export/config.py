@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ServeConfig"]
+__all__ = ["ExportConfig", "ServeConfig"]
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 """Values of :attr:`ServeConfig.dtype`."""
@@ -40,3 +40,40 @@ class ServeConfig:
     def torch_dtype(self) -> torch.dtype:
         """:attr:`dtype` as a ``torch.dtype``."""
         return DTYPES[self.dtype]
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    """An export of a trained run (``launch/export.py``, conf/export.yaml): the run's model and
+    plans from its checkpoint, served, evaluated against the same weights in high precision,
+    and its numerics per site.
+
+    Example:
+        >>> ExportConfig(run="runs/latest", dtype="fp32").dtype
+        'fp32'
+    """
+
+    run: str = "runs/latest"
+    """A run directory (its latest checkpoint), its ``checkpoints/`` or one ``step_*`` directory."""
+
+    out: str | None = None
+    """Where the export writes; None: ``<run directory>/export/step_<N>``."""
+
+    device: str = "cpu"
+    """Where the model is loaded and evaluated ("cpu", "cuda")."""
+
+    dtype: str | None = None
+    """The served compute dtype ("bf16", "fp32"); None: the run's ``trainer.dense_dtype``."""
+
+    quantize_weights_once: bool = True
+    """:attr:`ServeConfig.quantize_weights_once`."""
+
+    eval_batches: int | None = None
+    """Held-out batches evaluated (NE, AUC of the served model and of the high-precision one);
+    None: the run's ``trainer.eval_batches``. The first one is the numerics debugger's."""
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"export dtype={self.dtype!r}: choose one of {sorted(DTYPES)} (or null: the run's)")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"export eval_batches={self.eval_batches} must be >= 1")

@@ -237,14 +237,14 @@ def served_sites(model: nn.Module) -> dict[str, str]:
             out[name] = "high precision"
         elif "served" in site._modules:
             out[name] = f"{gemm}, weight quantized once"
+        elif site.kind == "bmm":
+            out[name] = f"{gemm}, two activations quantized at every call"
         else:
             out[name] = f"{gemm}, weight quantized at every call ({_why_per_call(site)})"
     return out
 
 
 def _why_per_call(site: Site) -> str:
-    if site.kind == "bmm":
-        return "a batched GEMM of two activations"
     if not isinstance(site, Fp8Linear):
         return "its weight reaches it at call time"
     return "ServeConfig.quantize_weights_once is off"

@@ -26,6 +26,7 @@ SHELL = [code for lang, code in BLOCKS if lang in ("bash", "sh")]
 ENTRY_POINTS = {
     "./scripts/train.sh": "launch/train.py",
     "./scripts/ledger.sh": "launch/train.py",
+    "./scripts/export.sh": "launch/export.py",
     "./scripts/test.sh": None,
 }
 """README commands -> the hydra entry point they run (None: no overrides to check)."""
@@ -74,6 +75,13 @@ def test_shell_command_exists_and_its_overrides_compose(cmd: list[str]) -> None:
     else:
         pytest.fail(f"README command {' '.join(cmd)!r}: add its program to this test")
     assert script.exists(), f"README names {script}, which does not exist"
+    if entry == "launch/export.py":
+        from launch.export import ExportConfig  # registers conf/export.yaml's schema
+
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="export", overrides=_overrides(cmd))
+        assert isinstance(OmegaConf.to_object(cfg), ExportConfig)
+        return
     if entry != "launch/train.py":
         return
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -1,0 +1,83 @@
+"""Export a trained run for inference: `python launch/export.py run=<run directory> [overrides]`.
+
+Composes conf/export.yaml (``loka_train.export.ExportConfig``) and the run's own config
+(``<run directory>/config.yaml``, checked against ``JobConfig``), then runs
+``loka_train.export.export_run``: the run's model and plans from its checkpoint, served, evaluated
+next to the same weights in high precision, its numerics per site, written to
+``<run directory>/export/step_<N>/`` (or ``out=``). A failure prints one ``error: ...`` line
+naming the fix and exits 2 (a config or checkpoint error) or 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from loka_train.export.config import ExportConfig
+from loka_train.export.run import export_run
+from loka_train.job import JobConfig
+from loka_train.runtime.checkpoint import CheckpointError
+from loka_train.runtime.rundirs import find_checkpoint
+
+ConfigStore.instance().store(name="export_schema", node=ExportConfig)
+
+USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError)
+
+
+def run_config(run: str) -> JobConfig:
+    """The JobConfig of the run whose checkpoint `run` means (its ``config.yaml``)."""
+    checkpoint = find_checkpoint(Path(run))
+    if checkpoint is None:
+        raise CheckpointError(
+            f"run={run}: no checkpoint there; give a run directory (runs/<run>) whose training saved "
+            "one (trainer.checkpoint_at_end or trainer.checkpoint_every), or its checkpoints/step_* directory"
+        )
+    path = checkpoint.parent.parent / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the export rebuilds the model from the run's own config")
+    try:
+        job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.load(path)))
+    except OmegaConfBaseException as exc:
+        raise ValueError(
+            f"{path} does not fit this loka_train's JobConfig ({str(exc).splitlines()[0]}): the run was "
+            "trained by another version; export it with that version, or edit that key in a copy of the run"
+        ) from exc
+    assert isinstance(job, JobConfig)
+    return job
+
+
+def report(summary: dict) -> str:
+    """The export's summary as lines for the console."""
+    m = summary["metrics"]
+    lines = [
+        f"export of {summary['checkpoint']} (step {summary['step']}) -> {summary['out']}",
+        f"  served ({summary['serve']['dtype']}): NE {m['served']['ne']:.5f}, AUC {m['served']['auc']:.4f}; "
+        f"same weights in high precision: NE {m['high']['ne']:.5f}, AUC {m['high']['auc']:.4f} "
+        f"({summary['ne_delta_rel_vs_high']:+.4%} NE) on {summary['eval_samples']} held-out samples",
+    ]
+    fp8 = [name for name, how in summary["sites"].items() if how.startswith("fp8")]
+    lines.append(f"  {len(fp8)} of {len(summary['sites'])} sites serve an FP8 forward; per site: numerics.md")
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        export = OmegaConf.to_object(cfg)
+        assert isinstance(export, ExportConfig)
+        summary = export_run(run_config(export.run), export)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(report(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

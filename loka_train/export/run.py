@@ -1,0 +1,109 @@
+"""An export of a trained run, what ``launch/export.py`` runs: the run's model and plans from
+its checkpoint (:func:`~loka_train.export.load_trained`), served
+(:func:`~loka_train.export.serve`), evaluated on held-out batches next to the same weights in
+high precision, its numerics per site on the first batch
+(:func:`~loka_train.export.compare_sites`), written to a directory:
+
+* ``export.json``: the checkpoint and step, every site's plan and how it is served, NE, AUC and
+  calibration of the served and of the high-precision model and their NE difference, the
+  numerics rows;
+* ``numerics.md``: the debugger's table;
+* ``served.pt``: the served model's state dict (the FP8 weight payloads ``<site>.served.*``
+  included), its plans and serve config: :func:`load_trained` and :func:`serve` rebuild the
+  same model from the checkpoint, and this state dict loads into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loka_train.data import make_dataset
+from loka_train.data.metrics import auc, calibration, normalized_entropy
+from loka_train.export.config import ExportConfig, ServeConfig
+from loka_train.export.debugger import compare_sites, format_numerics
+from loka_train.export.load import load_trained
+from loka_train.export.serving import serve, served_sites
+from loka_train.job import JobConfig
+from loka_train.kernels.plan import LinearPlan
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["export_run"]
+
+
+def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
+    """Export the run `job` describes as `cfg` says (see the module docstring); returns the
+    summary written to ``export.json``.
+
+    Args:
+        job: the run's config (its ``config.yaml``).
+        cfg: what to export, where, in which dtype.
+
+    Raises:
+        CheckpointError: no checkpoint at ``cfg.run``, or not this job's.
+    """
+    device = torch.device(cfg.device)
+    dtype = cfg.dtype or job.trainer.dense_dtype
+    serve_cfg = ServeConfig(dtype=dtype, quantize_weights_once=cfg.quantize_weights_once)
+    trained = load_trained(job, cfg.run, device=device)
+    high = load_trained(job, trained.checkpoint, device=device)
+    if trained.plans:
+        serve(trained.model, plans=trained.plans, config=serve_cfg)
+        serve(high.model, plans={name: LinearPlan() for name in high.plans}, config=serve_cfg)
+    data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=job.trainer.batch_size)
+    batches = [b.to(device) for b in data.batches(0, cfg.eval_batches or job.trainer.eval_batches)]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+    metrics = {"served": _evaluate(trained.model, batches, autocast), "high": _evaluate(high.model, batches, autocast)}
+    rows = []
+    if trained.plans:
+        with torch.no_grad(), autocast:
+            rows = compare_sites(trained.model, lambda m: m(batches[0]), reference=high.model)
+    out = Path(cfg.out) if cfg.out else trained.checkpoint.parent.parent / "export" / trained.checkpoint.name
+    out.mkdir(parents=True, exist_ok=True)
+    ne_delta = metrics["served"]["ne"] / metrics["high"]["ne"] - 1 if metrics["high"]["ne"] else float("nan")
+    summary: dict[str, Any] = {
+        "checkpoint": str(trained.checkpoint),
+        "step": trained.step,
+        "serve": dataclasses.asdict(serve_cfg),
+        "device": str(device),
+        "eval_batches": len(batches),
+        "eval_samples": sum(int(b.labels.numel()) for b in batches),
+        "metrics": metrics,
+        "ne_delta_rel_vs_high": ne_delta,
+        "sites": served_sites(trained.model) if trained.plans else {},
+        "plans": {name: plan.to_dict() for name, plan in trained.plans.items()},
+        "numerics": [r.to_dict() for r in rows],
+        "out": str(out),
+    }
+    (out / "export.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "numerics.md").write_text(
+        f"# Numerics per site: {trained.checkpoint} (step {trained.step}), first eval batch, {dtype}\n\n"
+        + (format_numerics(rows) if rows else "LoKA was off in this run: no site") + "\n"
+    )
+    torch.save(
+        {"state_dict": trained.model.state_dict(), "plans": summary["plans"], "serve": summary["serve"],
+         "checkpoint": summary["checkpoint"], "step": trained.step},
+        out / "served.pt",
+    )
+    logger.info("export: %s -> %s (NE %.5f served, %.5f high precision)", trained.checkpoint, out,
+                metrics["served"]["ne"], metrics["high"]["ne"])
+    return summary
+
+
+def _evaluate(model: nn.Module, batches: list[Any], autocast: torch.autocast) -> dict[str, float]:
+    """NE, AUC and calibration of `model` (``RecTrainModel``) on `batches`, without autograd."""
+    logits, labels = [], []
+    with torch.no_grad(), autocast:
+        for batch in batches:
+            _, (_, logits_B, labels_B) = model(batch)
+            logits.append(logits_B.float())
+            labels.append(labels_B.float())
+    lg, lb = torch.cat(logits).cpu(), torch.cat(labels).cpu()
+    return {"ne": normalized_entropy(lg, lb), "auc": auc(lg, lb), "calibration": calibration(lg, lb)}

@@ -1,0 +1,136 @@
+"""``loka_train.export.load_trained``: a run's checkpoint read back unsharded with its LoKA plans,
+served, and evaluated to the run's own closing NE (one CPU process, emulated FP8)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from loka_train.data import DataConfig, make_dataset
+from loka_train.data.metrics import normalized_entropy
+from loka_train.export import ExportConfig, ServeConfig, load_trained, serve, served_sites
+from loka_train.export.run import export_run
+from loka_train.job import JobConfig, run_job
+from loka_train.kernels.plan import LinearPlan
+from loka_train.models.config import ModelConfig
+from loka_train.plugin.config import LokaConfig
+from loka_train.runtime.checkpoint import CheckpointError
+from loka_train.runtime.config import TrainerConfig
+
+
+def _job(out_dir: Path) -> JobConfig:
+    return JobConfig(
+        model=ModelConfig(kind="dlrm", embedding_dim=8, dense_arch_layer_sizes=[32, 8],
+                          over_arch_layer_sizes=[64, 32, 1]),
+        data=DataConfig(kind="synthetic", num_embeddings=200, chunk_size=32),
+        trainer=TrainerConfig(steps=12, batch_size=64, device="cpu", eval_batches=2, log_every=12,
+                              out_dir=str(out_dir), checkpoint_at_end=True, tensorboard=False,
+                              progress_bar=False, dense_lr=0.1, sparse_lr=0.1),
+        # Every site sampled every step and a re-plan every 4 steps, so the run ends with FP8
+        # plans; dynamic scales, which a served site takes (static scales are training state).
+        loka=LokaConfig.preset("aggressive", probe={"every_k_steps": 1, "interval": 4, "min_samples": 2},
+                               mods={"static_scales": False}),
+    )
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[JobConfig, Path, dict]:
+    out = tmp_path_factory.mktemp("runs")
+    job = _job(out)
+    summary = run_job(job)
+    # launch/train.py writes the composed config there (run_job alone does not).
+    (out / "latest" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    return job, out / "latest", summary
+
+
+def _eval_ne(job: JobConfig, model: torch.nn.Module) -> float:
+    data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=job.trainer.batch_size)
+    logits, labels = [], []
+    with torch.no_grad():
+        for batch in data.batches(0, job.trainer.eval_batches):
+            _, (_, logits_B, labels_B) = model(batch)
+            logits.append(logits_B.float())
+            labels.append(labels_B.float())
+    return normalized_entropy(torch.cat(logits), torch.cat(labels))
+
+
+def test_a_run_is_served_with_its_plans_and_evaluates_to_its_own_ne(trained_run) -> None:  # type: ignore[no-untyped-def]
+    job, run, summary = trained_run
+    trained = load_trained(job, run)
+    report = json.loads((run / "loka" / "loka_report.json").read_text())
+    assert trained.step == 12 and trained.checkpoint.name == "step_00000012"
+    # The plans Dispatch held at the end, site by site.
+    assert {n: {r: str(getattr(p, r)) for r in ("forward", "grad_input", "grad_weight")}
+            for n, p in trained.plans.items()} == {
+        n: {r: e["plan"] for r, e in roles.items()} for n, roles in report["sites"].items()}
+    fp8 = [n for n, p in trained.plans.items() if p.forward.is_fp8]
+    assert fp8, "the run should end with FP8 forwards"
+    served = serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="fp32"))
+    assert all(served_sites(served)[n].endswith("weight quantized once") for n in fp8
+               if served_sites(served)[n].startswith("fp8") and "bmm" not in n)
+    # Its forward is the trained model's: the run's closing evaluation, to the last bit.
+    assert _eval_ne(job, served) == pytest.approx(summary["eval/ne"], rel=1e-6)
+    # All-high plans on the same weights give another NE: the plans carried over matter.
+    high = load_trained(job, run)
+    serve(high.model, plans={n: LinearPlan() for n in high.plans}, config=ServeConfig(dtype="fp32"))
+    assert _eval_ne(job, high.model) != _eval_ne(job, served)
+
+
+def test_a_checkpoint_of_another_job_or_none_is_refused_with_the_fix(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    job, run, _ = trained_run
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        load_trained(job, tmp_path)
+    wider = replace(job, model=replace(job.model, over_arch_layer_sizes=[128, 32, 1]))
+    with pytest.raises(CheckpointError, match="does not hold this job's model"):
+        load_trained(wider, run)
+
+
+def test_the_export_job_writes_what_it_measured_and_its_state_dict_serves_again(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from launch.export import report, run_config
+
+    job, run, summary = trained_run
+    read = run_config(str(run))  # the run's own config.yaml, read back
+    assert (read.model, read.data, read.trainer, read.loka.mods) == (job.model, job.data, job.trainer, job.loka.mods)
+    out = tmp_path / "export"
+    result = export_run(job, ExportConfig(run=str(run), out=str(out)))  # the run's dtype: fp32
+    assert result["serve"]["dtype"] == "fp32" and result["step"] == 12
+    assert result["metrics"]["served"]["ne"] == pytest.approx(summary["eval/ne"], rel=1e-6)
+    assert result["metrics"]["served"]["ne"] != result["metrics"]["high"]["ne"]
+    assert json.loads((out / "export.json").read_text())["metrics"] == result["metrics"]
+    names = {r["site"] for r in result["numerics"]}
+    assert names and names <= set(result["sites"]) and "local SQNR dB" in (out / "numerics.md").read_text()
+    assert "NE" in report(result) and str(out) in report(result)
+    # served.pt loads into the model load_trained and serve rebuild, and computes the same.
+    saved = torch.load(out / "served.pt", weights_only=False)
+    again = load_trained(job, run)
+    serve(again.model, plans={n: LinearPlan.from_dict(p) for n, p in saved["plans"].items()},
+          config=ServeConfig(**saved["serve"]))
+    again.model.load_state_dict(saved["state_dict"])
+    assert any(k.endswith(".served.w_data") for k in saved["state_dict"])
+    data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=job.trainer.batch_size)
+    batch = next(iter(data.batches(0, 1)))
+    fresh = load_trained(job, run)
+    serve(fresh.model, plans=fresh.plans, config=ServeConfig(dtype="fp32"))
+    with torch.no_grad():
+        assert torch.equal(again.model(batch)[1][1], fresh.model(batch)[1][1])
+
+
+def test_a_run_config_from_another_version_names_the_fix(tmp_path: Path, trained_run) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    from launch.export import run_config
+
+    _, run, _ = trained_run
+    copy = tmp_path / "run"
+    shutil.copytree(run.resolve(), copy)
+    text = (copy / "config.yaml").read_text().replace("trainer:\n", "trainer:\n  retired_field: 1\n", 1)
+    (copy / "config.yaml").write_text(text)
+    with pytest.raises(ValueError, match="does not fit this loka_train's JobConfig .*retired_field"):
+        run_config(str(copy))
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        run_config(str(tmp_path / "nothing"))
