@@ -5,6 +5,8 @@
 * :func:`load_trained` (:mod:`.load`): a run's model and plans from its checkpoint, unsharded;
 * :func:`~loka_train.export.run.export_run` (:mod:`.run`, ``launch/export.py``): a run's
   export (served, evaluated against high precision, numerics per site) written to a directory;
+* :class:`Monitor` (:mod:`.monitor`): a served model's requests, with each FP8 site's SQNR
+  watched on a sampled fraction and a site flagged when it turns unsafe;
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 
@@ -24,12 +26,13 @@ Example:
     True
 """
 
-from loka_train.export.config import ExportConfig, ServeConfig
+from loka_train.export.config import ExportConfig, MonitorConfig, ServeConfig
 from loka_train.export.debugger import SiteNumerics, compare_sites, format_numerics
 from loka_train.export.load import TrainedModel, load_trained
+from loka_train.export.monitor import Monitor
 from loka_train.export.serving import ServedWeight, serve, served_sites
 
 __all__ = [
-    "ExportConfig", "ServeConfig", "ServedWeight", "SiteNumerics", "TrainedModel", "compare_sites", "format_numerics", "load_trained",
+    "ExportConfig", "Monitor", "MonitorConfig", "ServeConfig", "ServedWeight", "SiteNumerics", "TrainedModel", "compare_sites", "format_numerics", "load_trained",
     "serve", "served_sites",
 ]

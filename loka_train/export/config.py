@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ExportConfig", "ServeConfig"]
+__all__ = ["ExportConfig", "MonitorConfig", "ServeConfig"]
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 """Values of :attr:`ServeConfig.dtype`."""
@@ -77,3 +77,41 @@ class ExportConfig:
             raise ValueError(f"export dtype={self.dtype!r}: choose one of {sorted(DTYPES)} (or null: the run's)")
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"export eval_batches={self.eval_batches} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class MonitorConfig:
+    """How :class:`~loka_train.export.monitor.Monitor` watches a served model.
+
+    Example:
+        >>> MonitorConfig(every=1000, floor_db=24.0).quantile
+        0.1
+    """
+
+    every: int = 100
+    """Measure one request in `every` (1: every request)."""
+
+    window: int = 16
+    """Sampled requests per site in the rolling window."""
+
+    min_samples: int = 4
+    """Samples a site needs before it is judged."""
+
+    quantile: float = 0.1
+    """The window's low quantile compared to the floor (as ``probe.quantile``)."""
+
+    floor_db: float = 18.0
+    """SQNR floor of a served FP8 forward (the aggressive preset's forward budget; safe's is 24)."""
+
+    margin_db: float = 1.0
+    """A flagged site is cleared only at ``floor + margin_db`` (hysteresis, as ``probe.margin_db``)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.window < 1:
+            raise ValueError(f"monitor every={self.every} and window={self.window} must be >= 1")
+        if not 1 <= self.min_samples <= self.window:
+            raise ValueError(f"monitor min_samples={self.min_samples} must be in [1, window={self.window}]")
+        if not 0.0 <= self.quantile <= 0.5:
+            raise ValueError(f"monitor quantile={self.quantile} must be in [0, 0.5] (a low quantile)")
+        if self.margin_db < 0:
+            raise ValueError(f"monitor margin_db={self.margin_db} must be >= 0")

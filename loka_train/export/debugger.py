@@ -4,8 +4,9 @@
 batch) and, for every site that runs, measures:
 
 * **local error**: the site's output against the same GEMM in fp32 on the *same* input (the
-  LayerNorm, ReLU and bias it applies included), as SQNR in dB and as the largest error
-  relative to the output's largest magnitude: what this site's FP8 costs by itself;
+  LayerNorm, ReLU and bias it applies included), as SQNR in dB (of the whole output, and the
+  10% quantile over its rows, the samples) and as the largest error relative to the output's
+  largest magnitude: what this site's FP8 costs by itself;
 * **saturation and underflow** of the site's FP8 input (``x``, or ``a`` of a batched site): the
   fraction beyond what its static scale represents (such a tensor is cast with its dynamic
   scale instead, and counted), and the fraction of nonzero values its cast flushes to zero;
@@ -36,12 +37,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loka_train.kernels import static_scales
-from loka_train.kernels.formats import QTensor, Scaling, dequantize, sqnr_db
+from loka_train.kernels.formats import SQNR_CAP_DB, QTensor, Scaling, dequantize, sqnr_db
 from loka_train.kernels.linear import quantize_operand
 from loka_train.mods.convert import sites as find_sites
 from loka_train.mods.site import Fp8Linear, GemmSite, Site
 
-__all__ = ["SiteNumerics", "compare_sites", "format_numerics"]
+__all__ = ["SiteNumerics", "compare_sites", "format_numerics", "low_quantile", "row_sqnr_db"]
+
+ROW_QUANTILE = 0.1
+"""The low quantile of the rows' SQNR that :class:`SiteNumerics` reports (the Probe's default)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ class SiteNumerics:
     """The forward plan the site ran."""
     local_sqnr_db: float
     """Its output against the same GEMM in fp32 on the same input (200 dB: identical)."""
+    local_row_sqnr_low_db: float
+    """The 10% quantile of that SQNR over the output's rows (samples): a few samples whose
+    inputs the cast flushes or clips show here where the whole output's SQNR hides them."""
     local_max_rel_err: float
     """Largest absolute error against that fp32 output, over the fp32 output's largest magnitude."""
     saturated: float
@@ -119,6 +126,7 @@ def compare_sites(
                 site=name,
                 plan=str(found[name].plan.forward),
                 local_sqnr_db=float(sqnr_db(ref32, out32)),
+                local_row_sqnr_low_db=low_quantile(row_sqnr_db(ref32, out32), ROW_QUANTILE),
                 local_max_rel_err=err / peak if peak > 0 else (0.0 if err == 0 else math.inf),
                 saturated=call.saturated,
                 underflow=call.underflow,
@@ -130,10 +138,12 @@ def compare_sites(
 
 def format_numerics(rows: list[SiteNumerics]) -> str:
     """The rows of :func:`compare_sites` as a fixed-width table, lowest local SQNR first."""
-    head = ("site", "forward plan", "local SQNR dB", "max rel err", "saturated", "underflow", "drift SQNR dB")
+    head = ("site", "forward plan", "local SQNR dB", "rows q10 dB", "max rel err", "saturated", "underflow",
+            "drift SQNR dB")
     body = [
         (
-            r.site, r.plan, f"{r.local_sqnr_db:.1f}", f"{r.local_max_rel_err:.2e}", f"{r.saturated:.2%}",
+            r.site, r.plan, f"{r.local_sqnr_db:.1f}", f"{r.local_row_sqnr_low_db:.1f}", f"{r.local_max_rel_err:.2e}",
+            f"{r.saturated:.2%}",
             f"{r.underflow:.2%}",
             "-" if r.drift_sqnr_db is None else f"{r.drift_sqnr_db:.1f}",
         )
@@ -142,6 +152,25 @@ def format_numerics(rows: list[SiteNumerics]) -> str:
     table = [head, *body]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
+
+
+def row_sqnr_db(ref: Tensor, out: Tensor) -> Tensor:
+    """SQNR in dB of every row (every sample, the last dim the features) of `out` against
+    `ref`, fp32 on their device; an exact row gives ``SQNR_CAP_DB``."""
+    n = ref.shape[-1] if ref.ndim else 1
+    ref32, out32 = ref.detach().float().reshape(-1, n), out.detach().float().reshape(-1, n)
+    signal = torch.linalg.vector_norm(ref32, dim=1)
+    noise = torch.linalg.vector_norm(ref32 - out32, dim=1)
+    sqnr = 20 * torch.log10(signal / noise)
+    return torch.where(noise == 0, torch.full_like(sqnr, SQNR_CAP_DB), sqnr)
+
+
+def low_quantile(values: Tensor, q: float) -> float:
+    """The `q` quantile of `values` (the lower one of two neighbours), NaN where it is empty."""
+    if values.numel() == 0:
+        return math.nan
+    ordered = values.flatten().sort().values
+    return float(ordered[min(ordered.numel() - 1, int(q * ordered.numel()))])
 
 
 # ----------------------------------------------------------------------------- capture

@@ -189,6 +189,8 @@ def test_the_debugger_counts_what_a_static_scale_misses_and_what_the_cast_flushe
         flushed = compare_sites(plain, lambda m: m(x))[0]
     assert row.site == "0" and row.saturated == pytest.approx(1 / (16 * 32))
     assert flushed.saturated == 0.0 and flushed.underflow > 0.5 and row.underflow < flushed.underflow
+    # The outlier's row dominates the output: its SQNR stays high, the other rows' collapses.
+    assert flushed.local_row_sqnr_low_db < 10 < flushed.local_sqnr_db
 
 
 def test_the_debugger_needs_sites_that_run() -> None:
@@ -210,3 +212,46 @@ def test_a_probe_attached_before_serving_is_detached() -> None:
     serve(model, plans=_plans("emulated", Scaling.ROWWISE), config=ServeConfig(dtype="fp32"))
     assert all(s.observer is None and not s.sampling for s in sites(model).values())
     assert GemmPlan() == sites(model)["0"].plan.grad_weight
+
+
+# ------------------------------------------------------------------------------- monitor
+def test_the_monitor_flags_a_site_whose_numerics_turn_unsafe_and_clears_it() -> None:
+    from loka_train.export import Monitor, MonitorConfig
+
+    model = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="fp32"))
+    monitor = Monitor(model, MonitorConfig(every=2, window=4, min_samples=2, floor_db=20.0), floors={"2": 15.0})
+    torch.manual_seed(1)
+    calm = [torch.randn(64, 32) for _ in range(8)]
+    with torch.no_grad():
+        outs = [monitor(lambda m, x=x: m(x)) for x in calm]
+        assert torch.equal(outs[0], model(calm[0]))  # the model's own output
+        assert monitor.num_calls == 8 and monitor.num_samples == 4 and not monitor.flagged
+        report = monitor.report()["sites"]
+        assert report["0"]["floor_db"] == 20.0 and report["2"]["floor_db"] == 15.0
+        assert report["0"]["samples"] == 4 and report["0"]["drift_db"] == pytest.approx(0.0)
+        assert report["0"]["sqnr_low_db"] > 25
+        # Traffic drifts: one sample per request carries a feature 10^6 times its training
+        # scale. Site 0's tensor-wise cast scales to it, and the other samples' inputs fall
+        # below e4m3's range: their outputs are lost, which the whole output's SQNR hides.
+        for x in calm:
+            x[0, 0] = 1e6
+            monitor(lambda m, x=x: m(x))
+        assert "0" in monitor.flagged and "< floor 20.0 dB" in monitor.flagged["0"] and monitor.num_flags >= 1
+        drifted = monitor.report()["sites"]["0"]
+        assert drifted["unsafe"] and drifted["drift_db"] < -10
+        for x in calm:
+            x[0, 0] = 0.5
+            monitor(lambda m, x=x: m(x))
+            monitor(lambda m, x=x: m(x))
+    assert "0" not in monitor.flagged  # back above the floor (by the margin) over a full window
+
+
+def test_the_monitor_needs_fp8_sites() -> None:
+    from loka_train.export import Monitor, MonitorConfig
+
+    with pytest.raises(ValueError, match="no site with an FP8 forward"):
+        Monitor(serve(_mlp(), config=ServeConfig(dtype="fp32")))
+    with pytest.raises(ValueError, match=r"floors name sites without an FP8 forward: \['9'\]"):
+        Monitor(serve(_mlp(), plans=_plans("emulated", Scaling.ROWWISE)), floors={"9": 1.0})
+    with pytest.raises(ValueError, match="min_samples"):
+        MonitorConfig(window=4, min_samples=5)
