@@ -50,7 +50,8 @@ class TrainedModel:
     """The run's model (``RecTrainModel``: ``model.model(dense, sparse) -> logits``), converted
     as the run converted it, with the checkpoint's weights, in eval mode."""
     plans: dict[str, LinearPlan]
-    """Site name -> the plan Dispatch held at the checkpoint's step (empty: LoKA was off)."""
+    """Site name -> the plan Dispatch held at the checkpoint's step (empty: the job's LoKA is
+    off, so the model has no site)."""
     checkpoint: Path
     """The ``step_*`` directory read."""
     step: int
@@ -109,10 +110,17 @@ def _plans(checkpoint: Path, names: set[str]) -> dict[str, LinearPlan]:
     rank0 = checkpoint / "rank_0.pt"
     if not rank0.is_file():
         raise CheckpointError(f"{checkpoint}: rank_0.pt is missing; the checkpoint is incomplete")
+    if not names:  # a model loaded without LoKA's sites (loka off): its plans mean nothing here
+        return {}
     local = torch.load(rank0, map_location="cpu", weights_only=False)
     loka = local.get("callbacks", {}).get(LOKA_STATE) or {}
     saved = loka.get("dispatch", {}).get("plans", {})
-    if set(saved) != names and (saved or names):
+    if not saved:
+        raise CheckpointError(
+            f"{checkpoint}: the run trained without LoKA (its checkpoint holds no plans); load it with the "
+            "run's own config (loka off), or convert and serve the loaded model with plans of your own"
+        )
+    if set(saved) != names:
         raise CheckpointError(
             f"{checkpoint}: its LoKA plans name the sites {sorted(saved)[:4]}..., this model's are "
             f"{sorted(names)[:4]}...; load it with the run's own loka.mods"
