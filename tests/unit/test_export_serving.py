@@ -255,3 +255,15 @@ def test_the_monitor_needs_fp8_sites() -> None:
         Monitor(serve(_mlp(), plans=_plans("emulated", Scaling.ROWWISE)), floors={"9": 1.0})
     with pytest.raises(ValueError, match="min_samples"):
         MonitorConfig(window=4, min_samples=5)
+
+
+@pytest.mark.parametrize("scaling", [Scaling.ROWWISE, Scaling.TENSORWISE])
+def test_a_served_model_compiles_and_computes_what_it_computes_eagerly(scaling: Scaling) -> None:
+    torch._dynamo.reset()
+    model = serve(_mlp(), plans=_plans("triton", scaling), config=ServeConfig(dtype="bf16"))
+    compiled = torch.compile(model)
+    x = torch.randn(32, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model(x)
+        out = compiled(x)
+    assert torch.equal(eager, out)  # the FP8 casts and GEMMs are opaque ops: the same kernels
