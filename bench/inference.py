@@ -17,8 +17,9 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
   quantized once).
 
 For each batch size: ``--warmup`` calls, then ``--iters`` timed forwards on held-out batches
-(``torch.no_grad``, bf16 autocast; on CUDA each call between two events, synchronised, so
-latency is per call): p50 and p99 latency and throughput (batch / p50). NE and AUC of each
+(``torch.no_grad``, bf16 autocast; each call timed on the host between two device
+synchronisations, so latency is per call): p50 and p99 latency (with 50 calls, the p99 is the
+slowest) and throughput (batch / p50). NE and AUC of each
 variant on ``--eval-batches`` held-out batches of the first batch size. Writes
 ``inference.json`` and ``inference.md`` under ``--out``.
 """
@@ -130,7 +131,8 @@ def _torchao(model: nn.Module) -> str:
         return (isinstance(module, nn.Linear) and fqn != last
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
-    model.to(torch.bfloat16)
+    for _, linear in linears:  # the dense layers only: the embedding tables stay as trained
+        linear.to(torch.bfloat16)
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=fits)
     return ""
 

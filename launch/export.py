@@ -31,14 +31,15 @@ USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError)
 
 
 def run_config(run: str) -> JobConfig:
-    """The JobConfig of the run whose checkpoint `run` means (its ``config.yaml``)."""
+    """The JobConfig of the run whose checkpoint `run` means (its ``config.yaml``, or the
+    ``config.resumed_<step>.yaml`` it resumed with before that checkpoint)."""
     checkpoint = find_checkpoint(Path(run))
     if checkpoint is None:
         raise CheckpointError(
             f"run={run}: no checkpoint there; give a run directory (runs/<run>) whose training saved "
             "one (trainer.checkpoint_at_end or trainer.checkpoint_every), or its checkpoints/step_* directory"
         )
-    path = checkpoint.parent.parent / "config.yaml"
+    path = _config_of(checkpoint)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: the export rebuilds the model from the run's own config")
     try:
@@ -50,6 +51,20 @@ def run_config(run: str) -> JobConfig:
         ) from exc
     assert isinstance(job, JobConfig)
     return job
+
+
+def _config_of(checkpoint: Path) -> Path:
+    """The config the run had when it wrote `checkpoint`: the newest ``config.resumed_<step>.yaml``
+    (launch/train.py writes one when a resumed run changed settings) at or before its step,
+    else ``config.yaml``."""
+    run = checkpoint.parent.parent
+    step = int(checkpoint.name.rsplit("_", 1)[-1])
+    resumed = sorted(
+        (int(p.stem.rsplit("_", 1)[-1]), p) for p in run.glob("config.resumed_*.yaml")
+        if p.stem.rsplit("_", 1)[-1].isdigit()
+    )
+    earlier = [p for s, p in resumed if s <= step]
+    return earlier[-1] if earlier else run / "config.yaml"
 
 
 def report(summary: dict) -> str:

@@ -59,8 +59,9 @@ class ExportConfig:
     out: str | None = None
     """Where the export writes; None: ``<run directory>/export/step_<N>``."""
 
-    device: str = "cpu"
-    """Where the model is loaded and evaluated ("cpu", "cuda")."""
+    device: str | None = None
+    """Where the model is loaded and evaluated ("cpu", "cuda"); None: the device the run trained
+    on (its ``trainer.device``), where its plans' backends run."""
 
     dtype: str | None = None
     """The served compute dtype ("bf16", "fp32"); None: the run's ``trainer.dense_dtype``."""

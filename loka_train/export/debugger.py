@@ -88,9 +88,10 @@ class _Call:
 def compare_sites(
     model: nn.Module, run: Callable[[nn.Module], object], *, reference: nn.Module | None = None
 ) -> list[SiteNumerics]:
-    """Run ``run(model)`` (and ``run(reference)``) once and measure every site that ran (see
-    the module docstring), in the order the sites first ran. Nothing is changed: the models run
-    as they are (call it under ``torch.no_grad()`` and the autocast the model serves under).
+    """Run ``run(model)`` (and ``run(reference)``) once and measure the first call of every site
+    that ran (see the module docstring), in the order the sites first ran. The models run as
+    they are (call it under ``torch.no_grad()`` and the autocast the model serves under): like
+    any call, it may re-seed a static-scale slot that does not fit the batch.
 
     Args:
         model: a model with LoKA sites (served with :func:`~loka_train.export.serve`, or not).
@@ -176,7 +177,7 @@ def low_quantile(values: Tensor, q: float) -> float:
 # ----------------------------------------------------------------------------- capture
 def _static_scale(site: Site) -> float:
     """The site's static scale of ``x`` (0: none, or not seeded yet)."""
-    slots = getattr(site, "static_slots", None)
+    slots = site.static_slots
     if slots is None or site.plan.forward.scaling is not Scaling.TENSORWISE:
         return 0.0
     return float(slots[0, static_scales.SCALE])
@@ -193,9 +194,18 @@ def _input_fractions(site: Site, x: Tensor, static_scale: float) -> tuple[float,
     saturated = 0.0
     if static_scale > 0:
         saturated = float((x_2d.abs() > gemm.fmt.max * static_scale).float().mean())
-    q: QTensor = quantize_operand(x_2d, gemm.fmt, gemm, is_weight=False, reference_quantizer=True)
+    if static_scale > 0:
+        # The cast the call ran: the static scale where the tensor fits it (a copy of the slot).
+        assert site.static_slots is not None  # a static scale was read from them
+        slot = site.static_slots[0].clone()
+        slot[static_scales.SCALE] = static_scale
+        codes, scale = static_scales.quantize_static_reference(x_2d, slot, gemm.fmt)
+        dequantized = codes.float() * scale
+    else:
+        q: QTensor = quantize_operand(x_2d, gemm.fmt, gemm, is_weight=False, reference_quantizer=True)
+        dequantized = dequantize(q)
     nonzero = x_2d != 0
-    flushed = nonzero & (dequantize(q) == 0)
+    flushed = nonzero & (dequantized == 0)
     underflow = float(flushed.sum()) / max(1, int(nonzero.sum()))
     return saturated, underflow
 
@@ -274,6 +284,11 @@ def _capturing(found: Mapping[str, Site]) -> Iterator[dict[str, _Call]]:
             else:
                 continue
             for attr, ref in targets:
+                if attr in site.__dict__:
+                    raise ValueError(
+                        f"{name}: its {attr} is already wrapped (compare_sites or a Monitor's sampled call "
+                        "is running): they cannot run inside one another"
+                    )
                 setattr(site, attr, record(name, site, getattr(site, attr), ref))
                 wrapped.append((site, attr))
         yield calls

@@ -83,17 +83,22 @@ def load_trained(job: JobConfig, path: str | Path, *, device: str | torch.device
         convert(built, config=job.loka.mods)
     # The embedding tables are built on the meta device: storage for them (the checkpoint
     # fills it), the rest of the model as built.
+    on_meta = {name for name, t in [*built.named_parameters(), *built.named_buffers()] if t.is_meta}
     for module in built.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if any(t.is_meta for t in own):
             module.to_empty(device=device, recurse=False)
     model = built.to(device)
     state = model.state_dict()
+    uncovered = sorted(on_meta - set(state))
+    if uncovered:  # storage the checkpoint would not fill
+        raise CheckpointError(f"the model's {uncovered[:3]} are built on the meta device and are not in its state dict")
     try:
         dcp.load({"model": state}, checkpoint_id=str(checkpoint))
     except (CheckpointException, RuntimeError, ValueError) as exc:  # a missing key, another shape
         raise CheckpointError(
-            f"{checkpoint} does not hold this job's model ({type(exc).__name__}: {str(exc).splitlines()[-1]}); "
+            f"{checkpoint} does not hold this job's model ({type(exc).__name__}: "
+            f"{(str(exc).strip().splitlines() or [''])[-1]}); "
             "load it with the run's own config.yaml (model, data and loka.mods as it trained)"
         ) from exc
     model.load_state_dict(state)  # DCP loads in place; entries it replaced are taken too

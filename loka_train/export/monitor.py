@@ -5,14 +5,16 @@ not on next month's requests. :class:`Monitor` runs a served model's requests an
 fraction of them, measures every FP8 site's forward as the numerics debugger does (its output
 against the same GEMM in fp32 on the same input, :mod:`loka_train.export.debugger`): the low
 quantile of its SQNR over the request's samples. Per site it keeps a rolling window of those,
-and compares the window's low quantile to the site's floor, as the Probe judges a GEMM in
-training: a site whose quantile falls below its floor is
+and compares the window's low quantile to the site's floor (a quantile of per-request
+quantiles, where the Probe takes one over its window's samples): a site whose quantile falls below its floor is
 flagged unsafe (logged, counted, listed in :meth:`Monitor.report` with its drift from the
 first full window), and cleared once it is back above the floor by ``margin_db``.
 
-The sampled requests cost the fp32 reference GEMM of every FP8 site; the others run the model
-as it is. The monitor wraps the sites' methods during a sampled request: give it the eager
-served model (a ``torch.compile``'d one would recompile on those requests).
+A sampled request costs, per FP8 site, the fp32 reference GEMM, a reference quantization of
+its input and a few host syncs; the others run the model as it is. The monitor wraps the
+sites' methods during a sampled request: give it the eager served model (a ``torch.compile``'d
+one would recompile on those requests), and one thread of requests (the wrapping is not
+thread-safe).
 
 Example::
 

@@ -32,6 +32,7 @@ from loka_train.export.load import load_trained
 from loka_train.export.serving import serve, served_sites
 from loka_train.job import JobConfig
 from loka_train.kernels.plan import LinearPlan
+from loka_train.runtime.distributed import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,22 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     Raises:
         CheckpointError: no checkpoint at ``cfg.run``, or not this job's.
     """
-    device = torch.device(cfg.device)
+    device = resolve_device(cfg.device or job.trainer.device, 0)
     dtype = cfg.dtype or job.trainer.dense_dtype
     serve_cfg = ServeConfig(dtype=dtype, quantize_weights_once=cfg.quantize_weights_once)
+    if job.loka.enabled and job.loka.mods.static_scales:
+        logger.warning("export: the run trained with static scales (loka.mods.static_scales); they are training "
+                       "state, and the served sites scale their inputs dynamically")
     trained = load_trained(job, cfg.run, device=device)
     high = load_trained(job, trained.checkpoint, device=device)
     if trained.plans:
+        unavailable = sorted({p.forward.backend for p in trained.plans.values() if p.forward.is_fp8
+                              and not _runs_on(p.forward.backend, device)})
+        if unavailable:
+            raise ValueError(
+                f"the run's FP8 plans take the backends {unavailable}, which do not run on {device}: export "
+                "it on the device it trained on (device=cuda for a GPU run)"
+            )
         serve(trained.model, plans=trained.plans, config=serve_cfg)
         serve(high.model, plans={name: LinearPlan() for name in high.plans}, config=serve_cfg)
     data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=job.trainer.batch_size)
@@ -80,12 +91,14 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
         "sites": served_sites(trained.model) if trained.plans else {},
         "plans": {name: plan.to_dict() for name, plan in trained.plans.items()},
         "numerics": [r.to_dict() for r in rows],
+        # Static scales are training state (the Probe's window): served sites scale dynamically.
+        "static_scales_trained": bool(job.loka.enabled and job.loka.mods.static_scales),
         "out": str(out),
     }
     (out / "export.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "numerics.md").write_text(
         f"# Numerics per site: {trained.checkpoint} (step {trained.step}), first eval batch, {dtype}\n\n"
-        + (format_numerics(rows) if rows else "LoKA was off in this run: no site") + "\n"
+        + (format_numerics(rows) if rows else "no LoKA site in this model: nothing in FP8") + "\n"
     )
     torch.save(
         {"state_dict": trained.model.state_dict(), "plans": summary["plans"], "serve": summary["serve"],
@@ -95,6 +108,17 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     logger.info("export: %s -> %s (NE %.5f served, %.5f high precision)", trained.checkpoint, out,
                 metrics["served"]["ne"], metrics["high"]["ne"])
     return summary
+
+
+def _runs_on(backend: str, device: torch.device) -> bool:
+    """Whether `backend` runs on `device` (its own capability check, at a small aligned shape)."""
+    from loka_train.kernels.formats import Fp8Format, Scaling
+    from loka_train.kernels.gemm import GemmProblem
+    from loka_train.kernels.registry import get_backend
+
+    problem = GemmProblem(m=16, k=16, n=16, fmt=Fp8Format.E4M3, scaling=Scaling.ROWWISE, device_type=device.type,
+                          out_dtype=torch.bfloat16)
+    return bool(get_backend(backend).supports(problem)[0])
 
 
 def _evaluate(model: nn.Module, batches: list[Any], autocast: torch.autocast) -> dict[str, float]:

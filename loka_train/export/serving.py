@@ -14,15 +14,17 @@ with the plans Dispatch chose, or plans given) for inference, in place:
   to the compute dtype), so that a call under ``torch.no_grad()`` quantizes only its input,
   with the kernel the training forward uses (Triton's one-pass quantizers where they run,
   the ReLU a folded site applies taken in the cast, the LayerNorm kernel emitting the FP8
-  input where the training forward fuses it). Such a call computes what the trained site's
-  forward computes, code for code;
+  input where the training forward fuses it). On the device and backends the site trained
+  on, with its scale slots as they are, such a call computes what the trained site's forward
+  computes;
 * the other sites (batched ``bmm`` sites, horizontally fused ones and DCN's cross layers,
   whose weights reach them at call time) run their training forward with the forward plan,
   quantizing their weight at every call: :func:`served_sites` says which site runs how.
 
-A call with autograd on runs the site's training path (its weight quantized per call), so a
-served model can still be fine-tuned; a weight changed after :func:`serve` is seen only after
-serving it again. Example::
+A call with autograd on runs the site's training path (its weight quantized per call, its
+backward GEMMs in high precision); a weight changed after :func:`serve` is seen by calls
+without autograd only after serving it again, and a site given another plan
+(``Site.set_plan``) drops its served weight. Example::
 
     model = serve(trained_model)                # after training, or with plans=...
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -87,6 +89,7 @@ class ServedWeight(nn.Module):
         self.gemm: GemmPlan = gemm
         self.dtype = dtype
         self.k, self.n = site.in_features, site.out_features
+        # The site's setting, as its training forward (eager code) reads it.
         self.reference_quantizer = inductor_quantizes(site.compiled_quantizer)
         # The zero columns of K and rows of N the backend needs at the shapes the site trained
         # at (M only where grad-weight runs FP8, which serving never does).
@@ -105,6 +108,17 @@ class ServedWeight(nn.Module):
         self.register_buffer("w_data", q.data)
         self.register_buffer("w_scale", q.scale)
         self.register_buffer("bias", b)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # model.to(dtype) / .half() / .float() would cast the FP8 codes and scales (float8 is
+        # a floating dtype) and the bias: only their device may follow the model.
+        kept = {"w_data": self.w_data, "w_scale": self.w_scale, "bias": self.bias}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if before is not None and after is not None and after.dtype != before.dtype:
+                setattr(self, name, before.to(device=after.device))
+        return self
 
     def weight_q(self) -> QTensor:
         """The quantized weight, as the backends take it."""
@@ -131,8 +145,9 @@ class ServedWeight(nn.Module):
         if cdtype != self.dtype:
             raise ValueError(
                 f"{site.site_name}: served for {self.dtype} (its FP8 weight quantized from the weight in "
-                f"that dtype) but called in {cdtype}: run it under autocast to {self.dtype} (or with such "
-                "inputs), or serve it with ServeConfig(dtype=...) for this dtype"
+                f"that dtype) but called in {cdtype}: call it with {self.dtype} inputs or under autocast "
+                "to it (bf16), or without autocast (fp32), or serve it with ServeConfig(dtype=...) for "
+                f"{cdtype}"
             )
         return cdtype
 

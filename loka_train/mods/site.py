@@ -177,6 +177,11 @@ class Site(nn.Module):
         ok, why = self.supports_plan(plan)
         if not ok:
             raise ValueError(f"site {self.site_name or type(self).__name__!r} cannot take plan: {why}")
+        served = self._modules.get("served")
+        if served is not None and getattr(served, "gemm", None) != plan.forward:
+            # A weight served for another forward plan (loka_train.export.serve): dropped, the
+            # site runs its plan as in training until it is served again.
+            del self._modules["served"]
         self.plan = plan
 
     def gemm_shapes(self) -> dict[str, tuple[int, int, int]]:

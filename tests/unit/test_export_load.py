@@ -73,7 +73,7 @@ def test_a_run_is_served_with_its_plans_and_evaluates_to_its_own_ne(trained_run)
     served = serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="fp32"))
     assert all(served_sites(served)[n].endswith("weight quantized once") for n in fp8
                if served_sites(served)[n].startswith("fp8") and "bmm" not in n)
-    # Its forward is the trained model's: the run's closing evaluation, to the last bit.
+    # Its forward is the trained model's: the run's closing evaluation (NE to 1e-6).
     assert _eval_ne(job, served) == pytest.approx(summary["eval/ne"], rel=1e-6)
     # All-high plans on the same weights give another NE: the plans carried over matter.
     high = load_trained(job, run)
@@ -134,3 +134,17 @@ def test_a_run_config_from_another_version_names_the_fix(tmp_path: Path, trained
         run_config(str(copy))
     with pytest.raises(CheckpointError, match="no checkpoint there"):
         run_config(str(tmp_path / "nothing"))
+
+
+def test_the_config_a_run_resumed_with_before_the_checkpoint_is_the_one_read(tmp_path: Path, trained_run) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    from launch.export import run_config
+
+    _, run, _ = trained_run
+    copy = tmp_path / "run"
+    shutil.copytree(run.resolve(), copy)
+    text = (copy / "config.yaml").read_text()
+    (copy / "config.resumed_00000010.yaml").write_text(text.replace("eval_batches: 2", "eval_batches: 3", 1))
+    (copy / "config.resumed_00000020.yaml").write_text(text.replace("eval_batches: 2", "eval_batches: 5", 1))
+    assert run_config(str(copy)).trainer.eval_batches == 3  # resumed at 10, the checkpoint is at 12

@@ -112,7 +112,7 @@ def test_serving_refuses_what_it_cannot_serve() -> None:
     with pytest.raises(ValueError, match="choose one of"):
         ServeConfig(dtype="fp16")
     model = serve(_mlp(), plans=_plans("emulated", Scaling.ROWWISE))  # bf16 by default
-    with torch.no_grad(), pytest.raises(ValueError, match=r"served for torch.bfloat16 .* run it under autocast"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"served for torch.bfloat16 .* or under autocast to it"):
         model(torch.randn(4, 32))  # an fp32 call: other codes than the payload's
 
 
@@ -267,3 +267,88 @@ def test_a_served_model_compiles_and_computes_what_it_computes_eagerly(scaling: 
         eager = model(x)
         out = compiled(x)
     assert torch.equal(eager, out)  # the FP8 casts and GEMMs are opaque ops: the same kernels
+
+
+def test_a_new_plan_drops_the_served_weight_and_casting_the_model_keeps_its_payload() -> None:
+    model = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="fp32"))
+    x = torch.randn(8, 32)
+    model.to(torch.float64).to(torch.float32)  # a whole-model cast: the FP8 codes and scales stay
+    assert model[0].served.w_data.dtype == torch.float8_e4m3fn and model[0].served.w_scale.dtype == torch.float32
+    assert model[0].served.bias.dtype == torch.float32
+    with torch.no_grad():
+        served = model(x)
+        model[0].set_plan(model[0].plan)  # the same forward plan: still served
+        assert "served" in model[0]._modules and torch.equal(model(x), served)
+        model[0].set_plan(LinearPlan())  # another one: the site runs it, as served_sites says
+        assert "served" not in model[0]._modules and served_sites(model)["0"] == "high precision"
+        assert torch.equal(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+
+
+def test_captures_do_not_nest() -> None:
+    from loka_train.export import Monitor, MonitorConfig
+
+    model = serve(_mlp(), plans=_plans("emulated", Scaling.ROWWISE), config=ServeConfig(dtype="fp32"))
+    monitor = Monitor(model, MonitorConfig(every=1, window=2, min_samples=1))
+    x = torch.randn(4, 32)
+    with torch.no_grad(), pytest.raises(ValueError, match="cannot run inside one another"):
+        monitor(lambda m: compare_sites(m, lambda mm: mm(x)))
+    assert not any(k in s.__dict__ for s in sites(model).values() for k in ("forward", "linear"))  # restored
+
+
+def test_the_monitor_clears_a_flag_only_above_the_floor_by_its_margin() -> None:
+    from loka_train.export import Monitor, MonitorConfig
+
+    model = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="fp32"))
+    x = torch.randn(64, 32)
+    with torch.no_grad():
+        probe = Monitor(model, MonitorConfig(every=1, window=1, min_samples=1, floor_db=0.0))
+        probe(lambda m: m(x))
+        level = probe.report()["sites"]["0"]["sqnr_low_db"]  # this input's SQNR at site 0
+        monitor = Monitor(model, MonitorConfig(every=1, window=1, min_samples=1, floor_db=level + 5, margin_db=10.0),
+                          floors={"2": -100.0})
+        monitor(lambda m: m(x))
+        assert "0" in monitor.flagged
+        monitor.floors["0"] = level - 5  # now above the floor, but not by the margin: still flagged
+        monitor(lambda m: m(x))
+        assert "0" in monitor.flagged
+        monitor.floors["0"] = level - 11
+        monitor(lambda m: m(x))
+    assert "0" not in monitor.flagged and monitor.num_flags == 1
+
+
+class _Aligned16:
+    """A CPU backend that refuses K or N not divisible by 16 (as CUTLASS does)."""
+
+    name = "aligned16_serving"
+
+    def supports(self, problem):  # type: ignore[no-untyped-def]
+        ok = problem.device_type == "cpu" and problem.k % 16 == 0 and problem.n % 16 == 0
+        return ok, "" if ok else "K and N must be multiples of 16"
+
+    def __call__(self, a_q, b_q, *, out_dtype, bias=None, fast_accum=False):  # type: ignore[no-untyped-def]
+        from loka_train.kernels.registry import get_backend
+
+        return get_backend("emulated")(a_q, b_q, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
+
+
+def test_a_padded_site_with_a_folded_relu_and_no_bias_serves_its_training_forward() -> None:
+    """K and N padded to 16 as the training path pads them (the payload holds the padded
+    weight), the ReLU the site applies to its input, a dropped bias, a 3-D input."""
+    from loka_train.kernels.registry import register_backend
+
+    register_backend(_Aligned16(), replace=True)
+    torch.manual_seed(5)
+    net = convert(nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 20), nn.ReLU(), nn.Linear(20, 1)),
+                  config=ModsConfig(enabled=True, pad_to_multiple=16, drop_unstable_bias=True))
+    plan = LinearPlan.fp8(backend="aligned16_serving", scaling=Scaling.TENSORWISE)
+    for site in sites(net).values():
+        site.set_plan(plan)
+    assert net[2].input_relu and net[2].bias_dropped
+    x = torch.randn(3, 7, 24)
+    with torch.no_grad():
+        expected = net(x)
+        serve(net, config=ServeConfig(dtype="fp32"))
+        got = net(x)
+    assert (net[0].served.pad_k, net[0].served.pad_n) == (8, 8) and net[2].served.w_data.shape == (32, 48)
+    assert net[2].served.bias is None
+    assert torch.equal(got, expected)
