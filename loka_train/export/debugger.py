@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from loka_train.kernels import static_scales
 from loka_train.kernels.formats import SQNR_CAP_DB, QTensor, Scaling, dequantize, sqnr_db
+from loka_train.kernels.fused import apply_activation
 from loka_train.kernels.linear import quantize_operand
 from loka_train.mods.convert import sites as find_sites
 from loka_train.mods.site import Fp8Linear, GemmSite, Site
@@ -210,12 +211,6 @@ def _input_fractions(site: Site, x: Tensor, static_scale: float) -> tuple[float,
     return saturated, underflow
 
 
-def _act(z: Tensor, activation: str) -> Tensor:
-    if activation == "relu":
-        return torch.relu(z)
-    if activation == "silu":
-        return F.silu(z)
-    return z
 
 
 @contextlib.contextmanager
@@ -266,7 +261,7 @@ def _capturing(found: Mapping[str, Site]) -> Iterator[dict[str, _Call]]:
                                None if norm.bias is None else norm.bias.float(), norm.eps)
             bias = site._active_bias()
             z = F.linear(h32, site.weight.float(), None if bias is None else bias.float())
-            return _act(z, activation), h32
+            return apply_activation(z, activation), h32
 
         return ref
 

@@ -60,7 +60,7 @@ from loka_train.kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["layernorm_linear", "layernorm_linear_served", "FUSED_ACTIVATIONS", "fuses_quantizer"]
+__all__ = ["layernorm_linear", "layernorm_linear_served", "FUSED_ACTIVATIONS", "apply_activation", "fuses_quantizer"]
 
 FUSED_ACTIVATIONS = ("none", "relu", "silu")
 
@@ -94,7 +94,7 @@ def _gemm_act(plan, a_q, b_q, *, bias, activation, out_dtype, role):
         )
         return out, (pre if activation == "silu" else None)
     z = run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=role, bias_N=bias)
-    return _act(z, activation), (z if activation == "silu" else None)
+    return apply_activation(z, activation), (z if activation == "silu" else None)
 
 
 def layernorm_linear_served(
@@ -123,7 +123,8 @@ def layernorm_linear_served(
     return _gemm_act(plan, h_q, w_q, bias=bias, activation=activation, out_dtype=out_dtype, role="forward")[0]
 
 
-def _act(z: Tensor, activation: str) -> Tensor:
+def apply_activation(z: Tensor, activation: str) -> Tensor:
+    """``activation`` (one of :data:`FUSED_ACTIVATIONS`) of ``z``, as the fused op applies it."""
     if activation == "relu":
         return torch.relu(z)
     if activation == "silu":
@@ -192,7 +193,7 @@ class _LnLinearActFn(torch.autograd.Function):
                     )
                 else:
                     z_MN = F.linear(h_MK, wc, bc).to(odtype)
-                y_MN = _act(z_MN, activation)
+                y_MN = apply_activation(z_MN, activation)
                 if activation == "silu":
                     pre_MN = z_MN
         ctx.save_for_backward(

@@ -71,7 +71,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loka_train.kernels import static_scales
-from loka_train.kernels.fused import FUSED_ACTIVATIONS, fuses_quantizer, layernorm_linear
+from loka_train.kernels.fused import (
+    FUSED_ACTIVATIONS,
+    apply_activation,
+    fuses_quantizer,
+    layernorm_linear,
+)
 from loka_train.kernels.linear import _compute_dtype, inductor_quantizes
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.registry import get_backend
@@ -532,7 +537,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         served: Any = self._modules.get("served")
         if served is not None and not torch.is_grad_enabled():
             y = served.forward_layernorm(self, x, norm, activation)
-            return _act(self(norm(x)), activation) if y is None else y
+            return apply_activation(self(norm(x)), activation) if y is None else y
         if not self._norm_quantized(x):
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
@@ -543,7 +548,7 @@ class Fp8Linear(GemmSite, nn.Linear):
             # or device without the fused quantizer) takes the same composition too: inside
             # the fused op it would run LayerNorm, the activation and their backward as eager
             # kernels of their own, where compiled code fuses them into their neighbours.
-            return _act(self(norm(x)), activation)
+            return apply_activation(self(norm(x)), activation)
         m = x.numel() // k if k else 0
         n = self.out_features
         pad = self._fused_norm_padding(x)  # the forward is FP8 here: the LayerNorm kernel quantizes it
@@ -553,7 +558,7 @@ class Fp8Linear(GemmSite, nn.Linear):
                 f"the backend needs K={k} or M={m} padded, which the fused LayerNorm op cannot do; "
                 "running LayerNorm and the padded FP8 Linear separately",
             )
-            return _act(self(norm(x)), activation)
+            return apply_activation(self(norm(x)), activation)
         pad_n = pad[2]
         self._set_mkn((m, k, n))
         weight, bias = self.weight, self._active_bias()
@@ -599,12 +604,6 @@ class FoldedRelu(nn.Module):
         return "applied by the next site"
 
 
-def _act(z: Tensor, activation: str) -> Tensor:
-    if activation == "relu":
-        return torch.relu(z)
-    if activation == "silu":
-        return F.silu(z)
-    return z
 
 
 class FusedLinearSite(GemmSite):
