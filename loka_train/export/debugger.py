@@ -250,7 +250,7 @@ def _capturing(found: Mapping[str, Site]) -> Iterator[dict[str, _Call]]:
 
     def fp8_linear_ref(site: Fp8Linear):
         def ref(x: Tensor, *, input_relu: bool | None = None):
-            bias = site._active_bias()
+            bias = site.active_bias()
             return linear_ref(site)(x, site.weight, bias, input_relu=input_relu)
 
         return ref
@@ -259,7 +259,7 @@ def _capturing(found: Mapping[str, Site]) -> Iterator[dict[str, _Call]]:
         def ref(x: Tensor, norm: nn.LayerNorm, *, activation: str = "relu"):
             h32 = F.layer_norm(x.float(), norm.normalized_shape, None if norm.weight is None else norm.weight.float(),
                                None if norm.bias is None else norm.bias.float(), norm.eps)
-            bias = site._active_bias()
+            bias = site.active_bias()
             z = F.linear(h32, site.weight.float(), None if bias is None else bias.float())
             return apply_activation(z, activation), h32
 

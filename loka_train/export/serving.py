@@ -44,7 +44,7 @@ from loka_train.export.config import ServeConfig
 from loka_train.kernels.formats import QTensor
 from loka_train.kernels.fused import fuses_quantizer, layernorm_linear_served
 from loka_train.kernels.linear import (
-    _compute_dtype,
+    compute_dtype,
     inductor_quantizes,
     quantize_operand,
     run_backend,
@@ -101,7 +101,7 @@ class ServedWeight(nn.Module):
             w = F.pad(site.weight.detach().to(dtype), (0, self.pad_k, 0, self.pad_n))
             q = quantize_operand(w, gemm.operand_b_fmt, gemm, is_weight=True,
                                  reference_quantizer=self.reference_quantizer)
-            bias = site._active_bias()
+            bias = site.active_bias()
             b = None if bias is None else F.pad(bias.detach().to(dtype), (0, self.pad_n))
         self.w_fmt, self.w_scaling, self.w_axis = q.fmt, q.scaling, q.axis
         self.w_block_size, self.w_block_2d = q.block_size, q.block_2d
@@ -133,7 +133,7 @@ class ServedWeight(nn.Module):
                           x.device.type, self.dtype, False)
         if pad is not None and (pad[1], pad[2]) == (self.pad_k, self.pad_n):
             return True
-        site._fallback(
+        site.note_fallback(
             "served_padding",
             f"M={m} takes padding {pad} where the served weight has (K {self.pad_k}, N {self.pad_n}): "
             "this call quantizes the weight as in training",
@@ -141,7 +141,7 @@ class ServedWeight(nn.Module):
         return False
 
     def _check_dtype(self, site: Fp8Linear, x: Tensor) -> torch.dtype:
-        cdtype = _compute_dtype(x)
+        cdtype = compute_dtype(x)
         if cdtype != self.dtype:
             raise ValueError(
                 f"{site.site_name}: served for {self.dtype} (its FP8 weight quantized from the weight in "
@@ -155,7 +155,7 @@ class ServedWeight(nn.Module):
         """``site``'s forward on ``x`` (of ``relu(x)`` with ``relu``) with the served weight."""
         cdtype = self._check_dtype(site, x)
         if not self._shape_served(site, x):
-            return site.linear(x, site.weight, site._active_bias(), input_relu=relu)
+            return site.linear(x, site.weight, site.active_bias(), input_relu=relu)
         k, n = self.k, self.n
         with torch.autocast(x.device.type, enabled=False):
             x_MK = x.reshape(-1, k).to(cdtype)

@@ -46,7 +46,7 @@ from loka_train.kernels import opaque
 from loka_train.kernels.backends import TritonBackend
 from loka_train.kernels.formats import Fp8Format, QTensor, Scaling
 from loka_train.kernels.linear import (
-    _compute_dtype,
+    compute_dtype,
     fp8_gemm_planned,
     grad_weight_dtype,
     inductor_quantizes,
@@ -140,7 +140,7 @@ class _LnLinearActFn(torch.autograd.Function):
 
         rq = reference_quantizer
         dev = x.device.type
-        cdtype = _compute_dtype(x)
+        cdtype = compute_dtype(x)
         k = x.shape[-1]
         with torch.autocast(dev, enabled=False):
             x_MK = x.reshape(-1, k).to(cdtype)

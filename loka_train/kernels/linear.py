@@ -479,7 +479,9 @@ def folds_bias_grad(plan: LinearPlan, k: int, n: int, *, need_w: bool, need_b: b
     return need_w and need_b and not plan.grad_weight.is_fp8 and n >= 2 * _extended_k(k)
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a GEMM on ``x`` computes in: autocast's where it is on for ``x``'s device, else
+    ``x``'s own."""
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
@@ -510,7 +512,7 @@ class _PlannedLinearFn(torch.autograd.Function):
     ) -> Tensor:
         dev = x.device.type
         rq = reference_quantizer
-        cdtype = _compute_dtype(x)
+        cdtype = compute_dtype(x)
         # Tensor-wise FP8 operands of the forward that a backward GEMM takes as they are
         # (transposed): then it need not quantize them again, nor keep the high-precision x.
         # Only for a backward GEMM that will run: grad-weight takes x^T, grad-input W^T.
@@ -783,7 +785,7 @@ def fp8_linear(
         # on a view of the Function's output, a hook on that view would not fire.
         # In the compute dtype first: a copy that the reshape makes (a transposed input) moves
         # what the Function would have cast to anyway.
-        x_rows = _rows(x, _compute_dtype(x))
+        x_rows = _rows(x, compute_dtype(x))
         if x_rows.shape[-1] != weight.shape[1]:  # rows zero-padded for aligned GEMMs: the weight too
             weight = F.pad(weight, (0, x_rows.shape[-1] - weight.shape[1]))
         y = _fp8_linear_rows(x_rows, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)

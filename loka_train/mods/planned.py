@@ -31,7 +31,7 @@ from torch import Tensor
 from loka_train.kernels import opaque
 from loka_train.kernels.formats import dequantize, quantize
 from loka_train.kernels.gemm import GemmProblem
-from loka_train.kernels.linear import _compute_dtype, fp8_linear
+from loka_train.kernels.linear import compute_dtype, fp8_linear
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.registry import get_backend
 from loka_train.utils.profiling import profiled
@@ -139,7 +139,7 @@ def planned_linear(
         return F.linear(torch.relu(x) if input_relu else x, weight, bias)
     n, k = weight.shape
     m = x.numel() // k if k else 0  # not x.reshape(-1, k): that copies a non-contiguous x
-    pad = fp8_padding(plan, m, k, n, pad_to_multiple, x.device.type, _compute_dtype(x), False)
+    pad = fp8_padding(plan, m, k, n, pad_to_multiple, x.device.type, compute_dtype(x), False)
     if pad is None or pad == (0, 0, 0):
         # None: padding cannot help; fp8_linear raises with the backend's reason.
         return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer, static_slots=static_slots,
@@ -172,7 +172,7 @@ class _PlannedBmmFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a_BMK: Tensor, bt_BKN: Tensor, plan: LinearPlan) -> Tensor:
         dev = a_BMK.device.type
-        cdtype = _compute_dtype(a_BMK)
+        cdtype = compute_dtype(a_BMK)
         with torch.autocast(dev, enabled=False):
             a = a_BMK.to(cdtype)
             bt = bt_BKN.to(cdtype)

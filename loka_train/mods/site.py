@@ -77,7 +77,7 @@ from loka_train.kernels.fused import (
     fuses_quantizer,
     layernorm_linear,
 )
-from loka_train.kernels.linear import _compute_dtype, inductor_quantizes
+from loka_train.kernels.linear import compute_dtype, inductor_quantizes
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.registry import get_backend
 from loka_train.mods import probe_tap
@@ -307,8 +307,8 @@ class Site(nn.Module):
 
         y.register_hook(hook)
 
-    def _fallback(self, key: str, message: str) -> None:
-        """Count a fallback and log it once per site and kind."""
+    def note_fallback(self, key: str, message: str) -> None:
+        """Count a fallback (``num_fallbacks``) and log it once per site and kind."""
         self.num_fallbacks += 1
         if key not in self._logged_fallbacks:
             self._logged_fallbacks.add(key)
@@ -474,7 +474,8 @@ class Fp8Linear(GemmSite, nn.Linear):
             bias_dropped=drop_bias,
         )
 
-    def _active_bias(self) -> Tensor | None:
+    def active_bias(self) -> Tensor | None:
+        """The bias the forward adds: None where ``mods.drop_unstable_bias`` dropped it."""
         return None if self.bias_dropped else self.bias
 
     def forward(self, x: Tensor, *, input_relu: bool | None = None) -> Tensor:
@@ -484,7 +485,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         served = self._modules.get("served")
         if served is not None and not torch.is_grad_enabled():
             return served(self, x, relu=self.input_relu if input_relu is None else input_relu)
-        return self.linear(x, self.weight, self._active_bias(), input_relu=input_relu)
+        return self.linear(x, self.weight, self.active_bias(), input_relu=input_relu)
 
     def runs_fused_norm(self, x: Tensor) -> bool:
         """Whether :meth:`forward_layernorm` on ``x`` runs the fused op (its activation then
@@ -502,7 +503,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         where its backend would need ``K`` or ``M`` padded."""
         k, n = self.in_features, self.out_features
         m = x.numel() // k if k else 0
-        return fp8_padding(self.plan, m, k, n, self.pad_to_multiple, x.device.type, _compute_dtype(x), True)
+        return fp8_padding(self.plan, m, k, n, self.pad_to_multiple, x.device.type, compute_dtype(x), True)
 
     def forward_layernorm(self, x: Tensor, norm: nn.LayerNorm, *, activation: str = "relu") -> Tensor:
         """``act(self(norm(x)))`` as one fused op: with a row-wise FP8 forward on a backend
@@ -553,7 +554,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         n = self.out_features
         pad = self._fused_norm_padding(x)  # the forward is FP8 here: the LayerNorm kernel quantizes it
         if pad is None:
-            self._fallback(
+            self.note_fallback(
                 "fused_norm_pad",
                 f"the backend needs K={k} or M={m} padded, which the fused LayerNorm op cannot do; "
                 "running LayerNorm and the padded FP8 Linear separately",
@@ -561,7 +562,7 @@ class Fp8Linear(GemmSite, nn.Linear):
             return apply_activation(self(norm(x)), activation)
         pad_n = pad[2]
         self._set_mkn((m, k, n))
-        weight, bias = self.weight, self._active_bias()
+        weight, bias = self.weight, self.active_bias()
         if pad_n:
             y = layernorm_linear(
                 x, norm.weight, norm.bias, F.pad(weight, (0, 0, 0, pad_n)),
