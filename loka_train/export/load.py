@@ -5,8 +5,9 @@ A run's checkpoint holds its model and optimizer through ``torch.distributed.che
 states (``runtime.checkpoint``). :func:`load_trained` builds the run's model from its
 :class:`~loka_train.job.JobConfig` (a run directory's ``config.yaml``, composed by
 ``launch/export.py``), converts it as the run's ``loka.mods`` did, reads the model's weights
-into it (every table whole, on one device; no process group needed) and the plans Dispatch
-held at that step from the LoKA callback's state. :func:`loka_train.export.serve` then
+into it (every table whole, on one device; no process group needed), and restores the LoKA
+callback's state as a resumed run of one process does: the plans Dispatch held at that step,
+and the static scales (``loka.mods.static_scales``) from the Probe's window. :func:`loka_train.export.serve` then
 prepares it for inference.
 
 Example::
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -29,8 +31,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from loka_train.data import make_dataset
 from loka_train.job import JobConfig
 from loka_train.kernels.plan import LinearPlan
-from loka_train.mods import convert, sites
-from loka_train.runtime.checkpoint import CheckpointError
+from loka_train.mods import sites
+from loka_train.plugin.callback import LokaCallback
+from loka_train.runtime.checkpoint import CheckpointError, read_meta
+from loka_train.runtime.context import RunContext
 from loka_train.runtime.rundirs import find_checkpoint
 from loka_train.runtime.train_model import prepare_model
 
@@ -79,8 +83,14 @@ def load_trained(job: JobConfig, path: str | Path, *, device: str | torch.device
         )
     data = make_dataset(job.data, split="train", rank=0, world_size=1, batch_size=job.trainer.batch_size)
     built = prepare_model(job.model, data=data, seed=job.trainer.seed).module
-    if job.loka.enabled and job.loka.mods.enabled:
-        convert(built, config=job.loka.mods)
+    device = torch.device(device)
+    # The LoKA callback converts the model as the run did and, after the weights, restores its
+    # state as a resumed run does: the plans, and static scales from the Probe's window.
+    loka = LokaCallback(job.loka) if job.loka.enabled else None
+    ctx = RunContext(model=built, device=device, out_dir=checkpoint.parent.parent,
+                     dense_dtype=torch.bfloat16 if job.trainer.dense_dtype == "bf16" else torch.float32)
+    if loka is not None:
+        loka.on_before_shard(ctx)
     # The embedding tables are built on the meta device: storage for them (the checkpoint
     # fills it), the rest of the model as built.
     on_meta = {name for name, t in [*built.named_parameters(), *built.named_buffers()] if t.is_meta}
@@ -102,32 +112,36 @@ def load_trained(job: JobConfig, path: str | Path, *, device: str | torch.device
             "load it with the run's own config.yaml (model, data and loka.mods as it trained)"
         ) from exc
     model.load_state_dict(state)  # DCP loads in place; entries it replaced are taken too
+    plans: dict[str, LinearPlan] = {}
+    if loka is not None and sites(model):
+        loka.load_state_dict(_loka_state(checkpoint, loka))
+        ctx.model = model
+        loka.on_train_start(ctx)
+        assert loka.dispatcher is not None
+        plans = dict(loka.dispatcher.plans)
     model.eval()
-    plans = _plans(checkpoint, set(sites(model)))
     step = int(checkpoint.name.rsplit("_", 1)[-1]) if checkpoint.name.startswith("step_") else -1
     logger.info("export: %s (step %d): %d sites, %d with an FP8 plan", checkpoint, step, len(plans),
                 sum(any(gp.is_fp8 for gp in (p.forward, p.grad_input, p.grad_weight)) for p in plans.values()))
     return TrainedModel(model=model, plans=plans, checkpoint=checkpoint, step=step)
 
 
-def _plans(checkpoint: Path, names: set[str]) -> dict[str, LinearPlan]:
-    """The LoKA callback's plans in rank 0's state of `checkpoint` (every rank holds the same)."""
-    rank0 = checkpoint / "rank_0.pt"
-    if not rank0.is_file():
-        raise CheckpointError(f"{checkpoint}: rank_0.pt is missing; the checkpoint is incomplete")
-    if not names:  # a model loaded without LoKA's sites (loka off): its plans mean nothing here
-        return {}
-    local = torch.load(rank0, map_location="cpu", weights_only=False)
-    loka = local.get("callbacks", {}).get(LOKA_STATE) or {}
-    saved = loka.get("dispatch", {}).get("plans", {})
-    if not saved:
-        raise CheckpointError(
-            f"{checkpoint}: the run trained without LoKA (its checkpoint holds no plans); load it with the "
-            "run's own config (loka off), or convert and serve the loaded model with plans of your own"
-        )
-    if set(saved) != names:
-        raise CheckpointError(
-            f"{checkpoint}: its LoKA plans name the sites {sorted(saved)[:4]}..., this model's are "
-            f"{sorted(names)[:4]}...; load it with the run's own loka.mods"
-        )
-    return {name: LinearPlan.from_dict(plan) for name, plan in saved.items()}
+def _loka_state(checkpoint: Path, loka: LokaCallback) -> dict[str, Any]:
+    """The LoKA callback's state for one process from `checkpoint` (its ranks' merged where
+    several wrote it, as a resumed run of one process merges them)."""
+    meta = read_meta(checkpoint)
+    world_size = int(meta["world_size"])
+    states = []
+    for rank in range(world_size):
+        path = checkpoint / f"rank_{rank}.pt"
+        if not path.is_file():
+            raise CheckpointError(f"{checkpoint}: {path.name} is missing; the checkpoint is incomplete")
+        callbacks = torch.load(path, map_location="cpu", weights_only=False)["callbacks"]
+        if LOKA_STATE not in callbacks:
+            raise CheckpointError(
+                f"{checkpoint}: the run trained without LoKA (its checkpoint holds no LoKA state); load it "
+                "with the run's own config (loka off), or convert and serve the loaded model with plans of "
+                "your own"
+            )
+        states.append(callbacks[LOKA_STATE])
+    return states[0] if world_size == 1 else loka.merge_rank_states(states, rank=0, world_size=1)

@@ -53,9 +53,6 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     device = resolve_device(cfg.device or job.trainer.device, 0)
     dtype = cfg.dtype or job.trainer.dense_dtype
     serve_cfg = ServeConfig(dtype=dtype, quantize_weights_once=cfg.quantize_weights_once)
-    if job.loka.enabled and job.loka.mods.static_scales:
-        logger.warning("export: the run trained with static scales (loka.mods.static_scales); they are training "
-                       "state, and the served sites scale their inputs dynamically")
     trained = load_trained(job, cfg.run, device=device)
     high = load_trained(job, trained.checkpoint, device=device)
     if trained.plans:
@@ -91,8 +88,8 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
         "sites": served_sites(trained.model) if trained.plans else {},
         "plans": {name: plan.to_dict() for name, plan in trained.plans.items()},
         "numerics": [r.to_dict() for r in rows],
-        # Static scales are training state (the Probe's window): served sites scale dynamically.
-        "static_scales_trained": bool(job.loka.enabled and job.loka.mods.static_scales),
+        # Restored from the Probe's window, as a resumed run restores them.
+        "static_scales": bool(job.loka.enabled and job.loka.mods.static_scales),
         "out": str(out),
     }
     (out / "export.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -16,8 +16,10 @@ from loka_train.data.metrics import normalized_entropy
 from loka_train.export import ExportConfig, ServeConfig, load_trained, serve, served_sites
 from loka_train.export.run import export_run
 from loka_train.job import JobConfig, run_job
+from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import LinearPlan
 from loka_train.models.config import ModelConfig
+from loka_train.mods import sites
 from loka_train.plugin.config import LokaConfig
 from loka_train.runtime.checkpoint import CheckpointError
 from loka_train.runtime.config import TrainerConfig
@@ -32,9 +34,8 @@ def _job(out_dir: Path) -> JobConfig:
                               out_dir=str(out_dir), checkpoint_at_end=True, tensorboard=False,
                               progress_bar=False, dense_lr=0.1, sparse_lr=0.1),
         # Every site sampled every step and a re-plan every 4 steps, so the run ends with FP8
-        # plans; dynamic scales, which a served site takes (static scales are training state).
-        loka=LokaConfig.preset("aggressive", probe={"every_k_steps": 1, "interval": 4, "min_samples": 2},
-                               mods={"static_scales": False}),
+        # plans (tensor-wise ones with the preset's static scales).
+        loka=LokaConfig.preset("aggressive", probe={"every_k_steps": 1, "interval": 4, "min_samples": 2}),
     )
 
 
@@ -70,6 +71,10 @@ def test_a_run_is_served_with_its_plans_and_evaluates_to_its_own_ne(trained_run)
         n: {r: e["plan"] for r, e in roles.items()} for n, roles in report["sites"].items()}
     fp8 = [n for n, p in trained.plans.items() if p.forward.is_fp8]
     assert fp8, "the run should end with FP8 forwards"
+    # Static scales restored from the Probe's window, as a resumed run restores them.
+    static = [n for n, site in sites(trained.model).items()
+              if site.static_slots is not None and trained.plans[n].forward.scaling is Scaling.TENSORWISE]
+    assert static and all(float(sites(trained.model)[n].static_slots[0, 0]) > 0 for n in static)
     served = serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="fp32"))
     assert all(served_sites(served)[n].endswith("weight quantized once") for n in fp8
                if served_sites(served)[n].startswith("fp8") and "bmm" not in n)
