@@ -142,13 +142,12 @@ class ProbeConfig:
     logit_feeder_budget_db: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(ROLES))
     """Per-role SQNR floors of the site that feeds the logit layer (``mods``'
     ``ConvertReport.logit_feeder``: the DLRM family's last top-MLP layer), replacing
-    ``sqnr_budget_db``'s for the roles not None (keys: forward, grad_input, grad_weight; all None:
-    that site has every site's floors). Its
-    ``dY`` is the loss gradient through the logit weight, one value per sample times one per
-    feature before the ReLU mask, where a tensor-wise e5m2 grad-weight can cost NE that its
-    SQNR does not show (``docs/performance.md``, the paired NE protocol). Applied by the LoKA
-    callback, which knows that site; a Probe used on its own takes per-site floors at
-    ``register_site``."""
+    ``sqnr_budget_db``'s for the roles not None (keys: forward, grad_input, grad_weight; all
+    None: that site has every site's floors). Its ``dY`` is the loss gradient through the logit
+    weight, one value per sample times one per feature before the ReLU mask, where a
+    tensor-wise e5m2 grad-weight can cost NE that its SQNR does not show (``docs/performance.md``,
+    the paired NE protocol). Applied by the LoKA callback, which knows that site; a Probe used
+    on its own takes per-site floors at ``register_site``."""
 
     quantile: float = 0.1
     """The verdict compares this low quantile of the window's per-sample SQNR to the budget."""
