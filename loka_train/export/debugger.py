@@ -214,10 +214,10 @@ def _input_fractions(site: Site, x: Tensor, static_scale: float) -> tuple[float,
 
 
 @contextlib.contextmanager
-def _capturing(found: Mapping[str, Site]) -> Iterator[dict[str, _Call]]:
-    """Record the first call of every site (its output, the fp32 reference of that output and
-    its input's saturation and underflow) while the block runs; the sites' methods are wrapped on the
-    instances for the block only."""
+def _capturing(found: Mapping[str, Site], *, fractions: bool = True) -> Iterator[dict[str, _Call]]:
+    """Record the first call of every site (its output, the fp32 reference of that output and,
+    with `fractions`, its input's saturation and underflow) while the block runs; the sites'
+    methods are wrapped on the instances for the block only."""
     calls: dict[str, _Call] = {}
     depth = {"n": 0}
     wrapped: list[tuple[Site, str]] = []
@@ -226,7 +226,7 @@ def _capturing(found: Mapping[str, Site]) -> Iterator[dict[str, _Call]]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             outer = depth["n"] == 0
             # Before the call: a tensor its static scale does not fit re-seeds the slot.
-            static_scale = _static_scale(site) if outer and name not in calls else 0.0
+            static_scale = _static_scale(site) if fractions and outer and name not in calls else 0.0
             depth["n"] += 1
             try:
                 out = fn(*args, **kwargs)
@@ -235,7 +235,8 @@ def _capturing(found: Mapping[str, Site]) -> Iterator[dict[str, _Call]]:
             if outer and name not in calls and isinstance(out, Tensor):
                 with torch.no_grad():
                     ref32, x_q = ref(*args, **kwargs)
-                    calls[name] = _Call(out.detach(), ref32, *_input_fractions(site, x_q, static_scale))
+                    measured = _input_fractions(site, x_q, static_scale) if fractions else (math.nan, math.nan)
+                    calls[name] = _Call(out.detach(), ref32, *measured)
             return out
 
         return wrapper

@@ -10,8 +10,8 @@ quantiles, where the Probe takes one over its window's samples): a site whose qu
 flagged unsafe (logged, counted, listed in :meth:`Monitor.report` with its drift from the
 first full window), and cleared once it is back above the floor by ``margin_db``.
 
-A sampled request costs, per FP8 site, the fp32 reference GEMM, a reference quantization of
-its input and a few host syncs; the others run the model as it is. The monitor wraps the
+A sampled request costs, per FP8 site, the fp32 reference GEMM and its row norms, and one host
+read for all sites; the others run the model as it is. The monitor wraps the
 sites' methods during a sampled request: give it the eager served model (a ``torch.compile``'d
 one would recompile on those requests), and one thread of requests (the wrapping is not
 thread-safe).
@@ -32,10 +32,11 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from loka_train.export.config import MonitorConfig
-from loka_train.export.debugger import _capturing, low_quantile, row_sqnr_db
+from loka_train.export.debugger import _capturing, row_sqnr_db
 from loka_train.mods.convert import sites as find_sites
 
 logger = logging.getLogger(__name__)
@@ -84,14 +85,18 @@ class Monitor:
         self.num_calls += 1
         if (self.num_calls - 1) % self.config.every:
             return run(self.model)
-        with _capturing(self.sites) as calls:
+        with _capturing(self.sites, fractions=False) as calls:
             out = run(self.model)
         self.num_samples += 1
-        for name, call in calls.items():
-            # The request's low quantile over its samples: a few samples whose inputs the
-            # cast flushes show there, where the whole output's SQNR hides them.
-            rows = row_sqnr_db(call.reference_fp32, call.output)
-            self.windows[name].append(low_quantile(rows, self.config.quantile))
+        # The request's low quantile over its samples, per site (a few samples whose inputs the
+        # cast flushes show there, where the whole output's SQNR hides them): one host read.
+        names = list(calls)
+        lows = torch.stack([
+            _low_on_device(row_sqnr_db(calls[n].reference_fp32, calls[n].output), self.config.quantile)
+            for n in names
+        ]).tolist() if names else []
+        for name, low in zip(names, lows, strict=True):
+            self.windows[name].append(float(low))
         self._judge()
         return out
 
@@ -135,3 +140,11 @@ class Monitor:
                 "why": self.flagged.get(name),
             }
         return {"calls": self.num_calls, "samples": self.num_samples, "flags": self.num_flags, "sites": sites}
+
+
+def _low_on_device(values: Tensor, q: float) -> Tensor:
+    """The `q` quantile of `values` (the lower of two neighbours), as a 0-dim tensor on their device."""
+    if values.numel() == 0:
+        return torch.full((), float("nan"), device=values.device)
+    ordered = values.flatten().sort().values
+    return ordered[min(ordered.numel() - 1, int(q * ordered.numel()))]

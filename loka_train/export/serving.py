@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from loka_train.export.config import ServeConfig
 from loka_train.kernels.formats import QTensor
-from loka_train.kernels.fused import fuses_quantizer, layernorm_linear_served
+from loka_train.kernels.fused import apply_activation, fuses_quantizer, layernorm_linear_served
 from loka_train.kernels.linear import (
     compute_dtype,
     inductor_quantizes,
@@ -180,8 +180,8 @@ class ServedWeight(nn.Module):
         x_MK = x.reshape(-1, k)
         if self.pad_k or not fuses_quantizer(self.gemm, x_MK, self.reference_quantizer):
             return None
-        if not self._shape_served(site, x):
-            return None
+        if not self._shape_served(site, x):  # counted there: the separate modules' training path
+            return apply_activation(site.linear(norm(x), site.weight, site.active_bias(), input_relu=False), activation)
         with torch.autocast(x.device.type, enabled=False):
             lnw = None if norm.weight is None else norm.weight.to(cdtype)
             lnb = None if norm.bias is None else norm.bias.to(cdtype)
