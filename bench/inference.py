@@ -222,7 +222,7 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from bench.e2e.cli import _init_process_group
+    from bench.e2e.cli import init_process_group
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
             rows += bench_config(args, "run", run_config(args.run), Path(args.run))
         else:
-            _init_process_group(device.type)
+            init_process_group(device.type)
             composer = Composer(stack)
             for config in args.config_names:
                 job, run = train_run(composer, args, config, Path(tmp))

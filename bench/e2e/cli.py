@@ -229,7 +229,7 @@ def _configure_logging() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def _init_process_group(device_type: str) -> None:
+def init_process_group(device_type: str) -> None:
     """One 1-rank group for every run (each Trainer reuses it instead of creating its own)."""
     import torch.distributed as dist
 
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.isolate:
         run_isolated(args, sys.argv[1:] if argv is None else argv, variants, runs, t0=t0, on_run=finish)
     else:
-        _init_process_group(args.device)
+        init_process_group(args.device)
         try:
             run_grid(args, variants, ne_base, runs, t0=t0, torchao_missing=missing, on_run=finish)
         finally:

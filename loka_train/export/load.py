@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TrainedModel", "load_trained"]
 
-LOKA_STATE = "LokaCallback"
-"""The LoKA callback's key among a checkpoint's callback states."""
 
 
 @dataclass(frozen=True)
@@ -137,11 +135,11 @@ def _loka_state(checkpoint: Path, loka: LokaCallback) -> dict[str, Any]:
         if not path.is_file():
             raise CheckpointError(f"{checkpoint}: {path.name} is missing; the checkpoint is incomplete")
         callbacks = torch.load(path, map_location="cpu", weights_only=False)["callbacks"]
-        if LOKA_STATE not in callbacks:
+        if loka.name not in callbacks:  # the key a checkpoint keeps the callback's state under
             raise CheckpointError(
                 f"{checkpoint}: the run trained without LoKA (its checkpoint holds no LoKA state); load it "
                 "with the run's own config (loka off), or convert and serve the loaded model with plans of "
                 "your own"
             )
-        states.append(callbacks[LOKA_STATE])
+        states.append(callbacks[loka.name])
     return states[0] if world_size == 1 else loka.merge_rank_states(states, rank=0, world_size=1)

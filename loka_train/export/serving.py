@@ -64,7 +64,8 @@ _X = 0
 
 class ServedWeight(nn.Module):
     """One ``Fp8Linear``'s weight quantized once for its FP8 forward plan, and the forward
-    that takes it (``y = x W^T + b``, only ``x`` quantized per call).
+    that takes it (``y = x W^T + b``, only ``x`` quantized per call): the site's
+    :class:`~loka_train.mods.site.ServedForward`.
 
     Its buffers (``w_data``, ``w_scale``, ``bias``) are the site's state-dict entries
     ``<site>.served.*``; the site's own parameters stay as they were.

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ from loka_train.kernels.fused import (
     layernorm_linear,
 )
 from loka_train.kernels.linear import compute_dtype, inductor_quantizes
-from loka_train.kernels.plan import LinearPlan
+from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.registry import get_backend
 from loka_train.mods import probe_tap
 from loka_train.mods.planned import any_fp8, fp8_padding, gemm_plans, planned_linear
@@ -407,6 +407,20 @@ class GemmSite(Site):
         return y
 
 
+class ServedForward(Protocol):
+    """What ``loka_train.export.serve`` registers as an :class:`Fp8Linear`'s ``served``
+    submodule: the forward GEMM it serves, and the forwards that take its weight quantized once
+    (called without autograd)."""
+
+    gemm: GemmPlan
+
+    def __call__(self, site: Fp8Linear, x: Tensor, *, relu: bool) -> Tensor: ...
+
+    def forward_layernorm(
+        self, site: Fp8Linear, x: Tensor, norm: nn.LayerNorm, activation: str
+    ) -> Tensor | None: ...
+
+
 class Fp8Linear(GemmSite, nn.Linear):
     """An ``nn.Linear`` whose three GEMMs follow a plan; owns the original Parameters.
 
@@ -482,7 +496,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         """``y = x W^T + b``; ``input_relu``: see :meth:`GemmSite.linear` (False where the caller
         applied the folded ReLU itself). A served site (``loka_train.export.serve``) called
         without autograd takes its weight quantized once."""
-        served = self._modules.get("served")
+        served = cast("ServedForward | None", self._modules.get("served"))
         if served is not None and not torch.is_grad_enabled():
             return served(self, x, relu=self.input_relu if input_relu is None else input_relu)
         return self.linear(x, self.weight, self.active_bias(), input_relu=input_relu)
@@ -535,7 +549,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
         plan = self.plan
-        served: Any = self._modules.get("served")
+        served = cast("ServedForward | None", self._modules.get("served"))
         if served is not None and not torch.is_grad_enabled():
             y = served.forward_layernorm(self, x, norm, activation)
             return apply_activation(self(norm(x)), activation) if y is None else y
