@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ExportConfig", "MonitorConfig", "ServeConfig"]
+from loka_train.runtime.config import TORCH_DTYPES as DTYPES
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-"""Values of :attr:`ServeConfig.dtype`."""
+__all__ = ["ExportConfig", "MonitorConfig", "ServeConfig"]
 
 
 @dataclass(kw_only=True)

@@ -34,6 +34,7 @@ from loka_train.kernels.plan import LinearPlan
 from loka_train.mods import sites
 from loka_train.plugin.callback import LokaCallback
 from loka_train.runtime.checkpoint import CheckpointError, read_meta
+from loka_train.runtime.config import TORCH_DTYPES
 from loka_train.runtime.context import RunContext
 from loka_train.runtime.rundirs import find_checkpoint
 from loka_train.runtime.train_model import prepare_model
@@ -86,7 +87,7 @@ def load_trained(job: JobConfig, path: str | Path, *, device: str | torch.device
     # state as a resumed run does: the plans, and static scales from the Probe's window.
     loka = LokaCallback(job.loka) if job.loka.enabled else None
     ctx = RunContext(model=built, device=device, out_dir=checkpoint.parent.parent,
-                     dense_dtype=torch.bfloat16 if job.trainer.dense_dtype == "bf16" else torch.float32)
+                     dense_dtype=TORCH_DTYPES[job.trainer.dense_dtype])
     if loka is not None:
         loka.on_before_shard(ctx)
     # The embedding tables are built on the meta device: storage for them (the checkpoint

@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 SHARDING_TYPES = ("auto", "table_wise", "column_wise", "row_wise", "data_parallel")
 PIPELINES = ("sparse_dist", "base")
 DENSE_DTYPES = ("fp32", "bf16")
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The ``torch.dtype`` of each of :data:`DENSE_DTYPES`."""
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "never", "must")

@@ -43,7 +43,7 @@ from loka_train.runtime.compile import (
     compile_in_place,
     compile_options,
 )
-from loka_train.runtime.config import TrainerConfig
+from loka_train.runtime.config import TORCH_DTYPES, TrainerConfig
 from loka_train.runtime.distributed import (
     DistInfo,
     init_distributed,
@@ -156,7 +156,7 @@ class Trainer:
         self.sparse2d = check_sparse2d(trainer, world_size=self.world_size, device=self.device)
         self.replica_sync: Callable[[int], None] | None = None
         """2D sparse parallelism (`sparse2d`): ``sync(step)`` of the replicas; a callback may replace it in on_train_start."""
-        self.dense_dtype = torch.bfloat16 if trainer.dense_dtype == "bf16" else torch.float32
+        self.dense_dtype = TORCH_DTYPES[trainer.dense_dtype]
         """The dtype the dense towers compute in (``trainer.dense_dtype``): bf16 autocast around
         forward and backward, or fp32. Callbacks read it (`LoopState.dense_dtype`)."""
         if trainer.pin_memory and self.device.type != "cuda":

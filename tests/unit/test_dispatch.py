@@ -11,6 +11,7 @@ from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.kernels.roles import ROLES
 from loka_train.probe import Probe, ProbeConfig
+from tests.unit._backends import Aligned16
 
 M, K, N = 256, 64, 32
 INTERVAL = 4
@@ -168,21 +169,6 @@ class _AllSafe(dict):
         return self._V(fmt if role == "forward" else Fp8Format.E4M3)
 
 
-class _Aligned16:
-    """A CPU backend that, like CUTLASS, refuses K or N not divisible by 16."""
-
-    name = "aligned16"
-
-    def supports(self, problem):  # type: ignore[no-untyped-def]
-        ok = problem.device_type == "cpu" and problem.k % 16 == 0 and problem.n % 16 == 0
-        return ok, "" if ok else "K and N must be multiples of 16"
-
-    def __call__(self, a_q, b_q, *, out_dtype, bias=None, fast_accum=False):  # type: ignore[no-untyped-def]
-        from loka_train.kernels.registry import get_backend
-
-        return get_backend("emulated")(a_q, b_q, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
-
-
 def _one_site_dispatcher(backend: str, pad: int, shape: tuple[int, int, int]) -> Dispatcher:
     d = Dispatcher(
         DispatchConfig(
@@ -198,7 +184,7 @@ def _one_site_dispatcher(backend: str, pad: int, shape: tuple[int, int, int]) ->
 def test_padding_site_takes_a_backend_that_refuses_its_unpadded_shape() -> None:
     from loka_train.kernels.registry import register_backend
 
-    register_backend(_Aligned16(), replace=True)
+    register_backend(Aligned16(), replace=True)
     unpadded = (256, 13, 32)  # K = 13, the DLRM bottom MLP's input width
     plain = _one_site_dispatcher("aligned16", 1, unpadded)
     plain.replan(step=0, verdicts=_AllSafe())
@@ -260,7 +246,7 @@ def test_timing_quantizes_the_operands_each_role_really_has(monkeypatch, role) -
     assert (a_contig, b_contig, kw["b_is_weight"], kw["out_dtype"]) == expected
 
 
-class _NoFp32Out(_Aligned16):
+class _NoFp32Out(Aligned16):
     """A CPU backend that, like block-scaled ``_scaled_mm``, writes bf16 only."""
 
     name = "no_fp32_out"

@@ -17,6 +17,7 @@ from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.mods import ModsConfig, convert, sites
 from loka_train.mods.site import Fp8Linear
 from loka_train.probe import Probe, ProbeConfig
+from tests.unit._backends import Aligned16
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -316,31 +317,16 @@ def test_the_monitor_clears_a_flag_only_above_the_floor_by_its_margin() -> None:
     assert "0" not in monitor.flagged and monitor.num_flags == 1
 
 
-class _Aligned16:
-    """A CPU backend that refuses K or N not divisible by 16 (as CUTLASS does)."""
-
-    name = "aligned16_serving"
-
-    def supports(self, problem):  # type: ignore[no-untyped-def]
-        ok = problem.device_type == "cpu" and problem.k % 16 == 0 and problem.n % 16 == 0
-        return ok, "" if ok else "K and N must be multiples of 16"
-
-    def __call__(self, a_q, b_q, *, out_dtype, bias=None, fast_accum=False):  # type: ignore[no-untyped-def]
-        from loka_train.kernels.registry import get_backend
-
-        return get_backend("emulated")(a_q, b_q, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
-
-
 def test_a_padded_site_with_a_folded_relu_and_no_bias_serves_its_training_forward() -> None:
     """K and N padded to 16 as the training path pads them (the payload holds the padded
     weight), the ReLU the site applies to its input, a dropped bias, a 3-D input."""
     from loka_train.kernels.registry import register_backend
 
-    register_backend(_Aligned16(), replace=True)
+    register_backend(Aligned16(), replace=True)
     torch.manual_seed(5)
     net = convert(nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 20), nn.ReLU(), nn.Linear(20, 1)),
                   config=ModsConfig(enabled=True, pad_to_multiple=16, drop_unstable_bias=True))
-    plan = LinearPlan.fp8(backend="aligned16_serving", scaling=Scaling.TENSORWISE)
+    plan = LinearPlan.fp8(backend=Aligned16.name, scaling=Scaling.TENSORWISE)
     for site in sites(net).values():
         site.set_plan(plan)
     assert net[2].input_relu and net[2].bias_dropped

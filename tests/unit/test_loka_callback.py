@@ -42,6 +42,29 @@ def _config(**overrides) -> LokaConfig:  # type: ignore[no-untyped-def]
     return LokaConfig(**base)  # type: ignore[arg-type]
 
 
+def _all_fp8_checkpoint(tmp_path: Path) -> tuple[LinearPlan, dict]:
+    """A started callback's state at step 29 with every GEMM of every site on one FP8 plan."""
+    first, _ = _started(_config(), tmp_path)
+    fp8 = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
+    assert first.dispatcher is not None and first.probe is not None
+    for name, site in first.sites.items():
+        first.dispatcher.plans[name] = fp8
+        site.set_plan(fp8)
+    first.probe.begin_step(29)
+    return fp8, first.state_dict()
+
+
+def _resumed(config: LokaConfig, state: dict, out_dir: Path) -> LokaCallback:
+    """A callback of `config` resumed from `state` on a fresh model, started."""
+    resumed = LokaCallback(config)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
+    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=out_dir)
+    resumed.on_before_shard(ctx)
+    resumed.load_state_dict(state)
+    resumed.on_train_start(ctx)
+    return resumed
+
+
 def test_report_every_fires_independently_of_the_probe_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -73,21 +96,8 @@ def test_report_every_must_not_be_negative() -> None:
 def test_resume_resets_plans_the_new_dispatch_config_does_not_allow(tmp_path: Path) -> None:
     """A checkpoint whose plans are all FP8, resumed with dispatch off: every site runs its
     initial (high-precision) plan, and the resets are in the history and the report."""
-    first, _ = _started(_config(), tmp_path)
-    fp8 = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
-    assert first.dispatcher is not None and first.probe is not None
-    for name, site in first.sites.items():
-        first.dispatcher.plans[name] = fp8
-        site.set_plan(fp8)
-    first.probe.begin_step(29)
-    state = first.state_dict()
-
-    resumed = LokaCallback(_config(dispatch=DispatchConfig(enabled=False)))
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
-    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path)
-    resumed.on_before_shard(ctx)
-    resumed.load_state_dict(state)
-    resumed.on_train_start(ctx)
+    _, state = _all_fp8_checkpoint(tmp_path)
+    resumed = _resumed(_config(dispatch=DispatchConfig(enabled=False)), state, tmp_path)
     assert resumed.sites and resumed.dispatcher is not None
     for name, site in resumed.sites.items():
         assert not site.has_fp8(), name
@@ -220,23 +230,11 @@ def test_a_resume_under_a_higher_floor_judges_that_gemm_again_in_high_precision(
     """A checkpoint judged under other SQNR floors: this run's floors hold, the verdicts of the
     changed GEMMs are dropped (warned), and a GEMM whose floor rose runs high, as a plan change,
     until the Probe judges it again; the other GEMMs keep their restored plans."""
-    first, _ = _started(_config(), tmp_path)
-    fp8 = LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="emulated")
-    assert first.dispatcher is not None and first.probe is not None
-    for name, site in first.sites.items():
-        first.dispatcher.plans[name] = fp8
-        site.set_plan(fp8)
-    first.probe.begin_step(29)
-    state = first.state_dict()
+    fp8, state = _all_fp8_checkpoint(tmp_path)
 
     caplog.set_level(logging.WARNING)
     floors = ProbeConfig(every_k_steps=1, interval=50, window=4, logit_feeder_budget_db={"grad_weight": 30.0})
-    resumed = LokaCallback(_config(probe=floors))
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
-    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path)
-    resumed.on_before_shard(ctx)
-    resumed.load_state_dict(state)
-    resumed.on_train_start(ctx)
+    resumed = _resumed(_config(probe=floors), state, tmp_path)
     assert resumed.probe is not None and resumed.dispatcher is not None
     assert resumed.probe.budget_changes == [("2", "grad_weight", 16.0, 30.0)]
     assert "judged it against an SQNR floor of 16.0 dB" in caplog.text
