@@ -9,12 +9,21 @@ benchmark's sizes, compile + CUDA graphs on a GPU; or ``--run``, an existing run
 then each variant of its checkpoint (``loka_train.export.load_trained``):
 
 * ``bf16``: the trained weights in their own modules (no LoKA site), bf16 autocast, eager;
-* ``bf16+compile``: the same under ``torch.compile`` (the reference of every ratio);
-* ``torchao`` (``+compile``): torchao's float8 inference recipe (``quantize_`` with
+* ``torchao``: torchao's float8 inference recipe (``quantize_`` with
   ``Float8DynamicActivationFloat8WeightConfig``, row-wise) on the dense Linears whose dims are
   multiples of 16, the logit layer excluded; "not run" where torchao does not import;
-* ``loka`` / ``loka+compile``: ``loka_train.export.serve`` with the run's plans (FP8 weights
-  quantized once).
+* ``loka``: ``loka_train.export.serve`` with the run's plans (FP8 weights quantized once);
+
+each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
+``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup
+stays eager, as in training) and ``+compile+graphs`` (the same with inductor's CUDA graphs).
+Ratios: ``x ref`` against ``bf16+compile`` (the reference), ``x same`` against bf16 with the
+same settings.
+
+The forward-only ledger: for each batch size, every forward the served model runs in FP8 timed
+as a GEMM alone in bf16 and in its FP8 plan (operands already quantized; CUDA-graph replays on
+a GPU), and the throughput limit it gives: ``bf16+compile``'s latency over that latency less
+what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit.
 
 For each batch size: ``--warmup`` calls, then ``--iters`` timed forwards on held-out batches
 (``torch.no_grad``, bf16 autocast; each call timed on the host between two device
@@ -35,7 +44,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,12 +52,20 @@ from torch import nn
 from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Composer
 from loka_train.data import make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
+from loka_train.dispatch.ledger import Ledger, LedgerGemm, measure_ledger
 from loka_train.export import ServeConfig, load_trained, serve
 from loka_train.job import JobConfig, run_job
+from loka_train.mods import sites
+from loka_train.runtime.compile import compile_options
+from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("bf16", "bf16+compile", "torchao+compile", "loka", "loka+compile")
+MODELS = ("bf16", "torchao", "loka")
+SETTINGS = ("", "+compile", "+compile+graphs")
+VARIANTS = tuple(m + s for m in MODELS for s in SETTINGS)
+DEFAULT_VARIANTS = ("bf16", "bf16+compile", "bf16+compile+graphs", "torchao+compile", "loka", "loka+compile",
+                    "loka+compile+graphs")
 REFERENCE = "bf16+compile"
 
 
@@ -59,11 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="wukong", help="comma-separated: dlrm, dcn, wukong (ignored with --run)")
     p.add_argument("--run", default=None, help="serve this run directory's latest checkpoint instead of training one")
     p.add_argument("--batches", default="512,2048,8192", help="comma-separated batch sizes")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--train-steps", type=int, default=300, help="steps of the training run per config")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
+    p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured with the loka variant)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dry-run", action="store_true", help="tiny models and data (CPU tests)")
     args = p.parse_args(argv)
@@ -92,6 +110,8 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
         f"trainer.out_dir={root / config}", "trainer.tensorboard=false", "trainer.progress_bar=false",
         *(["trainer.dense_dtype=bf16", "trainer.compile_dense=true", "trainer.cuda_graphs=true"] if gpu else []),
         "loka=aggressive",
+        # A dry run decides its plans within its few steps.
+        *(["loka.probe.every_k_steps=1", "loka.probe.interval=4"] if args.dry_run else []),
     ])
     run_job(job)
     return job, root / config / "latest"
@@ -99,19 +119,31 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
 
 def build(variant: str, job: JobConfig, run: Path, device: torch.device) -> tuple[nn.Module | None, str]:
     """The model of `variant` (called as ``model(dense, sparse) -> logits``), or None and why not."""
-    if variant.startswith("bf16") or variant.startswith("torchao"):
+    if variant.startswith(("bf16", "torchao")):
         plain = replace(job, loka=replace(job.loka, enabled=False))  # the trained weights, no site
-        model = load_trained(plain, run, device=device).model.model
+        model = cast(nn.Module, load_trained(plain, run, device=device).model.model)
         if variant.startswith("torchao"):
             why = _torchao(model)
             if why:
                 return None, why
     else:
         trained = load_trained(job, run, device=device)
-        model = serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="bf16")).model
-    if variant.endswith("+compile"):
-        model = torch.compile(model)
+        model = cast(nn.Module, serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="bf16")).model)
+    if "+compile" in variant:
+        compile_dense(model, graphs=variant.endswith("+graphs"))
     return model, ""
+
+
+def compile_dense(model: nn.Module, *, graphs: bool) -> list[str]:
+    """Compile the dense submodules in place as ``trainer.compile_dense`` does (static shapes),
+    with inductor's CUDA graphs when `graphs`; the embedding lookup stays eager. Their names."""
+    options = compile_options("inductor")
+    if graphs:
+        options["options"] = {**options.get("options", {}), "triton.cudagraphs": True}
+    found = dense_submodules(model, DENSE_SUBMODULES, setting="bench.inference", verb="compile")
+    for module in found.values():
+        module.compile(**options)
+    return list(found)
 
 
 def _torchao(model: nn.Module) -> str:
@@ -151,6 +183,7 @@ def time_calls(model: nn.Module, batches: list[Any], args: argparse.Namespace, d
             b = batches[i % len(batches)]
             _sync(device)
             t0 = time.perf_counter()
+            torch.compiler.cudagraph_mark_step_begin()  # a new request: graphed outputs may be reused
             model(b.dense_features, b.sparse_features)
             _sync(device)
             if i >= args.warmup:
@@ -162,15 +195,38 @@ def quality(model: nn.Module, batches: list[Any], device: torch.device) -> dict[
     logits, labels = [], []
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         for b in batches:
-            logits.append(model(b.dense_features, b.sparse_features).float().reshape(-1))
+            torch.compiler.cudagraph_mark_step_begin()
+            # A copy: a graphed model's next call reuses its output buffer.
+            logits.append(model(b.dense_features, b.sparse_features).float().reshape(-1).clone())
             labels.append(b.labels.float())
     lg, lb = torch.cat(logits).cpu(), torch.cat(labels).cpu()
     return {"ne": normalized_entropy(lg, lb), "auc": auc(lg, lb)}
 
 
+def same_settings(variant: str) -> str:
+    """The bf16 variant with `variant`'s runtime settings."""
+    return "bf16" + variant[len(next(m for m in MODELS if variant.startswith(m))):]
+
+
+def forward_ledger(model: nn.Module, batch: Any, device: torch.device) -> Ledger:
+    """The forward GEMMs that the served `model` runs in FP8 at `batch`'s size: each timed in
+    bf16 and in its plan (:func:`~loka_train.dispatch.ledger.measure_ledger`). One eager call
+    records the sites' shapes first."""
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        model(batch.dense_features, batch.sparse_features)
+    gemms = []
+    for name, site in sites(model).items():
+        plan, shape = site.plan.forward, site.gemm_shapes()["forward"]
+        if plan.is_fp8 and shape[0] > 0:
+            gemms.append(LedgerGemm(name, "forward", shape, plan, (plan,)))
+    return measure_ledger(gemms, device=device)
+
+
 def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Path) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     rows = []
+    ledgers: dict[int, Ledger] = {}
+    last = args.batch_sizes[-1]
     for variant in args.variant_names:
         model, why = build(variant, job, run, device)
         row: dict[str, Any] = {"config": config, "variant": variant, "status": "ok" if model is not None else why}
@@ -178,44 +234,76 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
             for b in args.batch_sizes:
                 data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=b)
                 batches = [x.to(device) for x in data.batches(0, max(1, min(4, args.eval_batches)))]
+                if variant == "loka" and not args.no_ledger:  # the eager served model records its shapes
+                    ledgers[b] = forward_ledger(model, batches[0], device)
                 times = sorted(time_calls(model, batches, args, device))
                 p50 = statistics.median(times)
                 p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
                 row[f"b{b}"] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "samples_per_s": b / p50}
-            first = args.batch_sizes[0]
-            data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=first)
+            data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=last)
             row.update(quality(model, [x.to(device) for x in data.batches(0, args.eval_batches)], device))
         rows.append(row)
         logger.info("%s %s: %s", config, variant, {k: v for k, v in row.items() if k not in ("config", "variant")})
         del model
-    ref = next((r for r in rows if r["variant"] == REFERENCE and r["status"] == "ok"), None)
-    for r in rows:
-        if ref is None or r["status"] != "ok":
-            continue
-        r["ne_delta_rel_vs_ref"] = r["ne"] / ref["ne"] - 1
+    ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
+    ref = ok.get(REFERENCE)
+    for r in ok.values():
+        same = ok.get(same_settings(r["variant"]))
+        if ref is not None:
+            r["ne_delta_rel_vs_ref"] = r["ne"] / ref["ne"] - 1
         for b in args.batch_sizes:
-            r[f"b{b}"]["speedup_vs_ref"] = r[f"b{b}"]["samples_per_s"] / ref[f"b{b}"]["samples_per_s"]
+            cell = r[f"b{b}"]
+            if ref is not None:
+                cell["speedup_vs_ref"] = cell["samples_per_s"] / ref[f"b{b}"]["samples_per_s"]
+            if same is not None:
+                cell["speedup_vs_same"] = cell["samples_per_s"] / same[f"b{b}"]["samples_per_s"]
+    for b, ledger in ledgers.items():
+        entry: dict[str, Any] = {"ledger": ledger.to_dict()}
+        if ref is not None:
+            ref_ms = ref[f"b{b}"]["p50_ms"]
+            limit = ledger.predict(ref_ms, planned_step=False)["quant_free"]
+            entry["limit_vs_ref"] = limit
+            for r in ok.values():
+                if r["variant"].startswith("loka") and "speedup_vs_ref" in r[f"b{b}"]:
+                    r[f"b{b}"]["of_limit"] = r[f"b{b}"]["speedup_vs_ref"] / limit
+        rows.append({"config": config, "variant": "forward ledger", "status": "ledger", f"b{b}": entry})
     return rows
 
 
 def render(result: dict[str, Any]) -> str:
     args = result["args"]
+    sizes = args["batch_sizes"]
     lines = [f"# Inference: {result['device']}", "", f"- command: `{result['command']}`", "",
-             "Throughput (samples/s) and latency (p50 / p99 ms) per batch size; ratios against "
-             f"{REFERENCE} of the same config; NE and AUC on held-out batches of batch {args['batch_sizes'][0]}.", ""]
-    head = "| config | variant | " + " | ".join(f"b{b}: samples/s (x), p50 / p99 ms" for b in args["batch_sizes"])
-    lines += [head + " | NE (vs ref) | AUC |", "|" + "---|" * (4 + len(args["batch_sizes"]))]
+             "Throughput (samples/s) and p50 / p99 latency (ms) per batch size; `x ref`: against "
+             f"{REFERENCE} of the same config; `x same`: against bf16 with the same settings; "
+             f"NE (relative to {REFERENCE}'s) and AUC on {args['eval_batches']} held-out batches of "
+             f"{sizes[-1]}.", ""]
+    lines += ["| config | variant | " + " | ".join(f"b{b}: samples/s, x ref, x same, p50 / p99 ms" for b in sizes)
+              + " | NE (vs ref) | AUC |", "|" + "---|" * (4 + len(sizes))]
+    limits: list[str] = []
     for r in result["rows"]:
+        if r["status"] == "ledger":
+            for b in sizes:
+                e = r.get(f"b{b}")
+                if e is not None and "limit_vs_ref" in e:
+                    n = len(e["ledger"]["rows"])
+                    limits.append(f"| {r['config']} | {b} | {n} | {e['limit_vs_ref']:.3f}x |")
+            continue
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {r['variant']} | {r['status']} |" + " |" * (len(args["batch_sizes"]) + 1))
+            lines.append(f"| {r['config']} | {r['variant']} | {r['status']} |" + " |" * len(sizes))
             continue
         cells = []
-        for b in args["batch_sizes"]:
+        for b in sizes:
             c = r[f"b{b}"]
-            x = f" ({c['speedup_vs_ref']:.2f}x)" if "speedup_vs_ref" in c else ""
-            cells.append(f"{c['samples_per_s']:,.0f}{x}, {c['p50_ms']:.2f} / {c['p99_ms']:.2f}")
+            ratios = ", ".join(f"{c[k]:.2f}x" if k in c else "-" for k in ("speedup_vs_ref", "speedup_vs_same"))
+            of = f" ({c['of_limit']:.0%} of limit)" if "of_limit" in c else ""
+            cells.append(f"{c['samples_per_s']:,.0f}, {ratios}{of}, {c['p50_ms']:.2f} / {c['p99_ms']:.2f}")
         delta = f" ({r['ne_delta_rel_vs_ref']:+.3%})" if "ne_delta_rel_vs_ref" in r else ""
         lines.append(f"| {r['config']} | {r['variant']} | " + " | ".join(cells) + f" | {r['ne']:.5f}{delta} | {r['auc']:.4f} |")
+    if limits:
+        lines += ["", "Forward-only ledger: the throughput limit against "
+                  f"{REFERENCE} with each FP8 forward's GEMM at its measured FP8 time and its quantization free.", "",
+                  "| config | batch | FP8 forwards | limit |", "|---|---|---|---|", *limits]
     return "\n".join(lines) + "\n"
 
 
@@ -230,6 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     rows: list[dict[str, Any]] = []
+    command = "python -m bench.inference " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def write() -> str:  # after each config: a time limit loses at most the config running
+        result = {
+            "command": command,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+            "args": {k: v for k, v in vars(args).items()},
+            "rows": rows,
+        }
+        (out / "inference.json").write_text(json.dumps(result, indent=1) + "\n")
+        text = render(result)
+        (out / "inference.md").write_text(text)
+        return text
+
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="inference_") as tmp:
         if args.run is not None:
             from launch.export import run_config
@@ -241,15 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             for config in args.config_names:
                 job, run = train_run(composer, args, config, Path(tmp))
                 rows += bench_config(args, config, job, run)
-    result = {
-        "command": "python -m bench.inference " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-        "args": {k: v for k, v in vars(args).items()},
-        "rows": rows,
-    }
-    (out / "inference.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "inference.md").write_text(render(result))
-    print(render(result))
+                write()
+    print(write())
     return 0
 
 

@@ -14,8 +14,8 @@ from bench.inference import main, parse_args
 def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "inf"
     assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16,32", "--train-steps", "8",
-                 "--warmup", "1", "--iters", "3", "--eval-batches", "2", "--variants", "bf16,loka,torchao+compile",
-                 "--out", str(out)]) == 0
+                 "--warmup", "1", "--iters", "3", "--eval-batches", "2",
+                 "--variants", "bf16,bf16+compile,loka,torchao+compile", "--out", str(out)]) == 0
     result = json.loads((out / "inference.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     for name in ("bf16", "loka"):
@@ -25,6 +25,27 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     # Both read the same checkpoint and the same held-out batches.
     assert rows["loka"]["ne"] == pytest.approx(rows["bf16"]["ne"], rel=0.05)
     assert rows["torchao+compile"]["status"] == "ok" or rows["torchao+compile"]["status"].startswith("not run")
+    # Ratios against the compiled reference and against bf16 with the same settings.
+    for b in (16, 32):
+        cell = rows["loka"][f"b{b}"]
+        assert cell["speedup_vs_same"] == pytest.approx(cell["samples_per_s"] / rows["bf16"][f"b{b}"]["samples_per_s"])
+        assert cell["speedup_vs_ref"] == pytest.approx(
+            cell["samples_per_s"] / rows["bf16+compile"][f"b{b}"]["samples_per_s"])
+    # The forward-only ledger: the served FP8 forwards at each batch size and the limit they give.
+    ledgers = [r for r in result["rows"] if r["status"] == "ledger"]
+    by_batch = {int(k[1:]): r[k] for r in ledgers for k in r if k.startswith("b")}
+    assert sorted(by_batch) == [16, 32]
+    shapes = {}
+    for b, entry in by_batch.items():
+        assert entry["ledger"]["rows"] and all(row["role"] == "forward" and row["plan"] != "high"
+                                               for row in entry["ledger"]["rows"])
+        shapes[b] = {row["site"]: row["shape"] for row in entry["ledger"]["rows"]}
+        assert entry["limit_vs_ref"] >= 1.0  # FP8 GEMMs that save nothing leave the reference's latency
+        assert rows["loka"][f"b{b}"]["of_limit"] == pytest.approx(
+            rows["loka"][f"b{b}"]["speedup_vs_ref"] / entry["limit_vs_ref"])
+    # Each GEMM at the shape of its batch: twice the rows at twice the batch.
+    assert shapes[16].keys() == shapes[32].keys()
+    assert all(shapes[32][s] == [2 * shapes[16][s][0], *shapes[16][s][1:]] for s in shapes[16])
     md = (out / "inference.md").read_text()
     assert "| dlrm | loka |" in md and "samples/s" in md
 
