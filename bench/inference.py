@@ -49,6 +49,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from bench.e2e.protocol import decide_overrides
 from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Composer
 from loka_train.data import make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
@@ -77,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run", default=None, help="serve this run directory's latest checkpoint instead of training one")
     p.add_argument("--batches", default="512,2048,8192", help="comma-separated batch sizes")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--train-steps", type=int, default=300, help="steps of the training run per config")
+    p.add_argument("--train-steps", type=int, default=200, help="steps of the training run per config")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
@@ -110,8 +111,9 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
         f"trainer.out_dir={root / config}", "trainer.tensorboard=false", "trainer.progress_bar=false",
         *(["trainer.dense_dtype=bf16", "trainer.compile_dense=true", "trainer.cuda_graphs=true"] if gpu else []),
         "loka=aggressive",
-        # A dry run decides its plans within its few steps.
-        *(["loka.probe.every_k_steps=1", "loka.probe.interval=4"] if args.dry_run else []),
+        # Every site sampled on every step and a re-plan every few steps: the short run reaches
+        # the plans a long one would (as bench.e2e's decision run).
+        *decide_overrides(4 if args.dry_run else 20),
     ])
     run_job(job)
     return job, root / config / "latest"
@@ -227,23 +229,27 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
     rows = []
     ledgers: dict[int, Ledger] = {}
     last = args.batch_sizes[-1]
+    timed = {b: [x.to(device) for x in make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=b)
+                 .batches(0, max(1, min(4, args.eval_batches)))] for b in args.batch_sizes}
+    held_out = [x.to(device) for x in make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=last)
+                .batches(0, args.eval_batches)]
     for variant in args.variant_names:
+        t0 = time.perf_counter()
         model, why = build(variant, job, run, device)
         row: dict[str, Any] = {"config": config, "variant": variant, "status": "ok" if model is not None else why}
         if model is not None:
-            for b in args.batch_sizes:
-                data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=b)
-                batches = [x.to(device) for x in data.batches(0, max(1, min(4, args.eval_batches)))]
+            for b, batches in timed.items():
                 if variant == "loka" and not args.no_ledger:  # the eager served model records its shapes
                     ledgers[b] = forward_ledger(model, batches[0], device)
                 times = sorted(time_calls(model, batches, args, device))
                 p50 = statistics.median(times)
                 p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
                 row[f"b{b}"] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "samples_per_s": b / p50}
-            data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=last)
-            row.update(quality(model, [x.to(device) for x in data.batches(0, args.eval_batches)], device))
+            row.update(quality(model, held_out, device))
+        row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
-        logger.info("%s %s: %s", config, variant, {k: v for k, v in row.items() if k not in ("config", "variant")})
+        print(f"[inference] {config} {variant}: {({k: v for k, v in row.items() if k not in ('config', 'variant')})}",
+              flush=True)
         del model
     ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
     ref = ok.get(REFERENCE)
