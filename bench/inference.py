@@ -4,8 +4,9 @@ inference recipe and LoKA's export, on one device, from the same checkpoint.
     python -m bench.inference --configs wukong,dcn,dlrm --batches 512,2048,8192 --out DIR
     python -m bench.inference --run runs/<run> --batches 4096 --out DIR   # a run of yours
 
-Per config: a short LoKA training run (``--train-steps``, the aggressive preset with the
-benchmark's sizes, compile + CUDA graphs on a GPU; or ``--run``, an existing run directory),
+Per config: a short training run with the benchmark's sizes (``--train-steps`` in bf16, then
+``--decide-steps`` of LoKA aggressive deciding its plans from those weights, as ``bench.e2e``'s
+continuations decide; compile + CUDA graphs on a GPU), or ``--run``, an existing run directory;
 then each variant of its checkpoint (``loka_train.export.load_trained``):
 
 * ``bf16``: the trained weights in their own modules (no LoKA site), bf16 autocast, eager;
@@ -25,12 +26,14 @@ as a GEMM alone in bf16 and in its FP8 plan (operands already quantized; CUDA-gr
 a GPU), and the throughput limit it gives: ``bf16+compile``'s latency over that latency less
 what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit.
 
-For each batch size: ``--warmup`` calls, then ``--iters`` timed forwards on held-out batches
-(``torch.no_grad``, bf16 autocast; each call timed on the host between two device
-synchronisations, so latency is per call): p50 and p99 latency (with 50 calls, the p99 is the
-slowest) and throughput (batch / p50). NE and AUC of each
-variant on ``--eval-batches`` held-out batches of the first batch size. Writes
-``inference.json`` and ``inference.md`` under ``--out``.
+Every variant is built (serving the same embedding tables, held once), warmed up at each batch
+size (``--warmup`` calls: compiled and captured there) and evaluated (NE and AUC on
+``--eval-batches`` held-out batches of the largest batch size). Then ``--rounds`` rounds each time
+every variant in turn, rotated from round to round: per batch size, two calls to come back to
+it, then ``--iters`` timed forwards on held-out batches (``torch.no_grad``, bf16 autocast; each
+call timed on the host between two device synchronisations, so latency is per call). p50 and p99
+latency over all rounds' calls, each round's p50, and throughput (batch / p50). Writes
+``inference.json`` and ``inference.md`` under ``--out`` after each config.
 """
 
 from __future__ import annotations
@@ -78,7 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run", default=None, help="serve this run directory's latest checkpoint instead of training one")
     p.add_argument("--batches", default="512,2048,8192", help="comma-separated batch sizes")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--train-steps", type=int, default=200, help="steps of the training run per config")
+    p.add_argument("--train-steps", type=int, default=300, help="bf16 training steps per config")
+    p.add_argument("--decide-steps", type=int, default=30, help="LoKA steps after them that decide the plans")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed rounds: each round times every variant in turn (--iters calls each)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
@@ -95,28 +101,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = sorted(set(args.config_names) - set(CONFIGS))
     if bad and args.run is None:
         raise SystemExit(f"--configs: unknown {bad}; choose from {sorted(CONFIGS)}")
-    if min(args.batch_sizes, default=0) < 1 or args.iters < 1 or args.warmup < 0:
-        raise SystemExit("--batches must be >= 1 each, --iters >= 1, --warmup >= 0")
+    if min(args.batch_sizes, default=0) < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1:
+        raise SystemExit("--batches must be >= 1 each, --iters >= 1, --rounds >= 1, --warmup >= 0")
+    if args.train_steps < 1 or args.decide_steps < 1:
+        raise SystemExit("--train-steps and --decide-steps must be >= 1")
     return args
 
 
 def train_run(composer: Composer, args: argparse.Namespace, config: str, root: Path) -> tuple[JobConfig, Path]:
-    """A short LoKA training run of `config` with a checkpoint at its end; its job and directory."""
+    """A short training run of `config` and its LoKA decision, as ``bench.e2e``'s continuations
+    decide: ``--train-steps`` in bf16 (LoKA off; compile + CUDA graphs on a GPU), then
+    ``--decide-steps`` more with LoKA aggressive resuming that checkpoint, every site sampled on
+    every step and a re-plan every few steps, so that the plans are those of the trained
+    weights. Returns the LoKA job and the decided run's directory."""
     gpu = args.device == "cuda"
     configs, data = (DRY_CONFIGS, DRY_DATA) if args.dry_run else (CONFIGS, DATA)
-    job = composer.job([
+    common = [
         *configs[config], *data, f"trainer={'gpu' if gpu else 'cpu'}", f"trainer.device={args.device}",
-        f"trainer.steps={args.train_steps}", f"trainer.batch_size={args.batch_sizes[-1] if not args.dry_run else 32}",
-        "trainer.eval_batches=1", "trainer.eval_every=0", "trainer.checkpoint_at_end=true", "trainer.resume=never",
-        f"trainer.out_dir={root / config}", "trainer.tensorboard=false", "trainer.progress_bar=false",
+        f"trainer.batch_size={args.batch_sizes[-1] if not args.dry_run else 32}",
+        "trainer.eval_batches=1", "trainer.eval_every=0", "trainer.checkpoint_at_end=true",
+        "trainer.tensorboard=false", "trainer.progress_bar=false",
         *(["trainer.dense_dtype=bf16", "trainer.compile_dense=true", "trainer.cuda_graphs=true"] if gpu else []),
-        "loka=aggressive",
-        # Every site sampled on every step and a re-plan every few steps: the short run reaches
-        # the plans a long one would (as bench.e2e's decision run).
-        *decide_overrides(4 if args.dry_run else 20),
+    ]
+    base = root / config / "base"
+    run_job(composer.job([*common, f"trainer.steps={args.train_steps}", "trainer.resume=never",
+                          f"trainer.out_dir={base}", "loka=off"]))
+    job = composer.job([
+        *common, f"trainer.steps={args.train_steps + args.decide_steps}", f"trainer.resume={base / 'latest'}",
+        "trainer.resume_new_callbacks=true", f"trainer.out_dir={root / config / 'decided'}", "loka=aggressive",
+        *decide_overrides(2 if args.dry_run else 5),
     ])
     run_job(job)
-    return job, root / config / "latest"
+    return job, root / config / "decided" / "latest"
 
 
 def build(variant: str, job: JobConfig, run: Path, device: torch.device) -> tuple[nn.Module | None, str]:
@@ -176,21 +192,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(model: nn.Module, batches: list[Any], args: argparse.Namespace, device: torch.device) -> list[float]:
-    """Seconds of each timed call (after the warm-up), one batch after another."""
+def time_calls(model: nn.Module, batches: list[Any], calls: int, device: torch.device) -> list[float]:
+    """Seconds of each of `calls` forwards, one batch after another."""
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     times = []
     with torch.no_grad(), autocast:
-        for i in range(args.warmup + args.iters):
+        for i in range(calls):
             b = batches[i % len(batches)]
             _sync(device)
             t0 = time.perf_counter()
             torch.compiler.cudagraph_mark_step_begin()  # a new request: graphed outputs may be reused
             model(b.dense_features, b.sparse_features)
             _sync(device)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
     return times
+
+
+def share_tables(model: nn.Module, donor: nn.Module | None) -> nn.Module:
+    """`model` with `donor`'s embedding lookup (``sparse_arch``) in place of its own: every
+    variant serves the same trained tables, held once. Returns the donor to keep (`model`'s
+    own lookup where there is none yet)."""
+    if donor is None:
+        return model
+    model.sparse_arch = donor.sparse_arch
+    return donor
 
 
 def quality(model: nn.Module, batches: list[Any], device: torch.device) -> dict[str, float]:
@@ -225,9 +250,14 @@ def forward_ledger(model: nn.Module, batch: Any, device: torch.device) -> Ledger
 
 
 def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Path) -> list[dict[str, Any]]:
+    """Every variant of `config`'s checkpoint: built, warmed up at each batch size (compiled
+    there) and evaluated, then timed in ``--rounds`` rounds, each round timing every variant in
+    turn (rotated from round to round), so that a drift of the machine spreads over all."""
     device = torch.device(args.device)
-    rows = []
+    rows: dict[str, dict[str, Any]] = {}
+    models: dict[str, nn.Module] = {}
     ledgers: dict[int, Ledger] = {}
+    donor: nn.Module | None = None
     last = args.batch_sizes[-1]
     timed = {b: [x.to(device) for x in make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=b)
                  .batches(0, max(1, min(4, args.eval_batches)))] for b in args.batch_sizes}
@@ -238,20 +268,37 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
         model, why = build(variant, job, run, device)
         row: dict[str, Any] = {"config": config, "variant": variant, "status": "ok" if model is not None else why}
         if model is not None:
+            donor = share_tables(model, donor)
             for b, batches in timed.items():
                 if variant == "loka" and not args.no_ledger:  # the eager served model records its shapes
                     ledgers[b] = forward_ledger(model, batches[0], device)
-                times = sorted(time_calls(model, batches, args, device))
-                p50 = statistics.median(times)
-                p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
-                row[f"b{b}"] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "samples_per_s": b / p50}
+                time_calls(model, batches, args.warmup, device)
             row.update(quality(model, held_out, device))
-        row["wall_s"] = time.perf_counter() - t0
-        rows.append(row)
-        print(f"[inference] {config} {variant}: {({k: v for k, v in row.items() if k not in ('config', 'variant')})}",
+            models[variant] = model
+        row["build_s"] = time.perf_counter() - t0
+        rows[variant] = row
+        print(f"[inference] {config} {variant}: built and warmed up in {row['build_s']:.1f}s; {row['status']}",
               flush=True)
-        del model
-    ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
+    times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
+    round_p50: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
+    names = list(models)
+    for k in range(args.rounds):
+        for v in names[k % len(names):] + names[:k % len(names)]:
+            for b, batches in timed.items():
+                time_calls(models[v], batches, min(2, args.warmup), device)  # back to this variant and size
+                got = time_calls(models[v], batches, args.iters, device)
+                times[v][b] += got
+                round_p50[v][b].append(statistics.median(got) * 1e3)
+    for v in names:
+        for b in args.batch_sizes:
+            ts = sorted(times[v][b])
+            p50 = statistics.median(ts)
+            rows[v][f"b{b}"] = {"p50_ms": p50 * 1e3, "p99_ms": ts[min(len(ts) - 1, int(0.99 * len(ts)))] * 1e3,
+                                "samples_per_s": b / p50, "round_p50_ms": round_p50[v][b]}
+        print(f"[inference] {config} {v}: " + ", ".join(
+            f"b{b} p50 {rows[v][f'b{b}']['p50_ms']:.3f} ms" for b in args.batch_sizes), flush=True)
+    models.clear()
+    ok = {v: r for v, r in rows.items() if r["status"] == "ok"}
     ref = ok.get(REFERENCE)
     for r in ok.values():
         same = ok.get(same_settings(r["variant"]))
@@ -263,17 +310,17 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
                 cell["speedup_vs_ref"] = cell["samples_per_s"] / ref[f"b{b}"]["samples_per_s"]
             if same is not None:
                 cell["speedup_vs_same"] = cell["samples_per_s"] / same[f"b{b}"]["samples_per_s"]
+    out = list(rows.values())
     for b, ledger in ledgers.items():
         entry: dict[str, Any] = {"ledger": ledger.to_dict()}
         if ref is not None:
-            ref_ms = ref[f"b{b}"]["p50_ms"]
-            limit = ledger.predict(ref_ms, planned_step=False)["quant_free"]
+            limit = ledger.predict(ref[f"b{b}"]["p50_ms"], planned_step=False)["quant_free"]
             entry["limit_vs_ref"] = limit
             for r in ok.values():
-                if r["variant"].startswith("loka") and "speedup_vs_ref" in r[f"b{b}"]:
+                if r["variant"].startswith("loka"):
                     r[f"b{b}"]["of_limit"] = r[f"b{b}"]["speedup_vs_ref"] / limit
-        rows.append({"config": config, "variant": "forward ledger", "status": "ledger", f"b{b}": entry})
-    return rows
+        out.append({"config": config, "variant": "forward ledger", "status": "ledger", f"b{b}": entry})
+    return out
 
 
 def render(result: dict[str, Any]) -> str:

@@ -13,8 +13,8 @@ from bench.inference import main, parse_args
 
 def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "inf"
-    assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16,32", "--train-steps", "8",
-                 "--warmup", "1", "--iters", "3", "--eval-batches", "2",
+    assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16,32", "--train-steps", "4",
+                 "--decide-steps", "6", "--warmup", "1", "--iters", "3", "--rounds", "2", "--eval-batches", "2",
                  "--variants", "bf16,bf16+compile,loka,torchao+compile", "--out", str(out)]) == 0
     result = json.loads((out / "inference.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
@@ -22,6 +22,7 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
         r = rows[name]
         assert r["status"] == "ok" and 0 < r["ne"] < 2 and 0 <= r["auc"] <= 1
         assert all(r[f"b{b}"]["samples_per_s"] > 0 and r[f"b{b}"]["p99_ms"] >= r[f"b{b}"]["p50_ms"] for b in (16, 32))
+        assert all(len(r[f"b{b}"]["round_p50_ms"]) == 2 for b in (16, 32)), "one p50 per round"
     # Both read the same checkpoint and the same held-out batches.
     assert rows["loka"]["ne"] == pytest.approx(rows["bf16"]["ne"], rel=0.05)
     assert rows["torchao+compile"]["status"] == "ok" or rows["torchao+compile"]["status"].startswith("not run")
