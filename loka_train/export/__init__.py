@@ -7,6 +7,8 @@
   export (served, evaluated against high precision, numerics per site) written to a directory;
 * :class:`Monitor` (:mod:`.monitor`): a served model's requests, with each FP8 site's SQNR
   watched on a sampled fraction and a site flagged when it turns unsafe;
+* :func:`export_dense` (:mod:`.program`): the served dense submodules as ``torch.export``
+  programs (saved, loaded, installed back, or compiled by AOTInductor);
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 
@@ -30,9 +32,17 @@ from loka_train.export.config import ExportConfig, MonitorConfig, ServeConfig
 from loka_train.export.debugger import SiteNumerics, compare_sites, format_numerics
 from loka_train.export.load import TrainedModel, load_trained
 from loka_train.export.monitor import Monitor
+from loka_train.export.program import (
+    aoti_package,
+    export_dense,
+    install_programs,
+    load_programs,
+    save_programs,
+)
 from loka_train.export.serving import ServedWeight, serve, served_sites
 
 __all__ = [
-    "ExportConfig", "Monitor", "MonitorConfig", "ServeConfig", "ServedWeight", "SiteNumerics", "TrainedModel", "compare_sites", "format_numerics", "load_trained",
-    "serve", "served_sites",
+    "ExportConfig", "Monitor", "MonitorConfig", "ServeConfig", "ServedWeight", "SiteNumerics", "TrainedModel",
+    "aoti_package", "compare_sites", "export_dense", "format_numerics", "install_programs", "load_programs",
+    "load_trained", "save_programs", "serve", "served_sites",
 ]

@@ -72,6 +72,10 @@ class ExportConfig:
     """Held-out batches evaluated (NE, AUC of the served model and of the high-precision one);
     None: the run's ``trainer.eval_batches``. The first one is the numerics debugger's."""
 
+    programs: bool = True
+    """Also write the served dense submodules as ``torch.export`` programs (``dense/<name>.pt2``,
+    :func:`~loka_train.export.program.export_dense`, the batch dimension dynamic)."""
+
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"export dtype={self.dtype!r}: choose one of {sorted(DTYPES)} (or null: the run's)")

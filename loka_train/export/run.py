@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from loka_train.data.metrics import auc, calibration, normalized_entropy
 from loka_train.export.config import ExportConfig, ServeConfig
 from loka_train.export.debugger import compare_sites, format_numerics
 from loka_train.export.load import load_trained
+from loka_train.export.program import export_dense, save_programs
 from loka_train.export.serving import serve, served_sites
 from loka_train.job import JobConfig
 from loka_train.kernels.plan import LinearPlan
@@ -92,6 +93,9 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
         "static_scales": bool(job.loka.enabled and job.loka.mods.static_scales),
         "out": str(out),
     }
+    if cfg.programs:
+        programs = export_dense(cast(nn.Module, trained.model.model), batches[0], autocast=torch.bfloat16 if dtype == "bf16" else None)
+        summary["programs"] = [str(p) for p in save_programs(programs, out / "dense")]
     (out / "export.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "numerics.md").write_text(
         f"# Numerics per site: {trained.checkpoint} (step {trained.step}), first eval batch, {dtype}\n\n"

@@ -57,7 +57,8 @@ class GemmProblem:
         object.__setattr__(self, "scaling", Scaling(self.scaling))
         if self.fmt_b is not None:
             object.__setattr__(self, "fmt_b", Fp8Format(self.fmt_b))
-        if min(self.m, self.k, self.n) < 0:
+        # Each size alone: min() over a symbolic M (torch.export) would guard it against K and N.
+        if self.m < 0 or self.k < 0 or self.n < 0:
             raise ValueError(f"negative GEMM size m={self.m} k={self.k} n={self.n}")
 
     @property

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loka_train.kernels import opaque
-from loka_train.kernels.formats import dequantize, quantize
+from loka_train.kernels.formats import Scaling, dequantize, quantize
 from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import compute_dtype, fp8_linear
 from loka_train.kernels.plan import GemmPlan, LinearPlan
@@ -80,7 +80,20 @@ def fp8_padding(
     n_only: bool,
 ) -> tuple[int, int, int] | None:
     """The zero rows/cols ``(pad_m, pad_k, pad_n)`` of :func:`_padding_for`, cached; keyed also by the backend objects (not only their names),
-    so a backend registered anew under the same name is asked again."""
+    so a backend registered anew under the same name is asked again.
+
+    ``m`` may be symbolic (``torch.export`` with a dynamic batch dim): the backends' checks do not
+    read ``M`` except block scaling's, and only an FP8 grad-weight pads it, so the padding is
+    that of any ``M`` for other plans; for those two it raises (export with a static batch)."""
+    if not isinstance(m, int):
+        rows_matter = plan.grad_weight.is_fp8 or any(
+            gp.is_fp8 and gp.scaling is Scaling.BLOCK for gp in gemm_plans(plan).values())
+        if rows_matter:
+            raise ValueError(
+                f"a plan whose padding depends on the rows ({plan}) cannot take a symbolic batch "
+                "size: export this model with a static batch (dynamic_batch=False)"
+            )
+        m = 16
     backends = tuple(get_backend(gp.backend) for gp in gemm_plans(plan).values() if gp.is_fp8)
     return _padding_for(plan, backends, m, k, n, multiple, device_type, cdtype, n_only)
 

@@ -107,6 +107,7 @@ def test_the_export_job_writes_what_it_measured_and_its_state_dict_serves_again(
     assert result["metrics"]["served"]["ne"] == pytest.approx(summary["eval/ne"], rel=1e-6)
     assert result["metrics"]["served"]["ne"] != result["metrics"]["high"]["ne"]
     assert json.loads((out / "export.json").read_text())["metrics"] == result["metrics"]
+    assert sorted(Path(p).name for p in result["programs"]) == ["dense_arch.pt2", "inter_arch.pt2", "over_arch.pt2"]
     names = {r["site"] for r in result["numerics"]}
     assert names and names <= set(result["sites"]) and "local SQNR dB" in (out / "numerics.md").read_text()
     assert "NE" in report(result) and str(out) in report(result)
@@ -153,3 +154,56 @@ def test_the_config_a_run_resumed_with_before_the_checkpoint_is_the_one_read(tmp
     (copy / "config.resumed_00000010.yaml").write_text(text.replace("eval_batches: 2", "eval_batches: 3", 1))
     (copy / "config.resumed_00000020.yaml").write_text(text.replace("eval_batches: 2", "eval_batches: 5", 1))
     assert run_config(str(copy)).trainer.eval_batches == 3  # resumed at 10, the checkpoint is at 12
+
+
+def test_the_served_dense_submodules_export_as_programs_for_any_batch(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from loka_train.export import export_dense, install_programs, load_programs, save_programs
+    from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
+
+    job, run, _ = trained_run
+    trained = load_trained(job, run)
+    served = serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="fp32")).model
+    example = next(iter(make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=64).batches(0, 1)))
+    programs = export_dense(served, example, autocast=None)
+    assert sorted(programs) == ["dense_arch", "inter_arch", "over_arch"]
+    save_programs(programs, tmp_path / "dense")
+    # Installed in a fresh copy of the model, the programs compute the served model's logits as
+    # torch.compile traces it, bit for bit, at another batch size too (the batch dimension is
+    # dynamic). (On the CPU a traced tensor-wise cast takes its dynamic scale, the eager one the
+    # static scale: loka.mods.static_scales.)
+    compiled = serve(load_trained(job, run).model, plans=trained.plans, config=ServeConfig(dtype="fp32")).model
+    for module in dense_submodules(compiled, DENSE_SUBMODULES, setting="test", verb="compile").values():
+        module.compile(backend="aot_eager", dynamic=False)
+    fresh = load_trained(job, run).model.model
+    install_programs(fresh, load_programs(tmp_path / "dense"))
+    assert not sites(fresh), "the programs replace the sites"
+    other = next(iter(make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=96).batches(0, 1)))
+    with torch.no_grad():
+        for batch in (example, other):
+            assert torch.equal(fresh(batch.dense_features, batch.sparse_features),
+                               compiled(batch.dense_features, batch.sparse_features))
+    # The FP8 forwards are in the programs: all-high plans on the same weights compute otherwise.
+    high = serve(load_trained(job, run).model, plans={n: LinearPlan() for n in trained.plans},
+                 config=ServeConfig(dtype="fp32")).model
+    with torch.no_grad():
+        assert not torch.equal(high(other.dense_features, other.sparse_features),
+                               fresh(other.dense_features, other.sparse_features))
+    with pytest.raises(ValueError, match="name no dense submodule"):
+        install_programs(fresh, {"tower": programs["over_arch"]})
+    with pytest.raises(FileNotFoundError, match="save_programs"):
+        load_programs(tmp_path / "none")
+
+
+def test_an_exported_program_compiles_into_an_aot_inductor_package(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from loka_train.export import aoti_package, export_dense
+
+    job, run, _ = trained_run
+    trained = load_trained(job, run)
+    served = serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="fp32")).model
+    example = next(iter(make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=64).batches(0, 1)))
+    program = export_dense(served, example, autocast=None)["dense_arch"]
+    assert any(p.forward.is_fp8 for n, p in trained.plans.items() if n.startswith("model.dense_arch"))
+    package = torch._inductor.aoti_load_package(str(aoti_package(program, tmp_path / "dense_arch.pt2")))
+    x = torch.rand(40, example.dense_features.shape[1]) * 4
+    with torch.no_grad():
+        assert torch.allclose(package(x), program.module()(x), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,175 @@
+"""A served model's dense towers as ``torch.export`` programs (and AOTInductor packages).
+
+The embedding lookup takes TorchRec's ``KeyedJaggedTensor`` and stays a module (the trained
+tables, unsharded); the dense submodules of the DLRM family (``dense_arch``, ``inter_arch``,
+``over_arch``) take and return tensors, and each becomes one ``ExportedProgram``:
+
+* :func:`export_dense` records each dense submodule's inputs on one call of the served model and
+  exports it under ``torch.no_grad()`` (the served path: FP8 weights quantized once, only the
+  activations quantized at each call), the batch dimension dynamic by default;
+* :func:`save_programs` / :func:`load_programs` write and read them (``<name>.pt2``,
+  ``torch.export.save``); :func:`install_programs` puts the programs' modules in place of a
+  model's dense submodules, so that ``model(dense, sparse)`` runs them;
+* :func:`aoti_package` compiles one program with AOTInductor into a package
+  (``torch._inductor.aoti_compile_and_package``), loaded with ``torch._inductor.aoti_load_package``.
+
+A program holds the LoKA custom ops its sites call (the quantizers, the Triton and emulated
+GEMMs): load it in a process that imported ``loka_train`` (which registers them). It computes
+what the served model computes under ``torch.compile`` on the device it was exported on (the
+code ``torch.export`` traces is the code ``torch.compile`` traces: where a site's quantizer is
+traced rather than an opaque op, as the emulated backend's on a CPU, its tensor-wise cast takes
+its dynamic scale, not a static one, ``loka.mods.static_scales``).
+
+Example:
+    >>> programs = export_dense(served_model, batch)            # after serve(...)
+    >>> save_programs(programs, "export/dense")
+    >>> install_programs(fresh_model, load_programs("export/dense"))
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ProgramModule", "aoti_package", "export_dense", "install_programs", "load_programs", "save_programs"]
+
+SUFFIX = ".pt2"
+
+
+def _batch_dims(args: tuple[Any, ...], batch: int, dim: Any) -> tuple[Any, ...]:
+    """``dynamic_shapes`` for `args`: dim 0 of each tensor whose first size is the batch."""
+    return tuple({0: dim} if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == batch else None for a in args)
+
+
+class ProgramModule(nn.Module):
+    """An exported program's module in place of the submodule it was exported from: called as
+    that submodule was (positional or keyword arguments), it passes them to the program in the
+    order of the submodule's parameters."""
+
+    def __init__(self, program: torch.export.ExportedProgram) -> None:
+        super().__init__()
+        self.program = program.module()
+        self.names = [spec.arg.name for spec in program.graph_signature.input_specs
+                      if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        given = dict(zip(self.names, args))
+        given.update(kwargs)
+        missing = [n for n in self.names if n not in given]
+        if missing or len(given) != len(self.names):
+            raise TypeError(f"the exported program takes {self.names}; got {len(args)} positional and {sorted(kwargs)}")
+        return self.program(*(given[n] for n in self.names))
+
+
+def export_dense(
+    model: nn.Module, batch: Any, *, dynamic_batch: bool = True, autocast: torch.dtype | None = torch.bfloat16,
+) -> dict[str, torch.export.ExportedProgram]:
+    """Export each dense submodule of a served DLRM-family `model` (``dense_arch``,
+    ``inter_arch``, ``over_arch``) with the inputs one call on `batch` gives it.
+
+    Args:
+        model: a served model (:func:`~loka_train.export.serve`), called as
+            ``model(batch.dense_features, batch.sparse_features)``.
+        batch: a batch of the model's data (its size is the example batch size).
+        dynamic_batch: the programs take any batch size >= 2 (the batch dimension symbolic);
+            False: only the example's.
+        autocast: the autocast dtype the model is served under (None: no autocast); the programs
+            record it.
+
+    Raises:
+        ValueError: where the model has no dense submodule, or a submodule takes non-tensor inputs.
+    """
+    found = dense_submodules(model, DENSE_SUBMODULES, setting="export_dense", verb="export")
+    inputs: dict[str, dict[str, Any]] = {}
+
+    def record(name: str):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            # By parameter name: the caller may pass them either way.
+            bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+            inputs.setdefault(name, {k: a.detach() if isinstance(a, Tensor) else a for k, a in bound.items()})
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(n), with_kwargs=True) for n, m in found.items()]
+    device = next(model.parameters()).device
+    ctx = torch.autocast(device.type, dtype=autocast) if autocast is not None else torch.autocast(device.type, enabled=False)
+    try:
+        with torch.no_grad(), ctx:
+            model(batch.dense_features, batch.sparse_features)
+    finally:
+        for h in handles:
+            h.remove()
+    size = int(batch.dense_features.shape[0])
+    programs = {}
+    for name, module in found.items():
+        bound = inputs[name]  # in the order of the submodule's parameters
+        bad = {k: type(a).__name__ for k, a in bound.items() if not isinstance(a, Tensor)}
+        if bad:
+            raise ValueError(f"export_dense: {name} takes {bad}; only submodules of tensors are exported")
+        args = tuple(bound.values())
+        dims = _batch_dims(args, size, torch.export.Dim("batch", min=2)) if dynamic_batch else None
+        with torch.no_grad(), ctx:
+            programs[name] = torch.export.export(module, args, dynamic_shapes=dims)
+        logger.info("export_dense: %s (%s batch)", name, "dynamic" if dynamic_batch else f"static {size}")
+    return programs
+
+
+def save_programs(programs: Mapping[str, torch.export.ExportedProgram], directory: str | Path) -> list[Path]:
+    """Write each program to ``<directory>/<name>.pt2``; the paths."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, program in programs.items():
+        path = out / f"{name}{SUFFIX}"
+        torch.export.save(program, path)
+        paths.append(path)
+    return paths
+
+
+def load_programs(directory: str | Path) -> dict[str, torch.export.ExportedProgram]:
+    """The programs :func:`save_programs` wrote to `directory`, by name.
+
+    Raises:
+        FileNotFoundError: where `directory` holds none.
+    """
+    import loka_train.kernels  # noqa: F401  (registers the custom ops the programs call)
+
+    paths = sorted(Path(directory).glob(f"*{SUFFIX}"))
+    if not paths:
+        raise FileNotFoundError(f"{directory}: no *{SUFFIX} program; write them with save_programs (or the export)")
+    return {p.name[: -len(SUFFIX)]: torch.export.load(p) for p in paths}
+
+
+def install_programs(model: nn.Module, programs: Mapping[str, torch.export.ExportedProgram]) -> nn.Module:
+    """Put each program's module in place of `model`'s dense submodule of that name, in place;
+    returns `model`.
+
+    Raises:
+        ValueError: where a program names no dense submodule of `model`.
+    """
+    found = dense_submodules(model, DENSE_SUBMODULES, setting="install_programs", verb="replace")
+    unknown = sorted(set(programs) - set(found))
+    if unknown:
+        raise ValueError(f"install_programs: {unknown} name no dense submodule; the model has {sorted(found)}")
+    for name, program in programs.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, ProgramModule(program))
+    return model
+
+
+def aoti_package(program: torch.export.ExportedProgram, path: str | Path) -> Path:
+    """Compile `program` with AOTInductor into the package `path` (``.pt2``); load it with
+    ``torch._inductor.aoti_load_package(path)``."""
+    from torch._inductor import aoti_compile_and_package
+
+    return Path(aoti_compile_and_package(program, package_path=str(path)))
