@@ -338,3 +338,21 @@ def test_a_padded_site_with_a_folded_relu_and_no_bias_serves_its_training_forwar
     assert (net[0].served.pad_k, net[0].served.pad_n) == (8, 8) and net[2].served.w_data.shape == (32, 48)
     assert net[2].served.bias is None
     assert torch.equal(got, expected)
+
+
+def test_a_plan_whose_padding_reads_the_rows_refuses_a_symbolic_batch() -> None:
+    from loka_train.mods.site import Fp8Linear
+
+    site = Fp8Linear.from_linear(nn.Linear(24, 8), plan=LinearPlan.fp8(backend="emulated"), pad_to_multiple=16)
+    x = torch.randn(32, 24)
+    batch = torch.export.Dim("batch", min=2)
+    with torch.no_grad():
+        # An FP8 grad-weight pads M: only a static batch can be exported.
+        with pytest.raises(ValueError, match="static batch"):
+            torch.export.export(site, (x,), dynamic_shapes=({0: batch},))
+        assert torch.equal(torch.export.export(site, (x,)).module()(x), site(x))
+        # The forward alone pads K and N only: any batch.
+        site.set_plan(LinearPlan(forward=LinearPlan.fp8(backend="emulated").forward))
+        program = torch.export.export(site, (x,), dynamic_shapes=({0: batch},))
+        y = torch.randn(48, 24)
+        assert torch.equal(program.module()(y), site(y))
