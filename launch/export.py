@@ -78,6 +78,8 @@ def report(summary: dict) -> str:
     ]
     fp8 = [name for name, how in summary["sites"].items() if how.startswith("fp8")]
     lines.append(f"  {len(fp8)} of {len(summary['sites'])} sites serve an FP8 forward; per site: numerics.md")
+    if summary.get("programs"):
+        lines.append(f"  torch.export programs of the dense towers (any batch size): {len(summary['programs'])} in dense/")
     return "\n".join(lines)
 
 

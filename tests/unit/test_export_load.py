@@ -110,7 +110,7 @@ def test_the_export_job_writes_what_it_measured_and_its_state_dict_serves_again(
     assert sorted(Path(p).name for p in result["programs"]) == ["dense_arch.pt2", "inter_arch.pt2", "over_arch.pt2"]
     names = {r["site"] for r in result["numerics"]}
     assert names and names <= set(result["sites"]) and "local SQNR dB" in (out / "numerics.md").read_text()
-    assert "NE" in report(result) and str(out) in report(result)
+    assert "NE" in report(result) and str(out) in report(result) and "3 in dense/" in report(result)
     # served.pt loads into the model load_trained and serve rebuild, and computes the same.
     saved = torch.load(out / "served.pt", weights_only=False)
     again = load_trained(job, run)
