@@ -93,9 +93,6 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
         "static_scales": bool(job.loka.enabled and job.loka.mods.static_scales),
         "out": str(out),
     }
-    if cfg.programs:
-        programs = export_dense(cast(nn.Module, trained.model.model), batches[0], autocast=torch.bfloat16 if dtype == "bf16" else None)
-        summary["programs"] = [str(p) for p in save_programs(programs, out / "dense")]
     (out / "export.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "numerics.md").write_text(
         f"# Numerics per site: {trained.checkpoint} (step {trained.step}), first eval batch, {dtype}\n\n"
@@ -106,6 +103,17 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
          "checkpoint": summary["checkpoint"], "step": trained.step},
         out / "served.pt",
     )
+    if cfg.programs:  # last: a model torch.export cannot trace loses none of the files above
+        try:
+            programs = export_dense(cast(nn.Module, trained.model.model), batches[0],
+                                    autocast=torch.bfloat16 if dtype == "bf16" else None)
+        except Exception as exc:
+            raise RuntimeError(
+                f"export: {out} holds the export, but torch.export failed on the dense towers "
+                f"({type(exc).__name__}: {exc}); export again with programs=false to skip the programs"
+            ) from exc
+        summary["programs"] = [str(p) for p in save_programs(programs, out / "dense")]
+        (out / "export.json").write_text(json.dumps(summary, indent=1) + "\n")
     logger.info("export: %s -> %s (NE %.5f served, %.5f high precision)", trained.checkpoint, out,
                 metrics["served"]["ne"], metrics["high"]["ne"])
     return summary
