@@ -76,3 +76,49 @@ def test_the_fused_layernorm_feeds_a_served_site_on_the_gpu() -> None:
         rows = compare_sites(holder, lambda m: m["s"].forward_layernorm(x, norm, activation="relu"))
     assert torch.equal(got, expected)
     assert rows[0].local_sqnr_db > 25
+
+
+class _Towers(nn.Module):
+    """The DLRM family's dense submodule names around two MLPs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.dense_arch = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+        self.over_arch = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1))
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        return self.over_arch(torch.relu(self.dense_arch(dense)) + sparse)
+
+
+@pytest.mark.parametrize("backend", ["torch_scaled_mm", "triton"])
+def test_served_towers_export_and_compile_ahead_of_time_on_the_gpu(backend, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from loka_train.export import (
+        aoti_package,
+        export_dense,
+        install_programs,
+        load_programs,
+        save_programs,
+    )
+
+    _needs_fp8()
+    model = convert(_Towers(), config=ModsConfig(enabled=True, keep_last_layer_high=True)).cuda()
+    for site in sites(model).values():  # the logit layer stays an nn.Linear (keep_last_layer_high)
+        site.set_plan(LinearPlan.fp8(backend=backend, scaling=Scaling.ROWWISE))
+    served = serve(model)  # bf16
+    batch = SimpleNamespace(dense_features=torch.randn(4096, 256, device="cuda"),
+                            sparse_features=torch.randn(4096, 256, device="cuda"))
+    programs = export_dense(served, batch)
+    save_programs(programs, tmp_path)
+    compiled = copy.deepcopy(served)
+    for module in (compiled.dense_arch, compiled.over_arch):
+        module.compile(backend="aot_eager", dynamic=False)
+    fresh = install_programs(copy.deepcopy(served), load_programs(tmp_path))
+    x, s = torch.randn(1000, 256, device="cuda"), torch.randn(1000, 256, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = compiled(x, s)
+        assert torch.equal(fresh(x, s), expected)
+        package = torch._inductor.aoti_load_package(str(aoti_package(programs["dense_arch"], tmp_path / "d.pt2")))
+        assert torch.allclose(package(x).float(), programs["dense_arch"].module()(x).float(), rtol=2e-2, atol=2e-2)
