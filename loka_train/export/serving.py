@@ -17,8 +17,10 @@ with the plans Dispatch chose, or plans given) for inference, in place:
   input where the training forward fuses it). On the device and backends the site trained
   on, with its scale slots as they are, such a call computes what the trained site's forward
   computes;
-* the other sites (batched ``bmm`` sites, horizontally fused ones and DCN's cross layers,
-  whose weights reach them at call time) run their training forward with the forward plan,
+* a DCN cross layer's sites, whose weights live in the cross net, get theirs the same way
+  (the cross net names them, ``CrossNet.site_weights``; the bias comes with each call);
+* the other sites (batched ``bmm`` sites with two activations, horizontally fused ones whose
+  weight is concatenated at call time) run their training forward with the forward plan,
   quantizing their weight at every call: :func:`served_sites` says which site runs how.
 
 A call with autograd on runs the site's training path (its weight quantized per call, its
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +54,9 @@ from loka_train.kernels.linear import (
 )
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.mods.convert import sites as find_sites
+from loka_train.mods.interaction import CrossNet
 from loka_train.mods.planned import fp8_padding
-from loka_train.mods.site import Fp8Linear, Site
+from loka_train.mods.site import Fp8Linear, GemmSite, Site
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +67,23 @@ _X = 0
 
 
 class ServedWeight(nn.Module):
-    """One ``Fp8Linear``'s weight quantized once for its FP8 forward plan, and the forward
-    that takes it (``y = x W^T + b``, only ``x`` quantized per call): the site's
+    """One site's weight quantized once for its FP8 forward plan, and the forward that takes
+    it (``y = x W^T + b``, only ``x`` quantized per call): the site's
     :class:`~loka_train.mods.site.ServedForward`.
 
     Its buffers (``w_data``, ``w_scale``, ``bias``) are the site's state-dict entries
-    ``<site>.served.*``; the site's own parameters stay as they were.
+    ``<site>.served.*``; the site's own parameters stay as they were. It serves the calls that
+    pass the weight it was made from (that tensor, :meth:`serves`).
 
     Args:
         site: the site, with the FP8 forward plan it will serve.
         dtype: the compute dtype calls run in (the weight is rounded to it, then quantized).
+        source: where the ``(N, K)`` weight the site is called with lives: ``(module, name)``
+            or ``(ParameterList, index)``; default: an :class:`~loka_train.mods.site.Fp8Linear`'s
+            own ``weight``, whose bias it then holds too (a source given: the bias comes with
+            each call, as a DCN cross layer's). Looked up at each call, by place rather than by
+            object, so that a deep copy serves its own weight and ``torch.export``'s traced
+            parameters are recognised.
 
     Raises:
         ValueError: for a high-precision forward plan.
@@ -82,33 +93,51 @@ class ServedWeight(nn.Module):
     w_scale: Tensor
     bias: Tensor | None
 
-    def __init__(self, site: Fp8Linear, dtype: torch.dtype) -> None:
+    def __init__(self, site: GemmSite, dtype: torch.dtype, source: tuple[Any, str | int] | None = None) -> None:
         super().__init__()
         gemm = site.plan.forward
         if not gemm.is_fp8:
             raise ValueError(f"{site.site_name}: ServedWeight needs an FP8 forward plan, got {gemm}")
+        self.owns_bias = source is None
+        if source is None:
+            if not isinstance(site, Fp8Linear):
+                raise ValueError(f"{site.site_name}: a {type(site).__name__} takes its weight at call time: "
+                                 "give its source")
+            source = (site, "weight")
+        # Kept out of the module's registries (no second state-dict entry, no submodule).
+        self.__dict__["source"] = source
+        weight = self.weight_source()
+        bias = site.active_bias() if isinstance(site, Fp8Linear) and self.owns_bias else None
         self.gemm: GemmPlan = gemm
         self.dtype = dtype
-        self.k, self.n = site.in_features, site.out_features
+        self.n, self.k = int(weight.shape[0]), int(weight.shape[1])
         # The site's setting, as its training forward (eager code) reads it.
         self.reference_quantizer = inductor_quantizes(site.compiled_quantizer)
         # The zero columns of K and rows of N the backend needs at the shapes the site trained
         # at (M only where grad-weight runs FP8, which serving never does).
         m = site.gemm_shapes()["forward"][0] or 16
         pad = fp8_padding(LinearPlan(forward=gemm), m, self.k, self.n, site.pad_to_multiple,
-                          site.weight.device.type, dtype, False)
+                          weight.device.type, dtype, False)
         self.pad_k, self.pad_n = (0, 0) if pad is None else (pad[1], pad[2])
         with torch.no_grad():
-            w = F.pad(site.weight.detach().to(dtype), (0, self.pad_k, 0, self.pad_n))
+            w = F.pad(weight.detach().to(dtype), (0, self.pad_k, 0, self.pad_n))
             q = quantize_operand(w, gemm.operand_b_fmt, gemm, is_weight=True,
                                  reference_quantizer=self.reference_quantizer)
-            bias = site.active_bias()
             b = None if bias is None else F.pad(bias.detach().to(dtype), (0, self.pad_n))
         self.w_fmt, self.w_scaling, self.w_axis = q.fmt, q.scaling, q.axis
         self.w_block_size, self.w_block_2d = q.block_size, q.block_2d
         self.register_buffer("w_data", q.data)
         self.register_buffer("w_scale", q.scale)
         self.register_buffer("bias", b)
+
+    def weight_source(self) -> Tensor:
+        """The weight at its source now (the tensor the site is called with)."""
+        holder, key = self.__dict__["source"]
+        return holder[key] if isinstance(key, int) else getattr(holder, key)
+
+    def serves(self, weight: Tensor) -> bool:
+        """Whether `weight` is the one at this payload's source."""
+        return weight is self.weight_source()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # model.to(dtype) / .half() / .float() would cast the FP8 codes and scales (float8 is
@@ -126,7 +155,7 @@ class ServedWeight(nn.Module):
         return QTensor(data=self.w_data, scale=self.w_scale, fmt=self.w_fmt, scaling=self.w_scaling,
                        axis=self.w_axis, block_size=self.w_block_size, block_2d=self.w_block_2d)
 
-    def _shape_served(self, site: Fp8Linear, x: Tensor) -> bool:
+    def _shape_served(self, site: GemmSite, x: Tensor) -> bool:
         """Whether this call's rows take the padding the weight was quantized with (else the
         site's training path runs, logged once and counted)."""
         m = x.numel() // self.k if self.k else 0
@@ -141,7 +170,7 @@ class ServedWeight(nn.Module):
         )
         return False
 
-    def _check_dtype(self, site: Fp8Linear, x: Tensor) -> torch.dtype:
+    def _check_dtype(self, site: GemmSite, x: Tensor) -> torch.dtype:
         cdtype = compute_dtype(x)
         if cdtype != self.dtype:
             raise ValueError(
@@ -152,12 +181,15 @@ class ServedWeight(nn.Module):
             )
         return cdtype
 
-    def forward(self, site: Fp8Linear, x: Tensor, *, relu: bool) -> Tensor:
-        """``site``'s forward on ``x`` (of ``relu(x)`` with ``relu``) with the served weight."""
+    def forward(self, site: GemmSite, x: Tensor, *, relu: bool, bias: Tensor | None = None) -> Tensor:
+        """``site``'s forward on ``x`` (of ``relu(x)`` with ``relu``) with the served weight;
+        `bias`: the call's, where the site takes its bias at call time (else its own)."""
         cdtype = self._check_dtype(site, x)
         if not self._shape_served(site, x):
-            return site.linear(x, site.weight, site.active_bias(), input_relu=relu)
+            return site.linear_as_trained(x, self.weight_source(), bias, input_relu=relu)
         k, n = self.k, self.n
+        bias_N = self.bias if self.owns_bias else (
+            None if bias is None else F.pad(bias.to(cdtype), (0, self.pad_n)))
         with torch.autocast(x.device.type, enabled=False):
             x_MK = x.reshape(-1, k).to(cdtype)
             if self.pad_k:
@@ -167,7 +199,7 @@ class ServedWeight(nn.Module):
                 x_MK, self.gemm.fmt, self.gemm, is_weight=False, reference_quantizer=self.reference_quantizer,
                 count_fallbacks=True, static=None if slots is None else slots[_X], relu=relu,
             )
-            y_MN = run_backend(self.gemm, x_q, self.weight_q(), out_dtype=cdtype, role="forward", bias_N=self.bias)
+            y_MN = run_backend(self.gemm, x_q, self.weight_q(), out_dtype=cdtype, role="forward", bias_N=bias_N)
         if self.pad_n:
             y_MN = y_MN[:, :n]
         return y_MN.reshape(*x.shape[:-1], n)
@@ -182,7 +214,8 @@ class ServedWeight(nn.Module):
         if self.pad_k or not fuses_quantizer(self.gemm, x_MK, self.reference_quantizer):
             return None
         if not self._shape_served(site, x):  # counted there: the separate modules' training path
-            return apply_activation(site.linear(norm(x), site.weight, site.active_bias(), input_relu=False), activation)
+            return apply_activation(
+                site.linear_as_trained(norm(x), site.weight, site.active_bias(), input_relu=False), activation)
         with torch.autocast(x.device.type, enabled=False):
             lnw = None if norm.weight is None else norm.weight.to(cdtype)
             lnb = None if norm.bias is None else norm.bias.to(cdtype)
@@ -236,6 +269,13 @@ def serve(
             del site._modules["served"]  # served before: quantized anew for this plan and dtype
         if isinstance(site, Fp8Linear) and plan.forward.is_fp8 and cfg.quantize_weights_once:
             site.served = ServedWeight(site, cfg.torch_dtype)
+    if cfg.quantize_weights_once:
+        # Sites whose weight lives in their parent (DCN's cross layers): the parent names it.
+        for module in model.modules():
+            if isinstance(module, CrossNet):
+                for site, source in module.site_weights():
+                    if site.plan.forward.is_fp8:
+                        site.served = ServedWeight(site, cfg.torch_dtype, source=source)
     logger.info(
         "serve: %d sites, %d FP8 forwards, %d with their weight quantized once (%s)",
         len(found), sum(s.plan.forward.is_fp8 for s in found.values()),

@@ -162,6 +162,15 @@ class CrossNet(LowRankCrossNet):
         assert isinstance(sites, CrossLayerSites)
         return sites
 
+    def site_weights(self) -> list[tuple[GemmSite, tuple[nn.ParameterList, int]]]:
+        """Each site of the layers with where the weight it is called with lives
+        (``V_kernels[i]``, ``W_kernels[i]``): what ``loka_train.export.serve`` quantizes once."""
+        out: list[tuple[GemmSite, tuple[nn.ParameterList, int]]] = []
+        for i in range(self._num_layers):
+            sites = self.layer_sites(i)
+            out += [(sites.V, (self.V_kernels, i)), (sites.W, (self.W_kernels, i))]
+        return out
+
     def forward(self, input: Tensor) -> Tensor:
         x0_BN = input
         x_BN = x0_BN

@@ -393,7 +393,19 @@ class GemmSite(Site):
         self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *, input_relu: bool | None = None
     ) -> Tensor:
         """``y = x W^T + b`` as the plan says (of ``relu(x)`` with ``input_relu``, by default the
-        site's :attr:`input_relu`); reports to the observer on sampled steps."""
+        site's :attr:`input_relu`); reports to the observer on sampled steps. A served site
+        (``loka_train.export.serve``) called without autograd with the weight it serves takes
+        that weight quantized once."""
+        relu = self.input_relu if input_relu is None else input_relu
+        served = cast("ServedForward | None", self._modules.get("served"))
+        if served is not None and not torch.is_grad_enabled() and served.serves(weight):
+            return served(self, x, relu=relu, bias=bias)
+        return self.linear_as_trained(x, weight, bias, input_relu=relu)
+
+    def linear_as_trained(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *, input_relu: bool | None = None
+    ) -> Tensor:
+        """:meth:`linear` as training runs it: the weight quantized at the call, never a served one."""
         relu = self.input_relu if input_relu is None else input_relu
         n, k = weight.shape
         self._set_mkn((x.numel() // k if k else 0, k, n))
@@ -408,13 +420,17 @@ class GemmSite(Site):
 
 
 class ServedForward(Protocol):
-    """What ``loka_train.export.serve`` registers as an :class:`Fp8Linear`'s ``served``
-    submodule: the forward GEMM it serves, and the forwards that take its weight quantized once
-    (called without autograd)."""
+    """What ``loka_train.export.serve`` registers as a :class:`GemmSite`'s ``served``
+    submodule: the forward GEMM it serves, the weight it holds quantized, and the forwards that
+    take it (called without autograd)."""
 
     gemm: GemmPlan
 
-    def __call__(self, site: Fp8Linear, x: Tensor, *, relu: bool) -> Tensor: ...
+    def serves(self, weight: Tensor) -> bool:
+        """Whether `weight` is the one it holds quantized."""
+        ...
+
+    def __call__(self, site: GemmSite, x: Tensor, *, relu: bool, bias: Tensor | None = None) -> Tensor: ...
 
     def forward_layernorm(
         self, site: Fp8Linear, x: Tensor, norm: nn.LayerNorm, activation: str
@@ -494,11 +510,7 @@ class Fp8Linear(GemmSite, nn.Linear):
 
     def forward(self, x: Tensor, *, input_relu: bool | None = None) -> Tensor:
         """``y = x W^T + b``; ``input_relu``: see :meth:`GemmSite.linear` (False where the caller
-        applied the folded ReLU itself). A served site (``loka_train.export.serve``) called
-        without autograd takes its weight quantized once."""
-        served = cast("ServedForward | None", self._modules.get("served"))
-        if served is not None and not torch.is_grad_enabled():
-            return served(self, x, relu=self.input_relu if input_relu is None else input_relu)
+        applied the folded ReLU itself; served, the weight quantized once)."""
         return self.linear(x, self.weight, self.active_bias(), input_relu=input_relu)
 
     def runs_fused_norm(self, x: Tensor) -> bool:

@@ -356,3 +356,37 @@ def test_a_plan_whose_padding_reads_the_rows_refuses_a_symbolic_batch() -> None:
         program = torch.export.export(site, (x,), dynamic_shapes=({0: batch},))
         y = torch.randn(48, 24)
         assert torch.equal(program.module()(y), site(y))
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_dcn_cross_layers_serve_their_weights_quantized_once(fusion: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchrec.modules.crossnet import LowRankCrossNet
+
+    from loka_train.mods.interaction import CrossNet
+
+    torch.manual_seed(5)
+    cn = LowRankCrossNet(in_features=32, num_layers=2, low_rank=16)
+    for b in cn.bias:
+        nn.init.normal_(b)
+    trained = nn.ModuleDict({"crossnet": CrossNet.from_crossnet(cn, epilogue_fusion=fusion)})
+    plans = {n: LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE) for n in sites(trained)}
+    for name, site in sites(trained).items():
+        site.set_plan(plans[name])
+    served = serve(copy.deepcopy(trained), config=ServeConfig(dtype="bf16"), plans=plans)
+    x = torch.randn(40, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = trained["crossnet"](x)
+    quantized: list[bool] = []
+    real = serving_module.quantize_operand
+    monkeypatch.setattr(serving_module, "quantize_operand",
+                        lambda *a, **k: (quantized.append(k["is_weight"]), real(*a, **k))[1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = served["crossnet"](x)
+    assert torch.equal(got, expected)  # the bias of each call (the fused epilogue's too) included
+    assert quantized == [False] * 4  # two layers of two sites: their inputs only
+    assert served_sites(served) == {n: f"{plans[n].forward}, weight quantized once" for n in plans}
+    # The copy serves its own weights: a served site called with another weight takes it as trained.
+    other = served["crossnet"].layer_sites(0).V
+    w = torch.randn(16, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(other.linear(x, w), other.linear_as_trained(x, w))
