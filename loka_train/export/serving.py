@@ -188,6 +188,7 @@ class ServedWeight(nn.Module):
         if not self._shape_served(site, x):
             return site.linear_as_trained(x, self.weight_source(), bias, input_relu=relu)
         k, n = self.k, self.n
+        site._set_mkn((x.numel() // k if k else 0, k, n))  # the shape served (what a ledger times)
         bias_N = self.bias if self.owns_bias else (
             None if bias is None else F.pad(bias.to(cdtype), (0, self.pad_n)))
         with torch.autocast(x.device.type, enabled=False):
@@ -216,6 +217,7 @@ class ServedWeight(nn.Module):
         if not self._shape_served(site, x):  # counted there: the separate modules' training path
             return apply_activation(
                 site.linear_as_trained(norm(x), site.weight, site.active_bias(), input_relu=False), activation)
+        site._set_mkn((x_MK.shape[0], k, self.n))
         with torch.autocast(x.device.type, enabled=False):
             lnw = None if norm.weight is None else norm.weight.to(cdtype)
             lnb = None if norm.bias is None else norm.bias.to(cdtype)

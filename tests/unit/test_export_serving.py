@@ -71,6 +71,10 @@ def test_served_outputs_are_the_training_forward_with_the_weight_quantized_once(
         assert "served" in site._modules
     assert served_sites(served) == {n: f"{plans[n].forward}, weight quantized once" for n in plans}
     assert not served.training
+    # A served call records the shape it ran (what bench.inference's forward-only ledger times).
+    with torch.no_grad(), autocast:
+        served(torch.randn(24, 32))
+    assert {n: s.gemm_shapes()["forward"] for n, s in sites(served).items()} == {"0": (24, 32, 64), "2": (24, 64, 48)}
 
 
 def test_the_served_payload_is_in_the_state_dict_and_a_weight_changed_later_needs_serving_again() -> None:
@@ -140,7 +144,9 @@ def test_a_layernorm_feeding_a_served_site_is_the_training_forward(backend: str)
         expected = site.forward_layernorm(x, norm, activation="relu")
         serve(holder)
         served = site.forward_layernorm(x, norm, activation="relu")
+        site.forward_layernorm(torch.randn(16, 32), norm, activation="relu")
     assert torch.equal(served, expected)
+    assert site.gemm_shapes()["forward"] == (16, 32, 48)  # the shape it last served
 
 
 # ------------------------------------------------------------------------------ debugger
