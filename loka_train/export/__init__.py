@@ -9,6 +9,8 @@
   watched on a sampled fraction and a site flagged when it turns unsafe;
 * :func:`export_dense` (:mod:`.program`): the served dense submodules as ``torch.export``
   programs (saved, loaded, installed back, or compiled by AOTInductor);
+* :func:`decide_for_batch` (:mod:`.decide`): the plans re-decided for an inference batch size
+  (an FP8 forward kept only where it pays there);
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 
@@ -30,6 +32,7 @@ Example:
 
 from loka_train.export.config import ExportConfig, MonitorConfig, ServeConfig
 from loka_train.export.debugger import SiteNumerics, compare_sites, format_numerics
+from loka_train.export.decide import InferenceDecision, decide_for_batch, format_decisions
 from loka_train.export.load import TrainedModel, load_trained
 from loka_train.export.monitor import Monitor
 from loka_train.export.program import (
@@ -42,7 +45,8 @@ from loka_train.export.program import (
 from loka_train.export.serving import ServedWeight, serve, served_sites
 
 __all__ = [
-    "ExportConfig", "Monitor", "MonitorConfig", "ServeConfig", "ServedWeight", "SiteNumerics", "TrainedModel",
-    "aoti_package", "compare_sites", "export_dense", "format_numerics", "install_programs", "load_programs",
+    "ExportConfig", "InferenceDecision", "Monitor", "MonitorConfig", "ServeConfig", "ServedWeight", "SiteNumerics",
+    "TrainedModel", "aoti_package", "compare_sites", "decide_for_batch", "export_dense", "format_decisions",
+    "format_numerics", "install_programs", "load_programs",
     "load_trained", "save_programs", "serve", "served_sites",
 ]

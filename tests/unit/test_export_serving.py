@@ -396,3 +396,46 @@ def test_dcn_cross_layers_serve_their_weights_quantized_once(fusion: bool, monke
     w = torch.randn(16, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(other.linear(x, w), other.linear_as_trained(x, w))
+
+
+# ------------------------------------------------------------------------- inference plans
+def _fake_timer(ms: dict[str, float]):  # type: ignore[no-untyped-def]
+    """Milliseconds by what the ledger times: the bf16 GEMM, the FP8 GEMM, the input's cast,
+    the weight's cast (told apart by the closures measure_ledger builds)."""
+    def timer(fn) -> float:  # type: ignore[no-untyped-def]
+        name = fn.__qualname__
+        key = ("high" if name.startswith("_matmul") else "quant_a" if name.endswith("quant_a")
+               else "quant_b" if name.endswith("quant_b") else "gemm")
+        return ms[key]
+    return timer
+
+
+@pytest.mark.parametrize(("ms", "margin", "kept"), [
+    ({"high": 1.0, "gemm": 0.4, "quant_a": 0.2, "quant_b": 50.0}, 1.0, True),   # the weight's cast is not paid
+    ({"high": 1.0, "gemm": 0.4, "quant_a": 0.2, "quant_b": 0.0}, 2.0, False),   # not twice as fast
+    ({"high": 1.0, "gemm": 0.5, "quant_a": 0.6, "quant_b": 0.0}, 1.0, False),   # the input's cast eats it
+])
+def test_plans_are_re_decided_for_an_inference_batch(ms: dict[str, float], margin: float, kept: bool) -> None:
+    from loka_train.export import decide_for_batch, format_decisions
+
+    plans = _plans("emulated", Scaling.ROWWISE)
+    served = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32"))
+    decided, rows = decide_for_batch(served, lambda m: m(torch.randn(24, 32)), device=torch.device("cpu"),
+                                     margin=margin, timer=_fake_timer(ms))
+    assert [(r.site, r.shape) for r in rows] == [("0", (24, 32, 64)), ("2", (24, 64, 48))]  # the batch's shapes
+    assert all(r.high_ms == 1.0 and r.fp8_ms == ms["gemm"] + ms["quant_a"] for r in rows)
+    expected = {n: LinearPlan(forward=plans[n].forward) if kept else LinearPlan() for n in plans}
+    assert decided == expected
+    assert ("| 0 | 24x32x64 |" in format_decisions(rows)) and all((r.chosen != "high") == kept for r in rows)
+    with pytest.raises(ValueError, match="margin"):
+        decide_for_batch(served, lambda m: None, device=torch.device("cpu"), margin=0)
+
+
+def test_re_deciding_times_the_sites_on_the_host_clock_on_a_cpu() -> None:
+    from loka_train.export import decide_for_batch
+
+    plans = _plans("emulated", Scaling.TENSORWISE)
+    served = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32"))
+    decided, rows = decide_for_batch(served, lambda m: m(torch.randn(16, 32)), device=torch.device("cpu"))
+    assert [r.site for r in rows] == ["0", "2"] and all(r.high_ms > 0 and r.fp8_ms > 0 for r in rows)
+    assert all(decided[r.site].forward.is_fp8 == (r.chosen != "high") for r in rows)

@@ -1,0 +1,131 @@
+"""Plans re-decided for an inference batch size: keep an FP8 forward only where it pays there.
+
+Training decides each site's plan at the training batch; a served model may run at another
+batch size, where a forward's FP8 GEMM plus its input's quantization can cost more than the
+bf16 GEMM (small batches, narrow layers). :func:`decide_for_batch` times, at the shapes one
+call of the served model gives each site, every site's trained FP8 forward against high
+precision, the way a served site runs it: the FP8 GEMM on pre-quantized operands plus the
+quantization of its input (its weight is quantized once, so not charged), against the bf16 GEMM
+(:func:`~loka_train.dispatch.ledger.measure_ledger`; CUDA-graph replays on a GPU). A site keeps
+its FP8 forward where that is at least ``margin`` times faster, else runs in high precision.
+Only the trained plan is a candidate: the Probe judged it safe for this site; no other FP8 plan
+was judged there.
+
+Example:
+    >>> plans, rows = decide_for_batch(served, lambda m: m(dense, sparse), device=torch.device("cuda"))
+    >>> serve(served, plans=plans)
+    >>> print(format_decisions(rows))
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from loka_train.dispatch.ledger import LedgerGemm, measure_ledger
+from loka_train.kernels.plan import LinearPlan
+from loka_train.mods.convert import sites as find_sites
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["InferenceDecision", "decide_for_batch", "format_decisions"]
+
+
+@dataclass(frozen=True)
+class InferenceDecision:
+    """One site's forward at an inference batch: its times and what was chosen."""
+
+    site: str
+    shape: tuple[int, int, int]
+    """(M, K, N) of the forward at this batch."""
+    trained: str
+    """The trained forward plan."""
+    high_ms: float
+    fp8_ms: float
+    """The FP8 GEMM plus its input's quantization (the weight is quantized once)."""
+    chosen: str
+    """The trained plan, or "high"."""
+
+    @property
+    def speedup(self) -> float:
+        return self.high_ms / self.fp8_ms if self.fp8_ms > 0 else float("inf")
+
+
+def decide_for_batch(
+    model: nn.Module,
+    run: Callable[[nn.Module], Any],
+    *,
+    device: torch.device,
+    plans: Mapping[str, LinearPlan] | None = None,
+    margin: float = 1.0,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+) -> tuple[dict[str, LinearPlan], list[InferenceDecision]]:
+    """Each site's forward plan for the batch `run` feeds `model`.
+
+    Args:
+        model: a served model (:func:`~loka_train.export.serve`) or a converted one.
+        run: one call of the model at the inference batch, e.g. ``lambda m: m(dense, sparse)``
+            (run eagerly under ``torch.no_grad()``: the sites record their shapes).
+        device: where to time.
+        plans: the trained plans (default: each site's current plan).
+        margin: the FP8 forward stays where ``high_ms >= margin * fp8_ms``.
+        timer: ``timer(fn) -> ms`` (default: graph replays on a GPU, the host clock elsewhere).
+
+    Returns:
+        The plans (the forward only: nothing serves a backward) and one row per site whose
+        trained forward is FP8.
+
+    Raises:
+        ValueError: for ``margin <= 0``, or plans naming sites the model does not have.
+    """
+    if not margin > 0:
+        raise ValueError(f"margin must be > 0, got {margin}")
+    found = find_sites(model)
+    unknown = sorted(set(plans or {}) - set(found))
+    if unknown:
+        raise ValueError(f"decide_for_batch: plans name sites the model does not have: {unknown}")
+    trained = {name: (plans or {}).get(name, site.plan) for name, site in found.items()}
+    with torch.no_grad():
+        run(model)
+    gemms = [
+        LedgerGemm(name, "forward", found[name].gemm_shapes()["forward"], plan.forward, (plan.forward,))
+        for name, plan in trained.items()
+        if plan.forward.is_fp8 and found[name].gemm_shapes()["forward"][0] > 0
+    ]
+    # Tensor-wise inputs take their static scales where the sites have them (one pass).
+    static = any(found[g.site].static_slots is not None for g in gemms)
+    ledger = measure_ledger(gemms, device=device, timer=timer, static_scales=static)
+    out = {name: LinearPlan(forward=plan.forward) for name, plan in trained.items()}
+    rows = []
+    for row in ledger.rows:
+        times = row.chosen
+        if times is None:  # the backend failed at this shape (named in the ledger's failures)
+            fp8_ms = float("inf")
+        else:
+            fp8_ms = times.gemm_ms + times.quant_a_ms
+        keep = row.high_ms >= margin * fp8_ms
+        if not keep:
+            out[row.site] = LinearPlan()
+        rows.append(InferenceDecision(
+            site=row.site, shape=row.shape, trained=str(trained[row.site].forward), high_ms=row.high_ms,
+            fp8_ms=fp8_ms, chosen=str(trained[row.site].forward) if keep else "high",
+        ))
+        if not keep:
+            logger.info("decide_for_batch: %s runs its forward in high precision at %s (bf16 %.4f ms, FP8 %.4f ms)",
+                        row.site, "x".join(map(str, row.shape)), row.high_ms, fp8_ms)
+    return out, rows
+
+
+def format_decisions(rows: list[InferenceDecision]) -> str:
+    """The decisions as a Markdown table."""
+    lines = ["| site | M x K x N | trained forward | bf16 ms | FP8 ms (input cast incl.) | x | chosen |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.site} | {'x'.join(map(str, r.shape))} | {r.trained} | {r.high_ms:.4f} | "
+                     f"{r.fp8_ms:.4f} | {r.speedup:.2f} | {r.chosen} |")
+    return "\n".join(lines)
