@@ -14,6 +14,9 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
   ``Float8DynamicActivationFloat8WeightConfig``, row-wise) on the dense Linears whose dims are
   multiples of 16, the logit layer excluded; "not run" where torchao does not import;
 * ``loka``: ``loka_train.export.serve`` with the run's plans (FP8 weights quantized once);
+* ``loka+decided``: the same with the plans re-decided for each batch size
+  (``loka_train.export.decide_for_batch``: an FP8 forward kept where it pays at that batch), one
+  model per batch size, their tables in the JSON;
 
 each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
 ``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import statistics
@@ -57,7 +61,7 @@ from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Composer
 from loka_train.data import make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.dispatch.ledger import Ledger, LedgerGemm, measure_ledger
-from loka_train.export import ServeConfig, load_trained, serve
+from loka_train.export import InferenceDecision, ServeConfig, decide_for_batch, load_trained, serve
 from loka_train.job import JobConfig, run_job
 from loka_train.mods import sites
 from loka_train.runtime.compile import compile_options
@@ -67,9 +71,9 @@ logger = logging.getLogger(__name__)
 
 MODELS = ("bf16", "torchao", "loka")
 SETTINGS = ("", "+compile", "+compile+graphs")
-VARIANTS = tuple(m + s for m in MODELS for s in SETTINGS)
+VARIANTS = (*(m + s for m in MODELS for s in SETTINGS), *("loka+decided" + s for s in SETTINGS))
 DEFAULT_VARIANTS = ("bf16", "bf16+compile", "bf16+compile+graphs", "torchao+compile", "loka", "loka+compile",
-                    "loka+compile+graphs")
+                    "loka+compile+graphs", "loka+decided+compile")
 REFERENCE = "bf16+compile"
 
 
@@ -135,21 +139,31 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
     return job, root / config / "decided" / "latest"
 
 
-def build(variant: str, job: JobConfig, run: Path, device: torch.device) -> tuple[nn.Module | None, str]:
-    """The model of `variant` (called as ``model(dense, sparse) -> logits``), or None and why not."""
+def build(
+    variant: str, job: JobConfig, run: Path, device: torch.device, decide: Any = None,
+) -> tuple[nn.Module | None, str, list[InferenceDecision]]:
+    """The model of `variant` (called as ``model(dense, sparse) -> logits``), or None and why
+    not; for ``+decided``, the plans re-decided at `decide`'s batch (``decide_for_batch``) and
+    their table."""
+    decisions: list[InferenceDecision] = []
     if variant.startswith(("bf16", "torchao")):
         plain = replace(job, loka=replace(job.loka, enabled=False))  # the trained weights, no site
         model = cast(nn.Module, load_trained(plain, run, device=device).model.model)
         if variant.startswith("torchao"):
             why = _torchao(model)
             if why:
-                return None, why
+                return None, why, decisions
     else:
         trained = load_trained(job, run, device=device)
         model = cast(nn.Module, serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="bf16")).model)
+        if "+decided" in variant:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                plans, decisions = decide_for_batch(
+                    model, lambda m: m(decide.dense_features, decide.sparse_features), device=device)
+            serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
     if "+compile" in variant:
         compile_dense(model, graphs=variant.endswith("+graphs"))
-    return model, ""
+    return model, "", decisions
 
 
 def compile_dense(model: nn.Module, *, graphs: bool) -> list[str]:
@@ -232,7 +246,7 @@ def quality(model: nn.Module, batches: list[Any], device: torch.device) -> dict[
 
 def same_settings(variant: str) -> str:
     """The bf16 variant with `variant`'s runtime settings."""
-    return "bf16" + variant[len(next(m for m in MODELS if variant.startswith(m))):]
+    return "bf16" + variant[len(next(m for m in MODELS if variant.startswith(m))):].replace("+decided", "")
 
 
 def forward_ledger(model: nn.Module, batch: Any, device: torch.device) -> Ledger:
@@ -255,7 +269,7 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
     turn (rotated from round to round), so that a drift of the machine spreads over all."""
     device = torch.device(args.device)
     rows: dict[str, dict[str, Any]] = {}
-    models: dict[str, nn.Module] = {}
+    models: dict[str, dict[int, nn.Module]] = {}  # variant -> batch size -> model
     ledgers: dict[int, Ledger] = {}
     donor: nn.Module | None = None
     last = args.batch_sizes[-1]
@@ -265,16 +279,25 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
                 .batches(0, args.eval_batches)]
     for variant in args.variant_names:
         t0 = time.perf_counter()
-        model, why = build(variant, job, run, device)
+        # A +decided variant: one model per batch size, its plans re-decided there.
+        if "+decided" in variant:
+            per_batch = {b: build(variant, job, run, device, decide=timed[b][0]) for b in timed}
+        else:
+            one = build(variant, job, run, device)
+            per_batch = {b: one for b in timed}
+        model, why, _ = per_batch[last]
         row: dict[str, Any] = {"config": config, "variant": variant, "status": "ok" if model is not None else why}
         if model is not None:
-            donor = share_tables(model, donor)
+            built = {b: got[0] for b, got in per_batch.items() if got[0] is not None}
             for b, batches in timed.items():
+                donor = share_tables(built[b], donor)
                 if variant == "loka" and not args.no_ledger:  # the eager served model records its shapes
-                    ledgers[b] = forward_ledger(model, batches[0], device)
-                time_calls(model, batches, args.warmup, device)
-            row.update(quality(model, held_out, device))
-            models[variant] = model
+                    ledgers[b] = forward_ledger(built[b], batches[0], device)
+                time_calls(built[b], batches, args.warmup, device)
+            row.update(quality(built[last], held_out, device))
+            if "+decided" in variant:
+                row["decisions"] = {f"b{b}": [dataclasses.asdict(d) for d in got[2]] for b, got in per_batch.items()}
+            models[variant] = built
         row["build_s"] = time.perf_counter() - t0
         rows[variant] = row
         print(f"[inference] {config} {variant}: built and warmed up in {row['build_s']:.1f}s; {row['status']}",
@@ -285,8 +308,8 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
     for k in range(args.rounds):
         for v in names[k % len(names):] + names[:k % len(names)]:
             for b, batches in timed.items():
-                time_calls(models[v], batches, min(2, args.warmup), device)  # back to this variant and size
-                got = time_calls(models[v], batches, args.iters, device)
+                time_calls(models[v][b], batches, min(2, args.warmup), device)  # back to this variant and size
+                got = time_calls(models[v][b], batches, args.iters, device)
                 times[v][b] += got
                 round_p50[v][b].append(statistics.median(got) * 1e3)
     for v in names:

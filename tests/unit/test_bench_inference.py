@@ -15,7 +15,7 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     out = tmp_path / "inf"
     assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16,32", "--train-steps", "4",
                  "--decide-steps", "6", "--warmup", "1", "--iters", "3", "--rounds", "2", "--eval-batches", "2",
-                 "--variants", "bf16,bf16+compile,loka,torchao+compile", "--out", str(out)]) == 0
+                 "--variants", "bf16,bf16+compile,loka,loka+decided,torchao+compile", "--out", str(out)]) == 0
     result = json.loads((out / "inference.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     for name in ("bf16", "loka"):
@@ -32,6 +32,14 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
         assert cell["speedup_vs_same"] == pytest.approx(cell["samples_per_s"] / rows["bf16"][f"b{b}"]["samples_per_s"])
         assert cell["speedup_vs_ref"] == pytest.approx(
             cell["samples_per_s"] / rows["bf16+compile"][f"b{b}"]["samples_per_s"])
+    # Plans re-decided per batch size (decide_for_batch): a table per batch, at its shapes.
+    decided = rows["loka+decided"]
+    assert decided["status"] == "ok" and sorted(decided["decisions"]) == ["b16", "b32"]
+    for b in (16, 32):
+        table = decided["decisions"][f"b{b}"]
+        assert table and all(d["shape"][0] % b == 0 and d["chosen"] in ("high", d["trained"]) for d in table)
+        assert decided[f"b{b}"]["speedup_vs_same"] == pytest.approx(
+            decided[f"b{b}"]["samples_per_s"] / rows["bf16"][f"b{b}"]["samples_per_s"])
     # The forward-only ledger: the served FP8 forwards at each batch size and the limit they give.
     ledgers = [r for r in result["rows"] if r["status"] == "ledger"]
     by_batch = {int(k[1:]): r[k] for r in ledgers for k in r if k.startswith("b")}
