@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import tempfile
 import time
@@ -263,7 +264,29 @@ def forward_ledger(model: nn.Module, batch: Any, device: torch.device) -> Ledger
     return measure_ledger(gemms, device=device)
 
 
+def allow_compiles(args: argparse.Namespace) -> Any:
+    """Dynamo's limits raised to what the compiled variants need, and hitting one an error (a
+    context manager).
+
+    Every variant's towers share their code objects (``DenseArch.forward``, ...): each compiled
+    model and batch size is one more cache entry of them, and past ``recompile_limit`` (8) dynamo
+    would run the later variants eagerly with a warning, timing them as compiled ones."""
+    compiled = sum("+compile" in v for v in args.variant_names) * len(args.batch_sizes)
+    config = torch._dynamo.config
+    return config.patch(
+        recompile_limit=max(config.recompile_limit, 2 * compiled + 8),
+        accumulated_recompile_limit=max(config.accumulated_recompile_limit, 8 * compiled + 64),
+        fail_on_recompile_limit_hit=True,
+    )
+
+
 def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Path) -> list[dict[str, Any]]:
+    """Every variant of `config`'s checkpoint, measured (:func:`_bench_config`) under :func:`allow_compiles`."""
+    with allow_compiles(args):
+        return _bench_config(args, config, job, run)
+
+
+def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Path) -> list[dict[str, Any]]:
     """Every variant of `config`'s checkpoint: built, warmed up at each batch size (compiled
     there) and evaluated, then timed in ``--rounds`` rounds, each round timing every variant in
     turn (rotated from round to round), so that a drift of the machine spreads over all."""
@@ -277,8 +300,10 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
                  .batches(0, max(1, min(4, args.eval_batches)))] for b in args.batch_sizes}
     held_out = [x.to(device) for x in make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=last)
                 .batches(0, args.eval_batches)]
+    skips = torch._dynamo.utils.counters["inductor"]  # inductor's CUDA-graph skips, by reason
     for variant in args.variant_names:
         t0 = time.perf_counter()
+        skipped = skips["cudagraph_skips"]
         # A +decided variant: one model per batch size, its plans re-decided there.
         if "+decided" in variant:
             per_batch = {b: build(variant, job, run, device, decide=timed[b][0]) for b in timed}
@@ -299,6 +324,8 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
                 row["decisions"] = {f"b{b}": [dataclasses.asdict(d) for d in got[2]] for b, got in per_batch.items()}
             models[variant] = built
         row["build_s"] = time.perf_counter() - t0
+        if variant.endswith("+graphs"):  # a graph inductor did not capture runs without CUDA graphs
+            row["cudagraph_skips"] = skips["cudagraph_skips"] - skipped
         rows[variant] = row
         print(f"[inference] {config} {variant}: built and warmed up in {row['build_s']:.1f}s; {row['status']}",
               flush=True)
@@ -338,9 +365,10 @@ def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pat
         entry: dict[str, Any] = {"ledger": ledger.to_dict()}
         if ref is not None:
             limit = ledger.predict(ref[f"b{b}"]["p50_ms"], planned_step=False)["quant_free"]
-            entry["limit_vs_ref"] = limit
+            # inf where the GEMMs' saving exceeds the reference's latency (then no limit).
+            entry["limit_vs_ref"] = limit if math.isfinite(limit) else None
             for r in ok.values():
-                if r["variant"].startswith("loka"):
+                if r["variant"].startswith("loka") and math.isfinite(limit):
                     r[f"b{b}"]["of_limit"] = r[f"b{b}"]["speedup_vs_ref"] / limit
         out.append({"config": config, "variant": "forward ledger", "status": "ledger", f"b{b}": entry})
     return out
@@ -361,7 +389,7 @@ def render(result: dict[str, Any]) -> str:
         if r["status"] == "ledger":
             for b in sizes:
                 e = r.get(f"b{b}")
-                if e is not None and "limit_vs_ref" in e:
+                if e is not None and e.get("limit_vs_ref") is not None:
                     n = len(e["ledger"]["rows"])
                     limits.append(f"| {r['config']} | {b} | {n} | {e['limit_vs_ref']:.3f}x |")
             continue

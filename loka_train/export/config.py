@@ -74,7 +74,10 @@ class ExportConfig:
 
     programs: bool = True
     """Also write the served dense submodules as ``torch.export`` programs (``dense/<name>.pt2``,
-    :func:`~loka_train.export.program.export_dense`, the batch dimension dynamic)."""
+    :func:`~loka_train.export.program.export_dense`)."""
+
+    dynamic_batch: bool = True
+    """The programs take any batch size (else only the export's evaluation batch size)."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

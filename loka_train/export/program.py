@@ -51,16 +51,32 @@ def _batch_dims(args: tuple[Any, ...], batch: int, dim: Any) -> tuple[Any, ...]:
     return tuple({0: dim} if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == batch else None for a in args)
 
 
+class _Autocast(nn.Module):
+    """`module` under autocast to `dtype`: exported, the program records the autocast region,
+    so it computes the same whatever autocast state it is called in."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.module = module
+        self.device_type, self.dtype = device_type, dtype
+
+    def forward(self, *args: Any) -> Any:
+        if self.dtype is None:
+            with torch.autocast(self.device_type, enabled=False):
+                return self.module(*args)
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args)
+
+
 class ProgramModule(nn.Module):
     """An exported program's module in place of the submodule it was exported from: called as
-    that submodule was (positional or keyword arguments), it passes them to the program in the
-    order of the submodule's parameters."""
+    that submodule was (positional or keyword arguments, `names` its parameters in order), it
+    passes them to the program in that order."""
 
-    def __init__(self, program: torch.export.ExportedProgram) -> None:
+    def __init__(self, program: torch.export.ExportedProgram, names: list[str]) -> None:
         super().__init__()
         self.program = program.module()
-        self.names = [spec.arg.name for spec in program.graph_signature.input_specs
-                      if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+        self.names = names
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         given = dict(zip(self.names, args))
@@ -83,8 +99,8 @@ def export_dense(
         batch: a batch of the model's data (its size is the example batch size).
         dynamic_batch: the programs take any batch size >= 2 (the batch dimension symbolic);
             False: only the example's.
-        autocast: the autocast dtype the model is served under (None: no autocast); the programs
-            record it.
+        autocast: the autocast dtype the model is served under (None: no autocast); each
+            program runs its submodule under it, whatever autocast state its caller is in.
 
     Raises:
         ValueError: where the model has no dense submodule, or a submodule takes non-tensor inputs.
@@ -111,14 +127,18 @@ def export_dense(
     size = int(batch.dense_features.shape[0])
     programs = {}
     for name, module in found.items():
+        if name not in inputs:
+            raise ValueError(f"export_dense: the model's call on the example batch did not reach {name}")
         bound = inputs[name]  # in the order of the submodule's parameters
         bad = {k: type(a).__name__ for k, a in bound.items() if not isinstance(a, Tensor)}
         if bad:
             raise ValueError(f"export_dense: {name} takes {bad}; only submodules of tensors are exported")
         args = tuple(bound.values())
         dims = _batch_dims(args, size, torch.export.Dim("batch", min=2)) if dynamic_batch else None
-        with torch.no_grad(), ctx:
-            programs[name] = torch.export.export(module, args, dynamic_shapes=dims)
+        with torch.no_grad():
+            # The wrapper takes *args: its one input is the tuple of the submodule's.
+            programs[name] = torch.export.export(_Autocast(module, device.type, autocast), args,
+                                                 dynamic_shapes=None if dims is None else (dims,))
         logger.info("export_dense: %s (%s batch)", name, "dynamic" if dynamic_batch else f"static {size}")
     return programs
 
@@ -161,9 +181,12 @@ def install_programs(model: nn.Module, programs: Mapping[str, torch.export.Expor
     if unknown:
         raise ValueError(f"install_programs: {unknown} name no dense submodule; the model has {sorted(found)}")
     for name, program in programs.items():
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, ProgramModule(program))
+        target = found[name]
+        names = list(inspect.signature(target.forward).parameters)
+        # Its parent found by identity: the names above have wrapper prefixes (DMP, DDP) stripped.
+        parent, attr = next((m, child_name) for m in model.modules()
+                            for child_name, child in m.named_children() if child is target)
+        setattr(parent, attr, ProgramModule(program, names))
     return model
 
 
@@ -172,4 +195,7 @@ def aoti_package(program: torch.export.ExportedProgram, path: str | Path) -> Pat
     ``torch._inductor.aoti_load_package(path)``."""
     from torch._inductor import aoti_compile_and_package
 
-    return Path(aoti_compile_and_package(program, package_path=str(path)))
+    # As trainer.compile_dense compiles (runtime.compile.compile_options): without it inductor
+    # fuses a cast to bf16 into the FP8 quantizer's division and skips the rounding.
+    return Path(aoti_compile_and_package(program, package_path=str(path),
+                                         inductor_configs={"emulate_precision_casts": True}))

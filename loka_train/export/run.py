@@ -105,7 +105,7 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     )
     if cfg.programs:  # last: a model torch.export cannot trace loses none of the files above
         try:
-            programs = export_dense(cast(nn.Module, trained.model.model), batches[0],
+            programs = export_dense(cast(nn.Module, trained.model.model), batches[0], dynamic_batch=cfg.dynamic_batch,
                                     autocast=torch.bfloat16 if dtype == "bf16" else None)
         except Exception as exc:
             raise RuntimeError(

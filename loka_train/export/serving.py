@@ -56,7 +56,7 @@ from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.mods.convert import sites as find_sites
 from loka_train.mods.interaction import CrossNet
 from loka_train.mods.planned import fp8_padding
-from loka_train.mods.site import Fp8Linear, GemmSite, Site
+from loka_train.mods.site import Fp8Linear, GemmSite
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ class ServedWeight(nn.Module):
         weight = self.weight_source()
         bias = site.active_bias() if isinstance(site, Fp8Linear) and self.owns_bias else None
         self.gemm: GemmPlan = gemm
+        # Built once: a LinearPlan's construction is not traceable (a graph break per call).
+        self.forward_plan = LinearPlan(forward=gemm)
         self.dtype = dtype
         self.n, self.k = int(weight.shape[0]), int(weight.shape[1])
         # The site's setting, as its training forward (eager code) reads it.
@@ -159,7 +161,7 @@ class ServedWeight(nn.Module):
         """Whether this call's rows take the padding the weight was quantized with (else the
         site's training path runs, logged once and counted)."""
         m = x.numel() // self.k if self.k else 0
-        pad = fp8_padding(LinearPlan(forward=self.gemm), m, self.k, self.n, site.pad_to_multiple,
+        pad = fp8_padding(self.forward_plan, m, self.k, self.n, site.pad_to_multiple,
                           x.device.type, self.dtype, False)
         if pad is not None and (pad[1], pad[2]) == (self.pad_k, self.pad_n):
             return True
@@ -288,6 +290,9 @@ def serve(
 
 def served_sites(model: nn.Module) -> dict[str, str]:
     """How each site of a served model runs its forward: site name -> description."""
+    # Sites whose weight serve() can find (it lives in the site, or its parent names it).
+    known = {id(site) for module in model.modules() if isinstance(module, CrossNet)
+             for site, _ in module.site_weights()}
     out: dict[str, str] = {}
     for name, site in find_sites(model).items():
         gemm = site.plan.forward
@@ -297,12 +302,8 @@ def served_sites(model: nn.Module) -> dict[str, str]:
             out[name] = f"{gemm}, weight quantized once"
         elif site.kind == "bmm":
             out[name] = f"{gemm}, two activations quantized at every call"
+        elif isinstance(site, Fp8Linear) or id(site) in known:
+            out[name] = f"{gemm}, weight quantized at every call (ServeConfig.quantize_weights_once is off)"
         else:
-            out[name] = f"{gemm}, weight quantized at every call ({_why_per_call(site)})"
+            out[name] = f"{gemm}, weight quantized at every call (its weight reaches it at call time)"
     return out
-
-
-def _why_per_call(site: Site) -> str:
-    if not isinstance(site, Fp8Linear):
-        return "its weight reaches it at call time"
-    return "ServeConfig.quantize_weights_once is off"

@@ -86,12 +86,13 @@ def fp8_padding(
     read ``M`` except block scaling's, and only an FP8 grad-weight pads it, so the padding is
     that of any ``M`` for other plans; for those two it raises (export with a static batch)."""
     if not isinstance(m, int):
-        rows_matter = plan.grad_weight.is_fp8 or any(
-            gp.is_fp8 and gp.scaling is Scaling.BLOCK for gp in gemm_plans(plan).values())
+        rows_matter = multiple > 1 and (plan.grad_weight.is_fp8 or any(
+            gp.is_fp8 and gp.scaling is Scaling.BLOCK for gp in gemm_plans(plan).values()))
         if rows_matter:
             raise ValueError(
                 f"a plan whose padding depends on the rows ({plan}) cannot take a symbolic batch "
-                "size: export this model with a static batch (dynamic_batch=False)"
+                "size: export with a static batch (export_dense(..., dynamic_batch=False), or the "
+                "export job's dynamic_batch=false)"
             )
         m = 16
     backends = tuple(get_backend(gp.backend) for gp in gemm_plans(plan).values() if gp.is_fp8)

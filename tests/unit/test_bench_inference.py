@@ -64,3 +64,17 @@ def test_bad_arguments_name_the_fix() -> None:
         parse_args(["--out", "x", "--variants", "fp4"])
     with pytest.raises(SystemExit, match="--configs: unknown"):
         parse_args(["--out", "x", "--configs", "resnet"])
+
+
+def test_the_compiled_variants_get_the_recompiles_they_need_and_never_run_eagerly_unseen() -> None:
+    import torch
+
+    from bench.inference import allow_compiles
+
+    args = parse_args(["--out", "x", "--batches", "512,2048,8192",
+                       "--variants", "bf16+compile,bf16+compile+graphs,loka+compile,loka+decided+compile"])
+    before = torch._dynamo.config.recompile_limit
+    with allow_compiles(args):
+        # 4 compiled variants x 3 batch sizes: each one more cache entry of the shared tower code.
+        assert torch._dynamo.config.recompile_limit >= 12 and torch._dynamo.config.fail_on_recompile_limit_hit
+    assert torch._dynamo.config.recompile_limit == before

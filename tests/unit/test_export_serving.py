@@ -439,3 +439,61 @@ def test_re_deciding_times_the_sites_on_the_host_clock_on_a_cpu() -> None:
     decided, rows = decide_for_batch(served, lambda m: m(torch.randn(16, 32)), device=torch.device("cpu"))
     assert [r.site for r in rows] == ["0", "2"] and all(r.high_ms > 0 and r.fp8_ms > 0 for r in rows)
     assert all(decided[r.site].forward.is_fp8 == (r.chosen != "high") for r in rows)
+
+
+def _served_crossnet() -> nn.Module:
+    from torchrec.modules.crossnet import LowRankCrossNet
+
+    from loka_train.mods.interaction import CrossNet
+
+    torch.manual_seed(6)
+    net = nn.ModuleDict({"crossnet": CrossNet.from_crossnet(LowRankCrossNet(in_features=32, num_layers=2, low_rank=16))})
+    return serve(net, plans={n: LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE) for n in sites(net)},
+                 config=ServeConfig(dtype="bf16"))
+
+
+def test_served_sites_compile_without_graph_breaks() -> None:
+    mlp = serve(_mlp(), plans=_plans("emulated", Scaling.ROWWISE), config=ServeConfig(dtype="bf16"))
+    cross = _served_crossnet()["crossnet"]
+    x = torch.randn(24, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for model in (mlp, cross):
+            explained = torch._dynamo.explain(model)(x)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+class _Towers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.dense_arch = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.over_arch = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 1))
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        return self.over_arch(torch.relu(self.dense_arch(dense)) + sparse)
+
+
+def test_a_bf16_program_records_its_autocast_and_packages_outside_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from loka_train.export import aoti_package, export_dense, install_programs
+
+    model = convert(_Towers(), config=ModsConfig(enabled=True, keep_last_layer_high=True))
+    served = serve(model, plans={n: LinearPlan.fp8(backend="emulated") for n in sites(model)},
+                   config=ServeConfig(dtype="bf16"))
+    batch = SimpleNamespace(dense_features=torch.randn(64, 32), sparse_features=torch.randn(64, 32))
+    programs = export_dense(served, batch)  # under bf16 autocast, as served
+    compiled = copy.deepcopy(served)
+    for module in (compiled.dense_arch, compiled.over_arch):
+        module.compile(backend="aot_eager", dynamic=False)
+    x, s = torch.randn(40, 32), torch.randn(40, 32)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = compiled(x, s)
+        # Called outside autocast (and by keyword), the programs run their towers in bf16 as served.
+        fresh = install_programs(copy.deepcopy(served), programs)
+        assert torch.equal(fresh(dense=x, sparse=s), expected)
+        package = torch._inductor.aoti_load_package(str(aoti_package(programs["dense_arch"], tmp_path / "d.pt2")))
+        got = package(x)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, programs["dense_arch"].module()(x))  # emulate_precision_casts: the same codes
