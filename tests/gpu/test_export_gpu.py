@@ -17,6 +17,7 @@ from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import LinearPlan
 from loka_train.mods import ModsConfig, convert, sites
 from loka_train.mods.site import Fp8Linear
+from tests.towers import Towers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,19 +79,6 @@ def test_the_fused_layernorm_feeds_a_served_site_on_the_gpu() -> None:
     assert rows[0].local_sqnr_db > 25
 
 
-class _Towers(nn.Module):
-    """The DLRM family's dense submodule names around two MLPs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(1)
-        self.dense_arch = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
-        self.over_arch = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1))
-
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        return self.over_arch(torch.relu(self.dense_arch(dense)) + sparse)
-
-
 @pytest.mark.parametrize("backend", ["torch_scaled_mm", "triton"])
 def test_served_towers_export_and_compile_ahead_of_time_on_the_gpu(backend, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
@@ -104,7 +92,7 @@ def test_served_towers_export_and_compile_ahead_of_time_on_the_gpu(backend, tmp_
     )
 
     _needs_fp8()
-    model = convert(_Towers(), config=ModsConfig(enabled=True, keep_last_layer_high=True)).cuda()
+    model = convert(Towers(256, 512), config=ModsConfig(enabled=True, keep_last_layer_high=True)).cuda()
     for site in sites(model).values():  # the logit layer stays an nn.Linear (keep_last_layer_high)
         site.set_plan(LinearPlan.fp8(backend=backend, scaling=Scaling.ROWWISE))
     served = serve(model)  # bf16

@@ -17,6 +17,7 @@ from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.mods import ModsConfig, convert, sites
 from loka_train.mods.site import Fp8Linear
 from loka_train.probe import Probe, ProbeConfig
+from tests.towers import Towers
 from tests.unit._backends import Aligned16
 
 
@@ -462,23 +463,12 @@ def test_served_sites_compile_without_graph_breaks() -> None:
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
-class _Towers(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(7)
-        self.dense_arch = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
-        self.over_arch = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 1))
-
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        return self.over_arch(torch.relu(self.dense_arch(dense)) + sparse)
-
-
 def test_a_bf16_program_records_its_autocast_and_packages_outside_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
     from loka_train.export import aoti_package, export_dense, install_programs
 
-    model = convert(_Towers(), config=ModsConfig(enabled=True, keep_last_layer_high=True))
+    model = convert(Towers(32, 48), config=ModsConfig(enabled=True, keep_last_layer_high=True))
     served = serve(model, plans={n: LinearPlan.fp8(backend="emulated") for n in sites(model)},
                    config=ServeConfig(dtype="bf16"))
     batch = SimpleNamespace(dense_features=torch.randn(64, 32), sparse_features=torch.randn(64, 32))
