@@ -44,7 +44,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "mods": ("mods", "kernels", "probe", "models", "utils"),
     "comm": ("comm", "kernels", "utils"),
     "runtime": ("runtime", "data", "models", "utils"),
-    "export": ("export", "job", "plugin", "mods", "kernels", "runtime", "data", "utils"),
+    "export": ("export", "job", "plugin", "mods", "dispatch", "kernels", "runtime", "data", "utils"),
 }
 """Packages below the plugin and the only packages of loka_train each may import (the table
 of docs/architecture.md)."""
