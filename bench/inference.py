@@ -158,9 +158,11 @@ def build(
         trained = load_trained(job, run, device=device)
         model = cast(nn.Module, serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="bf16")).model)
         if "+decided" in variant:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                plans, decisions = decide_for_batch(
-                    model, lambda m: m(decide.dense_features, decide.sparse_features), device=device)
+            def call(m: nn.Module) -> Any:  # served in bf16: called under its autocast
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    return m(decide.dense_features, decide.sparse_features)
+
+            plans, decisions = decide_for_batch(model, call, device=device)
             serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
     if "+compile" in variant:
         compile_dense(model, graphs=variant.endswith("+graphs"))
@@ -221,6 +223,11 @@ def time_calls(model: nn.Module, batches: list[Any], calls: int, device: torch.d
             _sync(device)
             times.append(time.perf_counter() - t0)
     return times
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with its non-finite floats as None (JSON has no infinity)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
 
 
 def share_tables(model: nn.Module, donor: nn.Module | None) -> nn.Module:
@@ -305,23 +312,27 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
         t0 = time.perf_counter()
         skipped = skips["cudagraph_skips"]
         # A +decided variant: one model per batch size, its plans re-decided there.
-        if "+decided" in variant:
-            per_batch = {b: build(variant, job, run, device, decide=timed[b][0]) for b in timed}
-        else:
-            one = build(variant, job, run, device)
-            per_batch = {b: one for b in timed}
+        per_batch: dict[int, tuple[nn.Module | None, str, list[InferenceDecision]]] = {}
+        for b in timed if "+decided" in variant else [last]:
+            per_batch[b] = made = build(variant, job, run, device, decide=timed[b][0])
+            if made[0] is not None:  # its own tables dropped at once: one copy of them at a time
+                donor = share_tables(made[0], donor)
+        if "+decided" not in variant:
+            per_batch = {b: per_batch[last] for b in timed}
         model, why, _ = per_batch[last]
         row: dict[str, Any] = {"config": config, "variant": variant, "status": "ok" if model is not None else why}
         if model is not None:
-            built = {b: got[0] for b, got in per_batch.items() if got[0] is not None}
+            built = {b: made[0] for b, made in per_batch.items() if made[0] is not None}
             for b, batches in timed.items():
-                donor = share_tables(built[b], donor)
                 if variant == "loka" and not args.no_ledger:  # the eager served model records its shapes
                     ledgers[b] = forward_ledger(built[b], batches[0], device)
                 time_calls(built[b], batches, args.warmup, device)
             row.update(quality(built[last], held_out, device))
             if "+decided" in variant:
-                row["decisions"] = {f"b{b}": [dataclasses.asdict(d) for d in got[2]] for b, got in per_batch.items()}
+                row["decisions"] = {f"b{b}": [_finite(dataclasses.asdict(d)) for d in made[2]]
+                                    for b, made in per_batch.items()}
+                # Each batch size's plans on the same held-out batches (the row's NE: the largest's).
+                row["ne_by_batch"] = {f"b{b}": quality(m, held_out, device)["ne"] for b, m in built.items()}
             models[variant] = built
         row["build_s"] = time.perf_counter() - t0
         if variant.endswith("+graphs"):  # a graph inductor did not capture runs without CUDA graphs

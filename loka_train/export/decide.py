@@ -6,8 +6,12 @@ bf16 GEMM (small batches, narrow layers). :func:`decide_for_batch` times, at the
 call of the served model gives each site, every site's trained FP8 forward against high
 precision, the way a served site runs it: the FP8 GEMM on pre-quantized operands plus the
 quantization of its input (its weight is quantized once, so not charged), against the bf16 GEMM
-(:func:`~loka_train.dispatch.ledger.measure_ledger`; CUDA-graph replays on a GPU). A site keeps
-its FP8 forward where that is at least ``margin`` times faster, else runs in high precision.
+(:func:`~loka_train.dispatch.ledger.measure_ledger`; CUDA-graph replays on a GPU). A site whose
+weight is not quantized once (a batched ``bmm`` site's second activation, a horizontally fused
+site's concatenated weight, ``ServeConfig.quantize_weights_once`` off) pays that cast too; a site
+with the ReLU before it folded in pays the ReLU pass where its cast does not apply it, as bf16
+does. A site keeps its FP8 forward where that is at least ``margin`` times faster, else runs in
+high precision.
 Only the trained plan is a candidate: the Probe judged it safe for this site; no other FP8 plan
 was judged there.
 
@@ -46,8 +50,10 @@ class InferenceDecision:
     trained: str
     """The trained forward plan."""
     high_ms: float
+    """The bf16 GEMM, and the ReLU pass before it where the site has one folded in."""
     fp8_ms: float
-    """The FP8 GEMM plus its input's quantization (the weight is quantized once)."""
+    """The FP8 GEMM, its input's quantization, its weight's where that is not made once, and the
+    ReLU pass where its cast does not apply it (inf where the backend failed at this shape)."""
     chosen: str
     """The trained plan, or "high"."""
 
@@ -78,7 +84,7 @@ def decide_for_batch(
 
     Returns:
         The plans (the forward only: nothing serves a backward) and one row per site whose
-        trained forward is FP8.
+        trained forward is FP8 and that the call reached (one it did not reach keeps its plan).
 
     Raises:
         ValueError: for ``margin <= 0``, or plans naming sites the model does not have.
@@ -93,31 +99,37 @@ def decide_for_batch(
     with torch.no_grad():
         run(model)
     gemms = [
-        LedgerGemm(name, "forward", found[name].gemm_shapes()["forward"], plan.forward, (plan.forward,))
+        # No grad-weight: nothing runs a backward, so a folded ReLU never runs again there.
+        LedgerGemm(name, "forward", found[name].gemm_shapes()["forward"], plan.forward, (plan.forward,),
+                   input_relu=bool(found[name].input_relu), grad_weight_plan=None)
         for name, plan in trained.items()
         if plan.forward.is_fp8 and found[name].gemm_shapes()["forward"][0] > 0
     ]
-    # Tensor-wise inputs take their static scales where the sites have them (one pass).
-    static = any(found[g.site].static_slots is not None for g in gemms)
-    ledger = measure_ledger(gemms, device=device, timer=timer, static_scales=static)
+    ledger_rows = []
+    with torch.autocast(device.type, enabled=False):  # the ledger times its own dtypes
+        for static in (False, True):  # tensor-wise inputs with static scales where the site has them
+            group = [g for g in gemms if (found[g.site].static_slots is not None) == static]
+            if group:
+                ledger_rows += measure_ledger(group, device=device, timer=timer, static_scales=static).rows
     out = {name: LinearPlan(forward=plan.forward) for name, plan in trained.items()}
     rows = []
-    for row in ledger.rows:
+    for row in sorted(ledger_rows, key=lambda r: [g.site for g in gemms].index(r.site)):
         times = row.chosen
         if times is None:  # the backend failed at this shape (named in the ledger's failures)
             fp8_ms = float("inf")
         else:
-            fp8_ms = times.gemm_ms + times.quant_a_ms
-        keep = row.high_ms >= margin * fp8_ms
+            weight_once = "served" in found[row.site]._modules
+            fp8_ms = times.gemm_ms + times.quant_a_ms + times.relu_ms + (0.0 if weight_once else times.quant_b_ms)
+        keep = row.high_total_ms >= margin * fp8_ms
         if not keep:
             out[row.site] = LinearPlan()
         rows.append(InferenceDecision(
-            site=row.site, shape=row.shape, trained=str(trained[row.site].forward), high_ms=row.high_ms,
+            site=row.site, shape=row.shape, trained=str(trained[row.site].forward), high_ms=row.high_total_ms,
             fp8_ms=fp8_ms, chosen=str(trained[row.site].forward) if keep else "high",
         ))
         if not keep:
             logger.info("decide_for_batch: %s runs its forward in high precision at %s (bf16 %.4f ms, FP8 %.4f ms)",
-                        row.site, "x".join(map(str, row.shape)), row.high_ms, fp8_ms)
+                        row.site, "x".join(map(str, row.shape)), row.high_total_ms, fp8_ms)
     return out, rows
 
 

@@ -182,7 +182,12 @@ def install_programs(model: nn.Module, programs: Mapping[str, torch.export.Expor
         raise ValueError(f"install_programs: {unknown} name no dense submodule; the model has {sorted(found)}")
     for name, program in programs.items():
         target = found[name]
-        names = list(inspect.signature(target.forward).parameters)
+        # The parameters the program was exported with: the first ones of the tower's forward
+        # (export_dense passes those the example call bound), or a program module's own.
+        taken = sum(spec.kind == torch.export.graph_signature.InputKind.USER_INPUT
+                    for spec in program.graph_signature.input_specs)
+        names = target.names if isinstance(target, ProgramModule) else \
+            list(inspect.signature(target.forward).parameters)[:taken]
         # Its parent found by identity: the names above have wrapper prefixes (DMP, DDP) stripped.
         parent, attr = next((m, child_name) for m in model.modules()
                             for child_name, child in m.named_children() if child is target)

@@ -405,9 +405,9 @@ def _fake_timer(ms: dict[str, float]):  # type: ignore[no-untyped-def]
     the weight's cast (told apart by the closures measure_ledger builds)."""
     def timer(fn) -> float:  # type: ignore[no-untyped-def]
         name = fn.__qualname__
-        key = ("high" if name.startswith("_matmul") else "quant_a" if name.endswith("quant_a")
-               else "quant_b" if name.endswith("quant_b") else "gemm")
-        return ms[key]
+        key = ("high" if name.startswith("_matmul") else "relu" if name.startswith("_relu")
+               else "quant_a" if name.endswith("quant_a") else "quant_b" if name.endswith("quant_b") else "gemm")
+        return ms.get(key, 0.0)
     return timer
 
 
@@ -430,6 +430,29 @@ def test_plans_are_re_decided_for_an_inference_batch(ms: dict[str, float], margi
     assert ("| 0 | 24x32x64 |" in format_decisions(rows)) and all((r.chosen != "high") == kept for r in rows)
     with pytest.raises(ValueError, match="margin"):
         decide_for_batch(served, lambda m: None, device=torch.device("cpu"), margin=0)
+
+
+def test_re_deciding_charges_the_folded_relu_and_a_weight_cast_made_at_every_call() -> None:
+    from loka_train.export import decide_for_batch
+
+    ms = {"high": 1.0, "relu": 0.5, "gemm": 0.9, "quant_a": 0.2, "quant_b": 0.0}
+    # Triton's tensor-wise cast applies the ReLU folded into site 2: bf16 pays that pass, FP8 not.
+    plans = _plans("triton", Scaling.TENSORWISE)
+    served = serve(_mlp(), plans=plans, config=ServeConfig(dtype="bf16"))
+    assert [sites(served)[n].input_relu for n in ("0", "2")] == [False, True]
+
+    def run(model: nn.Module) -> torch.Tensor:  # served in bf16: called under its autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(torch.randn(24, 32))
+
+    decided, rows = decide_for_batch(served, run, device=torch.device("cpu"), timer=_fake_timer(ms))
+    assert {r.site: (r.high_ms, r.fp8_ms) for r in rows} == {"0": (1.0, pytest.approx(1.1)), "2": (1.5, pytest.approx(1.1))}
+    assert (decided["0"].forward.is_fp8, decided["2"].forward.is_fp8) == (False, True)
+    # Without the weight quantized once, every call pays its cast.
+    again = serve(_mlp(), plans=plans, config=ServeConfig(dtype="bf16", quantize_weights_once=False))
+    decided, rows = decide_for_batch(again, run, device=torch.device("cpu"), timer=_fake_timer({**ms, "quant_b": 0.5}))
+    assert {r.site: r.fp8_ms for r in rows} == {"0": pytest.approx(1.6), "2": pytest.approx(1.6)}
+    assert not decided["2"].forward.is_fp8
 
 
 def test_re_deciding_times_the_sites_on_the_host_clock_on_a_cpu() -> None:
@@ -480,9 +503,13 @@ def test_a_bf16_program_records_its_autocast_and_packages_outside_it(tmp_path) -
     with torch.no_grad():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             expected = compiled(x, s)
-        # Called outside autocast (and by keyword), the programs run their towers in bf16 as served.
+        # Called outside autocast, the programs run their towers in bf16 as served.
         fresh = install_programs(copy.deepcopy(served), programs)
         assert torch.equal(fresh(dense=x, sparse=s), expected)
+        # A program module takes its tower's arguments by keyword too (nn.Sequential's "input").
+        assert torch.equal(fresh.dense_arch(input=x), fresh.dense_arch(x))
+        with pytest.raises(TypeError, match="takes"):
+            fresh.dense_arch(x=x)
         package = torch._inductor.aoti_load_package(str(aoti_package(programs["dense_arch"], tmp_path / "d.pt2")))
         got = package(x)
         assert got.dtype == torch.bfloat16
