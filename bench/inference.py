@@ -50,6 +50,7 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -61,10 +62,16 @@ from bench.e2e.protocol import decide_overrides
 from bench.e2e.variants import CONFIGS, DATA, DRY_CONFIGS, DRY_DATA, Composer
 from loka_train.data import make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
-from loka_train.dispatch.ledger import Ledger, LedgerGemm, measure_ledger
-from loka_train.export import InferenceDecision, ServeConfig, decide_for_batch, load_trained, serve
+from loka_train.dispatch.ledger import Ledger
+from loka_train.export import (
+    InferenceDecision,
+    ServeConfig,
+    decide_for_batch,
+    forward_ledger,
+    load_trained,
+    serve,
+)
 from loka_train.job import JobConfig, run_job
-from loka_train.mods import sites
 from loka_train.runtime.compile import compile_options
 from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
 
@@ -158,15 +165,19 @@ def build(
         trained = load_trained(job, run, device=device)
         model = cast(nn.Module, serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="bf16")).model)
         if "+decided" in variant:
-            def call(m: nn.Module) -> Any:  # served in bf16: called under its autocast
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    return m(decide.dense_features, decide.sparse_features)
-
-            plans, decisions = decide_for_batch(model, call, device=device)
+            plans, decisions = decide_for_batch(model, _caller(decide, device), device=device)
             serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
     if "+compile" in variant:
         compile_dense(model, graphs=variant.endswith("+graphs"))
     return model, "", decisions
+
+
+def _caller(batch: Any, device: torch.device) -> Callable[[nn.Module], Any]:
+    """One call of a model on `batch`, under the bf16 autocast the models are served in."""
+    def call(model: nn.Module) -> Any:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return model(batch.dense_features, batch.sparse_features)
+    return call
 
 
 def compile_dense(model: nn.Module, *, graphs: bool) -> list[str]:
@@ -257,20 +268,6 @@ def same_settings(variant: str) -> str:
     return "bf16" + variant[len(next(m for m in MODELS if variant.startswith(m))):].replace("+decided", "")
 
 
-def forward_ledger(model: nn.Module, batch: Any, device: torch.device) -> Ledger:
-    """The forward GEMMs that the served `model` runs in FP8 at `batch`'s size: each timed in
-    bf16 and in its plan (:func:`~loka_train.dispatch.ledger.measure_ledger`). One eager call
-    records the sites' shapes first."""
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-        model(batch.dense_features, batch.sparse_features)
-    gemms = []
-    for name, site in sites(model).items():
-        plan, shape = site.plan.forward, site.gemm_shapes()["forward"]
-        if plan.is_fp8 and shape[0] > 0:
-            gemms.append(LedgerGemm(name, "forward", shape, plan, (plan,)))
-    return measure_ledger(gemms, device=device)
-
-
 def allow_compiles(args: argparse.Namespace) -> Any:
     """Dynamo's limits raised to what the compiled variants need, and hitting one an error (a
     context manager).
@@ -325,7 +322,7 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
             built = {b: made[0] for b, made in per_batch.items() if made[0] is not None}
             for b, batches in timed.items():
                 if variant == "loka" and not args.no_ledger:  # the eager served model records its shapes
-                    ledgers[b] = forward_ledger(built[b], batches[0], device)
+                    ledgers[b] = forward_ledger(built[b], _caller(batches[0], device), device=device)
                 time_calls(built[b], batches, args.warmup, device)
             row.update(quality(built[last], held_out, device))
             if "+decided" in variant:

@@ -32,7 +32,12 @@ Example:
 
 from loka_train.export.config import ExportConfig, MonitorConfig, ServeConfig
 from loka_train.export.debugger import SiteNumerics, compare_sites, format_numerics
-from loka_train.export.decide import InferenceDecision, decide_for_batch, format_decisions
+from loka_train.export.decide import (
+    InferenceDecision,
+    decide_for_batch,
+    format_decisions,
+    forward_ledger,
+)
 from loka_train.export.load import TrainedModel, load_trained
 from loka_train.export.monitor import Monitor
 from loka_train.export.program import (
@@ -47,6 +52,6 @@ from loka_train.export.serving import ServedWeight, serve, served_sites
 __all__ = [
     "ExportConfig", "InferenceDecision", "Monitor", "MonitorConfig", "ServeConfig", "ServedWeight", "SiteNumerics",
     "TrainedModel", "aoti_package", "compare_sites", "decide_for_batch", "export_dense", "format_decisions",
-    "format_numerics", "install_programs", "load_programs",
+    "format_numerics", "forward_ledger", "install_programs", "load_programs",
     "load_trained", "save_programs", "serve", "served_sites",
 ]

@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from loka_train.dispatch.ledger import LedgerGemm, measure_ledger
+from loka_train.dispatch.ledger import Ledger, LedgerGemm, measure_ledger
 from loka_train.kernels.plan import LinearPlan
 from loka_train.mods.convert import sites as find_sites
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InferenceDecision", "decide_for_batch", "format_decisions"]
+__all__ = ["InferenceDecision", "decide_for_batch", "format_decisions", "forward_ledger"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,50 @@ class InferenceDecision:
     @property
     def speedup(self) -> float:
         return self.high_ms / self.fp8_ms if self.fp8_ms > 0 else float("inf")
+
+
+def forward_ledger(
+    model: nn.Module,
+    run: Callable[[nn.Module], Any],
+    *,
+    device: torch.device,
+    plans: Mapping[str, LinearPlan] | None = None,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+) -> Ledger:
+    """The forward GEMMs `model` runs in FP8 (`plans`' forwards, default each site's own) at the
+    shapes one call (`run`, eager, under ``torch.no_grad()``) gives its sites, each timed in
+    bf16 and in its plan (:func:`~loka_train.dispatch.ledger.measure_ledger`), as a served site
+    runs it: the ReLU pass a folded site's bf16 forward runs charged, tensor-wise inputs with
+    static scales where the site has them. Sites the call did not reach are left out.
+
+    Raises:
+        ValueError: where `plans` names sites the model does not have.
+    """
+    found = find_sites(model)
+    unknown = sorted(set(plans or {}) - set(found))
+    if unknown:
+        raise ValueError(f"forward_ledger: plans name sites the model does not have: {unknown}")
+    with torch.no_grad():
+        run(model)
+    gemms = [
+        # No grad-weight: nothing runs a backward, so a folded ReLU never runs again there.
+        LedgerGemm(name, "forward", site.gemm_shapes()["forward"], plan.forward, (plan.forward,),
+                   input_relu=bool(site.input_relu), grad_weight_plan=None)
+        for name, site in found.items()
+        if (plan := (plans or {}).get(name, site.plan)).forward.is_fp8 and site.gemm_shapes()["forward"][0] > 0
+    ]
+    order = {g.site: i for i, g in enumerate(gemms)}
+    parts = []
+    with torch.autocast(device.type, enabled=False):  # the ledger times its own dtypes
+        for static in (False, True):
+            group = [g for g in gemms if (found[g.site].static_slots is not None) == static]
+            if group:
+                parts.append(measure_ledger(group, device=device, timer=timer, static_scales=static))
+    if not parts:
+        return Ledger(rows=[], device=str(device), timing="none", notes=["no FP8 forward ran"])
+    return Ledger(rows=sorted((r for part in parts for r in part.rows), key=lambda r: order[r.site]),
+                  device=parts[0].device, timing=parts[0].timing,
+                  notes=list(dict.fromkeys(n for part in parts for n in part.notes)))
 
 
 def decide_for_batch(
@@ -92,28 +136,11 @@ def decide_for_batch(
     if not margin > 0:
         raise ValueError(f"margin must be > 0, got {margin}")
     found = find_sites(model)
-    unknown = sorted(set(plans or {}) - set(found))
-    if unknown:
-        raise ValueError(f"decide_for_batch: plans name sites the model does not have: {unknown}")
     trained = {name: (plans or {}).get(name, site.plan) for name, site in found.items()}
-    with torch.no_grad():
-        run(model)
-    gemms = [
-        # No grad-weight: nothing runs a backward, so a folded ReLU never runs again there.
-        LedgerGemm(name, "forward", found[name].gemm_shapes()["forward"], plan.forward, (plan.forward,),
-                   input_relu=bool(found[name].input_relu), grad_weight_plan=None)
-        for name, plan in trained.items()
-        if plan.forward.is_fp8 and found[name].gemm_shapes()["forward"][0] > 0
-    ]
-    ledger_rows = []
-    with torch.autocast(device.type, enabled=False):  # the ledger times its own dtypes
-        for static in (False, True):  # tensor-wise inputs with static scales where the site has them
-            group = [g for g in gemms if (found[g.site].static_slots is not None) == static]
-            if group:
-                ledger_rows += measure_ledger(group, device=device, timer=timer, static_scales=static).rows
+    ledger = forward_ledger(model, run, device=device, plans=plans, timer=timer)
     out = {name: LinearPlan(forward=plan.forward) for name, plan in trained.items()}
     rows = []
-    for row in sorted(ledger_rows, key=lambda r: [g.site for g in gemms].index(r.site)):
+    for row in ledger.rows:
         times = row.chosen
         if times is None:  # the backend failed at this shape (named in the ledger's failures)
             fp8_ms = float("inf")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from loka_train.runtime.compile import compile_options
 from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ def aoti_package(program: torch.export.ExportedProgram, path: str | Path) -> Pat
     ``torch._inductor.aoti_load_package(path)``."""
     from torch._inductor import aoti_compile_and_package
 
-    # As trainer.compile_dense compiles (runtime.compile.compile_options): without it inductor
-    # fuses a cast to bf16 into the FP8 quantizer's division and skips the rounding.
-    return Path(aoti_compile_and_package(program, package_path=str(path),
-                                         inductor_configs={"emulate_precision_casts": True}))
+    # Inductor's options as trainer.compile_dense sets them (emulate_precision_casts: the FP8
+    # quantizer's rounding kept, the same codes as the program).
+    options = compile_options("inductor")["options"]
+    return Path(aoti_compile_and_package(program, package_path=str(path), inductor_configs=options))

@@ -118,8 +118,7 @@ class ServedWeight(nn.Module):
         # The zero columns of K and rows of N the backend needs at the shapes the site trained
         # at (M only where grad-weight runs FP8, which serving never does).
         m = site.gemm_shapes()["forward"][0] or 16
-        pad = fp8_padding(LinearPlan(forward=gemm), m, self.k, self.n, site.pad_to_multiple,
-                          weight.device.type, dtype, False)
+        pad = fp8_padding(self.forward_plan, m, self.k, self.n, site.pad_to_multiple, weight.device.type, dtype, False)
         self.pad_k, self.pad_n = (0, 0) if pad is None else (pad[1], pad[2])
         with torch.no_grad():
             w = F.pad(weight.detach().to(dtype), (0, self.pad_k, 0, self.pad_n))

@@ -631,8 +631,6 @@ class FoldedRelu(nn.Module):
         return "applied by the next site"
 
 
-
-
 class FusedLinearSite(GemmSite):
     """Horizontal fusion: Linears that read the same input run as ONE wider GEMM site.
 

@@ -144,8 +144,8 @@ class ProbeConfig:
     ``ConvertReport.logit_feeder``: the DLRM family's last top-MLP layer), replacing
     ``sqnr_budget_db``'s for the roles not None (keys: forward, grad_input, grad_weight; all
     None: that site has every site's floors). Its ``dY`` is the loss gradient through the logit
-    weight, one value per sample times one per feature before the ReLU mask, where a
-    tensor-wise e5m2 grad-weight can cost NE that its SQNR does not show (``docs/performance.md``,
+    weight, one value per sample times one per feature before the ReLU mask; the aggressive
+    preset holds its grad-weight to safe's 20 dB (what that does to NE: ``docs/performance.md``,
     the paired NE protocol). Applied by the LoKA callback, which knows that site; a Probe used
     on its own takes per-site floors at ``register_site``."""
 
