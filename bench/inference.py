@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run", default=None, help="serve this run directory's latest checkpoint instead of training one")
     p.add_argument("--batches", default="512,2048,8192", help="comma-separated batch sizes")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--train-steps", type=int, default=300, help="bf16 training steps per config")
+    p.add_argument("--train-steps", type=int, default=150, help="bf16 training steps per config")
     p.add_argument("--decide-steps", type=int, default=30, help="LoKA steps after them that decide the plans")
     p.add_argument("--rounds", type=int, default=3,
                    help="timed rounds: each round times every variant in turn (--iters calls each)")
@@ -125,7 +125,7 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
     decide: ``--train-steps`` in bf16 (LoKA off; compile + CUDA graphs on a GPU), then
     ``--decide-steps`` more with LoKA aggressive resuming that checkpoint, every site sampled on
     every step and a re-plan every few steps, so that the plans are those of the trained
-    weights. Returns the LoKA job and the decided run's directory."""
+    weights; the decision runs eagerly (CUDA graphs on, for Dispatch's timings). Returns the LoKA job and the decided run's directory."""
     gpu = args.device == "cuda"
     configs, data = (DRY_CONFIGS, DRY_DATA) if args.dry_run else (CONFIGS, DATA)
     common = [
@@ -142,6 +142,9 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
         *common, f"trainer.steps={args.train_steps + args.decide_steps}", f"trainer.resume={base / 'latest'}",
         "trainer.resume_new_callbacks=true", f"trainer.out_dir={root / config / 'decided'}", "loka=aggressive",
         *decide_overrides(2 if args.dry_run else 5),
+        # The plans do not depend on compilation: decide eagerly, as bench.e2e's decision runs do
+        # (compiled, every sampled step and re-plan recompiles the towers).
+        *(["trainer.compile_dense=false"] if gpu else []),
     ])
     run_job(job)
     return job, root / config / "decided" / "latest"
