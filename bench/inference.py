@@ -80,8 +80,9 @@ logger = logging.getLogger(__name__)
 MODELS = ("bf16", "torchao", "loka")
 SETTINGS = ("", "+compile", "+compile+graphs")
 VARIANTS = (*(m + s for m in MODELS for s in SETTINGS), *("loka+decided" + s for s in SETTINGS))
-DEFAULT_VARIANTS = ("bf16", "bf16+compile", "bf16+compile+graphs", "torchao+compile", "loka", "loka+compile",
-                    "loka+compile+graphs", "loka+decided+compile")
+# torchao last: compiling its float8 Wukong model can take minutes.
+DEFAULT_VARIANTS = ("bf16", "bf16+compile", "bf16+compile+graphs", "loka", "loka+compile",
+                    "loka+compile+graphs", "loka+decided+compile", "torchao+compile")
 REFERENCE = "bf16+compile"
 
 
@@ -338,7 +339,12 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
         if variant.endswith("+graphs"):  # a graph inductor did not capture runs without CUDA graphs
             row["cudagraph_skips"] = skips["cudagraph_skips"] - skipped
         rows[variant] = row
-        print(f"[inference] {config} {variant}: built and warmed up in {row['build_s']:.1f}s; {row['status']}",
+        first = ""
+        if model is not None:  # one pass now, so that a run stopped before the rounds still tells
+            first = "; first pass " + ", ".join(
+                f"b{b} p50 {statistics.median(time_calls(built[b], batches, args.iters, device)) * 1e3:.3f} ms"
+                for b, batches in timed.items())
+        print(f"[inference] {config} {variant}: built and warmed up in {row['build_s']:.1f}s; {row['status']}{first}",
               flush=True)
     times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
     round_p50: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
