@@ -15,8 +15,9 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
   multiples of 16, the logit layer excluded; "not run" where torchao does not import;
 * ``loka``: ``loka_train.export.serve`` with the run's plans (FP8 weights quantized once);
 * ``loka+decided``: the same with the plans re-decided for each batch size
-  (``loka_train.export.decide_for_batch``: an FP8 forward kept where it pays at that batch), one
-  model per batch size, their tables in the JSON;
+  (``loka_train.export.decide_for_batch``: the fastest of the trained FP8 forward and every
+  forward the Probe judged safe, kept where it beats bf16 at that batch), one model per batch
+  size, their tables in the JSON;
 
 each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
 ``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup
@@ -24,9 +25,9 @@ stays eager, as in training) and ``+compile+graphs`` (the same with inductor's C
 Ratios: ``x ref`` against ``bf16+compile`` (the reference), ``x same`` against bf16 with the
 same settings.
 
-The forward-only ledger: for each batch size, every forward the served model runs in FP8 timed
-as a GEMM alone in bf16 and in its FP8 plan (operands already quantized; CUDA-graph replays on
-a GPU), and the throughput limit it gives: ``bf16+compile``'s latency over that latency less
+The forward-only ledger: for each batch size, every forward the served model runs in FP8 or the
+Probe judged safe in FP8, timed as a GEMM alone in bf16 and in its FP8 candidates (operands
+already quantized; CUDA-graph replays on a GPU), and the throughput limit it gives: ``bf16+compile``'s latency over that latency less
 what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit.
 
 Every variant is built (serving the same embedding tables, held once), warmed up at each batch
@@ -65,6 +66,7 @@ from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.dispatch.ledger import Ledger
 from loka_train.export import (
     InferenceDecision,
+    SafeForwards,
     ServeConfig,
     decide_for_batch,
     forward_ledger,
@@ -153,27 +155,30 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
 
 def build(
     variant: str, job: JobConfig, run: Path, device: torch.device, decide: Any = None,
-) -> tuple[nn.Module | None, str, list[InferenceDecision]]:
+) -> tuple[nn.Module | None, str, list[InferenceDecision], SafeForwards | None]:
     """The model of `variant` (called as ``model(dense, sparse) -> logits``), or None and why
     not; for ``+decided``, the plans re-decided at `decide`'s batch (``decide_for_batch``) and
     their table."""
     decisions: list[InferenceDecision] = []
+    safe = None
     if variant.startswith(("bf16", "torchao")):
         plain = replace(job, loka=replace(job.loka, enabled=False))  # the trained weights, no site
         model = cast(nn.Module, load_trained(plain, run, device=device).model.model)
         if variant.startswith("torchao"):
             why = _torchao(model)
             if why:
-                return None, why, decisions
+                return None, why, decisions, safe
     else:
         trained = load_trained(job, run, device=device)
+        safe = trained.safe_forwards
         model = cast(nn.Module, serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="bf16")).model)
         if "+decided" in variant:
-            plans, decisions = decide_for_batch(model, _caller(decide, device), device=device)
+            plans, decisions = decide_for_batch(model, _caller(decide, device), device=device,
+                                                safe=safe)
             serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
     if "+compile" in variant:
         compile_dense(model, graphs=variant.endswith("+graphs"))
-    return model, "", decisions
+    return model, "", decisions, safe
 
 
 def _caller(batch: Any, device: torch.device) -> Callable[[nn.Module], Any]:
@@ -313,20 +318,21 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
         t0 = time.perf_counter()
         skipped = skips["cudagraph_skips"]
         # A +decided variant: one model per batch size, its plans re-decided there.
-        per_batch: dict[int, tuple[nn.Module | None, str, list[InferenceDecision]]] = {}
+        per_batch: dict[int, tuple[nn.Module | None, str, list[InferenceDecision], SafeForwards | None]] = {}
         for b in timed if "+decided" in variant else [last]:
             per_batch[b] = made = build(variant, job, run, device, decide=timed[b][0])
             if made[0] is not None:  # its own tables dropped at once: one copy of them at a time
                 donor = share_tables(made[0], donor)
         if "+decided" not in variant:
             per_batch = {b: per_batch[last] for b in timed}
-        model, why, _ = per_batch[last]
+        model, why, _, safe = per_batch[last]
         row: dict[str, Any] = {"config": config, "variant": variant, "status": "ok" if model is not None else why}
         if model is not None:
             built = {b: made[0] for b, made in per_batch.items() if made[0] is not None}
             for b, batches in timed.items():
                 if variant == "loka" and not args.no_ledger:  # the eager served model records its shapes
-                    ledgers[b] = forward_ledger(built[b], _caller(batches[0], device), device=device)
+                    # Every forward with a safe FP8 candidate: the limit of any re-decision.
+                    ledgers[b] = forward_ledger(built[b], _caller(batches[0], device), device=device, safe=safe)
                 time_calls(built[b], batches, args.warmup, device)
             row.update(quality(built[last], held_out, device))
             if "+decided" in variant:

@@ -10,7 +10,8 @@
 * :func:`export_dense` (:mod:`.program`): the served dense submodules as ``torch.export``
   programs (saved, loaded, installed back, or compiled by AOTInductor);
 * :func:`decide_for_batch` (:mod:`.decide`): the plans re-decided for an inference batch size
-  (an FP8 forward kept only where it pays there);
+  (the fastest of the trained FP8 forward and, with ``TrainedModel.safe_forwards``, every
+  forward the Probe judged safe, kept only where it beats bf16 there);
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 
@@ -34,6 +35,7 @@ from loka_train.export.config import ExportConfig, MonitorConfig, ServeConfig
 from loka_train.export.debugger import SiteNumerics, compare_sites, format_numerics
 from loka_train.export.decide import (
     InferenceDecision,
+    SafeForwards,
     decide_for_batch,
     format_decisions,
     forward_ledger,
@@ -50,7 +52,8 @@ from loka_train.export.program import (
 from loka_train.export.serving import ServedWeight, serve, served_sites
 
 __all__ = [
-    "ExportConfig", "InferenceDecision", "Monitor", "MonitorConfig", "ServeConfig", "ServedWeight", "SiteNumerics",
+    "ExportConfig", "InferenceDecision", "Monitor", "MonitorConfig", "SafeForwards", "ServeConfig", "ServedWeight",
+    "SiteNumerics",
     "TrainedModel", "aoti_package", "compare_sites", "decide_for_batch", "export_dense", "format_decisions",
     "format_numerics", "forward_ledger", "install_programs", "load_programs",
     "load_trained", "save_programs", "serve", "served_sites",

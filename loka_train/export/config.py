@@ -79,11 +79,19 @@ class ExportConfig:
     dynamic_batch: bool = True
     """The programs take any batch size (else only the export's evaluation batch size)."""
 
+    decide_batch: int | None = None
+    """Re-decide the plans for serving at this batch size
+    (:func:`~loka_train.export.decide_for_batch`: the fastest of each site's trained FP8 forward
+    and the forwards the Probe judged safe, where it beats bf16 there), timed on this device;
+    None: serve the trained plans."""
+
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"export dtype={self.dtype!r}: choose one of {sorted(DTYPES)} (or null: the run's)")
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"export eval_batches={self.eval_batches} must be >= 1")
+        if self.decide_batch is not None and self.decide_batch < 1:
+            raise ValueError(f"export decide_batch={self.decide_batch} must be >= 1 (or null: the trained plans)")
 
 
 @dataclass(kw_only=True)

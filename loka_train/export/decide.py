@@ -12,8 +12,12 @@ site's concatenated weight, ``ServeConfig.quantize_weights_once`` off) pays that
 with the ReLU before it folded in pays the ReLU pass where its cast does not apply it, as bf16
 does. A site keeps its FP8 forward where that is at least ``margin`` times faster, else runs in
 high precision.
-Only the trained plan is a candidate: the Probe judged it safe for this site; no other FP8 plan
-was judged there.
+The candidates are the trained FP8 forward and, given ``safe``
+(:class:`SafeForwards`, e.g. ``TrainedModel.safe_forwards``), every FP8 forward the Probe judged
+safe for the site when training stopped, on the backends and scalings the run's Dispatch
+config lists that take the inference shape: a site that trained in bf16 because its backward's
+casts cost more than its GEMMs saved may pay in inference, where only its input is cast. The
+fastest candidate is kept where it beats bf16 by ``margin``.
 
 Example:
     >>> plans, rows = decide_for_batch(served, lambda m: m(dense, sparse), device=torch.device("cuda"))
@@ -24,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,13 +36,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from loka_train.dispatch.ledger import Ledger, LedgerGemm, measure_ledger
-from loka_train.kernels.plan import LinearPlan
+from loka_train.dispatch import planning
+from loka_train.dispatch.config import DispatchConfig
+from loka_train.dispatch.ledger import Fp8Times, Ledger, LedgerGemm, LedgerRow, measure_ledger
+from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.mods.convert import sites as find_sites
+from loka_train.mods.interaction import CrossNet
+from loka_train.mods.site import Fp8Linear, Site
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InferenceDecision", "decide_for_batch", "format_decisions", "forward_ledger"]
+__all__ = ["InferenceDecision", "SafeForwards", "decide_for_batch", "format_decisions", "forward_ledger"]
+
+
+@dataclass(frozen=True)
+class SafeForwards:
+    """The FP8 forwards a run's Probe judged safe, per site: the inference candidates besides
+    the trained plan.
+
+    Attributes:
+        verdicts: the Probe's verdicts when training stopped (``Probe.verdicts()``), keyed
+            ``(site, role, fmt, scaling)``; only the forward's are read.
+        config: the run's Dispatch config: the scalings, backends and forward format the
+            candidates are made of, as Dispatch makes its own.
+    """
+
+    verdicts: Mapping[Any, Any]
+    config: DispatchConfig
+
+    def plans(self, name: str, site: Site, shape: tuple[int, int, int], *, device_type: str,
+              out_dtype: torch.dtype) -> list[GemmPlan]:
+        """`site`'s FP8 forwards at `shape` that a backend takes (padded where the site pads)
+        and the site can run, whose verdict is safe; in Dispatch's config order."""
+        plans, _ = planning.candidates(
+            self.config, "forward", shape, device_type=device_type, out_dtype=out_dtype,
+            pad_to_multiple=site.pad_to_multiple, current=site.plan, site_supports=site.supports_plan,
+        )
+        return planning.eligible(self.verdicts, name, "forward", plans)
 
 
 @dataclass(frozen=True)
@@ -68,13 +103,18 @@ def forward_ledger(
     *,
     device: torch.device,
     plans: Mapping[str, LinearPlan] | None = None,
+    safe: SafeForwards | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
     timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> Ledger:
-    """The forward GEMMs `model` runs in FP8 (`plans`' forwards, default each site's own) at the
-    shapes one call (`run`, eager, under ``torch.no_grad()``) gives its sites, each timed in
-    bf16 and in its plan (:func:`~loka_train.dispatch.ledger.measure_ledger`), as a served site
-    runs it: the ReLU pass a folded site's bf16 forward runs charged, tensor-wise inputs with
-    static scales where the site has them. Sites the call did not reach are left out.
+    """The forward GEMMs `model` runs in FP8 (`plans`' forwards, default each site's own), and
+    with `safe` every forward that has a safe FP8 candidate, at the shapes one call (`run`,
+    eager, under ``torch.no_grad()``) gives its sites, each timed in bf16 and in its FP8
+    candidates (the plan's, `safe`'s at that shape in `out_dtype`;
+    :func:`~loka_train.dispatch.ledger.measure_ledger`), as a served site runs them: the ReLU pass
+    a folded site's bf16 forward runs charged, tensor-wise inputs with static scales where the
+    site has them. A row's plan is the site's (high precision for a site `safe` adds). Sites
+    the call did not reach are left out.
 
     Raises:
         ValueError: where `plans` names sites the model does not have.
@@ -85,13 +125,7 @@ def forward_ledger(
         raise ValueError(f"forward_ledger: plans name sites the model does not have: {unknown}")
     with torch.no_grad():
         run(model)
-    gemms = [
-        # No grad-weight: nothing runs a backward, so a folded ReLU never runs again there.
-        LedgerGemm(name, "forward", site.gemm_shapes()["forward"], plan.forward, (plan.forward,),
-                   input_relu=bool(site.input_relu), grad_weight_plan=None)
-        for name, site in found.items()
-        if (plan := (plans or {}).get(name, site.plan)).forward.is_fp8 and site.gemm_shapes()["forward"][0] > 0
-    ]
+    gemms = _forward_gemms(found, plans, safe, device, out_dtype)
     order = {g.site: i for i, g in enumerate(gemms)}
     parts = []
     with torch.autocast(device.type, enabled=False):  # the ledger times its own dtypes
@@ -106,12 +140,34 @@ def forward_ledger(
                   notes=list(dict.fromkeys(n for part in parts for n in part.notes)))
 
 
+def _forward_gemms(found: Mapping[str, Site], plans: Mapping[str, LinearPlan] | None, safe: SafeForwards | None,
+                   device: torch.device, out_dtype: torch.dtype) -> list[LedgerGemm]:
+    """The ledger's GEMMs (:func:`forward_ledger`) at the forward shapes the sites recorded."""
+    gemms = []
+    for name, site in found.items():
+        shape = site.gemm_shapes()["forward"]
+        if shape[0] <= 0:
+            continue
+        plan = (plans or {}).get(name, site.plan).forward
+        options = [plan] if plan.is_fp8 else []
+        if safe is not None:
+            options += [p for p in safe.plans(name, site, shape, device_type=device.type, out_dtype=out_dtype)
+                        if p not in options]
+        if options:
+            # No grad-weight: nothing runs a backward, so a folded ReLU never runs again there.
+            gemms.append(LedgerGemm(name, "forward", shape, plan, tuple(options),
+                                    input_relu=bool(site.input_relu), grad_weight_plan=None))
+    return gemms
+
+
 def decide_for_batch(
     model: nn.Module,
     run: Callable[[nn.Module], Any],
     *,
     device: torch.device,
     plans: Mapping[str, LinearPlan] | None = None,
+    safe: SafeForwards | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
     margin: float = 1.0,
     timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> tuple[dict[str, LinearPlan], list[InferenceDecision]]:
@@ -123,12 +179,15 @@ def decide_for_batch(
             (run eagerly under ``torch.no_grad()``: the sites record their shapes).
         device: where to time.
         plans: the trained plans (default: each site's current plan).
-        margin: the FP8 forward stays where ``high_ms >= margin * fp8_ms``.
+        safe: more candidates, the FP8 forwards the Probe judged safe (:class:`SafeForwards`,
+            ``TrainedModel.safe_forwards``); None: the trained FP8 forward only.
+        out_dtype: the served compute dtype (what the backends must write).
+        margin: an FP8 forward is chosen where ``high_ms >= margin * fp8_ms``.
         timer: ``timer(fn) -> ms`` (default: graph replays on a GPU, the host clock elsewhere).
 
     Returns:
-        The plans (the forward only: nothing serves a backward) and one row per site whose
-        trained forward is FP8 and that the call reached (one it did not reach keeps its plan).
+        The plans (the forward only: nothing serves a backward) and one row per site with an
+        FP8 candidate that the call reached (one it did not reach keeps its plan).
 
     Raises:
         ValueError: for ``margin <= 0``, or plans naming sites the model does not have.
@@ -137,27 +196,52 @@ def decide_for_batch(
         raise ValueError(f"margin must be > 0, got {margin}")
     found = find_sites(model)
     trained = {name: (plans or {}).get(name, site.plan) for name, site in found.items()}
-    ledger = forward_ledger(model, run, device=device, plans=plans, timer=timer)
+    ledger = forward_ledger(model, run, device=device, plans=plans, safe=safe, out_dtype=out_dtype, timer=timer)
+    options = {g.site: g.candidates for g in _forward_gemms(found, plans, safe, device, out_dtype)}
+    once = _weights_served_once(model)
     out = {name: LinearPlan(forward=plan.forward) for name, plan in trained.items()}
     rows = []
     for row in ledger.rows:
-        times = row.chosen
-        if times is None:  # the backend failed at this shape (named in the ledger's failures)
-            fp8_ms = float("inf")
-        else:
-            weight_once = "served" in found[row.site]._modules
-            fp8_ms = times.gemm_ms + times.quant_a_ms + times.relu_ms + (0.0 if weight_once else times.quant_b_ms)
-        keep = row.high_total_ms >= margin * fp8_ms
-        if not keep:
-            out[row.site] = LinearPlan()
+        best = _fastest(row, options[row.site], weight_once=row.site in once)
+        fp8_ms = float("inf") if best is None else best[1]
+        keep = best is not None and row.high_total_ms >= margin * fp8_ms
+        chosen = best[0] if keep and best is not None else None
+        out[row.site] = LinearPlan() if chosen is None else LinearPlan(forward=chosen)
         rows.append(InferenceDecision(
             site=row.site, shape=row.shape, trained=str(trained[row.site].forward), high_ms=row.high_total_ms,
-            fp8_ms=fp8_ms, chosen=str(trained[row.site].forward) if keep else "high",
+            fp8_ms=fp8_ms, chosen="high" if chosen is None else str(chosen),
         ))
-        if not keep:
+        if chosen is None:
             logger.info("decide_for_batch: %s runs its forward in high precision at %s (bf16 %.4f ms, FP8 %.4f ms)",
                         row.site, "x".join(map(str, row.shape)), row.high_total_ms, fp8_ms)
     return out, rows
+
+
+def _weights_served_once(model: nn.Module) -> set[str]:
+    """The sites whose weight :func:`~loka_train.export.serve` quantizes once under an FP8
+    forward plan (an ``Fp8Linear``, a DCN cross layer's), where it does so now (a served site
+    of any plan, or no site served yet): the others pay their weight's cast at every call."""
+    found = find_sites(model)
+    served = {name for name, site in found.items() if "served" in site._modules}
+    fp8 = {name for name, site in found.items() if site.plan.forward.is_fp8}
+    if fp8 and not (fp8 & served):  # FP8 sites, none served: weights quantized at every call
+        return set()
+    crossed = {id(site) for module in model.modules() if isinstance(module, CrossNet)
+               for site, _ in module.site_weights()}
+    return {name for name, site in found.items() if isinstance(site, Fp8Linear) or id(site) in crossed}
+
+
+def _fastest(row: LedgerRow, candidates: tuple[GemmPlan, ...], *, weight_once: bool) -> tuple[GemmPlan, float] | None:
+    """The one of `row`'s `candidates` a served site runs fastest, and its ms as served: the GEMM, the
+    input's cast, the ReLU pass where the cast does not apply it, the weight's cast where it is
+    not made once. None where no candidate has a time (the backends failed at this shape)."""
+    def served_ms(t: Fp8Times) -> float:
+        return t.gemm_ms + t.quant_a_ms + t.relu_ms + (0.0 if weight_once else t.quant_b_ms)
+
+    times = {t.plan: t for t in row.fp8}
+    timed = [(plan, served_ms(times[str(plan)])) for plan in candidates if str(plan) in times]
+    timed = [(p, ms) for p, ms in timed if math.isfinite(ms)]
+    return min(timed, key=lambda o: o[1]) if timed else None
 
 
 def format_decisions(rows: list[InferenceDecision]) -> str:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from loka_train.data import make_dataset
+from loka_train.export.decide import SafeForwards
 from loka_train.job import JobConfig
 from loka_train.kernels.plan import LinearPlan
 from loka_train.mods import sites
@@ -59,6 +60,9 @@ class TrainedModel:
     """The ``step_*`` directory read."""
     step: int
     """Its step."""
+    safe_forwards: SafeForwards | None = None
+    """The FP8 forwards the run's Probe judged safe when it stopped, with its Dispatch config:
+    ``decide_for_batch``'s candidates beyond the trained plans (None: the job's LoKA is off)."""
 
 
 def load_trained(job: JobConfig, path: str | Path, *, device: str | torch.device = "cpu") -> TrainedModel:
@@ -112,17 +116,20 @@ def load_trained(job: JobConfig, path: str | Path, *, device: str | torch.device
         ) from exc
     model.load_state_dict(state)  # DCP loads in place; entries it replaced are taken too
     plans: dict[str, LinearPlan] = {}
+    safe = None
     if loka is not None and sites(model):
         loka.load_state_dict(_loka_state(checkpoint, loka))
         ctx.model = model
         loka.on_train_start(ctx)
-        assert loka.dispatcher is not None
+        assert loka.dispatcher is not None and loka.probe is not None
         plans = dict(loka.dispatcher.plans)
+        safe = SafeForwards(verdicts={k: v for k, v in loka.probe.verdicts().items() if k[1] == "forward"},
+                            config=job.loka.dispatch)
     model.eval()
     step = int(checkpoint.name.rsplit("_", 1)[-1]) if checkpoint.name.startswith("step_") else -1
     logger.info("export: %s (step %d): %d sites, %d with an FP8 plan", checkpoint, step, len(plans),
                 sum(any(gp.is_fp8 for gp in (p.forward, p.grad_input, p.grad_weight)) for p in plans.values()))
-    return TrainedModel(model=model, plans=plans, checkpoint=checkpoint, step=step)
+    return TrainedModel(model=model, plans=plans, checkpoint=checkpoint, step=step, safe_forwards=safe)
 
 
 def _loka_state(checkpoint: Path, loka: LokaCallback) -> dict[str, Any]:

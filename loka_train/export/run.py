@@ -4,10 +4,12 @@ its checkpoint (:func:`~loka_train.export.load_trained`), served
 high precision, its numerics per site on the first batch
 (:func:`~loka_train.export.compare_sites`), written to a directory:
 
-* ``export.json``: the checkpoint and step, every site's plan and how it is served, NE, AUC and
+* ``export.json``: the checkpoint and step, every site's plan (as served) and how it is served, NE, AUC and
   calibration of the served and of the high-precision model and their NE difference, the
   numerics rows;
 * ``numerics.md``: the debugger's table;
+* with ``decide_batch``, ``decisions.md``: the plans re-decided for that serving batch size
+  (:func:`~loka_train.export.decide_for_batch`), which the served model then runs;
 * ``served.pt``: the served model's state dict (the FP8 weight payloads ``<site>.served.*``
   included), its plans and serve config: :func:`load_trained` and :func:`serve` rebuild the
   same model from the checkpoint, and this state dict loads into it.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,6 +31,7 @@ from loka_train.data import make_dataset
 from loka_train.data.metrics import auc, calibration, normalized_entropy
 from loka_train.export.config import ExportConfig, ServeConfig
 from loka_train.export.debugger import compare_sites, format_numerics
+from loka_train.export.decide import InferenceDecision, decide_for_batch, format_decisions
 from loka_train.export.load import load_trained
 from loka_train.export.program import export_dense, save_programs
 from loka_train.export.serving import serve, served_sites
@@ -69,6 +73,22 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=job.trainer.batch_size)
     batches = [b.to(device) for b in data.batches(0, cfg.eval_batches or job.trainer.eval_batches)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+    plans: dict[str, LinearPlan] = dict(trained.plans)
+    decisions: list[InferenceDecision] = []
+    if trained.plans and cfg.decide_batch is not None:
+        try:
+            held_out = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=cfg.decide_batch)
+        except ValueError as exc:
+            raise ValueError(f"export decide_batch={cfg.decide_batch}: {exc}; or choose a batch size it takes") from exc
+        at = next(iter(held_out.batches(0, 1))).to(device)
+
+        def call(model: nn.Module) -> None:
+            with autocast:
+                model(at)
+
+        plans, decisions = decide_for_batch(trained.model, call, device=device, safe=trained.safe_forwards,
+                                            out_dtype=serve_cfg.torch_dtype)
+        serve(trained.model, plans=plans, config=serve_cfg)
     metrics = {"served": _evaluate(trained.model, batches, autocast), "high": _evaluate(high.model, batches, autocast)}
     rows = []
     if trained.plans:
@@ -87,13 +107,20 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
         "metrics": metrics,
         "ne_delta_rel_vs_high": ne_delta,
         "sites": served_sites(trained.model) if trained.plans else {},
-        "plans": {name: plan.to_dict() for name, plan in trained.plans.items()},
+        "plans": {name: plan.to_dict() for name, plan in plans.items()},
+        "decide_batch": cfg.decide_batch,
+        "decisions": [dataclasses.asdict(d) | {"fp8_ms": d.fp8_ms if math.isfinite(d.fp8_ms) else None}
+                      for d in decisions],
         "numerics": [r.to_dict() for r in rows],
         # Restored from the Probe's window, as a resumed run restores them.
         "static_scales": bool(job.loka.enabled and job.loka.mods.static_scales),
         "out": str(out),
     }
     (out / "export.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if decisions:
+        (out / "decisions.md").write_text(
+            f"# Plans re-decided for batch {cfg.decide_batch} on {device}: {trained.checkpoint}\n\n"
+            + format_decisions(decisions) + "\n")
     (out / "numerics.md").write_text(
         f"# Numerics per site: {trained.checkpoint} (step {trained.step}), first eval batch, {dtype}\n\n"
         + (format_numerics(rows) if rows else "no LoKA site in this model: nothing in FP8") + "\n"

@@ -71,6 +71,14 @@ def test_a_run_is_served_with_its_plans_and_evaluates_to_its_own_ne(trained_run)
         n: {r: e["plan"] for r, e in roles.items()} for n, roles in report["sites"].items()}
     fp8 = [n for n, p in trained.plans.items() if p.forward.is_fp8]
     assert fp8, "the run should end with FP8 forwards"
+    # The Probe's forward verdicts at the end, with the run's Dispatch config: each trained FP8
+    # forward among the safe ones (re-decision's candidates).
+    safe = trained.safe_forwards
+    assert safe is not None and safe.config == job.loka.dispatch
+    assert {k[1] for k in safe.verdicts} == {"forward"} and {k[0] for k in safe.verdicts} == set(trained.plans)
+    for n in fp8:
+        forward = trained.plans[n].forward
+        assert safe.verdicts[(n, "forward", forward.fmt, forward.scaling)].safe, n
     # Static scales restored from the Probe's window, as a resumed run restores them.
     static = [n for n, site in sites(trained.model).items()
               if site.static_slots is not None and trained.plans[n].forward.scaling is Scaling.TENSORWISE]
@@ -207,3 +215,41 @@ def test_an_exported_program_compiles_into_an_aot_inductor_package(trained_run, 
     x = torch.rand(40, example.dense_features.shape[1]) * 4
     with torch.no_grad():
         assert torch.equal(package(x), program.module()(x))
+
+
+@pytest.mark.parametrize("fp8_faster", [True, False])
+def test_the_export_serves_plans_re_decided_for_its_batch(
+    trained_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fp8_faster: bool,  # type: ignore[no-untyped-def]
+) -> None:
+    from loka_train.dispatch.ledger import Fp8Times, Ledger, LedgerRow
+    from loka_train.export import decide as decide_module
+
+    def ledger(gemms, *, device, timer=None, static_scales=False):  # type: ignore[no-untyped-def]
+        # Every FP8 candidate 0.2 ms (or 2.2 ms) against bf16's 1 ms.
+        gemm_ms = 0.1 if fp8_faster else 2.1
+        return Ledger(rows=[LedgerRow(site=g.site, role=g.role, shape=g.shape, plan=str(g.plan) if g.plan.is_fp8 else "high",
+                                      high_ms=1.0, fp8=tuple(Fp8Times(plan=str(p), gemm_ms=gemm_ms, quant_a_ms=0.1,
+                                                                      quant_b_ms=0.0) for p in g.candidates))
+                            for g in gemms], device="cpu", timing="fake")
+
+    monkeypatch.setattr(decide_module, "measure_ledger", ledger)
+    job, run, _ = trained_run
+    out = tmp_path / "export"
+    result = export_run(job, ExportConfig(run=str(run), out=str(out), decide_batch=64, programs=False))
+    decided = {d["site"]: d for d in result["decisions"]}
+    trained = load_trained(job, run)
+    # Every site the call reached with a safe FP8 forward or a trained one was decided, at batch 64.
+    assert decided and all(d["shape"][0] % 64 == 0 for d in decided.values())
+    assert {n for n, p in trained.plans.items() if p.forward.is_fp8} <= set(decided)
+    # The served plans are the decisions, and the metrics are theirs.
+    forwards = {n: LinearPlan.from_dict(p).forward for n, p in result["plans"].items()}
+    assert {n: str(f) if f.is_fp8 else "high" for n, f in forwards.items() if n in decided} == {
+        n: d["chosen"] for n, d in decided.items()}
+    assert all(d["chosen"] != "high" for d in decided.values()) == fp8_faster
+    if not fp8_faster:  # every site in high precision: the served model is the high-precision one
+        assert result["metrics"]["served"]["ne"] == pytest.approx(result["metrics"]["high"]["ne"], rel=1e-6)
+    assert "| chosen |" in (out / "decisions.md").read_text()
+    with pytest.raises(ValueError, match="decide_batch"):
+        ExportConfig(decide_batch=0)
+    with pytest.raises(ValueError, match="decide_batch=16: data.chunk_size=32 does not divide"):
+        export_run(job, ExportConfig(run=str(run), out=str(out), decide_batch=16, programs=False))

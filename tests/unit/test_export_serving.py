@@ -5,6 +5,7 @@ oracle, and the Triton kernels under the interpreter)."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -453,6 +454,90 @@ def test_re_deciding_charges_the_folded_relu_and_a_weight_cast_made_at_every_cal
     decided, rows = decide_for_batch(again, run, device=torch.device("cpu"), timer=_fake_timer({**ms, "quant_b": 0.5}))
     assert {r.site: r.fp8_ms for r in rows} == {"0": pytest.approx(1.6), "2": pytest.approx(1.6)}
     assert not decided["2"].forward.is_fp8
+
+
+def _safe(verdicts: dict[tuple[str, str], bool]) -> Any:
+    """SafeForwards with these forward verdicts ((site, scaling) -> safe), e4m3 operands."""
+    from types import SimpleNamespace
+
+    from loka_train.dispatch.config import DispatchConfig
+    from loka_train.export import SafeForwards
+    from loka_train.kernels.formats import Fp8Format
+
+    return SafeForwards(
+        verdicts={(site, "forward", Fp8Format.E4M3, Scaling(scaling)): SimpleNamespace(safe=ok, fmt_b=Fp8Format.E4M3)
+                  for (site, scaling), ok in verdicts.items()},
+        config=DispatchConfig(scalings=("rowwise", "tensorwise"), cpu_backends=("emulated",)),
+    )
+
+
+def _ledger_by_plan(gemm_ms: dict[str, float], monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """measure_ledger replaced: bf16 1 ms, each candidate's GEMM `gemm_ms` by scaling, its input's
+    cast 0.1 ms, its weight's 5 ms. Returns the candidates each call was given, per GEMM."""
+    from loka_train.dispatch.ledger import Fp8Times, Ledger, LedgerRow
+    from loka_train.export import decide as decide_module
+
+    timed: list[list[str]] = []
+
+    def fake(gemms, *, device, timer=None, static_scales=False):  # type: ignore[no-untyped-def]
+        rows = []
+        for g in gemms:
+            timed.append([str(p) for p in g.candidates])
+            rows.append(LedgerRow(site=g.site, role=g.role, shape=g.shape, plan=str(g.plan) if g.plan.is_fp8 else "high",
+                                  high_ms=1.0, fp8=tuple(Fp8Times(plan=str(p), gemm_ms=gemm_ms[p.scaling.value],
+                                                                  quant_a_ms=0.1, quant_b_ms=5.0)
+                                                         for p in g.candidates)))
+        return Ledger(rows=rows, device="cpu", timing="fake")
+
+    monkeypatch.setattr(decide_module, "measure_ledger", fake)
+    return timed
+
+
+def test_re_deciding_takes_the_fastest_forward_the_probe_judged_safe(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loka_train.export import decide_for_batch
+
+    # Site 0 trained in bf16, site 2 row-wise; tensor-wise GEMMs are the faster ones here.
+    plans = {"0": LinearPlan(), "2": LinearPlan.fp8(backend="emulated", scaling=Scaling.ROWWISE)}
+    timed = _ledger_by_plan({"tensorwise": 0.3, "rowwise": 0.5}, monkeypatch)
+    safe = _safe({("0", "rowwise"): True, ("0", "tensorwise"): True, ("2", "tensorwise"): False})
+    served = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32"))
+    run = lambda m: m(torch.randn(24, 32))  # noqa: E731
+    decided, rows = decide_for_batch(served, run, device=torch.device("cpu"), safe=safe, out_dtype=torch.float32)
+    # Site 0 takes its fastest safe forward; site 2 keeps its trained one (tensor-wise judged unsafe there).
+    assert [len(t) for t in timed] == [2, 1]
+    assert decided["0"].forward == LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE).forward
+    assert decided["2"] == LinearPlan(forward=plans["2"].forward)
+    # Both weights are quantized once when served: their casts are not charged.
+    assert {r.site: (r.trained, r.fp8_ms, r.chosen) for r in rows} == {
+        "0": ("high", pytest.approx(0.4), str(decided["0"].forward)),
+        "2": (str(plans["2"].forward), pytest.approx(0.6), str(plans["2"].forward))}
+    # Without `safe`, only the trained FP8 forward is a candidate: site 0 stays in bf16.
+    timed.clear()
+    decided, rows = decide_for_batch(served, run, device=torch.device("cpu"))
+    assert [r.site for r in rows] == ["2"] and not decided["0"].forward.is_fp8
+    # No safe verdict for site 0: nothing to time there.
+    timed.clear()
+    decided, _ = decide_for_batch(served, run, device=torch.device("cpu"), safe=_safe({("0", "rowwise"): False}))
+    assert len(timed) == 1 and not decided["0"].forward.is_fp8
+    # The decided plans serve: site 0 now with its weight quantized once.
+    served = serve(served, plans=decide_for_batch(served, run, device=torch.device("cpu"), safe=safe)[0],
+                   config=ServeConfig(dtype="fp32"))
+    assert served_sites(served)["0"].endswith("weight quantized once")
+
+
+def test_re_deciding_charges_a_new_candidate_its_weight_cast_where_weights_are_cast_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from loka_train.export import decide_for_batch
+
+    _ledger_by_plan({"tensorwise": 0.3, "rowwise": 0.5}, monkeypatch)
+    plans = {"0": LinearPlan(), "2": LinearPlan.fp8(backend="emulated", scaling=Scaling.ROWWISE)}
+    served = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32", quantize_weights_once=False))
+    decided, rows = decide_for_batch(served, lambda m: m(torch.randn(24, 32)), device=torch.device("cpu"),
+                                     safe=_safe({("0", "tensorwise"): True}))
+    # 0.3 + 0.1 + 5.0 for the weight's cast at every call: slower than bf16 (1 ms).
+    assert {r.site: r.fp8_ms for r in rows} == {"0": pytest.approx(5.4), "2": pytest.approx(5.6)}
+    assert not decided["0"].forward.is_fp8 and not decided["2"].forward.is_fp8
 
 
 def test_re_deciding_times_the_sites_on_the_host_clock_on_a_cpu() -> None:
