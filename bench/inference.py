@@ -36,8 +36,14 @@ size (``--warmup`` calls: compiled and captured there) and evaluated (NE and AUC
 every variant in turn, rotated from round to round: per batch size, two calls to come back to
 it, then ``--iters`` timed forwards on held-out batches (``torch.no_grad``, bf16 autocast; each
 call timed on the host between two device synchronisations, so latency is per call). p50 and p99
-latency over all rounds' calls, each round's p50, and throughput (batch / p50). Writes
-``inference.json`` and ``inference.md`` under ``--out`` after each config.
+latency over all rounds' calls, each round's p50, and throughput (batch / p50). Each variant is
+also timed once right after its build (its first pass, printed: a run stopped before the rounds
+still tells), and ``--profile-calls`` of its calls per batch size run under torch.profiler there:
+the kernels' time per call, how busy the device is, kernels launched, GEMM and quantization
+kernels' time and the host's operators (a call bound by its kernels told from one bound by the
+host, whatever a drifting machine does to latency); a compiled variant records the graphs dynamo
+made of it and its graph breaks by reason. Writes ``inference.json`` and ``inference.md`` under
+``--out`` after each config.
 """
 
 from __future__ import annotations
@@ -104,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
     p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured with the loka variant)")
+    p.add_argument("--profile-calls", type=int, default=5,
+                   help="calls of each variant and batch size under torch.profiler after its warm-up (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dry-run", action="store_true", help="tiny models and data (CPU tests)")
     args = p.parse_args(argv)
@@ -118,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--configs: unknown {bad}; choose from {sorted(CONFIGS)}")
     if min(args.batch_sizes, default=0) < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         raise SystemExit("--batches must be >= 1 each, --iters >= 1, --rounds >= 1, --warmup >= 0")
+    if args.profile_calls < 0:
+        raise SystemExit("--profile-calls must be >= 0")
     if args.train_steps < 1 or args.decide_steps < 1:
         raise SystemExit("--train-steps and --decide-steps must be >= 1")
     return args
@@ -245,6 +255,36 @@ def time_calls(model: nn.Module, batches: list[Any], calls: int, device: torch.d
     return times
 
 
+def profile_calls(model: nn.Module, batches: list[Any], calls: int, device: torch.device,
+                  p50_ms: float) -> dict[str, Any]:
+    """Where `calls` calls of `model` spend their time, under torch.profiler
+    (``bench.e2e.measure.summarize_profile``, per call): on a GPU the kernels' time, how busy the
+    GPU is and how many kernels a call launches, by category (GEMM, quantization, embedding, ...),
+    and the host's operators; on a CPU the operators' self time. Tells a call bound by its
+    kernels from one bound by the host, whatever the machine's drift does to the latency."""
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.e2e.measure import summarize_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        time_calls(model, batches, calls, device)
+        wall = time.perf_counter() - t0
+    clock = SimpleNamespace(profile=prof, profile_steps=calls, cuda=device.type == "cuda", profile_first=0,
+                            sampled=[False] * calls, first_step=0, profile_wall_s=wall)
+    got = summarize_profile(clock, p50_ms)  # type: ignore[arg-type]
+    per_call = {k.replace("_per_step", "_per_call"): v for k, v in got.items()
+                if k.endswith("_per_step") or k in ("source", "busy_fraction")}
+    return {**per_call, "categories_ms_per_call": {c: v["ms_per_step"] for c, v in got["categories"].items()},
+            "top_kernels": [{k.replace("_per_step", "_per_call"): v for k, v in t.items() if k != "us_per_call"}
+                            for t in got["top_kernels"][:12]],
+            "top_host_ops": [{k.replace("_per_step", "_per_call"): v for k, v in t.items()}
+                             for t in got["top_host_ops"][:8]]}
+
+
 def _finite(d: dict[str, Any]) -> dict[str, Any]:
     """`d` with its non-finite floats as None (JSON has no infinity)."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
@@ -313,10 +353,12 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                  .batches(0, max(1, min(4, args.eval_batches)))] for b in args.batch_sizes}
     held_out = [x.to(device) for x in make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=last)
                 .batches(0, args.eval_batches)]
-    skips = torch._dynamo.utils.counters["inductor"]  # inductor's CUDA-graph skips, by reason
+    counters = torch._dynamo.utils.counters
+    skips = counters["inductor"]  # inductor's CUDA-graph skips, by reason
     for variant in args.variant_names:
         t0 = time.perf_counter()
         skipped = skips["cudagraph_skips"]
+        graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
         # A +decided variant: one model per batch size, its plans re-decided there.
         per_batch: dict[int, tuple[nn.Module | None, str, list[InferenceDecision], SafeForwards | None]] = {}
         for b in timed if "+decided" in variant else [last]:
@@ -344,12 +386,20 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
         row["build_s"] = time.perf_counter() - t0
         if variant.endswith("+graphs"):  # a graph inductor did not capture runs without CUDA graphs
             row["cudagraph_skips"] = skips["cudagraph_skips"] - skipped
+        if "+compile" in variant:  # what dynamo made of it: graphs compiled, breaks by reason
+            row["dynamo"] = {"graphs": counters["stats"]["unique_graphs"] - graphs, "graph_breaks": {
+                reason[:200]: n - breaks.get(reason, 0) for reason, n in counters["graph_break"].items()
+                if n > breaks.get(reason, 0)}}
         rows[variant] = row
         first = ""
         if model is not None:  # one pass now, so that a run stopped before the rounds still tells
-            first = "; first pass " + ", ".join(
-                f"b{b} p50 {statistics.median(time_calls(built[b], batches, args.iters, device)) * 1e3:.3f} ms"
-                for b, batches in timed.items())
+            first_ms = {b: statistics.median(time_calls(built[b], batches, args.iters, device)) * 1e3
+                        for b, batches in timed.items()}
+            row["first_pass_p50_ms"] = {f"b{b}": ms for b, ms in first_ms.items()}
+            first = "; first pass " + ", ".join(f"b{b} p50 {ms:.3f} ms" for b, ms in first_ms.items())
+            if args.profile_calls:
+                row["profile"] = {f"b{b}": profile_calls(built[b], batches, args.profile_calls, device, first_ms[b])
+                                  for b, batches in timed.items()}
         print(f"[inference] {config} {variant}: built and warmed up in {row['build_s']:.1f}s; {row['status']}{first}",
               flush=True)
     times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
@@ -413,8 +463,9 @@ def render(result: dict[str, Any]) -> str:
             for b in sizes:
                 e = r.get(f"b{b}")
                 if e is not None and e.get("limit_vs_ref") is not None:
-                    n = len(e["ledger"]["rows"])
-                    limits.append(f"| {r['config']} | {b} | {n} | {e['limit_vs_ref']:.3f}x |")
+                    served = sum(row["plan"] != "high" for row in e["ledger"]["rows"])
+                    limits.append(f"| {r['config']} | {b} | {served} / {len(e['ledger']['rows'])} | "
+                                  f"{e['limit_vs_ref']:.3f}x |")
             continue
         if r["status"] != "ok":
             lines.append(f"| {r['config']} | {r['variant']} | {r['status']} |" + " |" * len(sizes))
@@ -427,10 +478,26 @@ def render(result: dict[str, Any]) -> str:
             cells.append(f"{c['samples_per_s']:,.0f}, {ratios}{of}, {c['p50_ms']:.2f} / {c['p99_ms']:.2f}")
         delta = f" ({r['ne_delta_rel_vs_ref']:+.3%})" if "ne_delta_rel_vs_ref" in r else ""
         lines.append(f"| {r['config']} | {r['variant']} | " + " | ".join(cells) + f" | {r['ne']:.5f}{delta} | {r['auc']:.4f} |")
+    profiled = [r for r in result["rows"] if r.get("profile")]
+    if profiled:
+        lines += ["", "Where a call's time goes (torch.profiler, per call, after each variant's warm-up): "
+                  "its first-pass p50; the kernels' time and the time the device is busy; kernels launched; "
+                  "GEMM and quantization kernels' time; the host's ATen calls.", "",
+                  "| config | variant | batch | p50 ms | kernel ms | busy ms | kernels | GEMM ms | quantize ms | "
+                  "host ATen calls |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in profiled:
+            for b in sizes:
+                pr, cats = r["profile"][f"b{b}"], r["profile"][f"b{b}"]["categories_ms_per_call"]
+                lines.append(f"| {r['config']} | {r['variant']} | {b} | {r['first_pass_p50_ms'][f'b{b}']:.3f} | "
+                             f"{pr['kernel_ms_per_call']:.3f} | {pr['busy_ms_per_call']:.3f} | "
+                             f"{pr.get('kernels_per_call', 0):.0f} | {cats['gemm']:.3f} | {cats['quantize']:.3f} | "
+                             f"{pr['host_aten_calls_per_call']:.0f} |")
     if limits:
         lines += ["", "Forward-only ledger: the throughput limit against "
-                  f"{REFERENCE} with each FP8 forward's GEMM at its measured FP8 time and its quantization free.", "",
-                  "| config | batch | FP8 forwards | limit |", "|---|---|---|---|", *limits]
+                  f"{REFERENCE} with each forward's fastest FP8 GEMM (its served plan's, or one the Probe judged "
+                  "safe) at its measured time and its quantization free.", "",
+                  "| config | batch | forwards served in FP8 / with an FP8 candidate | limit |", "|---|---|---|---|",
+                  *limits]
     return "\n".join(lines) + "\n"
 
 

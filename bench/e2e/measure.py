@@ -409,6 +409,7 @@ def summarize_profile(clock: StepClock, median_ms: float) -> dict[str, Any]:
         "sampled_steps": sum(window),
         "wall_ms_per_step_profiled": 1000.0 * clock.profile_wall_s / steps,
         "kernel_ms_per_step": total_us / 1000.0 / steps,
+        "kernels_per_step": len(intervals) / steps,
         "busy_ms_per_step": busy_us / 1000.0 / steps,
         "busy_fraction": (busy_us / 1000.0 / steps) / median_ms if median_ms > 0 else math.nan,
         "categories": {

@@ -83,7 +83,9 @@ class ExportConfig:
     """Re-decide the plans for serving at this batch size
     (:func:`~loka_train.export.decide_for_batch`: the fastest of each site's trained FP8 forward
     and the forwards the Probe judged safe, where it beats bf16 there), timed on this device;
-    None: serve the trained plans."""
+    None: serve the trained plans. With programs for any batch size (``programs``,
+    ``dynamic_batch``), block-scaled forwards are not candidates (their padding depends on the
+    rows)."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

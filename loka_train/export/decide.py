@@ -42,6 +42,7 @@ from loka_train.dispatch.ledger import Fp8Times, Ledger, LedgerGemm, LedgerRow, 
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.mods.convert import sites as find_sites
 from loka_train.mods.interaction import CrossNet
+from loka_train.mods.planned import fp8_padding
 from loka_train.mods.site import Fp8Linear, Site
 
 logger = logging.getLogger(__name__)
@@ -66,13 +67,18 @@ class SafeForwards:
 
     def plans(self, name: str, site: Site, shape: tuple[int, int, int], *, device_type: str,
               out_dtype: torch.dtype) -> list[GemmPlan]:
-        """`site`'s FP8 forwards at `shape` that a backend takes (padded where the site pads)
-        and the site can run, whose verdict is safe; in Dispatch's config order."""
+        """`site`'s FP8 forwards at `shape` that a backend takes (K and N padded where the site
+        pads) and the site can run, whose verdict is safe; in Dispatch's config order."""
         plans, _ = planning.candidates(
             self.config, "forward", shape, device_type=device_type, out_dtype=out_dtype,
             pad_to_multiple=site.pad_to_multiple, current=site.plan, site_supports=site.supports_plan,
         )
-        return planning.eligible(self.verdicts, name, "forward", plans)
+        # A served forward pads K and N only (the rows only where grad-weight runs FP8, which
+        # serving never does): a plan whose backend needs the rows padded at this M cannot serve.
+        m, k, n = shape
+        return [p for p in planning.eligible(self.verdicts, name, "forward", plans)
+                if fp8_padding(LinearPlan(forward=p), m, k, n, site.pad_to_multiple, device_type, out_dtype,
+                               False) is not None]
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,7 @@ def decide_for_batch(
     plans: Mapping[str, LinearPlan] | None = None,
     safe: SafeForwards | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    quantize_weights_once: bool = True,
     margin: float = 1.0,
     timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> tuple[dict[str, LinearPlan], list[InferenceDecision]]:
@@ -182,6 +189,8 @@ def decide_for_batch(
         safe: more candidates, the FP8 forwards the Probe judged safe (:class:`SafeForwards`,
             ``TrainedModel.safe_forwards``); None: the trained FP8 forward only.
         out_dtype: the served compute dtype (what the backends must write).
+        quantize_weights_once: as the model will be served (``ServeConfig``): where on, an FP8
+            linear layer's weight cast is not charged.
         margin: an FP8 forward is chosen where ``high_ms >= margin * fp8_ms``.
         timer: ``timer(fn) -> ms`` (default: graph replays on a GPU, the host clock elsewhere).
 
@@ -198,7 +207,7 @@ def decide_for_batch(
     trained = {name: (plans or {}).get(name, site.plan) for name, site in found.items()}
     ledger = forward_ledger(model, run, device=device, plans=plans, safe=safe, out_dtype=out_dtype, timer=timer)
     options = {g.site: g.candidates for g in _forward_gemms(found, plans, safe, device, out_dtype)}
-    once = _weights_served_once(model)
+    once = _weights_served_once(model, quantize_weights_once)
     out = {name: LinearPlan(forward=plan.forward) for name, plan in trained.items()}
     rows = []
     for row in ledger.rows:
@@ -217,18 +226,16 @@ def decide_for_batch(
     return out, rows
 
 
-def _weights_served_once(model: nn.Module) -> set[str]:
+def _weights_served_once(model: nn.Module, quantize_weights_once: bool) -> set[str]:
     """The sites whose weight :func:`~loka_train.export.serve` quantizes once under an FP8
-    forward plan (an ``Fp8Linear``, a DCN cross layer's), where it does so now (a served site
-    of any plan, or no site served yet): the others pay their weight's cast at every call."""
-    found = find_sites(model)
-    served = {name for name, site in found.items() if "served" in site._modules}
-    fp8 = {name for name, site in found.items() if site.plan.forward.is_fp8}
-    if fp8 and not (fp8 & served):  # FP8 sites, none served: weights quantized at every call
+    forward plan (an ``Fp8Linear``, a DCN cross layer's) with ``ServeConfig.quantize_weights_once``
+    as given; the others (batched ``bmm`` sites, horizontally fused ones) pay their weight's cast
+    at every call."""
+    if not quantize_weights_once:
         return set()
     crossed = {id(site) for module in model.modules() if isinstance(module, CrossNet)
                for site, _ in module.site_weights()}
-    return {name for name, site in found.items() if isinstance(site, Fp8Linear) or id(site) in crossed}
+    return {name for name, site in find_sites(model).items() if isinstance(site, Fp8Linear) or id(site) in crossed}
 
 
 def _fastest(row: LedgerRow, candidates: tuple[GemmPlan, ...], *, weight_once: bool) -> tuple[GemmPlan, float] | None:

@@ -86,8 +86,14 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
             with autocast:
                 model(at)
 
-        plans, decisions = decide_for_batch(trained.model, call, device=device, safe=trained.safe_forwards,
-                                            out_dtype=serve_cfg.torch_dtype)
+        safe = trained.safe_forwards
+        if safe is not None and cfg.programs and cfg.dynamic_batch:
+            # A block-scaled forward's padding depends on the rows: no program for any batch size.
+            safe = dataclasses.replace(safe, config=dataclasses.replace(
+                safe.config, scalings=tuple(s for s in safe.config.scalings if s != "block")))
+        plans, decisions = decide_for_batch(trained.model, call, device=device, safe=safe,
+                                            out_dtype=serve_cfg.torch_dtype,
+                                            quantize_weights_once=serve_cfg.quantize_weights_once)
         serve(trained.model, plans=plans, config=serve_cfg)
     metrics = {"served": _evaluate(trained.model, batches, autocast), "high": _evaluate(high.model, batches, autocast)}
     rows = []

@@ -37,7 +37,9 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     assert decided["status"] == "ok" and sorted(decided["decisions"]) == ["b16", "b32"]
     for b in (16, 32):
         table = decided["decisions"][f"b{b}"]
-        assert table and all(d["shape"][0] % b == 0 and d["chosen"] in ("high", d["trained"]) for d in table)
+        # The trained FP8 forward, another the Probe judged safe, or high precision.
+        assert table and all(d["shape"][0] % b == 0 and (d["chosen"] == "high" or d["chosen"].startswith("fp8:"))
+                             for d in table)
         assert decided[f"b{b}"]["speedup_vs_same"] == pytest.approx(
             decided[f"b{b}"]["samples_per_s"] / rows["bf16"][f"b{b}"]["samples_per_s"])
     # The forward-only ledger: the served FP8 forwards at each batch size and the limit they give.
@@ -46,17 +48,37 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     assert sorted(by_batch) == [16, 32]
     shapes = {}
     for b, entry in by_batch.items():
-        assert entry["ledger"]["rows"] and all(row["role"] == "forward" and row["plan"] != "high"
+        # Every forward with an FP8 candidate: served in FP8, or judged safe in FP8.
+        assert entry["ledger"]["rows"] and all(row["role"] == "forward" and row["fp8"]
                                                for row in entry["ledger"]["rows"])
+        assert {row["site"] for row in entry["ledger"]["rows"] if row["plan"] != "high"}
         shapes[b] = {row["site"]: row["shape"] for row in entry["ledger"]["rows"]}
-        assert entry["limit_vs_ref"] >= 1.0  # FP8 GEMMs that save nothing leave the reference's latency
-        assert rows["loka"][f"b{b}"]["of_limit"] == pytest.approx(
-            rows["loka"][f"b{b}"]["speedup_vs_ref"] / entry["limit_vs_ref"])
+        # FP8 GEMMs that save nothing leave the reference's latency; None: they would save more
+        # than the reference's whole latency (host-clock timings on a CPU), no limit then.
+        if entry["limit_vs_ref"] is None:
+            assert "of_limit" not in rows["loka"][f"b{b}"]
+        else:
+            assert entry["limit_vs_ref"] >= 1.0
+            assert rows["loka"][f"b{b}"]["of_limit"] == pytest.approx(
+                rows["loka"][f"b{b}"]["speedup_vs_ref"] / entry["limit_vs_ref"])
     # Each GEMM at the shape of its batch: twice the rows at twice the batch.
     assert shapes[16].keys() == shapes[32].keys()
     assert all(shapes[32][s] == [2 * shapes[16][s][0], *shapes[16][s][1:]] for s in shapes[16])
+    # Each variant timed once after its build, and profiled there: where its calls' time goes.
+    for name in ("bf16", "bf16+compile", "loka"):
+        for b in (16, 32):
+            assert rows[name]["first_pass_p50_ms"][f"b{b}"] > 0
+            profile = rows[name]["profile"][f"b{b}"]
+            assert profile["host_aten_calls_per_call"] > 0 and profile["kernel_ms_per_call"] > 0
+            assert set(profile["categories_ms_per_call"]) >= {"gemm", "quantize"}
+    # The served sites' FP8 GEMMs show among the operators' time; bf16 has none of them.
+    assert any("loka" in op["name"] for op in rows["loka"]["profile"]["b16"]["top_host_ops"])
+    assert not any("loka" in op["name"] for op in rows["bf16"]["profile"]["b16"]["top_host_ops"])
+    # What dynamo made of a compiled variant: one graph per dense submodule and batch size, no break.
+    assert rows["bf16+compile"]["dynamo"]["graphs"] >= 2 and rows["bf16+compile"]["dynamo"]["graph_breaks"] == {}
+    assert "dynamo" not in rows["bf16"]
     md = (out / "inference.md").read_text()
-    assert "| dlrm | loka |" in md and "samples/s" in md
+    assert "| dlrm | loka |" in md and "samples/s" in md and "Where a call's time goes" in md
 
 
 def test_bad_arguments_name_the_fix() -> None:

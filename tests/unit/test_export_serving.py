@@ -451,7 +451,8 @@ def test_re_deciding_charges_the_folded_relu_and_a_weight_cast_made_at_every_cal
     assert (decided["0"].forward.is_fp8, decided["2"].forward.is_fp8) == (False, True)
     # Without the weight quantized once, every call pays its cast.
     again = serve(_mlp(), plans=plans, config=ServeConfig(dtype="bf16", quantize_weights_once=False))
-    decided, rows = decide_for_batch(again, run, device=torch.device("cpu"), timer=_fake_timer({**ms, "quant_b": 0.5}))
+    decided, rows = decide_for_batch(again, run, device=torch.device("cpu"), timer=_fake_timer({**ms, "quant_b": 0.5}),
+                                     quantize_weights_once=False)
     assert {r.site: r.fp8_ms for r in rows} == {"0": pytest.approx(1.6), "2": pytest.approx(1.6)}
     assert not decided["2"].forward.is_fp8
 
@@ -531,13 +532,17 @@ def test_re_deciding_charges_a_new_candidate_its_weight_cast_where_weights_are_c
     from loka_train.export import decide_for_batch
 
     _ledger_by_plan({"tensorwise": 0.3, "rowwise": 0.5}, monkeypatch)
-    plans = {"0": LinearPlan(), "2": LinearPlan.fp8(backend="emulated", scaling=Scaling.ROWWISE)}
-    served = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32", quantize_weights_once=False))
-    decided, rows = decide_for_batch(served, lambda m: m(torch.randn(24, 32)), device=torch.device("cpu"),
-                                     safe=_safe({("0", "tensorwise"): True}))
+    safe = _safe({("0", "tensorwise"): True, ("2", "tensorwise"): True})
+    run = lambda m: m(torch.randn(24, 32))  # noqa: E731
+    # Every site in bf16 and nothing served yet: how the weights will be served decides the cost.
+    served = serve(_mlp(), plans={"0": LinearPlan(), "2": LinearPlan()}, config=ServeConfig(dtype="fp32"))
+    decided, rows = decide_for_batch(served, run, device=torch.device("cpu"), safe=safe, quantize_weights_once=False)
     # 0.3 + 0.1 + 5.0 for the weight's cast at every call: slower than bf16 (1 ms).
-    assert {r.site: r.fp8_ms for r in rows} == {"0": pytest.approx(5.4), "2": pytest.approx(5.6)}
+    assert {r.site: r.fp8_ms for r in rows} == {"0": pytest.approx(5.4), "2": pytest.approx(5.4)}
     assert not decided["0"].forward.is_fp8 and not decided["2"].forward.is_fp8
+    decided, rows = decide_for_batch(served, run, device=torch.device("cpu"), safe=safe)
+    assert {r.site: r.fp8_ms for r in rows} == {"0": pytest.approx(0.4), "2": pytest.approx(0.4)}
+    assert decided["0"].forward.is_fp8 and decided["2"].forward.is_fp8
 
 
 def test_re_deciding_times_the_sites_on_the_host_clock_on_a_cpu() -> None:
