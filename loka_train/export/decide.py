@@ -1,23 +1,22 @@
-"""Plans re-decided for an inference batch size: keep an FP8 forward only where it pays there.
+"""Plans re-decided for an inference batch size: an FP8 forward only where it pays there.
 
-Training decides each site's plan at the training batch; a served model may run at another
-batch size, where a forward's FP8 GEMM plus its input's quantization can cost more than the
-bf16 GEMM (small batches, narrow layers). :func:`decide_for_batch` times, at the shapes one
-call of the served model gives each site, every site's trained FP8 forward against high
-precision, the way a served site runs it: the FP8 GEMM on pre-quantized operands plus the
-quantization of its input (its weight is quantized once, so not charged), against the bf16 GEMM
-(:func:`~loka_train.dispatch.ledger.measure_ledger`; CUDA-graph replays on a GPU). A site whose
-weight is not quantized once (a batched ``bmm`` site's second activation, a horizontally fused
-site's concatenated weight, ``ServeConfig.quantize_weights_once`` off) pays that cast too; a site
-with the ReLU before it folded in pays the ReLU pass where its cast does not apply it, as bf16
-does. A site keeps its FP8 forward where that is at least ``margin`` times faster, else runs in
-high precision.
-The candidates are the trained FP8 forward and, given ``safe``
-(:class:`SafeForwards`, e.g. ``TrainedModel.safe_forwards``), every FP8 forward the Probe judged
-safe for the site when training stopped, on the backends and scalings the run's Dispatch
-config lists that take the inference shape: a site that trained in bf16 because its backward's
-casts cost more than its GEMMs saved may pay in inference, where only its input is cast. The
-fastest candidate is kept where it beats bf16 by ``margin``.
+Training decides each site's plan at the training batch, its backward's casts weighed in; a
+served model runs at another batch size and casts only its inputs. :func:`decide_for_batch`
+times, at the shapes one call of the served model gives each site, the site's FP8 candidates
+against high precision, the way a served site runs them: the FP8 GEMM on pre-quantized operands
+plus the quantization of its input (a weight quantized once is not charged), against the bf16
+GEMM (:func:`~loka_train.dispatch.ledger.measure_ledger`; CUDA-graph replays on a GPU). A site
+whose weight is not quantized once (a batched ``bmm`` site's second activation, a horizontally
+fused site's concatenated weight, ``ServeConfig.quantize_weights_once`` off) pays that cast too;
+a site with the ReLU before it folded in pays the ReLU pass where its cast does not apply it, as
+bf16 does.
+
+The candidates are the trained FP8 forward and, given ``safe`` (:class:`SafeForwards`, e.g.
+``TrainedModel.safe_forwards``), every FP8 forward the Probe judged safe for the site when
+training stopped, made from the run's Dispatch config (its scalings and backends) where a
+backend takes the serving shape: a site that trained in bf16 because its backward's casts cost
+more than its GEMMs saved may pay in inference. The fastest candidate is kept where it is at
+least ``margin`` times faster than bf16, else the site runs in high precision.
 
 Example:
     >>> plans, rows = decide_for_batch(served, lambda m: m(dense, sparse), device=torch.device("cuda"))
@@ -93,10 +92,11 @@ class InferenceDecision:
     high_ms: float
     """The bf16 GEMM, and the ReLU pass before it where the site has one folded in."""
     fp8_ms: float
-    """The FP8 GEMM, its input's quantization, its weight's where that is not made once, and the
-    ReLU pass where its cast does not apply it (inf where the backend failed at this shape)."""
+    """The fastest FP8 candidate: its GEMM, its input's quantization, its weight's where that is
+    not made once, and the ReLU pass where its cast does not apply it (inf where every backend
+    failed at this shape)."""
     chosen: str
-    """The trained plan, or "high"."""
+    """The plan chosen (the trained one, or another the Probe judged safe), or "high"."""
 
     @property
     def speedup(self) -> float:

@@ -108,5 +108,7 @@ def test_served_towers_export_and_compile_ahead_of_time_on_the_gpu(backend, tmp_
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         expected = compiled(x, s)
         assert torch.equal(fresh(x, s), expected)
+        if backend != "torch_scaled_mm":  # one AOTInductor build (a C++ compile) per run of this file
+            return
         package = torch._inductor.aoti_load_package(str(aoti_package(programs["dense_arch"], tmp_path / "d.pt2")))
         assert torch.allclose(package(x).float(), programs["dense_arch"].module()(x).float(), rtol=2e-2, atol=2e-2)
