@@ -78,6 +78,11 @@ def report(summary: dict) -> str:
     ]
     fp8 = [name for name, how in summary["sites"].items() if how.startswith("fp8")]
     lines.append(f"  {len(fp8)} of {len(summary['sites'])} sites serve an FP8 forward; per site: numerics.md")
+    if summary.get("decide_batch") is not None:
+        decisions = summary.get("decisions", [])
+        changed = sum(d["chosen"] != d["trained"] for d in decisions)
+        lines.append(f"  plans re-decided for batch {summary['decide_batch']}: {changed} of {len(decisions)} timed "
+                     "forwards changed from the trained plan; table: decisions.md")
     if summary.get("programs"):
         lines.append(f"  torch.export programs of the dense towers (any batch size): {len(summary['programs'])} in dense/")
     return "\n".join(lines)

@@ -263,6 +263,10 @@ def test_the_export_serves_plans_re_decided_for_its_batch(
     if not fp8_faster:  # every site in high precision: the served model is the high-precision one
         assert result["metrics"]["served"]["ne"] == pytest.approx(result["metrics"]["high"]["ne"], rel=1e-6)
     assert "| chosen |" in (out / "decisions.md").read_text()
+    from launch.export import report
+
+    changed = sum(d["chosen"] != d["trained"] for d in decided.values())
+    assert f"re-decided for batch 64: {changed} of {len(decided)} timed forwards changed" in report(result)
     with pytest.raises(ValueError, match="decide_batch"):
         ExportConfig(decide_batch=0)
     with pytest.raises(ValueError, match="decide_batch=16: data.chunk_size=32 does not divide"):
