@@ -100,3 +100,31 @@ def test_the_compiled_variants_get_the_recompiles_they_need_and_never_run_eagerl
         # 4 compiled variants x 3 batch sizes: each one more cache entry of the shared tower code.
         assert torch._dynamo.config.recompile_limit >= 12 and torch._dynamo.config.fail_on_recompile_limit_hit
     assert torch._dynamo.config.recompile_limit == before
+
+
+def test_a_profile_that_records_no_kernel_leaves_the_timings_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch import nn
+
+    import bench.e2e.measure as measure
+    from bench.inference import profile_calls, render
+
+    def no_kernel(clock, median_ms):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI unavailable?)")
+
+    monkeypatch.setattr(measure, "summarize_profile", no_kernel)
+
+    class Model(nn.Module):
+        def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+            return dense.sum(-1)
+
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(dense_features=torch.randn(4, 3), sparse_features=None)
+    got = profile_calls(Model(), [batch], 2, torch.device("cpu"), 1.0)
+    assert got == {"error": "the profiler recorded no CUDA kernel (CUPTI unavailable?)"}
+    cell = {"samples_per_s": 4.0, "p50_ms": 1.0, "p99_ms": 1.0}
+    row = {"config": "dlrm", "variant": "bf16", "status": "ok", "b4": cell, "ne": 0.7, "auc": 0.8,
+           "first_pass_p50_ms": {"b4": 1.0}, "profile": {"b4": got}}
+    text = render({"device": "CPU", "command": "x", "args": {"batch_sizes": [4], "eval_batches": 1}, "rows": [row]})
+    assert "| dlrm | bf16 | 4 | not profiled: the profiler recorded no CUDA kernel" in text
