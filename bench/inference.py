@@ -36,7 +36,11 @@ size (``--warmup`` calls: compiled and captured there) and evaluated (NE and AUC
 every variant in turn, rotated from round to round: per batch size, two calls to come back to
 it, then ``--iters`` timed forwards on held-out batches (``torch.no_grad``, bf16 autocast; each
 call timed on the host between two device synchronisations, so latency is per call). p50 and p99
-latency over all rounds' calls, each round's p50, and throughput (batch / p50). Each variant is
+latency over all rounds' calls, each round's p50, and throughput (batch / p50). Then the paired
+ratios, the figures to compare variants by on a machine that drifts: for each variant against
+the reference and against bf16 with its settings, ``--pairs`` pairs of adjacent blocks of
+``--pair-calls`` calls, the two alternating first, each pair's ratio of block p50s; their median
+(and range) in the JSON and the table. Each variant is
 also timed once right after its build (its first pass, printed: a run stopped before the rounds
 still tells), and ``--profile-calls`` of its calls per batch size run under torch.profiler there:
 the kernels' time per call, how busy the device is, kernels launched, GEMM and quantization
@@ -108,6 +112,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed rounds: each round times every variant in turn (--iters calls each)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--pairs", type=int, default=6,
+                   help="paired ratios: blocks of --pair-calls calls alternating between a variant and its "
+                        "reference, per batch size (0: none)")
+    p.add_argument("--pair-calls", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
     p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured with the loka variant)")
     p.add_argument("--profile-calls", type=int, default=5,
@@ -128,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--batches must be >= 1 each, --iters >= 1, --rounds >= 1, --warmup >= 0")
     if args.profile_calls < 0:
         raise SystemExit("--profile-calls must be >= 0")
+    if args.pairs < 0 or args.pair_calls < 1:
+        raise SystemExit("--pairs must be >= 0 and --pair-calls >= 1")
     if args.train_steps < 1 or args.decide_steps < 1:
         raise SystemExit("--train-steps and --decide-steps must be >= 1")
     return args
@@ -253,6 +263,22 @@ def time_calls(model: nn.Module, batches: list[Any], calls: int, device: torch.d
             _sync(device)
             times.append(time.perf_counter() - t0)
     return times
+
+
+def paired_ratio(reference: nn.Module, model: nn.Module, batches: list[Any], pairs: int, calls: int,
+                 device: torch.device) -> dict[str, Any]:
+    """`model`'s throughput over `reference`'s, from `pairs` pairs of adjacent blocks of `calls`
+    calls each (the order alternating from pair to pair, one untimed call before each block):
+    each pair's ratio of block p50s compares the two under the same state of the machine, so a
+    drift slower than a pair cancels. Returns the pairs' median, min, max and every ratio."""
+    ratios = []
+    for k in range(pairs):
+        p50 = {}
+        for which in ((reference, model) if k % 2 == 0 else (model, reference)):
+            time_calls(which, batches, 1, device)
+            p50[id(which)] = statistics.median(time_calls(which, batches, calls, device))
+        ratios.append(p50[id(reference)] / p50[id(model)])
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "ratios": ratios}
 
 
 def profile_calls(model: nn.Module, batches: list[Any], calls: int, device: torch.device,
@@ -423,6 +449,16 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                                 "samples_per_s": b / p50, "round_p50_ms": round_p50[v][b]}
         print(f"[inference] {config} {v}: " + ", ".join(
             f"b{b} p50 {rows[v][f'b{b}']['p50_ms']:.3f} ms" for b in args.batch_sizes), flush=True)
+    for v in names:
+        refs = {"paired_vs_ref": REFERENCE, "paired_vs_same": same_settings(v)}
+        for key, against in refs.items():
+            if args.pairs and against in models and against != v:
+                for b, batches in timed.items():
+                    rows[v][f"b{b}"][key] = paired_ratio(models[against][b], models[v][b], batches, args.pairs,
+                                                         args.pair_calls, device)
+        if args.pairs and REFERENCE in models and v != REFERENCE:
+            print(f"[inference] {config} {v}: paired x {REFERENCE} " + ", ".join(
+                f"b{b} {rows[v][f'b{b}']['paired_vs_ref']['median']:.3f}" for b in args.batch_sizes), flush=True)
     models.clear()
     ok = {v: r for v, r in rows.items() if r["status"] == "ok"}
     ref = ok.get(REFERENCE)
@@ -455,7 +491,8 @@ def render(result: dict[str, Any]) -> str:
     sizes = args["batch_sizes"]
     lines = [f"# Inference: {result['device']}", "", f"- command: `{result['command']}`", "",
              "Throughput (samples/s) and p50 / p99 latency (ms) per batch size; `x ref`: against "
-             f"{REFERENCE} of the same config; `x same`: against bf16 with the same settings; "
+             f"{REFERENCE} of the same config; `x same`: against bf16 with the same settings; `paired`: "
+             "the median ratio of adjacent, alternating blocks of calls of the two (drift cancels); "
              f"NE (relative to {REFERENCE}'s) and AUC on {args['eval_batches']} held-out batches of "
              f"{sizes[-1]}.", ""]
     lines += ["| config | variant | " + " | ".join(f"b{b}: samples/s, x ref, x same, p50 / p99 ms" for b in sizes)
@@ -476,7 +513,9 @@ def render(result: dict[str, Any]) -> str:
         cells = []
         for b in sizes:
             c = r[f"b{b}"]
-            ratios = ", ".join(f"{c[k]:.2f}x" if k in c else "-" for k in ("speedup_vs_ref", "speedup_vs_same"))
+            ratios = ", ".join(
+                f"{c[k]:.2f}x" + (f" (paired {c[p]['median']:.2f}x)" if p in c else "") if k in c else "-"
+                for k, p in (("speedup_vs_ref", "paired_vs_ref"), ("speedup_vs_same", "paired_vs_same")))
             of = f" ({c['of_limit']:.0%} of limit)" if "of_limit" in c else ""
             cells.append(f"{c['samples_per_s']:,.0f}, {ratios}{of}, {c['p50_ms']:.2f} / {c['p99_ms']:.2f}")
         delta = f" ({r['ne_delta_rel_vs_ref']:+.3%})" if "ne_delta_rel_vs_ref" in r else ""

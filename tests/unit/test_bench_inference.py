@@ -15,6 +15,7 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     out = tmp_path / "inf"
     assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16,32", "--train-steps", "4",
                  "--decide-steps", "6", "--warmup", "1", "--iters", "3", "--rounds", "2", "--eval-batches", "2",
+                 "--pairs", "2", "--pair-calls", "2",
                  "--variants", "bf16,bf16+compile,loka,loka+decided,torchao+compile", "--out", str(out)]) == 0
     result = json.loads((out / "inference.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
@@ -32,6 +33,12 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
         assert cell["speedup_vs_same"] == pytest.approx(cell["samples_per_s"] / rows["bf16"][f"b{b}"]["samples_per_s"])
         assert cell["speedup_vs_ref"] == pytest.approx(
             cell["samples_per_s"] / rows["bf16+compile"][f"b{b}"]["samples_per_s"])
+    # Paired ratios: against the reference and against bf16 with the same settings, per batch size.
+    for b in (16, 32):
+        paired = rows["loka"][f"b{b}"]["paired_vs_ref"]
+        assert len(paired["ratios"]) == 2 and paired["min"] <= paired["median"] <= paired["max"]
+        assert len(rows["loka"][f"b{b}"]["paired_vs_same"]["ratios"]) == 2
+        assert "paired_vs_ref" not in rows["bf16+compile"][f"b{b}"] and "paired_vs_same" not in rows["bf16"][f"b{b}"]
     # Plans re-decided per batch size (decide_for_batch): a table per batch, at its shapes.
     decided = rows["loka+decided"]
     assert decided["status"] == "ok" and sorted(decided["decisions"]) == ["b16", "b32"]
@@ -78,7 +85,7 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     assert rows["bf16+compile"]["dynamo"]["graphs"] >= 2 and rows["bf16+compile"]["dynamo"]["graph_breaks"] == {}
     assert "dynamo" not in rows["bf16"]
     md = (out / "inference.md").read_text()
-    assert "| dlrm | loka |" in md and "samples/s" in md and "Where a call's time goes" in md
+    assert "| dlrm | loka |" in md and "samples/s" in md and "Where a call's time goes" in md and "(paired " in md
 
 
 def test_bad_arguments_name_the_fix() -> None:
@@ -128,3 +135,27 @@ def test_a_profile_that_records_no_kernel_leaves_the_timings_and_says_why(monkey
            "first_pass_p50_ms": {"b4": 1.0}, "profile": {"b4": got}}
     text = render({"device": "CPU", "command": "x", "args": {"batch_sizes": [4], "eval_batches": 1}, "rows": [row]})
     assert "| dlrm | bf16 | 4 | not profiled: the profiler recorded no CUDA kernel" in text
+
+
+def test_paired_ratios_cancel_a_drift_of_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch import nn
+
+    import bench.inference as inference
+
+    reference, model = nn.Identity(), nn.Identity()
+    order: list[str] = []
+
+    def fake_time_calls(which, batches, calls, device):  # type: ignore[no-untyped-def]
+        # The machine slows down pair after pair; within a pair both see the same state. The
+        # model takes half the reference's time.
+        order.append("ref" if which is reference else "model")
+        slow = 1.0 + (len(order) - 1) // 4  # per pair: an untimed call and a block, twice
+        return [(2e-3 if which is reference else 1e-3) * slow] * calls
+
+    monkeypatch.setattr(inference, "time_calls", fake_time_calls)
+    got = inference.paired_ratio(reference, model, [None], 4, 3, torch.device("cpu"))
+    assert got["ratios"] == [pytest.approx(2.0)] * 4 and got["median"] == pytest.approx(2.0)
+    # One untimed call before each block, the order alternating from pair to pair.
+    blocks = order[1::2]
+    assert blocks == ["ref", "model", "model", "ref", "ref", "model", "model", "ref"]
