@@ -23,7 +23,9 @@ each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the 
 ``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup
 stays eager, as in training) and ``+compile+graphs`` (the same with inductor's CUDA graphs).
 Ratios: ``x ref`` against ``bf16+compile`` (the reference), ``x same`` against bf16 with the
-same settings.
+same settings. Every variant serves the same embedding tables: as trained, or
+(``--embeddings fp16|int8``) in TorchRec's inference modules
+(``loka_train.export.serve_embeddings``).
 
 The forward-only ledger: for each batch size, every forward the served model runs in FP8 or the
 Probe judged safe in FP8, timed as a GEMM alone in bf16 and in its FP8 candidates (operands
@@ -82,6 +84,7 @@ from loka_train.export import (
     forward_ledger,
     load_trained,
     serve,
+    serve_embeddings,
 )
 from loka_train.job import JobConfig, run_job
 from loka_train.runtime.compile import compile_options
@@ -117,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reference, per batch size (0: none)")
     p.add_argument("--pair-calls", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
+    p.add_argument("--embeddings", default="trained", choices=("trained", "fp16", "int8"),
+                   help="the tables every variant serves: as trained, or TorchRec's inference modules in fp16/int8")
     p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured with the loka variant)")
     p.add_argument("--profile-calls", type=int, default=5,
                    help="calls of each variant and batch size under torch.profiler after its warm-up (0: none)")
@@ -393,7 +398,10 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
         for b in timed if "+decided" in variant else [last]:
             per_batch[b] = made = build(variant, job, run, device, decide=timed[b][0])
             if made[0] is not None:  # its own tables dropped at once: one copy of them at a time
+                sharing = donor is None
                 donor = share_tables(made[0], donor)
+                if sharing and args.embeddings != "trained":  # every variant serves these tables
+                    serve_embeddings(donor, args.embeddings)
         if "+decided" not in variant:
             per_batch = {b: per_batch[last] for b in timed}
         model, why, _, safe = per_batch[last]
@@ -489,7 +497,10 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
 def render(result: dict[str, Any]) -> str:
     args = result["args"]
     sizes = args["batch_sizes"]
-    lines = [f"# Inference: {result['device']}", "", f"- command: `{result['command']}`", "",
+    tables = args.get("embeddings", "trained")
+    lines = [f"# Inference: {result['device']}", "", f"- command: `{result['command']}`",
+             f"- embedding tables (every variant): {'as trained' if tables == 'trained' else tables + ', TorchRec inference modules'}",
+             "",
              "Throughput (samples/s) and p50 / p99 latency (ms) per batch size; `x ref`: against "
              f"{REFERENCE} of the same config; `x same`: against bf16 with the same settings; `paired`: "
              "the median ratio of adjacent, alternating blocks of calls of the two (drift cancels); "

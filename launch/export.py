@@ -67,12 +67,17 @@ def _config_of(checkpoint: Path) -> Path:
     return earlier[-1] if earlier else run / "config.yaml"
 
 
+def _tables(summary: dict) -> str:
+    tables = summary["serve"].get("embeddings", "trained")
+    return "" if tables == "trained" else f", {tables} tables in TorchRec's inference modules"
+
+
 def report(summary: dict) -> str:
     """The export's summary as lines for the console."""
     m = summary["metrics"]
     lines = [
         f"export of {summary['checkpoint']} (step {summary['step']}) -> {summary['out']}",
-        f"  served ({summary['serve']['dtype']}): NE {m['served']['ne']:.5f}, AUC {m['served']['auc']:.4f}; "
+        f"  served ({summary['serve']['dtype']}{_tables(summary)}): NE {m['served']['ne']:.5f}, AUC {m['served']['auc']:.4f}; "
         f"same weights in high precision: NE {m['high']['ne']:.5f}, AUC {m['high']['auc']:.4f} "
         f"({summary['ne_delta_rel_vs_high']:+.4%} NE) on {summary['eval_samples']} held-out samples",
     ]

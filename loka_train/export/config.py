@@ -8,6 +8,10 @@ import torch
 
 from loka_train.runtime.config import TORCH_DTYPES as DTYPES
 
+EMBEDDINGS: dict[str, torch.dtype | None] = {"trained": None, "fp16": torch.float16, "int8": torch.qint8}
+"""``ServeConfig.embeddings``: the table dtype of TorchRec's inference modules (None: the
+trained tables as they are)."""
+
 __all__ = ["ExportConfig", "MonitorConfig", "ServeConfig"]
 
 
@@ -31,9 +35,18 @@ class ServeConfig:
     input at every call. False keeps the training forward's per-call weight quantization
     (what serving would cost without it, for comparisons)."""
 
+    embeddings: str = "trained"
+    """How the embedding tables are served: "trained" (the trained tables in TorchRec's training
+    modules, as they are), or TorchRec's inference modules
+    (``torchrec.inference.modules.quantize_embeddings``) with the tables in "fp16" or in "int8"
+    (row-wise: a scale and bias per row), which read 2x or about 4x fewer bytes per lookup than
+    fp32 tables (:func:`~loka_train.export.serve_embeddings`)."""
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"serve dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
+        if self.embeddings not in EMBEDDINGS:
+            raise ValueError(f"serve embeddings={self.embeddings!r}: choose one of {sorted(EMBEDDINGS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,6 +92,10 @@ class ExportConfig:
     dynamic_batch: bool = True
     """The programs take any batch size (else only the export's evaluation batch size)."""
 
+    embeddings: str = "trained"
+    """:attr:`ServeConfig.embeddings`: the tables as trained, or in TorchRec's inference modules
+    in "fp16" or "int8" (the high-precision model the export compares with serves the same)."""
+
     decide_batch: int | None = None
     """Re-decide the plans for serving at this batch size
     (:func:`~loka_train.export.decide_for_batch`: the fastest of each site's trained FP8 forward
@@ -92,6 +109,8 @@ class ExportConfig:
             raise ValueError(f"export dtype={self.dtype!r}: choose one of {sorted(DTYPES)} (or null: the run's)")
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"export eval_batches={self.eval_batches} must be >= 1")
+        if self.embeddings not in EMBEDDINGS:
+            raise ValueError(f"export embeddings={self.embeddings!r}: choose one of {sorted(EMBEDDINGS)}")
         if self.decide_batch is not None and self.decide_batch < 1:
             raise ValueError(f"export decide_batch={self.decide_batch} must be >= 1 (or null: the trained plans)")
 

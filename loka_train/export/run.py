@@ -34,7 +34,7 @@ from loka_train.export.debugger import compare_sites, format_numerics
 from loka_train.export.decide import InferenceDecision, decide_for_batch, format_decisions
 from loka_train.export.load import load_trained
 from loka_train.export.program import export_dense, save_programs
-from loka_train.export.serving import serve, served_sites
+from loka_train.export.serving import serve, serve_embeddings, served_sites
 from loka_train.job import JobConfig
 from loka_train.kernels.plan import LinearPlan
 from loka_train.runtime.distributed import resolve_device
@@ -57,7 +57,7 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     """
     device = resolve_device(cfg.device or job.trainer.device, 0)
     dtype = cfg.dtype or job.trainer.dense_dtype
-    serve_cfg = ServeConfig(dtype=dtype, quantize_weights_once=cfg.quantize_weights_once)
+    serve_cfg = ServeConfig(dtype=dtype, quantize_weights_once=cfg.quantize_weights_once, embeddings=cfg.embeddings)
     trained = load_trained(job, cfg.run, device=device)
     high = load_trained(job, trained.checkpoint, device=device)
     if trained.plans:
@@ -70,6 +70,9 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
             )
         serve(trained.model, plans=trained.plans, config=serve_cfg)
         serve(high.model, plans={name: LinearPlan() for name in high.plans}, config=serve_cfg)
+    elif cfg.embeddings != "trained":  # no site to serve: the tables only
+        serve_embeddings(trained.model, cfg.embeddings)
+        serve_embeddings(high.model, cfg.embeddings)
     data = make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=job.trainer.batch_size)
     batches = [b.to(device) for b in data.batches(0, cfg.eval_batches or job.trainer.eval_batches)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")

@@ -60,7 +60,7 @@ from loka_train.mods.site import Fp8Linear, GemmSite
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ServedWeight", "serve", "served_sites"]
+__all__ = ["ServedWeight", "serve", "serve_embeddings", "served_sites"]
 
 _X = 0
 """Row of a site's static-scale slots that holds its input ``x`` (``kernels.static_scales``)."""
@@ -279,12 +279,47 @@ def serve(
                 for site, source in module.site_weights():
                     if site.plan.forward.is_fp8:
                         site.served = ServedWeight(site, cfg.torch_dtype, source=source)
+    if cfg.embeddings != "trained":
+        serve_embeddings(model, cfg.embeddings)
     logger.info(
-        "serve: %d sites, %d FP8 forwards, %d with their weight quantized once (%s)",
+        "serve: %d sites, %d FP8 forwards, %d with their weight quantized once (%s; embedding tables %s)",
         len(found), sum(s.plan.forward.is_fp8 for s in found.values()),
-        sum("served" in s._modules for s in found.values()), cfg.dtype,
+        sum("served" in s._modules for s in found.values()), cfg.dtype, cfg.embeddings,
     )
     return model
+
+
+def serve_embeddings(model: nn.Module, embeddings: str) -> int:
+    """`model`'s TorchRec embedding collections replaced, in place, by TorchRec's inference
+    modules with their tables in `embeddings` ("fp16", or "int8": row-wise, a scale and bias per
+    row; ``torchrec.inference.modules.quantize_embeddings``). A model served so before is left
+    as it is. Returns how many collections serve quantized tables now.
+
+    Raises:
+        ValueError: for another `embeddings`, or a model with no TorchRec embedding collection.
+    """
+    from torchrec.inference.modules import quantize_embeddings
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.quant.embedding_modules import (
+        EmbeddingBagCollection as QuantEmbeddingBagCollection,
+    )
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+
+    from loka_train.export.config import EMBEDDINGS
+
+    dtype = EMBEDDINGS.get(embeddings)
+    if dtype is None:
+        raise ValueError(f"serve_embeddings: embeddings={embeddings!r}: choose one of "
+                         f"{sorted(k for k, v in EMBEDDINGS.items() if v is not None)}")
+    training = sum(isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for m in model.modules())
+    if training:
+        quantize_embeddings(model, dtype=dtype, inplace=True)
+    served = sum(isinstance(m, (QuantEmbeddingBagCollection, QuantEmbeddingCollection)) for m in model.modules())
+    if not served:
+        raise ValueError("serve_embeddings: the model has no TorchRec embedding collection (EmbeddingBagCollection "
+                         "or EmbeddingCollection) to serve; serve it with embeddings='trained'")
+    logger.info("serve: %d embedding collections in TorchRec's inference modules, tables in %s", served, embeddings)
+    return served
 
 
 def served_sites(model: nn.Module) -> dict[str, str]:

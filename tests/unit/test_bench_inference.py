@@ -159,3 +159,31 @@ def test_paired_ratios_cancel_a_drift_of_the_machine(monkeypatch: pytest.MonkeyP
     # One untimed call before each block, the order alternating from pair to pair.
     blocks = order[1::2]
     assert blocks == ["ref", "model", "model", "ref", "ref", "model", "model", "ref"]
+
+
+def test_every_variant_serves_the_same_quantized_tables(tmp_path: Path) -> None:
+    from torchrec.quant.embedding_modules import (
+        EmbeddingBagCollection as QuantEmbeddingBagCollection,
+    )
+
+    import bench.inference as inference
+
+    seen: list[object] = []
+    real = inference.time_calls
+
+    def recording(model, batches, calls, device):  # type: ignore[no-untyped-def]
+        seen.append(model.sparse_arch)
+        return real(model, batches, calls, device)
+
+    out = tmp_path / "inf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inference, "time_calls", recording)
+        assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
+                     "--decide-steps", "4", "--warmup", "1", "--iters", "2", "--rounds", "1", "--eval-batches", "2",
+                     "--pairs", "0", "--profile-calls", "0", "--no-ledger", "--embeddings", "int8",
+                     "--variants", "bf16,loka", "--out", str(out)]) == 0
+    # One lookup module for both, its tables in TorchRec's int8 inference module.
+    assert len({id(m) for m in seen}) == 1
+    assert any(isinstance(m, QuantEmbeddingBagCollection) for m in seen[0].modules())  # type: ignore[attr-defined]
+    result = json.loads((out / "inference.json").read_text())
+    assert result["args"]["embeddings"] == "int8" and "int8, TorchRec inference modules" in (out / "inference.md").read_text()

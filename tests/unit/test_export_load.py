@@ -271,3 +271,51 @@ def test_the_export_serves_plans_re_decided_for_its_batch(
         ExportConfig(decide_batch=0)
     with pytest.raises(ValueError, match="decide_batch=16: data.chunk_size=32 does not divide"):
         export_run(job, ExportConfig(run=str(run), out=str(out), decide_batch=16, programs=False))
+
+
+@pytest.mark.parametrize(("embeddings", "rel"), [("fp16", 1e-4), ("int8", 5e-3)])
+def test_the_tables_serve_in_torchrecs_inference_modules(
+    trained_run, tmp_path: Path, embeddings: str, rel: float,  # type: ignore[no-untyped-def]
+) -> None:
+    from torchrec.quant.embedding_modules import (
+        EmbeddingBagCollection as QuantEmbeddingBagCollection,
+    )
+
+    from loka_train.export import serve_embeddings
+
+    job, run, summary = trained_run
+    trained = load_trained(job, run)
+    served = serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="fp32", embeddings=embeddings))
+    quantized = [m for m in served.modules() if isinstance(m, QuantEmbeddingBagCollection)]
+    assert quantized and not any(type(m).__name__ == "EmbeddingBagCollection" and m not in quantized
+                                 for m in served.modules())
+    # Their lookups round the tables: NE moves, within the format's rounding.
+    ne = _eval_ne(job, served)
+    assert ne == pytest.approx(summary["eval/ne"], rel=rel) and ne != summary["eval/ne"]
+    # Serving it again (other plans, the same tables) leaves the quantized tables as they are.
+    assert serve_embeddings(served, embeddings) == len(quantized)
+    serve(served, plans=trained.plans, config=ServeConfig(dtype="fp32", embeddings=embeddings))
+    assert _eval_ne(job, served) == ne
+    # The export serves both of its models so: their NE difference is the FP8 sites' alone.
+    result = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "e"), programs=False, embeddings=embeddings))
+    assert result["serve"]["embeddings"] == embeddings
+    from launch.export import report
+
+    assert f"served (fp32, {embeddings} tables in TorchRec's inference modules)" in report(result)
+    assert result["metrics"]["served"]["ne"] == pytest.approx(ne, rel=1e-6)
+    high = load_trained(job, run)
+    serve(high.model, plans={n: LinearPlan() for n in high.plans}, config=ServeConfig(dtype="fp32"))
+    assert result["metrics"]["high"]["ne"] != pytest.approx(_eval_ne(job, high.model), rel=1e-9)
+
+
+def test_tables_without_a_collection_or_in_another_format_name_the_fix() -> None:
+    from loka_train.export import serve_embeddings
+
+    with pytest.raises(ValueError, match="embeddings='int4': choose one of"):
+        ServeConfig(embeddings="int4")
+    with pytest.raises(ValueError, match="export embeddings='bf8'"):
+        ExportConfig(embeddings="bf8")
+    with pytest.raises(ValueError, match="no TorchRec embedding collection"):
+        serve_embeddings(torch.nn.Linear(2, 2), "fp16")
+    with pytest.raises(ValueError, match="choose one of \\['fp16', 'int8'\\]"):
+        serve_embeddings(torch.nn.Linear(2, 2), "trained")
