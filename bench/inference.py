@@ -367,16 +367,19 @@ def allow_compiles(args: argparse.Namespace) -> Any:
     )
 
 
-def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Path) -> list[dict[str, Any]]:
+def bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Path,
+                 progress: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every variant of `config`'s checkpoint, measured (:func:`_bench_config`) under :func:`allow_compiles`."""
     with allow_compiles(args):
-        return _bench_config(args, config, job, run)
+        return _bench_config(args, config, job, run, progress)
 
 
-def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Path) -> list[dict[str, Any]]:
+def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Path,
+                  progress: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every variant of `config`'s checkpoint: built, warmed up at each batch size (compiled
     there) and evaluated, then timed in ``--rounds`` rounds, each round timing every variant in
-    turn (rotated from round to round), so that a drift of the machine spreads over all."""
+    turn (rotated from round to round), so that a drift of the machine spreads over all; the rows
+    so far given to `progress`; then the paired ratios and the profiles."""
     device = torch.device(args.device)
     rows: dict[str, dict[str, Any]] = {}
     models: dict[str, dict[int, nn.Module]] = {}  # variant -> batch size -> model
@@ -423,10 +426,6 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
         row["build_s"] = time.perf_counter() - t0
         if variant.endswith("+graphs"):  # a graph inductor did not capture runs without CUDA graphs
             row["cudagraph_skips"] = skips["cudagraph_skips"] - skipped
-        if "+compile" in variant:  # what dynamo made of it: graphs compiled, breaks by reason
-            row["dynamo"] = {"graphs": counters["stats"]["unique_graphs"] - graphs, "graph_breaks": {
-                reason[:200]: n - breaks.get(reason, 0) for reason, n in counters["graph_break"].items()
-                if n > breaks.get(reason, 0)}}
         rows[variant] = row
         first = ""
         if model is not None:  # one pass now, so that a run stopped before the rounds still tells
@@ -434,9 +433,10 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                         for b, batches in timed.items()}
             row["first_pass_p50_ms"] = {f"b{b}": ms for b, ms in first_ms.items()}
             first = "; first pass " + ", ".join(f"b{b} p50 {ms:.3f} ms" for b, ms in first_ms.items())
-            if args.profile_calls:
-                row["profile"] = {f"b{b}": profile_calls(built[b], batches, args.profile_calls, device, first_ms[b])
-                                  for b, batches in timed.items()}
+        if "+compile" in variant:  # what dynamo made of it (every batch size called): graphs, breaks by reason
+            row["dynamo"] = {"graphs": counters["stats"]["unique_graphs"] - graphs, "graph_breaks": {
+                reason[:200]: n - breaks.get(reason, 0) for reason, n in counters["graph_break"].items()
+                if n > breaks.get(reason, 0)}}
         print(f"[inference] {config} {variant}: built and warmed up in {row['build_s']:.1f}s; {row['status']}{first}",
               flush=True)
     times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
@@ -457,17 +457,37 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                                 "samples_per_s": b / p50, "round_p50_ms": round_p50[v][b]}
         print(f"[inference] {config} {v}: " + ", ".join(
             f"b{b} p50 {rows[v][f'b{b}']['p50_ms']:.3f} ms" for b in args.batch_sizes), flush=True)
+    out = _ratios(args, config, rows, ledgers)
+    if progress is not None:  # the rounds' figures kept, whatever the rest of the run does
+        progress(out)
     for v in names:
-        refs = {"paired_vs_ref": REFERENCE, "paired_vs_same": same_settings(v)}
-        for key, against in refs.items():
-            if args.pairs and against in models and against != v:
-                for b, batches in timed.items():
-                    rows[v][f"b{b}"][key] = paired_ratio(models[against][b], models[v][b], batches, args.pairs,
-                                                         args.pair_calls, device)
-        if args.pairs and REFERENCE in models and v != REFERENCE:
-            print(f"[inference] {config} {v}: paired x {REFERENCE} " + ", ".join(
-                f"b{b} {rows[v][f'b{b}']['paired_vs_ref']['median']:.3f}" for b in args.batch_sizes), flush=True)
+        if not args.pairs or v == REFERENCE or REFERENCE not in models:
+            continue
+        same = same_settings(v)
+        for b, batches in timed.items():
+            cell = rows[v][f"b{b}"]
+            cell["paired_vs_ref"] = paired_ratio(models[REFERENCE][b], models[v][b], batches, args.pairs,
+                                                 args.pair_calls, device)
+            if same == REFERENCE:
+                cell["paired_vs_same"] = cell["paired_vs_ref"]
+            elif same in models and same != v:
+                cell["paired_vs_same"] = paired_ratio(models[same][b], models[v][b], batches, args.pairs,
+                                                      args.pair_calls, device)
+        print(f"[inference] {config} {v}: paired x {REFERENCE} " + ", ".join(
+            f"b{b} {rows[v][f'b{b}']['paired_vs_ref']['median']:.3f}" for b in args.batch_sizes), flush=True)
+    if args.profile_calls:  # last: the profiler's overhead reaches no timing
+        for v in names:
+            rows[v]["profile"] = {
+                f"b{b}": profile_calls(models[v][b], batches, args.profile_calls, device, rows[v][f"b{b}"]["p50_ms"])
+                for b, batches in timed.items()}
     models.clear()
+    return out
+
+
+def _ratios(args: argparse.Namespace, config: str, rows: dict[str, dict[str, Any]],
+            ledgers: dict[int, Ledger]) -> list[dict[str, Any]]:
+    """`rows` with their ratios (against the reference, against bf16 with the same settings),
+    then the forward-only ledger's rows with their limits (the rows' dicts, updated in place)."""
     ok = {v: r for v, r in rows.items() if r["status"] == "ok"}
     ref = ok.get(REFERENCE)
     for r in ok.values():
@@ -571,29 +591,34 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     command = "python -m bench.inference " + " ".join(sys.argv[1:] if argv is None else argv)
 
-    def write() -> str:  # after each config: a time limit loses at most the config running
+    def write(done: list[dict[str, Any]] | None = None) -> str:
+        # After each config's rounds and at its end: a time limit loses at most what runs then.
         result = {
             "command": command,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "args": {k: v for k, v in vars(args).items()},
-            "rows": rows,
+            "rows": rows if done is None else done,
         }
         (out / "inference.json").write_text(json.dumps(result, indent=1) + "\n")
         text = render(result)
         (out / "inference.md").write_text(text)
         return text
 
+    def partial(got: list[dict[str, Any]]) -> None:  # the running config's rows after the finished ones
+        write(rows + got)
+
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="inference_") as tmp:
         if args.run is not None:
             from launch.export import run_config
 
-            rows += bench_config(args, "run", run_config(args.run), Path(args.run))
+            rows += bench_config(args, "run", run_config(args.run), Path(args.run),
+                                 progress=partial)
         else:
             init_process_group(device.type)
             composer = Composer(stack)
             for config in args.config_names:
                 job, run = train_run(composer, args, config, Path(tmp))
-                rows += bench_config(args, config, job, run)
+                rows += bench_config(args, config, job, run, progress=partial)
                 write()
     print(write())
     return 0

@@ -290,20 +290,22 @@ def serve(
 
 
 def serve_embeddings(model: nn.Module, embeddings: str) -> int:
-    """`model`'s TorchRec embedding collections replaced, in place, by TorchRec's inference
+    """`model`'s TorchRec embedding bag collections replaced, in place, by TorchRec's inference
     modules with their tables in `embeddings` ("fp16", or "int8": row-wise, a scale and bias per
-    row; ``torchrec.inference.modules.quantize_embeddings``). A model served so before is left
-    as it is. Returns how many collections serve quantized tables now.
+    row; ``torchrec.inference.modules.quantize_embeddings``), in eval mode. Collections served so
+    before in the same format are left as they are. Returns how many collections serve quantized
+    tables now.
 
     Raises:
-        ValueError: for another `embeddings`, or a model with no TorchRec embedding collection.
+        ValueError: for another `embeddings`, a model with no TorchRec embedding bag collection,
+            or one whose tables were served in another format before.
     """
     from torchrec.inference.modules import quantize_embeddings
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.modules.embedding_configs import DataType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.quant.embedding_modules import (
         EmbeddingBagCollection as QuantEmbeddingBagCollection,
     )
-    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
     from loka_train.export.config import EMBEDDINGS
 
@@ -311,15 +313,24 @@ def serve_embeddings(model: nn.Module, embeddings: str) -> int:
     if dtype is None:
         raise ValueError(f"serve_embeddings: embeddings={embeddings!r}: choose one of "
                          f"{sorted(k for k, v in EMBEDDINGS.items() if v is not None)}")
-    training = sum(isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for m in model.modules())
-    if training:
+    want = {"fp16": DataType.FP16, "int8": DataType.INT8}[embeddings]
+    for module in model.modules():
+        if isinstance(module, QuantEmbeddingBagCollection):
+            other = sorted({c.data_type.value for c in module.embedding_bag_configs()} - {want.value})
+            if other:
+                raise ValueError(f"serve_embeddings: the tables already serve in {other}, not {embeddings}: serve "
+                                 "the trained model again (load_trained) to serve them in another format")
+    if any(isinstance(m, EmbeddingBagCollection) for m in model.modules()):
         quantize_embeddings(model, dtype=dtype, inplace=True)
-    served = sum(isinstance(m, (QuantEmbeddingBagCollection, QuantEmbeddingCollection)) for m in model.modules())
+    served = [m for m in model.modules() if isinstance(m, QuantEmbeddingBagCollection)]
     if not served:
-        raise ValueError("serve_embeddings: the model has no TorchRec embedding collection (EmbeddingBagCollection "
-                         "or EmbeddingCollection) to serve; serve it with embeddings='trained'")
-    logger.info("serve: %d embedding collections in TorchRec's inference modules, tables in %s", served, embeddings)
-    return served
+        raise ValueError("serve_embeddings: the model has no TorchRec EmbeddingBagCollection to serve; serve it "
+                         "with embeddings='trained'")
+    for module in served:
+        module.eval()
+    logger.info("serve: %d embedding bag collections in TorchRec's inference modules, tables in %s",
+                len(served), embeddings)
+    return len(served)
 
 
 def served_sites(model: nn.Module) -> dict[str, str]:

@@ -172,7 +172,9 @@ def test_every_variant_serves_the_same_quantized_tables(tmp_path: Path) -> None:
     real = inference.time_calls
 
     def recording(model, batches, calls, device):  # type: ignore[no-untyped-def]
-        seen.append(model.sparse_arch)
+        # The lookup each timed call runs, and whether its tables are quantized then.
+        seen.append((model.sparse_arch, any(isinstance(m, QuantEmbeddingBagCollection)
+                                            for m in model.sparse_arch.modules())))
         return real(model, batches, calls, device)
 
     out = tmp_path / "inf"
@@ -181,9 +183,27 @@ def test_every_variant_serves_the_same_quantized_tables(tmp_path: Path) -> None:
         assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
                      "--decide-steps", "4", "--warmup", "1", "--iters", "2", "--rounds", "1", "--eval-batches", "2",
                      "--pairs", "0", "--profile-calls", "0", "--no-ledger", "--embeddings", "int8",
-                     "--variants", "bf16,loka", "--out", str(out)]) == 0
-    # One lookup module for both, its tables in TorchRec's int8 inference module.
-    assert len({id(m) for m in seen}) == 1
-    assert any(isinstance(m, QuantEmbeddingBagCollection) for m in seen[0].modules())  # type: ignore[attr-defined]
+                     "--variants", "bf16,loka,loka+decided", "--out", str(out)]) == 0
+    # One lookup module for all, its tables in TorchRec's int8 inference module.
+    assert len({id(m) for m, _ in seen}) == 1 and all(quantized for _, quantized in seen)
     result = json.loads((out / "inference.json").read_text())
     assert result["args"]["embeddings"] == "int8" and "int8, TorchRec inference modules" in (out / "inference.md").read_text()
+
+
+def test_a_run_stopped_after_the_rounds_keeps_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.inference as inference
+
+    def stopped(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt  # a time limit, as the paired ratios start
+
+    monkeypatch.setattr(inference, "paired_ratio", stopped)
+    out = tmp_path / "inf"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
+              "--decide-steps", "4", "--warmup", "1", "--iters", "2", "--rounds", "1", "--eval-batches", "2",
+              "--pairs", "2", "--variants", "bf16+compile,loka", "--out", str(out)])
+    rows = {r["variant"]: r for r in json.loads((out / "inference.json").read_text())["rows"]}
+    # The rounds' figures and ratios were written before the pairs; no profile ran yet.
+    assert rows["loka"]["b16"]["p50_ms"] > 0 and "speedup_vs_ref" in rows["loka"]["b16"]
+    assert "paired_vs_ref" not in rows["loka"]["b16"] and "profile" not in rows["loka"]
+    assert "| dlrm | loka |" in (out / "inference.md").read_text()

@@ -292,8 +292,12 @@ def test_the_tables_serve_in_torchrecs_inference_modules(
     # Their lookups round the tables: NE moves, within the format's rounding.
     ne = _eval_ne(job, served)
     assert ne == pytest.approx(summary["eval/ne"], rel=rel) and ne != summary["eval/ne"]
-    # Serving it again (other plans, the same tables) leaves the quantized tables as they are.
+    assert not any(m.training for q in quantized for m in q.modules())
+    # Serving it again (other plans, the same tables) leaves the quantized tables as they are;
+    # another format is refused (the tables are quantized already).
     assert serve_embeddings(served, embeddings) == len(quantized)
+    with pytest.raises(ValueError, match="already serve in"):
+        serve_embeddings(served, "int8" if embeddings == "fp16" else "fp16")
     serve(served, plans=trained.plans, config=ServeConfig(dtype="fp32", embeddings=embeddings))
     assert _eval_ne(job, served) == ne
     # The export serves both of its models so: their NE difference is the FP8 sites' alone.
@@ -304,8 +308,17 @@ def test_the_tables_serve_in_torchrecs_inference_modules(
     assert f"served (fp32, {embeddings} tables in TorchRec's inference modules)" in report(result)
     assert result["metrics"]["served"]["ne"] == pytest.approx(ne, rel=1e-6)
     high = load_trained(job, run)
-    serve(high.model, plans={n: LinearPlan() for n in high.plans}, config=ServeConfig(dtype="fp32"))
-    assert result["metrics"]["high"]["ne"] != pytest.approx(_eval_ne(job, high.model), rel=1e-9)
+    serve(high.model, plans={n: LinearPlan() for n in high.plans}, config=ServeConfig(dtype="fp32",
+                                                                                      embeddings=embeddings))
+    assert result["metrics"]["high"]["ne"] == pytest.approx(_eval_ne(job, high.model), rel=1e-6)
+    # served.pt loads into the model load_trained and serve rebuild with its serve config.
+    saved = torch.load(tmp_path / "e" / "served.pt", weights_only=False)
+    again = load_trained(job, run)
+    serve(again.model, plans={n: LinearPlan.from_dict(p) for n, p in saved["plans"].items()},
+          config=ServeConfig(**saved["serve"]))
+    assert [type(m) for m in again.model.modules() if isinstance(m, QuantEmbeddingBagCollection)]
+    again.model.load_state_dict(saved["state_dict"])
+    assert _eval_ne(job, again.model) == pytest.approx(ne, rel=1e-6)
 
 
 def test_tables_without_a_collection_or_in_another_format_name_the_fix() -> None:
@@ -315,7 +328,7 @@ def test_tables_without_a_collection_or_in_another_format_name_the_fix() -> None
         ServeConfig(embeddings="int4")
     with pytest.raises(ValueError, match="export embeddings='bf8'"):
         ExportConfig(embeddings="bf8")
-    with pytest.raises(ValueError, match="no TorchRec embedding collection"):
+    with pytest.raises(ValueError, match="no TorchRec EmbeddingBagCollection"):
         serve_embeddings(torch.nn.Linear(2, 2), "fp16")
     with pytest.raises(ValueError, match="choose one of \\['fp16', 'int8'\\]"):
         serve_embeddings(torch.nn.Linear(2, 2), "trained")
