@@ -44,12 +44,12 @@ the reference and against bf16 with its settings, ``--pairs`` pairs of adjacent 
 ``--pair-calls`` calls, the two alternating first, each pair's ratio of block p50s; their median
 (and range) in the JSON and the table. Each variant is
 also timed once right after its build (its first pass, printed: a run stopped before the rounds
-still tells), and ``--profile-calls`` of its calls per batch size run under torch.profiler there:
-the kernels' time per call, how busy the device is, kernels launched, GEMM and quantization
-kernels' time and the host's operators (a call bound by its kernels told from one bound by the
-host, whatever a drifting machine does to latency); a compiled variant records the graphs dynamo
-made of it and its graph breaks by reason. Writes ``inference.json`` and ``inference.md`` under
-``--out`` after each config.
+still tells); a compiled variant records the graphs dynamo made of it and its graph breaks by
+reason. Last, ``--profile-calls`` of each variant's calls per batch size run under
+torch.profiler: the kernels' time per call, how busy the device is, kernels launched, GEMM and
+quantization kernels' time and the host's operators (a call bound by its kernels told from one
+bound by the host, whatever a drifting machine does to latency). Writes ``inference.json`` and
+``inference.md`` under ``--out`` after each config's rounds and at its end.
 """
 
 from __future__ import annotations
@@ -553,8 +553,8 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| {r['config']} | {r['variant']} | " + " | ".join(cells) + f" | {r['ne']:.5f}{delta} | {r['auc']:.4f} |")
     profiled = [r for r in result["rows"] if r.get("profile")]
     if profiled:
-        lines += ["", "Where a call's time goes (torch.profiler, per call, after each variant's warm-up): "
-                  "its first-pass p50; the kernels' time and the time the device is busy; kernels launched; "
+        lines += ["", "Where a call's time goes (torch.profiler, per call, after the timed rounds): "
+                  "its p50 over the rounds; the kernels' time and the time the device is busy; kernels launched; "
                   "GEMM and quantization kernels' time; the host's ATen calls.", "",
                   "| config | variant | batch | p50 ms | kernel ms | busy ms | kernels | GEMM ms | quantize ms | "
                   "host ATen calls |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -565,7 +565,7 @@ def render(result: dict[str, Any]) -> str:
                     lines.append(f"| {r['config']} | {r['variant']} | {b} | not profiled: {pr['error']} |" + " |" * 6)
                     continue
                 cats = pr["categories_ms_per_call"]
-                lines.append(f"| {r['config']} | {r['variant']} | {b} | {r['first_pass_p50_ms'][f'b{b}']:.3f} | "
+                lines.append(f"| {r['config']} | {r['variant']} | {b} | {r[f'b{b}']['p50_ms']:.3f} | "
                              f"{pr['kernel_ms_per_call']:.3f} | {pr['busy_ms_per_call']:.3f} | "
                              f"{pr.get('kernels_per_call', 0):.0f} | {cats['gemm']:.3f} | {cats['quantize']:.3f} | "
                              f"{pr['host_aten_calls_per_call']:.0f} |")
