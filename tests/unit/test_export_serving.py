@@ -576,6 +576,23 @@ def test_served_sites_compile_without_graph_breaks() -> None:
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+def test_served_sites_on_the_gpu_path_compile_without_graph_breaks() -> None:
+    # The ops a GPU serves with: Triton's tensor-wise quantizer with static scales (interpreted
+    # here) and torch._scaled_mm, the ReLU folded into the cast.
+    mlp = _mlp()
+    for site in sites(mlp).values():
+        site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cpu"))
+    served = serve(mlp, plans=_plans("torch_scaled_mm", Scaling.TENSORWISE), config=ServeConfig(dtype="bf16"))
+    x = torch.randn(32, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        served(x)  # seeds the static scales
+        explained = torch._dynamo.explain(served)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert sum("tensorwise_quant_static" in o for o in ops) == 2 and sum("_scaled_mm" in o for o in ops) == 2
+    assert not any("planned_linear" in o for o in ops), "a served site ran its training op"
+
+
 def test_a_bf16_program_records_its_autocast_and_packages_outside_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
