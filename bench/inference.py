@@ -86,6 +86,7 @@ from loka_train.export import (
     serve,
     serve_embeddings,
 )
+from loka_train.export.config import EMBEDDINGS
 from loka_train.job import JobConfig, run_job
 from loka_train.runtime.compile import compile_options
 from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
@@ -120,11 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reference, per batch size (0: none)")
     p.add_argument("--pair-calls", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
-    p.add_argument("--embeddings", default="trained", choices=("trained", "fp16", "int8"),
+    p.add_argument("--embeddings", default="trained", choices=sorted(EMBEDDINGS),
                    help="the tables every variant serves: as trained, or TorchRec's inference modules in fp16/int8")
     p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured with the loka variant)")
     p.add_argument("--profile-calls", type=int, default=5,
-                   help="calls of each variant and batch size under torch.profiler after its warm-up (0: none)")
+                   help="calls of each variant and batch size under torch.profiler, after every timing (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dry-run", action="store_true", help="tiny models and data (CPU tests)")
     args = p.parse_args(argv)

@@ -38,11 +38,11 @@ from torch import nn
 from loka_train.dispatch import planning
 from loka_train.dispatch.config import DispatchConfig
 from loka_train.dispatch.ledger import Fp8Times, Ledger, LedgerGemm, LedgerRow, measure_ledger
+from loka_train.export.serving import weight_servable_sites
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.mods.convert import sites as find_sites
-from loka_train.mods.interaction import CrossNet
 from loka_train.mods.planned import fp8_padding
-from loka_train.mods.site import Fp8Linear, Site
+from loka_train.mods.site import Site
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,14 @@ def forward_ledger(
     Raises:
         ValueError: where `plans` names sites the model does not have.
     """
+    return _forward_ledger(model, run, device, plans, safe, out_dtype, timer)[0]
+
+
+def _forward_ledger(
+    model: nn.Module, run: Callable[[nn.Module], Any], device: torch.device, plans: Mapping[str, LinearPlan] | None,
+    safe: SafeForwards | None, out_dtype: torch.dtype, timer: Callable[[Callable[[], object]], float] | None,
+) -> tuple[Ledger, dict[str, tuple[GemmPlan, ...]]]:
+    """:func:`forward_ledger`, and each timed site's FP8 candidates."""
     found = find_sites(model)
     unknown = sorted(set(plans or {}) - set(found))
     if unknown:
@@ -132,6 +140,7 @@ def forward_ledger(
     with torch.no_grad():
         run(model)
     gemms = _forward_gemms(found, plans, safe, device, out_dtype)
+    candidates = {g.site: g.candidates for g in gemms}
     order = {g.site: i for i, g in enumerate(gemms)}
     parts = []
     with torch.autocast(device.type, enabled=False):  # the ledger times its own dtypes
@@ -140,10 +149,10 @@ def forward_ledger(
             if group:
                 parts.append(measure_ledger(group, device=device, timer=timer, static_scales=static))
     if not parts:
-        return Ledger(rows=[], device=str(device), timing="none", notes=["no FP8 forward ran"])
+        return Ledger(rows=[], device=str(device), timing="none", notes=["no FP8 forward ran"]), candidates
     return Ledger(rows=sorted((r for part in parts for r in part.rows), key=lambda r: order[r.site]),
                   device=parts[0].device, timing=parts[0].timing,
-                  notes=list(dict.fromkeys(n for part in parts for n in part.notes)))
+                  notes=list(dict.fromkeys(n for part in parts for n in part.notes))), candidates
 
 
 def _forward_gemms(found: Mapping[str, Site], plans: Mapping[str, LinearPlan] | None, safe: SafeForwards | None,
@@ -205,9 +214,8 @@ def decide_for_batch(
         raise ValueError(f"margin must be > 0, got {margin}")
     found = find_sites(model)
     trained = {name: (plans or {}).get(name, site.plan) for name, site in found.items()}
-    ledger = forward_ledger(model, run, device=device, plans=plans, safe=safe, out_dtype=out_dtype, timer=timer)
-    options = {g.site: g.candidates for g in _forward_gemms(found, plans, safe, device, out_dtype)}
-    once = _weights_served_once(model, quantize_weights_once)
+    ledger, options = _forward_ledger(model, run, device, plans, safe, out_dtype, timer)
+    once = weight_servable_sites(model) if quantize_weights_once else set()
     out = {name: LinearPlan(forward=plan.forward) for name, plan in trained.items()}
     rows = []
     for row in ledger.rows:
@@ -224,18 +232,6 @@ def decide_for_batch(
             logger.info("decide_for_batch: %s runs its forward in high precision at %s (bf16 %.4f ms, FP8 %.4f ms)",
                         row.site, "x".join(map(str, row.shape)), row.high_total_ms, fp8_ms)
     return out, rows
-
-
-def _weights_served_once(model: nn.Module, quantize_weights_once: bool) -> set[str]:
-    """The sites whose weight :func:`~loka_train.export.serve` quantizes once under an FP8
-    forward plan (an ``Fp8Linear``, a DCN cross layer's) with ``ServeConfig.quantize_weights_once``
-    as given; the others (batched ``bmm`` sites, horizontally fused ones) pay their weight's cast
-    at every call."""
-    if not quantize_weights_once:
-        return set()
-    crossed = {id(site) for module in model.modules() if isinstance(module, CrossNet)
-               for site, _ in module.site_weights()}
-    return {name for name, site in find_sites(model).items() if isinstance(site, Fp8Linear) or id(site) in crossed}
 
 
 def _fastest(row: LedgerRow, candidates: tuple[GemmPlan, ...], *, weight_once: bool) -> tuple[GemmPlan, float] | None:

@@ -333,11 +333,19 @@ def serve_embeddings(model: nn.Module, embeddings: str) -> int:
     return len(served)
 
 
+def weight_servable_sites(model: nn.Module) -> set[str]:
+    """The sites whose weight :func:`serve` can find and quantize once under an FP8 forward
+    plan (``ServeConfig.quantize_weights_once``): an ``Fp8Linear``'s own weight, a DCN cross
+    layer's (its cross net names it). The others (batched ``bmm`` sites, horizontally fused
+    ones) take their weight at call time and quantize it there."""
+    crossed = {id(site) for module in model.modules() if isinstance(module, CrossNet)
+               for site, _ in module.site_weights()}
+    return {name for name, site in find_sites(model).items() if isinstance(site, Fp8Linear) or id(site) in crossed}
+
+
 def served_sites(model: nn.Module) -> dict[str, str]:
     """How each site of a served model runs its forward: site name -> description."""
-    # Sites whose weight serve() can find (it lives in the site, or its parent names it).
-    known = {id(site) for module in model.modules() if isinstance(module, CrossNet)
-             for site, _ in module.site_weights()}
+    servable = weight_servable_sites(model)
     out: dict[str, str] = {}
     for name, site in find_sites(model).items():
         gemm = site.plan.forward
@@ -347,7 +355,7 @@ def served_sites(model: nn.Module) -> dict[str, str]:
             out[name] = f"{gemm}, weight quantized once"
         elif site.kind == "bmm":
             out[name] = f"{gemm}, two activations quantized at every call"
-        elif isinstance(site, Fp8Linear) or id(site) in known:
+        elif name in servable:
             out[name] = f"{gemm}, weight quantized at every call (ServeConfig.quantize_weights_once is off)"
         else:
             out[name] = f"{gemm}, weight quantized at every call (its weight reaches it at call time)"

@@ -566,6 +566,21 @@ def _served_crossnet() -> nn.Module:
                  config=ServeConfig(dtype="bf16"))
 
 
+def test_a_cross_layers_weight_is_one_serve_can_quantize_once() -> None:
+    from torchrec.modules.crossnet import LowRankCrossNet
+
+    from loka_train.export.serving import weight_servable_sites
+    from loka_train.mods.interaction import CrossNet
+
+    net = nn.ModuleDict({"crossnet": CrossNet.from_crossnet(LowRankCrossNet(in_features=32, num_layers=2, low_rank=16))})
+    names = set(sites(net))
+    # The cross net names its layers' weights: each site's is servable once, as an Fp8Linear's.
+    assert names and weight_servable_sites(net) == names
+    served = serve(net, plans={n: LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE) for n in names},
+                   config=ServeConfig(dtype="bf16", quantize_weights_once=False))
+    assert all(how.endswith("(ServeConfig.quantize_weights_once is off)") for how in served_sites(served).values())
+
+
 def test_served_sites_compile_without_graph_breaks() -> None:
     mlp = serve(_mlp(), plans=_plans("emulated", Scaling.ROWWISE), config=ServeConfig(dtype="bf16"))
     cross = _served_crossnet()["crossnet"]
