@@ -56,6 +56,8 @@ __all__ = [
     "SQNR_CAP_DB",
     "Fp8Format",
     "Scaling",
+    "as_format",
+    "as_scaling",
     "QTensor",
     "quantize",
     "dequantize",
@@ -138,6 +140,18 @@ class Scaling(enum.StrEnum):
     """One scale per 1 x ``block_size`` group along ``axis`` (or 2-D tiles, ``block_2d``)."""
     MX = "mx"
     """One power-of-two (E8M0) scale per 32 elements along ``axis``."""
+
+
+def as_format(fmt: Fp8Format | str) -> Fp8Format:
+    """``fmt`` as an :class:`Fp8Format` member; a member passes through uncalled (calling the
+    Enum class in compiled code is a graph break on some torch releases, where dynamo cannot
+    wrap ``EnumMeta.__call__``: code that compiled modules run takes this)."""
+    return fmt if isinstance(fmt, Fp8Format) else Fp8Format(fmt)
+
+
+def as_scaling(scaling: Scaling | str) -> Scaling:
+    """``scaling`` as a :class:`Scaling` member; a member passes through (see :func:`as_format`)."""
+    return scaling if isinstance(scaling, Scaling) else Scaling(scaling)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from loka_train.kernels.formats import Fp8Format, QTensor, Scaling
+from loka_train.kernels.formats import Fp8Format, QTensor, Scaling, as_format, as_scaling
 
 __all__ = ["Backend", "GemmProblem"]
 
@@ -53,10 +53,11 @@ class GemmProblem:
     """Whether fast FP8 accumulation is requested."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "fmt", Fp8Format(self.fmt))
-        object.__setattr__(self, "scaling", Scaling(self.scaling))
+        # Served sites build problems in compiled code: members pass through (formats.as_format).
+        object.__setattr__(self, "fmt", as_format(self.fmt))
+        object.__setattr__(self, "scaling", as_scaling(self.scaling))
         if self.fmt_b is not None:
-            object.__setattr__(self, "fmt_b", Fp8Format(self.fmt_b))
+            object.__setattr__(self, "fmt_b", as_format(self.fmt_b))
         # Each size alone: min() over a symbolic M (torch.export) would guard it against K and N.
         if self.m < 0 or self.k < 0 or self.n < 0:
             raise ValueError(f"negative GEMM size m={self.m} k={self.k} n={self.n}")

@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from loka_train.kernels import opaque
-from loka_train.kernels.formats import Fp8Format, Scaling, quantize
+from loka_train.kernels.formats import Fp8Format, Scaling, as_format, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def _act_id(activation: str) -> int:
 
 
 def _triton_fmt(fmt: Fp8Format | str) -> Fp8Format:
-    fmt = Fp8Format(fmt)
+    fmt = as_format(fmt)
     if fmt not in _TL_FP8:
         raise ValueError(f"Triton kernels support e4m3 and e5m2, not {fmt.value}")
     return fmt

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from loka_train.kernels import opaque, static_scales
-from loka_train.kernels.formats import Fp8Format, Scaling, is_row_strided, quantize
+from loka_train.kernels.formats import Fp8Format, Scaling, as_format, is_row_strided, quantize
 from loka_train.kernels.triton_kernels import (
     _cdiv,
     _check_runnable,
@@ -550,7 +550,7 @@ def tensorwise_quant(
         ValueError: for a non-contiguous input or another format.
         RuntimeError: where Triton cannot run.
     """
-    fmt_s = Fp8Format(fmt).value
+    fmt_s = as_format(fmt).value
     if opaque.tracing():
         return torch.ops.loka.tensorwise_quant(x, fmt_s, relu)
     return _tensorwise_quant_impl(x, fmt_s, relu)
@@ -579,7 +579,7 @@ def tensorwise_quant_both(
             or another format.
         RuntimeError: where Triton cannot run.
     """
-    fmt_s = Fp8Format(fmt).value
+    fmt_s = as_format(fmt).value
     if opaque.tracing():
         return torch.ops.loka.tensorwise_quant_both(x, fmt_s, relu)
     return _tensorwise_quant_both_impl(x, fmt_s, relu)
@@ -612,7 +612,7 @@ def tensorwise_quant_static(
             or another format.
         RuntimeError: where Triton cannot run.
     """
-    fmt_s = Fp8Format(fmt).value
+    fmt_s = as_format(fmt).value
     if opaque.tracing():
         q, scale, q_t = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both, relu)
     else:

@@ -112,3 +112,25 @@ def test_served_towers_export_and_compile_ahead_of_time_on_the_gpu(backend, tmp_
             return
         package = torch._inductor.aoti_load_package(str(aoti_package(programs["dense_arch"], tmp_path / "d.pt2")))
         assert torch.allclose(package(x).float(), programs["dense_arch"].module()(x).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE])
+def test_served_sites_compile_without_graph_breaks_on_the_gpu(scaling) -> None:  # type: ignore[no-untyped-def]
+    # A graph break per served site splits a compiled tower into pieces: a dynamo cache lookup
+    # and, under CUDA graphs, a graph launch each, which costs more than the FP8 GEMMs save.
+    _needs_fp8()
+    model = _mlp()
+    plan = LinearPlan.fp8(backend="torch_scaled_mm", scaling=scaling)
+    for site in sites(model).values():
+        site.set_plan(plan)
+        if scaling is Scaling.TENSORWISE:
+            site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cuda"))
+    served = serve(model)  # bf16
+    x = torch.randn(4096, 256, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = served(x)  # seeds the static scales
+        explained = torch._dynamo.explain(served)(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(served)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert torch.equal(compiled, expected)

@@ -12,7 +12,7 @@ import torch
 
 from loka_train.kernels import backends as be
 from loka_train.kernels.capability import fp8_available
-from loka_train.kernels.formats import Fp8Format, Scaling, quantize, sqnr_db
+from loka_train.kernels.formats import Fp8Format, Scaling, as_format, as_scaling, quantize, sqnr_db
 from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.kernels.registry import (
@@ -142,6 +142,23 @@ def test_problem_from_operands_checks():
         GemmProblem.from_operands(a_q, quantize(_gauss(4, 16), "e4m3", "rowwise"), out_dtype=torch.float32)
     with pytest.raises(ValueError, match="scaling"):
         GemmProblem.from_operands(a_q, quantize(_gauss(4, 32), "e4m3", "tensorwise"), out_dtype=torch.float32)
+
+
+
+def test_problems_of_members_call_no_enum_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Served sites build problems in compiled code, where calling an Enum class is a graph
+    # break on some torch releases: members pass through; strings still become members.
+    a_q = quantize(_gauss(8, 32), "e4m3", "tensorwise")
+    calls: list[object] = []
+    real = type(Scaling).__call__
+    monkeypatch.setattr(type(Scaling), "__call__", lambda cls, *a, **k: (calls.append(cls), real(cls, *a, **k))[1])
+    p = GemmProblem.from_operands(a_q, a_q, out_dtype=torch.bfloat16)
+    assert calls == [] and p.scaling is Scaling.TENSORWISE and p.fmt is Fp8Format.E4M3
+    assert (as_format(Fp8Format.E5M2), as_scaling(Scaling.ROWWISE)) == (Fp8Format.E5M2, Scaling.ROWWISE) and calls == []
+    q = GemmProblem(m=1, k=16, n=16, fmt="e5m2", scaling="rowwise", device_type="cpu", out_dtype=torch.float32,
+                    fmt_b="e4m3")
+    assert (q.fmt, q.fmt_b, q.scaling) == (Fp8Format.E5M2, Fp8Format.E4M3, Scaling.ROWWISE)
+    assert set(calls) == {Fp8Format, Scaling}
 
 
 # ---------------------------------------------------------------- backends on CPU
