@@ -80,6 +80,7 @@ from loka_train.export import (
     InferenceDecision,
     SafeForwards,
     ServeConfig,
+    compile_served,
     decide_for_batch,
     forward_ledger,
     load_trained,
@@ -88,8 +89,6 @@ from loka_train.export import (
 )
 from loka_train.export.config import EMBEDDINGS
 from loka_train.job import JobConfig, run_job
-from loka_train.runtime.compile import compile_options
-from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +202,7 @@ def build(
                                                 safe=safe)
             serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
     if "+compile" in variant:
-        compile_dense(model, graphs=variant.endswith("+graphs"))
+        compile_served(model, graphs=variant.endswith("+graphs"))
     return model, "", decisions, safe
 
 
@@ -213,18 +212,6 @@ def _caller(batch: Any, device: torch.device) -> Callable[[nn.Module], Any]:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             return model(batch.dense_features, batch.sparse_features)
     return call
-
-
-def compile_dense(model: nn.Module, *, graphs: bool) -> list[str]:
-    """Compile the dense submodules in place as ``trainer.compile_dense`` does (static shapes),
-    with inductor's CUDA graphs when `graphs`; the embedding lookup stays eager. Their names."""
-    options = compile_options("inductor")
-    if graphs:
-        options["options"] = {**options.get("options", {}), "triton.cudagraphs": True}
-    found = dense_submodules(model, DENSE_SUBMODULES, setting="bench.inference", verb="compile")
-    for module in found.values():
-        module.compile(**options)
-    return list(found)
 
 
 def _torchao(model: nn.Module) -> str:

@@ -49,12 +49,18 @@ from loka_train.export.program import (
     load_programs,
     save_programs,
 )
-from loka_train.export.serving import ServedWeight, serve, serve_embeddings, served_sites
+from loka_train.export.serving import (
+    ServedWeight,
+    compile_served,
+    serve,
+    serve_embeddings,
+    served_sites,
+)
 
 __all__ = [
     "ExportConfig", "InferenceDecision", "Monitor", "MonitorConfig", "SafeForwards", "ServeConfig", "ServedWeight",
     "SiteNumerics",
-    "TrainedModel", "aoti_package", "compare_sites", "decide_for_batch", "export_dense", "format_decisions",
+    "TrainedModel", "aoti_package", "compare_sites", "compile_served", "decide_for_batch", "export_dense", "format_decisions",
     "format_numerics", "forward_ledger", "install_programs", "load_programs",
     "load_trained", "save_programs", "serve", "serve_embeddings", "served_sites",
 ]

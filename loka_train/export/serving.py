@@ -44,8 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loka_train.export.config import ServeConfig
-from loka_train.kernels.formats import QTensor
+from loka_train.kernels.formats import QTensor, Scaling
 from loka_train.kernels.fused import apply_activation, fuses_quantizer, layernorm_linear_served
+from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import (
     compute_dtype,
     inductor_quantizes,
@@ -53,6 +54,7 @@ from loka_train.kernels.linear import (
     run_backend,
 )
 from loka_train.kernels.plan import GemmPlan, LinearPlan
+from loka_train.kernels.registry import get_backend
 from loka_train.mods.convert import sites as find_sites
 from loka_train.mods.interaction import CrossNet
 from loka_train.mods.planned import fp8_padding
@@ -130,6 +132,20 @@ class ServedWeight(nn.Module):
         self.register_buffer("w_data", q.data)
         self.register_buffer("w_scale", q.scale)
         self.register_buffer("bias", b)
+        # The padding of K and N, and whether the backend takes the GEMM, depend on the rows only
+        # under block scaling; otherwise they are decided here (and again where the weight moves
+        # to another device), so that compiled code reads two flags instead of tracing the
+        # backends' checks (guards that dynamo evaluates at every call).
+        self.rows_matter = gemm.scaling is Scaling.BLOCK
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        problem = GemmProblem(
+            m=16, k=self.k + self.pad_k, n=self.n + self.pad_n, fmt=self.gemm.fmt, fmt_b=self.gemm.operand_b_fmt,
+            scaling=self.gemm.scaling, device_type=self.w_data.device.type, out_dtype=self.dtype,
+            fast_accum=self.gemm.fast_accum,
+        )
+        self.backend_ok, self.backend_why = get_backend(self.gemm.backend).supports(problem)
 
     def weight_source(self) -> Tensor:
         """The weight at its source now (the tensor the site is called with)."""
@@ -149,6 +165,7 @@ class ServedWeight(nn.Module):
             after = getattr(self, name)
             if before is not None and after is not None and after.dtype != before.dtype:
                 setattr(self, name, before.to(device=after.device))
+        self._check_backend()
         return self
 
     def weight_q(self) -> QTensor:
@@ -186,7 +203,7 @@ class ServedWeight(nn.Module):
         """``site``'s forward on ``x`` (of ``relu(x)`` with ``relu``) with the served weight;
         `bias`: the call's, where the site takes its bias at call time (else its own)."""
         cdtype = self._check_dtype(site, x)
-        if not self._shape_served(site, x):
+        if self.rows_matter and not self._shape_served(site, x):
             return site.linear_as_trained(x, self.weight_source(), bias, input_relu=relu)
         k, n = self.k, self.n
         site._set_mkn((x.numel() // k if k else 0, k, n))  # the shape served (what a ledger times)
@@ -201,10 +218,19 @@ class ServedWeight(nn.Module):
                 x_MK, self.gemm.fmt, self.gemm, is_weight=False, reference_quantizer=self.reference_quantizer,
                 count_fallbacks=True, static=None if slots is None else slots[_X], relu=relu,
             )
-            y_MN = run_backend(self.gemm, x_q, self.weight_q(), out_dtype=cdtype, role="forward", bias_N=bias_N)
+            y_MN = self._gemm(x_q, cdtype, bias_N)
         if self.pad_n:
             y_MN = y_MN[:, :n]
         return y_MN.reshape(*x.shape[:-1], n)
+
+    def _gemm(self, x_q: QTensor, cdtype: torch.dtype, bias_N: Tensor | None) -> Tensor:
+        """The forward GEMM on the quantized input and weight: through ``run_backend``'s checks
+        eagerly, under block scaling, and where :meth:`_check_backend` found the backend refusing
+        it (``run_backend`` then raises, naming the fix); compiled, the backend's call itself."""
+        if self.rows_matter or not self.backend_ok or not torch.compiler.is_compiling():
+            return run_backend(self.gemm, x_q, self.weight_q(), out_dtype=cdtype, role="forward", bias_N=bias_N)
+        backend: Any = get_backend(self.gemm.backend)
+        return backend(x_q, self.weight_q(), out_dtype=cdtype, bias=bias_N, fast_accum=self.gemm.fast_accum)
 
     def forward_layernorm(self, site: Fp8Linear, x: Tensor, norm: nn.LayerNorm, activation: str) -> Tensor | None:
         """``act(site(norm(x)))`` with the LayerNorm kernel emitting the FP8 input, where the
@@ -215,7 +241,7 @@ class ServedWeight(nn.Module):
         x_MK = x.reshape(-1, k)
         if self.pad_k or not fuses_quantizer(self.gemm, x_MK, self.reference_quantizer):
             return None
-        if not self._shape_served(site, x):  # counted there: the separate modules' training path
+        if self.rows_matter and not self._shape_served(site, x):  # counted there: the separate modules' path
             return apply_activation(
                 site.linear_as_trained(norm(x), site.weight, site.active_bias(), input_relu=False), activation)
         site._set_mkn((x_MK.shape[0], k, self.n))
@@ -287,6 +313,28 @@ def serve(
         sum("served" in s._modules for s in found.values()), cfg.dtype, cfg.embeddings,
     )
     return model
+
+
+def compile_served(model: nn.Module, *, graphs: bool = False) -> list[str]:
+    """Compile a served model's dense towers in place for inference: ``torch.compile`` on each
+    of ``dense_arch``, ``inter_arch`` and ``over_arch`` with the training runtime's options
+    (inductor, static shapes: one graph per batch size), with inductor's CUDA graphs where
+    ``graphs``; the embedding lookup stays eager. Their names. Serve (:func:`serve`) first:
+    plans served after the compile recompile the towers.
+
+    Raises:
+        ValueError: where the model has none of those towers, or one holds a sharded module.
+    """
+    from loka_train.runtime.compile import compile_options
+    from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
+
+    options = compile_options("inductor")
+    if graphs:
+        options["options"] = {**options.get("options", {}), "triton.cudagraphs": True}
+    found = dense_submodules(model, DENSE_SUBMODULES, setting="compile_served", verb="compile")
+    for module in found.values():
+        module.compile(**options)
+    return list(found)
 
 
 def serve_embeddings(model: nn.Module, embeddings: str) -> int:

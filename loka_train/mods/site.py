@@ -152,6 +152,9 @@ class Site(nn.Module):
         or None (dynamic scales); see :meth:`GemmSite.enable_static_scales`."""
         self._logged_fallbacks: set[str] = set()
         self.plan = LinearPlan.high_precision()
+        self.plan_fp8 = False
+        """Whether the plan runs any GEMM in FP8 (kept by :meth:`set_plan`): what compiled
+        forwards branch on, a plain flag, rather than on the plan's GEMMs (a guard each)."""
         if plan is not None:
             self.set_plan(plan)
 
@@ -171,7 +174,7 @@ class Site(nn.Module):
 
     def has_fp8(self) -> bool:
         """Whether any of this site's GEMMs runs in FP8 under its current plan."""
-        return any_fp8(self.plan)
+        return self.plan_fp8
 
     def set_plan(self, plan: LinearPlan) -> None:
         """Replace the plan (Dispatch calls this between steps; nothing is reallocated).
@@ -188,6 +191,7 @@ class Site(nn.Module):
             # site runs its plan as in training until it is served again.
             del self._modules["served"]
         self.plan = plan
+        self.plan_fp8 = any_fp8(plan)
 
     def gemm_shapes(self) -> dict[str, tuple[int, int, int]]:
         """role -> ``(m, k, n)`` of that GEMM as last run (see the module docstring)."""
@@ -206,6 +210,8 @@ class Site(nn.Module):
         # A copy (deepcopy, pickle) is a site of its own: its taps must not name the original.
         super().__setstate__(state)
         self._tap_id = probe_tap.register(self)
+        if "plan_fp8" not in self.__dict__:  # saved before sites kept the flag
+            self.plan_fp8 = any_fp8(self.plan)
 
     # ----------------------------------------------------------------------- observer
     def attach_observer(self, probe: Probe) -> None:
@@ -409,10 +415,13 @@ class GemmSite(Site):
         relu = self.input_relu if input_relu is None else input_relu
         n, k = weight.shape
         self._set_mkn((x.numel() // k if k else 0, k, n))
-        y = planned_linear(
-            x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple,
-            compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots, input_relu=relu,
-        )
+        if not self.plan_fp8:  # planned_linear's high-precision path, without reading the plan
+            y = F.linear(torch.relu(x) if relu else x, weight, bias)
+        else:
+            y = planned_linear(
+                x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple,
+                compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots, input_relu=relu,
+            )
         if self._should_observe():
             x_obs = torch.relu(x.detach()) if relu else x.detach()
             y = self._observe(x_obs.reshape(-1, k), weight.detach(), y, mkn=(x.numel() // k if k else 0, k, n))

@@ -9,10 +9,17 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import loka_train.export.serving as serving_module
-from loka_train.export import ServeConfig, compare_sites, format_numerics, serve, served_sites
+from loka_train.export import (
+    ServeConfig,
+    compare_sites,
+    compile_served,
+    format_numerics,
+    serve,
+    served_sites,
+)
 from loka_train.kernels.formats import Scaling, sqnr_db
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.mods import ModsConfig, convert, sites
@@ -636,3 +643,70 @@ def test_a_bf16_program_records_its_autocast_and_packages_outside_it(tmp_path) -
         got = package(x)
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, programs["dense_arch"].module()(x))  # emulate_precision_casts: the same codes
+
+
+def _compiled_guards(model: nn.Module, x: Tensor) -> list[str]:
+    """The sources of every guard dynamo keeps for `model` called on `x`."""
+    names: list[str] = []
+
+    def keep_all(entries: list[Any]) -> list[bool]:
+        names.extend(e.name for e in entries)
+        return [True] * len(entries)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", dynamic=False, options={"guard_filter_fn": keep_all})
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(x)
+    return names
+
+
+def test_compiled_served_sites_guard_neither_their_plans_nor_the_padding_checks() -> None:
+    # Dynamo evaluates every guard at every call: compiled served sites read flags set when they
+    # were served, not their plans' GEMMs (high-precision sites) or the backends' padding checks.
+    x = torch.randn(24, 32)
+    high = serve(_mlp(), config=ServeConfig(dtype="bf16"))
+    assert not [n for n in _compiled_guards(high, x) if ".plan." in n or n.endswith(".plan")]
+    fp8 = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="bf16"))
+    assert not [n for n in _compiled_guards(fp8, x) if "forward_plan" in n or "pad_to_multiple" in n]
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_compiled_served_sites_check_their_backend_where_it_refused(accepted: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Compiled, a served site calls its backend directly where the backend took the GEMM when it
+    # was served; elsewhere through run_backend's checks, which raise naming the fix.
+    served = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="bf16"))
+    assert served[0].served.backend_ok and served[2].served.backend_ok
+    served[0].served.backend_ok = accepted
+    checked: list[str] = []
+    real = serving_module.run_backend
+    monkeypatch.setattr(serving_module, "run_backend", lambda *a, **k: (checked.append("x"), real(*a, **k))[1])
+    torch._dynamo.reset()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(served, backend="eager")(torch.randn(8, 32))
+    assert bool(checked) is not accepted
+
+
+def test_a_site_saved_before_the_plan_flag_has_it_on_load() -> None:
+    site = Fp8Linear.from_linear(nn.Linear(32, 16), plan=LinearPlan.fp8(backend="emulated"))
+    assert site.plan_fp8 and site.has_fp8()
+    state = dict(site.__dict__)
+    del state["plan_fp8"]
+    old = Fp8Linear.__new__(Fp8Linear)
+    old.__setstate__(state)
+    assert old.plan_fp8
+    site.set_plan(LinearPlan.high_precision())
+    assert not site.plan_fp8
+
+
+def test_compile_served_compiles_the_towers() -> None:
+    model = convert(Towers(32, 64), config=ModsConfig(enabled=True, keep_last_layer_high=True))
+    names = list(sites(model))
+    served = serve(model, plans={names[0]: LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE)},
+                   config=ServeConfig(dtype="bf16"))
+    dense, sparse = torch.randn(16, 32), torch.randn(16, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = served(dense, sparse)
+        torch._dynamo.reset()
+        assert compile_served(served) == ["dense_arch", "over_arch"]
+        assert all(getattr(served, n)._compiled_call_impl is not None for n in ("dense_arch", "over_arch"))
+        assert torch.allclose(served(dense, sparse).float(), expected.float(), atol=1e-2, rtol=1e-2)
