@@ -35,6 +35,7 @@ without autograd only after serving it again, and a site given another plan
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -61,6 +62,18 @@ from loka_train.mods.planned import fp8_padding
 from loka_train.mods.site import Fp8Linear, GemmSite
 
 logger = logging.getLogger(__name__)
+
+_GEMMS: dict[str, GemmPlan] = {}
+"""Served forward plans by key. Compiled code reads a served weight's plan through this one
+table: every site serving a plan reads it from the same place, where reading it from each site's
+own attribute would be, for dynamo, one object (and its enum members) reached from several
+places, a guard per place evaluated at every call."""
+
+
+def _gemm_key(gemm: GemmPlan) -> str:
+    key = json.dumps(gemm.to_dict(), sort_keys=True)
+    _GEMMS.setdefault(key, gemm)
+    return key
 
 __all__ = ["ServedWeight", "serve", "serve_embeddings", "served_sites"]
 
@@ -111,6 +124,7 @@ class ServedWeight(nn.Module):
         weight = self.weight_source()
         bias = site.active_bias() if isinstance(site, Fp8Linear) and self.owns_bias else None
         self.gemm: GemmPlan = gemm
+        self.gemm_key = _gemm_key(gemm)
         # Built once: a LinearPlan's construction is not traceable (a graph break per call).
         self.forward_plan = LinearPlan(forward=gemm)
         self.dtype = dtype
@@ -127,7 +141,9 @@ class ServedWeight(nn.Module):
             q = quantize_operand(w, gemm.operand_b_fmt, gemm, is_weight=True,
                                  reference_quantizer=self.reference_quantizer)
             b = None if bias is None else F.pad(bias.detach().to(dtype), (0, self.pad_n))
-        self.w_fmt, self.w_scaling, self.w_axis = q.fmt, q.scaling, q.axis
+        if q.fmt is not gemm.operand_b_fmt or q.scaling is not gemm.scaling:  # weight_q takes them from the plan
+            raise AssertionError(f"{site.site_name}: weight quantized as {q.fmt}/{q.scaling} for {gemm}")
+        self.w_axis = q.axis
         self.w_block_size, self.w_block_2d = q.block_size, q.block_2d
         self.register_buffer("w_data", q.data)
         self.register_buffer("w_scale", q.scale)
@@ -152,9 +168,17 @@ class ServedWeight(nn.Module):
         holder, key = self.__dict__["source"]
         return holder[key] if isinstance(key, int) else getattr(holder, key)
 
-    def serves(self, weight: Tensor) -> bool:
-        """Whether `weight` is the one at this payload's source."""
+    def serves(self, weight: Tensor, site: GemmSite) -> bool:
+        """Whether `weight` is the one at this payload's source (`site`'s own weight where it
+        is its source: read from the site, not through the source, which compiled code would
+        guard as the site reached from a second place)."""
+        if self.owns_bias:
+            return weight is getattr(site, self.__dict__["source"][1])
         return weight is self.weight_source()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _GEMMS.setdefault(self.gemm_key, self.gemm)  # a copy, or one loaded in another process
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # model.to(dtype) / .half() / .float() would cast the FP8 codes and scales (float8 is
@@ -168,9 +192,9 @@ class ServedWeight(nn.Module):
         self._check_backend()
         return self
 
-    def weight_q(self) -> QTensor:
-        """The quantized weight, as the backends take it."""
-        return QTensor(data=self.w_data, scale=self.w_scale, fmt=self.w_fmt, scaling=self.w_scaling,
+    def weight_q(self, gemm: GemmPlan) -> QTensor:
+        """The quantized weight, as the backends take it (`gemm`: its plan, from :data:`_GEMMS`)."""
+        return QTensor(data=self.w_data, scale=self.w_scale, fmt=gemm.operand_b_fmt, scaling=gemm.scaling,
                        axis=self.w_axis, block_size=self.w_block_size, block_2d=self.w_block_2d)
 
     def _shape_served(self, site: GemmSite, x: Tensor) -> bool:
@@ -214,23 +238,24 @@ class ServedWeight(nn.Module):
             if self.pad_k:
                 x_MK = F.pad(x_MK, (0, self.pad_k))
             slots = site.static_slots
+            gemm = _GEMMS[self.gemm_key]
             x_q = quantize_operand(
-                x_MK, self.gemm.fmt, self.gemm, is_weight=False, reference_quantizer=self.reference_quantizer,
+                x_MK, gemm.fmt, gemm, is_weight=False, reference_quantizer=self.reference_quantizer,
                 count_fallbacks=True, static=None if slots is None else slots[_X], relu=relu,
             )
-            y_MN = self._gemm(x_q, cdtype, bias_N)
+            y_MN = self._gemm(gemm, x_q, cdtype, bias_N)
         if self.pad_n:
             y_MN = y_MN[:, :n]
         return y_MN.reshape(*x.shape[:-1], n)
 
-    def _gemm(self, x_q: QTensor, cdtype: torch.dtype, bias_N: Tensor | None) -> Tensor:
+    def _gemm(self, gemm: GemmPlan, x_q: QTensor, cdtype: torch.dtype, bias_N: Tensor | None) -> Tensor:
         """The forward GEMM on the quantized input and weight: through ``run_backend``'s checks
         eagerly, under block scaling, and where :meth:`_check_backend` found the backend refusing
         it (``run_backend`` then raises, naming the fix); compiled, the backend's call itself."""
         if self.rows_matter or not self.backend_ok or not torch.compiler.is_compiling():
-            return run_backend(self.gemm, x_q, self.weight_q(), out_dtype=cdtype, role="forward", bias_N=bias_N)
-        backend: Any = get_backend(self.gemm.backend)
-        return backend(x_q, self.weight_q(), out_dtype=cdtype, bias=bias_N, fast_accum=self.gemm.fast_accum)
+            return run_backend(gemm, x_q, self.weight_q(gemm), out_dtype=cdtype, role="forward", bias_N=bias_N)
+        backend: Any = get_backend(gemm.backend)
+        return backend(x_q, self.weight_q(gemm), out_dtype=cdtype, bias=bias_N, fast_accum=gemm.fast_accum)
 
     def forward_layernorm(self, site: Fp8Linear, x: Tensor, norm: nn.LayerNorm, activation: str) -> Tensor | None:
         """``act(site(norm(x)))`` with the LayerNorm kernel emitting the FP8 input, where the
@@ -239,7 +264,8 @@ class ServedWeight(nn.Module):
         cdtype = self._check_dtype(site, x)
         k = self.k
         x_MK = x.reshape(-1, k)
-        if self.pad_k or not fuses_quantizer(self.gemm, x_MK, self.reference_quantizer):
+        gemm = _GEMMS[self.gemm_key]
+        if self.pad_k or not fuses_quantizer(gemm, x_MK, self.reference_quantizer):
             return None
         if self.rows_matter and not self._shape_served(site, x):  # counted there: the separate modules' path
             return apply_activation(
@@ -249,7 +275,7 @@ class ServedWeight(nn.Module):
             lnw = None if norm.weight is None else norm.weight.to(cdtype)
             lnb = None if norm.bias is None else norm.bias.to(cdtype)
             y_MN = layernorm_linear_served(
-                x_MK.to(cdtype), lnw, lnb, norm.eps, self.weight_q(), self.bias, self.gemm,
+                x_MK.to(cdtype), lnw, lnb, norm.eps, self.weight_q(gemm), self.bias, gemm,
                 activation=activation, out_dtype=cdtype,
             )
         if self.pad_n:

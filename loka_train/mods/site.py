@@ -404,7 +404,7 @@ class GemmSite(Site):
         that weight quantized once."""
         relu = self.input_relu if input_relu is None else input_relu
         served = cast("ServedForward | None", self._modules.get("served"))
-        if served is not None and not torch.is_grad_enabled() and served.serves(weight):
+        if served is not None and not torch.is_grad_enabled() and served.serves(weight, self):
             return served(self, x, relu=relu, bias=bias)
         return self.linear_as_trained(x, weight, bias, input_relu=relu)
 
@@ -435,8 +435,8 @@ class ServedForward(Protocol):
 
     gemm: GemmPlan
 
-    def serves(self, weight: Tensor) -> bool:
-        """Whether `weight` is the one it holds quantized."""
+    def serves(self, weight: Tensor, site: GemmSite) -> bool:
+        """Whether `weight`, passed to `site`, is the one it holds quantized."""
         ...
 
     def __call__(self, site: GemmSite, x: Tensor, *, relu: bool, bias: Tensor | None = None) -> Tensor: ...

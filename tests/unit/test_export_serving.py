@@ -667,7 +667,11 @@ def test_compiled_served_sites_guard_neither_their_plans_nor_the_padding_checks(
     high = serve(_mlp(), config=ServeConfig(dtype="bf16"))
     assert not [n for n in _compiled_guards(high, x) if ".plan." in n or n.endswith(".plan")]
     fp8 = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="bf16"))
-    assert not [n for n in _compiled_guards(fp8, x) if "forward_plan" in n or "pad_to_multiple" in n]
+    guards = _compiled_guards(fp8, x)
+    assert not [n for n in guards if "forward_plan" in n or "pad_to_multiple" in n]
+    # Nor what dynamo would reach from two places (a guard per site that they are one): the plan
+    # and its enum members (read from one table), the site through its weight's source.
+    assert not [n for n in guards if "'served'].gemm." in n or "['source'][0]" in n or "w_fmt" in n]
 
 
 @pytest.mark.parametrize("accepted", [True, False])
@@ -710,3 +714,12 @@ def test_compile_served_compiles_the_towers() -> None:
         assert compile_served(served) == ["dense_arch", "over_arch"]
         assert all(getattr(served, n)._compiled_call_impl is not None for n in ("dense_arch", "over_arch"))
         assert torch.allclose(served(dense, sparse).float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_a_served_model_copied_into_a_fresh_process_finds_its_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    served = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="bf16"))
+    x = torch.randn(8, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = served(x)
+        monkeypatch.setattr(serving_module, "_GEMMS", {})  # a process that never served
+        assert torch.equal(copy.deepcopy(served)(x), expected)
