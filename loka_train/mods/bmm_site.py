@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from loka_train.kernels.plan import LinearPlan
@@ -56,7 +57,10 @@ class BmmSite(Site):
     def forward(self, a_BMK: Tensor, bt_BKN: Tensor) -> Tensor:
         b, m, k = a_BMK.shape
         self._set_mkn((b * m, k, bt_BKN.shape[-1]))
-        y = planned_bmm(a_BMK, bt_BKN, self.plan, compiled_quantizer=self.compiled_quantizer)
+        if self.plan_fp8:
+            y = planned_bmm(a_BMK, bt_BKN, self.plan, compiled_quantizer=self.compiled_quantizer)
+        else:  # planned_bmm's high-precision path, without reading the plan (a guard per GEMM)
+            y = torch.bmm(a_BMK, bt_BKN)
         if self._should_observe():
             # The first OBSERVED_BATCHES batches, as one block-diagonal GEMM: x (s*M, K) and
             # w (s*N, K); dY is the block-diagonal of those batches' gradients.

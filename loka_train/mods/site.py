@@ -527,7 +527,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         applied in the GEMM's epilogue and its backward's cast) rather than the separate
         modules: a forward the LayerNorm kernel quantizes, at a shape that needs no padding of
         ``K`` or ``M``."""
-        return self._norm_quantized(x) and self._fused_norm_padding(x) is not None
+        return self.plan_fp8 and self._norm_quantized(x) and self._fused_norm_padding(x) is not None
 
     def _norm_quantized(self, x: Tensor) -> bool:
         """Whether the LayerNorm kernel quantizes this forward's input (``kernels.fused``)."""
@@ -569,12 +569,11 @@ class Fp8Linear(GemmSite, nn.Linear):
         k = self.in_features
         if tuple(norm.normalized_shape) != (k,):
             raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} cannot feed a Linear with K={k}")
-        plan = self.plan
         served = cast("ServedForward | None", self._modules.get("served"))
         if served is not None and not torch.is_grad_enabled():
             y = served.forward_layernorm(self, x, norm, activation)
             return apply_activation(self(norm(x)), activation) if y is None else y
-        if not self._norm_quantized(x):
+        if not self.plan_fp8 or not self._norm_quantized(x):
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
             # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site. Under
@@ -597,6 +596,7 @@ class Fp8Linear(GemmSite, nn.Linear):
             return apply_activation(self(norm(x)), activation)
         pad_n = pad[2]
         self._set_mkn((m, k, n))
+        plan = self.plan
         weight, bias = self.weight, self.active_bias()
         if pad_n:
             y = layernorm_linear(

@@ -666,6 +666,18 @@ def test_compiled_served_sites_guard_neither_their_plans_nor_the_padding_checks(
     x = torch.randn(24, 32)
     high = serve(_mlp(), config=ServeConfig(dtype="bf16"))
     assert not [n for n in _compiled_guards(high, x) if ".plan." in n or n.endswith(".plan")]
+    from loka_train.mods.bmm_site import BmmSite
+
+    class NormBmm(nn.Module):  # a high-precision LayerNorm-fed site and batched site, as Wukong's
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.lin, self.bmm = nn.LayerNorm(32), Fp8Linear.from_linear(nn.Linear(32, 32)), BmmSite()
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.lin.forward_layernorm(x, self.norm, activation="relu" if self.lin.runs_fused_norm(x) else "none")
+            return self.bmm(h.reshape(4, 6, 32), h.reshape(4, 32, 6))
+
+    assert not [n for n in _compiled_guards(NormBmm(), x) if ".plan." in n or n.endswith(".plan")]
     fp8 = serve(_mlp(), plans=_plans("emulated", Scaling.TENSORWISE), config=ServeConfig(dtype="bf16"))
     guards = _compiled_guards(fp8, x)
     assert not [n for n in guards if "forward_plan" in n or "pad_to_multiple" in n]
