@@ -5,10 +5,12 @@ fused LayerNorm kernel, and under torch.compile."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import loka_train.export.serving as serving_module
 from loka_train.export import compare_sites, serve, served_sites
@@ -79,26 +81,27 @@ def test_the_fused_layernorm_feeds_a_served_site_on_the_gpu() -> None:
     assert rows[0].local_sqnr_db > 25
 
 
-@pytest.mark.parametrize("backend", ["torch_scaled_mm", "triton"])
-def test_served_towers_export_and_compile_ahead_of_time_on_the_gpu(backend, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def _served_towers(plan: LinearPlan | None) -> tuple[nn.Module, dict[str, Any]]:
     from types import SimpleNamespace
 
-    from loka_train.export import (
-        aoti_package,
-        export_dense,
-        install_programs,
-        load_programs,
-        save_programs,
-    )
+    from loka_train.export import export_dense
 
-    _needs_fp8()
     model = convert(Towers(256, 512), config=ModsConfig(enabled=True, keep_last_layer_high=True)).cuda()
-    for site in sites(model).values():  # the logit layer stays an nn.Linear (keep_last_layer_high)
-        site.set_plan(LinearPlan.fp8(backend=backend, scaling=Scaling.ROWWISE))
+    if plan is not None:
+        for site in sites(model).values():  # the logit layer stays an nn.Linear (keep_last_layer_high)
+            site.set_plan(plan)
     served = serve(model)  # bf16
     batch = SimpleNamespace(dense_features=torch.randn(4096, 256, device="cuda"),
                             sparse_features=torch.randn(4096, 256, device="cuda"))
-    programs = export_dense(served, batch)
+    return served, export_dense(served, batch)
+
+
+@pytest.mark.parametrize("backend", ["torch_scaled_mm", "triton"])
+def test_served_towers_export_as_programs_on_the_gpu(backend, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from loka_train.export import install_programs, load_programs, save_programs
+
+    _needs_fp8()
+    served, programs = _served_towers(LinearPlan.fp8(backend=backend, scaling=Scaling.ROWWISE))
     save_programs(programs, tmp_path)
     compiled = copy.deepcopy(served)
     for module in (compiled.dense_arch, compiled.over_arch):
@@ -106,12 +109,51 @@ def test_served_towers_export_and_compile_ahead_of_time_on_the_gpu(backend, tmp_
     fresh = install_programs(copy.deepcopy(served), load_programs(tmp_path))
     x, s = torch.randn(1000, 256, device="cuda"), torch.randn(1000, 256, device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        expected = compiled(x, s)
-        assert torch.equal(fresh(x, s), expected)
-        if backend != "torch_scaled_mm":  # one AOTInductor build (a C++ compile) per run of this file
-            return
-        package = torch._inductor.aoti_load_package(str(aoti_package(programs["dense_arch"], tmp_path / "d.pt2")))
-        assert torch.allclose(package(x).float(), programs["dense_arch"].module()(x).float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(fresh(x, s), compiled(x, s))
+
+
+_LOAD_PACKAGE = """
+import sys, torch
+import loka_train.export  # registers the FP8 ops a package may call
+package = torch._inductor.aoti_load_package(sys.argv[1])
+with torch.no_grad():
+    torch.save(package(torch.load(sys.argv[2])).cpu(), sys.argv[3])
+"""
+
+
+def _load_in_a_process(package: Path, x: Tensor, tmp_path: Path) -> tuple[int, str, Tensor | None]:
+    """Load and call `package` in a fresh process (a runtime that crashes takes only that one):
+    its return code, the end of its error output, and its output."""
+    import subprocess
+    import sys
+
+    x_path, y_path = tmp_path / f"{package.stem}_x.pt", tmp_path / f"{package.stem}_y.pt"
+    torch.save(x, x_path)
+    done = subprocess.run([sys.executable, "-c", _LOAD_PACKAGE, str(package), str(x_path), str(y_path)],
+                          capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stderr[-500:], torch.load(y_path) if done.returncode == 0 else None
+
+
+def test_served_towers_compile_ahead_of_time_on_the_gpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # One AOTInductor build (a C++ compile) of the FP8 tower, and one of a bf16 tower without
+    # LoKA's ops: where this torch's AOTInductor runtime cannot load even that one, the FP8
+    # package is not LoKA's to fix (the test says so instead of asserting on it).
+    from loka_train.export import aoti_package
+
+    _needs_fp8()
+    x = torch.randn(1000, 256, device="cuda")
+    _, fp8 = _served_towers(LinearPlan.fp8(backend="torch_scaled_mm", scaling=Scaling.ROWWISE))
+    _, bf16 = _served_towers(None)
+    rc, err, got = _load_in_a_process(aoti_package(fp8["dense_arch"], tmp_path / "fp8.pt2"), x, tmp_path)
+    if rc != 0:
+        rc_bf16, err_bf16, _ = _load_in_a_process(aoti_package(bf16["dense_arch"], tmp_path / "bf16.pt2"), x, tmp_path)
+        if rc_bf16 != 0:
+            pytest.skip(f"torch {torch.__version__}'s AOTInductor runtime fails to load a bf16 package without "
+                        f"LoKA's ops too (return code {rc_bf16}: {err_bf16[-200:]})")
+    assert rc == 0, err
+    with torch.no_grad():
+        expected = fp8["dense_arch"].module()(x).float().cpu()
+    assert got is not None and torch.allclose(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE])
