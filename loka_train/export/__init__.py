@@ -8,7 +8,8 @@
 * :class:`Monitor` (:mod:`.monitor`): a served model's requests, with each FP8 site's SQNR
   watched on a sampled fraction and a site flagged when it turns unsafe;
 * :func:`export_dense` (:mod:`.program`): the served dense submodules as ``torch.export``
-  programs (saved, loaded, installed back, or compiled by AOTInductor);
+  programs (saved, loaded, installed back, or compiled by AOTInductor); :func:`compile_served`
+  compiles them in place with ``torch.compile`` instead;
 * :func:`decide_for_batch` (:mod:`.decide`): the plans re-decided for an inference batch size
   (the fastest of the trained FP8 forward and, with ``TrainedModel.safe_forwards``, every
   forward the Probe judged safe, kept only where it beats bf16 there);
@@ -44,6 +45,7 @@ from loka_train.export.load import TrainedModel, load_trained
 from loka_train.export.monitor import Monitor
 from loka_train.export.program import (
     aoti_package,
+    compile_served,
     export_dense,
     install_programs,
     load_programs,
@@ -51,7 +53,6 @@ from loka_train.export.program import (
 )
 from loka_train.export.serving import (
     ServedWeight,
-    compile_served,
     serve,
     serve_embeddings,
     served_sites,

@@ -11,7 +11,9 @@ tables, unsharded); the dense submodules of the DLRM family (``dense_arch``, ``i
   ``torch.export.save``); :func:`install_programs` puts the programs' modules in place of a
   model's dense submodules, so that ``model(dense, sparse)`` runs them;
 * :func:`aoti_package` compiles one program with AOTInductor into a package
-  (``torch._inductor.aoti_compile_and_package``), loaded with ``torch._inductor.aoti_load_package``.
+  (``torch._inductor.aoti_compile_and_package``), loaded with ``torch._inductor.aoti_load_package``;
+* :func:`compile_served` compiles the served towers in place with ``torch.compile`` instead (as
+  training compiles them, with inductor's CUDA graphs on request).
 
 A program holds the LoKA custom ops its sites call (the quantizers, the Triton and emulated
 GEMMs): load it in a process that imported ``loka_train`` (which registers them). It computes
@@ -42,7 +44,10 @@ from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProgramModule", "aoti_package", "export_dense", "install_programs", "load_programs", "save_programs"]
+__all__ = [
+    "ProgramModule", "aoti_package", "compile_served", "export_dense", "install_programs", "load_programs",
+    "save_programs",
+]
 
 SUFFIX = ".pt2"
 
@@ -205,3 +210,25 @@ def aoti_package(program: torch.export.ExportedProgram, path: str | Path) -> Pat
     # quantizer's rounding kept, the same codes as the program).
     options = compile_options("inductor")["options"]
     return Path(aoti_compile_and_package(program, package_path=str(path), inductor_configs=options))
+
+
+def compile_served(model: nn.Module, *, graphs: bool = False) -> list[str]:
+    """Compile a served model's dense towers in place for inference: ``torch.compile`` on each
+    of ``dense_arch``, ``inter_arch`` and ``over_arch`` with the training runtime's options
+    (inductor, static shapes: one graph per batch size), with inductor's CUDA graphs where
+    ``graphs``; the embedding lookup stays eager. Their names. Serve
+    (:func:`~loka_train.export.serve`) first: plans served after the compile recompile the
+    towers. Each batch size a tower is called with is one more entry of dynamo's cache; past its
+    ``recompile_limit`` (8 by default) dynamo runs the tower eagerly: serve a few batch sizes, or
+    raise ``torch._dynamo.config.recompile_limit``.
+
+    Raises:
+        ValueError: where the model has none of those towers, or one holds a sharded module.
+    """
+    options = compile_options("inductor")
+    if graphs:
+        options["options"] = {**options.get("options", {}), "triton.cudagraphs": True}
+    found = dense_submodules(model, DENSE_SUBMODULES, setting="compile_served", verb="compile")
+    for module in found.values():
+        module.compile(**options)
+    return list(found)

@@ -35,7 +35,6 @@ without autograd only after serving it again, and a site given another plan
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -63,19 +62,14 @@ from loka_train.mods.site import Fp8Linear, GemmSite
 
 logger = logging.getLogger(__name__)
 
-_GEMMS: dict[str, GemmPlan] = {}
-"""Served forward plans by key. Compiled code reads a served weight's plan through this one
-table: every site serving a plan reads it from the same place, where reading it from each site's
-own attribute would be, for dynamo, one object (and its enum members) reached from several
-places, a guard per place evaluated at every call."""
-
-
-def _gemm_key(gemm: GemmPlan) -> str:
-    key = json.dumps(gemm.to_dict(), sort_keys=True)
-    _GEMMS.setdefault(key, gemm)
-    return key
-
 __all__ = ["ServedWeight", "serve", "serve_embeddings", "served_sites"]
+
+_GEMMS: dict[str, GemmPlan] = {}
+"""Served forward plans by their key, append-only (a plan, once interned, never changes).
+Compiled code reads a served weight's plan through this one table: every site serving a plan
+reads it from the same place, where reading it from each site's own attribute would be, for
+dynamo, one object (and its enum members) reached from several places, a guard per place
+evaluated at every call."""
 
 _X = 0
 """Row of a site's static-scale slots that holds its input ``x`` (``kernels.static_scales``)."""
@@ -124,9 +118,10 @@ class ServedWeight(nn.Module):
         weight = self.weight_source()
         bias = site.active_bias() if isinstance(site, Fp8Linear) and self.owns_bias else None
         self.gemm: GemmPlan = gemm
-        self.gemm_key = _gemm_key(gemm)
         # Built once: a LinearPlan's construction is not traceable (a graph break per call).
         self.forward_plan = LinearPlan(forward=gemm)
+        self.gemm_key = self.forward_plan.key
+        _GEMMS.setdefault(self.gemm_key, gemm)
         self.dtype = dtype
         self.n, self.k = int(weight.shape[0]), int(weight.shape[1])
         # The site's setting, as its training forward (eager code) reads it.
@@ -150,16 +145,22 @@ class ServedWeight(nn.Module):
         self.register_buffer("bias", b)
         # The padding of K and N, and whether the backend takes the GEMM, depend on the rows only
         # under block scaling; otherwise they are decided here (and again where the weight moves
-        # to another device), so that compiled code reads two flags instead of tracing the
-        # backends' checks (guards that dynamo evaluates at every call).
+        # to another device or is loaded), so that compiled code reads flags instead of tracing
+        # the backends' checks (guards that dynamo evaluates at every call).
         self.rows_matter = gemm.scaling is Scaling.BLOCK
+        self.pad_to_multiple = site.pad_to_multiple
         self._check_backend()
 
     def _check_backend(self) -> None:
+        """Whether, on the weight's device now, the backend takes the GEMM (``backend_ok``) and
+        asks for the padding the weight was quantized with (``pads_ok``), at any number of rows
+        (scalings other than block do not read it)."""
+        device = self.w_data.device.type
+        pad = fp8_padding(self.forward_plan, 16, self.k, self.n, self.pad_to_multiple, device, self.dtype, False)
+        self.pads_ok = pad is not None and (pad[1], pad[2]) == (self.pad_k, self.pad_n)
         problem = GemmProblem(
             m=16, k=self.k + self.pad_k, n=self.n + self.pad_n, fmt=self.gemm.fmt, fmt_b=self.gemm.operand_b_fmt,
-            scaling=self.gemm.scaling, device_type=self.w_data.device.type, out_dtype=self.dtype,
-            fast_accum=self.gemm.fast_accum,
+            scaling=self.gemm.scaling, device_type=device, out_dtype=self.dtype, fast_accum=self.gemm.fast_accum,
         )
         self.backend_ok, self.backend_why = get_backend(self.gemm.backend).supports(problem)
 
@@ -179,6 +180,7 @@ class ServedWeight(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         _GEMMS.setdefault(self.gemm_key, self.gemm)  # a copy, or one loaded in another process
+        self._check_backend()  # where it is loaded, maybe with other devices or backends
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # model.to(dtype) / .half() / .float() would cast the FP8 codes and scales (float8 is
@@ -227,7 +229,7 @@ class ServedWeight(nn.Module):
         """``site``'s forward on ``x`` (of ``relu(x)`` with ``relu``) with the served weight;
         `bias`: the call's, where the site takes its bias at call time (else its own)."""
         cdtype = self._check_dtype(site, x)
-        if self.rows_matter and not self._shape_served(site, x):
+        if (self.rows_matter or not self.pads_ok) and not self._shape_served(site, x):
             return site.linear_as_trained(x, self.weight_source(), bias, input_relu=relu)
         k, n = self.k, self.n
         site._set_mkn((x.numel() // k if k else 0, k, n))  # the shape served (what a ledger times)
@@ -267,7 +269,7 @@ class ServedWeight(nn.Module):
         gemm = _GEMMS[self.gemm_key]
         if self.pad_k or not fuses_quantizer(gemm, x_MK, self.reference_quantizer):
             return None
-        if self.rows_matter and not self._shape_served(site, x):  # counted there: the separate modules' path
+        if (self.rows_matter or not self.pads_ok) and not self._shape_served(site, x):  # counted there
             return apply_activation(
                 site.linear_as_trained(norm(x), site.weight, site.active_bias(), input_relu=False), activation)
         site._set_mkn((x_MK.shape[0], k, self.n))
@@ -339,28 +341,6 @@ def serve(
         sum("served" in s._modules for s in found.values()), cfg.dtype, cfg.embeddings,
     )
     return model
-
-
-def compile_served(model: nn.Module, *, graphs: bool = False) -> list[str]:
-    """Compile a served model's dense towers in place for inference: ``torch.compile`` on each
-    of ``dense_arch``, ``inter_arch`` and ``over_arch`` with the training runtime's options
-    (inductor, static shapes: one graph per batch size), with inductor's CUDA graphs where
-    ``graphs``; the embedding lookup stays eager. Their names. Serve (:func:`serve`) first:
-    plans served after the compile recompile the towers.
-
-    Raises:
-        ValueError: where the model has none of those towers, or one holds a sharded module.
-    """
-    from loka_train.runtime.compile import compile_options
-    from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
-
-    options = compile_options("inductor")
-    if graphs:
-        options["options"] = {**options.get("options", {}), "triton.cudagraphs": True}
-    found = dense_submodules(model, DENSE_SUBMODULES, setting="compile_served", verb="compile")
-    for module in found.values():
-        module.compile(**options)
-    return list(found)
 
 
 def serve_embeddings(model: nn.Module, embeddings: str) -> int:

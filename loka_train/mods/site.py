@@ -210,8 +210,6 @@ class Site(nn.Module):
         # A copy (deepcopy, pickle) is a site of its own: its taps must not name the original.
         super().__setstate__(state)
         self._tap_id = probe_tap.register(self)
-        if "plan_fp8" not in self.__dict__:  # saved before sites kept the flag
-            self.plan_fp8 = any_fp8(self.plan)
 
     # ----------------------------------------------------------------------- observer
     def attach_observer(self, probe: Probe) -> None:

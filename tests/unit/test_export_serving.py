@@ -355,6 +355,37 @@ def test_a_padded_site_with_a_folded_relu_and_no_bias_serves_its_training_forwar
     assert torch.equal(got, expected)
 
 
+def test_a_served_weight_checks_its_padding_again_where_it_moves_or_is_copied() -> None:
+    # Served where the backend asks for K and N padded to 16; then (another device, a backend
+    # registered anew) it takes the GEMM as it is: calls run the training path, counted, rather
+    # than the weight padded for the backend as it was.
+    from loka_train.kernels.registry import register_backend
+
+    class TakesAnyShape(Aligned16):
+        def supports(self, problem: Any) -> tuple[bool, str]:
+            return True, ""
+
+    register_backend(Aligned16(), replace=True)
+    try:
+        net = convert(nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 1)),
+                      config=ModsConfig(enabled=True, pad_to_multiple=16, keep_last_layer_high=True))
+        net[0].set_plan(LinearPlan.fp8(backend=Aligned16.name, scaling=Scaling.TENSORWISE))
+        serve(net, config=ServeConfig(dtype="fp32"))
+        payload = net[0].served
+        assert (payload.pad_k, payload.pad_n) == (8, 8) and payload.pads_ok and payload.backend_ok
+        register_backend(TakesAnyShape(), replace=True)
+        copied = copy.deepcopy(net)
+        net.to("cpu")
+        assert not payload.pads_ok and not copied[0].served.pads_ok
+        x = torch.randn(16, 24)
+        with torch.no_grad():
+            got = net(x)
+            expected = net[0].linear_as_trained(x, net[0].weight, net[0].active_bias())
+        assert net[0].num_fallbacks == 1 and torch.equal(got, net[2](torch.relu(expected)))
+    finally:
+        register_backend(Aligned16(), replace=True)
+
+
 def test_a_plan_whose_padding_reads_the_rows_refuses_a_symbolic_batch() -> None:
     from loka_train.mods.site import Fp8Linear
 
@@ -683,7 +714,7 @@ def test_compiled_served_sites_guard_neither_their_plans_nor_the_padding_checks(
     assert not [n for n in guards if "forward_plan" in n or "pad_to_multiple" in n]
     # Nor what dynamo would reach from two places (a guard per site that they are one): the plan
     # and its enum members (read from one table), the site through its weight's source.
-    assert not [n for n in guards if "'served'].gemm." in n or "['source'][0]" in n or "w_fmt" in n]
+    assert not [n for n in guards if "'served'].gemm." in n or "['source'][0]" in n]
 
 
 @pytest.mark.parametrize("accepted", [True, False])
@@ -700,18 +731,6 @@ def test_compiled_served_sites_check_their_backend_where_it_refused(accepted: bo
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         torch.compile(served, backend="eager")(torch.randn(8, 32))
     assert bool(checked) is not accepted
-
-
-def test_a_site_saved_before_the_plan_flag_has_it_on_load() -> None:
-    site = Fp8Linear.from_linear(nn.Linear(32, 16), plan=LinearPlan.fp8(backend="emulated"))
-    assert site.plan_fp8 and site.has_fp8()
-    state = dict(site.__dict__)
-    del state["plan_fp8"]
-    old = Fp8Linear.__new__(Fp8Linear)
-    old.__setstate__(state)
-    assert old.plan_fp8
-    site.set_plan(LinearPlan.high_precision())
-    assert not site.plan_fp8
 
 
 def test_compile_served_compiles_the_towers() -> None:

@@ -144,7 +144,6 @@ def test_problem_from_operands_checks():
         GemmProblem.from_operands(a_q, quantize(_gauss(4, 32), "e4m3", "tensorwise"), out_dtype=torch.float32)
 
 
-
 def test_problems_of_members_call_no_enum_class(monkeypatch: pytest.MonkeyPatch) -> None:
     # Served sites build problems in compiled code, where calling an Enum class is a graph
     # break on some torch releases: members pass through; strings still become members.
