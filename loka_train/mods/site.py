@@ -525,11 +525,12 @@ class Fp8Linear(GemmSite, nn.Linear):
         applied in the GEMM's epilogue and its backward's cast) rather than the separate
         modules: a forward the LayerNorm kernel quantizes, at a shape that needs no padding of
         ``K`` or ``M``."""
-        return self.plan_fp8 and self._norm_quantized(x) and self._fused_norm_padding(x) is not None
+        return self._norm_quantized(x) and self._fused_norm_padding(x) is not None
 
     def _norm_quantized(self, x: Tensor) -> bool:
-        """Whether the LayerNorm kernel quantizes this forward's input (``kernels.fused``)."""
-        return fuses_quantizer(self.plan.forward, x, inductor_quantizes(self.compiled_quantizer))
+        """Whether the LayerNorm kernel quantizes this forward's input (``kernels.fused``); a
+        high-precision plan answers from the site's flag, without reading the plan."""
+        return self.plan_fp8 and fuses_quantizer(self.plan.forward, x, inductor_quantizes(self.compiled_quantizer))
 
     def _fused_norm_padding(self, x: Tensor) -> tuple[int, int, int] | None:
         """The fused op's padding of ``(M, K, N)`` at ``x`` (only ``N`` can be padded), or None
@@ -571,7 +572,7 @@ class Fp8Linear(GemmSite, nn.Linear):
         if served is not None and not torch.is_grad_enabled():
             y = served.forward_layernorm(self, x, norm, activation)
             return apply_activation(self(norm(x)), activation) if y is None else y
-        if not self.plan_fp8 or not self._norm_quantized(x):
+        if not self._norm_quantized(x):
             # No FP8 forward GEMM: the original composition, op for op, so the forward output
             # is bit-identical also under bf16 autocast (where the fused op's LayerNorm runs in
             # bf16, autocast's in fp32). FP8 backward GEMMs still run through this site. Under
