@@ -80,6 +80,7 @@ from loka_train.export import (
     InferenceDecision,
     SafeForwards,
     ServeConfig,
+    SkipGuards,
     compile_served,
     decide_for_batch,
     forward_ledger,
@@ -93,7 +94,7 @@ from loka_train.job import JobConfig, run_job
 logger = logging.getLogger(__name__)
 
 MODELS = ("bf16", "torchao", "loka")
-SETTINGS = ("", "+compile", "+compile+graphs")
+SETTINGS = ("", "+compile", "+compile+graphs", "+compile+skipguards", "+compile+graphs+skipguards")
 VARIANTS = (*(m + s for m in MODELS for s in SETTINGS), *("loka+decided" + s for s in SETTINGS))
 # torchao last: compiling its float8 Wukong model can take minutes.
 DEFAULT_VARIANTS = ("bf16", "bf16+compile", "bf16+compile+graphs", "loka", "loka+compile",
@@ -202,7 +203,9 @@ def build(
                                                 safe=safe)
             serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
     if "+compile" in variant:
-        compile_served(model, graphs=variant.endswith("+graphs"))
+        compile_served(model, graphs="+graphs" in variant)
+    if "+skipguards" in variant:
+        model = SkipGuards(model)
     return model, "", decisions, safe
 
 
@@ -318,8 +321,13 @@ def share_tables(model: nn.Module, donor: nn.Module | None) -> nn.Module:
     own lookup where there is none yet)."""
     if donor is None:
         return model
-    model.sparse_arch = donor.sparse_arch
+    _served(model).sparse_arch = _served(donor).sparse_arch
     return donor
+
+
+def _served(model: nn.Module) -> nn.Module:
+    """The model a variant's calls reach (inside :class:`SkipGuards`)."""
+    return model.model if isinstance(model, SkipGuards) else model
 
 
 def quality(model: nn.Module, batches: list[Any], device: torch.device) -> dict[str, float]:
@@ -412,7 +420,7 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                 row["ne_by_batch"] = {f"b{b}": quality(m, held_out, device)["ne"] for b, m in built.items()}
             models[variant] = built
         row["build_s"] = time.perf_counter() - t0
-        if variant.endswith("+graphs"):  # a graph inductor did not capture runs without CUDA graphs
+        if "+graphs" in variant:  # a graph inductor did not capture runs without CUDA graphs
             row["cudagraph_skips"] = skips["cudagraph_skips"] - skipped
         rows[variant] = row
         first = ""

@@ -44,6 +44,7 @@ from loka_train.export.decide import (
 from loka_train.export.load import TrainedModel, load_trained
 from loka_train.export.monitor import Monitor
 from loka_train.export.program import (
+    SkipGuards,
     aoti_package,
     compile_served,
     export_dense,
@@ -60,7 +61,7 @@ from loka_train.export.serving import (
 
 __all__ = [
     "ExportConfig", "InferenceDecision", "Monitor", "MonitorConfig", "SafeForwards", "ServeConfig", "ServedWeight",
-    "SiteNumerics",
+    "SiteNumerics", "SkipGuards",
     "TrainedModel", "aoti_package", "compare_sites", "compile_served", "decide_for_batch", "export_dense", "format_decisions",
     "format_numerics", "forward_ledger", "install_programs", "load_programs",
     "load_trained", "save_programs", "serve", "serve_embeddings", "served_sites",

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from loka_train.runtime.compile import compile_options
 from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
@@ -45,7 +46,7 @@ from loka_train.runtime.graphs import DENSE_SUBMODULES, dense_submodules
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ProgramModule", "aoti_package", "compile_served", "export_dense", "install_programs", "load_programs",
+    "ProgramModule", "SkipGuards", "aoti_package", "compile_served", "export_dense", "install_programs", "load_programs",
     "save_programs",
 ]
 
@@ -232,3 +233,64 @@ def compile_served(model: nn.Module, *, graphs: bool = False) -> list[str]:
     for module in found.values():
         module.compile(**options)
     return list(found)
+
+
+def _signature(value: Any) -> Any:
+    """What of a call's argument decides which of dynamo's cache entries runs it: a tensor's
+    shape, strides, dtype, device and ``requires_grad``; a ``KeyedJaggedTensor``'s keys and batch
+    size (the pooled embeddings the towers see take their shapes from those); a sequence's items';
+    anything else, its type and value where it hashes, else its identity."""
+    if isinstance(value, Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, KeyedJaggedTensor):
+        return (KeyedJaggedTensor, tuple(value.keys()), value.stride(), value.values().device)
+    if isinstance(value, (tuple, list)):
+        return (type(value), *map(_signature, value))
+    try:
+        hash(value)
+    except TypeError:
+        return (type(value), id(value))
+    return (type(value), value)
+
+
+class SkipGuards(nn.Module):
+    """A compiled served model (:func:`compile_served`) whose repeated calls skip most of dynamo's
+    guard evaluation, as a server calls it: a call like one already made (:func:`_signature` of
+    each argument, grad and inference mode, the autocast state of the arguments' device, the
+    training flag) runs under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, where
+    dynamo checks only the guards that tell its cache entries apart (those that failed when a
+    tower recompiled, and the non-parameter tensors'), not the hundreds each tower's graph holds.
+    A call unlike any before runs with every guard (compiling where it must) and makes its kind
+    known. Counts ``warm_calls`` and ``cold_calls``.
+
+    For a frozen model only: the guards skipped are those on the model's own state. After the
+    wrapped model changes (plans served again, weights loaded, a submodule replaced) call
+    :meth:`reset`, or its next calls may run a graph of the model as it was."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self._known: set[Any] = set()
+        self.warm_calls = 0
+        self.cold_calls = 0
+
+    def reset(self) -> None:
+        """Forget the calls made: every next kind of call runs once more with all of its guards."""
+        self._known.clear()
+
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        devices = {a.device.type for a in args if isinstance(a, Tensor)} or {"cpu"}
+        autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in sorted(devices))
+        return (self.model.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast,
+                _signature(args), tuple(sorted((k, _signature(v)) for k, v in kwargs.items())))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        key = self._key(args, kwargs)
+        if key in self._known:
+            self.warm_calls += 1
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self.model(*args, **kwargs)
+        out = self.model(*args, **kwargs)
+        self._known.add(key)
+        self.cold_calls += 1
+        return out

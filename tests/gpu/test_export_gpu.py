@@ -177,3 +177,23 @@ def test_served_sites_compile_without_graph_breaks_on_the_gpu(scaling) -> None: 
         compiled = torch.compile(served)(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     assert torch.equal(compiled, expected)
+
+
+def test_skip_guards_replays_each_tower_and_batch_size_its_own_cuda_graph() -> None:
+    from loka_train.export import SkipGuards, compile_served
+
+    _needs_fp8()
+    served, _ = _served_towers(LinearPlan.fp8(backend="torch_scaled_mm", scaling=Scaling.ROWWISE))
+    calls = [(torch.randn(b, 256, device="cuda"), torch.randn(b, 256, device="cuda")) for b in (512, 4096) * 3]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = [served(d, s).clone() for d, s in calls]
+        torch._dynamo.reset()
+        compile_served(served, graphs=True)
+        fast = SkipGuards(served)
+        got = []
+        for d, s in calls:
+            torch.compiler.cudagraph_mark_step_begin()
+            got.append(fast(d, s).clone())
+    for g, want in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, want, atol=2e-2, rtol=2e-2)
+    assert (fast.cold_calls, fast.warm_calls) == (2, 4)

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 import loka_train.export.serving as serving_module
 from loka_train.export import (
     ServeConfig,
+    SkipGuards,
     compare_sites,
     compile_served,
     format_numerics,
@@ -754,3 +755,72 @@ def test_a_served_model_copied_into_a_fresh_process_finds_its_plans(monkeypatch:
         expected = served(x)
         monkeypatch.setattr(serving_module, "_GEMMS", {})  # a process that never served
         assert torch.equal(copy.deepcopy(served)(x), expected)
+
+
+class _Scaled(nn.Module):
+    """A tower whose output reads a Python float: dynamo guards its value, a guard no
+    recompile has failed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.scale = 2.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_skip_guards_runs_a_known_call_without_the_model_state_guards_until_reset() -> None:
+    torch._dynamo.reset()
+    inner = _Scaled()
+    inner.compile(backend="eager")
+    model = SkipGuards(inner)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        first = model(x)
+        assert torch.equal(model(x), first)
+        assert (model.cold_calls, model.warm_calls) == (1, 1)
+        inner.scale = 3.0  # a frozen model's promise broken: a known call runs the graph as it was
+        assert torch.equal(model(x), first)
+        model.reset()  # every guard again: the change recompiles
+        assert torch.allclose(model(x), first * 1.5)
+        assert (model.cold_calls, model.warm_calls) == (2, 2)
+        # A new batch size, grad mode or dtype is a new kind of call: run with every guard.
+        assert model(torch.randn(5, 8)).shape == (5, 4)
+    with torch.enable_grad():
+        assert model(x).requires_grad
+    assert (model.cold_calls, model.warm_calls) == (4, 2)
+
+
+def test_skip_guards_over_compiled_served_towers_runs_each_tower_and_batch_size_its_own_graph() -> None:
+    # Both towers compiled in place share nn.Module._call_impl's code, and so dynamo's cache: a
+    # call that skipped the guards telling them apart would run one tower's graph for the other.
+    model = convert(Towers(32, 64), config=ModsConfig(enabled=True, keep_last_layer_high=True))
+    names = list(sites(model))
+    served = serve(model, plans={names[0]: LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE)},
+                   config=ServeConfig(dtype="bf16"))
+    calls = [(torch.randn(b, 32), torch.randn(b, 32)) for b in (16, 8, 16, 8)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = [served(d, s).float() for d, s in calls]
+        torch._dynamo.reset()
+        compile_served(served)
+        fast = SkipGuards(served)
+        for (d, s), want in zip(calls, expected, strict=True):
+            assert torch.allclose(fast(d, s).float(), want, atol=1e-2, rtol=1e-2)
+    assert (fast.cold_calls, fast.warm_calls) == (2, 2)
+
+
+def test_skip_guards_tells_calls_apart_by_their_jagged_keys_and_batch() -> None:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from loka_train.export.program import _signature
+
+    def kjt(keys: list[str], lengths: list[int]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(keys=keys, values=torch.arange(sum(lengths)), lengths=torch.tensor(lengths))
+
+    same = _signature(kjt(["a", "b"], [1, 2, 0, 3]))
+    assert _signature(kjt(["a", "b"], [2, 2, 1, 1])) == same  # other ids, the same pooled shapes
+    assert _signature(kjt(["a", "b"], [1, 2, 0, 3, 1, 1])) != same  # batch 3
+    assert _signature(kjt(["b", "a"], [1, 2, 0, 3])) != same
+    assert _signature(torch.zeros(2, 3)) != _signature(torch.zeros(3, 2))
+    assert _signature(torch.zeros(2, 3)) != _signature(torch.zeros(2, 3, dtype=torch.bfloat16))
