@@ -77,6 +77,7 @@ from loka_train.data import make_dataset
 from loka_train.data.metrics import auc, normalized_entropy
 from loka_train.dispatch.ledger import Ledger
 from loka_train.export import (
+    GateStep,
     InferenceDecision,
     SafeForwards,
     ServeConfig,
@@ -84,6 +85,7 @@ from loka_train.export import (
     compile_served,
     decide_for_batch,
     forward_ledger,
+    hold_ne,
     load_trained,
     serve,
     serve_embeddings,
@@ -121,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reference, per batch size (0: none)")
     p.add_argument("--pair-calls", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
+    p.add_argument("--ne-budget", type=float, default=None,
+                   help="hold each LoKA variant's NE within this relative budget of the bf16 model's (2e-4: 0.02%%) "
+                        "on --eval-batches other held-out batches (loka_train.export.hold_ne); default: off")
     p.add_argument("--embeddings", default="trained", choices=sorted(EMBEDDINGS),
                    help="the tables every variant serves: as trained, or TorchRec's inference modules in fp16/int8")
     p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured with the loka variant)")
@@ -144,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--profile-calls must be >= 0")
     if args.pairs < 0 or args.pair_calls < 1:
         raise SystemExit("--pairs must be >= 0 and --pair-calls >= 1")
+    if args.ne_budget is not None and not args.ne_budget >= 0:
+        raise SystemExit("--ne-budget must be >= 0 (a relative NE increase, 2e-4 for 0.02%)")
     if args.train_steps < 1 or args.decide_steps < 1:
         raise SystemExit("--train-steps and --decide-steps must be >= 1")
     return args
@@ -179,13 +186,24 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
     return job, root / config / "decided" / "latest"
 
 
+@dataclasses.dataclass
+class NeGate:
+    """``--ne-budget``: the batches the gate judges on (held-out, not those the NE is reported
+    on), the bf16 model's NE there and the budget."""
+
+    batches: list[Any]
+    reference_ne: float
+    budget: float
+
+
 def build(
-    variant: str, job: JobConfig, run: Path, device: torch.device, decide: Any = None,
-) -> tuple[nn.Module | None, str, list[InferenceDecision], SafeForwards | None]:
+    variant: str, job: JobConfig, run: Path, device: torch.device, decide: Any = None, gate: NeGate | None = None,
+) -> tuple[nn.Module | None, str, list[InferenceDecision], SafeForwards | None, list[GateStep]]:
     """The model of `variant` (called as ``model(dense, sparse) -> logits``), or None and why
     not; for ``+decided``, the plans re-decided at `decide`'s batch (``decide_for_batch``) and
-    their table."""
+    their table; with `gate`, a LoKA model's NE held to its budget (``hold_ne``), its steps."""
     decisions: list[InferenceDecision] = []
+    steps: list[GateStep] = []
     safe = None
     if variant.startswith(("bf16", "torchao")):
         plain = replace(job, loka=replace(job.loka, enabled=False))  # the trained weights, no site
@@ -193,7 +211,7 @@ def build(
         if variant.startswith("torchao"):
             why = _torchao(model)
             if why:
-                return None, why, decisions, safe
+                return None, why, decisions, safe, steps
     else:
         trained = load_trained(job, run, device=device)
         safe = trained.safe_forwards
@@ -202,11 +220,14 @@ def build(
             plans, decisions = decide_for_batch(model, _caller(decide, device), device=device,
                                                 safe=safe)
             serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
+        if gate is not None:
+            _, steps = hold_ne(model, lambda m: quality(m, gate.batches, device)["ne"], reference_ne=gate.reference_ne,
+                               budget=gate.budget, config=ServeConfig(dtype="bf16"))
     if "+compile" in variant:
         compile_served(model, graphs="+graphs" in variant)
     if "+skipguards" in variant:
         model = SkipGuards(model)
-    return model, "", decisions, safe
+    return model, "", decisions, safe, steps
 
 
 def _caller(batch: Any, device: torch.device) -> Callable[[nn.Module], Any]:
@@ -386,6 +407,13 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                  .batches(0, max(1, min(4, args.eval_batches)))] for b in args.batch_sizes}
     held_out = [x.to(device) for x in make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=last)
                 .batches(0, args.eval_batches)]
+    gate = None
+    if args.ne_budget is not None:  # the next held-out batches: the gate does not choose on those it is judged on
+        gate_batches = [x.to(device) for x in make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=last)
+                        .batches(args.eval_batches, args.eval_batches)]
+        plain = replace(job, loka=replace(job.loka, enabled=False))
+        gate = NeGate(gate_batches, quality(cast(nn.Module, load_trained(plain, run, device=device).model.model),
+                                            gate_batches, device)["ne"], args.ne_budget)
     counters = torch._dynamo.utils.counters
     skips = counters["inductor"]  # inductor's CUDA-graph skips, by reason
     for variant in args.variant_names:
@@ -393,9 +421,11 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
         skipped = skips["cudagraph_skips"]
         graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
         # A +decided variant: one model per batch size, its plans re-decided there.
-        per_batch: dict[int, tuple[nn.Module | None, str, list[InferenceDecision], SafeForwards | None]] = {}
+        per_batch: dict[int, tuple[nn.Module | None, str, list[InferenceDecision], SafeForwards | None,
+                                   list[GateStep]]] = {}
         for b in timed if "+decided" in variant else [last]:
-            per_batch[b] = made = build(variant, job, run, device, decide=timed[b][0])
+            per_batch[b] = made = build(variant, job, run, device, decide=timed[b][0],
+                                        gate=gate if variant.startswith("loka") else None)
             if made[0] is not None:  # its own tables dropped at once: one copy of them at a time
                 sharing = donor is None
                 donor = share_tables(made[0], donor)
@@ -403,7 +433,7 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                     serve_embeddings(donor, args.embeddings)
         if "+decided" not in variant:
             per_batch = {b: per_batch[last] for b in timed}
-        model, why, _, safe = per_batch[last]
+        model, why, _, safe, _ = per_batch[last]
         row: dict[str, Any] = {"config": config, "variant": variant, "status": "ok" if model is not None else why}
         if model is not None:
             built = {b: made[0] for b, made in per_batch.items() if made[0] is not None}
@@ -413,6 +443,9 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                     ledgers[b] = forward_ledger(built[b], _caller(batches[0], device), device=device, safe=safe)
                 time_calls(built[b], batches, args.warmup, device)
             row.update(quality(built[last], held_out, device))
+            if gate is not None and variant.startswith("loka"):
+                row["ne_gate"] = {f"b{b}": [_finite(dataclasses.asdict(st)) for st in made[4]]
+                                  for b, made in per_batch.items()}
             if "+decided" in variant:
                 row["decisions"] = {f"b{b}": [_finite(dataclasses.asdict(d)) for d in made[2]]
                                     for b, made in per_batch.items()}
@@ -547,6 +580,14 @@ def render(result: dict[str, Any]) -> str:
             cells.append(f"{c['samples_per_s']:,.0f}, {ratios}{of}, {c['p50_ms']:.2f} / {c['p99_ms']:.2f}")
         delta = f" ({r['ne_delta_rel_vs_ref']:+.3%})" if "ne_delta_rel_vs_ref" in r else ""
         lines.append(f"| {r['config']} | {r['variant']} | " + " | ".join(cells) + f" | {r['ne']:.5f}{delta} | {r['auc']:.4f} |")
+    gated = [r for r in result["rows"] if r.get("ne_gate")]
+    if gated:
+        lines += ["", f"NE budget ({args['ne_budget']:.4%} of bf16's NE on {args['eval_batches']} other held-out "
+                  "batches): the FP8 forwards served in high precision to hold it, and the NE there after each.", ""]
+        for r in gated:
+            for b, steps in r["ne_gate"].items():
+                trail = ", ".join(f"{st['moved'] or 'as served'} {st['ne_delta']:+.4%}" for st in steps)
+                lines.append(f"- {r['config']} {r['variant']} ({b}): {trail}; {steps[-1]['fp8_forwards']} FP8 forwards")
     profiled = [r for r in result["rows"] if r.get("profile")]
     if profiled:
         lines += ["", "Where a call's time goes (torch.profiler, per call, after the timed rounds): "

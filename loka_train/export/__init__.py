@@ -9,10 +9,13 @@
   watched on a sampled fraction and a site flagged when it turns unsafe;
 * :func:`export_dense` (:mod:`.program`): the served dense submodules as ``torch.export``
   programs (saved, loaded, installed back, or compiled by AOTInductor); :func:`compile_served`
-  compiles them in place with ``torch.compile`` instead;
+  compiles them in place with ``torch.compile`` instead, and :class:`SkipGuards` calls them
+  without re-checking dynamo's guards on the frozen model's state;
 * :func:`decide_for_batch` (:mod:`.decide`): the plans re-decided for an inference batch size
   (the fastest of the trained FP8 forward and, with ``TrainedModel.safe_forwards``, every
   forward the Probe judged safe, kept only where it beats bf16 there);
+* :func:`hold_ne` (:mod:`.gate`): the served NE held within a budget of high precision's on
+  held-out batches, the FP8 forwards that cost it most served in high precision;
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 
@@ -41,6 +44,7 @@ from loka_train.export.decide import (
     format_decisions,
     forward_ledger,
 )
+from loka_train.export.gate import GateStep, format_gate, hold_ne
 from loka_train.export.load import TrainedModel, load_trained
 from loka_train.export.monitor import Monitor
 from loka_train.export.program import (
@@ -60,9 +64,9 @@ from loka_train.export.serving import (
 )
 
 __all__ = [
-    "ExportConfig", "InferenceDecision", "Monitor", "MonitorConfig", "SafeForwards", "ServeConfig", "ServedWeight",
-    "SiteNumerics", "SkipGuards",
-    "TrainedModel", "aoti_package", "compare_sites", "compile_served", "decide_for_batch", "export_dense", "format_decisions",
-    "format_numerics", "forward_ledger", "install_programs", "load_programs",
-    "load_trained", "save_programs", "serve", "serve_embeddings", "served_sites",
+    "ExportConfig", "GateStep", "InferenceDecision", "Monitor", "MonitorConfig", "SafeForwards", "ServeConfig",
+    "ServedWeight", "SiteNumerics", "SkipGuards", "TrainedModel", "aoti_package", "compare_sites", "compile_served",
+    "decide_for_batch", "export_dense", "format_decisions", "format_gate", "format_numerics", "forward_ledger",
+    "hold_ne", "install_programs", "load_programs", "load_trained", "save_programs", "serve", "serve_embeddings",
+    "served_sites",
 ]

@@ -104,9 +104,19 @@ class ExportConfig:
     ``dynamic_batch``), block-scaled forwards are not candidates (their padding depends on the
     rows)."""
 
+    ne_budget: float | None = None
+    """Hold the served NE within this relative increase over the high-precision model's (2e-4:
+    0.02%) on held-out batches other than the evaluated ones (as many, the next ones): while it
+    is over, the FP8 forward whose move lowers the NE most is served in high precision
+    (:func:`~loka_train.export.gate.hold_ne`; the steps in ``export.json`` and ``gate.md``);
+    None: the plans as trained (or re-decided)."""
+
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"export dtype={self.dtype!r}: choose one of {sorted(DTYPES)} (or null: the run's)")
+        if self.ne_budget is not None and not self.ne_budget >= 0:
+            raise ValueError(f"export ne_budget={self.ne_budget} must be >= 0 (a relative NE increase, 2e-4 for "
+                             "0.02%), or null: no budget")
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"export eval_batches={self.eval_batches} must be >= 1")
         if self.embeddings not in EMBEDDINGS:

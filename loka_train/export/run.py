@@ -10,6 +10,9 @@ high precision, its numerics per site on the first batch
 * ``numerics.md``: the debugger's table;
 * with ``decide_batch``, ``decisions.md``: the plans re-decided for that serving batch size
   (:func:`~loka_train.export.decide_for_batch`), which the served model then runs;
+* with ``ne_budget``, ``gate.md``: the FP8 forwards served in high precision to hold the NE
+  within the budget on the next held-out batches (:func:`~loka_train.export.hold_ne`), whose
+  plans the served model then runs (the steps also in ``export.json``);
 * ``served.pt``: the served model's state dict (the FP8 weight payloads ``<site>.served.*``
   included), its plans and serve config: :func:`load_trained` and :func:`serve` rebuild the
   same model from the checkpoint, and this state dict loads into it.
@@ -32,6 +35,7 @@ from loka_train.data.metrics import auc, calibration, normalized_entropy
 from loka_train.export.config import ExportConfig, ServeConfig
 from loka_train.export.debugger import compare_sites, format_numerics
 from loka_train.export.decide import InferenceDecision, decide_for_batch, format_decisions
+from loka_train.export.gate import GateStep, format_gate, hold_ne
 from loka_train.export.load import load_trained
 from loka_train.export.program import export_dense, save_programs
 from loka_train.export.serving import serve, serve_embeddings, served_sites
@@ -98,6 +102,12 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
                                             out_dtype=serve_cfg.torch_dtype,
                                             quantize_weights_once=serve_cfg.quantize_weights_once)
         serve(trained.model, plans=plans, config=serve_cfg)
+    gate: list[GateStep] = []
+    if trained.plans and cfg.ne_budget is not None:  # judged on the next held-out batches, not the reported ones
+        judged = [b.to(device) for b in data.batches(len(batches), len(batches))]
+        plans, gate = hold_ne(trained.model, lambda m: _evaluate(m, judged, autocast)["ne"],
+                              reference_ne=_evaluate(high.model, judged, autocast)["ne"], budget=cfg.ne_budget,
+                              config=serve_cfg)
     metrics = {"served": _evaluate(trained.model, batches, autocast), "high": _evaluate(high.model, batches, autocast)}
     rows = []
     if trained.plans:
@@ -121,6 +131,8 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
         "decisions": [dataclasses.asdict(d) | {"fp8_ms": d.fp8_ms if math.isfinite(d.fp8_ms) else None}
                       for d in decisions],
         "numerics": [r.to_dict() for r in rows],
+        "ne_budget": cfg.ne_budget,
+        "ne_gate": [dataclasses.asdict(st) for st in gate],
         # Restored from the Probe's window, as a resumed run restores them.
         "static_scales": bool(job.loka.enabled and job.loka.mods.static_scales),
         "out": str(out),
@@ -130,6 +142,10 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
         (out / "decisions.md").write_text(
             f"# Plans re-decided for batch {cfg.decide_batch} on {device}: {trained.checkpoint}\n\n"
             + format_decisions(decisions) + "\n")
+    if gate:
+        (out / "gate.md").write_text(
+            f"# NE budget {cfg.ne_budget:.4%}: {trained.checkpoint}, {len(batches)} held-out "
+            "batches after the evaluated ones\n\n" + format_gate(gate) + "\n")
     (out / "numerics.md").write_text(
         f"# Numerics per site: {trained.checkpoint} (step {trained.step}), first eval batch, {dtype}\n\n"
         + (format_numerics(rows) if rows else "no LoKA site in this model: nothing in FP8") + "\n"

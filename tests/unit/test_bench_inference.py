@@ -88,6 +88,30 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     assert "| dlrm | loka |" in md and "samples/s" in md and "Where a call's time goes" in md and "(paired " in md
 
 
+def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Path) -> None:
+    out = tmp_path / "inf"
+    assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
+                 "--decide-steps", "6", "--warmup", "2", "--iters", "2", "--rounds", "1", "--eval-batches", "2",
+                 "--pairs", "0", "--profile-calls", "0", "--no-ledger", "--ne-budget", "0",
+                 "--variants", "bf16,loka,bf16+compile+skipguards,loka+compile+skipguards", "--out", str(out)]) == 0
+    result = json.loads((out / "inference.json").read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert "ne_gate" not in rows["bf16"]
+    for name in ("loka", "loka+compile+skipguards"):
+        steps = rows[name]["ne_gate"]["b16"]
+        assert steps[0]["moved"] is None and all(st["moved"] for st in steps[1:])
+        # A budget of 0: FP8 forwards go until the NE is no worse than bf16's on the gate's batches.
+        assert steps[-1]["ne_delta"] <= 0 or steps[-1]["fp8_forwards"] == 0
+        assert all(a["ne_delta"] > 0 for a in steps[:-1])
+    assert rows["loka"]["ne_gate"] == rows["loka+compile+skipguards"]["ne_gate"]
+    assert rows["loka+compile+skipguards"]["ne"] == pytest.approx(rows["loka"]["ne"], rel=1e-3)
+    assert rows["bf16+compile+skipguards"]["ne"] == pytest.approx(rows["bf16"]["ne"], rel=1e-3)
+    assert rows["loka+compile+skipguards"]["b16"]["speedup_vs_same"] > 0
+    assert "NE budget (0.0000% of bf16's NE on 2 other held-out batches)" in (out / "inference.md").read_text()
+    with pytest.raises(SystemExit, match="--ne-budget"):
+        parse_args(["--out", "x", "--ne-budget", "-1"])
+
+
 def test_bad_arguments_name_the_fix() -> None:
     with pytest.raises(SystemExit, match="unknown"):
         parse_args(["--out", "x", "--variants", "fp4"])

@@ -332,3 +332,28 @@ def test_tables_without_a_collection_or_in_another_format_name_the_fix() -> None
         serve_embeddings(torch.nn.Linear(2, 2), "fp16")
     with pytest.raises(ValueError, match="choose one of \\['fp16', 'int8'\\]"):
         serve_embeddings(torch.nn.Linear(2, 2), "trained")
+
+
+def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from launch.export import report
+
+    job, run, _ = trained_run
+    plain = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "plain"), programs=False))
+    result = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "gated"), programs=False, ne_budget=0.0))
+    gate = result["ne_gate"]
+    assert gate[0]["moved"] is None and result["ne_budget"] == 0.0 and plain["ne_gate"] == []
+    # Judged on the held-out batches after the reported ones: another NE difference as served.
+    assert gate[0]["ne_delta"] != pytest.approx(plain["ne_delta_rel_vs_high"], rel=1e-6)
+    moved = [st["moved"] for st in gate[1:]]
+    assert gate[-1]["ne_delta"] <= 0 or gate[-1]["fp8_forwards"] == 0
+    # The served plans are the gate's: what it moved serves in high precision, the rest as trained.
+    fp8 = {n for n, p in result["plans"].items() if LinearPlan.from_dict(p).forward.is_fp8}
+    trained_fp8 = {n for n, p in plain["plans"].items() if LinearPlan.from_dict(p).forward.is_fp8}
+    assert fp8 == trained_fp8 - set(moved) and len(fp8) == gate[-1]["fp8_forwards"]
+    assert all(not result["sites"][n].startswith("fp8") for n in moved)
+    if moved:
+        assert result["metrics"]["served"]["ne"] != plain["metrics"]["served"]["ne"]
+        assert "| 1 |" in (tmp_path / "gated" / "gate.md").read_text()
+        assert f"{len(moved)} FP8 forward(s) served in high precision" in report(result)
+    with pytest.raises(ValueError, match="ne_budget"):
+        ExportConfig(ne_budget=-0.1)

@@ -1,0 +1,82 @@
+"""The NE gate of a served model (``loka_train.export.gate``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from loka_train.data.metrics import normalized_entropy
+from loka_train.export import ServeConfig, format_gate, hold_ne, serve
+from loka_train.kernels.formats import Scaling
+from loka_train.kernels.plan import LinearPlan
+from loka_train.mods import ModsConfig, convert, sites
+
+FP32 = ServeConfig(dtype="fp32")
+
+
+def _served(names_fp8: tuple[str, ...] = ("0", "2", "4")) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 40), nn.ReLU(),
+                        nn.Linear(40, 1))
+    model = convert(net, config=ModsConfig(enabled=True))
+    plan = LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE)
+    return serve(model, plans=dict.fromkeys(names_fp8, plan), config=FP32)
+
+
+def _fp8(model: nn.Module) -> set[str]:
+    return {n for n, s in sites(model).items() if s.plan.forward.is_fp8}
+
+
+def test_the_gate_moves_the_forward_whose_move_lowers_the_ne_most_and_stops_within_the_budget() -> None:
+    model = _served()
+    cost = {"0": 1e-3, "2": 1e-4, "4": 3e-4}  # what each FP8 forward adds to the NE
+
+    def ne(m: nn.Module) -> float:
+        return 1.0 + sum(cost[n] for n in _fp8(m))
+
+    plans, steps = hold_ne(model, ne, reference_ne=1.0, budget=5e-4, config=FP32)
+    assert [s.moved for s in steps] == [None, "0"]
+    assert steps[0].ne_delta == pytest.approx(1.4e-3) and steps[1].ne_delta == pytest.approx(4e-4)
+    assert steps[1].tried == pytest.approx({"0": 4e-4, "2": 1.3e-3, "4": 1.1e-3})
+    assert _fp8(model) == {"2", "4"} and steps[-1].fp8_forwards == 2
+    assert {n for n, p in plans.items() if p.forward.is_fp8} == {"2", "4"}
+    # Within the budget as served: nothing moves.
+    _, kept = hold_ne(_served(), ne, reference_ne=1.0, budget=2e-3, config=FP32)
+    assert [s.moved for s in kept] == [None]
+    _, just_over = hold_ne(_served(), ne, reference_ne=1.0, budget=1.3e-3, config=FP32)
+    assert [s.moved for s in just_over] == [None, "0"]
+    # A budget no FP8 forward meets: every one moves, in the order of what they cost.
+    model = _served()
+    _, steps = hold_ne(model, ne, reference_ne=1.0, budget=0.0, config=FP32)
+    assert [s.moved for s in steps] == [None, "0", "4", "2"] and not _fp8(model)
+    assert "| 1 | 0 |" in format_gate(steps)
+
+
+def test_the_gate_serves_the_moved_sites_in_high_precision_and_the_rest_as_before() -> None:
+    model = _served()
+    x = torch.randn(256, 32)
+    high = serve(_served(()), config=FP32)
+    with torch.no_grad():
+        labels = torch.bernoulli(torch.sigmoid(high(x).reshape(-1)), generator=torch.Generator().manual_seed(1))
+
+        def ne(m: nn.Module) -> float:
+            with torch.no_grad():
+                return normalized_entropy(m(x).reshape(-1), labels)
+
+        kept = model(x)
+        _, steps = hold_ne(model, ne, reference_ne=ne(high), budget=0.0, config=FP32)
+        assert steps[0].ne_delta == pytest.approx(ne(_served()) / ne(high) - 1)
+        # Every FP8 forward moved (a budget of 0 that FP8 misses): the model is the high one.
+        if steps[-1].fp8_forwards == 0:
+            assert torch.allclose(model(x), high(x), atol=1e-6)
+        else:  # stopped within the budget: what it served then, recomputed
+            assert ne(model) / ne(high) - 1 == pytest.approx(steps[-1].ne_delta) and steps[-1].ne_delta <= 0
+        assert not torch.equal(kept, model(x))
+
+
+def test_the_gate_refuses_a_negative_budget_and_a_reference_without_an_ne() -> None:
+    with pytest.raises(ValueError, match="budget"):
+        hold_ne(_served(), lambda m: 1.0, reference_ne=1.0, budget=-1e-4, config=FP32)
+    with pytest.raises(ValueError, match="reference_ne"):
+        hold_ne(_served(), lambda m: 1.0, reference_ne=float("nan"), budget=1e-4, config=FP32)
