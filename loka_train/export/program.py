@@ -261,7 +261,11 @@ class SkipGuards(nn.Module):
     dynamo checks only the guards that tell its cache entries apart (those that failed when a
     tower recompiled, and the non-parameter tensors'), not the hundreds each tower's graph holds.
     A call unlike any before runs with every guard (compiling where it must) and makes its kind
-    known. Counts ``warm_calls`` and ``cold_calls``.
+    known. Where dynamo finds no graph for a known call without its guards (the model or the
+    process changed since: another model compiled code the towers share, a global setting
+    changed), it refuses to compile under that stance: the call then runs with every guard,
+    logged and counted (``guard_fallbacks``). Counts ``warm_calls``, ``cold_calls`` and
+    ``guard_fallbacks``.
 
     For a frozen model only: the guards skipped are those on the model's own state. After the
     wrapped model changes (plans served again, weights loaded, a submodule replaced) call
@@ -273,6 +277,7 @@ class SkipGuards(nn.Module):
         self._known: set[Any] = set()
         self.warm_calls = 0
         self.cold_calls = 0
+        self.guard_fallbacks = 0
 
     def reset(self) -> None:
         """Forget the calls made: every next kind of call runs once more with all of its guards."""
@@ -287,9 +292,21 @@ class SkipGuards(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         key = self._key(args, kwargs)
         if key in self._known:
-            self.warm_calls += 1
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self.model(*args, **kwargs)
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    out = self.model(*args, **kwargs)
+            except RuntimeError as exc:
+                if "skip_guard_eval_unsafe" not in str(exc):
+                    raise
+                # Dynamo found no graph for the call without its guards and refuses to compile
+                # there (the model or the process changed since this kind of call ran, e.g.
+                # another model compiled code the towers share): run it with every guard.
+                self.guard_fallbacks += 1
+                logger.warning("SkipGuards: a known call needed a new graph (%s); ran it with every guard "
+                               "(%d such calls)", str(exc).split(".")[0], self.guard_fallbacks)
+            else:
+                self.warm_calls += 1
+                return out
         out = self.model(*args, **kwargs)
         self._known.add(key)
         self.cold_calls += 1

@@ -792,6 +792,49 @@ def test_skip_guards_runs_a_known_call_without_the_model_state_guards_until_rese
     assert (model.cold_calls, model.warm_calls) == (4, 2)
 
 
+def test_skip_guards_computes_a_known_call_whose_telling_guard_changed() -> None:
+    torch._dynamo.reset()
+    inner = _Scaled()
+    inner.compile(backend="eager")
+    model = SkipGuards(inner)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        model(x)
+        inner.scale = 3.0
+        model.reset()
+        model(x)  # recompiled for the new value: its guard failed once, so it tells the graphs apart
+        inner.scale = 4.0  # no graph for it: dynamo compiles one, or refuses (torch 2.11) and SkipGuards falls back
+        assert torch.allclose(model(x), inner.linear(x) * 4.0)
+
+
+class _RefusesOnce(nn.Module):
+    """Raises what dynamo raises where a call under the skip stance would need a new graph, once."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message, self.raised = message, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.message and not self.raised:
+            self.raised = True
+            raise RuntimeError(self.message)
+        return x * 2
+
+
+def test_skip_guards_runs_a_known_call_with_every_guard_where_dynamo_refuses_to_compile_it() -> None:
+    inner = _RefusesOnce("")
+    model = SkipGuards(inner)
+    x = torch.randn(3, 8)
+    model(x)  # cold
+    inner.message = ("Recompilation triggered with skip_guard_eval_unsafe stance. This usually means that you "
+                     "have not warmed up your model")
+    assert torch.equal(model(x), x * 2) and model.guard_fallbacks == 1
+    assert torch.equal(model(x), x * 2) and (model.cold_calls, model.warm_calls, model.guard_fallbacks) == (2, 1, 1)
+    inner.message, inner.raised = "another error", False
+    with pytest.raises(RuntimeError, match="another error"):
+        model(x)
+
+
 def test_skip_guards_over_compiled_served_towers_runs_each_tower_and_batch_size_its_own_graph() -> None:
     # Both towers compiled in place share nn.Module._call_impl's code, and so dynamo's cache: a
     # call that skipped the guards telling them apart would run one tower's graph for the other.
