@@ -21,8 +21,11 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
 
 each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
 ``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup
-stays eager, as in training) and ``+compile+graphs`` (the same with inductor's CUDA graphs).
-Ratios: ``x ref`` against ``bf16+compile`` (the reference), ``x same`` against bf16 with the
+stays eager, as in training), ``+compile+graphs`` (the same with inductor's CUDA graphs), and
+either compiled setting ``+skipguards`` (called through ``loka_train.export.SkipGuards``: a call
+like one already made skips dynamo's guards on the frozen model's state). With ``--ne-budget``,
+each LoKA variant's NE is first held within that budget of bf16's (``loka_train.export.hold_ne``)
+on the ``--eval-batches`` held-out batches after those its NE is reported on. Ratios: ``x ref`` against ``bf16+compile`` (the reference), ``x same`` against bf16 with the
 same settings. Every variant serves the same embedding tables: as trained, or
 (``--embeddings fp16|int8``) in TorchRec's inference modules
 (``loka_train.export.serve_embeddings``).
@@ -221,7 +224,7 @@ def build(
                                                 safe=safe)
             serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
         if gate is not None:
-            _, steps = hold_ne(model, lambda m: quality(m, gate.batches, device)["ne"], reference_ne=gate.reference_ne,
+            steps = hold_ne(model, lambda m: quality(m, gate.batches, device)["ne"], reference_ne=gate.reference_ne,
                                budget=gate.budget, config=ServeConfig(dtype="bf16"))
     if "+compile" in variant:
         compile_served(model, graphs="+graphs" in variant)

@@ -91,9 +91,10 @@ def report(summary: dict) -> str:
     gate = summary.get("ne_gate") or []
     if gate:
         moved = [st["moved"] for st in gate[1:]]
-        lines.append(f"  NE budget {summary['ne_budget']:.4%}: {len(moved)} FP8 forward(s) served in high precision "
-                     f"to hold it ({', '.join(moved) or 'none'}), NE {gate[-1]['ne_delta']:+.4%} of high precision's "
-                     "on the gate's own held-out batches; table: gate.md")
+        held = (f"{len(moved)} FP8 forward(s) served in high precision to hold it ({', '.join(moved)})" if moved
+                else "within it as served")
+        lines.append(f"  NE budget {summary['ne_budget']:.4%}: {held}, NE {gate[-1]['ne_delta']:+.4%} of high "
+                     "precision's on the gate's own held-out batches; table: gate.md")
     if summary.get("programs"):
         lines.append(f"  torch.export programs of the dense towers (any batch size): {len(summary['programs'])} in dense/")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ forward left, and returns every step, so a report says which sites the budget co
 
 Example:
     >>> def ne(m): return normalized_entropy(*logits_and_labels(m, gate_batches))
-    >>> plans, steps = hold_ne(served, ne, reference_ne=ne(high), budget=2e-4, config=ServeConfig())
+    >>> steps = hold_ne(served, ne, reference_ne=ne(high), budget=2e-4, config=ServeConfig())
     >>> print(format_gate(steps))
 """
 
@@ -53,10 +53,10 @@ def _fp8_sites(model: nn.Module) -> list[str]:
 
 def hold_ne(
     model: nn.Module, ne: Callable[[nn.Module], float], *, reference_ne: float, budget: float, config: ServeConfig,
-) -> tuple[dict[str, LinearPlan], list[GateStep]]:
+) -> list[GateStep]:
     """Serve `model`'s FP8 forwards back in high precision, one at a time, until its NE is within
     `budget` of `reference_ne` (see the module docstring). `model` is changed in place (served
-    again with `config`); returns its plans (site -> the plan it serves) and the steps.
+    again with `config`); returns the steps (the sites moved: ``moved`` of each after the first).
 
     Args:
         model: a served model (:func:`~loka_train.export.serve`), eager.
@@ -95,7 +95,7 @@ def hold_ne(
     if now > budget:
         logger.warning("NE budget %.4f%%: no FP8 forward left and the NE still %+.4f%% of high precision's "
                        "(the served model differs from it elsewhere: its tables or dtype)", 100 * budget, 100 * now)
-    return {name: site.plan for name, site in find_sites(model).items()}, steps
+    return steps
 
 
 def format_gate(steps: list[GateStep]) -> str:

@@ -105,9 +105,11 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     gate: list[GateStep] = []
     if trained.plans and cfg.ne_budget is not None:  # judged on the next held-out batches, not the reported ones
         judged = [b.to(device) for b in data.batches(len(batches), len(batches))]
-        plans, gate = hold_ne(trained.model, lambda m: _evaluate(m, judged, autocast)["ne"],
-                              reference_ne=_evaluate(high.model, judged, autocast)["ne"], budget=cfg.ne_budget,
-                              config=serve_cfg)
+        gate = hold_ne(trained.model, lambda m: _evaluate(m, judged, autocast)["ne"],
+                       reference_ne=_evaluate(high.model, judged, autocast)["ne"], budget=cfg.ne_budget,
+                       config=serve_cfg)
+        moved = {st.moved for st in gate[1:]}
+        plans = {n: dataclasses.replace(p, forward=LinearPlan().forward) if n in moved else p for n, p in plans.items()}
     metrics = {"served": _evaluate(trained.model, batches, autocast), "high": _evaluate(high.model, batches, autocast)}
     rows = []
     if trained.plans:

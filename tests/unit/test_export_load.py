@@ -355,5 +355,8 @@ def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_ru
         assert result["metrics"]["served"]["ne"] != plain["metrics"]["served"]["ne"]
         assert "| 1 |" in (tmp_path / "gated" / "gate.md").read_text()
         assert f"{len(moved)} FP8 forward(s) served in high precision" in report(result)
+    lenient = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "lenient"), programs=False, ne_budget=1.0))
+    assert [st["moved"] for st in lenient["ne_gate"]] == [None] and "within it as served" in report(lenient)
+    assert lenient["plans"] == plain["plans"]
     with pytest.raises(ValueError, match="ne_budget"):
         ExportConfig(ne_budget=-0.1)
