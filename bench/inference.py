@@ -414,6 +414,9 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
     if args.ne_budget is not None:  # the next held-out batches: the gate does not choose on those it is judged on
         gate_batches = [x.to(device) for x in make_dataset(job.data, split="eval", rank=0, world_size=1, batch_size=last)
                         .batches(args.eval_batches, args.eval_batches)]
+        if len(gate_batches) < args.eval_batches:
+            raise SystemExit(f"--ne-budget: the eval split has {args.eval_batches + len(gate_batches)} batches of {last}, "
+                             f"not the {2 * args.eval_batches} the gate needs: lower --eval-batches")
         plain = replace(job, loka=replace(job.loka, enabled=False))
         gate = NeGate(gate_batches, quality(cast(nn.Module, load_trained(plain, run, device=device).model.model),
                                             gate_batches, device)["ne"], args.ne_budget)
@@ -447,8 +450,9 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                 time_calls(built[b], batches, args.warmup, device)
             row.update(quality(built[last], held_out, device))
             if gate is not None and variant.startswith("loka"):
+                # One gate per model built: per batch size for +decided, else one (judged at the largest).
                 row["ne_gate"] = {f"b{b}": [_finite(dataclasses.asdict(st)) for st in made[4]]
-                                  for b, made in per_batch.items()}
+                                  for b, made in per_batch.items() if "+decided" in variant or b == last}
             if "+decided" in variant:
                 row["decisions"] = {f"b{b}": [_finite(dataclasses.asdict(d)) for d in made[2]]
                                     for b, made in per_batch.items()}

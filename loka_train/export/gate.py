@@ -66,7 +66,8 @@ def hold_ne(
         config: how the model was served (its dtype), to serve it again the same way.
 
     Raises:
-        ValueError: where `budget` is negative or `reference_ne` not a positive number.
+        ValueError: where `budget` is negative, `reference_ne` not a positive number, or the served
+            model's NE not a number.
     """
     if not budget >= 0:
         raise ValueError(f"hold_ne: budget={budget} must be >= 0 (a relative NE increase, 2e-4 for 0.02%)")
@@ -74,7 +75,11 @@ def hold_ne(
         raise ValueError(f"hold_ne: reference_ne={reference_ne} must be a positive number")
 
     def delta() -> float:
-        return ne(model) / reference_ne - 1
+        got = ne(model)
+        if not math.isfinite(got):
+            raise ValueError(f"hold_ne: the served model's NE is {got} (plans {_fp8_sites(model)} in FP8): "
+                             "nothing to hold to a budget; check its logits (compare_sites shows where they go)")
+        return got / reference_ne - 1
 
     high = LinearPlan()
     now = delta()
@@ -84,8 +89,10 @@ def hold_ne(
         for name in fp8:
             kept = find_sites(model)[name].plan
             serve(model, plans={name: high}, config=config)
-            tried[name] = delta()
-            serve(model, plans={name: kept}, config=config)
+            try:
+                tried[name] = delta()
+            finally:  # the model as it was, whatever the trial raised
+                serve(model, plans={name: kept}, config=config)
         moved = min(tried, key=lambda n: tried[n])
         serve(model, plans={moved: high}, config=config)
         now = tried[moved]

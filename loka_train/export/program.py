@@ -235,29 +235,38 @@ def compile_served(model: nn.Module, *, graphs: bool = False) -> list[str]:
     return list(found)
 
 
+class _Unkeyed(Exception):
+    """An argument :func:`_signature` cannot tell calls apart by: the call runs with every guard."""
+
+
+_CONSTANTS = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
+
+
 def _signature(value: Any) -> Any:
     """What of a call's argument decides which of dynamo's cache entries runs it: a tensor's
     shape, strides, dtype, device and ``requires_grad``; a ``KeyedJaggedTensor``'s keys and batch
-    size (the pooled embeddings the towers see take their shapes from those); a sequence's items';
-    anything else, its type and value where it hashes, else its identity."""
+    size (the pooled embeddings the towers see take their shapes from those); a sequence's or a
+    mapping's items'; an immutable constant's value. Anything else (an object whose attributes a
+    graph may read) raises :class:`_Unkeyed`."""
     if isinstance(value, Tensor):
         return (tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
     if isinstance(value, KeyedJaggedTensor):
         return (KeyedJaggedTensor, tuple(value.keys()), value.stride(), value.values().device)
     if isinstance(value, (tuple, list)):
         return (type(value), *map(_signature, value))
-    try:
-        hash(value)
-    except TypeError:
-        return (type(value), id(value))
-    return (type(value), value)
+    if isinstance(value, Mapping):
+        return (type(value), *((_signature(k), _signature(v)) for k, v in value.items()))
+    if isinstance(value, _CONSTANTS):
+        return (type(value), value)
+    raise _Unkeyed(type(value).__name__)
 
 
 class SkipGuards(nn.Module):
     """A compiled served model (:func:`compile_served`) whose repeated calls skip most of dynamo's
     guard evaluation, as a server calls it: a call like one already made (:func:`_signature` of
     each argument, grad and inference mode, the autocast state of the arguments' device, the
-    training flag) runs under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, where
+    training flag; an argument other than tensors, jagged tensors, their sequences and mappings
+    and immutable constants makes a call never known) runs under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, where
     dynamo checks only the guards that tell its cache entries apart (those that failed when a
     tower recompiled, and the non-parameter tensors'), not the hundreds each tower's graph holds.
     A call unlike any before runs with every guard (compiling where it must) and makes its kind
@@ -284,14 +293,21 @@ class SkipGuards(nn.Module):
         self._known.clear()
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call's kind (see the class docstring); raises :class:`_Unkeyed` for an argument no
+        signature describes."""
         devices = {a.device.type for a in args if isinstance(a, Tensor)} or {"cpu"}
         autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in sorted(devices))
         return (self.model.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast,
                 _signature(args), tuple(sorted((k, _signature(v)) for k, v in kwargs.items())))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        key = self._key(args, kwargs)
-        if key in self._known:
+        try:
+            key = self._key(args, kwargs)
+        except _Unkeyed:  # an argument that no signature describes: never a known call
+            key = None
+        # Under another stance (force_eager, fail_on_recompile, ...) the caller's stance holds.
+        stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
+        if key in self._known and stance == "default":
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     out = self.model(*args, **kwargs)
@@ -308,6 +324,7 @@ class SkipGuards(nn.Module):
                 self.warm_calls += 1
                 return out
         out = self.model(*args, **kwargs)
-        self._known.add(key)
+        if key is not None:
+            self._known.add(key)
         self.cold_calls += 1
         return out

@@ -105,6 +105,12 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     gate: list[GateStep] = []
     if trained.plans and cfg.ne_budget is not None:  # judged on the next held-out batches, not the reported ones
         judged = [b.to(device) for b in data.batches(len(batches), len(batches))]
+        if len(judged) < len(batches):
+            raise ValueError(
+                f"export ne_budget: the gate judges on the {len(batches)} held-out batches after the "
+                f"{len(batches)} evaluated, but the eval split has {len(batches) + len(judged)} of batch "
+                f"{job.trainer.batch_size}: lower eval_batches to {(len(batches) + len(judged)) // 2} or less"
+            )
         gate = hold_ne(trained.model, lambda m: _evaluate(m, judged, autocast)["ne"],
                        reference_ne=_evaluate(high.model, judged, autocast)["ne"], budget=cfg.ne_budget,
                        config=serve_cfg)

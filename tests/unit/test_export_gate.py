@@ -65,6 +65,11 @@ def test_the_gate_serves_the_moved_sites_in_high_precision_and_the_rest_as_befor
 
         kept = model(x)
         steps = hold_ne(model, ne, reference_ne=ne(high), budget=0.0, config=FP32)
+        moved = {st.moved for st in steps[1:]}
+        assert moved and all(not sites(model)[n].plan.forward.is_fp8 for n in moved)
+        # The rest as before: their FP8 forward, their weight served once.
+        assert all(sites(model)[n].plan.forward.is_fp8 and sites(model)[n].served is not None
+                   for n in {"0", "2", "4"} - moved)
         assert steps[0].ne_delta == pytest.approx(ne(_served()) / ne(high) - 1)
         # Every FP8 forward moved (a budget of 0 that FP8 misses): the model is the high one.
         if steps[-1].fp8_forwards == 0:
@@ -72,6 +77,22 @@ def test_the_gate_serves_the_moved_sites_in_high_precision_and_the_rest_as_befor
         else:  # stopped within the budget: what it served then, recomputed
             assert ne(model) / ne(high) - 1 == pytest.approx(steps[-1].ne_delta) and steps[-1].ne_delta <= 0
         assert not torch.equal(kept, model(x))
+
+
+def test_a_trial_that_raises_leaves_the_model_as_served() -> None:
+    model = _served()
+
+    def ne(m: nn.Module) -> float:
+        if "0" not in _fp8(m):
+            raise RuntimeError("evaluation failed")
+        return 1.01
+
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        hold_ne(model, ne, reference_ne=1.0, budget=0.0, config=FP32)
+    assert _fp8(model) == {"0", "2", "4"}
+    assert all(sites(model)[n].served is not None for n in ("0", "2", "4"))  # each weight served again
+    with pytest.raises(ValueError, match="NE is nan"):
+        hold_ne(_served(), lambda m: float("nan"), reference_ne=1.0, budget=1e-4, config=FP32)
 
 
 def test_the_gate_refuses_a_negative_budget_and_a_reference_without_an_ne() -> None:

@@ -835,6 +835,44 @@ def test_skip_guards_runs_a_known_call_with_every_guard_where_dynamo_refuses_to_
         model(x)
 
 
+class _Moded(nn.Module):
+    def forward(self, x: Tensor, opts: Any) -> Tensor:
+        mode = opts["mode"] if isinstance(opts, dict) else opts.mode
+        return x * 2 if mode == "double" else x * 3
+
+
+def test_skip_guards_keys_a_mapping_by_its_values_and_never_skips_for_other_objects() -> None:
+    from types import SimpleNamespace
+
+    torch._dynamo.reset()
+    inner = _Moded()
+    inner.compile(backend="eager")
+    model = SkipGuards(inner)
+    x = torch.randn(3, 8)
+    for mode, factor in [("double", 2), ("triple", 3), ("double", 2), ("triple", 3)]:
+        assert torch.equal(model(x, {"mode": mode}), x * factor)  # a fresh dict each call
+    assert (model.cold_calls, model.warm_calls) == (2, 2)
+    opts = SimpleNamespace(mode="double")  # an object whose attributes a graph reads: always guarded
+    for mode, factor in [("double", 2), ("triple", 3), ("double", 2)]:
+        opts.mode = mode
+        assert torch.equal(model(x, opts), x * factor)
+    assert (model.cold_calls, model.warm_calls) == (5, 2)
+
+
+def test_skip_guards_leaves_a_callers_other_stance_in_force() -> None:
+    torch._dynamo.reset()
+    inner = _Scaled()
+    inner.compile(backend="eager")
+    model = SkipGuards(inner)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        model(x)
+        with torch.compiler.set_stance("force_eager"):
+            inner.scale = 5.0  # eager: the new value, whatever graph is cached
+            assert torch.allclose(model(x), inner.linear(x) * 5.0)
+    assert (model.cold_calls, model.warm_calls, model.guard_fallbacks) == (2, 0, 0)
+
+
 def test_skip_guards_over_compiled_served_towers_runs_each_tower_and_batch_size_its_own_graph() -> None:
     # Both towers compiled in place share nn.Module._call_impl's code, and so dynamo's cache: a
     # call that skipped the guards telling them apart would run one tower's graph for the other.
