@@ -770,12 +770,16 @@ class _Scaled(nn.Module):
         return self.linear(x) * self.scale
 
 
-def test_skip_guards_runs_a_known_call_without_the_model_state_guards_until_reset() -> None:
+def _skip_guarded(inner: nn.Module) -> tuple[SkipGuards, Tensor]:
+    """`inner` compiled in place (eager backend, a fresh dynamo cache) in SkipGuards, and an input."""
     torch._dynamo.reset()
-    inner = _Scaled()
     inner.compile(backend="eager")
-    model = SkipGuards(inner)
-    x = torch.randn(3, 8)
+    return SkipGuards(inner), torch.randn(3, 8)
+
+
+def test_skip_guards_runs_a_known_call_without_the_model_state_guards_until_reset() -> None:
+    inner = _Scaled()
+    model, x = _skip_guarded(inner)
     with torch.no_grad():
         first = model(x)
         assert torch.equal(model(x), first)
@@ -793,11 +797,8 @@ def test_skip_guards_runs_a_known_call_without_the_model_state_guards_until_rese
 
 
 def test_skip_guards_computes_a_known_call_whose_telling_guard_changed() -> None:
-    torch._dynamo.reset()
     inner = _Scaled()
-    inner.compile(backend="eager")
-    model = SkipGuards(inner)
-    x = torch.randn(3, 8)
+    model, x = _skip_guarded(inner)
     with torch.no_grad():
         model(x)
         inner.scale = 3.0
@@ -844,11 +845,8 @@ class _Moded(nn.Module):
 def test_skip_guards_keys_a_mapping_by_its_values_and_never_skips_for_other_objects() -> None:
     from types import SimpleNamespace
 
-    torch._dynamo.reset()
     inner = _Moded()
-    inner.compile(backend="eager")
-    model = SkipGuards(inner)
-    x = torch.randn(3, 8)
+    model, x = _skip_guarded(inner)
     for mode, factor in [("double", 2), ("triple", 3), ("double", 2), ("triple", 3)]:
         assert torch.equal(model(x, {"mode": mode}), x * factor)  # a fresh dict each call
     assert (model.cold_calls, model.warm_calls) == (2, 2)
@@ -860,11 +858,8 @@ def test_skip_guards_keys_a_mapping_by_its_values_and_never_skips_for_other_obje
 
 
 def test_skip_guards_leaves_a_callers_other_stance_in_force() -> None:
-    torch._dynamo.reset()
     inner = _Scaled()
-    inner.compile(backend="eager")
-    model = SkipGuards(inner)
-    x = torch.randn(3, 8)
+    model, x = _skip_guarded(inner)
     with torch.no_grad():
         model(x)
         with torch.compiler.set_stance("force_eager"):
