@@ -263,12 +263,13 @@ def _signature(value: Any) -> Any:
 
 class SkipGuards(nn.Module):
     """A compiled served model (:func:`compile_served`) whose repeated calls skip most of dynamo's
-    guard evaluation, as a server calls it: a call like one already made (:func:`_signature` of
+    guard evaluation, as a server calls it. A call like one already made (:func:`_signature` of
     each argument, grad and inference mode, the autocast state of the arguments' device, the
     training flag; an argument other than tensors, jagged tensors, their sequences and mappings
-    and immutable constants makes a call never known) runs under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, where
-    dynamo checks only the guards that tell its cache entries apart (those that failed when a
-    tower recompiled, and the non-parameter tensors'), not the hundreds each tower's graph holds.
+    and immutable constants makes a call never known) runs under
+    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, where dynamo checks only the
+    guards that tell its cache entries apart (those that failed when a tower recompiled, and the
+    non-parameter tensors'), not the hundreds each tower's graph holds.
     A call unlike any before runs with every guard (compiling where it must) and makes its kind
     known. Where dynamo finds no graph for a known call without its guards (the model or the
     process changed since: another model compiled code the towers share, a global setting
