@@ -271,11 +271,11 @@ class SkipGuards(nn.Module):
     guards that tell its cache entries apart (those that failed when a tower recompiled, and the
     non-parameter tensors'), not the hundreds each tower's graph holds.
     A call unlike any before runs with every guard (compiling where it must) and makes its kind
-    known. Where dynamo finds no graph for a known call without its guards (the model or the
-    process changed since: another model compiled code the towers share, a global setting
-    changed), it refuses to compile under that stance: the call then runs with every guard,
-    logged and counted (``guard_fallbacks``). Counts ``warm_calls``, ``cold_calls`` and
-    ``guard_fallbacks``.
+    known. Where a known call fails without its guards (dynamo finds no graph for it and refuses
+    to compile under that stance, as torch 2.11 does where the model or the process changed
+    since: another model compiled code the towers share, a global setting changed), it runs
+    again with every guard, logged and counted (``guard_fallbacks``), and an error of the
+    model's own raises there. Counts ``warm_calls``, ``cold_calls`` and ``guard_fallbacks``.
 
     For a frozen model only: the guards skipped are those on the model's own state. After the
     wrapped model changes (plans served again, weights loaded, a submodule replaced) call
@@ -312,15 +312,15 @@ class SkipGuards(nn.Module):
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     out = self.model(*args, **kwargs)
-            except RuntimeError as exc:
-                if "skip_guard_eval_unsafe" not in str(exc):
-                    raise
+            except Exception as exc:
                 # Dynamo found no graph for the call without its guards and refuses to compile
-                # there (the model or the process changed since this kind of call ran, e.g.
-                # another model compiled code the towers share): run it with every guard.
+                # there (torch 2.11: the model or the process changed since this kind of call
+                # ran, e.g. another model compiled code the towers share), or the call failed
+                # otherwise: run it with every guard, where an error of the model's own raises.
                 self.guard_fallbacks += 1
-                logger.warning("SkipGuards: a known call needed a new graph (%s); ran it with every guard "
-                               "(%d such calls)", str(exc).split(".")[0], self.guard_fallbacks)
+                logger.warning("SkipGuards: a known call failed without its guards (%s: %s); running it with "
+                               "every guard (%d such calls)", type(exc).__name__, str(exc).split(".")[0],
+                               self.guard_fallbacks)
             else:
                 self.warm_calls += 1
                 return out

@@ -813,9 +813,11 @@ class _RefusesOnce(nn.Module):
 
     def __init__(self, message: str) -> None:
         super().__init__()
-        self.message, self.raised = message, False
+        self.message, self.raised, self.broken = message, False, False
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.broken:
+            raise ValueError("broken")
         if self.message and not self.raised:
             self.raised = True
             raise RuntimeError(self.message)
@@ -831,9 +833,12 @@ def test_skip_guards_runs_a_known_call_with_every_guard_where_dynamo_refuses_to_
                      "have not warmed up your model")
     assert torch.equal(model(x), x * 2) and model.guard_fallbacks == 1
     assert torch.equal(model(x), x * 2) and (model.cold_calls, model.warm_calls, model.guard_fallbacks) == (2, 1, 1)
-    inner.message, inner.raised = "another error", False
-    with pytest.raises(RuntimeError, match="another error"):
+    inner.message, inner.raised = "a failure of its own", False  # fails once: the guarded call runs
+    assert torch.equal(model(x), x * 2) and model.guard_fallbacks == 2
+    inner.broken = True  # an error of the model's own raises from the guarded call
+    with pytest.raises(ValueError, match="broken"):
         model(x)
+    assert model.guard_fallbacks == 3
 
 
 class _Moded(nn.Module):
@@ -868,13 +873,16 @@ def test_skip_guards_leaves_a_callers_other_stance_in_force() -> None:
     assert (model.cold_calls, model.warm_calls, model.guard_fallbacks) == (2, 0, 0)
 
 
-def test_skip_guards_over_compiled_served_towers_runs_each_tower_and_batch_size_its_own_graph() -> None:
+@pytest.mark.parametrize("loka", [True, False])
+def test_skip_guards_over_compiled_served_towers_runs_each_tower_and_batch_size_its_own_graph(loka: bool) -> None:
     # Both towers compiled in place share nn.Module._call_impl's code, and so dynamo's cache: a
     # call that skipped the guards telling them apart would run one tower's graph for the other.
-    model = convert(Towers(32, 64), config=ModsConfig(enabled=True, keep_last_layer_high=True))
-    names = list(sites(model))
-    served = serve(model, plans={names[0]: LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE)},
-                   config=ServeConfig(dtype="bf16"))
+    served: nn.Module = Towers(32, 64)
+    if loka:  # one FP8 site (its served weight and static scales among the buffers) and high ones
+        served = convert(served, config=ModsConfig(enabled=True, keep_last_layer_high=True))
+        names = list(sites(served))
+        serve(served, plans={names[0]: LinearPlan.fp8(backend="emulated", scaling=Scaling.TENSORWISE)},
+              config=ServeConfig(dtype="bf16"))
     calls = [(torch.randn(b, 32), torch.randn(b, 32)) for b in (16, 8, 16, 8)]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = [served(d, s).float() for d, s in calls]
