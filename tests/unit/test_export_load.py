@@ -360,3 +360,22 @@ def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_ru
     assert lenient["plans"] == plain["plans"]
     with pytest.raises(ValueError, match="ne_budget"):
         ExportConfig(ne_budget=-0.1)
+
+
+def test_the_ne_gate_names_the_fix_where_the_eval_split_is_too_short(
+    trained_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    from loka_train.export import run as run_module
+
+    class Short:  # an eval split of exactly the evaluated batches
+        def __init__(self, data) -> None:  # type: ignore[no-untyped-def]
+            self.data = data
+
+        def batches(self, start: int = 0, num_steps: int | None = None):  # type: ignore[no-untyped-def]
+            return iter([]) if start else self.data.batches(start, num_steps)
+
+    real = run_module.make_dataset
+    monkeypatch.setattr(run_module, "make_dataset", lambda *a, **k: Short(real(*a, **k)))
+    job, run, _ = trained_run
+    with pytest.raises(ValueError, match="lower eval_batches to 1 or less"):
+        export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "x"), programs=False, ne_budget=1e-4))
