@@ -128,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the largest batch size for NE/AUC")
     p.add_argument("--ne-budget", type=float, default=None,
                    help="hold each LoKA variant's NE within this relative budget of the bf16 model's (2e-4: 0.02%%) "
-                        "on --eval-batches other held-out batches (loka_train.export.hold_ne); default: off")
+                        "on --eval-batches other held-out batches (loka_train.export.hold_ne), with the trained "
+                        "tables whatever --embeddings serves; default: off")
     p.add_argument("--embeddings", default="trained", choices=sorted(EMBEDDINGS),
                    help="the tables every variant serves: as trained, or TorchRec's inference modules in fp16/int8")
     p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured with the loka variant)")
