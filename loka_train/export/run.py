@@ -106,10 +106,12 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     if trained.plans and cfg.ne_budget is not None:  # judged on the next held-out batches, not the reported ones
         judged = [b.to(device) for b in data.batches(len(batches), len(batches))]
         if len(judged) < len(batches):
+            fits = (len(batches) + len(judged)) // 2
             raise ValueError(
                 f"export ne_budget: the gate judges on the {len(batches)} held-out batches after the "
                 f"{len(batches)} evaluated, but the eval split has {len(batches) + len(judged)} of batch "
-                f"{job.trainer.batch_size}: lower eval_batches to {(len(batches) + len(judged)) // 2} or less"
+                f"{job.trainer.batch_size}: " + (f"lower eval_batches to {fits} or less" if fits else
+                                                 "drop ne_budget (a split this short cannot judge it)")
             )
         gate = hold_ne(trained.model, lambda m: _evaluate(m, judged, autocast)["ne"],
                        reference_ne=_evaluate(high.model, judged, autocast)["ne"], budget=cfg.ne_budget,
