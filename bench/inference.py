@@ -476,6 +476,8 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                 if n > breaks.get(reason, 0)}}
         print(f"[inference] {config} {variant}: built and warmed up in {row['build_s']:.1f}s; {row['status']}{first}",
               flush=True)
+        if progress is not None:  # what is built so far: a time limit in a later build keeps it
+            progress(list(rows.values()))
     times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
     round_p50: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
     names = list(models)
@@ -580,7 +582,11 @@ def render(result: dict[str, Any]) -> str:
             continue
         cells = []
         for b in sizes:
-            c = r[f"b{b}"]
+            c = r.get(f"b{b}")
+            if c is None:  # built, not yet through the timed rounds (a run stopped there)
+                first = r.get("first_pass_p50_ms", {}).get(f"b{b}")
+                cells.append("-" if first is None else f"first pass p50 {first:.2f} ms, no timed rounds")
+                continue
             ratios = ", ".join(
                 f"{c[k]:.2f}x" + (f" (paired {c[p]['median']:.2f}x)" if p in c else "") if k in c else "-"
                 for k, p in (("speedup_vs_ref", "paired_vs_ref"), ("speedup_vs_same", "paired_vs_same")))

@@ -112,6 +112,27 @@ def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Pat
         parse_args(["--out", "x", "--ne-budget", "-1"])
 
 
+def test_a_run_stopped_in_a_later_build_keeps_the_variants_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.inference as inference
+
+    real = inference.build
+
+    def build(variant, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if variant == "loka":  # as a time limit stops a build that takes minutes
+            raise TimeoutError("stopped")
+        return real(variant, *args, **kwargs)
+
+    monkeypatch.setattr(inference, "build", build)
+    out = tmp_path / "inf"
+    with pytest.raises(TimeoutError):
+        main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
+              "--decide-steps", "6", "--warmup", "1", "--iters", "2", "--rounds", "1", "--eval-batches", "1",
+              "--pairs", "0", "--profile-calls", "0", "--no-ledger", "--variants", "bf16,loka", "--out", str(out)])
+    (row,) = json.loads((out / "inference.json").read_text())["rows"]
+    assert row["variant"] == "bf16" and row["status"] == "ok" and row["first_pass_p50_ms"]["b16"] > 0
+    assert "| dlrm | bf16 | first pass p50" in (out / "inference.md").read_text()
+
+
 def test_bad_arguments_name_the_fix() -> None:
     with pytest.raises(SystemExit, match="unknown"):
         parse_args(["--out", "x", "--variants", "fp4"])
