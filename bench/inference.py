@@ -25,10 +25,10 @@ stays eager, as in training), ``+compile+graphs`` (the same with inductor's CUDA
 either compiled setting ``+skipguards`` (called through ``loka_train.export.SkipGuards``: a call
 like one already made skips dynamo's guards on the frozen model's state). With ``--ne-budget``,
 each LoKA variant's NE is first held within that budget of bf16's (``loka_train.export.hold_ne``)
-on the ``--eval-batches`` held-out batches after those its NE is reported on. Ratios: ``x ref`` against ``bf16+compile`` (the reference), ``x same`` against bf16 with the
-same settings. Every variant serves the same embedding tables: as trained, or
-(``--embeddings fp16|int8``) in TorchRec's inference modules
-(``loka_train.export.serve_embeddings``).
+on the ``--eval-batches`` held-out batches after those its NE is reported on. Ratios: ``x ref``
+against ``bf16+compile`` (the reference), ``x same`` against bf16 with the same settings. Every
+variant serves the same embedding tables: as trained, or (``--embeddings fp16|int8``) in
+TorchRec's inference modules (``loka_train.export.serve_embeddings``).
 
 The forward-only ledger: for each batch size, every forward the served model runs in FP8 or the
 Probe judged safe in FP8, timed as a GEMM alone in bf16 and in its FP8 candidates (operands
