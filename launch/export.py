@@ -88,7 +88,7 @@ def report(summary: dict) -> str:
         changed = sum(d["chosen"] != d["trained"] for d in decisions)
         lines.append(f"  plans re-decided for batch {summary['decide_batch']}: {changed} of {len(decisions)} timed "
                      "forwards changed from the trained plan; table: decisions.md")
-    gate = summary.get("ne_gate") or []
+    gate = summary["ne_gate"]
     if gate:
         moved = [st["moved"] for st in gate[1:]]
         held = (f"{len(moved)} FP8 forward(s) served in high precision to hold it ({', '.join(moved)})" if moved

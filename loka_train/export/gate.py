@@ -8,10 +8,14 @@ high precision the one FP8 forward whose move brings the NE down the most (each 
 in turn: NE, not a site's SQNR, is what is held). It stops within the budget or with no FP8
 forward left, and returns every step, so a report says which sites the budget cost.
 
-Example:
-    >>> def ne(m): return normalized_entropy(*logits_and_labels(m, gate_batches))
-    >>> steps = hold_ne(served, ne, reference_ne=ne(high), budget=2e-4, config=ServeConfig())
-    >>> print(format_gate(steps))
+Example::
+
+    def ne(model):  # the NE of `model` on held-out batches the report does not use
+        logits, labels = your_eval(model, gate_batches)
+        return normalized_entropy(logits, labels)
+
+    steps = hold_ne(served, ne, reference_ne=ne(high), budget=2e-4, config=ServeConfig())
+    print(format_gate(steps))
 """
 
 from __future__ import annotations

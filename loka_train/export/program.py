@@ -13,7 +13,8 @@ tables, unsharded); the dense submodules of the DLRM family (``dense_arch``, ``i
 * :func:`aoti_package` compiles one program with AOTInductor into a package
   (``torch._inductor.aoti_compile_and_package``), loaded with ``torch._inductor.aoti_load_package``;
 * :func:`compile_served` compiles the served towers in place with ``torch.compile`` instead (as
-  training compiles them, with inductor's CUDA graphs on request).
+  training compiles them, with inductor's CUDA graphs on request), and :class:`SkipGuards` calls
+  such a model without re-checking dynamo's guards on its frozen state for calls like earlier ones.
 
 A program holds the LoKA custom ops its sites call (the quantizers, the Triton and emulated
 GEMMs): load it in a process that imported ``loka_train`` (which registers them). It computes
