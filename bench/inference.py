@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--train-steps", type=int, default=150, help="bf16 training steps per config")
     p.add_argument("--decide-steps", type=int, default=30, help="LoKA steps after them that decide the plans")
+    p.add_argument("--seed", type=int, default=0,
+                   help="trainer.seed of the training run (its initial weights and RNG): another seed, another checkpoint")
     p.add_argument("--rounds", type=int, default=3,
                    help="timed rounds: each round times every variant in turn (--iters calls each)")
     p.add_argument("--warmup", type=int, default=10)
@@ -157,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--ne-budget must be >= 0 (a relative NE increase, 2e-4 for 0.02%)")
     if args.train_steps < 1 or args.decide_steps < 1:
         raise SystemExit("--train-steps and --decide-steps must be >= 1")
+    if args.seed < 0:
+        raise SystemExit("--seed must be >= 0")
     return args
 
 
@@ -172,7 +176,7 @@ def train_run(composer: Composer, args: argparse.Namespace, config: str, root: P
         *configs[config], *data, f"trainer={'gpu' if gpu else 'cpu'}", f"trainer.device={args.device}",
         f"trainer.batch_size={args.batch_sizes[-1] if not args.dry_run else 32}",
         "trainer.eval_batches=1", "trainer.eval_every=0", "trainer.checkpoint_at_end=true",
-        "trainer.tensorboard=false", "trainer.progress_bar=false",
+        "trainer.tensorboard=false", "trainer.progress_bar=false", f"trainer.seed={args.seed}",
         *(["trainer.dense_dtype=bf16", "trainer.compile_dense=true", "trainer.cuda_graphs=true"] if gpu else []),
     ]
     base = root / config / "base"

@@ -252,3 +252,20 @@ def test_a_run_stopped_after_the_rounds_keeps_them(tmp_path: Path, monkeypatch: 
     assert rows["loka"]["b16"]["p50_ms"] > 0 and "speedup_vs_ref" in rows["loka"]["b16"]
     assert "paired_vs_ref" not in rows["loka"]["b16"] and "profile" not in rows["loka"]
     assert "| dlrm | loka |" in (out / "inference.md").read_text()
+
+
+def test_the_seed_trains_another_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+
+    import bench.inference as inference
+    from bench.e2e.variants import Composer
+
+    jobs = []
+    monkeypatch.setattr(inference, "run_job", jobs.append)  # the jobs as composed, not run
+    args = parse_args(["--out", "x", "--dry-run", "--device", "cpu", "--configs", "dlrm", "--seed", "3"])
+    with contextlib.ExitStack() as stack:
+        job, _ = inference.train_run(Composer(stack), args, "dlrm", tmp_path)
+    # The bf16 run and the LoKA decision resuming it: both with the seed.
+    assert len(jobs) == 2 and jobs[1] is job and {j.trainer.seed for j in jobs} == {3}
+    with pytest.raises(SystemExit, match="--seed"):
+        parse_args(["--out", "x", "--seed", "-1"])
