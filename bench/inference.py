@@ -230,7 +230,8 @@ def build(
             serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
         if gate is not None:
             steps = hold_ne(model, lambda m: quality(m, gate.batches, device)["ne"], reference_ne=gate.reference_ne,
-                               budget=gate.budget, config=ServeConfig(dtype="bf16"))
+                            budget=gate.budget, config=ServeConfig(dtype="bf16"),
+                            verdicts=None if safe is None else safe.verdicts)
     if "+compile" in variant:
         compile_served(model, graphs="+graphs" in variant)
     if "+skipguards" in variant:
@@ -601,10 +602,12 @@ def render(result: dict[str, Any]) -> str:
     gated = [r for r in result["rows"] if r.get("ne_gate")]
     if gated:
         lines += ["", f"NE budget ({args['ne_budget']:.4%} of bf16's NE on {args['eval_batches']} other held-out "
-                  "batches): the FP8 forwards served in high precision to hold it, and the NE there after each.", ""]
+                  "batches): each FP8 forward moved toward high precision to hold it (a tensor-wise one row-wise "
+                  "first), and the NE there after each.", ""]
         for r in gated:
             for b, steps in r["ne_gate"].items():
-                trail = ", ".join(f"{st['moved'] or 'as served'} {st['ne_delta']:+.4%}" for st in steps)
+                trail = ", ".join(f"{st['moved']} to {st.get('to', 'high')} {st['ne_delta']:+.4%}" if st["moved"]
+                                  else f"as served {st['ne_delta']:+.4%}" for st in steps)
                 lines.append(f"- {r['config']} {r['variant']} ({b}): {trail}; {steps[-1]['fp8_forwards']} FP8 forwards")
     profiled = [r for r in result["rows"] if r.get("profile")]
     if profiled:

@@ -90,8 +90,8 @@ def report(summary: dict) -> str:
                      "forwards changed from the trained plan; table: decisions.md")
     gate = summary["ne_gate"]
     if gate:
-        moved = [st["moved"] for st in gate[1:]]
-        held = (f"{len(moved)} FP8 forward(s) served in high precision to hold it ({', '.join(moved)})" if moved
+        moved = [f"{st['moved']} to {st.get('to', 'high')}" for st in gate[1:]]
+        held = (f"{len(moved)} move(s) toward high precision to hold it ({', '.join(moved)})" if moved
                 else "within it as served")
         lines.append(f"  NE budget {summary['ne_budget']:.4%}: {held}, NE {gate[-1]['ne_delta']:+.4%} of high "
                      "precision's on the gate's own held-out batches; table: gate.md")

@@ -15,7 +15,8 @@
   (the fastest of the trained FP8 forward and, with ``TrainedModel.safe_forwards``, every
   forward the Probe judged safe, kept only where it beats bf16 there);
 * :func:`hold_ne` (:mod:`.gate`): the served NE held within a budget of high precision's on
-  held-out batches, the FP8 forwards that cost it most served in high precision;
+  held-out batches, the FP8 forwards that cost it most moved one rung at a time (tensor-wise to
+  row-wise, then high precision: :func:`next_rung`);
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 
@@ -44,7 +45,7 @@ from loka_train.export.decide import (
     format_decisions,
     forward_ledger,
 )
-from loka_train.export.gate import GateStep, format_gate, hold_ne
+from loka_train.export.gate import GateStep, format_gate, hold_ne, next_rung
 from loka_train.export.load import TrainedModel, load_trained
 from loka_train.export.monitor import Monitor
 from loka_train.export.program import (
@@ -67,6 +68,6 @@ __all__ = [
     "ExportConfig", "GateStep", "InferenceDecision", "Monitor", "MonitorConfig", "SafeForwards", "ServeConfig",
     "ServedWeight", "SiteNumerics", "SkipGuards", "TrainedModel", "aoti_package", "compare_sites", "compile_served",
     "decide_for_batch", "export_dense", "format_decisions", "format_gate", "format_numerics", "forward_ledger",
-    "hold_ne", "install_programs", "load_programs", "load_trained", "save_programs", "serve", "serve_embeddings",
-    "served_sites",
+    "hold_ne", "install_programs", "load_programs", "load_trained", "next_rung", "save_programs", "serve",
+    "serve_embeddings", "served_sites",
 ]

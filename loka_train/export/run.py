@@ -10,8 +10,8 @@ high precision, its numerics per site on the first batch
 * ``numerics.md``: the debugger's table;
 * with ``decide_batch``, ``decisions.md``: the plans re-decided for that serving batch size
   (:func:`~loka_train.export.decide_for_batch`), which the served model then runs;
-* with ``ne_budget``, ``gate.md``: the FP8 forwards served in high precision to hold the NE
-  within the budget on the next held-out batches (:func:`~loka_train.export.hold_ne`), whose
+* with ``ne_budget``, ``gate.md``: the FP8 forwards moved toward high precision (a tensor-wise
+  one row-wise first) to hold the NE within the budget on the next held-out batches (:func:`~loka_train.export.hold_ne`), whose
   plans the served model then runs (the steps also in ``export.json``);
 * ``served.pt``: the served model's state dict (the FP8 weight payloads ``<site>.served.*``
   included), its plans and serve config: :func:`load_trained` and :func:`serve` rebuild the
@@ -41,6 +41,7 @@ from loka_train.export.program import export_dense, save_programs
 from loka_train.export.serving import serve, serve_embeddings, served_sites
 from loka_train.job import JobConfig
 from loka_train.kernels.plan import LinearPlan
+from loka_train.mods.convert import sites as find_sites
 from loka_train.runtime.distributed import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -115,9 +116,10 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
             )
         gate = hold_ne(trained.model, lambda m: _evaluate(m, judged, autocast)["ne"],
                        reference_ne=_evaluate(high.model, judged, autocast)["ne"], budget=cfg.ne_budget,
-                       config=serve_cfg)
+                       config=serve_cfg, verdicts=None if trained.safe_forwards is None else trained.safe_forwards.verdicts)
         moved = {st.moved for st in gate[1:]}
-        plans = {n: dataclasses.replace(p, forward=LinearPlan().forward) if n in moved else p for n, p in plans.items()}
+        now = find_sites(trained.model)  # the moved sites' forwards as the gate left them
+        plans = {n: dataclasses.replace(p, forward=now[n].plan.forward) if n in moved else p for n, p in plans.items()}
     metrics = {"served": _evaluate(trained.model, batches, autocast), "high": _evaluate(high.model, batches, autocast)}
     rows = []
     if trained.plans:

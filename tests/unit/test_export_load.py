@@ -346,15 +346,25 @@ def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_ru
     assert gate[0]["ne_delta"] != pytest.approx(plain["ne_delta_rel_vs_high"], rel=1e-6)
     moved = [st["moved"] for st in gate[1:]]
     assert gate[-1]["ne_delta"] <= 0 or gate[-1]["fp8_forwards"] == 0
-    # The served plans are the gate's: what it moved serves in high precision, the rest as trained.
-    fp8 = {n for n, p in result["plans"].items() if LinearPlan.from_dict(p).forward.is_fp8}
-    trained_fp8 = {n for n, p in plain["plans"].items() if LinearPlan.from_dict(p).forward.is_fp8}
-    assert fp8 == trained_fp8 - set(moved) and len(fp8) == gate[-1]["fp8_forwards"]
-    assert all(not result["sites"][n].startswith("fp8") for n in moved)
+    # The served plans are the gate's: each moved site's forward where the gate left it (row-wise
+    # or high precision), the rest as trained.
+    now = {st["moved"]: st["to"] for st in gate[1:]}
+    forwards = {n: str(LinearPlan.from_dict(p).forward) for n, p in result["plans"].items()}
+    trained = {n: str(LinearPlan.from_dict(p).forward) for n, p in plain["plans"].items()}
+    assert forwards == {**trained, **now} and sum(f != "high" for f in forwards.values()) == gate[-1]["fp8_forwards"]
+    assert all(result["sites"][n].startswith("fp8") == (to != "high") for n, to in now.items())
     if moved:
         assert result["metrics"]["served"]["ne"] != plain["metrics"]["served"]["ne"]
         assert "| 1 |" in (tmp_path / "gated" / "gate.md").read_text()
-        assert f"{len(moved)} FP8 forward(s) served in high precision" in report(result)
+        assert f"{len(moved)} move(s) toward high precision to hold it ({moved[0]} to {gate[1]['to']}" in report(result)
+    # A budget just under the NE as served: one move, a tensor-wise forward gone row-wise here,
+    # and the served plans carry it.
+    near = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "near"), programs=False,
+                                        ne_budget=0.99 * gate[0]["ne_delta"]))
+    (step,) = near["ne_gate"][1:]
+    assert step["to"].startswith("fp8:e4m3/rowwise") and step["fp8_forwards"] == gate[0]["fp8_forwards"]
+    assert str(LinearPlan.from_dict(near["plans"][step["moved"]]).forward) == step["to"]
+    assert near["sites"][step["moved"]].startswith("fp8")
     lenient = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "lenient"), programs=False, ne_budget=1.0))
     assert [st["moved"] for st in lenient["ne_gate"]] == [None] and "within it as served" in report(lenient)
     assert lenient["plans"] == plain["plans"]
