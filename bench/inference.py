@@ -18,6 +18,9 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
   (``loka_train.export.decide_for_batch``: the fastest of the trained FP8 forward and every
   forward the Probe judged safe, kept where it beats bf16 at that batch), one model per batch
   size, their tables in the JSON;
+* ``loka+gatehigh`` (with ``--ne-budget``): ``loka`` whose NE gate moves each forward straight
+  to high precision (``hold_ne(rowwise_first=False)``), against the gate's default of a
+  tensor-wise forward row-wise first: what each costs in speed at the same budget;
 
 each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
 ``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup
@@ -100,7 +103,8 @@ logger = logging.getLogger(__name__)
 
 MODELS = ("bf16", "torchao", "loka")
 SETTINGS = ("", "+compile", "+compile+graphs", "+compile+skipguards", "+compile+graphs+skipguards")
-VARIANTS = (*(m + s for m in MODELS for s in SETTINGS), *("loka+decided" + s for s in SETTINGS))
+VARIANTS = (*(m + s for m in MODELS for s in SETTINGS), *(v + s for v in ("loka+decided", "loka+gatehigh")
+                                                           for s in SETTINGS))
 # torchao last: compiling its float8 Wukong model can take minutes.
 DEFAULT_VARIANTS = ("bf16", "bf16+compile", "bf16+compile+graphs", "loka", "loka+compile",
                     "loka+compile+graphs", "loka+decided+compile", "torchao+compile")
@@ -161,6 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--train-steps and --decide-steps must be >= 1")
     if args.seed < 0:
         raise SystemExit("--seed must be >= 0")
+    if args.ne_budget is None and any("+gatehigh" in v for v in args.variant_names):
+        raise SystemExit("--variants: a +gatehigh variant compares NE gates: give --ne-budget too (2e-4: 0.02%)")
     return args
 
 
@@ -231,7 +237,7 @@ def build(
         if gate is not None:
             steps = hold_ne(model, lambda m: quality(m, gate.batches, device)["ne"], reference_ne=gate.reference_ne,
                             budget=gate.budget, config=ServeConfig(dtype="bf16"),
-                            verdicts=None if safe is None else safe.verdicts)
+                            verdicts=None if safe is None else safe.verdicts, rowwise_first="+gatehigh" not in variant)
     if "+compile" in variant:
         compile_served(model, graphs="+graphs" in variant)
     if "+skipguards" in variant:
@@ -374,7 +380,8 @@ def quality(model: nn.Module, batches: list[Any], device: torch.device) -> dict[
 
 def same_settings(variant: str) -> str:
     """The bf16 variant with `variant`'s runtime settings."""
-    return "bf16" + variant[len(next(m for m in MODELS if variant.startswith(m))):].replace("+decided", "")
+    rest = variant[len(next(m for m in MODELS if variant.startswith(m))):]
+    return "bf16" + rest.replace("+decided", "").replace("+gatehigh", "")
 
 
 def allow_compiles(args: argparse.Namespace) -> Any:

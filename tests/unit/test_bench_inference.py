@@ -93,7 +93,8 @@ def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Pat
     assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
                  "--decide-steps", "6", "--warmup", "2", "--iters", "2", "--rounds", "1", "--eval-batches", "2",
                  "--pairs", "0", "--profile-calls", "0", "--no-ledger", "--ne-budget", "0",
-                 "--variants", "bf16,loka,bf16+compile+skipguards,loka+compile+skipguards", "--out", str(out)]) == 0
+                 "--variants", "bf16,loka,bf16+compile+skipguards,loka+compile+skipguards,loka+gatehigh",
+                 "--out", str(out)]) == 0
     result = json.loads((out / "inference.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert "ne_gate" not in rows["bf16"]
@@ -104,12 +105,21 @@ def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Pat
         assert steps[-1]["ne_delta"] <= 0 or steps[-1]["fp8_forwards"] == 0
         assert all(a["ne_delta"] > 0 for a in steps[:-1])
     assert rows["loka"]["ne_gate"] == rows["loka+compile+skipguards"]["ne_gate"]
+    # The gate's rungs: the default takes a tensor-wise forward row-wise first, +gatehigh straight
+    # to high precision, on the same checkpoint.
+    assert any(st["to"].startswith("fp8:") for st in rows["loka"]["ne_gate"]["b16"][1:])
+    high_gate = rows["loka+gatehigh"]["ne_gate"]["b16"]
+    assert len(high_gate) > 1 and all(st["to"] == "high" for st in high_gate[1:])
+    assert rows["loka+gatehigh"]["b16"]["speedup_vs_same"] == pytest.approx(
+        rows["loka+gatehigh"]["b16"]["samples_per_s"] / rows["bf16"]["b16"]["samples_per_s"])
     assert rows["loka+compile+skipguards"]["ne"] == pytest.approx(rows["loka"]["ne"], rel=1e-3)
     assert rows["bf16+compile+skipguards"]["ne"] == pytest.approx(rows["bf16"]["ne"], rel=1e-3)
     assert rows["loka+compile+skipguards"]["b16"]["speedup_vs_same"] > 0
     assert "NE budget (0.0000% of bf16's NE on 2 other held-out batches)" in (out / "inference.md").read_text()
     with pytest.raises(SystemExit, match="--ne-budget"):
         parse_args(["--out", "x", "--ne-budget", "-1"])
+    with pytest.raises(SystemExit, match="give --ne-budget"):
+        parse_args(["--out", "x", "--variants", "loka+gatehigh+compile"])
 
 
 def test_a_run_stopped_in_a_later_build_keeps_the_variants_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
