@@ -18,9 +18,9 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
   (``loka_train.export.decide_for_batch``: the fastest of the trained FP8 forward and every
   forward the Probe judged safe, kept where it beats bf16 at that batch), one model per batch
   size, their tables in the JSON;
-* ``loka+gatehigh`` (with ``--ne-budget``): ``loka`` whose NE gate moves each forward straight
-  to high precision (``hold_ne(rowwise_first=False)``), against the gate's default of a
-  tensor-wise forward row-wise first: what each costs in speed at the same budget;
+* ``loka+gatehigh`` (with ``--ne-budget``): ``loka`` whose NE gate moves forwards to high
+  precision only (``hold_ne(rowwise_first=False)``), against the gate's default, which takes a
+  tensor-wise forward row-wise where that is enough: what each costs in speed at the same budget;
 
 each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
 ``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup
@@ -609,8 +609,8 @@ def render(result: dict[str, Any]) -> str:
     gated = [r for r in result["rows"] if r.get("ne_gate")]
     if gated:
         lines += ["", f"NE budget ({args['ne_budget']:.4%} of bf16's NE on {args['eval_batches']} other held-out "
-                  "batches): each FP8 forward moved toward high precision to hold it (a tensor-wise one row-wise "
-                  "first), and the NE there after each.", ""]
+                  "batches): each FP8 forward moved to hold it (to row-wise scales or high precision), and the NE "
+                  "there after each.", ""]
         for r in gated:
             for b, steps in r["ne_gate"].items():
                 trail = ", ".join(f"{st['moved']} to {st.get('to', 'high')} {st['ne_delta']:+.4%}" if st["moved"]

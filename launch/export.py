@@ -91,7 +91,7 @@ def report(summary: dict) -> str:
     gate = summary["ne_gate"]
     if gate:
         moved = [f"{st['moved']} to {st.get('to', 'high')}" for st in gate[1:]]
-        held = (f"{len(moved)} move(s) toward high precision to hold it ({', '.join(moved)})" if moved
+        held = (f"{len(moved)} FP8 forward(s) moved to hold it ({', '.join(moved)})" if moved
                 else "within it as served")
         lines.append(f"  NE budget {summary['ne_budget']:.4%}: {held}, NE {gate[-1]['ne_delta']:+.4%} of high "
                      "precision's on the gate's own held-out batches; table: gate.md")

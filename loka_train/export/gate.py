@@ -1,15 +1,17 @@
-"""A served model's NE held to a budget: the FP8 forwards that cost it most go finer, then high.
+"""A served model's NE held to a budget: the FP8 forwards that cost it most go row-wise or high.
 
 The Probe judges each FP8 forward by its own SQNR; what a user serves for is the model's NE.
 :func:`hold_ne` measures the served model's NE against the same weights in high precision on
 held-out batches (keep them apart from the batches you report: the gate chooses on these) and,
-while the served NE exceeds the high-precision one by more than ``budget`` (relative), moves one
-FP8 forward one rung toward high precision: the move that brings the NE down the most, each FP8
-site tried in turn (NE, not a site's SQNR, is what is held). The rungs: a tensor-wise forward
-goes row-wise first (the same formats and backend, where the backend takes row-wise scales and,
-given the Probe's verdicts, one judged that forward safe), which keeps most of what its FP8 GEMM
-saves; a row-wise or block-scaled forward goes to high precision. It stops within the budget or
-with no FP8 forward left, and returns every step, so a report says what the budget cost.
+while the served NE exceeds the high-precision one by more than ``budget`` (relative), makes one
+move per step, each FP8 site tried in turn (NE, not a site's SQNR, is what is held). A site's
+moves: to high precision, and for a tensor-wise forward also to row-wise scales
+(:func:`next_rung`: the same formats and backend, where the backend takes row-wise scales and,
+given the Probe's verdicts, one judged that forward safe), which keeps the GEMM in FP8. Where a
+move brings the NE within the budget, the gate takes such a move, a row-wise one before one to
+high precision; otherwise the move that lowers the NE most. It stops within the budget, with no
+FP8 forward left, or where no move lowers the NE (logged), and returns every step, so a report
+says what the budget cost.
 
 Example::
 
@@ -28,7 +30,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -50,42 +52,47 @@ class GateStep:
     """One step of :func:`hold_ne`: the model after it."""
 
     moved: str | None
-    """The site whose forward moved one rung at this step (None: the model as served)."""
+    """The site whose forward moved at this step (None: the model as served)."""
     ne_delta: float
     """Its NE relative to the high-precision model's (``ne / reference_ne - 1``)."""
     fp8_forwards: int
     """Sites still serving an FP8 forward."""
-    tried: dict[str, float]
-    """Each FP8 site tried at this step -> the NE delta with its forward one rung toward high
-    precision (:func:`next_rung`; empty for the first step)."""
-    to: str = "high"
+    tried: dict[str, dict[str, float]]
+    """Each FP8 site tried at this step -> each move tried (the forward it would serve: ``high``
+    or a row-wise plan) -> the NE delta with it (empty for the first step)."""
+    to: str | None = None
     """The moved site's forward after the step: ``high``, or its row-wise FP8 plan (e.g.
-    ``fp8:e4m3/rowwise@torch_scaled_mm``)."""
+    ``fp8:e4m3/rowwise@torch_scaled_mm``); None for the first step."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Row-wise moves that failed to serve or to evaluate at this step (site -> the error),
+    left out of the choice (and logged)."""
 
 
 def _fp8_sites(model: nn.Module) -> list[str]:
     return [name for name, site in find_sites(model).items() if site.plan.forward.is_fp8]
 
 
-def next_rung(name: str, forward: GemmPlan, verdicts: Mapping[Any, Any] | None = None) -> GemmPlan:
-    """Site `name`'s FP8 `forward` one rung toward high precision: a tensor-wise forward's
-    row-wise twin (same formats, backend and accumulation) where the backend is a built-in one
-    that takes row-wise scales and, given the Probe's `verdicts` (``Probe.verdicts()``), the
-    twin's verdict is safe; else high precision (also for a row-wise or block-scaled forward)."""
-    if forward.is_fp8 and forward.scaling is Scaling.TENSORWISE:
-        finer = dataclasses.replace(forward, scaling=Scaling.ROWWISE)
-        takes = BACKEND_CONSTRAINTS.get(forward.backend)
-        if takes is not None and Scaling.ROWWISE in takes[0] and (
-                verdicts is None or planning.eligible(verdicts, name, "forward", [finer])):
-            return finer
-    return GemmPlan()
+def next_rung(name: str, forward: GemmPlan, verdicts: Mapping[Any, Any] | None = None) -> GemmPlan | None:
+    """Site `name`'s tensor-wise FP8 `forward` with row-wise scales (the same formats, backend and
+    accumulation), where the backend is a built-in one that takes row-wise scales and, given the
+    Probe's `verdicts` (``Probe.verdicts()``), the row-wise forward's verdict is safe; else None
+    (also for a forward that is not tensor-wise FP8)."""
+    if not (forward.is_fp8 and forward.scaling is Scaling.TENSORWISE):
+        return None
+    takes = BACKEND_CONSTRAINTS.get(forward.backend)
+    if takes is None or Scaling.ROWWISE not in takes[0]:
+        return None
+    finer = dataclasses.replace(forward, scaling=Scaling.ROWWISE)
+    if verdicts is not None and not planning.eligible(verdicts, name, "forward", [finer]):
+        return None
+    return finer
 
 
 def hold_ne(
     model: nn.Module, ne: Callable[[nn.Module], float], *, reference_ne: float, budget: float, config: ServeConfig,
     verdicts: Mapping[Any, Any] | None = None, rowwise_first: bool = True,
 ) -> list[GateStep]:
-    """Move `model`'s FP8 forwards toward high precision, one rung at a time, until its NE is
+    """Move `model`'s FP8 forwards row-wise or to high precision, one per step, until its NE is
     within `budget` of `reference_ne` (see the module docstring). `model` is changed in place
     (served again with `config`); returns the steps (``moved`` and ``to`` of each after the first).
 
@@ -96,9 +103,9 @@ def hold_ne(
         budget: the relative NE increase allowed (2e-4: 0.02%).
         config: how the model was served (its dtype), to serve it again the same way.
         verdicts: the Probe's verdicts when training stopped (``TrainedModel.safe_forwards.verdicts``):
-            a tensor-wise forward goes row-wise only where its row-wise verdict is safe. None:
+            a tensor-wise forward may go row-wise only where its row-wise verdict is safe. None:
             wherever the backend takes it (the gate's NE judges it).
-        rowwise_first: False: every move goes straight to high precision.
+        rowwise_first: False: every move goes to high precision.
 
     Raises:
         ValueError: where `budget` is negative, `reference_ne` not a positive number, or the served
@@ -119,25 +126,44 @@ def hold_ne(
     now = delta()
     steps = [GateStep(moved=None, ne_delta=now, fp8_forwards=len(_fp8_sites(model)), tried={})]
     while now > budget and (fp8 := _fp8_sites(model)):
-        tried: dict[str, float] = {}
-        rungs: dict[str, LinearPlan] = {}
+        tried: dict[str, dict[str, float]] = {}
+        failed: dict[str, str] = {}
+        moves: list[tuple[bool, float, str, GemmPlan]] = []  # (to high, NE delta, site, forward)
         for name in fp8:
             kept = find_sites(model)[name].plan
-            forward = next_rung(name, kept.forward, verdicts) if rowwise_first else GemmPlan()
-            rungs[name] = LinearPlan(forward=forward)
-            serve(model, plans={name: rungs[name]}, config=config)
-            try:
-                tried[name] = delta()
-            finally:  # the model as it was, whatever the trial raised
-                serve(model, plans={name: kept}, config=config)
-        moved = min(tried, key=lambda n: tried[n])
-        serve(model, plans={moved: rungs[moved]}, config=config)
-        now = tried[moved]
-        to = str(rungs[moved].forward)
-        steps.append(GateStep(moved=moved, ne_delta=now, fp8_forwards=len(_fp8_sites(model)), tried=tried, to=to))
+            finer = next_rung(name, kept.forward, verdicts) if rowwise_first else None
+            tried[name] = {}
+            for forward in (finer, GemmPlan()):
+                if forward is None:
+                    continue
+                try:
+                    serve(model, plans={name: LinearPlan(forward=forward)}, config=config)
+                    got = delta()
+                except Exception as exc:
+                    if forward.is_fp8:  # the row-wise move only: the site can still go high
+                        failed[name] = f"{type(exc).__name__}: {exc}"
+                        logger.warning("NE gate: %s row-wise (%s) failed, left out: %s", name, forward, failed[name])
+                        continue
+                    raise
+                finally:  # the model as it was, whatever the trial raised
+                    serve(model, plans={name: kept}, config=config)
+                tried[name][str(forward)] = got
+                moves.append((not forward.is_fp8, got, name, forward))
+        within = [m for m in moves if m[1] <= budget]
+        # Within the budget in one move: row-wise before high precision, then the lowest NE.
+        # Otherwise the move that lowers the NE most.
+        pick = min(within, key=lambda m: (m[0], m[1])) if within else min(moves, key=lambda m: (m[1], m[0]))
+        if pick[1] >= now:
+            logger.warning("NE budget %.4f%%: no move of the %d FP8 forwards lowers the NE (%+.4f%% of high "
+                           "precision's): the rest of the gap is not theirs; stopped", 100 * budget, len(fp8), 100 * now)
+            break
+        _, now, moved, forward = pick
+        serve(model, plans={moved: LinearPlan(forward=forward)}, config=config)
+        steps.append(GateStep(moved=moved, ne_delta=now, fp8_forwards=len(_fp8_sites(model)), tried=tried,
+                              to=str(forward), failed=failed))
         logger.info("NE budget %.4f%%: %s served %s, NE %+.4f%% of high precision's",
-                    100 * budget, moved, "in high precision" if to == "high" else to, 100 * now)
-    if now > budget:
+                    100 * budget, moved, "in high precision" if not forward.is_fp8 else forward, 100 * now)
+    if now > budget and not _fp8_sites(model):
         logger.warning("NE budget %.4f%%: no FP8 forward left and the NE still %+.4f%% of high precision's "
                        "(the served model differs from it elsewhere: its tables or dtype)", 100 * budget, 100 * now)
     return steps
@@ -148,6 +174,6 @@ def format_gate(steps: list[GateStep]) -> str:
     lines = ["| step | site moved | its forward now | NE vs high precision | FP8 forwards left |",
              "|---|---|---|---|---|"]
     for i, s in enumerate(steps):
-        to = "" if s.moved is None else s.to
-        lines.append(f"| {i} | {s.moved or '(as served)'} | {to} | {100 * s.ne_delta:+.4f}% | {s.fp8_forwards} |")
+        lines.append(f"| {i} | {s.moved or '(as served)'} | {s.to or ''} | {100 * s.ne_delta:+.4f}% | "
+                     f"{s.fp8_forwards} |")
     return "\n".join(lines)

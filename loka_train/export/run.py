@@ -10,8 +10,8 @@ high precision, its numerics per site on the first batch
 * ``numerics.md``: the debugger's table;
 * with ``decide_batch``, ``decisions.md``: the plans re-decided for that serving batch size
   (:func:`~loka_train.export.decide_for_batch`), which the served model then runs;
-* with ``ne_budget``, ``gate.md``: the FP8 forwards moved toward high precision (a tensor-wise
-  one row-wise first) to hold the NE within the budget on the next held-out batches (:func:`~loka_train.export.hold_ne`), whose
+* with ``ne_budget``, ``gate.md``: the FP8 forwards moved to row-wise scales or high precision to
+  hold the NE within the budget on the next held-out batches (:func:`~loka_train.export.hold_ne`), whose
   plans the served model then runs (the steps also in ``export.json``);
 * ``served.pt``: the served model's state dict (the FP8 weight payloads ``<site>.served.*``
   included), its plans and serve config: :func:`load_trained` and :func:`serve` rebuild the

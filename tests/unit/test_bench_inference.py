@@ -105,8 +105,8 @@ def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Pat
         assert steps[-1]["ne_delta"] <= 0 or steps[-1]["fp8_forwards"] == 0
         assert all(a["ne_delta"] > 0 for a in steps[:-1])
     assert rows["loka"]["ne_gate"] == rows["loka+compile+skipguards"]["ne_gate"]
-    # The gate's rungs: the default takes a tensor-wise forward row-wise first, +gatehigh straight
-    # to high precision, on the same checkpoint.
+    # The gate's moves on the same checkpoint: the default takes a tensor-wise forward row-wise
+    # where that is enough, +gatehigh only to high precision.
     assert any(st["to"].startswith("fp8:") for st in rows["loka"]["ne_gate"]["b16"][1:])
     high_gate = rows["loka+gatehigh"]["ne_gate"]["b16"]
     assert len(high_gate) > 1 and all(st["to"] == "high" for st in high_gate[1:])

@@ -38,7 +38,8 @@ def test_the_gate_moves_the_forward_whose_move_lowers_the_ne_most_and_stops_with
     steps = hold_ne(model, ne, reference_ne=1.0, budget=5e-4, config=FP32, rowwise_first=False)
     assert [s.moved for s in steps] == [None, "0"]
     assert steps[0].ne_delta == pytest.approx(1.4e-3) and steps[1].ne_delta == pytest.approx(4e-4)
-    assert steps[1].tried == pytest.approx({"0": 4e-4, "2": 1.3e-3, "4": 1.1e-3})
+    assert {n: t["high"] for n, t in steps[1].tried.items()} == pytest.approx({"0": 4e-4, "2": 1.3e-3, "4": 1.1e-3})
+    assert all(list(t) == ["high"] for t in steps[1].tried.values())  # no row-wise move tried
     assert _fp8(model) == {"2", "4"} and steps[-1].fp8_forwards == 2
     # Within the budget as served: nothing moves.
     kept = hold_ne(_served(), ne, reference_ne=1.0, budget=2e-3, config=FP32, rowwise_first=False)
@@ -49,7 +50,7 @@ def test_the_gate_moves_the_forward_whose_move_lowers_the_ne_most_and_stops_with
     model = _served()
     steps = hold_ne(model, ne, reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False)
     assert [s.moved for s in steps] == [None, "0", "4", "2"] and not _fp8(model)
-    assert {s.to for s in steps} == {"high"} and "| 1 | 0 | high |" in format_gate(steps)
+    assert [s.to for s in steps] == [None, "high", "high", "high"] and "| 1 | 0 | high |" in format_gate(steps)
 
 
 def test_the_gate_serves_the_moved_sites_in_high_precision_and_the_rest_as_before() -> None:
@@ -112,55 +113,87 @@ def _ladder_ne(cost: dict[str, dict[str, float]]):  # type: ignore[no-untyped-de
     return ne
 
 
-def test_the_gate_moves_a_tensorwise_forward_rowwise_before_high_precision() -> None:
+RW = "fp8:e4m3/rowwise@emulated"
+
+
+def test_the_gate_takes_a_rowwise_move_where_one_brings_the_ne_within_the_budget() -> None:
     cost = {"0": {"tensorwise": 1e-3, "rowwise": 1e-4, "high": 0.0},
             "2": {"tensorwise": 1e-4, "rowwise": 1e-4, "high": 0.0},
             "4": {"tensorwise": 3e-4, "rowwise": 0.0, "high": 0.0}}
     model = _served()
-    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=3e-4, config=FP32)
-    # Step 1: each site one rung finer ("0" row-wise lowers the NE most); step 2: "0" would go
-    # high (4e-4), "4" row-wise (2e-4): the budget holds with every forward still FP8.
-    assert [(s.moved, s.to) for s in steps] == [(None, "high"), ("0", "fp8:e4m3/rowwise@emulated"),
-                                                ("4", "fp8:e4m3/rowwise@emulated")]
-    assert steps[1].tried == pytest.approx({"0": 5e-4, "2": 1.4e-3, "4": 1.1e-3})
-    assert steps[2].tried == pytest.approx({"0": 4e-4, "2": 5e-4, "4": 2e-4})
-    assert _scalings(model) == {"0": "rowwise", "2": "tensorwise", "4": "rowwise"}
-    assert steps[-1].ne_delta == pytest.approx(2e-4) and steps[-1].fp8_forwards == 3
-    assert all(sites(model)[n].served is not None for n in ("0", "2", "4"))  # each weight quantized for its plan
+    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=6e-4, config=FP32)
+    # As served +1.4e-3. No move reaches 6e-4 but "0" high (4e-4) and "0" row-wise (5e-4): row-wise.
+    assert [(s.moved, s.to) for s in steps] == [(None, None), ("0", RW)]
+    expected = {"0": {RW: 5e-4, "high": 4e-4}, "2": {RW: 1.4e-3, "high": 1.3e-3}, "4": {RW: 1.1e-3, "high": 1.1e-3}}
+    assert steps[1].tried.keys() == expected.keys()
+    assert all(steps[1].tried[n] == pytest.approx(expected[n]) for n in expected)
+    assert _scalings(model) == {"0": "rowwise", "2": "tensorwise", "4": "tensorwise"}
+    assert steps[-1].ne_delta == pytest.approx(5e-4) and steps[-1].fp8_forwards == 3
+    # Each weight quantized again for the plan it serves.
+    assert all(sites(model)[n].served.gemm == sites(model)[n].plan.forward for n in ("0", "2", "4"))
     assert "| 1 | 0 | fp8:e4m3/rowwise@emulated | +0.0500% | 3 |" in format_gate(steps)
-    # A budget of 0: a row-wise forward's next rung is high precision; "4" row-wise costs nothing
-    # and stays (a tie goes to the first site).
+    # Out of reach in one move: the move that lowers the NE most ("0" high), then within 2e-4:
+    # "4" row-wise (1e-4) before "4" high (1e-4 too).
     model = _served()
-    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32)
-    rw = "fp8:e4m3/rowwise@emulated"
-    assert [(s.moved, s.to) for s in steps[1:]] == [("0", rw), ("4", rw), ("0", "high"), ("2", rw), ("2", "high")]
-    assert _scalings(model) == {"0": "high", "2": "high", "4": "rowwise"} and steps[-1].ne_delta == 0
+    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=2e-4, config=FP32)
+    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "high"), ("4", RW)]
+    assert _scalings(model) == {"0": "high", "2": "tensorwise", "4": "rowwise"} and steps[-1].fp8_forwards == 2
 
 
-def test_the_probes_verdicts_keep_an_unsafe_rowwise_forward_off_the_ladder() -> None:
+def test_the_gate_stops_where_no_move_lowers_the_ne() -> None:
+    cost = {"0": {"tensorwise": 2e-4, "rowwise": 2e-4, "high": 0.0}}  # "2" and "4" cost nothing
+    model = _served()
+    steps = hold_ne(model, _ladder_ne(cost), reference_ne=0.999, budget=0.0, config=FP32)
+    # "0" high lowers the NE; then nothing does (the 0.1% left is not the FP8 forwards'): "2" and
+    # "4" keep their FP8 forwards.
+    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "high")]
+    assert _fp8(model) == {"2", "4"} and steps[-1].ne_delta == pytest.approx(1 / 0.999 - 1)
+
+
+def test_a_rowwise_move_that_fails_is_left_out_and_the_site_can_still_go_high() -> None:
+    cost = {"0": {"tensorwise": 1e-3, "rowwise": 0.0, "high": 0.0}}
+    ne = _ladder_ne(cost)
+
+    def failing(m: nn.Module) -> float:
+        if _scalings(m)["0"] == "rowwise":
+            raise RuntimeError("no row-wise kernel at this shape")
+        return ne(m)
+
+    model = _served()
+    steps = hold_ne(model, failing, reference_ne=1.0, budget=0.0, config=FP32)
+    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "high")]
+    assert steps[1].failed == {"0": "RuntimeError: no row-wise kernel at this shape"}
+    assert RW not in steps[1].tried["0"] and _scalings(model) == {"0": "high", "2": "tensorwise", "4": "tensorwise"}
+    assert all(sites(model)[n].served is not None for n in ("2", "4"))  # the others as served
+
+
+def test_the_probes_verdicts_keep_an_unsafe_rowwise_forward_off_the_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     from loka_train.export import next_rung
     from loka_train.kernels.formats import Fp8Format
-    from loka_train.kernels.plan import GemmPlan
+    from loka_train.kernels.plan import BACKEND_CONSTRAINTS, GemmPlan
 
     cost = {"0": {"tensorwise": 1e-3, "rowwise": 1e-4, "high": 0.0}}
     verdict = {ok: SimpleNamespace(safe=ok, fmt_b=Fp8Format.E4M3) for ok in (True, False)}
-    # The Probe judged "0"'s row-wise forward unsafe: it goes straight to high precision.
+    key = ("0", "forward", Fp8Format.E4M3, Scaling.ROWWISE)
+    # The Probe judged "0"'s row-wise forward unsafe: it goes to high precision.
     model = _served(("0",))
-    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32,
-                    verdicts={("0", "forward", Fp8Format.E4M3, Scaling.ROWWISE): verdict[False]})
-    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "high")]
+    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=2e-4, config=FP32, verdicts={key: verdict[False]})
+    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "high")] and list(steps[1].tried["0"]) == ["high"]
     model = _served(("0",))
-    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=2e-4, config=FP32,
-                    verdicts={("0", "forward", Fp8Format.E4M3, Scaling.ROWWISE): verdict[True]})
-    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "fp8:e4m3/rowwise@emulated")]
-    # The rungs: no verdict for the twin is no safe verdict; a backend without row-wise scales,
-    # a row-wise or a block-scaled forward go to high precision.
+    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=2e-4, config=FP32, verdicts={key: verdict[True]})
+    assert [(s.moved, s.to) for s in steps[1:]] == [("0", RW)]
+    # No row-wise move: without a safe verdict for it, on a backend without row-wise scales
+    # (built in or not), for a forward that is not tensor-wise FP8.
     tw = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="torch_scaled_mm", fast_accum=True)
     assert next_rung("0", tw) == GemmPlan(precision="fp8", scaling=Scaling.ROWWISE, backend="torch_scaled_mm",
                                           fast_accum=True)
-    assert next_rung("0", tw, {}) == GemmPlan()
-    assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="mine")) == GemmPlan()
-    assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.ROWWISE)) == GemmPlan()
-    assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.BLOCK)) == GemmPlan()
+    assert next_rung("0", tw, {}) is None
+    monkeypatch.setitem(BACKEND_CONSTRAINTS, "tensorwise_only", (frozenset({Scaling.TENSORWISE}),
+                                                                 frozenset({Fp8Format.E4M3}), True))
+    assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="tensorwise_only")) is None
+    assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="mine")) is None
+    assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.ROWWISE)) is None
+    assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.BLOCK)) is None
+    assert next_rung("0", GemmPlan()) is None
