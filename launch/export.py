@@ -93,8 +93,11 @@ def report(summary: dict) -> str:
         moved = [f"{st['moved']} to {st.get('to', 'high')}" for st in gate[1:]]
         held = (f"{len(moved)} FP8 forward(s) moved to hold it ({', '.join(moved)})" if moved
                 else "within it as served")
+        over = "" if gate[-1]["ne_delta"] <= summary["ne_budget"] else (
+            " (over the budget: " + ("no FP8 forward left" if gate[-1]["fp8_forwards"] == 0 else
+                                     "no move of the FP8 forwards left lowers it") + ")")
         lines.append(f"  NE budget {summary['ne_budget']:.4%}: {held}, NE {gate[-1]['ne_delta']:+.4%} of high "
-                     "precision's on the gate's own held-out batches; table: gate.md")
+                     f"precision's on the gate's own held-out batches{over}; table: gate.md")
     if summary.get("programs"):
         lines.append(f"  torch.export programs of the dense towers (any batch size): {len(summary['programs'])} in dense/")
     return "\n".join(lines)

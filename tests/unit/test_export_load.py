@@ -368,6 +368,13 @@ def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_ru
     assert step["fp8_forwards"] == gate[0]["fp8_forwards"]
     assert str(LinearPlan.from_dict(near["plans"][step["moved"]]).forward) == step["to"]
     assert near["sites"][step["moved"]].startswith("fp8")
+    # A gate that ends over its budget says why.
+    stuck = {**near, "ne_gate": [*near["ne_gate"][:-1], {**step, "ne_delta": 1.0}]}
+    assert "+100.0000% of high precision's on the gate's own held-out batches (over the budget: no move of the FP8 " \
+           "forwards left lowers it)" in report(stuck)
+    assert "(over the budget: no FP8 forward left)" in report(
+        {**stuck, "ne_gate": [*near["ne_gate"][:-1], {**step, "ne_delta": 1.0, "fp8_forwards": 0}]})
+    assert "over the budget" not in report(near)
     lenient = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "lenient"), programs=False, ne_budget=1.0))
     assert [st["moved"] for st in lenient["ne_gate"]] == [None] and "within it as served" in report(lenient)
     assert lenient["plans"] == plain["plans"]
