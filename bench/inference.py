@@ -614,7 +614,10 @@ def render(result: dict[str, Any]) -> str:
         for r in gated:
             for b, steps in r["ne_gate"].items():
                 trail = ", ".join(f"{st['moved']} to {st.get('to', 'high')} {st['ne_delta']:+.4%}" if st["moved"]
-                                  else f"as served {st['ne_delta']:+.4%}" for st in steps)
+                                  else f"as served {st['ne_delta']:+.4%}" if i == 0 else "no move lowers the NE"
+                                  for i, st in enumerate(steps))
+                failed = [f"{site} row-wise ({why})" for st in steps for site, why in st.get("failed", {}).items()]
+                trail += f"; failed and left out: {', '.join(failed)}" if failed else ""
                 lines.append(f"- {r['config']} {r['variant']} ({b}): {trail}; {steps[-1]['fp8_forwards']} FP8 forwards")
     profiled = [r for r in result["rows"] if r.get("profile")]
     if profiled:

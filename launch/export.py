@@ -90,14 +90,16 @@ def report(summary: dict) -> str:
                      "forwards changed from the trained plan; table: decisions.md")
     gate = summary["ne_gate"]
     if gate:
-        moved = [f"{st['moved']} to {st.get('to', 'high')}" for st in gate[1:]]
+        moved = [f"{st['moved']} to {st.get('to', 'high')}" for st in gate[1:] if st["moved"]]
+        failed = sum(len(st.get("failed", {})) for st in gate)
         held = (f"{len(moved)} FP8 forward(s) moved to hold it ({', '.join(moved)})" if moved
-                else "within it as served")
+                else "within it as served" if gate[0]["ne_delta"] <= summary["ne_budget"] else "no FP8 forward moved")
         over = "" if gate[-1]["ne_delta"] <= summary["ne_budget"] else (
             " (over the budget: " + ("no FP8 forward left" if gate[-1]["fp8_forwards"] == 0 else
                                      "no move of the FP8 forwards left lowers it") + ")")
         lines.append(f"  NE budget {summary['ne_budget']:.4%}: {held}, NE {gate[-1]['ne_delta']:+.4%} of high "
-                     f"precision's on the gate's own held-out batches{over}; table: gate.md")
+                     f"precision's on the gate's own held-out batches{over}"
+                     + (f"; {failed} row-wise move(s) failed and were left out" if failed else "") + "; table: gate.md")
     if summary.get("programs"):
         lines.append(f"  torch.export programs of the dense towers (any batch size): {len(summary['programs'])} in dense/")
     return "\n".join(lines)

@@ -15,8 +15,8 @@
   (the fastest of the trained FP8 forward and, with ``TrainedModel.safe_forwards``, every
   forward the Probe judged safe, kept only where it beats bf16 there);
 * :func:`hold_ne` (:mod:`.gate`): the served NE held within a budget of high precision's on
-  held-out batches, the FP8 forwards that cost it most moved to row-wise scales
-  (:func:`next_rung`) where that is enough, else to high precision;
+  held-out batches: the FP8 forwards that cost it most moved, to row-wise scales
+  (:func:`next_rung`) where that is enough, else the move that lowers the NE most;
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 

@@ -9,9 +9,10 @@ moves: to high precision, and for a tensor-wise forward also to row-wise scales
 (:func:`next_rung`: the same formats and backend, where the backend takes row-wise scales and,
 given the Probe's verdicts, one judged that forward safe), which keeps the GEMM in FP8. Where a
 move brings the NE within the budget, the gate takes such a move, a row-wise one before one to
-high precision; otherwise the move that lowers the NE most. It stops within the budget, with no
-FP8 forward left, or where no move lowers the NE (logged), and returns every step, so a report
-says what the budget cost.
+high precision; otherwise the move that lowers the NE most (to either). It stops within the
+budget, with no FP8 forward left, or where no move lowers the NE by more than ``min_gain``
+(logged; the last step then records that round's trials with no move), and returns every step,
+so a report says what the budget cost.
 
 Example::
 
@@ -33,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from loka_train.dispatch import planning
@@ -62,10 +64,14 @@ class GateStep:
     or a row-wise plan) -> the NE delta with it (empty for the first step)."""
     to: str | None = None
     """The moved site's forward after the step: ``high``, or its row-wise FP8 plan (e.g.
-    ``fp8:e4m3/rowwise@torch_scaled_mm``); None for the first step."""
+    ``fp8:e4m3/rowwise@torch_scaled_mm``); None where nothing moved."""
     failed: dict[str, str] = field(default_factory=dict)
-    """Row-wise moves that failed to serve or to evaluate at this step (site -> the error),
-    left out of the choice (and logged)."""
+    """Row-wise moves that failed to serve or to run at this step (site -> the error), left out
+    of the choice (and logged)."""
+
+
+class _NonFiniteNE(ValueError):
+    """The model's NE is not a number: raised, never taken for a failed move."""
 
 
 def _fp8_sites(model: nn.Module) -> list[str]:
@@ -90,11 +96,13 @@ def next_rung(name: str, forward: GemmPlan, verdicts: Mapping[Any, Any] | None =
 
 def hold_ne(
     model: nn.Module, ne: Callable[[nn.Module], float], *, reference_ne: float, budget: float, config: ServeConfig,
-    verdicts: Mapping[Any, Any] | None = None, rowwise_first: bool = True,
+    verdicts: Mapping[Any, Any] | None = None, rowwise_first: bool = True, min_gain: float = 1e-6,
 ) -> list[GateStep]:
     """Move `model`'s FP8 forwards row-wise or to high precision, one per step, until its NE is
     within `budget` of `reference_ne` (see the module docstring). `model` is changed in place
-    (served again with `config`); returns the steps (``moved`` and ``to`` of each after the first).
+    (served again with `config`); returns the steps: the model as served, one per move (``moved``,
+    ``to``), and, where the gate stopped with no move lowering the NE, a last one without a move
+    (``moved`` None) that records that round's trials.
 
     Args:
         model: a served model (:func:`~loka_train.export.serve`), eager.
@@ -106,21 +114,28 @@ def hold_ne(
             a tensor-wise forward may go row-wise only where its row-wise verdict is safe. None:
             wherever the backend takes it (the gate's NE judges it).
         rowwise_first: False: every move goes to high precision.
+        min_gain: the least a move must lower the NE (relative, as `budget`) to be taken: the
+            gate does not chase differences the evaluation's rounding makes.
 
     Raises:
-        ValueError: where `budget` is negative, `reference_ne` not a positive number, or the served
-            model's NE not a number.
+        ValueError: where `budget` or `min_gain` is negative, `reference_ne` not a positive
+            number, or the model's NE not a number (as served or in any trial: a row-wise move
+            that gives a NaN NE is a defect to look at, not a move to leave out).
     """
     if not budget >= 0:
         raise ValueError(f"hold_ne: budget={budget} must be >= 0 (a relative NE increase, 2e-4 for 0.02%)")
     if not (math.isfinite(reference_ne) and reference_ne > 0):
         raise ValueError(f"hold_ne: reference_ne={reference_ne} must be a positive number")
+    if not min_gain >= 0:
+        raise ValueError(f"hold_ne: min_gain={min_gain} must be >= 0")
 
     def delta() -> float:
         got = ne(model)
         if not math.isfinite(got):
-            raise ValueError(f"hold_ne: the served model's NE is {got} (plans {_fp8_sites(model)} in FP8): "
-                             "nothing to hold to a budget; check its logits (compare_sites shows where they go)")
+            raise _NonFiniteNE(
+                f"hold_ne: the served model's NE is {got} with the FP8 forwards "
+                f"{ {n: str(s.plan.forward) for n, s in find_sites(model).items() if s.plan.forward.is_fp8} }: "
+                "check its logits (compare_sites shows where they go)")
         return got / reference_ne - 1
 
     now = delta()
@@ -139,6 +154,8 @@ def hold_ne(
                 try:
                     serve(model, plans={name: LinearPlan(forward=forward)}, config=config)
                     got = delta()
+                except (_NonFiniteNE, torch.OutOfMemoryError):
+                    raise
                 except Exception as exc:
                     if forward.is_fp8:  # the row-wise move only: the site can still go high
                         failed[name] = f"{type(exc).__name__}: {exc}"
@@ -153,9 +170,11 @@ def hold_ne(
         # Within the budget in one move: row-wise before high precision, then the lowest NE.
         # Otherwise the move that lowers the NE most.
         pick = min(within, key=lambda m: (m[0], m[1])) if within else min(moves, key=lambda m: (m[1], m[0]))
-        if pick[1] >= now:
+        if pick[1] > now - min_gain:
             logger.warning("NE budget %.4f%%: no move of the %d FP8 forwards lowers the NE (%+.4f%% of high "
-                           "precision's): the rest of the gap is not theirs; stopped", 100 * budget, len(fp8), 100 * now)
+                           "precision's) by more than %g: the rest of the gap is not theirs; stopped",
+                           100 * budget, len(fp8), 100 * now, min_gain)
+            steps.append(GateStep(moved=None, ne_delta=now, fp8_forwards=len(fp8), tried=tried, failed=failed))
             break
         _, now, moved, forward = pick
         serve(model, plans={moved: LinearPlan(forward=forward)}, config=config)
@@ -174,6 +193,10 @@ def format_gate(steps: list[GateStep]) -> str:
     lines = ["| step | site moved | its forward now | NE vs high precision | FP8 forwards left |",
              "|---|---|---|---|---|"]
     for i, s in enumerate(steps):
-        lines.append(f"| {i} | {s.moved or '(as served)'} | {s.to or ''} | {100 * s.ne_delta:+.4f}% | "
-                     f"{s.fp8_forwards} |")
+        what = s.moved or ("(as served)" if i == 0 else "(none: no move lowers the NE)")
+        lines.append(f"| {i} | {what} | {s.to or ''} | {100 * s.ne_delta:+.4f}% | {s.fp8_forwards} |")
+    failures = [(i, site, why) for i, s in enumerate(steps) for site, why in s.failed.items()]
+    if failures:
+        lines += ["", "Row-wise moves that failed and were left out:", ""]
+        lines += [f"- step {i}: {site}: {why}" for i, site, why in failures]
     return "\n".join(lines)

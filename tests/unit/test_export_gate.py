@@ -145,9 +145,22 @@ def test_the_gate_stops_where_no_move_lowers_the_ne() -> None:
     model = _served()
     steps = hold_ne(model, _ladder_ne(cost), reference_ne=0.999, budget=0.0, config=FP32)
     # "0" high lowers the NE; then nothing does (the 0.1% left is not the FP8 forwards'): "2" and
-    # "4" keep their FP8 forwards.
-    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "high")]
+    # "4" keep their FP8 forwards, and the last step records the round that found no move.
+    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "high"), (None, None)]
     assert _fp8(model) == {"2", "4"} and steps[-1].ne_delta == pytest.approx(1 / 0.999 - 1)
+    assert steps[-1].fp8_forwards == 2 and set(steps[-1].tried) == {"2", "4"}
+    assert all(d == pytest.approx(steps[-1].ne_delta) for t in steps[-1].tried.values() for d in t.values())
+    assert "| 2 | (none: no move lowers the NE) |  |" in format_gate(steps)
+    # Nor does it take a move whose gain is the evaluation's rounding (min_gain).
+    cost = {"0": {"tensorwise": 2e-4, "rowwise": 2e-4, "high": 0.0}, "2": {"tensorwise": 5e-7, "rowwise": 5e-7,
+                                                                           "high": 0.0}}
+    model = _served()
+    steps = hold_ne(model, _ladder_ne(cost), reference_ne=0.999, budget=0.0, config=FP32)
+    assert [s.moved for s in steps[1:]] == ["0", None] and _fp8(model) == {"2", "4"}
+    steps = hold_ne(_served(), _ladder_ne(cost), reference_ne=0.999, budget=0.0, config=FP32, min_gain=1e-7)
+    assert [s.moved for s in steps[1:]] == ["0", "2", None]
+    with pytest.raises(ValueError, match="min_gain"):
+        hold_ne(_served(), _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32, min_gain=-1.0)
 
 
 def test_a_rowwise_move_that_fails_is_left_out_and_the_site_can_still_go_high() -> None:
@@ -165,6 +178,18 @@ def test_a_rowwise_move_that_fails_is_left_out_and_the_site_can_still_go_high() 
     assert steps[1].failed == {"0": "RuntimeError: no row-wise kernel at this shape"}
     assert RW not in steps[1].tried["0"] and _scalings(model) == {"0": "high", "2": "tensorwise", "4": "tensorwise"}
     assert all(sites(model)[n].served is not None for n in ("2", "4"))  # the others as served
+    assert "- step 1: 0: RuntimeError: no row-wise kernel at this shape" in format_gate(steps)
+    # A NaN NE under a row-wise move is a defect: raised, not taken for a failed move; the model
+    # as served.
+    model = _served()
+
+    def nan_rowwise(m: nn.Module) -> float:
+        return float("nan") if _scalings(m)["0"] == "rowwise" else ne(m)
+
+    with pytest.raises(ValueError, match="NE is nan with the FP8 forwards .*rowwise"):
+        hold_ne(model, nan_rowwise, reference_ne=1.0, budget=0.0, config=FP32)
+    assert _scalings(model) == {"0": "tensorwise", "2": "tensorwise", "4": "tensorwise"}
+    assert all(sites(model)[n].served.gemm == sites(model)[n].plan.forward for n in ("0", "2", "4"))
 
 
 def test_the_probes_verdicts_keep_an_unsafe_rowwise_forward_off_the_ladder(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -374,7 +374,12 @@ def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_ru
            "forwards left lowers it)" in report(stuck)
     assert "(over the budget: no FP8 forward left)" in report(
         {**stuck, "ne_gate": [*near["ne_gate"][:-1], {**step, "ne_delta": 1.0, "fp8_forwards": 0}]})
-    assert "over the budget" not in report(near)
+    assert "over the budget" not in report(near) and "failed" not in report(near)
+    # Stopped in its first round: no forward moved; a row-wise move that failed is counted.
+    first = {**near["ne_gate"][0], "ne_delta": 1.0}
+    stopped = {**near, "ne_gate": [first, {**first, "tried": step["tried"], "failed": {"x": "RuntimeError: no"}}]}
+    assert "no FP8 forward moved, NE +100.0000%" in report(stopped)
+    assert "(over the budget: no move of the FP8 forwards left lowers it); 1 row-wise move(s) failed" in report(stopped)
     lenient = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "lenient"), programs=False, ne_budget=1.0))
     assert [st["moved"] for st in lenient["ne_gate"]] == [None] and "within it as served" in report(lenient)
     assert lenient["plans"] == plain["plans"]
