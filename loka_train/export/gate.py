@@ -129,8 +129,19 @@ def hold_ne(
     if not min_gain >= 0:
         raise ValueError(f"hold_ne: min_gain={min_gain} must be >= 0")
 
+    # Each evaluation starts from the static scales as served: a served tensor-wise cast updates
+    # its site's slot in place (kernels.static_scales), so without this each trial would be judged
+    # after the calls of the ones before it.
+    slots = {n: s.static_slots.clone() for n, s in find_sites(model).items()
+             if getattr(s, "static_slots", None) is not None}
+
     def delta() -> float:
-        got = ne(model)
+        try:
+            got = ne(model)
+        finally:
+            found = find_sites(model)
+            for n, held in slots.items():
+                found[n].static_slots.copy_(held)
         if not math.isfinite(got):
             raise _NonFiniteNE(
                 f"hold_ne: the served model's NE is {got} with the FP8 forwards "

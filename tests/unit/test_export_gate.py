@@ -222,3 +222,40 @@ def test_the_probes_verdicts_keep_an_unsafe_rowwise_forward_off_the_ladder(monke
     assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.ROWWISE)) is None
     assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.BLOCK)) is None
     assert next_rung("0", GemmPlan()) is None
+
+
+def test_each_evaluation_starts_from_the_static_scales_as_served() -> None:
+    # The GPU's served casts (the Triton tensor-wise quantizer, interpreted here) update each
+    # site's static-scale slot as they run: the gate judges every trial from the same slots.
+    model = convert(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 1)),
+                    config=ModsConfig(enabled=True))
+    for site in sites(model).values():
+        site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cpu"))
+    plan = LinearPlan.fp8(backend="torch_scaled_mm", scaling=Scaling.TENSORWISE)
+    served = serve(model, plans={"0": plan, "2": plan}, config=ServeConfig(dtype="bf16"))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+
+    def slots(m: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: s.static_slots.clone() for n, s in sites(m).items()}
+
+    def run(m: nn.Module, scale: float) -> None:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x * scale)
+
+    run(served, 1.0)  # seeds the slots
+    before = slots(served)
+    run(served, 50.0)  # a call that moves them: what the test would miss otherwise
+    assert any(not torch.equal(before[n], t) for n, t in slots(served).items())
+    for n, t in before.items():
+        sites(served)[n].static_slots.copy_(t)
+    seen = []
+
+    def ne(m: nn.Module) -> float:
+        seen.append(slots(m))
+        run(m, 50.0)
+        return 1.0 + 1e-3 * len(_fp8(m))
+
+    steps = hold_ne(served, ne, reference_ne=1.0, budget=0.0, config=ServeConfig(dtype="bf16"), rowwise_first=False)
+    assert len(seen) == 1 + 2 + 1 and [s.moved for s in steps[1:]] == ["0", "2"]
+    assert all(torch.equal(got[n], before[n]) for got in seen for n in before)
+    assert all(torch.equal(t, before[n]) for n, t in slots(served).items())  # and the gate leaves them so
