@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from loka_train.dispatch import planning
 from loka_train.export.config import ServeConfig
@@ -132,16 +132,18 @@ def hold_ne(
     # Each evaluation starts from the static scales as served: a served tensor-wise cast updates
     # its site's slot in place (kernels.static_scales), so without this each trial would be judged
     # after the calls of the ones before it.
-    slots = {n: s.static_slots.clone() for n, s in find_sites(model).items()
-             if getattr(s, "static_slots", None) is not None}
+    def held_slots() -> dict[str, Tensor]:
+        return {n: t for n, s in find_sites(model).items() if (t := getattr(s, "static_slots", None)) is not None}
+
+    slots = {n: t.clone() for n, t in held_slots().items()}
 
     def delta() -> float:
         try:
             got = ne(model)
         finally:
-            found = find_sites(model)
+            now_held = held_slots()
             for n, held in slots.items():
-                found[n].static_slots.copy_(held)
+                now_held[n].copy_(held)
         if not math.isfinite(got):
             raise _NonFiniteNE(
                 f"hold_ne: the served model's NE is {got} with the FP8 forwards "
