@@ -7,7 +7,8 @@ Layers: ``--layers`` (K x N of each Linear, each followed by a ReLU, then a Line
 default Wukong's over-arch, 4096 x 4096, 4096 x 2048, 2048 x 1024) at ``--m`` rows. LoKA's plan
 on every site: tensor-wise FP8 forward, grad-input and grad-weight on ``--backend`` (``triton``:
 the Triton casts, which fold each ReLU into the next site's cast, ``mods.fold_relu``; on the CPU
-under ``TRITON_INTERPRET=1``), under bf16 autocast as the trainer runs with ``dense_dtype=bf16``.
+under ``TRITON_INTERPRET=1``), under bf16 autocast as the trainer runs with ``dense_dtype=bf16``;
+``loka_bits`` is the same with ``mods.relu_mask_bits`` (the folded ReLU's mask kept as bits).
 The bytes are what the eager code saves: a compiled step's partitioner may save other tensors.
 
     python -m bench.saved_bytes --out DIR [--m 32768] [--layers 4096x4096,4096x2048,2048x1024]
@@ -105,11 +106,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for site in sites(loka).values():
         site.set_plan(LinearPlan.fp8(backend=args.backend, scaling=Scaling.TENSORWISE))
     fp8 = saved(loka, x)
+    with_bits = convert(stack(args.shapes, device), config=ModsConfig(enabled=True, relu_mask_bits=True))
+    for site in sites(with_bits).values():
+        site.set_plan(LinearPlan.fp8(backend=args.backend, scaling=Scaling.TENSORWISE))
+    bits = saved(with_bits, x)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", "m": args.m,
             "layers": [list(s) for s in args.shapes], "backend": args.backend,
             "folded": [str(m) for m in loka if "Folded" in type(m).__name__],
-            "plain": plain, "loka": fp8,
-            "plain_bytes": sum(r["bytes"] for r in plain), "loka_bytes": sum(r["bytes"] for r in fp8)}
+            "plain": plain, "loka": fp8, "loka_bits": bits,
+            "plain_bytes": sum(r["bytes"] for r in plain), "loka_bytes": sum(r["bytes"] for r in fp8),
+            "loka_bits_bytes": sum(r["bytes"] for r in bits)}
 
 
 def render(result: dict[str, Any], command: str) -> str:
@@ -118,8 +124,9 @@ def render(result: dict[str, Any], command: str) -> str:
              f"LoKA: tensor-wise FP8 on {result['backend']} for every GEMM, "
              f"{len(result['folded'])} ReLU(s) folded into the next site's cast",
              f"- total: plain {result['plain_bytes'] / 1e6:,.1f} MB, LoKA {result['loka_bytes'] / 1e6:,.1f} MB "
-             f"({result['loka_bytes'] / result['plain_bytes']:.2f}x)", ""]
-    for which in ("plain", "loka"):
+             f"({result['loka_bytes'] / result['plain_bytes']:.2f}x), LoKA with the ReLU masks as bits "
+             f"{result['loka_bits_bytes'] / 1e6:,.1f} MB ({result['loka_bits_bytes'] / result['plain_bytes']:.2f}x)", ""]
+    for which in ("plain", "loka", "loka_bits"):
         lines += [f"## {which}", "", "| layer | dtype | shape | MB |", "|---|---|---|---|"]
         lines += [f"| {r['layer']} | {r['dtype']} | {' x '.join(map(str, r['shape'])) or 'scalar'} | "
                   f"{r['bytes'] / 1e6:,.2f} |" for r in sorted(result[which], key=lambda r: (r["layer"], -r["bytes"]))]

@@ -716,21 +716,48 @@ def folds_input_relu(plan: LinearPlan, x: Tensor, compiled_quantizer: str = "cus
     )
 
 
+_BIT = 8
+"""Elements a byte of :func:`relu_mask_bits` holds."""
+
+
+def relu_mask_bits(x: Tensor) -> Tensor:
+    """Where ``torch.relu``'s backward keeps the gradient (not ``x <= 0``: NaN's kept), one bit
+    an element: ``(..., K)`` -> uint8 ``(..., K // 8)``, bit ``j`` of byte ``i`` for element
+    ``8 i + j``. Plain torch ops: inductor makes one pass of them. ``K`` a multiple of 8."""
+    keep = (~(x <= 0)).to(torch.uint8).view(*x.shape[:-1], x.shape[-1] // _BIT, _BIT)
+    shifts = torch.arange(_BIT, dtype=torch.uint8, device=x.device)
+    return torch.bitwise_left_shift(keep, shifts).sum(-1, dtype=torch.uint8)
+
+
+def relu_grad_from_bits(grad: Tensor, bits: Tensor) -> Tensor:
+    """``torch.relu``'s backward from :func:`relu_mask_bits`: ``grad`` where the bit is set, else
+    0 (what ``threshold_backward(grad, x, 0)`` gives, bit for bit)."""
+    shifts = torch.arange(_BIT, dtype=torch.uint8, device=bits.device)
+    keep = torch.bitwise_and(torch.bitwise_right_shift(bits.unsqueeze(-1), shifts), 1).view(grad.shape)
+    return torch.where(keep.bool(), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
 class _ReluGradFn(torch.autograd.Function):
     """The identity forward, ``torch.relu``'s backward (``threshold_backward``: zero where
     ``x <= 0``, NaN's gradient kept): wrapped around an FP8 linear's input when its cast applies
     the ReLU. Traced by ``torch.compile``, where inductor may fuse the mask with the code around
-    it (on an H100 it ran as a pass of its own between two opaque FP8 ops)."""
+    it (on an H100 it ran as a pass of its own between two opaque FP8 ops). With ``bits`` it
+    keeps the mask, one bit an element (:func:`relu_mask_bits`), instead of ``x``: the site's
+    FP8 grad-weight keeps its own FP8 copy of ``relu(x)``, and ``x`` need not live until the
+    backward (``mods.relu_mask_bits``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        ctx.save_for_backward(x)
+    def forward(ctx, x: Tensor, bits: bool = False) -> Tensor:
+        ctx.bits = bits
+        ctx.save_for_backward(relu_mask_bits(x) if bits else x)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        return torch.ops.aten.threshold_backward(grad, x, 0)
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (saved,) = ctx.saved_tensors
+        if ctx.bits:
+            return relu_grad_from_bits(grad, saved), None
+        return torch.ops.aten.threshold_backward(grad, saved, 0), None
 
 
 def fp8_linear(
@@ -743,6 +770,7 @@ def fp8_linear(
     compiled_quantizer: str = "custom",
     static_slots: Tensor | None = None,
     input_relu: bool = False,
+    mask_bits: bool = False,
 ) -> Tensor:
     """``y = x W^T + b`` with each of its three GEMMs computed as ``plan`` says.
 
@@ -763,6 +791,9 @@ def fp8_linear(
             same). Where :func:`folds_input_relu` holds, the ReLU is applied by the cast that
             reads ``x``: no pass writes ``relu(x)``, which is what the ReLU module before the
             layer cost; elsewhere ``torch.relu(x)`` runs first.
+        mask_bits: with a folded ``input_relu``, an FP8 grad-weight and ``K`` a multiple of 8,
+            keep the ReLU's mask for the backward as one bit an element (:func:`relu_mask_bits`)
+            instead of ``x`` (``mods.relu_mask_bits``; the same gradients).
 
     Returns:
         ``(..., N)`` tensor.
@@ -788,9 +819,11 @@ def fp8_linear(
         x_rows = _rows(x, compute_dtype(x))
         if x_rows.shape[-1] != weight.shape[1]:  # rows zero-padded for aligned GEMMs: the weight too
             weight = F.pad(weight, (0, x_rows.shape[-1] - weight.shape[1]))
-        y = _fp8_linear_rows(x_rows, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)
+        y = _fp8_linear_rows(x_rows, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu,
+                             mask_bits)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
-    return _fp8_linear_rows(x, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu)
+    return _fp8_linear_rows(x, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu,
+                            mask_bits)
 
 
 _ALIGNED_K = 16
@@ -836,13 +869,15 @@ def _fp8_linear_rows(
     compiled_quantizer: str,
     static_slots: Tensor | None,
     input_relu: bool,
+    mask_bits: bool = False,
 ) -> Tensor:
     """:func:`fp8_linear` of a 2-D ``x`` (its checks made): the ReLU's fold is decided on the
-    rows the Function casts."""
+    rows the Function casts. ``mask_bits``: the folded ReLU's mask kept as bits where an FP8
+    grad-weight keeps its own copy of the input (elsewhere the Function keeps ``x`` anyway)."""
     if input_relu and not folds_input_relu(plan, x, compiled_quantizer):
         x, input_relu = torch.relu(x), False
     if input_relu:
-        x = _ReluGradFn.apply(x)
+        x = _ReluGradFn.apply(x, mask_bits and plan.grad_weight.is_fp8 and x.shape[-1] % _BIT == 0)
     if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:

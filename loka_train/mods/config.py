@@ -78,6 +78,16 @@ class ModsConfig:
     the site's grad-weight does not take the forward's transposed FP8 payload over, its backward
     recomputes the ReLU (one pass), which Dispatch does not charge."""
 
+    relu_mask_bits: bool = False
+    """Where a folded ReLU feeds a site whose grad-weight runs in FP8 (and keeps its own FP8
+    copy of the ReLU's output for it), keep the ReLU's mask for the backward as one bit an
+    element instead of the bf16 pre-activation (``kernels.linear.relu_mask_bits``: the same
+    gradients, bit for bit). Such a site otherwise keeps its input twice, 3 bytes an element
+    where a plain Linear after a ReLU keeps 2 (``python -m bench.saved_bytes``); with the bits,
+    1.125. The bits cost a pass over the pre-activation in the forward (plain torch ops that
+    inductor compiles; the cast does not write them), and the backward reads them in place of
+    the pre-activation."""
+
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias
     feeds a DC offset into the next GEMM's FP8 input, so its per-row amax, and with it the
@@ -152,6 +162,7 @@ class ModsConfig:
             "keep_last_layer_high",
             "fused_norm_quant",
             "fold_relu",
+            "relu_mask_bits",
             "drop_unstable_bias",
             "horizontal_fusion",
             "dcn_epilogue_fusion",

@@ -144,6 +144,7 @@ class _Converter:
     def _register(self, site: Site, name: str, family: str) -> None:
         site.site_name = name
         site.compiled_quantizer = self.compiled_quantizer
+        site.relu_mask_bits = self.cfg.relu_mask_bits
         ok, why = site.supports_plan(self.plan)
         if not ok:
             site.set_plan(LinearPlan.high_precision())

@@ -126,6 +126,7 @@ def planned_linear(
     compiled_quantizer: str = "custom",
     static_slots: Tensor | None = None,
     input_relu: bool = False,
+    mask_bits: bool = False,
 ) -> Tensor:
     """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded where needed
     (of ``relu(x)`` with ``input_relu``).
@@ -145,6 +146,7 @@ def planned_linear(
         static_slots: static-scale slots of ``x`` and ``dY`` (``kernels.fp8_linear``), or None.
         input_relu: the layer takes ``torch.relu(x)``: applied by the FP8 cast of ``x`` where
             ``kernels.fp8_linear`` folds it, else computed first (and always for a padded call).
+        mask_bits: the folded ReLU's mask kept as bits (``kernels.fp8_linear``).
 
     Returns:
         ``(..., N)``.
@@ -157,7 +159,7 @@ def planned_linear(
     if pad is None or pad == (0, 0, 0):
         # None: padding cannot help; fp8_linear raises with the backend's reason.
         return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer, static_slots=static_slots,
-                          input_relu=input_relu)
+                          input_relu=input_relu, mask_bits=mask_bits)
     if input_relu:
         x = torch.relu(x)
     pad_m, pad_k, pad_n = pad

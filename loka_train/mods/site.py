@@ -147,6 +147,9 @@ class Site(nn.Module):
         self.input_relu = False
         """Whether the site takes ``relu(x)`` for its input ``x``: the ReLU before it was folded
         into its FP8 cast (:class:`FoldedRelu`, ``mods.fold_relu``)."""
+        self.relu_mask_bits = False
+        """A folded ReLU's mask kept for the backward as one bit an element, not the input
+        (``mods.relu_mask_bits``, set by ``convert``)."""
         self.static_slots: Tensor | None = None
         """Static-scale slots ``(2, 4)`` of the FP8 ``x`` and ``dY`` (``kernels.static_scales``),
         or None (dynamic scales); see :meth:`GemmSite.enable_static_scales`."""
@@ -419,6 +422,7 @@ class GemmSite(Site):
             y = planned_linear(
                 x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple,
                 compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots, input_relu=relu,
+                mask_bits=self.relu_mask_bits,
             )
         if self._should_observe():
             x_obs = torch.relu(x.detach()) if relu else x.detach()

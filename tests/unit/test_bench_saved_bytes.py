@@ -15,7 +15,7 @@ def test_the_saved_tensors_are_counted_once_per_storage_by_layer(tmp_path: Path)
     m = 96
     assert main(["--out", str(tmp_path), "--m", str(m), "--layers", "32x64,64x48", "--device", "cpu"]) == 0
     result = json.loads((tmp_path / "saved_bytes.json").read_text())
-    for which in ("plain", "loka"):
+    for which in ("plain", "loka", "loka_bits"):
         rows = result[which]
         assert rows and all(r["bytes"] > 0 for r in rows)
         assert result[f"{which}_bytes"] == sum(r["bytes"] for r in rows)
@@ -30,6 +30,11 @@ def test_the_saved_tensors_are_counted_once_per_storage_by_layer(tmp_path: Path)
     assert {r["layer"] for r in loka if r["dtype"] == "float8_e4m3fn" and r["shape"] == [64, m]} == {"2"}
     assert any(r["layer"] == "2" and r["shape"] == [m, 64] and r["dtype"] == "bfloat16" for r in loka)
     assert not any(r["layer"] == "0" and r["shape"] == [m, 32] for r in loka), "x kept in FP8 only"
+    # With the masks as bits (mods.relu_mask_bits): the pre-activation gives way to its bits.
+    bits = result["loka_bits"]
+    assert not any(r["layer"] == "2" and r["shape"] == [m, 64] and r["dtype"] == "bfloat16" for r in bits)
+    assert [r["shape"] for r in bits if r["dtype"] == "uint8"] == [[m, 8]]
+    assert result["loka_bits_bytes"] < result["loka_bytes"]
     md = (tmp_path / "saved_bytes.md").read_text()
     assert "- total: plain" in md and "| 2 | float8_e4m3fn | 64 x 96 |" in md
 
