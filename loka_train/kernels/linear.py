@@ -723,7 +723,8 @@ _BIT = 8
 def relu_mask_bits(x: Tensor) -> Tensor:
     """Where ``torch.relu``'s backward keeps the gradient (not ``x <= 0``: NaN's kept), one bit
     an element: ``(..., K)`` -> uint8 ``(..., K // 8)``, bit ``j`` of byte ``i`` for element
-    ``8 i + j``. Plain torch ops: inductor makes one pass of them. ``K`` a multiple of 8."""
+    ``8 i + j``. Plain torch ops (eagerly several passes; inductor fuses them, one kernel on the
+    CPU). ``K`` a multiple of 8."""
     keep = (~(x <= 0)).to(torch.uint8).view(*x.shape[:-1], x.shape[-1] // _BIT, _BIT)
     shifts = torch.arange(_BIT, dtype=torch.uint8, device=x.device)
     return torch.bitwise_left_shift(keep, shifts).sum(-1, dtype=torch.uint8)
@@ -731,10 +732,20 @@ def relu_mask_bits(x: Tensor) -> Tensor:
 
 def relu_grad_from_bits(grad: Tensor, bits: Tensor) -> Tensor:
     """``torch.relu``'s backward from :func:`relu_mask_bits`: ``grad`` where the bit is set, else
-    0 (what ``threshold_backward(grad, x, 0)`` gives, bit for bit)."""
+    0 (what ``threshold_backward(grad, x, 0)`` gives bit for bit for ``x`` of ``grad``'s dtype;
+    it returns ``grad``'s dtype)."""
     shifts = torch.arange(_BIT, dtype=torch.uint8, device=bits.device)
     keep = torch.bitwise_and(torch.bitwise_right_shift(bits.unsqueeze(-1), shifts), 1).view(grad.shape)
     return torch.where(keep.bool(), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def _grad_weight_takes_x(plan: LinearPlan) -> bool:
+    """Whether grad-weight takes the forward's tensor-wise FP8 ``x`` over, transposed
+    (:func:`transposed_reuse`), so that the Function keeps no ``x`` of its own (given a weight
+    that needs its gradient)."""
+    fwd, gw = plan.forward, plan.grad_weight
+    return (fwd.is_fp8 and fwd.scaling is Scaling.TENSORWISE and gw.is_fp8 and gw.scaling is Scaling.TENSORWISE
+            and gw.operand_b_fmt is fwd.fmt)
 
 
 class _ReluGradFn(torch.autograd.Function):
@@ -742,9 +753,9 @@ class _ReluGradFn(torch.autograd.Function):
     ``x <= 0``, NaN's gradient kept): wrapped around an FP8 linear's input when its cast applies
     the ReLU. Traced by ``torch.compile``, where inductor may fuse the mask with the code around
     it (on an H100 it ran as a pass of its own between two opaque FP8 ops). With ``bits`` it
-    keeps the mask, one bit an element (:func:`relu_mask_bits`), instead of ``x``: the site's
-    FP8 grad-weight keeps its own FP8 copy of ``relu(x)``, and ``x`` need not live until the
-    backward (``mods.relu_mask_bits``)."""
+    keeps the mask, one bit an element (:func:`relu_mask_bits`), instead of ``x``: where the
+    site's grad-weight takes the forward's FP8 ``relu(x)`` over, ``x`` then need not live until
+    the backward (``mods.relu_mask_bits``)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, bits: bool = False) -> Tensor:
@@ -791,9 +802,10 @@ def fp8_linear(
             same). Where :func:`folds_input_relu` holds, the ReLU is applied by the cast that
             reads ``x``: no pass writes ``relu(x)``, which is what the ReLU module before the
             layer cost; elsewhere ``torch.relu(x)`` runs first.
-        mask_bits: with a folded ``input_relu``, an FP8 grad-weight and ``K`` a multiple of 8,
-            keep the ReLU's mask for the backward as one bit an element (:func:`relu_mask_bits`)
-            instead of ``x`` (``mods.relu_mask_bits``; the same gradients).
+        mask_bits: with a folded ``input_relu``, ``K`` a multiple of 8, a backward to run and a
+            grad-weight that takes the forward's tensor-wise FP8 ``x`` over, keep the ReLU's
+            mask for the backward as one bit an element (:func:`relu_mask_bits`) instead of
+            ``x`` (``mods.relu_mask_bits``; the same gradients).
 
     Returns:
         ``(..., N)`` tensor.
@@ -872,12 +884,15 @@ def _fp8_linear_rows(
     mask_bits: bool = False,
 ) -> Tensor:
     """:func:`fp8_linear` of a 2-D ``x`` (its checks made): the ReLU's fold is decided on the
-    rows the Function casts. ``mask_bits``: the folded ReLU's mask kept as bits where an FP8
-    grad-weight keeps its own copy of the input (elsewhere the Function keeps ``x`` anyway)."""
+    rows the Function casts. ``mask_bits``: the folded ReLU's mask kept as bits where a backward
+    will run and grad-weight takes the forward's FP8 ``x`` over (:func:`_grad_weight_takes_x`;
+    elsewhere the Function keeps ``x`` itself, and bits would be one more copy)."""
     if input_relu and not folds_input_relu(plan, x, compiled_quantizer):
         x, input_relu = torch.relu(x), False
     if input_relu:
-        x = _ReluGradFn.apply(x, mask_bits and plan.grad_weight.is_fp8 and x.shape[-1] % _BIT == 0)
+        bits = (mask_bits and x.shape[-1] % _BIT == 0 and torch.is_grad_enabled() and x.requires_grad
+                and weight.requires_grad and _grad_weight_takes_x(plan))
+        x = _ReluGradFn.apply(x, bits)
     if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:

@@ -79,14 +79,15 @@ class ModsConfig:
     recomputes the ReLU (one pass), which Dispatch does not charge."""
 
     relu_mask_bits: bool = False
-    """Where a folded ReLU feeds a site whose grad-weight runs in FP8 (and keeps its own FP8
-    copy of the ReLU's output for it), keep the ReLU's mask for the backward as one bit an
-    element instead of the bf16 pre-activation (``kernels.linear.relu_mask_bits``: the same
-    gradients, bit for bit). Such a site otherwise keeps its input twice, 3 bytes an element
-    where a plain Linear after a ReLU keeps 2 (``python -m bench.saved_bytes``); with the bits,
-    1.125. The bits cost a pass over the pre-activation in the forward (plain torch ops that
-    inductor compiles; the cast does not write them), and the backward reads them in place of
-    the pre-activation."""
+    """Where a folded ReLU feeds a site whose grad-weight takes the forward's tensor-wise FP8
+    input over (its own copy of the ReLU's output), keep the ReLU's mask for the backward as one
+    bit an element instead of the bf16 pre-activation (``kernels.linear.relu_mask_bits``: the
+    same gradients, bit for bit; the input's width a multiple of 8). Such a site otherwise keeps
+    its input twice, 3 bytes an element where a plain Linear after a ReLU keeps 2 (``python -m
+    bench.saved_bytes``); with the bits, 1.125 (a site the Probe samples on a step also keeps
+    its observed input until the backward). The bits cost a pass over the pre-activation in the
+    forward (plain torch ops that inductor fuses; the cast does not write them, and Dispatch
+    does not charge them), and the backward reads them in place of the pre-activation."""
 
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias

@@ -13,19 +13,23 @@ from loka_train.kernels.plan import LinearPlan
 from loka_train.mods import ModsConfig, convert, sites
 
 
-def test_the_bits_give_threshold_backward_bit_for_bit() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_bits_give_threshold_backward_bit_for_bit(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 40, generator=g).to(torch.bfloat16)
-    x[0, :8] = torch.tensor([0.0, -0.0, float("nan"), float("-inf"), float("inf"), 1e-30, -1e-30, 2.0])
-    grad = torch.randn(6, 40, generator=g).to(torch.bfloat16)
-    grad[1, :4] = torch.tensor([float("nan"), -0.0, float("inf"), 3.0])
+    tiny = torch.finfo(dtype).smallest_normal / 4  # a subnormal of the dtype
+    x = torch.randn(6, 2, 40, generator=g).to(dtype)
+    x[0, 0, :8] = torch.tensor([0.0, -0.0, float("nan"), float("-inf"), float("inf"), tiny, -tiny, 2.0])
+    grad = torch.randn(6, 2, 40, generator=g).to(dtype)
+    grad[1, 0, :4] = torch.tensor([float("nan"), -0.0, float("inf"), 3.0])
     bits = relu_mask_bits(x)
-    assert bits.dtype == torch.uint8 and bits.shape == (6, 5)
-    # Element 8 i + j is bit j of byte i: x[0, :8] keeps NaN, +inf, 1e-30 and 2.0 (bits 2, 4, 5, 7).
-    assert int(bits[0, 0]) == (1 << 2) | (1 << 4) | (1 << 5) | (1 << 7)
-    expected = torch.ops.aten.threshold_backward(grad, x, 0)
-    got = relu_grad_from_bits(grad, bits)
-    assert got.dtype == grad.dtype and torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert bits.dtype == torch.uint8 and bits.shape == (6, 2, 5)
+    # Element 8 i + j is bit j of byte i: x[0, 0, :8] keeps NaN, +inf, the subnormal and 2.0.
+    assert int(bits[0, 0, 0]) == (1 << 2) | (1 << 4) | (1 << 5) | (1 << 7)
+    ints = {2: torch.int16, 4: torch.int32}[grad.element_size()]
+    for g_in in (grad, grad.transpose(0, 1).contiguous().transpose(0, 1)):  # and a non-contiguous one
+        expected = torch.ops.aten.threshold_backward(g_in, x, 0)
+        got = relu_grad_from_bits(g_in, bits)
+        assert got.dtype == dtype and torch.equal(got.view(ints), expected.view(ints))
 
 
 def _saved(fn):  # type: ignore[no-untyped-def]
@@ -35,12 +39,18 @@ def _saved(fn):  # type: ignore[no-untyped-def]
     return out, saved
 
 
-@pytest.mark.parametrize("grad_weight_fp8", [True, False])
-def test_a_folded_relu_keeps_bits_and_the_same_gradients(grad_weight_fp8: bool) -> None:
-    # The Triton tensor-wise cast folds the ReLU (interpreted on the CPU).
+@pytest.mark.parametrize("grad_weight", ["tensorwise", "high", "rowwise"])
+def test_a_folded_relu_keeps_bits_and_the_same_gradients(grad_weight: str) -> None:
+    # The Triton tensor-wise cast folds the ReLU (interpreted on the CPU). Bits only where
+    # grad-weight takes the forward's FP8 x over: a high-precision or row-wise grad-weight keeps
+    # x (the Function's own), and bits would be one more copy.
     plan = LinearPlan.fp8(backend="triton", scaling=Scaling.TENSORWISE)
-    if not grad_weight_fp8:
+    if grad_weight == "high":
         plan = LinearPlan(forward=plan.forward, grad_input=plan.grad_input)
+    elif grad_weight == "rowwise":
+        rowwise = LinearPlan.fp8(backend="triton", scaling=Scaling.ROWWISE)
+        plan = LinearPlan(forward=plan.forward, grad_input=plan.grad_input, grad_weight=rowwise.grad_weight)
+    grad_weight_fp8 = grad_weight == "tensorwise"
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(64, 48, generator=g)
     w0 = torch.randn(32, 48, generator=g) / 7
@@ -64,8 +74,26 @@ def test_a_folded_relu_keeps_bits_and_the_same_gradients(grad_weight_fp8: bool) 
         assert [tuple(t.shape) for t in uint8] == [(64, 6)]
         assert not any(tuple(t.shape) == (64, 48) and t.is_floating_point() for t in packed[4])
         assert any(tuple(t.shape) == (64, 48) and t.is_floating_point() for t in plain[4])
-    else:  # a high-precision grad-weight keeps x anyway: no bits
+    else:
         assert not uint8
+
+
+def test_no_bits_without_a_backward_or_a_weight_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    import loka_train.kernels.linear as linear
+
+    made = []
+    real = linear.relu_mask_bits
+    monkeypatch.setattr(linear, "relu_mask_bits", lambda x: made.append(x.shape) or real(x))
+    plan = LinearPlan.fp8(backend="triton", scaling=Scaling.TENSORWISE)
+    x, w = torch.randn(32, 48, requires_grad=True), torch.randn(16, 48, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            fp8_linear(x, w, None, plan, input_relu=True, mask_bits=True)
+        fp8_linear(x, w.detach(), None, plan, input_relu=True, mask_bits=True)  # a frozen weight
+        fp8_linear(x[:, :44], w[:, :44], None, plan, input_relu=True, mask_bits=True)  # K not a multiple of 8
+        assert made == []
+        fp8_linear(x, w, None, plan, input_relu=True, mask_bits=True)
+    assert made == [(32, 48)]
 
 
 def test_convert_sets_the_option_and_a_compiled_step_computes_the_same_gradients() -> None:
@@ -85,9 +113,13 @@ def test_convert_sets_the_option_and_a_compiled_step_computes_the_same_gradients
         m = model(bits)
         run = torch.compile(m, backend="aot_eager") if compiled else m
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            run(x).float().sum().backward()
-        grads.append([p.grad for p in m.parameters() if p.grad is not None])
-    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
-    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[2]))
+            out, saved = _saved(lambda run=run: run(x))
+        out.float().sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+        if not compiled:  # the sites pass the option down: bits of the folded input (the logit layer's is not)
+            assert [tuple(t.shape) for t in saved if t.dtype == torch.uint8] == ([(64, 8)] if bits else [])
+    assert all(g is not None for g in grads[0]) and len(grads[0]) == 6
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[2], strict=True))
     with pytest.raises(ValueError, match="relu_mask_bits"):
         ModsConfig(relu_mask_bits="yes")  # type: ignore[arg-type]
