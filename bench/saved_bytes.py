@@ -98,18 +98,20 @@ def saved(model: nn.Module, x: torch.Tensor) -> list[dict[str, Any]]:
     return rows
 
 
+def converted(args: argparse.Namespace, device: torch.device, *, relu_mask_bits: bool) -> nn.Module:
+    """The stack with LoKA's sites, every GEMM tensor-wise FP8 on ``--backend``."""
+    model = convert(stack(args.shapes, device), config=ModsConfig(enabled=True, relu_mask_bits=relu_mask_bits))
+    for site in sites(model).values():
+        site.set_plan(LinearPlan.fp8(backend=args.backend, scaling=Scaling.TENSORWISE))
+    return model
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     x = torch.randn(args.m, args.shapes[0][0], device=device, generator=torch.Generator(device).manual_seed(1))
     plain = saved(stack(args.shapes, device), x)
-    loka = convert(stack(args.shapes, device), config=ModsConfig(enabled=True))
-    for site in sites(loka).values():
-        site.set_plan(LinearPlan.fp8(backend=args.backend, scaling=Scaling.TENSORWISE))
-    fp8 = saved(loka, x)
-    with_bits = convert(stack(args.shapes, device), config=ModsConfig(enabled=True, relu_mask_bits=True))
-    for site in sites(with_bits).values():
-        site.set_plan(LinearPlan.fp8(backend=args.backend, scaling=Scaling.TENSORWISE))
-    bits = saved(with_bits, x)
+    loka, with_bits = (converted(args, device, relu_mask_bits=b) for b in (False, True))
+    fp8, bits = saved(loka, x), saved(with_bits, x)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", "m": args.m,
             "layers": [list(s) for s in args.shapes], "backend": args.backend,
             "folded": [str(m) for m in loka if "Folded" in type(m).__name__],

@@ -43,6 +43,7 @@ import torch
 from loka_train.dispatch.config import DispatchConfig
 from loka_train.kernels.formats import Fp8Format, Scaling
 from loka_train.kernels.gemm import GemmProblem
+from loka_train.kernels.linear import grad_weight_takes_x
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.kernels.registry import get_backend
 from loka_train.kernels.roles import ROLES
@@ -446,8 +447,7 @@ def takes_forward_x(grad_weight: GemmPlan, forward: GemmPlan) -> bool:
     (transposed) under ``forward`` (:func:`reused_operands`): where the forward's cast applies a
     folded ReLU and grad-weight does not take its ``x`` over, the backward runs the ReLU on
     ``x`` again (``kernels.linear``), the pass the fold saved in the forward."""
-    site_plan = LinearPlan(forward=forward, grad_weight=grad_weight)
-    return reused_operands("grad_weight", grad_weight, site_plan)[1]
+    return grad_weight_takes_x(LinearPlan(forward=forward, grad_weight=grad_weight))
 
 
 def runs_relu_again(forward: GemmPlan, grad_weight: GemmPlan | None, *, folds: bool) -> bool:

@@ -54,6 +54,7 @@ __all__ = [
     "fp8_gemm_planned",
     "folds_bias_grad",
     "folds_input_relu",
+    "grad_weight_takes_x",
     "inductor_quantizes",
     "grad_weight_dtype",
     "is_transposed_view",
@@ -739,10 +740,12 @@ def relu_grad_from_bits(grad: Tensor, bits: Tensor) -> Tensor:
     return torch.where(keep.bool(), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
 
-def _grad_weight_takes_x(plan: LinearPlan) -> bool:
-    """Whether grad-weight takes the forward's tensor-wise FP8 ``x`` over, transposed
-    (:func:`transposed_reuse`), so that the Function keeps no ``x`` of its own (given a weight
-    that needs its gradient)."""
+def grad_weight_takes_x(plan: LinearPlan) -> bool:
+    """Whether `plan`'s grad-weight takes the forward's tensor-wise FP8 ``x`` over, transposed
+    (what :func:`quantize_with_transpose` hands it, :func:`transposed_reuse`), so that the
+    Function keeps no ``x`` of its own (given a weight that needs its gradient); where the
+    forward's cast applies a folded ReLU and grad-weight does not take ``x`` over, the backward
+    runs the ReLU again."""
     fwd, gw = plan.forward, plan.grad_weight
     return (fwd.is_fp8 and fwd.scaling is Scaling.TENSORWISE and gw.is_fp8 and gw.scaling is Scaling.TENSORWISE
             and gw.operand_b_fmt is fwd.fmt)
@@ -885,13 +888,13 @@ def _fp8_linear_rows(
 ) -> Tensor:
     """:func:`fp8_linear` of a 2-D ``x`` (its checks made): the ReLU's fold is decided on the
     rows the Function casts. ``mask_bits``: the folded ReLU's mask kept as bits where a backward
-    will run and grad-weight takes the forward's FP8 ``x`` over (:func:`_grad_weight_takes_x`;
+    will run and grad-weight takes the forward's FP8 ``x`` over (:func:`grad_weight_takes_x`;
     elsewhere the Function keeps ``x`` itself, and bits would be one more copy)."""
     if input_relu and not folds_input_relu(plan, x, compiled_quantizer):
         x, input_relu = torch.relu(x), False
     if input_relu:
         bits = (mask_bits and x.shape[-1] % _BIT == 0 and torch.is_grad_enabled() and x.requires_grad
-                and weight.requires_grad and _grad_weight_takes_x(plan))
+                and weight.requires_grad and grad_weight_takes_x(plan))
         x = _ReluGradFn.apply(x, bits)
     if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
