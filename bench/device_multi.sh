@@ -20,6 +20,7 @@
 #   ledgershapes*  python -m bench.ledger_shapes --out DIR ARGS
 #   quanttiles*    python -m bench.quant_tiles --out DIR ARGS
 #   producer*      python -m bench.producer_cast --out DIR ARGS
+#   inference*     python -m bench.inference --out DIR ARGS
 # $OUT returns at most 8 files: each lane's parts go into lane<i>.tgz (i: the lane's position, from
 # 0; with the GPU list, the commit and the lanes), rewritten after each of its parts, so a call cut
 # by its time limit still returns the parts it finished, and one lane's large output (profile
@@ -74,6 +75,7 @@ part() {  # GPUS CPUS PART
     gemm*)     "${run[@]}" -m bench.gemm --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     quanttiles*) "${run[@]}" -m bench.quant_tiles --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     producer*) "${run[@]}" -m bench.producer_cast --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
+    inference*) "${run[@]}" -m bench.inference --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     ledgershapes*) "${run[@]}" -m bench.ledger_shapes --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     pytest*)   "${run[@]}" -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/mg_$name $args >> "$log" 2>&1
                echo "rc=$?" >> "$log" ;;
