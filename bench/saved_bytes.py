@@ -8,7 +8,8 @@ default Wukong's over-arch, 4096 x 4096, 4096 x 2048, 2048 x 1024) at ``--m`` ro
 on every site: tensor-wise FP8 forward, grad-input and grad-weight on ``--backend`` (``triton``:
 the Triton casts, which fold each ReLU into the next site's cast, ``mods.fold_relu``; on the CPU
 under ``TRITON_INTERPRET=1``), under bf16 autocast as the trainer runs with ``dense_dtype=bf16``;
-``loka_bits`` is the same with ``mods.relu_mask_bits`` (the folded ReLU's mask kept as bits).
+``loka`` keeps each folded ReLU's pre-activation for its mask (``mods.relu_mask_bits=false``),
+``loka_bits`` the mask as bits (``mods.relu_mask_bits``, the default).
 The bytes are what the eager code saves: a compiled step's partitioner may save other tensors.
 
     python -m bench.saved_bytes --out DIR [--m 32768] [--layers 4096x4096,4096x2048,2048x1024]
@@ -125,8 +126,9 @@ def render(result: dict[str, Any], command: str) -> str:
              f"- {result['m']} rows; layers (K x N): {', '.join(f'{k} x {n}' for k, n in result['layers'])}; "
              f"LoKA: tensor-wise FP8 on {result['backend']} for every GEMM, "
              f"{len(result['folded'])} ReLU(s) folded into the next site's cast",
-             f"- total: plain {result['plain_bytes'] / 1e6:,.1f} MB, LoKA {result['loka_bytes'] / 1e6:,.1f} MB "
-             f"({result['loka_bytes'] / result['plain_bytes']:.2f}x), LoKA with the ReLU masks as bits "
+             f"- total: plain {result['plain_bytes'] / 1e6:,.1f} MB, LoKA with the pre-activations kept for the ReLU "
+             f"masks (`loka`, relu_mask_bits=false) {result['loka_bytes'] / 1e6:,.1f} MB "
+             f"({result['loka_bytes'] / result['plain_bytes']:.2f}x), LoKA with the masks as bits (`loka_bits`) "
              f"{result['loka_bits_bytes'] / 1e6:,.1f} MB ({result['loka_bits_bytes'] / result['plain_bytes']:.2f}x)", ""]
     for which in ("plain", "loka", "loka_bits"):
         lines += [f"## {which}", "", "| layer | dtype | shape | MB |", "|---|---|---|---|"]

@@ -197,7 +197,7 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
 
 
 SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "compilesampled", "eagersampled", "static", "dynamic",
-            "nofold", "bits", "rotate")
+            "nofold", "bits", "nobits", "rotate")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
@@ -211,9 +211,9 @@ compiling them gains. ``+compilesampled`` names the default (``trainer.compile_s
 scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dynamic``
 (``loka.mods.static_scales=false``) with dynamic ones. ``+nofold`` (``loka.mods.fold_relu=false``)
 keeps each ReLU a pass of its own instead of folding it into the next site's FP8 cast: what the
-folding gains. ``+bits`` (``loka.mods.relu_mask_bits=true``) keeps a folded ReLU's mask for the
-backward as one bit an element instead of the bf16 pre-activation: what that saves in memory and
-costs in time. ``+rotate`` (``loka.probe.sites_per_step=2``) samples a rotating pair of sites on
+folding gains. ``+nobits`` (``loka.mods.relu_mask_bits=false``) keeps a folded ReLU's bf16 pre-activation
+for the backward's mask instead of one bit an element: what the bits save in memory and time;
+``+bits`` names the default (``loka.mods.relu_mask_bits=true``). ``+rotate`` (``loka.probe.sites_per_step=2``) samples a rotating pair of sites on
 each sampled step instead of the preset's schedule of sites: what a sampled step then costs."""
 
 LOKA_OVERRIDE_SUFFIXES = {
@@ -221,6 +221,7 @@ LOKA_OVERRIDE_SUFFIXES = {
     "dynamic": (", dynamic tensor-wise scales", "loka.mods.static_scales=false"),
     "nofold": (", ReLUs not folded into the casts", "loka.mods.fold_relu=false"),
     "bits": (", folded ReLUs' masks kept as bits", "loka.mods.relu_mask_bits=true"),
+    "nobits": (", folded ReLUs' pre-activations kept for their masks", "loka.mods.relu_mask_bits=false"),
     "rotate": (", 2 sites a sampled step", "loka.probe.sites_per_step=2"),
 }
 """LoKA suffixes that add one override to the preset: what the description says, the override."""
@@ -243,7 +244,7 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     for name in names:
         stem, *suffixes = name.split("+")
         if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
-            loka_only = ("replaysampled", "compilesampled", "eagersampled", "static", "dynamic", "nofold", "bits", "rotate")
+            loka_only = ("replaysampled", "compilesampled", "eagersampled", "static", "dynamic", "nofold", "bits", "nobits", "rotate")
             allowed = sorted(base) + [
                 f"{b}+{s}" for b in sorted(base) for s in SUFFIXES
                 if not (base[b].compile and s == "compile") and not (base[b].loka == "off" and s in loka_only)
@@ -274,9 +275,11 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
             v = replace(v, description=v.description + ", sampled steps uncompiled", compile_sampled=False)
         if "dynamic" in suffixes and "static" in suffixes:
             raise SystemExit(f"--variants: {name}: '+dynamic' and '+static' exclude each other")
-        if "bits" in suffixes and "nofold" in suffixes:
-            raise SystemExit(f"--variants: {name}: '+bits' keeps the masks of folded ReLUs, which '+nofold' "
-                             "leaves unfolded: drop one")
+        if "bits" in suffixes and "nobits" in suffixes:
+            raise SystemExit(f"--variants: {name}: '+bits' and '+nobits' exclude each other")
+        if "nofold" in suffixes and ("bits" in suffixes or "nobits" in suffixes):
+            raise SystemExit(f"--variants: {name}: '+bits' and '+nobits' choose how folded ReLUs keep their "
+                             "masks, and '+nofold' folds none: drop one")
         for suffix, (what, override) in LOKA_OVERRIDE_SUFFIXES.items():
             if suffix in suffixes:
                 if v.loka == "off":

@@ -755,7 +755,7 @@ class _ReluGradFn(torch.autograd.Function):
     """The identity forward, ``torch.relu``'s backward (``threshold_backward``: zero where
     ``x <= 0``, NaN's gradient kept): wrapped around an FP8 linear's input when its cast applies
     the ReLU. Traced by ``torch.compile``, where inductor may fuse the mask with the code around
-    it (on an H100 it ran as a pass of its own between two opaque FP8 ops). With ``bits`` it
+    it (between two opaque FP8 ops it is a pass of its own). With ``bits`` it
     keeps the mask, one bit an element (:func:`relu_mask_bits`), instead of ``x``: where the
     site's grad-weight takes the forward's FP8 ``relu(x)`` over, ``x`` then need not live until
     the backward (``mods.relu_mask_bits``)."""

@@ -76,18 +76,20 @@ class ModsConfig:
     with a row-wise FP8 forward). The module that held the ReLU then returns its
     pre-activation; the model's output, its gradients and the state dict are unchanged. Where
     the site's grad-weight does not take the forward's transposed FP8 payload over, its backward
-    recomputes the ReLU (one pass), which Dispatch does not charge."""
+    recomputes the ReLU (one pass), which Dispatch charges to the plan."""
 
-    relu_mask_bits: bool = False
+    relu_mask_bits: bool = True
     """Where a folded ReLU feeds a site whose grad-weight takes the forward's tensor-wise FP8
     input over (its own copy of the ReLU's output), keep the ReLU's mask for the backward as one
     bit an element instead of the bf16 pre-activation (``kernels.linear.relu_mask_bits``: the
-    same gradients, bit for bit; the input's width a multiple of 8). Such a site otherwise keeps
+    same gradients, bit for bit; the input's width a multiple of 8). Without it such a site keeps
     its input twice, 3 bytes an element where a plain Linear after a ReLU keeps 2 (``python -m
     bench.saved_bytes``); with the bits, 1.125 (a site the Probe samples on a step also keeps
     its observed input until the backward). The bits cost a pass over the pre-activation in the
     forward (plain torch ops that inductor fuses; the cast does not write them, and Dispatch
-    does not charge them), and the backward reads them in place of the pre-activation."""
+    does not charge them); the backward reads them, an eighth of a byte an element, in place
+    of the pre-activation's two bytes. ``false`` keeps the pre-activation (``bench.e2e``'s
+    ``+nobits``)."""
 
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias

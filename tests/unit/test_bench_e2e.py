@@ -772,18 +772,26 @@ def test_nofold_suffix_turns_the_relu_fold_off_and_shares_the_decision() -> None
         resolve_variants(["bf16+nofold"], "emulated")
 
 
-def test_bits_suffix_keeps_relu_masks_as_bits_and_shares_the_decision() -> None:
+def test_bits_suffixes_set_the_relu_masks_and_share_the_decision() -> None:
     from bench.e2e.protocol import decision_key
     from bench.e2e.variants import resolve_variants
 
-    aggr, bits = resolve_variants(["loka_aggressive+compile+graphs", "loka_aggressive+graphs+bits+compile"], "emulated")
+    aggr, bits, nobits = resolve_variants(
+        ["loka_aggressive+compile+graphs", "loka_aggressive+graphs+bits+compile", "loka_aggressive+nobits+compile+graphs"],
+        "emulated")
     assert bits.name == "loka_aggressive+compile+graphs+bits"
+    assert nobits.name == "loka_aggressive+compile+graphs+nobits"
     assert bits.loka_overrides == ("loka.mods.relu_mask_bits=true",) and "bits" in bits.description
-    assert decision_key("wukong", 64, 0, aggr) == decision_key("wukong", 64, 0, bits)
-    with pytest.raises(SystemExit, match="bits"):
-        resolve_variants(["bf16+bits"], "emulated")
-    with pytest.raises(SystemExit, match="drop one"):
-        resolve_variants(["loka_aggressive+nofold+bits"], "emulated")
+    assert nobits.loka_overrides == ("loka.mods.relu_mask_bits=false",) and "pre-activations" in nobits.description
+    assert decision_key("wukong", 64, 0, aggr) == decision_key("wukong", 64, 0, bits) \
+        == decision_key("wukong", 64, 0, nobits)
+    with pytest.raises(SystemExit, match="nobits"):
+        resolve_variants(["bf16+nobits"], "emulated")
+    with pytest.raises(SystemExit, match="exclude each other"):
+        resolve_variants(["loka_aggressive+bits+nobits"], "emulated")
+    for folded_none in ("loka_aggressive+nofold+bits", "loka_aggressive+nofold+nobits"):
+        with pytest.raises(SystemExit, match="drop one"):
+            resolve_variants([folded_none], "emulated")
 
 
 def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: Path) -> None:
