@@ -38,6 +38,9 @@ def test_default_job_composes() -> None:
 def test_loka_presets(preset: str) -> None:
     loka = _compose(f"loka={preset}").loka
     assert loka.enabled is (preset != "off")
+    # A folded ReLU's mask kept as bits by default (same gradients, less memory); off on request.
+    assert loka.mods.fold_relu is True and loka.mods.relu_mask_bits is True
+    assert _compose(f"loka={preset}", "loka.mods.relu_mask_bits=false").loka.mods.relu_mask_bits is False
 
 
 @pytest.mark.parametrize("preset", ["dlrm", "dcn", "wukong"])
