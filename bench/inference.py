@@ -19,8 +19,8 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
   forward the Probe judged safe, kept where it beats bf16 at that batch), one model per batch
   size, their tables in the JSON;
 * ``loka+gatehigh`` (with ``--ne-budget``): ``loka`` whose NE gate moves forwards to high
-  precision only (``hold_ne(rowwise_first=False)``), against the gate's default, which takes a
-  tensor-wise forward row-wise where that is enough: what each costs in speed at the same budget;
+  precision only (``hold_ne(rowwise_first=False)``), against the gate's default, which may also
+  take a tensor-wise forward row-wise: what each costs in speed at the same budget;
 
 each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
 ``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup

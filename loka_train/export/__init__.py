@@ -15,8 +15,9 @@
   (the fastest of the trained FP8 forward and, with ``TrainedModel.safe_forwards``, every
   forward the Probe judged safe, kept only where it beats bf16 there);
 * :func:`hold_ne` (:mod:`.gate`): the served NE held within a budget of high precision's on
-  held-out batches: the FP8 forwards that cost it most moved, to row-wise scales
-  (:func:`next_rung`) where that is enough, else the move that lowers the NE most;
+  held-out batches: FP8 forwards moved to row-wise scales (:func:`next_rung`) or high
+  precision, each move priced by the speed it gives up (:func:`forward_price`): the cheapest
+  move that is enough, else the one that lowers the NE most for its price;
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 
@@ -45,7 +46,14 @@ from loka_train.export.decide import (
     format_decisions,
     forward_ledger,
 )
-from loka_train.export.gate import GateStep, format_gate, hold_ne, next_rung
+from loka_train.export.gate import (
+    ROWWISE_PRICE,
+    GateStep,
+    format_gate,
+    forward_price,
+    hold_ne,
+    next_rung,
+)
 from loka_train.export.load import TrainedModel, load_trained
 from loka_train.export.monitor import Monitor
 from loka_train.export.program import (
@@ -65,9 +73,9 @@ from loka_train.export.serving import (
 )
 
 __all__ = [
-    "ExportConfig", "GateStep", "InferenceDecision", "Monitor", "MonitorConfig", "SafeForwards", "ServeConfig",
+    "ROWWISE_PRICE", "ExportConfig", "GateStep", "InferenceDecision", "Monitor", "MonitorConfig", "SafeForwards", "ServeConfig",
     "ServedWeight", "SiteNumerics", "SkipGuards", "TrainedModel", "aoti_package", "compare_sites", "compile_served",
-    "decide_for_batch", "export_dense", "format_decisions", "format_gate", "format_numerics", "forward_ledger",
+    "decide_for_batch", "export_dense", "format_decisions", "format_gate", "format_numerics", "forward_ledger", "forward_price",
     "hold_ne", "install_programs", "load_programs", "load_trained", "next_rung", "save_programs", "serve",
     "serve_embeddings", "served_sites",
 ]

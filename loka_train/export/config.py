@@ -107,9 +107,10 @@ class ExportConfig:
     ne_budget: float | None = None
     """Hold the served NE within this relative increase over the high-precision model's (2e-4:
     0.02%) on held-out batches other than the evaluated ones (as many, the next ones): while it
-    is over, one FP8 forward moves per step: a tensor-wise one to row-wise scales where that alone
-    brings the NE within the budget (and the Probe judged it safe), else the move (to high
-    precision or row-wise) that lowers the NE most; it stops where no move lowers the NE
+    is over, one FP8 forward moves per step, to high precision or (a tensor-wise one the Probe
+    judged safe row-wise) to row-wise scales, each move priced by the speed it gives up: the
+    cheapest move that brings the NE within the budget, else the one that lowers the NE most
+    for its price; it stops where no move lowers the NE
     (:func:`~loka_train.export.gate.hold_ne`; the steps in ``export.json`` and ``gate.md``);
     None: the plans as trained (or re-decided)."""
 

@@ -7,12 +7,14 @@ while the served NE exceeds the high-precision one by more than ``budget`` (rela
 move per step, each FP8 site tried in turn (NE, not a site's SQNR, is what is held). A site's
 moves: to high precision, and for a tensor-wise forward also to row-wise scales
 (:func:`next_rung`: the same formats and backend, where the backend takes row-wise scales and,
-given the Probe's verdicts, one judged that forward safe), which keeps the GEMM in FP8. Where a
-move brings the NE within the budget, the gate takes such a move, a row-wise one before one to
-high precision; otherwise the move that lowers the NE most (to either). It stops within the
-budget, with no FP8 forward left, or where no move lowers the NE by more than ``min_gain``
-(logged; the last step then records that round's trials with no move), and returns every step,
-so a report says what the budget cost.
+given the Probe's verdicts, one judged that forward safe), which keeps the GEMM in FP8.
+
+Each move has a price, the speed it gives up (:func:`forward_price`: the site's forward GEMM's
+size, all of it for high precision, :data:`ROWWISE_PRICE` of it for row-wise scales). Where
+moves bring the NE within the budget, the gate takes the cheapest of them; otherwise the move
+that lowers the NE most for its price. It stops within the budget, with no FP8 forward left, or
+where no move lowers the NE by more than ``min_gain`` (logged; the last step then records that
+round's trials with no move), and returns every step, so a report says what the budget cost.
 
 Example::
 
@@ -46,7 +48,14 @@ from loka_train.mods.convert import sites as find_sites
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GateStep", "format_gate", "hold_ne", "next_rung"]
+__all__ = ["ROWWISE_PRICE", "GateStep", "format_gate", "forward_price", "hold_ne", "next_rung"]
+
+ROWWISE_PRICE = 0.2
+"""What serving a forward with row-wise instead of tensor-wise FP8 scales gives up, as a share
+of what serving it in high precision gives up (:func:`forward_price`). An estimate from the
+ledger's H100 times: a row-wise forward's GEMM runs about a tenth slower than a tensor-wise
+one, and its cast takes its amax per row where a static tensor-wise scale needs none, while
+high precision gives up the whole of FP8's 1.6-1.9x."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,10 @@ class _NonFiniteNE(ValueError):
     """The model's NE is not a number: raised, never taken for a failed move."""
 
 
+_TINY = 1e-12
+"""The least price a move is divided by (a site that never ran has a forward of size 0)."""
+
+
 def _fp8_sites(model: nn.Module) -> list[str]:
     return [name for name, site in find_sites(model).items() if site.plan.forward.is_fp8]
 
@@ -94,15 +107,28 @@ def next_rung(name: str, forward: GemmPlan, verdicts: Mapping[Any, Any] | None =
     return finer
 
 
+def forward_price(site: nn.Module, forward: GemmPlan) -> float:
+    """What serving `site`'s forward as `forward` gives up against a tensor-wise FP8 forward, in
+    multiply-adds of its forward GEMM as last run (``m * k * n``): all of them for high
+    precision, :data:`ROWWISE_PRICE` of them for row-wise FP8 scales, none for tensor-wise
+    ones. A price to compare moves by, not a time."""
+    m, k, n = site.gemm_shapes()["forward"]
+    size = float(max(m, 1) * k * n)
+    if not forward.is_fp8:
+        return size
+    return ROWWISE_PRICE * size if forward.scaling is Scaling.ROWWISE else 0.0
+
+
 def hold_ne(
     model: nn.Module, ne: Callable[[nn.Module], float], *, reference_ne: float, budget: float, config: ServeConfig,
     verdicts: Mapping[Any, Any] | None = None, rowwise_first: bool = True, min_gain: float = 1e-6,
+    price: Callable[[str, GemmPlan], float] | None = None,
 ) -> list[GateStep]:
     """Move `model`'s FP8 forwards row-wise or to high precision, one per step, until its NE is
     within `budget` of `reference_ne` (see the module docstring). `model` is changed in place
-    (served again with `config`); returns the steps: the model as served, one per move (``moved``,
-    ``to``), and, where the gate stopped with no move lowering the NE, a last one without a move
-    (``moved`` None) that records that round's trials.
+    (served again with `config`); returns the steps: the model as served, one per move
+    (``moved``, ``to``), and, where the gate stopped with no move lowering the NE, a last one
+    without a move (``moved`` None) that records that round's trials.
 
     Args:
         model: a served model (:func:`~loka_train.export.serve`), eager.
@@ -116,6 +142,9 @@ def hold_ne(
         rowwise_first: False: every move goes to high precision.
         min_gain: the least a move must lower the NE (relative, as `budget`) to be taken: the
             gate does not chase differences the evaluation's rounding makes.
+        price: ``price(site, forward)``, what serving `site`'s forward as `forward` gives up
+            (a measured time, say); the moves are compared by its differences. None:
+            :func:`forward_price`.
 
     Raises:
         ValueError: where `budget` or `min_gain` is negative, `reference_ne` not a positive
@@ -151,44 +180,53 @@ def hold_ne(
                 "check its logits (compare_sites shows where they go)")
         return got / reference_ne - 1
 
+    def priced(name: str, forward: GemmPlan) -> float:
+        return price(name, forward) if price is not None else forward_price(find_sites(model)[name], forward)
+
+    def trial(name: str, forward: GemmPlan, kept: LinearPlan, failed: dict[str, str]) -> float | None:
+        """The NE with `name` serving `forward`, the model then as it was; None where a row-wise
+        forward fails to serve or to run (recorded in `failed`, logged)."""
+        try:
+            serve(model, plans={name: LinearPlan(forward=forward)}, config=config)
+            return delta()
+        except (_NonFiniteNE, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:
+            if forward.is_fp8:  # the row-wise move only: the site can still go high
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                logger.warning("NE gate: %s as %s failed, left out: %s", name, forward, failed[name])
+                return None
+            raise
+        finally:  # the model as it was, whatever the trial raised
+            serve(model, plans={name: kept}, config=config)
+
     now = delta()
     steps = [GateStep(moved=None, ne_delta=now, fp8_forwards=len(_fp8_sites(model)), tried={})]
     while now > budget and (fp8 := _fp8_sites(model)):
         tried: dict[str, dict[str, float]] = {}
         failed: dict[str, str] = {}
-        moves: list[tuple[bool, float, str, GemmPlan]] = []  # (to high, NE delta, site, forward)
+        moves: list[tuple[float, float, str, GemmPlan]] = []  # (price of the move, NE delta, site, forward)
         for name in fp8:
             kept = find_sites(model)[name].plan
             finer = next_rung(name, kept.forward, verdicts) if rowwise_first else None
             tried[name] = {}
             for forward in (finer, GemmPlan()):
-                if forward is None:
+                if forward is None or (got := trial(name, forward, kept, failed)) is None:
                     continue
-                try:
-                    serve(model, plans={name: LinearPlan(forward=forward)}, config=config)
-                    got = delta()
-                except (_NonFiniteNE, torch.OutOfMemoryError):
-                    raise
-                except Exception as exc:
-                    if forward.is_fp8:  # the row-wise move only: the site can still go high
-                        failed[name] = f"{type(exc).__name__}: {exc}"
-                        logger.warning("NE gate: %s row-wise (%s) failed, left out: %s", name, forward, failed[name])
-                        continue
-                    raise
-                finally:  # the model as it was, whatever the trial raised
-                    serve(model, plans={name: kept}, config=config)
                 tried[name][str(forward)] = got
-                moves.append((not forward.is_fp8, got, name, forward))
-        within = [m for m in moves if m[1] <= budget]
-        # Within the budget in one move: row-wise before high precision, then the lowest NE.
-        # Otherwise the move that lowers the NE most.
-        pick = min(within, key=lambda m: (m[0], m[1])) if within else min(moves, key=lambda m: (m[1], m[0]))
-        if pick[1] > now - min_gain:
+                moves.append((priced(name, forward) - priced(name, kept.forward), got, name, forward))
+        gaining = [m for m in moves if m[1] < now - min_gain]
+        within = [m for m in gaining if m[1] <= budget]
+        if not gaining:
             logger.warning("NE budget %.4f%%: no move of the %d FP8 forwards lowers the NE (%+.4f%% of high "
                            "precision's) by more than %g: the rest of the gap is not theirs; stopped",
                            100 * budget, len(fp8), 100 * now, min_gain)
             steps.append(GateStep(moved=None, ne_delta=now, fp8_forwards=len(fp8), tried=tried, failed=failed))
             break
+        # Within the budget in one move: the cheapest such move (then the lowest NE). Otherwise the
+        # move that lowers the NE most for its price.
+        pick = (min(within, key=lambda m: (m[0], m[1])) if within
+                else max(gaining, key=lambda m: ((now - m[1]) / max(m[0], _TINY), -m[1])))
         _, now, moved, forward = pick
         serve(model, plans={moved: LinearPlan(forward=forward)}, config=config)
         steps.append(GateStep(moved=moved, ne_delta=now, fp8_forwards=len(_fp8_sites(model)), tried=tried,

@@ -28,7 +28,7 @@ def _fp8(model: nn.Module) -> set[str]:
     return {n for n, s in sites(model).items() if s.plan.forward.is_fp8}
 
 
-def test_the_gate_moves_the_forward_whose_move_lowers_the_ne_most_and_stops_within_the_budget() -> None:
+def test_the_gate_takes_the_cheapest_move_within_the_budget_else_the_most_ne_for_its_price() -> None:
     model = _served()
     cost = {"0": 1e-3, "2": 1e-4, "4": 3e-4}  # what each FP8 forward adds to the NE
 
@@ -44,9 +44,12 @@ def test_the_gate_moves_the_forward_whose_move_lowers_the_ne_most_and_stops_with
     # Within the budget as served: nothing moves.
     kept = hold_ne(_served(), ne, reference_ne=1.0, budget=2e-3, config=FP32, rowwise_first=False)
     assert [s.moved for s in kept] == [None]
+    # Each of the three moves reaches 1.3e-3: the cheapest, the smallest forward (48 x 40 < 32 x
+    # 64 < 64 x 48), not the one that lowers the NE most.
     just_over = hold_ne(_served(), ne, reference_ne=1.0, budget=1.3e-3, config=FP32, rowwise_first=False)
-    assert [s.moved for s in just_over] == [None, "0"]
-    # A budget no FP8 forward meets: every one moves, in the order of what they cost.
+    assert [s.moved for s in just_over] == [None, "4"] and just_over[1].ne_delta == pytest.approx(1.1e-3)
+    # A budget no FP8 forward meets: every one moves, the most NE for its price first ("0": 1e-3
+    # for 2048, "4": 3e-4 for 1920, "2": 1e-4 for 3072).
     model = _served()
     steps = hold_ne(model, ne, reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False)
     assert [s.moved for s in steps] == [None, "0", "4", "2"] and not _fp8(model)
@@ -132,12 +135,44 @@ def test_the_gate_takes_a_rowwise_move_where_one_brings_the_ne_within_the_budget
     # Each weight quantized again for the plan it serves.
     assert all(sites(model)[n].served.gemm == sites(model)[n].plan.forward for n in ("0", "2", "4"))
     assert "| 1 | 0 | fp8:e4m3/rowwise@emulated | +0.0500% | 3 |" in format_gate(steps)
-    # Out of reach in one move: the move that lowers the NE most ("0" high), then within 2e-4:
-    # "4" row-wise (1e-4) before "4" high (1e-4 too).
+    # Out of reach in one move: the most NE for its price ("0" row-wise: 9e-4 for a fifth of its
+    # forward, where high lowers 1e-3 for all of it), then, within 2e-4, "4" row-wise (2e-4),
+    # cheaper than "4" high (2e-4 too) and than "0" high.
     model = _served()
     steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=2e-4, config=FP32)
-    assert [(s.moved, s.to) for s in steps[1:]] == [("0", "high"), ("4", RW)]
-    assert _scalings(model) == {"0": "high", "2": "tensorwise", "4": "rowwise"} and steps[-1].fp8_forwards == 2
+    assert [(s.moved, s.to) for s in steps[1:]] == [("0", RW), ("4", RW)]
+    assert _scalings(model) == {"0": "rowwise", "2": "tensorwise", "4": "rowwise"} and steps[-1].fp8_forwards == 3
+    assert steps[-1].ne_delta == pytest.approx(2e-4)
+
+
+def test_the_moves_are_priced_by_the_forward_they_give_up() -> None:
+    from loka_train.export import ROWWISE_PRICE, forward_price
+    from loka_train.kernels.plan import GemmPlan
+
+    model = _served()
+    with torch.no_grad():
+        model(torch.randn(16, 32))
+    site = sites(model)["2"]  # 64 -> 48, 16 rows as last run
+    tensorwise = site.plan.forward
+    assert forward_price(site, GemmPlan()) == 16 * 64 * 48
+    assert forward_price(site, tensorwise) == 0.0
+    assert forward_price(site, LinearPlan.fp8(backend="emulated", scaling=Scaling.ROWWISE).forward) \
+        == pytest.approx(ROWWISE_PRICE * 16 * 64 * 48)
+    # A price of the caller's: "0" costs most to move, so the others go first, cheapest within the
+    # budget when one is.
+    cost = {"0": 1e-3, "2": 1e-4, "4": 3e-4}
+    price = {"0": 100.0, "2": 1.0, "4": 1.0}
+
+    def ne(m: nn.Module) -> float:
+        return 1.0 + sum(cost[n] for n in _fp8(m))
+
+    def priced(name: str, forward: GemmPlan) -> float:
+        return 0.0 if forward.is_fp8 else price[name]
+
+    steps = hold_ne(_served(), ne, reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False, price=priced)
+    assert [s.moved for s in steps[1:]] == ["4", "2", "0"]
+    steps = hold_ne(_served(), ne, reference_ne=1.0, budget=1.15e-3, config=FP32, rowwise_first=False, price=priced)
+    assert [s.moved for s in steps[1:]] == ["4"]  # "0" high would reach it too (4e-4), at 100
 
 
 def test_the_gate_stops_where_no_move_lowers_the_ne() -> None:
