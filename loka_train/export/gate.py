@@ -45,6 +45,7 @@ from loka_train.export.serving import serve
 from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import BACKEND_CONSTRAINTS, GemmPlan, LinearPlan
 from loka_train.mods.convert import sites as find_sites
+from loka_train.mods.site import Site
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def next_rung(name: str, forward: GemmPlan, verdicts: Mapping[Any, Any] | None =
     return finer
 
 
-def forward_price(site: nn.Module, forward: GemmPlan) -> float:
+def forward_price(site: Site, forward: GemmPlan) -> float:
     """What serving `site`'s forward as `forward` gives up against a tensor-wise FP8 forward, in
     multiply-adds of its forward GEMM as last run (``m * k * n``): all of them for high
     precision, :data:`ROWWISE_PRICE` of them for row-wise FP8 scales, none for tensor-wise
