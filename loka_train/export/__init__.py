@@ -17,7 +17,8 @@
 * :func:`hold_ne` (:mod:`.gate`): the served NE held within a budget of high precision's on
   held-out batches: FP8 forwards moved to row-wise scales (:func:`next_rung`) or high
   precision, each move priced by the speed it gives up (:func:`forward_price`): the cheapest
-  move that is enough, else the one that lowers the NE most for its price;
+  move that is enough, else the one that lowers the NE most for its price (of those that lower
+  it at least half as much as the best);
 * :func:`compare_sites` (:mod:`.debugger`): per site, on one batch, the FP8 output against
   fp32 on the same input and against a reference model, and the input's saturation.
 

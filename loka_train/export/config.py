@@ -110,7 +110,8 @@ class ExportConfig:
     is over, one FP8 forward moves per step, to high precision or (a tensor-wise one the Probe
     judged safe row-wise) to row-wise scales, each move priced by the speed it gives up: the
     cheapest move that brings the NE within the budget, else the one that lowers the NE most
-    for its price; it stops where no move lowers the NE
+    for its price (of those that lower it at least half as much as the best); it stops where
+    no move lowers the NE
     (:func:`~loka_train.export.gate.hold_ne`; the steps in ``export.json`` and ``gate.md``);
     None: the plans as trained (or re-decided)."""
 

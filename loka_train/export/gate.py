@@ -12,7 +12,8 @@ given the Probe's verdicts, one judged that forward safe), which keeps the GEMM 
 Each move has a price, the speed it gives up (:func:`forward_price`: the site's forward GEMM's
 size, all of it for high precision, :data:`ROWWISE_PRICE` of it for row-wise scales). Where
 moves bring the NE within the budget, the gate takes the cheapest of them; otherwise the move
-that lowers the NE most for its price. It stops within the budget, with no FP8 forward left, or
+that lowers the NE most for its price, of those that lower it at least half as much as the best
+one. It stops within the budget, with no FP8 forward left, or
 where no move lowers the NE by more than ``min_gain`` (logged; the last step then records that
 round's trials with no move), and returns every step, so a report says what the budget cost.
 
@@ -87,6 +88,10 @@ class _NonFiniteNE(ValueError):
 _TINY = 1e-12
 """The least price a move is divided by (a site that never ran has a forward of size 0)."""
 
+_LEAST_SHARE = 0.5
+"""Out of the budget's reach, a move is ranked by NE for its price only where it lowers the NE
+at least this share as much as the move that lowers it most."""
+
 
 def _fp8_sites(model: nn.Module) -> list[str]:
     return [name for name, site in find_sites(model).items() if site.plan.forward.is_fp8]
@@ -112,7 +117,8 @@ def forward_price(site: Site, forward: GemmPlan) -> float:
     """What serving `site`'s forward as `forward` gives up against a tensor-wise FP8 forward, in
     multiply-adds of its forward GEMM as last run (``m * k * n``): all of them for high
     precision, :data:`ROWWISE_PRICE` of them for row-wise FP8 scales, none for tensor-wise
-    ones. A price to compare moves by, not a time."""
+    ones. A price to compare moves by, not a time; it takes the FP8 forward for the faster one,
+    as on a GPU's backends (the CPU's emulated FP8 is slower than high precision)."""
     m, k, n = site.gemm_shapes()["forward"]
     size = float(max(m, 1) * k * n)
     if not forward.is_fp8:
@@ -143,9 +149,9 @@ def hold_ne(
         rowwise_first: False: every move goes to high precision.
         min_gain: the least a move must lower the NE (relative, as `budget`) to be taken: the
             gate does not chase differences the evaluation's rounding makes.
-        price: ``price(site, forward)``, what serving `site`'s forward as `forward` gives up
-            (a measured time, say); the moves are compared by its differences. None:
-            :func:`forward_price`.
+        price: ``price(name, forward)``, what serving site `name`'s forward as `forward` gives
+            up (a measured time, say); a move from ``kept`` to ``forward`` is priced
+            ``price(name, forward) - price(name, kept)``. None: :func:`forward_price`.
 
     Raises:
         ValueError: where `budget` or `min_gain` is negative, `reference_ne` not a positive
@@ -225,9 +231,12 @@ def hold_ne(
             steps.append(GateStep(moved=None, ne_delta=now, fp8_forwards=len(fp8), tried=tried, failed=failed))
             break
         # Within the budget in one move: the cheapest such move (then the lowest NE). Otherwise the
-        # move that lowers the NE most for its price.
+        # move that lowers the NE most for its price, of those that lower it at least _LEAST_SHARE
+        # as much as the best one: a cheap move whose gain is the evaluation's noise is no step.
+        best = now - min(m[1] for m in gaining)
+        substantial = [m for m in gaining if now - m[1] >= _LEAST_SHARE * best]
         pick = (min(within, key=lambda m: (m[0], m[1])) if within
-                else max(gaining, key=lambda m: ((now - m[1]) / max(m[0], _TINY), -m[1])))
+                else max(substantial, key=lambda m: ((now - m[1]) / max(m[0], _TINY), -m[1])))
         _, now, moved, forward = pick
         serve(model, plans={moved: LinearPlan(forward=forward)}, config=config)
         steps.append(GateStep(moved=moved, ne_delta=now, fp8_forwards=len(_fp8_sites(model)), tried=tried,

@@ -160,7 +160,7 @@ def test_the_moves_are_priced_by_the_forward_they_give_up() -> None:
         == pytest.approx(ROWWISE_PRICE * 16 * 64 * 48)
     # A price of the caller's: "0" costs most to move, so the others go first, cheapest within the
     # budget when one is.
-    cost = {"0": 1e-3, "2": 1e-4, "4": 3e-4}
+    cost = {"0": 1e-3, "2": 6e-4, "4": 8e-4}
     price = {"0": 100.0, "2": 1.0, "4": 1.0}
 
     def ne(m: nn.Module) -> float:
@@ -171,8 +171,10 @@ def test_the_moves_are_priced_by_the_forward_they_give_up() -> None:
 
     steps = hold_ne(_served(), ne, reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False, price=priced)
     assert [s.moved for s in steps[1:]] == ["4", "2", "0"]
-    steps = hold_ne(_served(), ne, reference_ne=1.0, budget=1.15e-3, config=FP32, rowwise_first=False, price=priced)
-    assert [s.moved for s in steps[1:]] == ["4"]  # "0" high would reach it too (4e-4), at 100
+    # Within 1.85e-3 (as served 2.4e-3) go "0" (to 1.4e-3, at 100), "4" (1.6e-3, at 1) and "2"
+    # (1.8e-3, at 1): the cheapest, the lower NE of the two at 1.
+    steps = hold_ne(_served(), ne, reference_ne=1.0, budget=1.85e-3, config=FP32, rowwise_first=False, price=priced)
+    assert [s.moved for s in steps[1:]] == ["4"]
 
 
 def test_the_gate_stops_where_no_move_lowers_the_ne() -> None:
@@ -294,3 +296,29 @@ def test_each_evaluation_starts_from_the_static_scales_as_served() -> None:
     assert len(seen) == 1 + 2 + 1 and [s.moved for s in steps[1:]] == ["0", "2"]
     assert all(torch.equal(got[n], before[n]) for got in seen for n in before)
     assert all(torch.equal(t, before[n]) for n, t in slots(served).items())  # and the gate leaves them so
+
+
+def test_a_move_is_priced_from_the_forward_the_site_serves_and_noise_is_no_step() -> None:
+    from loka_train.kernels.plan import GemmPlan
+
+    def priced(name: str, forward: GemmPlan) -> float:  # the same size everywhere
+        return 0.0 if forward.is_fp8 and forward.scaling is Scaling.TENSORWISE else (
+            0.2 if forward.is_fp8 else 1.0)
+
+    # "0" serves row-wise already: to high it gives up 0.8, not 1, and so goes first (8e-4 for 0.8
+    # against "2"'s 9e-4 for 1).
+    model = _served()
+    serve(model, plans={"0": LinearPlan.fp8(backend="emulated", scaling=Scaling.ROWWISE)}, config=FP32)
+    cost = {"0": {"rowwise": 8e-4, "high": 0.0}, "2": {"tensorwise": 9e-4, "high": 0.0},
+            "4": {"tensorwise": 0.0, "high": 0.0}}
+    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False,
+                    price=priced)
+    assert [s.moved for s in steps[1:]] == ["0", "2"]
+    # A cheap move whose gain is noise-sized does not go before one that lowers the NE by far more:
+    # "2" (3e-6 for 0.001) would win by its ratio; it is under half the best gain (1e-3).
+    cost = {"0": {"tensorwise": 1e-3, "high": 0.0}, "2": {"tensorwise": 3e-6, "high": 0.0},
+            "4": {"tensorwise": 0.0, "high": 0.0}}
+    price = {"0": 100.0, "2": 0.001, "4": 1.0}
+    steps = hold_ne(_served(), _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False,
+                    price=lambda name, forward: 0.0 if forward.is_fp8 else price[name])
+    assert [s.moved for s in steps[1:]] == ["0", "2"]
