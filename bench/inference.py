@@ -37,6 +37,9 @@ The forward-only ledger: for each batch size, every forward the served model run
 Probe judged safe in FP8, timed as a GEMM alone in bf16 and in its FP8 candidates (operands
 already quantized; CUDA-graph replays on a GPU), and the throughput limit it gives: ``bf16+compile``'s latency over that latency less
 what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit.
+It is measured on the eager ``loka`` variant's model, or, where only compiled LoKA variants run,
+on an eager LoKA model built for it (the trained plans, no NE gate: the limit counts every safe
+FP8 forward whatever the gate serves).
 
 Every variant is built (serving the same embedding tables, held once), warmed up at each batch
 size (``--warmup`` calls: compiled and captured there) and evaluated (NE and AUC on
@@ -138,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tables whatever --embeddings serves; default: off")
     p.add_argument("--embeddings", default="trained", choices=sorted(EMBEDDINGS),
                    help="the tables every variant serves: as trained, or TorchRec's inference modules in fp16/int8")
-    p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured with the loka variant)")
+    p.add_argument("--no-ledger", action="store_true", help="skip the forward-only ledger (measured on an eager LoKA model)")
     p.add_argument("--profile-calls", type=int, default=5,
                    help="calls of each variant and batch size under torch.profiler, after every timing (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -490,6 +493,15 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
               flush=True)
         if progress is not None:  # what is built so far: a time limit in a later build keeps it
             progress(list(rows.values()))
+    if not args.no_ledger and not ledgers and any(v.startswith("loka") for v in models):
+        # Only compiled LoKA variants: an eager LoKA model of its own gives the ledger (a served
+        # model records its GEMMs' shapes only when it runs eagerly); built, measured, dropped.
+        eager, _, _, safe, _ = build("loka", job, run, device)
+        if eager is not None:
+            share_tables(eager, donor)
+            for b, batches in timed.items():
+                ledgers[b] = forward_ledger(eager, _caller(batches[0], device), device=device, safe=safe)
+            del eager
     times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
     round_p50: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in models}
     names = list(models)

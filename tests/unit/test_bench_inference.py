@@ -88,6 +88,23 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     assert "| dlrm | loka |" in md and "samples/s" in md and "Where a call's time goes" in md and "(paired " in md
 
 
+def test_compiled_loka_variants_alone_still_get_the_forward_ledger(tmp_path: Path) -> None:
+    out = tmp_path / "inf"
+    assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
+                 "--decide-steps", "6", "--warmup", "1", "--iters", "2", "--rounds", "1", "--eval-batches", "2",
+                 "--pairs", "0", "--profile-calls", "0", "--variants", "bf16+compile,loka+compile",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "inference.json").read_text())["rows"]
+    ledger = [r for r in rows if r["status"] == "ledger"]
+    assert len(ledger) == 1 and ledger[0]["b16"]["ledger"]["rows"]
+    assert all(row["role"] == "forward" and row["fp8"] for row in ledger[0]["b16"]["ledger"]["rows"])
+    # The eager model's shapes: rows a multiple of the batch (none left at 0).
+    assert all(row["shape"][0] > 0 and row["shape"][0] % 16 == 0 for row in ledger[0]["b16"]["ledger"]["rows"])
+    loka = next(r for r in rows if r["variant"] == "loka+compile")
+    limit = ledger[0]["b16"]["limit_vs_ref"]
+    assert limit is None or loka["b16"]["of_limit"] == pytest.approx(loka["b16"]["speedup_vs_ref"] / limit)
+
+
 def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Path) -> None:
     out = tmp_path / "inf"
     assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
