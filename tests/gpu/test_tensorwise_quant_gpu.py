@@ -248,9 +248,11 @@ def test_a_relu_folded_into_the_static_two_layout_cast_is_the_cast_of_the_relu(f
     assert ss.fallbacks(slot) == [1]
 
 
-def test_a_folded_relu_trains_like_the_relu_module_compiled():
+@pytest.mark.parametrize("mask_bits", [False, True], ids=["pre-activation", "bits"])
+def test_a_folded_relu_trains_like_the_relu_module_compiled(mask_bits):
     """fp8_linear(x, input_relu=True) against fp8_linear(relu(x)) under torch.compile (inductor)
-    on torch_scaled_mm: output and gradients bit for bit, static scales on."""
+    on torch_scaled_mm: output and gradients bit for bit, static scales on, the ReLU's mask kept
+    as the pre-activation or as bits (mods.relu_mask_bits)."""
     from loka_train.kernels import static_scales as ss
     from loka_train.kernels.formats import Scaling
     from loka_train.kernels.linear import fp8_linear
@@ -269,7 +271,7 @@ def test_a_folded_relu_trains_like_the_relu_module_compiled():
         def f(x, w, folded=folded, slots=slots):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if folded:
-                    return fp8_linear(x, w, None, plan, static_slots=slots, input_relu=True)
+                    return fp8_linear(x, w, None, plan, static_slots=slots, input_relu=True, mask_bits=mask_bits)
                 return fp8_linear(torch.relu(x), w, None, plan, static_slots=slots)
 
         fn = torch.compile(f)
