@@ -19,7 +19,7 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
   forward the Probe judged safe, kept where it beats bf16 at that batch), one model per batch
   size, their tables in the JSON;
 * ``loka+gatehigh`` (with ``--ne-budget``): ``loka`` whose NE gate moves forwards to high
-  precision only (``hold_ne(rowwise_first=False)``), against the gate's default, which may also
+  precision only (``hold_ne(allow_rowwise=False)``), against the gate's default, which may also
   take a tensor-wise forward row-wise: what each costs in speed at the same budget;
 
 each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
@@ -37,9 +37,9 @@ The forward-only ledger: for each batch size, every forward the served model run
 Probe judged safe in FP8, timed as a GEMM alone in bf16 and in its FP8 candidates (operands
 already quantized; CUDA-graph replays on a GPU), and the throughput limit it gives: ``bf16+compile``'s latency over that latency less
 what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit.
-It is measured on the eager ``loka`` variant's model, or, where only compiled LoKA variants run,
-on an eager LoKA model built for it (the trained plans, no NE gate: the limit counts every safe
-FP8 forward whatever the gate serves).
+It is measured on the plain ``loka`` variant's model, or, where that variant does not run, on an
+eager LoKA model built for it (the trained plans, before any NE gate: the limit counts every
+safe FP8 forward whatever the gate serves, and the table's "served in FP8" is then as trained).
 
 Every variant is built (serving the same embedding tables, held once), warmed up at each batch
 size (``--warmup`` calls: compiled and captured there) and evaluated (NE and AUC on
@@ -240,7 +240,7 @@ def build(
         if gate is not None:
             steps = hold_ne(model, lambda m: quality(m, gate.batches, device)["ne"], reference_ne=gate.reference_ne,
                             budget=gate.budget, config=ServeConfig(dtype="bf16"),
-                            verdicts=None if safe is None else safe.verdicts, rowwise_first="+gatehigh" not in variant)
+                            verdicts=None if safe is None else safe.verdicts, allow_rowwise="+gatehigh" not in variant)
     if "+compile" in variant:
         compile_served(model, graphs="+graphs" in variant)
     if "+skipguards" in variant:
@@ -494,8 +494,8 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
         if progress is not None:  # what is built so far: a time limit in a later build keeps it
             progress(list(rows.values()))
     if not args.no_ledger and not ledgers and any(v.startswith("loka") for v in models):
-        # Only compiled LoKA variants: an eager LoKA model of its own gives the ledger (a served
-        # model records its GEMMs' shapes only when it runs eagerly); built, measured, dropped.
+        # No plain `loka` variant: an eager LoKA model of its own gives the ledger (a served model
+        # records its GEMMs' shapes only when it runs eagerly); built, measured, dropped.
         eager, _, _, safe, _ = build("loka", job, run, device)
         if eager is not None:
             share_tables(eager, donor)
@@ -653,7 +653,8 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", "Forward-only ledger: the throughput limit against "
                   f"{REFERENCE} with each forward's fastest FP8 GEMM (its served plan's, or one the Probe judged "
                   "safe) at its measured time and its quantization free.", "",
-                  "| config | batch | forwards served in FP8 / with an FP8 candidate | limit |", "|---|---|---|---|",
+                  "| config | batch | forwards served in FP8 (by the measured model) / with an FP8 candidate | limit |",
+                  "|---|---|---|---|",
                   *limits]
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,4 @@
-"""A served model's NE held to a budget: the FP8 forwards that cost it most go row-wise or high.
+"""A served model's NE held to a budget: FP8 forwards go row-wise or high, priced by the speed each gives up.
 
 The Probe judges each FP8 forward by its own SQNR; what a user serves for is the model's NE.
 :func:`hold_ne` measures the served model's NE against the same weights in high precision on
@@ -55,9 +55,10 @@ __all__ = ["ROWWISE_PRICE", "GateStep", "format_gate", "forward_price", "hold_ne
 ROWWISE_PRICE = 0.2
 """What serving a forward with row-wise instead of tensor-wise FP8 scales gives up, as a share
 of what serving it in high precision gives up (:func:`forward_price`). An estimate from the
-ledger's H100 times: a row-wise forward's GEMM runs about a tenth slower than a tensor-wise
-one, and its cast takes its amax per row where a static tensor-wise scale needs none, while
-high precision gives up the whole of FP8's 1.6-1.9x."""
+per-GEMM ledger's H100 times in ``docs/performance.md``: a row-wise GEMM runs about a tenth
+slower than a tensor-wise one of the same size, and its cast takes its amax per row where a
+static tensor-wise scale needs none, while high precision gives up the whole of FP8's
+1.6-1.9x."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class GateStep:
     failed: dict[str, str] = field(default_factory=dict)
     """Row-wise moves that failed to serve or to run at this step (site -> the error), left out
     of the choice (and logged)."""
+    prices: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The price of each move in ``tried`` (the speed it gives up, as ``hold_ne``'s `price`
+    counts it: :func:`forward_price` by default), by which the step chose."""
 
 
 class _NonFiniteNE(ValueError):
@@ -116,8 +120,8 @@ def next_rung(name: str, forward: GemmPlan, verdicts: Mapping[Any, Any] | None =
 def forward_price(site: Site, forward: GemmPlan) -> float:
     """What serving `site`'s forward as `forward` gives up against a tensor-wise FP8 forward, in
     multiply-adds of its forward GEMM as last run (``m * k * n``): all of them for high
-    precision, :data:`ROWWISE_PRICE` of them for row-wise FP8 scales, none for tensor-wise
-    ones. A price to compare moves by, not a time; it takes the FP8 forward for the faster one,
+    precision, :data:`ROWWISE_PRICE` of them for row-wise FP8 scales, none for other FP8
+    scalings (tensor-wise, block). A price to compare moves by, not a time; it takes the FP8 forward for the faster one,
     as on a GPU's backends (the CPU's emulated FP8 is slower than high precision)."""
     m, k, n = site.gemm_shapes()["forward"]
     size = float(max(m, 1) * k * n)
@@ -128,7 +132,7 @@ def forward_price(site: Site, forward: GemmPlan) -> float:
 
 def hold_ne(
     model: nn.Module, ne: Callable[[nn.Module], float], *, reference_ne: float, budget: float, config: ServeConfig,
-    verdicts: Mapping[Any, Any] | None = None, rowwise_first: bool = True, min_gain: float = 1e-6,
+    verdicts: Mapping[Any, Any] | None = None, allow_rowwise: bool = True, min_gain: float = 1e-6,
     price: Callable[[str, GemmPlan], float] | None = None,
 ) -> list[GateStep]:
     """Move `model`'s FP8 forwards row-wise or to high precision, one per step, until its NE is
@@ -146,7 +150,7 @@ def hold_ne(
         verdicts: the Probe's verdicts when training stopped (``TrainedModel.safe_forwards.verdicts``):
             a tensor-wise forward may go row-wise only where its row-wise verdict is safe. None:
             wherever the backend takes it (the gate's NE judges it).
-        rowwise_first: False: every move goes to high precision.
+        allow_rowwise: False: every move goes to high precision.
         min_gain: the least a move must lower the NE (relative, as `budget`) to be taken: the
             gate does not chase differences the evaluation's rounding makes.
         price: ``price(name, forward)``, what serving site `name`'s forward as `forward` gives
@@ -188,7 +192,11 @@ def hold_ne(
         return got / reference_ne - 1
 
     def priced(name: str, forward: GemmPlan) -> float:
-        return price(name, forward) if price is not None else forward_price(find_sites(model)[name], forward)
+        got = price(name, forward) if price is not None else forward_price(find_sites(model)[name], forward)
+        if not math.isfinite(got):
+            raise ValueError(f"hold_ne: the price of serving {name}'s forward as {forward} is {got}: "
+                             "a price must be a finite number")
+        return got
 
     def trial(name: str, forward: GemmPlan, kept: LinearPlan, failed: dict[str, str]) -> float | None:
         """The NE with `name` serving `forward`, the model then as it was; None where a row-wise
@@ -211,24 +219,27 @@ def hold_ne(
     steps = [GateStep(moved=None, ne_delta=now, fp8_forwards=len(_fp8_sites(model)), tried={})]
     while now > budget and (fp8 := _fp8_sites(model)):
         tried: dict[str, dict[str, float]] = {}
+        prices: dict[str, dict[str, float]] = {}
         failed: dict[str, str] = {}
         moves: list[tuple[float, float, str, GemmPlan]] = []  # (price of the move, NE delta, site, forward)
         for name in fp8:
             kept = find_sites(model)[name].plan
-            finer = next_rung(name, kept.forward, verdicts) if rowwise_first else None
-            tried[name] = {}
+            finer = next_rung(name, kept.forward, verdicts) if allow_rowwise else None
+            tried[name], prices[name] = {}, {}
             for forward in (finer, GemmPlan()):
                 if forward is None or (got := trial(name, forward, kept, failed)) is None:
                     continue
                 tried[name][str(forward)] = got
-                moves.append((priced(name, forward) - priced(name, kept.forward), got, name, forward))
+                prices[name][str(forward)] = priced(name, forward) - priced(name, kept.forward)
+                moves.append((prices[name][str(forward)], got, name, forward))
         gaining = [m for m in moves if m[1] < now - min_gain]
         within = [m for m in gaining if m[1] <= budget]
         if not gaining:
             logger.warning("NE budget %.4f%%: no move of the %d FP8 forwards lowers the NE (%+.4f%% of high "
                            "precision's) by more than %g: the rest of the gap is not theirs; stopped",
                            100 * budget, len(fp8), 100 * now, min_gain)
-            steps.append(GateStep(moved=None, ne_delta=now, fp8_forwards=len(fp8), tried=tried, failed=failed))
+            steps.append(GateStep(moved=None, ne_delta=now, fp8_forwards=len(fp8), tried=tried, failed=failed,
+                                  prices=prices))
             break
         # Within the budget in one move: the cheapest such move (then the lowest NE). Otherwise the
         # move that lowers the NE most for its price, of those that lower it at least _LEAST_SHARE
@@ -240,7 +251,7 @@ def hold_ne(
         _, now, moved, forward = pick
         serve(model, plans={moved: LinearPlan(forward=forward)}, config=config)
         steps.append(GateStep(moved=moved, ne_delta=now, fp8_forwards=len(_fp8_sites(model)), tried=tried,
-                              to=str(forward), failed=failed))
+                              to=str(forward), failed=failed, prices=prices))
         logger.info("NE budget %.4f%%: %s served %s, NE %+.4f%% of high precision's",
                     100 * budget, moved, "in high precision" if not forward.is_fp8 else forward, 100 * now)
     if now > budget and not _fp8_sites(model):
@@ -251,11 +262,13 @@ def hold_ne(
 
 def format_gate(steps: list[GateStep]) -> str:
     """`steps` as a Markdown table."""
-    lines = ["| step | site moved | its forward now | NE vs high precision | FP8 forwards left |",
-             "|---|---|---|---|---|"]
+    lines = ["| step | site moved | its forward now | the move's price | NE vs high precision | FP8 forwards left |",
+             "|---|---|---|---|---|---|"]
     for i, s in enumerate(steps):
         what = s.moved or ("(as served)" if i == 0 else "(none: no move lowers the NE)")
-        lines.append(f"| {i} | {what} | {s.to or ''} | {100 * s.ne_delta:+.4f}% | {s.fp8_forwards} |")
+        paid = s.prices.get(s.moved, {}).get(s.to, None) if s.moved and s.to else None
+        lines.append(f"| {i} | {what} | {s.to or ''} | {'' if paid is None else f'{paid:.3g}'} | "
+                     f"{100 * s.ne_delta:+.4f}% | {s.fp8_forwards} |")
     failures = [(i, site, why) for i, s in enumerate(steps) for site, why in s.failed.items()]
     if failures:
         lines += ["", "Row-wise moves that failed and were left out:", ""]

@@ -35,23 +35,23 @@ def test_the_gate_takes_the_cheapest_move_within_the_budget_else_the_most_ne_for
     def ne(m: nn.Module) -> float:
         return 1.0 + sum(cost[n] for n in _fp8(m))
 
-    steps = hold_ne(model, ne, reference_ne=1.0, budget=5e-4, config=FP32, rowwise_first=False)
+    steps = hold_ne(model, ne, reference_ne=1.0, budget=5e-4, config=FP32, allow_rowwise=False)
     assert [s.moved for s in steps] == [None, "0"]
     assert steps[0].ne_delta == pytest.approx(1.4e-3) and steps[1].ne_delta == pytest.approx(4e-4)
     assert {n: t["high"] for n, t in steps[1].tried.items()} == pytest.approx({"0": 4e-4, "2": 1.3e-3, "4": 1.1e-3})
     assert all(list(t) == ["high"] for t in steps[1].tried.values())  # no row-wise move tried
     assert _fp8(model) == {"2", "4"} and steps[-1].fp8_forwards == 2
     # Within the budget as served: nothing moves.
-    kept = hold_ne(_served(), ne, reference_ne=1.0, budget=2e-3, config=FP32, rowwise_first=False)
+    kept = hold_ne(_served(), ne, reference_ne=1.0, budget=2e-3, config=FP32, allow_rowwise=False)
     assert [s.moved for s in kept] == [None]
     # Each of the three moves reaches 1.3e-3: the cheapest, the smallest forward (48 x 40 < 32 x
     # 64 < 64 x 48), not the one that lowers the NE most.
-    just_over = hold_ne(_served(), ne, reference_ne=1.0, budget=1.3e-3, config=FP32, rowwise_first=False)
+    just_over = hold_ne(_served(), ne, reference_ne=1.0, budget=1.3e-3, config=FP32, allow_rowwise=False)
     assert [s.moved for s in just_over] == [None, "4"] and just_over[1].ne_delta == pytest.approx(1.1e-3)
     # A budget no FP8 forward meets: every one moves, the most NE for its price first ("0": 1e-3
     # for 2048, "4": 3e-4 for 1920, "2": 1e-4 for 3072).
     model = _served()
-    steps = hold_ne(model, ne, reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False)
+    steps = hold_ne(model, ne, reference_ne=1.0, budget=0.0, config=FP32, allow_rowwise=False)
     assert [s.moved for s in steps] == [None, "0", "4", "2"] and not _fp8(model)
     assert [s.to for s in steps] == [None, "high", "high", "high"] and "| 1 | 0 | high |" in format_gate(steps)
 
@@ -68,7 +68,7 @@ def test_the_gate_serves_the_moved_sites_in_high_precision_and_the_rest_as_befor
                 return normalized_entropy(m(x).reshape(-1), labels)
 
         kept = model(x)
-        steps = hold_ne(model, ne, reference_ne=ne(high), budget=0.0, config=FP32, rowwise_first=False)
+        steps = hold_ne(model, ne, reference_ne=ne(high), budget=0.0, config=FP32, allow_rowwise=False)
         moved = {st.moved for st in steps[1:]}
         assert moved and all(not sites(model)[n].plan.forward.is_fp8 for n in moved)
         # The rest as before: their FP8 forward, their weight served once.
@@ -92,7 +92,7 @@ def test_a_trial_that_raises_leaves_the_model_as_served() -> None:
         return 1.01
 
     with pytest.raises(RuntimeError, match="evaluation failed"):
-        hold_ne(model, ne, reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False)
+        hold_ne(model, ne, reference_ne=1.0, budget=0.0, config=FP32, allow_rowwise=False)
     assert _fp8(model) == {"0", "2", "4"}
     assert all(sites(model)[n].served is not None for n in ("0", "2", "4"))  # each weight served again
     with pytest.raises(ValueError, match="NE is nan"):
@@ -134,7 +134,9 @@ def test_the_gate_takes_a_rowwise_move_where_one_brings_the_ne_within_the_budget
     assert steps[-1].ne_delta == pytest.approx(5e-4) and steps[-1].fp8_forwards == 3
     # Each weight quantized again for the plan it serves.
     assert all(sites(model)[n].served.gemm == sites(model)[n].plan.forward for n in ("0", "2", "4"))
-    assert "| 1 | 0 | fp8:e4m3/rowwise@emulated | +0.0500% | 3 |" in format_gate(steps)
+    # Each move's price, by which the step chose: a fifth of the forward (32 x 64, never run) row-wise.
+    assert steps[1].prices["0"] == pytest.approx({RW: 0.2 * 2048, "high": 2048.0})
+    assert "| 1 | 0 | fp8:e4m3/rowwise@emulated | 410 | +0.0500% | 3 |" in format_gate(steps)
     # Out of reach in one move: the most NE for its price ("0" row-wise: 9e-4 for a fifth of its
     # forward, where high lowers 1e-3 for all of it), then, within 2e-4, "4" row-wise (2e-4),
     # cheaper than "4" high (2e-4 too) and than "0" high.
@@ -169,12 +171,15 @@ def test_the_moves_are_priced_by_the_forward_they_give_up() -> None:
     def priced(name: str, forward: GemmPlan) -> float:
         return 0.0 if forward.is_fp8 else price[name]
 
-    steps = hold_ne(_served(), ne, reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False, price=priced)
+    steps = hold_ne(_served(), ne, reference_ne=1.0, budget=0.0, config=FP32, allow_rowwise=False, price=priced)
     assert [s.moved for s in steps[1:]] == ["4", "2", "0"]
     # Within 1.85e-3 (as served 2.4e-3) go "0" (to 1.4e-3, at 100), "4" (1.6e-3, at 1) and "2"
     # (1.8e-3, at 1): the cheapest, the lower NE of the two at 1.
-    steps = hold_ne(_served(), ne, reference_ne=1.0, budget=1.85e-3, config=FP32, rowwise_first=False, price=priced)
+    steps = hold_ne(_served(), ne, reference_ne=1.0, budget=1.85e-3, config=FP32, allow_rowwise=False, price=priced)
     assert [s.moved for s in steps[1:]] == ["4"]
+    with pytest.raises(ValueError, match="price of serving 0's forward as high is nan"):
+        hold_ne(_served(), ne, reference_ne=1.0, budget=0.0, config=FP32, allow_rowwise=False,
+                price=lambda name, forward: float("nan") if name == "0" and not forward.is_fp8 else 1.0)
 
 
 def test_the_gate_stops_where_no_move_lowers_the_ne() -> None:
@@ -292,7 +297,7 @@ def test_each_evaluation_starts_from_the_static_scales_as_served() -> None:
         run(m, 50.0)
         return 1.0 + 1e-3 * len(_fp8(m))
 
-    steps = hold_ne(served, ne, reference_ne=1.0, budget=0.0, config=ServeConfig(dtype="bf16"), rowwise_first=False)
+    steps = hold_ne(served, ne, reference_ne=1.0, budget=0.0, config=ServeConfig(dtype="bf16"), allow_rowwise=False)
     assert len(seen) == 1 + 2 + 1 and [s.moved for s in steps[1:]] == ["0", "2"]
     assert all(torch.equal(got[n], before[n]) for got in seen for n in before)
     assert all(torch.equal(t, before[n]) for n, t in slots(served).items())  # and the gate leaves them so
@@ -311,7 +316,7 @@ def test_a_move_is_priced_from_the_forward_the_site_serves_and_noise_is_no_step(
     serve(model, plans={"0": LinearPlan.fp8(backend="emulated", scaling=Scaling.ROWWISE)}, config=FP32)
     cost = {"0": {"rowwise": 8e-4, "high": 0.0}, "2": {"tensorwise": 9e-4, "high": 0.0},
             "4": {"tensorwise": 0.0, "high": 0.0}}
-    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False,
+    steps = hold_ne(model, _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32, allow_rowwise=False,
                     price=priced)
     assert [s.moved for s in steps[1:]] == ["0", "2"]
     # A cheap move whose gain is noise-sized does not go before one that lowers the NE by far more:
@@ -319,6 +324,6 @@ def test_a_move_is_priced_from_the_forward_the_site_serves_and_noise_is_no_step(
     cost = {"0": {"tensorwise": 1e-3, "high": 0.0}, "2": {"tensorwise": 3e-6, "high": 0.0},
             "4": {"tensorwise": 0.0, "high": 0.0}}
     price = {"0": 100.0, "2": 0.001, "4": 1.0}
-    steps = hold_ne(_served(), _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32, rowwise_first=False,
+    steps = hold_ne(_served(), _ladder_ne(cost), reference_ne=1.0, budget=0.0, config=FP32, allow_rowwise=False,
                     price=lambda name, forward: 0.0 if forward.is_fp8 else price[name])
     assert [s.moved for s in steps[1:]] == ["0", "2"]
