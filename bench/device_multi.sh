@@ -28,6 +28,21 @@
 set -u
 out=$1
 shift
+known() {  # PART: whether part() runs it (the patterns of its case)
+  case $1 in
+    multigpu*|sparse2dtest*|sparse2d*|comm*|scaling*|e2e*|probecost*|gemm*|quanttiles*|producer*|inference*|\
+    ledgershapes*|pytest*) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
+# Every part named before any runs: a misspelt one stops the call at once, not after the others.
+for spec in "$@"; do
+  for p in $(tr '+' ' ' <<< "${spec#*:}"); do
+    if ! known "$p"; then echo "device_multi.sh: unknown part '$p' in lane '$spec' (see the list at the top)" >&2; exit 2; fi
+  done
+done
+
 w=/tmp/multi
 rm -rf "$w" /tmp/mg_*  # a warm machine still holds the last call's files
 mkdir -p "$out" "$w"
