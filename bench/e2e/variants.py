@@ -211,10 +211,11 @@ compiling them gains. ``+compilesampled`` names the default (``trainer.compile_s
 scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dynamic``
 (``loka.mods.static_scales=false``) with dynamic ones. ``+nofold`` (``loka.mods.fold_relu=false``)
 keeps each ReLU a pass of its own instead of folding it into the next site's FP8 cast: what the
-folding gains. ``+nobits`` (``loka.mods.relu_mask_bits=false``) keeps a folded ReLU's bf16 pre-activation
-for the backward's mask instead of one bit an element: what the bits save in memory and time;
-``+bits`` names the default (``loka.mods.relu_mask_bits=true``). ``+rotate`` (``loka.probe.sites_per_step=2``) samples a rotating pair of sites on
-each sampled step instead of the preset's schedule of sites: what a sampled step then costs."""
+folding gains. ``+nobits`` (``loka.mods.relu_mask_bits=false``) keeps a folded ReLU's bf16
+pre-activation for the backward's mask instead of one bit an element: what the bits save in
+memory and time; ``+bits`` names the default (``loka.mods.relu_mask_bits=true``). ``+rotate``
+(``loka.probe.sites_per_step=2``) samples a rotating pair of sites on each sampled step instead
+of the preset's schedule of sites: what a sampled step then costs."""
 
 LOKA_OVERRIDE_SUFFIXES = {
     "static": (", static tensor-wise scales", "loka.mods.static_scales=true"),

@@ -13,9 +13,9 @@ Each move has a price, the speed it gives up (:func:`forward_price`: the site's 
 size, all of it for high precision, :data:`ROWWISE_PRICE` of it for row-wise scales). Where
 moves bring the NE within the budget, the gate takes the cheapest of them; otherwise the move
 that lowers the NE most for its price, of those that lower it at least half as much as the best
-one. It stops within the budget, with no FP8 forward left, or
-where no move lowers the NE by more than ``min_gain`` (logged; the last step then records that
-round's trials with no move), and returns every step, so a report says what the budget cost.
+one. It stops within the budget, with no FP8 forward left, or where no move lowers the NE by
+more than ``min_gain`` (logged; the last step then records that round's trials with no move),
+and returns every step, so a report says what the budget cost.
 
 Example::
 
@@ -121,8 +121,9 @@ def forward_price(site: Site, forward: GemmPlan) -> float:
     """What serving `site`'s forward as `forward` gives up against a tensor-wise FP8 forward, in
     multiply-adds of its forward GEMM as last run (``m * k * n``): all of them for high
     precision, :data:`ROWWISE_PRICE` of them for row-wise FP8 scales, none for other FP8
-    scalings (tensor-wise, block). A price to compare moves by, not a time; it takes the FP8 forward for the faster one,
-    as on a GPU's backends (the CPU's emulated FP8 is slower than high precision)."""
+    scalings (tensor-wise, block). A price to compare moves by, not a time; it takes the FP8
+    forward for the faster one, as on a GPU's backends (the CPU's emulated FP8 is slower than
+    high precision)."""
     m, k, n = site.gemm_shapes()["forward"]
     size = float(max(m, 1) * k * n)
     if not forward.is_fp8:
