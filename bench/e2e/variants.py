@@ -197,7 +197,7 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
 
 
 SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "compilesampled", "eagersampled", "static", "dynamic",
-            "nofold", "bits", "nobits", "rotate")
+            "nofold", "bits", "nobits", "rotate", "rowwise", "highgw")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
@@ -215,7 +215,11 @@ folding gains. ``+nobits`` (``loka.mods.relu_mask_bits=false``) keeps a folded R
 pre-activation for the backward's mask instead of one bit an element: what the bits save in
 memory and time; ``+bits`` names the default (``loka.mods.relu_mask_bits=true``). ``+rotate``
 (``loka.probe.sites_per_step=2``) samples a rotating pair of sites on each sampled step instead
-of the preset's schedule of sites: what a sampled step then costs."""
+of the preset's schedule of sites: what a sampled step then costs. ``+rowwise``
+(``loka.dispatch.scalings=[rowwise]``) lets Dispatch choose row-wise scaling only, and ``+highgw``
+(``loka.dispatch.fp8_roles=[forward,grad_input]``) keeps every grad-weight in high precision: each
+changes the plans (its own decision run), to tell what a preset's tensor-wise GEMMs or FP8
+grad-weights cost in NE and buy in speed."""
 
 LOKA_OVERRIDE_SUFFIXES = {
     "static": (", static tensor-wise scales", "loka.mods.static_scales=true"),
@@ -224,6 +228,8 @@ LOKA_OVERRIDE_SUFFIXES = {
     "bits": (", folded ReLUs' masks kept as bits", "loka.mods.relu_mask_bits=true"),
     "nobits": (", folded ReLUs' pre-activations kept for their masks", "loka.mods.relu_mask_bits=false"),
     "rotate": (", 2 sites a sampled step", "loka.probe.sites_per_step=2"),
+    "rowwise": (", row-wise scaling only", "loka.dispatch.scalings=[rowwise]"),
+    "highgw": (", grad-weights in high precision", "loka.dispatch.fp8_roles=[forward,grad_input]"),
 }
 """LoKA suffixes that add one override to the preset: what the description says, the override."""
 
@@ -245,7 +251,7 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     for name in names:
         stem, *suffixes = name.split("+")
         if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
-            loka_only = ("replaysampled", "compilesampled", "eagersampled", "static", "dynamic", "nofold", "bits", "nobits", "rotate")
+            loka_only = ("replaysampled", "compilesampled", "eagersampled", *LOKA_OVERRIDE_SUFFIXES)
             allowed = sorted(base) + [
                 f"{b}+{s}" for b in sorted(base) for s in SUFFIXES
                 if not (base[b].compile and s == "compile") and not (base[b].loka == "off" and s in loka_only)

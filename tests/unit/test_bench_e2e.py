@@ -899,3 +899,29 @@ def test_a_variant_says_whether_its_sampled_steps_run_compiled_as_the_trainer_re
         "loka_aggressive+compile+graphs+compilesampled": True,
         "loka_aggressive+compile+graphs+replaysampled": False,
     }
+
+
+def test_plan_suffixes_compose_their_dispatch_fields_and_decide_on_their_own() -> None:
+    import contextlib
+
+    from bench.e2e.protocol import decision_key
+    from bench.e2e.variants import Composer
+
+    args = parse_args(["--dry-run", "--out", "unused"])
+    aggr, rowwise, highgw = resolve_variants(
+        ["loka_aggressive+compile+graphs", "loka_aggressive+rowwise+compile+graphs",
+         "loka_aggressive+compile+graphs+highgw"], "emulated")
+    assert rowwise.name == "loka_aggressive+compile+graphs+rowwise"
+    keys = {decision_key("wukong", 64, 0, v) for v in (aggr, rowwise, highgw)}
+    assert len(keys) == 3, "a suffix that changes the plans must not share a decision"
+    with contextlib.ExitStack() as stack:
+        composer = Composer(stack)
+        jobs = {v.name: composer.job(job_overrides(args, "dcn", 64, v, "o", steps=1, eval_batches=1))
+                for v in (aggr, rowwise, highgw)}
+    base, row, high = (jobs[v.name].loka.dispatch for v in (aggr, rowwise, highgw))
+    assert base.scalings == ("tensorwise", "rowwise") and row.scalings == ("rowwise",)
+    assert tuple(base.fp8_roles) == ("forward", "grad_input", "grad_weight")
+    assert tuple(high.fp8_roles) == ("forward", "grad_input") and high.scalings == base.scalings
+    for suffix in ("rowwise", "highgw"):
+        with pytest.raises(SystemExit, match=suffix):
+            resolve_variants([f"bf16+{suffix}"], "emulated")
