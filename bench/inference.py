@@ -36,7 +36,8 @@ TorchRec's inference modules (``loka_train.export.serve_embeddings``).
 The forward-only ledger: for each batch size, every forward the served model runs in FP8 or the
 Probe judged safe in FP8, timed as a GEMM alone in bf16 and in its FP8 candidates (operands
 already quantized; CUDA-graph replays on a GPU), and the throughput limit it gives: ``bf16+compile``'s latency over that latency less
-what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit.
+what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit: its
+paired ratio against ``bf16+compile`` where ``--pairs`` timed one, else the ratio of the p50s.
 It is measured on the plain ``loka`` variant's model, or, where that variant does not run, on an
 eager LoKA model built for it (the trained plans, before any NE gate: the limit counts every
 safe FP8 forward whatever the gate serves, and the table's "served in FP8" is then as trained).
@@ -538,6 +539,13 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                                                       args.pair_calls, device)
         print(f"[inference] {config} {v}: paired x {REFERENCE} " + ", ".join(
             f"b{b} {rows[v][f'b{b}']['paired_vs_ref']['median']:.3f}" for b in args.batch_sizes), flush=True)
+    for r in out:  # the limit's share again, from the paired ratios now there
+        if r["status"] == "ledger":
+            for b in args.batch_sizes:
+                limit = r.get(f"b{b}", {}).get("limit_vs_ref")
+                for v in names:
+                    if v.startswith("loka") and limit is not None and "of_limit" in rows[v][f"b{b}"]:
+                        _of_limit(rows[v][f"b{b}"], limit)
     if args.profile_calls:  # last: the profiler's overhead reaches no timing
         for v in names:
             rows[v]["profile"] = {
@@ -572,9 +580,18 @@ def _ratios(args: argparse.Namespace, config: str, rows: dict[str, dict[str, Any
             entry["limit_vs_ref"] = limit if math.isfinite(limit) else None
             for r in ok.values():
                 if r["variant"].startswith("loka") and math.isfinite(limit):
-                    r[f"b{b}"]["of_limit"] = r[f"b{b}"]["speedup_vs_ref"] / limit
+                    _of_limit(r[f"b{b}"], limit)
         out.append({"config": config, "variant": "forward ledger", "status": "ledger", f"b{b}": entry})
     return out
+
+
+def _of_limit(cell: dict[str, Any], limit: float) -> None:
+    """A LoKA cell's ratio over the ledger's limit: from its paired ratio against the reference
+    where it has one (drift between the rounds cancels), else from the two p50s; ``of_limit_from``
+    says which."""
+    paired = cell.get("paired_vs_ref")
+    cell["of_limit"] = (paired["median"] if paired else cell["speedup_vs_ref"]) / limit
+    cell["of_limit_from"] = "paired" if paired else "p50"
 
 
 def render(result: dict[str, Any]) -> str:
@@ -614,7 +631,8 @@ def render(result: dict[str, Any]) -> str:
             ratios = ", ".join(
                 f"{c[k]:.2f}x" + (f" (paired {c[p]['median']:.2f}x)" if p in c else "") if k in c else "-"
                 for k, p in (("speedup_vs_ref", "paired_vs_ref"), ("speedup_vs_same", "paired_vs_same")))
-            of = f" ({c['of_limit']:.0%} of limit)" if "of_limit" in c else ""
+            of = (f" ({c['of_limit']:.0%} of limit{', paired' if c.get('of_limit_from') == 'paired' else ''})"
+                  if "of_limit" in c else "")
             cells.append(f"{c['samples_per_s']:,.0f}, {ratios}{of}, {c['p50_ms']:.2f} / {c['p99_ms']:.2f}")
         delta = f" ({r['ne_delta_rel_vs_ref']:+.3%})" if "ne_delta_rel_vs_ref" in r else ""
         lines.append(f"| {r['config']} | {r['variant']} | " + " | ".join(cells) + f" | {r['ne']:.5f}{delta} | {r['auc']:.4f} |")
