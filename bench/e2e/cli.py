@@ -89,7 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ne-steps", type=int, default=None,
                    help="train this many steps in all before the eval NE (untimed after the timed and "
                         "profiled ones; default 2000, dry run 0: no more than those), so NE is compared "
-                        "past the first, chaotic steps")
+                        "past the first, chaotic steps; a LoKA run is then evaluated a second time with its FP8 "
+                        "forwards in high precision (eval_ne_forwards_high: the NE its forwards cost at "
+                        "evaluation, apart from what FP8 changed in training)")
     p.add_argument("--ne-from", type=int, default=0, metavar="N0",
                    help="paired continuations: per seed, --ne-base trains N0 steps and saves a checkpoint; "
                         "every variant resumes that checkpoint (trainer.resume_new_callbacks) and runs its "

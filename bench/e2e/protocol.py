@@ -110,6 +110,23 @@ def shared_datasets() -> Iterator[Any]:
 
 
 # ------------------------------------------------------------------------- the runs
+def forwards_high_ne(trainer: Any, sites: dict[str, Any]) -> float:
+    """The trained model's eval NE with every site's forward GEMM in high precision (its
+    backward plans kept, every plan restored after): of what a LoKA run's NE gives up, the part
+    its FP8 forwards cost at evaluation, apart from what FP8 changed in the training itself."""
+    from loka_train.kernels.plan import LinearPlan
+
+    saved = {name: site.plan for name, site in sites.items()}
+    try:
+        for site in sites.values():
+            if site.plan.forward.is_fp8:
+                site.set_plan(replace(site.plan, forward=LinearPlan.high_precision().forward))
+        return float(trainer.evaluate()["eval/ne"])
+    finally:
+        for name, site in sites.items():
+            site.set_plan(saved[name])
+
+
 def loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[str, Any]:
     """FP8 coverage and the GEMMs left in high precision (with why) of a LoKA callback, and its
     ledger (``--ledger``) with predictions against ``step_ms``, the run's median timed step
@@ -545,6 +562,8 @@ def run_one(
                 rec["first_timed_step"] = clock.first_step + clock.warmup
             if loka_cb is not None:
                 rec["loka"] = loka_summary(loka_cb, trainer, median)
+                if args.ne_steps > 0:
+                    rec["eval_ne_forwards_high"] = forwards_high_ne(trainer, loka_cb.sites)
             if torchao_cb is not None:
                 rec["torchao"] = {"converted": torchao_cb.converted, "skipped": torchao_cb.skipped}
             if clock.pystats:
@@ -619,7 +638,8 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rec = dict(failed[0] if failed else runs[0])
         rec["repeats"] = [
             {**{k: r.get(k) for k in ("seed", "status", "step_ms_median", "step_ms_p10", "step_ms_p90",
-                                      "eval_ne", "eval_auc", "error") + DRIFT_KEYS if k in r},
+                                      "eval_ne", "eval_auc", "eval_ne_forwards_high", "error") + DRIFT_KEYS
+                if k in r},
              # Dispatch decides anew in every round (it may choose differently).
              **({"fp8_coverage": r["loka"]["fp8_coverage"]} if "loka" in r else {})}
             for r in runs
@@ -632,8 +652,9 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rec[key] = statistics.median(r[key] for r in runs)
         rec["samples_per_s"] = rec["batch"] * 1e3 / rec["step_ms_median"]
         rec["step_ms"] = [t for r in runs for t in r["step_ms"]]
-        for key in ("eval_ne", "eval_auc"):
-            rec[key] = statistics.fmean(r[key] for r in runs)
+        for key in ("eval_ne", "eval_auc", "eval_ne_forwards_high"):
+            if all(key in r for r in runs):
+                rec[key] = statistics.fmean(r[key] for r in runs)
         rec["eval_ne_std"] = statistics.stdev(r["eval_ne"] for r in runs)
         out.append(rec)
     return out

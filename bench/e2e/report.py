@@ -201,10 +201,17 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
                 f"{r['eval_ne']:.5f} | {_ne_delta_cell(r)} | {_fp8_cell(r)} | "
                 f"{'; '.join(notes)} |"
             )
-        noise = [r for r in rows if r["variant"] == "bf16+compile" and "ne_delta_rel_vs_bf16" in r]
+        noise = [r for r in rows if r["variant"].startswith("bf16+") and "ne_delta_rel_vs_bf16" in r
+                 and r.get("status") == "ok"]
         if noise:
-            lines += ["", "NE noise floor (bf16+compile vs bf16, same numerics up to kernel order): "
-                      + ", ".join(f"{r['config']} {fmt_pct(r['ne_delta_rel_vs_bf16'], 3)}" for r in noise)]
+            lines += ["", "NE noise floor (bf16 variants vs bf16, same numerics up to kernel order): "
+                      + ", ".join(f"{r['config']} {r['variant']} {_ne_delta_cell(r)}" for r in noise)]
+        high = [r for r in rows if "ne_delta_rel_forwards_high_vs_bf16" in r]
+        if high:
+            lines += ["", "NE vs bf16 with each LoKA run's FP8 forwards evaluated in high precision (its "
+                      "training unchanged: what is left is what FP8 changed in training): "
+                      + ", ".join(f"{r['config']} {r['variant']} {fmt_pct(r['ne_delta_rel_forwards_high_vs_bf16'], 3)} "
+                                  f"(as run {_ne_delta_cell(r)})" for r in high)]
         profiled = [r for r in rows if "profile" in r]
         if profiled:
             lines += [

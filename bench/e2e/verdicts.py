@@ -71,6 +71,11 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                 if len(diffs) > 1:
                     r[f"ne_delta_rel_{key}"] = statistics.fmean(diffs)
                     r[f"ne_delta_rel_se_{key}"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
+            if key == "vs_bf16" and "eval_ne_forwards_high" in r and base is not r:
+                # The same, with the run's FP8 forwards evaluated in high precision.
+                high = _forwards_high_pairs(r, base)
+                if high:
+                    r["ne_delta_rel_forwards_high_vs_bf16"] = statistics.fmean((ne - b) / b for ne, b in high)
 
 
 def same_settings_reference(variant: str) -> str:
@@ -89,6 +94,17 @@ def seed_pairs(r: dict[str, Any], base: dict[str, Any], field: str) -> list[tupl
     ok = lambda x: x.get("status", "ok") == "ok"  # noqa: E731
     base_by_seed = {x["seed"]: x[field] for x in base.get("repeats", []) if ok(x)}
     return [(x[field], base_by_seed[x["seed"]]) for x in r.get("repeats", []) if ok(x) and x["seed"] in base_by_seed]
+
+
+def _forwards_high_pairs(r: dict[str, Any], base: dict[str, Any]) -> list[tuple[float, float]]:
+    """``(r's eval NE with its forwards high, base's eval NE)``: per seed over the rotated rounds
+    where both ran several, else the one pair of the two records."""
+    ok = lambda x: x.get("status", "ok") == "ok"  # noqa: E731
+    if "repeats" in r and "repeats" in base:
+        base_by_seed = {x["seed"]: x["eval_ne"] for x in base["repeats"] if ok(x)}
+        return [(x["eval_ne_forwards_high"], base_by_seed[x["seed"]]) for x in r["repeats"]
+                if ok(x) and "eval_ne_forwards_high" in x and x["seed"] in base_by_seed]
+    return [(r["eval_ne_forwards_high"], base["eval_ne"])]
 
 
 def paired_speedup_interval(r: dict[str, Any], base: dict[str, Any]) -> list[float] | None:

@@ -821,6 +821,52 @@ def test_a_continuations_decision_run_resumes_the_checkpoint_it_continues(tmp_pa
     assert "decided in 2 steps from step 4" in (tmp_path / "e2e.md").read_text()
 
 
+def test_a_run_that_measures_ne_is_evaluated_again_with_its_fp8_forwards_high(tmp_path: Path) -> None:
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
+            "--no-profile", "--ne-steps", "3", "--ne-from", "4", "--decide-steps", "4",
+            "--variants", "bf16,loka_aggressive", "--out", str(tmp_path)]
+    assert main(args) == 0
+    (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
+    md = (tmp_path / "e2e.md").read_text()
+    assert any(p["forward"].startswith("fp8") for p in loka["loka"]["plans"].values())
+    assert loka["eval_ne_forwards_high"] > 0 and loka["eval_ne_forwards_high"] != loka["eval_ne"]
+    (rec,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["results"] if r["variant"] == "loka_aggressive"]
+    (bf16,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["results"] if r["variant"] == "bf16"]
+    assert rec["ne_delta_rel_forwards_high_vs_bf16"] == pytest.approx(
+        loka["eval_ne_forwards_high"] / bf16["eval_ne"] - 1)
+    assert "FP8 forwards evaluated in high precision" in md and "loka_aggressive" in md
+
+
+def test_the_forwards_high_evaluation_sees_every_forward_high_and_restores_the_plans() -> None:
+    from bench.e2e.protocol import forwards_high_ne
+    from loka_train.kernels.plan import LinearPlan
+    from loka_train.mods.site import Fp8Linear
+
+    fp8 = LinearPlan.fp8(backend="emulated")
+    sites = {"a": Fp8Linear.from_linear(torch.nn.Linear(32, 16), plan=fp8),
+             "b": Fp8Linear.from_linear(torch.nn.Linear(32, 16), plan=LinearPlan.high_precision())}
+    seen: list[dict[str, LinearPlan]] = []
+
+    class Trainer:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        def evaluate(self) -> dict[str, float]:
+            seen.append({n: s.plan for n, s in sites.items()})
+            if self.fail:
+                raise RuntimeError("eval failed")
+            return {"eval/ne": 0.5}
+
+    assert forwards_high_ne(Trainer(False), sites) == 0.5
+    (during,) = seen
+    assert not during["a"].forward.is_fp8 and during["a"].grad_input == fp8.grad_input
+    assert during["a"].grad_weight == fp8.grad_weight and during["b"] == LinearPlan.high_precision()
+    assert sites["a"].plan == fp8 and sites["a"].plan_fp8
+    with pytest.raises(RuntimeError, match="eval failed"):
+        forwards_high_ne(Trainer(True), sites)
+    assert sites["a"].plan == fp8 and sites["b"].plan == LinearPlan.high_precision()
+
+
 def test_decisions_saved_in_a_directory_are_taken_by_later_runs(tmp_path: Path) -> None:
     """--decisions DIR: the first run's decision is saved there; a later benchmark (another
     process, another call) with the same job takes it instead of deciding, and another seed
