@@ -21,10 +21,11 @@
 #   quanttiles*    python -m bench.quant_tiles --out DIR ARGS
 #   producer*      python -m bench.producer_cast --out DIR ARGS
 #   inference*     python -m bench.inference --out DIR ARGS
-# $OUT returns at most 8 files: each lane's parts go into lane<i>.tgz (i: the lane's position, from
-# 0; with the GPU list, the commit and the lanes), rewritten after each of its parts, so a call cut
-# by its time limit still returns the parts it finished, and one lane's large output (profile
-# traces) cannot keep the others from coming back.
+# Each part's log ends with its return code and its wall time. $OUT returns at most 8 files: each
+# lane's parts go into lane<i>.tgz (i: the lane's position, from 0; with the GPU list, the commit
+# and the lanes), rewritten after each of its parts, so a call cut by its time limit still returns
+# the parts it finished, and one lane's large output (profile traces) cannot keep the others from
+# coming back.
 set -u
 out=$1
 shift
@@ -102,7 +103,9 @@ lane() {  # INDEX GPUS:PART+PART
   local idx=$1 gpus=${2%%:*} parts=${2#*:} cpus="" g p done=()
   for g in ${gpus//,/ }; do cpus+="${cpus:+,}$((g * per))-$((g * per + per - 1))"; done
   for p in ${parts//+/ }; do
+    local started=$SECONDS
     part "$gpus" "$cpus" "$p"
+    echo "wall $((SECONDS - started))s" >> "$w/$p.txt"  # what a part takes, to size the next limits
     done+=("$p")
     save "$idx" "${done[@]}"
   done
