@@ -36,8 +36,12 @@ TorchRec's inference modules (``loka_train.export.serve_embeddings``).
 The forward-only ledger: for each batch size, every forward the served model runs in FP8 or the
 Probe judged safe in FP8, timed as a GEMM alone in bf16 and in its FP8 candidates (operands
 already quantized; CUDA-graph replays on a GPU), and the throughput limit it gives: ``bf16+compile``'s latency over that latency less
-what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit: its
-paired ratio against ``bf16+compile`` where ``--pairs`` timed one, else the ratio of the p50s.
+what the FP8 GEMMs save ("quantization free"). ``of limit`` is LoKA's ratio over that limit: where
+``--pairs`` timed it against ``bf16+compile``, its paired ratio over the limit from the reference's
+paired block p50s, else its ratio of p50s over the limit from the reference's p50. ``of the same
+settings' limit`` is the stricter share: LoKA's paired ratio against bf16 with the same settings
+over the limit that bf16's paired latency gives (what compile and CUDA graphs gain, bf16 gains
+too; at small batches they alone can pass the first limit).
 It is measured on the plain ``loka`` variant's model, or, where that variant does not run, on an
 eager LoKA model built for it (the trained plans, before any NE gate: the limit counts every
 safe FP8 forward whatever the gate serves, and the table's "served in FP8" is then as trained).
@@ -307,14 +311,16 @@ def paired_ratio(reference: nn.Module, model: nn.Module, batches: list[Any], pai
     calls each (the order alternating from pair to pair, one untimed call before each block):
     each pair's ratio of block p50s compares the two under the same state of the machine, so a
     drift slower than a pair cancels. Returns the pairs' median, min, max and every ratio."""
-    ratios = []
+    ratios, reference_p50s = [], []
     for k in range(pairs):
         p50 = {}
         for which in ((reference, model) if k % 2 == 0 else (model, reference)):
             time_calls(which, batches, 1, device)
             p50[id(which)] = statistics.median(time_calls(which, batches, calls, device))
         ratios.append(p50[id(reference)] / p50[id(model)])
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "ratios": ratios}
+        reference_p50s.append(p50[id(reference)])
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "ratios": ratios,
+            "reference_p50_ms": statistics.median(reference_p50s) * 1e3}
 
 
 def profile_calls(model: nn.Module, batches: list[Any], calls: int, device: torch.device,
@@ -539,13 +545,18 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                                                       args.pair_calls, device)
         print(f"[inference] {config} {v}: paired x {REFERENCE} " + ", ".join(
             f"b{b} {rows[v][f'b{b}']['paired_vs_ref']['median']:.3f}" for b in args.batch_sizes), flush=True)
-    for r in out:  # the limit's share again, from the paired ratios now there
-        if r["status"] == "ledger":
-            for b in args.batch_sizes:
-                limit = r.get(f"b{b}", {}).get("limit_vs_ref")
-                for v in names:
-                    if v.startswith("loka") and limit is not None and "of_limit" in rows[v][f"b{b}"]:
-                        _of_limit(rows[v][f"b{b}"], limit)
+    for b, ledger in ledgers.items():  # the limit's share again, from the paired timings now there
+        for v in names:
+            cell = rows[v][f"b{b}"]
+            if v.startswith("loka"):
+                _of_limit(cell, ledger, cell.get("of_limit_vs") if cell.get("of_limit_from") == "p50" else None)
+                same = cell.get("paired_vs_same")
+                if same and "reference_p50_ms" in same:
+                    # The same share against bf16 with the same settings: of what the FP8 GEMMs
+                    # could save on that step, what LoKA gets (compile's and graphs' gains apart).
+                    limit = ledger.predict(same["reference_p50_ms"], planned_step=False)["quant_free"]
+                    if math.isfinite(limit):
+                        cell.update(of_same_limit=same["median"] / limit, of_same_limit_vs=limit)
     if args.profile_calls:  # last: the profiler's overhead reaches no timing
         for v in names:
             rows[v]["profile"] = {
@@ -580,18 +591,25 @@ def _ratios(args: argparse.Namespace, config: str, rows: dict[str, dict[str, Any
             entry["limit_vs_ref"] = limit if math.isfinite(limit) else None
             for r in ok.values():
                 if r["variant"].startswith("loka") and math.isfinite(limit):
-                    _of_limit(r[f"b{b}"], limit)
+                    _of_limit(r[f"b{b}"], ledger, limit)
         out.append({"config": config, "variant": "forward ledger", "status": "ledger", f"b{b}": entry})
     return out
 
 
-def _of_limit(cell: dict[str, Any], limit: float) -> None:
-    """A LoKA cell's ratio over the ledger's limit: from its paired ratio against the reference
-    where it has one (drift between the rounds cancels), else from the two p50s; ``of_limit_from``
-    says which."""
+def _of_limit(cell: dict[str, Any], ledger: Ledger, p50_limit: float | None = None) -> None:
+    """A LoKA cell's ratio over the forward ledger's limit. Where the cell was timed in pairs
+    against the reference: its paired ratio over the limit the reference's paired block p50s
+    give (both sides of the share from the same interleaved blocks: a drift between the rounds
+    cancels); else its ratio of p50s over `p50_limit` (the limit from the reference's p50).
+    ``of_limit_from`` says which, ``of_limit_vs`` the limit taken."""
     paired = cell.get("paired_vs_ref")
-    cell["of_limit"] = (paired["median"] if paired else cell["speedup_vs_ref"]) / limit
-    cell["of_limit_from"] = "paired" if paired else "p50"
+    if paired and "reference_p50_ms" in paired:
+        limit = ledger.predict(paired["reference_p50_ms"], planned_step=False)["quant_free"]
+        if math.isfinite(limit):
+            cell.update(of_limit=paired["median"] / limit, of_limit_vs=limit, of_limit_from="paired")
+            return
+    if p50_limit is not None:
+        cell.update(of_limit=cell["speedup_vs_ref"] / p50_limit, of_limit_vs=p50_limit, of_limit_from="p50")
 
 
 def render(result: dict[str, Any]) -> str:
@@ -631,8 +649,9 @@ def render(result: dict[str, Any]) -> str:
             ratios = ", ".join(
                 f"{c[k]:.2f}x" + (f" (paired {c[p]['median']:.2f}x)" if p in c else "") if k in c else "-"
                 for k, p in (("speedup_vs_ref", "paired_vs_ref"), ("speedup_vs_same", "paired_vs_same")))
-            of = (f" ({c['of_limit']:.0%} of limit{', paired' if c.get('of_limit_from') == 'paired' else ''})"
-                  if "of_limit" in c else "")
+            of = (f" ({c['of_limit']:.0%} of limit{', paired' if c.get('of_limit_from') == 'paired' else ''}"
+                  + (f"; {c['of_same_limit']:.0%} of the same settings' limit" if "of_same_limit" in c else "")
+                  + ")" if "of_limit" in c else "")
             cells.append(f"{c['samples_per_s']:,.0f}, {ratios}{of}, {c['p50_ms']:.2f} / {c['p99_ms']:.2f}")
         delta = f" ({r['ne_delta_rel_vs_ref']:+.3%})" if "ne_delta_rel_vs_ref" in r else ""
         lines.append(f"| {r['config']} | {r['variant']} | " + " | ".join(cells) + f" | {r['ne']:.5f}{delta} | {r['auc']:.4f} |")

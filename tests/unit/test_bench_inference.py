@@ -66,10 +66,22 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
             assert "of_limit" not in rows["loka"][f"b{b}"]
         else:
             assert entry["limit_vs_ref"] >= 1.0
-            # Paired against the reference, so the share of the limit is the paired one.
+            # Paired against the reference: the share is the paired ratio over the limit that
+            # the reference's paired block p50s give (the same GEMM saving as from its p50).
             cell = rows["loka"][f"b{b}"]
-            assert cell["of_limit_from"] == "paired"
-            assert cell["of_limit"] == pytest.approx(cell["paired_vs_ref"]["median"] / entry["limit_vs_ref"])
+            paired = cell["paired_vs_ref"]
+            ref_p50 = rows["bf16+compile"][f"b{b}"]["p50_ms"]
+            saved = ref_p50 * (1 - 1 / entry["limit_vs_ref"])
+            assert cell["of_limit_from"] == "paired" and paired["reference_p50_ms"] > saved
+            assert cell["of_limit_vs"] == pytest.approx(
+                paired["reference_p50_ms"] / (paired["reference_p50_ms"] - saved))
+            assert cell["of_limit"] == pytest.approx(paired["median"] / cell["of_limit_vs"])
+            # And against bf16 with the same settings (eager bf16 for the eager `loka`).
+            same = cell["paired_vs_same"]
+            assert same is not paired and same["reference_p50_ms"] > saved
+            assert cell["of_same_limit_vs"] == pytest.approx(
+                same["reference_p50_ms"] / (same["reference_p50_ms"] - saved))
+            assert cell["of_same_limit"] == pytest.approx(same["median"] / cell["of_same_limit_vs"])
     # Each GEMM at the shape of its batch: twice the rows at twice the batch.
     assert shapes[16].keys() == shapes[32].keys()
     assert all(shapes[32][s] == [2 * shapes[16][s][0], *shapes[16][s][1:]] for s in shapes[16])
@@ -88,6 +100,7 @@ def test_the_dry_run_serves_each_variant_of_one_checkpoint(tmp_path: Path) -> No
     assert "dynamo" not in rows["bf16"]
     md = (out / "inference.md").read_text()
     assert "| dlrm | loka |" in md and "samples/s" in md and "Where a call's time goes" in md and "(paired " in md
+    assert "of limit, paired; " in md and "of the same settings' limit)" in md
 
 
 def test_compiled_loka_variants_alone_still_get_the_forward_ledger(tmp_path: Path) -> None:
@@ -106,7 +119,7 @@ def test_compiled_loka_variants_alone_still_get_the_forward_ledger(tmp_path: Pat
     limit = ledger[0]["b16"]["limit_vs_ref"]
     # No pairs timed: the share of the limit comes from the p50s, and says so.
     assert limit is None or (loka["b16"]["of_limit"] == pytest.approx(loka["b16"]["speedup_vs_ref"] / limit)
-                             and loka["b16"]["of_limit_from"] == "p50")
+                             and loka["b16"]["of_limit_from"] == "p50" and loka["b16"]["of_limit_vs"] == limit)
 
 
 def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Path) -> None:
