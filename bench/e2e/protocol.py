@@ -563,7 +563,12 @@ def run_one(
             if loka_cb is not None:
                 rec["loka"] = loka_summary(loka_cb, trainer, median)
                 if args.ne_steps > 0:
-                    rec["eval_ne_forwards_high"] = forwards_high_ne(trainer, loka_cb.sites)
+                    try:
+                        rec["eval_ne_forwards_high"] = forwards_high_ne(trainer, loka_cb.sites)
+                    except Exception as exc:  # the run's timings and NE stand without it
+                        rec["eval_ne_forwards_high_error"] = f"{type(exc).__name__}: {exc}"
+                        logger.error("%s b%d %s: the evaluation with the forwards high failed: %s",
+                                     config, batch, variant.name, exc)
             if torchao_cb is not None:
                 rec["torchao"] = {"converted": torchao_cb.converted, "skipped": torchao_cb.skipped}
             if clock.pystats:
@@ -638,7 +643,7 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rec = dict(failed[0] if failed else runs[0])
         rec["repeats"] = [
             {**{k: r.get(k) for k in ("seed", "status", "step_ms_median", "step_ms_p10", "step_ms_p90",
-                                      "eval_ne", "eval_auc", "eval_ne_forwards_high", "error") + DRIFT_KEYS
+                                      "eval_ne", "eval_auc", "eval_ne_forwards_high", "eval_ne_forwards_high_error", "error") + DRIFT_KEYS
                 if k in r},
              # Dispatch decides anew in every round (it may choose differently).
              **({"fp8_coverage": r["loka"]["fp8_coverage"]} if "loka" in r else {})}
@@ -653,6 +658,9 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rec["samples_per_s"] = rec["batch"] * 1e3 / rec["step_ms_median"]
         rec["step_ms"] = [t for r in runs for t in r["step_ms"]]
         for key in ("eval_ne", "eval_auc", "eval_ne_forwards_high"):
+            # A mean over every round or none (a round without it leaves the key out: run 0's
+            # value copied above would pass for the mean).
+            rec.pop(key, None)
             if all(key in r for r in runs):
                 rec[key] = statistics.fmean(r[key] for r in runs)
         rec["eval_ne_std"] = statistics.stdev(r["eval_ne"] for r in runs)

@@ -209,7 +209,8 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         high = [r for r in rows if "ne_delta_rel_forwards_high_vs_bf16" in r]
         if high:
             lines += ["", "NE vs bf16 with each LoKA run's FP8 forwards evaluated in high precision (its "
-                      "training unchanged: what is left is what FP8 changed in training): "
+                      "training unchanged: what is left is what FP8 changed in training, within the noise "
+                      "floor above): "
                       + ", ".join(f"{r['config']} {r['variant']} {fmt_pct(r['ne_delta_rel_forwards_high_vs_bf16'], 3)} "
                                   f"(as run {_ne_delta_cell(r)})" for r in high)]
         profiled = [r for r in rows if "profile" in r]

@@ -71,7 +71,7 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                 if len(diffs) > 1:
                     r[f"ne_delta_rel_{key}"] = statistics.fmean(diffs)
                     r[f"ne_delta_rel_se_{key}"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
-            if key == "vs_bf16" and "eval_ne_forwards_high" in r and base is not r:
+            if key == "vs_bf16" and base is not r:
                 # The same, with the run's FP8 forwards evaluated in high precision.
                 high = _forwards_high_pairs(r, base)
                 if high:
@@ -101,10 +101,12 @@ def _forwards_high_pairs(r: dict[str, Any], base: dict[str, Any]) -> list[tuple[
     where both ran several, else the one pair of the two records."""
     ok = lambda x: x.get("status", "ok") == "ok"  # noqa: E731
     if "repeats" in r and "repeats" in base:
+        rounds = [x for x in r["repeats"] if ok(x)]
+        if not all("eval_ne_forwards_high" in x for x in rounds):
+            return []  # not over some of the seeds the NE delta averages: no figure
         base_by_seed = {x["seed"]: x["eval_ne"] for x in base["repeats"] if ok(x)}
-        return [(x["eval_ne_forwards_high"], base_by_seed[x["seed"]]) for x in r["repeats"]
-                if ok(x) and "eval_ne_forwards_high" in x and x["seed"] in base_by_seed]
-    return [(r["eval_ne_forwards_high"], base["eval_ne"])]
+        return [(x["eval_ne_forwards_high"], base_by_seed[x["seed"]]) for x in rounds if x["seed"] in base_by_seed]
+    return [(r["eval_ne_forwards_high"], base["eval_ne"])] if "eval_ne_forwards_high" in r else []
 
 
 def paired_speedup_interval(r: dict[str, Any], base: dict[str, Any]) -> list[float] | None:

@@ -50,6 +50,35 @@ def test_repeats_aggregate_and_pair_by_seed() -> None:
     assert [x["seed"] for x in loka["repeats"]] == [0, 1, 2]
 
 
+def test_the_forwards_high_ne_pairs_by_seed_and_only_over_every_seed() -> None:
+    def loka(seed: int, ne: float, high: float | None) -> dict:
+        return {**_run("loka_safe", seed, 9.0, ne), **({"eval_ne_forwards_high": high} if high is not None else {})}
+
+    bf16 = [_run("bf16", 0, 10.0, 0.70), _run("bf16", 1, 12.0, 0.66)]
+    results = aggregate([*bf16, loka(0, 0.707, 0.7007), loka(1, 0.6666, 0.66066)])
+    add_ratios(results)
+    (rec,) = [r for r in results if r["variant"] == "loka_safe"]
+    # Each seed against its own bf16: 0.1% above, though the NE moves 6% between the seeds.
+    assert math.isclose(rec["ne_delta_rel_forwards_high_vs_bf16"], 0.001, rel_tol=1e-9)
+    assert math.isclose(rec["eval_ne_forwards_high"], (0.7007 + 0.66066) / 2)
+    # A round without it (its evaluation failed): no mean of the others passes for the run's.
+    for partial in ([loka(0, 0.707, 0.7007), loka(1, 0.6666, None)], [loka(0, 0.707, None), loka(1, 0.6666, 0.66066)]):
+        results = aggregate([*bf16, *partial])
+        add_ratios(results)
+        (rec,) = [r for r in results if r["variant"] == "loka_safe"]
+        assert "eval_ne_forwards_high" not in rec and "ne_delta_rel_forwards_high_vs_bf16" not in rec
+        assert math.isclose(rec["ne_delta_rel_vs_bf16"], 0.01, rel_tol=1e-9)  # the NE itself stands
+
+
+def test_the_report_lists_every_bf16_variant_in_the_noise_floor(tmp_path: Path) -> None:
+    source = RESULTS / "ne_attribution_h100_2026-11-27" / "call2" / "e2enebf1" / "e2e.json"
+    (tmp_path / "e2e.json").write_text(source.read_text())
+    assert main(["--render", str(tmp_path)]) == 0
+    (line,) = [x for x in (tmp_path / "e2e.md").read_text().splitlines() if x.startswith("NE noise floor")]
+    # bf16+pageable (the same kernels) and bf16+compile against eager bf16 of the same checkpoint.
+    assert "wukong bf16+pageable +0.000%" in line and "wukong bf16+compile -0.010%" in line
+
+
 def test_the_fp8_cell_shows_each_round_s_coverage_when_dispatch_chose_differently() -> None:
     def loka(seed: int, coverage: float, num_fp8: int) -> dict:
         return {**_run("loka_safe", seed, 9.0, 0.7),
@@ -835,6 +864,23 @@ def test_a_run_that_measures_ne_is_evaluated_again_with_its_fp8_forwards_high(tm
     assert rec["ne_delta_rel_forwards_high_vs_bf16"] == pytest.approx(
         loka["eval_ne_forwards_high"] / bf16["eval_ne"] - 1)
     assert "FP8 forwards evaluated in high precision" in md and "loka_aggressive" in md
+
+
+def test_a_failed_forwards_high_evaluation_keeps_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.e2e.protocol as protocol
+
+    def fails(trainer: object, sites: object) -> float:
+        raise RuntimeError("recompile limit")
+
+    monkeypatch.setattr(protocol, "forwards_high_ne", fails)
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
+            "--no-profile", "--ne-steps", "3", "--decide-steps", "2", "--variants", "loka_aggressive",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    (run,) = json.loads((tmp_path / "e2e.json").read_text())["runs"]
+    assert run["status"] == "ok" and run["eval_ne"] > 0 and len(run["step_ms"]) == 2
+    assert run["eval_ne_forwards_high_error"] == "RuntimeError: recompile limit"
+    assert "eval_ne_forwards_high" not in run
 
 
 def test_the_forwards_high_evaluation_sees_every_forward_high_and_restores_the_plans() -> None:
