@@ -28,23 +28,25 @@ def test_the_parts_it_checks_are_the_parts_it_runs() -> None:
 
 
 def test_each_part_runs_in_its_lane_and_logs_its_code_and_wall_time(tmp_path: Path) -> None:
-    """Two lanes on a stand-in host (fake nvidia-smi and python on PATH): every part's log, in its
-    lane's archive, ends with its return code and its wall time."""
+    """Two lanes on a stand-in host of one GPU (fake nvidia-smi and python on PATH; its parts
+    write under the test's directory): every part's log, in its lane's archive, ends with its
+    return code and its wall time."""
     import os
     import tarfile
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(
-        "#!/bin/sh\ncase \"$1\" in -L) echo 'GPU 0: fake'; echo 'GPU 1: fake';; *) echo 'name, memory';; esac\n")
+        "#!/bin/sh\ncase \"$1\" in -L) echo 'GPU 0: fake';; *) echo 'name, memory';; esac\n")
     # The parts' python: says which GPU it saw, sleeps a second, fails for the pytest part.
     (bin_dir / "python").write_text(
-        "#!/bin/sh\necho \"gpu $CUDA_VISIBLE_DEVICES: $*\"\nsleep 1\ncase \"$*\" in *pytest*) exit 3;; esac\n")
+        "#!/bin/sh\necho \"gpu $CUDA_VISIBLE_DEVICES: $*\"\nsleep 1\ncase \"$1 $2\" in \"-m pytest\") exit 3;; esac\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGS_e2ex": "--configs dcn"}
-    done = subprocess.run(["bash", str(SCRIPT), str(out), "0:e2ex+pytesty", "1:gemmz"],
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGS_e2ex": "--configs dcn",
+           "DEVICE_MULTI_TMP": str(tmp_path)}
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "0:e2ex+pytesty", "0:gemmz"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     logs = {}
@@ -56,8 +58,9 @@ def test_each_part_runs_in_its_lane_and_logs_its_code_and_wall_time(tmp_path: Pa
                     assert f is not None
                     logs[m.name[:-4]] = f.read().decode().splitlines()
     assert sorted(logs) == ["e2ex", "gemmz", "pytesty"]
-    assert "gpu 0: -m bench.e2e --out /tmp/multi/e2ex --configs dcn" in logs["e2ex"]
-    assert any(line.startswith("gpu 1: -m bench.gemm") for line in logs["gemmz"])
+    assert f"gpu 0: -m bench.e2e --out {tmp_path}/multi/e2ex --configs dcn" in logs["e2ex"]
+    assert any(line.startswith("gpu 0: -m bench.gemm") for line in logs["gemmz"])
+    assert f"--basetemp={tmp_path}/mg_pytesty" in " ".join(logs["pytesty"])
     assert logs["pytesty"][-2] == "rc=3" and logs["e2ex"][-2] == "rc=0"
     for lines in logs.values():
         wall = re.fullmatch(r"wall (\d+)s", lines[-1])
