@@ -80,6 +80,26 @@ class _MemoSplit:
             step += 1
 
 
+def generate_batches(dataset: Any, n: int, workers: int | None = None) -> None:
+    """Batches ``0 .. n-1`` of `dataset` (a shared dataset, which keeps what it generates),
+    generated on `workers` threads (default: the cores this process may run on, at most 16),
+    each op on one intra-op thread: the synthetic generator's many small ops gain little from
+    intra-op threads and lose much where several processes share a host's cores, and a batch is
+    a pure function of its step, so batches generated side by side are the same batches."""
+    import concurrent.futures
+
+    if workers is None:
+        workers = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            for _ in pool.map(dataset.batch, range(n)):
+                pass
+    finally:
+        torch.set_num_threads(threads)
+
+
 @contextlib.contextmanager
 def shared_datasets() -> Iterator[Any]:
     """Trainers built inside share one dataset object per (data config, split, batch size).
@@ -717,10 +737,10 @@ def run_grid(
                 # Generate the shared batches once, outside every measurement.
                 job = composer.job(job_overrides(args, config, batch, variants[0], "unused", steps=1,
                                                  eval_batches=args.eval_batches))
+                started = time.perf_counter()
                 for split, n in (("train", args.cache_batches), ("eval", args.eval_batches)):
-                    for _ in make(job.data, split=split, rank=0, world_size=1, batch_size=batch).batches(0, n):
-                        pass
-                progress(t0, f"{config} b{batch}: data ready")
+                    generate_batches(make(job.data, split=split, rank=0, world_size=1, batch_size=batch), n)
+                progress(t0, f"{config} b{batch}: data ready ({time.perf_counter() - started:.1f}s)")
                 warm: dict[int, Path] = {}  # seed -> the base run's out_dir (--ne-from)
                 # --share-decisions: decision_key -> (variant that decided, its record, the state).
                 decisions: dict[tuple[Any, ...], Any] | None = {} if args.share_decisions else None

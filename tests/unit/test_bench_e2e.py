@@ -1017,3 +1017,27 @@ def test_plan_suffixes_compose_their_dispatch_fields_and_decide_on_their_own() -
     for suffix in ("rowwise", "highgw"):
         with pytest.raises(SystemExit, match=suffix):
             resolve_variants([f"bf16+{suffix}"], "emulated")
+
+
+def test_batches_generated_side_by_side_are_the_sequential_ones() -> None:
+    from bench.e2e.protocol import _MemoSplit, generate_batches
+    from loka_train.data.config import DataConfig
+    from loka_train.data.synthetic import SyntheticDataset
+
+    def fields(b: object) -> list[torch.Tensor]:
+        kjt = b.sparse_features  # type: ignore[attr-defined]
+        return [b.dense_features, b.labels, kjt.values(), kjt.lengths()]  # type: ignore[attr-defined]
+
+    cfg = DataConfig(cache_batches=6)
+    threads = torch.get_num_threads()
+    for split in ("train", "eval"):
+        sequential = SyntheticDataset(cfg, split=split, rank=0, world_size=1, batch_size=256)
+        shared = SyntheticDataset(cfg, split=split, rank=0, world_size=1, batch_size=256)
+        kept = shared if split == "train" else _MemoSplit(shared)
+        generate_batches(kept, 6, workers=3)
+        assert torch.get_num_threads() == threads
+        held = kept._cache if split == "train" else kept._memo  # type: ignore[attr-defined]
+        assert sorted(held) == list(range(6))  # every batch generated, and kept
+        for step in range(6):
+            for got, want in zip(fields(held[step]), fields(sequential._batch_uncached(step))):
+                assert torch.equal(got, want), (split, step)
