@@ -83,9 +83,9 @@ class _MemoSplit:
 def generate_batches(dataset: Any, n: int, workers: int | None = None) -> None:
     """Batches ``0 .. n-1`` of `dataset` (a shared dataset, which keeps what it generates),
     generated on `workers` threads (default: the cores this process may run on, at most 16),
-    each op on one intra-op thread: the synthetic generator's many small ops gain little from
-    intra-op threads and lose much where several processes share a host's cores, and a batch is
-    a pure function of its step, so batches generated side by side are the same batches."""
+    each op on one intra-op thread: the batches side by side instead of each op's elements, so
+    the parallelism does not depend on how well the generator's many small ops split. A batch
+    is a pure function of its step: they are the batches one after another would give."""
     import concurrent.futures
 
     if workers is None:
