@@ -1041,3 +1041,18 @@ def test_batches_generated_side_by_side_are_the_sequential_ones() -> None:
         for step in range(6):
             for got, want in zip(fields(held[step]), fields(sequential._batch_uncached(step))):
                 assert torch.equal(got, want), (split, step)
+
+
+def test_the_evaluation_after_the_run_reproduces_the_runs_own_ne(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What forwards_high_ne evaluates after fit() (the train pipeline still attached) is the
+    run's model: with no plan changed it gives the run's own eval NE, bit for bit."""
+    import bench.e2e.protocol as protocol
+
+    original = protocol.forwards_high_ne
+    monkeypatch.setattr(protocol, "forwards_high_ne", lambda trainer, sites: original(trainer, {}))
+    args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
+            "--no-profile", "--ne-steps", "3", "--ne-from", "4", "--decide-steps", "4",
+            "--variants", "bf16,loka_aggressive", "--out", str(tmp_path)]
+    assert main(args) == 0
+    (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
+    assert loka["eval_ne_forwards_high"] == loka["eval_ne"]
