@@ -71,13 +71,13 @@ part() {  # GPUS CPUS PART
   local run=(env CUDA_VISIBLE_DEVICES=$gpus $envs timeout "$limit" taskset -c "$cpus" python)
   case $name in
     multigpu*) "${run[@]}" -m pytest -m multigpu tests/gpu/test_multigpu.py -q -s -p no:cacheprovider \
-                   --basetemp=$tmp/mg_$name $args >> "$log" 2>&1
+                   --basetemp="$tmp/mg_$name" $args >> "$log" 2>&1
                echo "rc=$?" >> "$log"
                mkdir -p "$w/${name}_reports"
-               (cd $tmp/mg_$name && tar cf - --exclude='*.pt' --exclude='checkpoints' .) 2>/dev/null \
+               (cd "$tmp/mg_$name" && tar cf - --exclude='*.pt' --exclude='checkpoints' .) 2>/dev/null \
                    | tar xf - -C "$w/${name}_reports" ;;
     sparse2dtest*) "${run[@]}" -m pytest -m multigpu tests/gpu/test_multigpu_sparse2d.py -q -s -p no:cacheprovider \
-                   --basetemp=$tmp/mg_$name $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
+                   --basetemp="$tmp/mg_$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     sparse2d*) "${run[@]}" -m bench.sparse2d --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log"
                find "$w/$name" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null
                find "$w/$name" -name '*.pt' -delete 2>/dev/null ;;
@@ -94,7 +94,7 @@ part() {  # GPUS CPUS PART
     producer*) "${run[@]}" -m bench.producer_cast --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     inference*) "${run[@]}" -m bench.inference --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     ledgershapes*) "${run[@]}" -m bench.ledger_shapes --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
-    pytest*)   "${run[@]}" -m pytest -q -s -p no:cacheprovider --basetemp=$tmp/mg_$name $args >> "$log" 2>&1
+    pytest*)   "${run[@]}" -m pytest -q -s -p no:cacheprovider --basetemp="$tmp/mg_$name" $args >> "$log" 2>&1
                echo "rc=$?" >> "$log" ;;
     *) echo "unknown part $name" >> "$log" ;;
   esac
