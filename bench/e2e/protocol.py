@@ -132,19 +132,13 @@ def shared_datasets() -> Iterator[Any]:
 # ------------------------------------------------------------------------- the runs
 def forwards_high_ne(trainer: Any, sites: dict[str, Any]) -> float:
     """The trained model's eval NE with every site's forward GEMM in high precision (its
-    backward plans kept, every plan restored after): of what a LoKA run's NE gives up, the part
-    its FP8 forwards cost at evaluation, apart from what FP8 changed in the training itself."""
-    from loka_train.kernels.plan import LinearPlan
+    backward plans kept, every plan restored after: ``mods.forwards_high``): of what a LoKA
+    run's NE gives up, the part its FP8 forwards cost at evaluation, apart from what FP8 changed
+    in the training itself."""
+    from loka_train.mods import forwards_high
 
-    saved = {name: site.plan for name, site in sites.items()}
-    try:
-        for site in sites.values():
-            if site.plan.forward.is_fp8:
-                site.set_plan(replace(site.plan, forward=LinearPlan.high_precision().forward))
+    with forwards_high(sites):
         return float(trainer.evaluate()["eval/ne"])
-    finally:
-        for name, site in sites.items():
-            site.set_plan(saved[name])
 
 
 def loka_summary(cb: Any, trainer: Any, step_ms: float | None = None) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Modules:
     config: ``ModsConfig`` (which site families, which adaptations, the initial plan).
     site: ``Site`` (the base of every converted module: plan, observer, GEMM shapes),
-        ``Fp8Linear``, ``GemmSite``, ``FusedLinearSite`` (horizontal fusion), ``mark_sampled``.
+        ``Fp8Linear``, ``GemmSite``, ``FusedLinearSite`` (horizontal fusion), ``mark_sampled``,
+        ``forwards_high`` (the FP8 forwards in high precision inside a block).
     bmm_site: ``BmmSite`` (a batched GEMM of two activations).
     planned: ``planned_linear``, ``planned_bmm`` (the GEMMs as a plan says, FP8 dims padded).
     interaction: ``DotInteraction`` (DLRM dot ``bmm``), ``CrossNet`` (DCN low-rank cross net
@@ -37,6 +38,7 @@ from loka_train.mods.site import (
     FusedLinearSite,
     GemmSite,
     Site,
+    forwards_high,
     mark_sampled,
 )
 from loka_train.mods.wukong import Fp8FMBlock, Fp8WukongLayer
@@ -58,6 +60,7 @@ __all__ = [
     "ModsConfig",
     "Site",
     "convert",
+    "forwards_high",
     "planned_bmm",
     "mark_sampled",
     "planned_linear",

@@ -62,8 +62,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
@@ -323,6 +325,28 @@ class Site(nn.Module):
 
     def extra_repr(self) -> str:
         return f"site={self.site_name!r}, plan=({self.plan})"
+
+
+@contextlib.contextmanager
+def forwards_high(sites: Mapping[str, Site]) -> Iterator[list[str]]:
+    """Inside the block, every site of `sites` whose forward GEMM runs in FP8 runs it in high
+    precision, its backward plans kept; every plan is restored after, raised or not. Yields the
+    names of the sites it moved. What an evaluation inside it gives against one outside is what
+    the FP8 forwards cost the model's output, apart from what FP8 changed in its training.
+
+    Example:
+        >>> with forwards_high(sites(model)) as moved:
+        ...     ne_high = trainer.evaluate()["eval/ne"]
+    """
+    saved = {name: site.plan for name, site in sites.items()}
+    moved = [name for name, plan in saved.items() if plan.forward.is_fp8]
+    try:
+        for name in moved:
+            sites[name].set_plan(dataclasses.replace(saved[name], forward=GemmPlan()))
+        yield moved
+    finally:
+        for name in moved:
+            sites[name].set_plan(saved[name])
 
 
 def mark_sampled(sites: Iterable[Site], step: int) -> list[Site]:

@@ -15,8 +15,9 @@ One object a user adds to the trainer's callbacks:
   re-plans (collectively, so every rank applies the same plan at the same step), the comm
   policy moves precisions, metrics are logged and the progress bar shows FP8 coverage;
 * `on_eval_end`: the quality guard compares held-out NE with its best so far and moves every
-  site back to high precision when it regresses beyond the tolerance; the evaluation's NE and
-  AUC are kept for the report;
+  site back to high precision when it regresses beyond the tolerance; with
+  ``guard.forward_ne`` it evaluates once more with the FP8 forwards in high precision and logs
+  what they cost the NE; the evaluation's NE and AUC are kept for the report;
 * `on_train_end`: rank 0 writes the run report (JSON, Markdown, PNG plots).
 
 With ``LokaConfig(enabled=False)`` (the ``off`` preset) every hook returns at once: nothing is
@@ -50,7 +51,7 @@ from loka_train.dispatch.ledger import Ledger, measure_ledger
 from loka_train.kernels import static_scales
 from loka_train.kernels.linear import reference_fallbacks
 from loka_train.kernels.roles import ROLES
-from loka_train.mods import ConvertReport, convert, mark_sampled, sites
+from loka_train.mods import ConvertReport, convert, forwards_high, mark_sampled, sites
 from loka_train.mods.site import GemmSite
 from loka_train.plugin.config import LokaConfig
 from loka_train.plugin.report import run_report, write_report
@@ -165,6 +166,10 @@ class LokaCallback(Callback):
     def on_train_start(self, trainer: Trainer) -> None:
         if not self.enabled:
             return
+        if self.config.guard.forward_ne and getattr(trainer, "evaluate_again", None) is None:
+            raise ValueError("loka.guard.forward_ne=true evaluates the model again at each evaluation: "
+                             "this loop offers no evaluate_again (set RunContext.evaluate_again to a function "
+                             "that returns your held-out metrics) or set loka.guard.forward_ne=false")
         self._fallbacks_at_start = reference_fallbacks()
         self._out_dir = trainer.out_dir
         self._rank = trainer.rank
@@ -417,14 +422,19 @@ class LokaCallback(Callback):
     def on_eval_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
+        ne = metrics.get("eval/ne")
+        if ne is not None and self.config.guard.forward_ne:
+            self._forward_ne(trainer, ne, metrics)
         if self.comm_state is not None:
             self.comm_state.end_eval()
         assert self.dispatcher is not None
         if self._cooldown > 0:
             self._cooldown -= 1
-        ne = metrics.get("eval/ne")
         if ne is not None and "eval/auc" in metrics:
-            self.evals.append({"step": step, "ne": ne, "auc": metrics["eval/auc"]})
+            entry = {"step": step, "ne": ne, "auc": metrics["eval/auc"]}
+            if "loka/ne_forwards_high" in metrics:
+                entry["ne_forwards_high"] = metrics["loka/ne_forwards_high"]
+            self.evals.append(entry)
         if ne is None or not self.config.guard.enabled:
             return
         if self.best_ne is None or ne < self.best_ne:
@@ -441,6 +451,18 @@ class LokaCallback(Callback):
             self._cooldown = self.config.guard.cooldown_evals
             self.guard_trips.append({"step": step, "ne": ne, "best_ne": self.best_ne, "gemms": len(changes)})
             trainer.fallbacks.append(reason)
+
+    def _forward_ne(self, trainer: Trainer, ne: float, metrics: dict[str, float]) -> None:
+        """``guard.forward_ne``: the held-out NE again with every FP8 forward in high precision
+        (the same on every rank: the evaluation gathers every rank's logits), into `metrics`."""
+        evaluate = trainer.evaluate_again
+        assert evaluate is not None  # on_train_start refused a loop without it
+        with forwards_high(self.sites) as moved:
+            if not moved:
+                return
+            high = evaluate()["eval/ne"]
+        metrics["loka/ne_forwards_high"] = high
+        metrics["loka/forward_ne_cost"] = ne / high - 1.0
 
     # ------------------------------------------------------------------------ reporting
     def report(self, trainer: Trainer | None = None) -> dict[str, Any]:

@@ -61,6 +61,13 @@ class GuardConfig:
     cooldown_evals: int = 2
     """Evaluations after a trip during which Dispatch may not move sites back to FP8."""
 
+    forward_ne: bool = False
+    """At every evaluation while a site's forward runs in FP8, evaluate once more with every FP8
+    forward in high precision (another pass over the eval batches) and log what the FP8 forwards
+    cost the NE: ``loka/ne_forwards_high`` and ``loka/forward_ne_cost`` (the NE over that NE,
+    minus 1), also in the run report. Tells what FP8 costs at evaluation apart from what it
+    changed in training, without a bf16 run to compare with. Watches only: nothing moves."""
+
     def __post_init__(self) -> None:
         if not (0.0 < self.ne_tolerance < 1.0):
             raise ValueError(f"loka.guard.ne_tolerance={self.ne_tolerance} must be in (0, 1)")

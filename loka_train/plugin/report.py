@@ -77,7 +77,8 @@ def run_report(
         compressors: the dense-gradient hooks' compressors.
         guard_trips: the quality guard's trips.
         fallbacks: the loop's own fallbacks, listed after the plugin's.
-        evals: the run's evaluations so far, each ``{"step", "ne", "auc"}``.
+        evals: the run's evaluations so far, each ``{"step", "ne", "auc"}`` and, with
+            ``guard.forward_ne``, ``"ne_forwards_high"``.
         timeline: the plans chosen at each Probe interval (:data:`~loka_train.plugin.plots.Timeline`).
     """
     d = dispatcher
@@ -212,9 +213,25 @@ def _quality(report: Mapping[str, Any]) -> list[str]:
         "AUC is the area under the ROC curve (higher is better).",
         "",
     ]
-    if len(evals) > 1:
-        lines += ["| step | eval NE | eval AUC |", "|---|---|---|"]
-        lines += [f"| {e['step']} | {e['ne']:.4f} | {e['auc']:.4f} |" for e in evals]
+    high = [e for e in evals if "ne_forwards_high" in e]
+    if high:
+        cost = last["ne"] / last["ne_forwards_high"] - 1 if "ne_forwards_high" in last else None
+        lines += [
+            "With `guard.forward_ne`, each evaluation ran again with every FP8 forward in high precision: "
+            + (f"at step {last['step']} the FP8 forwards cost {100 * cost:+.4f}% of NE "
+               f"(NE {last['ne_forwards_high']:.5f} with them in high precision). " if cost is not None else "")
+            + "The rest of a gap to a bf16 run is what FP8 changed in training.",
+            "",
+        ]
+    if len(evals) > 1 or high:
+        cols = " | NE with FP8 forwards high | FP8 forwards' NE cost" if high else ""
+        lines += [f"| step | eval NE | eval AUC{cols} |", "|---|---|---|" + ("---|---|" if high else "")]
+        for e in evals:
+            row = f"| {e['step']} | {e['ne']:.4f} | {e['auc']:.4f} |"
+            if high:
+                row += (f" {e['ne_forwards_high']:.5f} | {100 * (e['ne'] / e['ne_forwards_high'] - 1):+.4f}% |"
+                        if "ne_forwards_high" in e else " - | - |")
+            lines.append(row)
         lines.append("")
     return lines
 

@@ -75,6 +75,12 @@ class RunContext:
     `loka_train.runtime.sparse2d.sync_due` says (start with ``lambda step: model.sync()``); a
     callback may replace it in `on_train_start` (LoKA: through its codecs)."""
 
+    evaluate_again: Callable[[], dict[str, float]] | None = None
+    """``evaluate_again()``: the loop's held-out metrics (``{"eval/ne": ..., ...}``, gathered
+    over the ranks) of the model as it is now, which a callback's `on_eval_end` may call to
+    evaluate it once more in another form (LoKA's ``guard.forward_ne``); None where the loop
+    offers none (``guard.forward_ne`` then refuses to start)."""
+
 
 class LoopState(Protocol):
     """What every callback hook receives: a `Trainer` or a `RunContext` (same attributes)."""
@@ -92,3 +98,7 @@ class LoopState(Protocol):
     graphs: DenseGraphs | None
     sparse2d: Sparse2DLayout | None
     replica_sync: Callable[[int], None] | None
+
+    @property
+    def evaluate_again(self) -> Callable[[], dict[str, float]] | None:
+        """The loop's re-evaluation (``RunContext.evaluate_again``, ``Trainer.evaluate_again``)."""

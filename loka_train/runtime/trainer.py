@@ -189,6 +189,8 @@ class Trainer:
         self.sharding_plan: ShardingPlan | None = None
         self.optimizer: CombinedOptimizer | None = None
         self._checkpoints: CheckpointManager | None = None
+        self._eval_pipeline: Any = None
+        """The train pipeline while an evaluation's callbacks run (:meth:`evaluate_again`)."""
 
     # ----------------------------------------------------------------------------- set-up
     def _shard(self) -> None:
@@ -378,7 +380,11 @@ class Trainer:
         get that step 0-based, as on_step_end does)."""
         self.callbacks.call("on_eval_start", self, self.step - 1)
         metrics = self._eval_with(pipeline)
-        self.callbacks.call("on_eval_end", self, self.step - 1, metrics)
+        self._eval_pipeline = pipeline
+        try:
+            self.callbacks.call("on_eval_end", self, self.step - 1, metrics)
+        finally:
+            self._eval_pipeline = None
         if self.rank == 0:
             logger.info("step %d: eval NE %.4f, AUC %.4f, calibration %.4f (%d samples)", self.step,
                         metrics["eval/ne"], metrics["eval/auc"], metrics["eval/calibration"], metrics["eval/samples"])
@@ -446,6 +452,16 @@ class Trainer:
         hook = _StepHook(self.optimizer, self)
         cls = TrainPipelineSparseDist if self.cfg.pipeline == "sparse_dist" else TrainPipelineBase
         return cls(self.model, hook, self.device)  # type: ignore[arg-type]
+
+    def evaluate_again(self) -> dict[str, float]:
+        """The held-out metrics of the model as it is now, for a callback's ``on_eval_end`` that
+        evaluates it once more in another form (the LoKA callback with its FP8 forwards in high
+        precision): the train pipeline is set aside around it as for the evaluation itself, and
+        no callback is called. Outside ``on_eval_end`` (after ``fit``, say) it is
+        :meth:`evaluate`."""
+        if self._eval_pipeline is not None:
+            return self._eval_with(self._eval_pipeline)
+        return self.evaluate()
 
     def _eval_with(self, pipeline: Any) -> dict[str, float]:
         # TrainPipelineSparseDist rewrites the sharded modules' forward; detach it for a

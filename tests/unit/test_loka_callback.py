@@ -242,3 +242,31 @@ def test_a_resume_under_a_higher_floor_judges_that_gemm_again_in_high_precision(
     assert resumed.dispatcher.plans["0"] == fp8 and resumed.sites["2"].plan == resumed.dispatcher.plans["2"]
     (change,) = resumed.dispatcher.history
     assert (change.step, change.site, change.role) == (29, "2", "grad_weight") and "raised from 16.0 to 30.0" in change.reason
+
+
+def test_forward_ne_needs_a_loop_that_evaluates_again_and_logs_with_one(tmp_path: Path) -> None:
+    from loka_train.plugin.config import GuardConfig
+
+    config = _config(guard=GuardConfig(forward_ne=True), mods=ModsConfig(enabled=True, initial_plan="fp8_tensorwise"))
+    with pytest.raises(ValueError, match="RunContext.evaluate_again"):
+        _started(config, tmp_path)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
+    cb = LokaCallback(config)
+    seen: list[dict[str, str]] = []
+
+    def evaluate_again() -> dict[str, float]:  # what the loop's evaluation sees: every forward high
+        seen.append({n: str(s.plan.forward) for n, s in cb.sites.items()})
+        return {"eval/ne": 0.8}
+
+    ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path, evaluate_again=evaluate_again)
+    cb.on_before_shard(ctx)
+    cb.on_train_start(ctx)
+    before = {n: s.plan for n, s in cb.sites.items()}
+    assert any(p.forward.is_fp8 for p in before.values())
+    metrics = {"eval/ne": 0.82, "eval/auc": 0.7}
+    cb.on_eval_end(ctx, 9, metrics)
+    assert seen == [{n: "high" for n in cb.sites}]
+    assert {n: s.plan for n, s in cb.sites.items()} == before  # restored
+    assert metrics["loka/ne_forwards_high"] == 0.8
+    assert metrics["loka/forward_ne_cost"] == pytest.approx(0.82 / 0.8 - 1)
+    assert cb.evals[-1]["ne_forwards_high"] == 0.8
