@@ -85,7 +85,8 @@ def generate_batches(dataset: Any, n: int, workers: int | None = None) -> None:
     generated on `workers` threads (default: the cores this process may run on, at most 16),
     each op on one intra-op thread: the batches side by side instead of each op's elements, so
     the parallelism does not depend on how well the generator's many small ops split. A batch
-    is a pure function of its step: they are the batches one after another would give."""
+    of the synthetic data (the benchmark's) is a pure function of its step: they are the
+    batches one after another would give."""
     import concurrent.futures
 
     if workers is None:

@@ -330,9 +330,11 @@ class Site(nn.Module):
 @contextlib.contextmanager
 def forwards_high(sites: Mapping[str, Site]) -> Iterator[list[str]]:
     """Inside the block, every site of `sites` whose forward GEMM runs in FP8 runs it in high
-    precision, its backward plans kept; every plan is restored after, raised or not. Yields the
-    names of the sites it moved. What an evaluation inside it gives against one outside is what
-    the FP8 forwards cost the model's output, apart from what FP8 changed in its training.
+    precision, its backward plans kept; the moved sites' plans are restored after, raised or
+    not (a weight ``export.serve`` prepared for a site is dropped, as by any
+    :meth:`Site.set_plan`: serve it again). Yields the names of the sites it moved. What an
+    evaluation inside it gives against one outside is what the FP8 forwards cost the model's
+    output, apart from what FP8 changed in its training.
 
     Example:
         >>> with forwards_high(sites(model)) as moved:

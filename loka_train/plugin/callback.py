@@ -16,8 +16,9 @@ One object a user adds to the trainer's callbacks:
   policy moves precisions, metrics are logged and the progress bar shows FP8 coverage;
 * `on_eval_end`: the quality guard compares held-out NE with its best so far and moves every
   site back to high precision when it regresses beyond the tolerance; with
-  ``guard.forward_ne`` it evaluates once more with the FP8 forwards in high precision and logs
-  what they cost the NE; the evaluation's NE and AUC are kept for the report;
+  ``guard.forward_ne``, where a site's forward runs in FP8, it evaluates once more with those
+  forwards in high precision and logs what they cost the NE; the evaluation's NE and AUC are
+  kept for the report;
 * `on_train_end`: rank 0 writes the run report (JSON, Markdown, PNG plots).
 
 With ``LokaConfig(enabled=False)`` (the ``off`` preset) every hook returns at once: nothing is

@@ -62,11 +62,13 @@ class GuardConfig:
     """Evaluations after a trip during which Dispatch may not move sites back to FP8."""
 
     forward_ne: bool = False
-    """At every evaluation while a site's forward runs in FP8, evaluate once more with every FP8
-    forward in high precision (another pass over the eval batches) and log what the FP8 forwards
-    cost the NE: ``loka/ne_forwards_high`` and ``loka/forward_ne_cost`` (the NE over that NE,
-    minus 1), also in the run report. Tells what FP8 costs at evaluation apart from what it
-    changed in training, without a bf16 run to compare with. Watches only: nothing moves."""
+    """At every evaluation while a site's forward runs in FP8, evaluate once more with the sites'
+    FP8 forwards in high precision (another pass over the eval batches; the embedding exchange
+    keeps its codecs) and log what those forwards cost the NE: ``loka/ne_forwards_high`` and
+    ``loka/forward_ne_cost`` (the NE over that NE, minus 1), also in the run report. The
+    forwards' share of FP8's NE cost, without a bf16 run to compare with. Watches only: nothing
+    moves. Under ``compile_dense`` the first such evaluation of each plan set compiles the towers
+    for it."""
 
     def __post_init__(self) -> None:
         if not (0.0 < self.ne_tolerance < 1.0):

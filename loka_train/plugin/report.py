@@ -217,10 +217,12 @@ def _quality(report: Mapping[str, Any]) -> list[str]:
     if high:
         cost = last["ne"] / last["ne_forwards_high"] - 1 if "ne_forwards_high" in last else None
         lines += [
-            "With `guard.forward_ne`, each evaluation ran again with every FP8 forward in high precision: "
+            "With `guard.forward_ne`, each evaluation where a site's forward ran in FP8 ran again with "
+            "those forwards in high precision: "
             + (f"at step {last['step']} the FP8 forwards cost {100 * cost:+.4f}% of NE "
                f"(NE {last['ne_forwards_high']:.5f} with them in high precision). " if cost is not None else "")
-            + "The rest of a gap to a bf16 run is what FP8 changed in training.",
+            + "A gap to a bf16 run beyond it is what FP8 changed in training, the embedding exchange's "
+            "codecs and the runs' own spread.",
             "",
         ]
     if len(evals) > 1 or high:

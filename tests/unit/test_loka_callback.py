@@ -252,10 +252,10 @@ def test_forward_ne_needs_a_loop_that_evaluates_again_and_logs_with_one(tmp_path
         _started(config, tmp_path)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
     cb = LokaCallback(config)
-    seen: list[dict[str, str]] = []
+    seen: list[dict[str, LinearPlan]] = []
 
-    def evaluate_again() -> dict[str, float]:  # what the loop's evaluation sees: every forward high
-        seen.append({n: str(s.plan.forward) for n, s in cb.sites.items()})
+    def evaluate_again() -> dict[str, float]:  # what the loop's evaluation sees
+        seen.append({n: s.plan for n, s in cb.sites.items()})
         return {"eval/ne": 0.8}
 
     ctx = RunContext(model=model, device=torch.device("cpu"), out_dir=tmp_path, evaluate_again=evaluate_again)
@@ -265,7 +265,10 @@ def test_forward_ne_needs_a_loop_that_evaluates_again_and_logs_with_one(tmp_path
     assert any(p.forward.is_fp8 for p in before.values())
     metrics = {"eval/ne": 0.82, "eval/auc": 0.7}
     cb.on_eval_end(ctx, 9, metrics)
-    assert seen == [{n: "high" for n in cb.sites}]
+    (during,) = seen  # every forward high, the backward plans kept
+    assert all(not p.forward.is_fp8 for p in during.values())
+    assert all((p.grad_input, p.grad_weight) == (before[n].grad_input, before[n].grad_weight) for n, p in during.items())
+    assert any(p.grad_input.is_fp8 for p in during.values())
     assert {n: s.plan for n, s in cb.sites.items()} == before  # restored
     assert metrics["loka/ne_forwards_high"] == 0.8
     assert metrics["loka/forward_ne_cost"] == pytest.approx(0.82 / 0.8 - 1)
