@@ -545,18 +545,11 @@ def _bench_config(args: argparse.Namespace, config: str, job: JobConfig, run: Pa
                                                       args.pair_calls, device)
         print(f"[inference] {config} {v}: paired x {REFERENCE} " + ", ".join(
             f"b{b} {rows[v][f'b{b}']['paired_vs_ref']['median']:.3f}" for b in args.batch_sizes), flush=True)
-    for b, ledger in ledgers.items():  # the limit's share again, from the paired timings now there
-        for v in names:
-            cell = rows[v][f"b{b}"]
-            if v.startswith("loka"):
-                _of_limit(cell, ledger, cell.get("of_limit_vs") if cell.get("of_limit_from") == "p50" else None)
-                same = cell.get("paired_vs_same")
-                if same and "reference_p50_ms" in same:
-                    # The same share against bf16 with the same settings: of what the FP8 GEMMs
-                    # could save on that step, what LoKA gets (compile's and graphs' gains apart).
-                    limit = ledger.predict(same["reference_p50_ms"], planned_step=False)["quant_free"]
-                    if math.isfinite(limit):
-                        cell.update(of_same_limit=same["median"] / limit, of_same_limit_vs=limit)
+    if REFERENCE in rows and rows[REFERENCE]["status"] == "ok":
+        for b, ledger in ledgers.items():  # the limit's shares again, from the paired timings now there
+            for v in names:
+                if v.startswith("loka"):
+                    _of_limit(rows[v][f"b{b}"], ledger, rows[REFERENCE][f"b{b}"]["p50_ms"])
     if args.profile_calls:  # last: the profiler's overhead reaches no timing
         for v in names:
             rows[v]["profile"] = {
@@ -586,30 +579,38 @@ def _ratios(args: argparse.Namespace, config: str, rows: dict[str, dict[str, Any
     for b, ledger in ledgers.items():
         entry: dict[str, Any] = {"ledger": ledger.to_dict()}
         if ref is not None:
-            limit = ledger.predict(ref[f"b{b}"]["p50_ms"], planned_step=False)["quant_free"]
-            # inf where the GEMMs' saving exceeds the reference's latency (then no limit).
-            entry["limit_vs_ref"] = limit if math.isfinite(limit) else None
+            entry["limit_vs_ref"] = _limit(ledger, ref[f"b{b}"]["p50_ms"])
             for r in ok.values():
-                if r["variant"].startswith("loka") and math.isfinite(limit):
-                    _of_limit(r[f"b{b}"], ledger, limit)
+                if r["variant"].startswith("loka"):
+                    _of_limit(r[f"b{b}"], ledger, ref[f"b{b}"]["p50_ms"])
         out.append({"config": config, "variant": "forward ledger", "status": "ledger", f"b{b}": entry})
     return out
 
 
-def _of_limit(cell: dict[str, Any], ledger: Ledger, p50_limit: float | None = None) -> None:
-    """A LoKA cell's ratio over the forward ledger's limit. Where the cell was timed in pairs
-    against the reference: its paired ratio over the limit the reference's paired block p50s
-    give (both sides of the share from the same interleaved blocks: a drift between the rounds
-    cancels); else its ratio of p50s over `p50_limit` (the limit from the reference's p50).
-    ``of_limit_from`` says which, ``of_limit_vs`` the limit taken."""
+def _limit(ledger: Ledger, reference_ms: float) -> float | None:
+    """The forward ledger's throughput limit over a reference latency of `reference_ms`, or None
+    where the FP8 GEMMs' saving exceeds that latency (host-clock timings on a CPU)."""
+    limit = ledger.predict(reference_ms, planned_step=False)["quant_free"]
+    return limit if math.isfinite(limit) else None
+
+
+def _of_limit(cell: dict[str, Any], ledger: Ledger, reference_p50_ms: float) -> None:
+    """A LoKA cell's shares of the forward ledger's limit. ``of_limit``: where the cell was timed
+    in pairs against the reference, its paired ratio over the limit the reference's paired block
+    p50s give (both sides from the same interleaved blocks: a drift between the rounds cancels),
+    else its ratio of p50s over the limit from the reference's p50 (`reference_p50_ms`);
+    ``of_limit_from`` says which, ``of_limit_vs`` the limit taken. ``of_same_limit``: its paired
+    ratio against bf16 with the same settings over the limit that bf16's paired block p50s give
+    (of what the FP8 GEMMs could save on that step, what LoKA gets: compile's and graphs' gains
+    apart)."""
     paired = cell.get("paired_vs_ref")
-    if paired and "reference_p50_ms" in paired:
-        limit = ledger.predict(paired["reference_p50_ms"], planned_step=False)["quant_free"]
-        if math.isfinite(limit):
-            cell.update(of_limit=paired["median"] / limit, of_limit_vs=limit, of_limit_from="paired")
-            return
-    if p50_limit is not None:
-        cell.update(of_limit=cell["speedup_vs_ref"] / p50_limit, of_limit_vs=p50_limit, of_limit_from="p50")
+    if paired and "reference_p50_ms" in paired and (limit := _limit(ledger, paired["reference_p50_ms"])):
+        cell.update(of_limit=paired["median"] / limit, of_limit_vs=limit, of_limit_from="paired")
+    elif limit := _limit(ledger, reference_p50_ms):
+        cell.update(of_limit=cell["speedup_vs_ref"] / limit, of_limit_vs=limit, of_limit_from="p50")
+    same = cell.get("paired_vs_same")
+    if same and "reference_p50_ms" in same and (limit := _limit(ledger, same["reference_p50_ms"])):
+        cell.update(of_same_limit=same["median"] / limit, of_same_limit_vs=limit)
 
 
 def render(result: dict[str, Any]) -> str:

@@ -88,24 +88,23 @@ def same_settings_reference(variant: str) -> str:
     return "bf16" + "".join(f"+{s}" for s in REFERENCE_SUFFIXES if s in settings)
 
 
-def seed_pairs(r: dict[str, Any], base: dict[str, Any], field: str) -> list[tuple[float, float]]:
-    """``(r's, base's)`` values of `field` per seed over the rotated rounds of both (round i of
-    every variant ran with ``trainer.seed=i``), for the seeds whose runs both succeeded."""
+def seed_pairs(r: dict[str, Any], base: dict[str, Any], field: str, base_field: str | None = None,
+               ) -> list[tuple[float, float]]:
+    """``(r's `field`, base's `base_field`)`` (default: `field` too) per seed over the rotated
+    rounds of both (round i of every variant ran with ``trainer.seed=i``), for the seeds whose
+    runs both succeeded."""
     ok = lambda x: x.get("status", "ok") == "ok"  # noqa: E731
-    base_by_seed = {x["seed"]: x[field] for x in base.get("repeats", []) if ok(x)}
+    base_by_seed = {x["seed"]: x[base_field or field] for x in base.get("repeats", []) if ok(x)}
     return [(x[field], base_by_seed[x["seed"]]) for x in r.get("repeats", []) if ok(x) and x["seed"] in base_by_seed]
 
 
 def _forwards_high_pairs(r: dict[str, Any], base: dict[str, Any]) -> list[tuple[float, float]]:
     """``(r's eval NE with its forwards high, base's eval NE)``: per seed over the rotated rounds
     where both ran several, else the one pair of the two records."""
-    ok = lambda x: x.get("status", "ok") == "ok"  # noqa: E731
     if "repeats" in r and "repeats" in base:
-        rounds = [x for x in r["repeats"] if ok(x)]
-        if not all("eval_ne_forwards_high" in x for x in rounds):
+        if not all("eval_ne_forwards_high" in x for x in r["repeats"] if x.get("status", "ok") == "ok"):
             return []  # not over some of the seeds the NE delta averages: no figure
-        base_by_seed = {x["seed"]: x["eval_ne"] for x in base["repeats"] if ok(x)}
-        return [(x["eval_ne_forwards_high"], base_by_seed[x["seed"]]) for x in rounds if x["seed"] in base_by_seed]
+        return seed_pairs(r, base, "eval_ne_forwards_high", "eval_ne")
     return [(r["eval_ne_forwards_high"], base["eval_ne"])] if "eval_ne_forwards_high" in r else []
 
 

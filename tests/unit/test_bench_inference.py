@@ -4,6 +4,7 @@ variant, timed per batch size and evaluated on the same held-out batches."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -313,3 +314,30 @@ def test_the_seed_trains_another_checkpoint(tmp_path: Path, monkeypatch: pytest.
     assert len(jobs) == 2 and jobs[1] is job and {j.trainer.seed for j in jobs} == {3}
     with pytest.raises(SystemExit, match="--seed"):
         parse_args(["--out", "x", "--seed", "-1"])
+
+
+def test_the_limit_shares_take_each_limit_from_the_timings_they_compare() -> None:
+    from bench.inference import _of_limit
+
+    class Ledger:  # FP8 GEMMs that save 1 ms of the reference's latency
+        def predict(self, ms: float, *, planned_step: bool) -> dict[str, float]:
+            assert not planned_step
+            return {"quant_free": ms / (ms - 1.0) if ms > 1.0 else math.inf}
+
+    # Paired: the limit from the reference's paired block p50s (5 ms: 1.25x), not its p50 (3 ms).
+    cell = {"speedup_vs_ref": 0.9, "paired_vs_ref": {"median": 1.2, "reference_p50_ms": 5.0},
+            "paired_vs_same": {"median": 1.05, "reference_p50_ms": 4.0}}
+    _of_limit(cell, Ledger(), 3.0)  # type: ignore[arg-type]
+    assert (cell["of_limit_from"], cell["of_limit_vs"]) == ("paired", 1.25)
+    assert cell["of_limit"] == pytest.approx(1.2 / 1.25)
+    assert cell["of_same_limit_vs"] == pytest.approx(4.0 / 3.0)
+    assert cell["of_same_limit"] == pytest.approx(1.05 / (4.0 / 3.0))
+    # Unpaired: the ratio of p50s over the limit from the reference's p50; no same-settings share.
+    cell = {"speedup_vs_ref": 0.9}
+    _of_limit(cell, Ledger(), 3.0)  # type: ignore[arg-type]
+    assert (cell["of_limit_from"], cell["of_limit_vs"]) == ("p50", 1.5)
+    assert cell["of_limit"] == pytest.approx(0.9 / 1.5) and "of_same_limit" not in cell
+    # A saving past the reference's latency gives no limit and no share.
+    cell = {"speedup_vs_ref": 0.9}
+    _of_limit(cell, Ledger(), 0.5)  # type: ignore[arg-type]
+    assert "of_limit" not in cell
