@@ -329,3 +329,60 @@ def test_a_folded_mlp_trains_like_the_unfolded_one_compiled():
             got.append(loss.detach())
         losses.append(torch.stack(got))
     assert torch.equal(losses[0], losses[1]), losses
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "unfolded"])
+def test_a_folded_mlp_trains_alike_on_the_probes_sampled_steps_compiled(fold):
+    """The MLP of the test above, the Probe attached and sampling every step (its taps in the
+    compiled code, ``mods.probe_tap``) against the same steps unsampled: the taps are copies, so
+    the losses and weights agree (to the rounding of inductor's different fusions around them)."""
+    from torch import nn
+    from torchrec.models.dlrm import OverArch
+
+    from loka_train.kernels.formats import Scaling
+    from loka_train.kernels.plan import LinearPlan
+    from loka_train.mods import ModsConfig, convert, mark_sampled, sites
+    from loka_train.probe import Probe, ProbeConfig
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
+                         OverArch(in_features=512, layer_sizes=[1024, 512, 1])).cuda()
+    runs = []
+    for sampled in (True, False):
+        torch._dynamo.reset()
+        model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
+                              OverArch(in_features=512, layer_sizes=[1024, 512, 1])).cuda()
+        model.load_state_dict(base.state_dict())
+        convert(model, config=ModsConfig(sites=["mlp"], fold_relu=fold, static_scales=True))
+        probe = Probe(ProbeConfig(every_k_steps=1 if sampled else 1000, sites_per_step=None, window=4,
+                                  interval=50, min_samples=1), device="cuda")
+        for name, site in sites(model).items():
+            site.set_plan(plan)
+            site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cuda"))
+            probe.register_site(name, **site.probe_spec())
+            site.attach_observer(probe)
+        assert any(s.input_relu for s in sites(model).values()) == fold
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step(x, model=model):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return model(x).float().square().mean()
+
+        fn = torch.compile(step)
+        got = []
+        for i in range(1, 4):
+            probe.begin_step(i)
+            assert bool(mark_sampled(sites(model).values(), i)) == sampled
+            x = torch.randn(4096, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+            opt.zero_grad()
+            loss = fn(x)
+            loss.backward()
+            opt.step()
+            got.append(loss.detach().float())
+        runs.append((torch.stack(got), [p.detach().float().clone() for p in model.parameters()]))
+    (l_s, p_s), (l_u, p_u) = runs
+    diffs = [float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(p_s, p_u)]
+    print(f"fold={fold} losses sampled {l_s.tolist()} unsampled {l_u.tolist()} param rel diffs {diffs}")
+    torch.testing.assert_close(l_s, l_u, rtol=1e-3, atol=0)
+    assert max(diffs) < 1e-3, diffs
