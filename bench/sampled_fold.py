@@ -1,0 +1,172 @@
+"""What folding the ReLUs (``mods.fold_relu``) changes in training where the Probe's sampled steps
+run compiled: per-step losses of a small Wukong on fixed plans, ReLUs folded or not, sampled
+steps compiled or not.
+
+    python -m bench.sampled_fold --out DIR [--plans FILE] [--batches 4096] [--steps 24]
+                                 [--every 3] [--interval 4] [--device cuda] [--no-graphs]
+
+Each of the four runs (fold on / off x sampled steps compiled / uncompiled) trains the same
+model from the same seed for ``--steps`` steps under the aggressive preset with Dispatch off, the
+Probe sampling every ``--every``-th step (the first samples every site) and refreshing the static
+scales every ``--interval`` steps. ``--plans`` fixes each site's plan: a JSON object
+``{site: {"forward": "fp8:e4m3/tensorwise@torch_scaled_mm", "grad_input": ..., "grad_weight":
+"high"}}`` as ``bench.e2e`` records them (``loka.plans``); sites it does not name keep the initial
+tensor-wise FP8 plan. Folding must change nothing: the report gives, per sampled mode, the largest
+per-step relative gap between the folded and the unfolded run, next to the gap that compiling the
+sampled steps makes on its own (unfolded, compiled against uncompiled).
+
+The LoKA callback leaves ReLUs unfolded where the sampled steps run compiled on CUDA
+(``loka_train.plugin.callback.mods_for_run``); this benchmark turns that off to measure the
+combination it refuses. ``--out`` writes ``sampled_fold.json`` (every run's losses, the plans, the
+gaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL: dict[str, Any] = dict(kind="wukong", embedding_dim=64, dense_arch_layer_sizes=[256, 64], over_arch_layer_sizes=[512, 256, 1],
+             wukong_num_layers=2, wukong_num_fm_out=8, wukong_fm_rank=8, wukong_num_lcb_out=8, wukong_mlp_hidden=512)
+"""The small Wukong of the runs (the GPU graphs test's)."""
+
+
+def parse_gemm_plan(text: str) -> Any:
+    """A ``GemmPlan`` from its string form (``str(plan)``: ``high`` or ``fp8:e5m2xe4m3/rowwise@triton``)."""
+    from loka_train.kernels.formats import Fp8Format, Scaling
+    from loka_train.kernels.plan import GemmPlan, Precision
+
+    if text == "high":
+        return GemmPlan()
+    try:
+        kind, rest = text.split(":", 1)
+        fmts, rest = rest.split("/", 1)
+        scaling, backend = rest.split("@", 1)
+    except ValueError:
+        raise ValueError(f"plan {text!r}: expected 'high' or 'fp8:FMT[xFMT_B]/SCALING@BACKEND'") from None
+    if kind != "fp8":
+        raise ValueError(f"plan {text!r}: expected 'high' or 'fp8:...'")
+    fast = backend.endswith("+fast")
+    fmt, _, fmt_b = fmts.partition("x")
+    return GemmPlan(precision=Precision.FP8, fmt=Fp8Format(fmt), fmt_b=Fp8Format(fmt_b) if fmt_b else None,
+                    scaling=Scaling(scaling), backend=backend.removesuffix("+fast"), fast_accum=fast)
+
+
+def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]], batch: int, steps: int,
+          every: int, interval: int, device: str, graphs: bool, out_dir: Path) -> list[float]:
+    """One run's per-step training losses."""
+    from loka_train.data import DataConfig
+    from loka_train.kernels.plan import LinearPlan
+    from loka_train.models import ModelConfig
+    from loka_train.plugin import callback as callback_module
+    from loka_train.plugin.callback import LokaCallback
+    from loka_train.plugin.config import LokaConfig
+    from loka_train.runtime import Callback, TrainerConfig
+    from loka_train.runtime.trainer import Trainer
+
+    loka = LokaConfig.preset(
+        "aggressive", probe={"every_k_steps": every, "window": 4, "interval": interval},
+        dispatch={"enabled": False}, guard={"enabled": False},
+        mods={"initial_plan": "fp8_tensorwise", "fold_relu": fold},
+    )
+    if device != "cuda":
+        plans = {site: {role: p.replace("@torch_scaled_mm", "@emulated").replace("@triton", "@emulated")
+                        for role, p in roles.items()} for site, roles in plans.items()}
+    loka_cb = LokaCallback(loka)
+
+    class Fixed(Callback):
+        """Sets the given plans after LoKA's start, and records each step's loss."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_start(self, trainer: Any) -> None:
+            for name, site in loka_cb.sites.items():
+                if name in plans:
+                    site.set_plan(LinearPlan(**{r: parse_gemm_plan(p) for r, p in plans[name].items()}))
+                    if site.static_slots is None and hasattr(site, "enable_static_scales"):
+                        site.enable_static_scales(margin=loka.mods.static_scale_margin,
+                                                  spread=loka.mods.static_scale_spread, device=trainer.device)
+
+        def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+            self.losses.append(metrics["train/loss"])
+
+    fixed = Fixed()
+    refuse = callback_module.mods_for_run
+    callback_module.mods_for_run = lambda mods, **_: (mods, "")  # type: ignore[assignment]
+    try:
+        trainer = Trainer(
+            model=ModelConfig(**MODEL), data=DataConfig(num_embeddings=10_000),
+            trainer=TrainerConfig(
+                steps=steps, batch_size=batch, device=device, dense_dtype="bf16", sharding="table_wise",
+                log_every=1, eval_batches=1, out_dir=str(out_dir), tensorboard=False, progress_bar=False,
+                checkpoint_at_end=False, resume="never", dense_lr=0.005, dense_warmup_steps=2,
+                cuda_graphs=graphs, compile_dense=True, compile_sampled=sampled_compiled,
+            ),
+            callbacks=[loka_cb, fixed],
+        )
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    finally:
+        callback_module.mods_for_run = refuse  # type: ignore[assignment]
+    folded = [name for name, site in loka_cb.sites.items() if site.input_relu]
+    if bool(folded) is not fold:
+        raise RuntimeError(f"fold={fold} but the folded sites are {folded}")
+    return fixed.losses
+
+
+def max_gap(a: list[float], b: list[float]) -> tuple[float, int]:
+    """The largest per-step relative gap |a - b| / |b| and its step."""
+    gaps = [abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
+    step = max(range(len(gaps)), key=gaps.__getitem__)
+    return gaps[step], step
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=None, help="write sampled_fold.json here")
+    p.add_argument("--plans", type=Path, default=None, help="JSON {site: {role: plan}} (bench.e2e's loka.plans)")
+    p.add_argument("--batches", default="4096", help="comma-separated batch sizes")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--every", type=int, default=3, help="the Probe samples every N-th step")
+    p.add_argument("--interval", type=int, default=4, help="static scales refreshed every N steps")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false", help="no CUDA graphs (the CPU needs this)")
+    args = p.parse_args(argv)
+    plans = json.loads(args.plans.read_text()) if args.plans else {}
+    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "plans": plans, "batches": {}}
+    for batch in (int(b) for b in args.batches.split(",")):
+        runs: dict[str, list[float]] = {}
+        for sampled_compiled in (True, False):
+            for fold in (True, False):
+                torch._dynamo.reset()
+                key = f"fold={'on' if fold else 'off'} sampled={'compiled' if sampled_compiled else 'eager'}"
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs[key] = train(fold=fold, sampled_compiled=sampled_compiled, plans=plans, batch=batch,
+                                      steps=args.steps, every=args.every, interval=args.interval,
+                                      device=args.device, graphs=args.graphs, out_dir=Path(tmp))
+                print(f"[sampled_fold] b{batch} {key}: " + " ".join(f"{x:.6f}" for x in runs[key]), flush=True)
+        gaps = {
+            "fold, sampled compiled": max_gap(runs["fold=on sampled=compiled"], runs["fold=off sampled=compiled"]),
+            "fold, sampled eager": max_gap(runs["fold=on sampled=eager"], runs["fold=off sampled=eager"]),
+            "compiling the sampled steps, unfolded": max_gap(runs["fold=off sampled=compiled"],
+                                                            runs["fold=off sampled=eager"]),
+        }
+        for what, (gap, step) in gaps.items():
+            print(f"[sampled_fold] b{batch} largest loss gap, {what}: {gap:.2e} at step {step}", flush=True)
+        result["batches"][str(batch)] = {"losses": runs, "gaps": {k: {"gap": g, "step": s} for k, (g, s) in gaps.items()}}
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sampled_fold.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""bench.sampled_fold: plans read back from their string form, and the gaps it reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import sampled_fold
+from loka_train.kernels.formats import Scaling
+from loka_train.kernels.plan import GemmPlan, LinearPlan
+
+
+@pytest.mark.parametrize("plan", [
+    GemmPlan(),
+    LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm").grad_input,
+    LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton").forward,
+    GemmPlan(precision="fp8", fmt="e4m3", scaling="rowwise", backend="torch_scaled_mm", fast_accum=True),
+])
+def test_a_plan_reads_back_from_its_string(plan: GemmPlan) -> None:
+    assert sampled_fold.parse_gemm_plan(str(plan)) == plan
+
+
+@pytest.mark.parametrize("text", ["fp8:e4m3", "bf16:e4m3/rowwise@triton", "fp8:e4m3/rowwise"])
+def test_a_malformed_plan_names_the_form(text: str) -> None:
+    with pytest.raises(ValueError, match="expected 'high' or 'fp8:"):
+        sampled_fold.parse_gemm_plan(text)
+
+
+def test_the_report_compares_folded_with_unfolded_runs_per_sampled_mode(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each gap compares the runs it names: a fold that changes the compiled sampled steps' losses
+    shows there and nowhere else."""
+    def fake_train(*, fold: bool, sampled_compiled: bool, batch: int, **_: object) -> list[float]:
+        return [1.0, 2.0 * (1.1 if fold and sampled_compiled else 1.0) * (1.001 if sampled_compiled else 1.0)]
+
+    monkeypatch.setattr(sampled_fold, "train", fake_train)
+    result = sampled_fold.main(["--out", str(tmp_path), "--device", "cpu", "--no-graphs", "--batches", "64"])
+    gaps = result["batches"]["64"]["gaps"]
+    assert gaps["fold, sampled compiled"] == {"gap": pytest.approx(0.1), "step": 1}
+    assert gaps["fold, sampled eager"]["gap"] == 0.0
+    assert gaps["compiling the sampled steps, unfolded"] == {"gap": pytest.approx(0.001), "step": 1}
+    assert json.loads((tmp_path / "sampled_fold.json").read_text())["batches"]["64"]["gaps"] == gaps
