@@ -1,9 +1,13 @@
 """Diagnostic: per-step losses of a small Wukong on the GPU, aggressive preset with fixed
 tensor-wise FP8 plans, the Probe sampling every 3rd step: fold x compiled sampled steps."""
-import json, sys, time
-from pathlib import Path
+import json
 import os
+import sys
+import time
+from pathlib import Path
+
 import torch
+
 PLANS = json.loads(open(os.path.join(os.path.dirname(__file__), "plans.json")).read())
 DEVICE = os.environ.get("DIAG_DEVICE", "cuda")
 
@@ -71,7 +75,8 @@ def run(fold: bool, compile_sampled: bool, graphs: bool, out: Path, every: int =
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
     res = {}
     for graphs in (True,):
         for fold in (True, False):
@@ -82,5 +87,5 @@ if __name__ == "__main__":
                 key = f"graphs={graphs} fold={fold} compile_sampled={cs}"
                 res[key] = {"losses": losses, "amax": amax, "scales": scales}
                 print(key, f"{time.time()-t:.0f}s folded={folded} fallbacks={fb}", flush=True)
-                print("   ", " ".join(f"{l:.6f}" for l in losses), flush=True)
+                print("   ", " ".join(f"{x:.6f}" for x in losses), flush=True)
                 (out / "losses.json").write_text(json.dumps(res, indent=1))
