@@ -17,8 +17,8 @@ sampled steps makes on its own (unfolded, compiled against uncompiled).
 
 The LoKA callback leaves ReLUs unfolded where the sampled steps run compiled on CUDA
 (``loka_train.plugin.callback.mods_for_run``); this benchmark turns that off to measure the
-combination it refuses. ``--out`` writes ``sampled_fold.json`` (every run's losses, the plans, the
-gaps).
+combination it refuses. ``--out`` writes ``sampled_fold.json`` (every run's losses, the plans given and those the sites
+ran, the given sites the model lacks, the gaps).
 """
 
 from __future__ import annotations
@@ -58,8 +58,14 @@ def parse_gemm_plan(text: str) -> Any:
 
 
 def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]], batch: int, steps: int,
-          every: int, interval: int, device: str, graphs: bool, out_dir: Path) -> list[float]:
-    """One run's per-step training losses."""
+          every: int, interval: int, device: str, graphs: bool, out_dir: Path) -> dict[str, Any]:
+    """One run: its per-step training losses (``losses``), every site's plan as the run ended
+    (``plans``, ``str`` of each GEMM's) and the sites of `plans` the model does not have
+    (``missing``).
+
+    Raises:
+        RuntimeError: where the model's folded ReLUs are not what `fold` asks.
+    """
     from loka_train.data import DataConfig
     from loka_train.kernels.plan import LinearPlan
     from loka_train.models import ModelConfig
@@ -119,7 +125,9 @@ def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]
     folded = [name for name, site in loka_cb.sites.items() if site.input_relu]
     if bool(folded) is not fold:
         raise RuntimeError(f"fold={fold} but the folded sites are {folded}")
-    return fixed.losses
+    ended = {name: {r: str(getattr(site.plan, r)) for r in ("forward", "grad_input", "grad_weight")}
+             for name, site in loka_cb.sites.items()}
+    return {"losses": fixed.losses, "plans": ended, "missing": sorted(set(plans) - set(ended))}
 
 
 def max_gap(a: list[float], b: list[float]) -> tuple[float, int]:
@@ -144,14 +152,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "plans": plans, "batches": {}}
     for batch in (int(b) for b in args.batches.split(",")):
         runs: dict[str, list[float]] = {}
+        ended: dict[str, Any] = {}
         for sampled_compiled in (True, False):
             for fold in (True, False):
                 torch._dynamo.reset()
                 key = f"fold={'on' if fold else 'off'} sampled={'compiled' if sampled_compiled else 'eager'}"
                 with tempfile.TemporaryDirectory() as tmp:
-                    runs[key] = train(fold=fold, sampled_compiled=sampled_compiled, plans=plans, batch=batch,
-                                      steps=args.steps, every=args.every, interval=args.interval,
-                                      device=args.device, graphs=args.graphs, out_dir=Path(tmp))
+                    run = train(fold=fold, sampled_compiled=sampled_compiled, plans=plans, batch=batch,
+                                steps=args.steps, every=args.every, interval=args.interval,
+                                device=args.device, graphs=args.graphs, out_dir=Path(tmp))
+                runs[key], ended = run["losses"], run
+                if run["missing"]:
+                    print(f"[sampled_fold] the model has no site {', '.join(run['missing'])}: their plans are not set",
+                          flush=True)
                 print(f"[sampled_fold] b{batch} {key}: " + " ".join(f"{x:.6f}" for x in runs[key]), flush=True)
         gaps = {
             "fold, sampled compiled": max_gap(runs["fold=on sampled=compiled"], runs["fold=off sampled=compiled"]),
@@ -161,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         for what, (gap, step) in gaps.items():
             print(f"[sampled_fold] b{batch} largest loss gap, {what}: {gap:.2e} at step {step}", flush=True)
-        result["batches"][str(batch)] = {"losses": runs, "gaps": {k: {"gap": g, "step": s} for k, (g, s) in gaps.items()}}
+        result["batches"][str(batch)] = {"losses": runs, "gaps": {k: {"gap": g, "step": s} for k, (g, s) in gaps.items()},
+                                         "plans_run": ended["plans"], "plans_missing": ended["missing"]}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sampled_fold.json").write_text(json.dumps(result, indent=1))

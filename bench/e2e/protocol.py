@@ -440,6 +440,11 @@ def run_one(
                              f"{decide_rec['seed']}, from {stored} (--decisions)")
             elif variant.decide:
                 decide_extra = decide_overrides(args.decide_interval)
+                if device_type == "cuda" and variant.sampled_compiled:
+                    # The timed run folds no ReLU (its sampled steps run compiled on CUDA:
+                    # loka_train.plugin.callback.mods_for_run), and Dispatch prices the plans of
+                    # a folded site apart: the eager decision run converts the model alike.
+                    decide_extra = (*decide_extra, "loka.mods.fold_relu=false")
                 # A continuation (--ne-from) decides from the checkpoint it continues: its plans
                 # come from the Probe's statistics of the steps after N0, at the trained
                 # weights the timed run continues, not from those of fresh weights.
@@ -447,7 +452,7 @@ def run_one(
                 if warm_start is not None:
                     shutil.copytree(warm_start, f"{tmp}/decide", symlinks=True)
                     decide_from = args.ne_from
-                # The plans do not depend on compilation: decide eagerly.
+                # The plans do not depend on compilation otherwise: decide eagerly.
                 job = composer.job(
                     job_overrides(
                         args, config, batch, replace(variant, compile=False), f"{tmp}/decide",

@@ -160,7 +160,7 @@ class LokaCallback(Callback):
             return
         if self.config.mods.enabled:
             mods, refused = mods_for_run(self.config.mods, device=trainer.device,
-                                         sampled_compiled=trainer.sampled_compiled)
+                                         sampled_compiled=bool(getattr(trainer, "sampled_compiled", False)))
             if refused:
                 logger.warning(refused)
                 trainer.fallbacks.append(refused)

@@ -806,10 +806,11 @@ def test_bits_suffixes_set_the_relu_masks_and_share_the_decision() -> None:
     from bench.e2e.variants import resolve_variants
 
     aggr, bits, nobits = resolve_variants(
-        ["loka_aggressive+compile+graphs", "loka_aggressive+graphs+bits+compile", "loka_aggressive+nobits+compile+graphs"],
+        ["loka_aggressive+compile+graphs", "loka_aggressive+graphs+bits+compile+eagersampled",
+         "loka_aggressive+nobits+compile+graphs+eagersampled"],
         "emulated")
-    assert bits.name == "loka_aggressive+compile+graphs+bits"
-    assert nobits.name == "loka_aggressive+compile+graphs+nobits"
+    assert bits.name == "loka_aggressive+compile+graphs+eagersampled+bits"
+    assert nobits.name == "loka_aggressive+compile+graphs+eagersampled+nobits"
     assert bits.loka_overrides == ("loka.mods.relu_mask_bits=true",) and "bits" in bits.description
     assert nobits.loka_overrides == ("loka.mods.relu_mask_bits=false",) and "pre-activations" in nobits.description
     assert decision_key("wukong", 64, 0, aggr) == decision_key("wukong", 64, 0, bits) \
@@ -821,6 +822,18 @@ def test_bits_suffixes_set_the_relu_masks_and_share_the_decision() -> None:
     for folded_none in ("loka_aggressive+nofold+bits", "loka_aggressive+nofold+nobits"):
         with pytest.raises(SystemExit, match="drop one"):
             resolve_variants([folded_none], "emulated")
+
+
+@pytest.mark.parametrize("suffix", ["nofold", "bits", "nobits"])
+def test_fold_suffixes_need_uncompiled_sampled_steps_where_the_model_compiles(suffix: str) -> None:
+    """Where the sampled steps run compiled, LoKA folds no ReLU on CUDA: a suffix that changes
+    the folding would change nothing there, so it is refused, naming '+eagersampled'."""
+    from bench.e2e.variants import resolve_variants
+
+    with pytest.raises(SystemExit, match="eagersampled"):
+        resolve_variants([f"loka_aggressive+compile+graphs+{suffix}"], "emulated")
+    for fine in (f"loka_aggressive+graphs+{suffix}", f"loka_aggressive+compile+graphs+eagersampled+{suffix}"):
+        assert resolve_variants([fine], "emulated")[0].loka_overrides
 
 
 def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: Path) -> None:

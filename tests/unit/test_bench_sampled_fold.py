@@ -31,8 +31,9 @@ def test_a_malformed_plan_names_the_form(text: str) -> None:
 def test_the_report_compares_folded_with_unfolded_runs_per_sampled_mode(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Each gap compares the runs it names: a fold that changes the compiled sampled steps' losses
     shows there and nowhere else."""
-    def fake_train(*, fold: bool, sampled_compiled: bool, batch: int, **_: object) -> list[float]:
-        return [1.0, 2.0 * (1.1 if fold and sampled_compiled else 1.0) * (1.001 if sampled_compiled else 1.0)]
+    def fake_train(*, fold: bool, sampled_compiled: bool, batch: int, **_: object) -> dict[str, object]:
+        losses = [1.0, 2.0 * (1.1 if fold and sampled_compiled else 1.0) * (1.001 if sampled_compiled else 1.0)]
+        return {"losses": losses, "plans": {}, "missing": []}
 
     monkeypatch.setattr(sampled_fold, "train", fake_train)
     result = sampled_fold.main(["--out", str(tmp_path), "--device", "cpu", "--no-graphs", "--batches", "64"])
@@ -41,3 +42,19 @@ def test_the_report_compares_folded_with_unfolded_runs_per_sampled_mode(tmp_path
     assert gaps["fold, sampled eager"]["gap"] == 0.0
     assert gaps["compiling the sampled steps, unfolded"] == {"gap": pytest.approx(0.001), "step": 1}
     assert json.loads((tmp_path / "sampled_fold.json").read_text())["batches"]["64"]["gaps"] == gaps
+
+
+def test_a_run_trains_on_the_given_plans_with_the_relus_folded_as_asked(tmp_path: Path) -> None:
+    """On the CPU (sampled steps compiled, no graphs): the given sites keep their plans through
+    the run, the others the initial tensor-wise one, a site the model lacks is named, and the
+    ReLUs fold as asked."""
+    high = {"forward": "high", "grad_input": "high", "grad_weight": "high"}
+    mixed = {"forward": "fp8:e4m3/tensorwise@torch_scaled_mm", "grad_input": "high", "grad_weight": "high"}
+    plans = {"model.dense_arch.model._mlp.1._linear": high, "model.inter_arch.0.fmb.mlp.0": mixed,
+             "model.no_such_site": high}
+    run = sampled_fold.train(fold=True, sampled_compiled=True, plans=plans, batch=64, steps=2, every=1,
+                             interval=2, device="cpu", graphs=False, out_dir=tmp_path)
+    assert len(run["losses"]) == 2 and run["missing"] == ["model.no_such_site"]
+    assert run["plans"]["model.dense_arch.model._mlp.1._linear"] == high
+    assert run["plans"]["model.inter_arch.0.fmb.mlp.0"] == {**mixed, "forward": "fp8:e4m3/tensorwise@emulated"}
+    assert run["plans"]["model.over_arch.model.0._mlp.0._linear"]["forward"] == "fp8:e4m3/tensorwise@emulated"
