@@ -1069,3 +1069,17 @@ def test_the_evaluation_after_the_run_reproduces_the_runs_own_ne(tmp_path: Path,
     assert main(args) == 0
     (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
     assert loka["eval_ne_forwards_high"] == loka["eval_ne"]
+
+
+def test_a_decision_run_folds_no_relu_where_its_timed_run_folds_none() -> None:
+    """The timed run of a variant whose sampled steps run compiled folds no ReLU on CUDA; its
+    eager decision run converts alike there, and folds as usual elsewhere."""
+    from bench.e2e.protocol import decide_overrides, decision_run_overrides
+    from bench.e2e.variants import resolve_variants
+
+    compiled, eager_sampled, plain = resolve_variants(
+        ["loka_aggressive+compile+graphs", "loka_aggressive+compile+graphs+eagersampled", "loka_aggressive+graphs"],
+        "emulated")
+    assert decision_run_overrides(5, compiled, "cuda") == (*decide_overrides(5), "loka.mods.fold_relu=false")
+    for variant, device in ((compiled, "cpu"), (eager_sampled, "cuda"), (plain, "cuda")):
+        assert decision_run_overrides(5, variant, device) == decide_overrides(5), (variant.name, device)
