@@ -2,18 +2,23 @@
 run compiled: per-step losses of a small Wukong on fixed plans, ReLUs folded or not, sampled
 steps compiled or not.
 
-    python -m bench.sampled_fold --out DIR [--plans FILE] [--batches 4096] [--steps 24]
-                                 [--every 3] [--interval 4] [--device cuda] [--no-graphs]
+    python -m bench.sampled_fold --out DIR [--plans FILE[,FILE...]] [--sampled compiled,eager]
+                                 [--batches 4096] [--steps 24] [--every 3] [--interval 4]
+                                 [--device cuda] [--no-graphs]
 
-Each of the four runs (fold on / off x sampled steps compiled / uncompiled) trains the same
+Each run (fold on / off x sampled steps compiled / uncompiled, ``--sampled``) trains the same
 model from the same seed for ``--steps`` steps under the aggressive preset with Dispatch off, the
 Probe sampling every ``--every``-th step (the first samples every site) and refreshing the static
-scales every ``--interval`` steps. ``--plans`` fixes each site's plan: a JSON object
+scales every ``--interval`` steps. Each ``--plans`` file is a case of its own, which fixes each
+site's plan: a JSON object
 ``{site: {"forward": "fp8:e4m3/tensorwise@torch_scaled_mm", "grad_input": ..., "grad_weight":
 "high"}}`` as ``bench.e2e`` records them (``loka.plans``); sites it does not name keep the initial
-tensor-wise FP8 plan. Folding must change nothing: the report gives, per sampled mode, the largest
-per-step relative gap between the folded and the unfolded run, next to the gap that compiling the
-sampled steps makes on its own (unfolded, compiled against uncompiled).
+tensor-wise FP8 plan. Folding must change nothing: the report gives, per sampled mode, the
+relative gap between the folded and the unfolded run's loss at step 1 (the first step after the
+first sampled step, which samples every site; the later steps of a short warm-up amplify any
+difference) and the largest, next to the gaps that compiling the sampled steps makes on its own
+(unfolded, compiled against uncompiled). Several plan files in one call bisect which site's plan
+matters.
 
 The LoKA callback leaves ReLUs unfolded where the sampled steps run compiled on CUDA
 (``loka_train.plugin.callback.mods_for_run``); this benchmark turns that off to measure the
@@ -137,10 +142,28 @@ def max_gap(a: list[float], b: list[float]) -> tuple[float, int]:
     return gaps[step], step
 
 
+def gaps_of(runs: dict[str, list[float]]) -> dict[str, dict[str, float | int]]:
+    """Per sampled mode in `runs`, the folded run's gap to the unfolded one: at step 1, the first
+    step after the first sampled step (later steps of a short warm-up amplify any difference),
+    and the largest with its step; with both modes, the same for compiling the sampled steps
+    (unfolded runs)."""
+    pairs = {f"fold, sampled {m}": (f"fold=on sampled={m}", f"fold=off sampled={m}") for m in ("compiled", "eager")}
+    pairs["compiling the sampled steps, unfolded"] = ("fold=off sampled=compiled", "fold=off sampled=eager")
+    out: dict[str, dict[str, float | int]] = {}
+    for what, (a, b) in pairs.items():
+        if a in runs and b in runs:
+            gap, step = max_gap(runs[a], runs[b])
+            first = max_gap(runs[a][1:2], runs[b][1:2])[0] if len(runs[a]) > 1 else 0.0
+            out[what] = {"step1": first, "gap": gap, "step": step}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="write sampled_fold.json here")
-    p.add_argument("--plans", type=Path, default=None, help="JSON {site: {role: plan}} (bench.e2e's loka.plans)")
+    p.add_argument("--plans", default="", help="comma-separated JSON files {site: {role: plan}} (bench.e2e's "
+                   "loka.plans), one case each (none: every site on the initial plan)")
+    p.add_argument("--sampled", default="compiled,eager", help="the sampled steps' modes to run: compiled, eager")
     p.add_argument("--batches", default="4096", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--every", type=int, default=3, help="the Probe samples every N-th step")
@@ -148,34 +171,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-graphs", dest="graphs", action="store_false", help="no CUDA graphs (the CPU needs this)")
     args = p.parse_args(argv)
-    plans = json.loads(args.plans.read_text()) if args.plans else {}
-    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "plans": plans, "batches": {}}
-    for batch in (int(b) for b in args.batches.split(",")):
-        runs: dict[str, list[float]] = {}
-        ended: dict[str, Any] = {}
-        for sampled_compiled in (True, False):
-            for fold in (True, False):
-                torch._dynamo.reset()
-                key = f"fold={'on' if fold else 'off'} sampled={'compiled' if sampled_compiled else 'eager'}"
-                with tempfile.TemporaryDirectory() as tmp:
-                    run = train(fold=fold, sampled_compiled=sampled_compiled, plans=plans, batch=batch,
-                                steps=args.steps, every=args.every, interval=args.interval,
-                                device=args.device, graphs=args.graphs, out_dir=Path(tmp))
-                runs[key], ended = run["losses"], run
-                if run["missing"]:
-                    print(f"[sampled_fold] the model has no site {', '.join(run['missing'])}: their plans are not set",
+    modes = [m for m in args.sampled.split(",") if m]
+    if not modes or any(m not in ("compiled", "eager") for m in modes):
+        raise SystemExit(f"--sampled {args.sampled!r}: a comma-separated list of compiled, eager")
+    files = [Path(f) for f in args.plans.split(",") if f]
+    cases = {f.stem: json.loads(f.read_text()) for f in files} if files else {"initial": {}}
+    if len(cases) != max(len(files), 1):
+        raise SystemExit(f"--plans {args.plans!r}: two files share a name; each names its case")
+    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "cases": {}}
+    for case, plans in cases.items():
+        result["cases"][case] = {"plans": plans, "batches": {}}
+        for batch in (int(b) for b in args.batches.split(",")):
+            runs: dict[str, list[float]] = {}
+            ended: dict[str, Any] = {}
+            for mode in modes:
+                for fold in (True, False):
+                    torch._dynamo.reset()
+                    key = f"fold={'on' if fold else 'off'} sampled={mode}"
+                    with tempfile.TemporaryDirectory() as tmp:
+                        run = train(fold=fold, sampled_compiled=mode == "compiled", plans=plans, batch=batch,
+                                    steps=args.steps, every=args.every, interval=args.interval,
+                                    device=args.device, graphs=args.graphs, out_dir=Path(tmp))
+                    runs[key], ended = run["losses"], run
+                    if run["missing"]:
+                        print(f"[sampled_fold] {case}: the model has no site {', '.join(run['missing'])}: their "
+                              "plans are not set", flush=True)
+                    print(f"[sampled_fold] {case} b{batch} {key}: " + " ".join(f"{x:.6f}" for x in runs[key]),
                           flush=True)
-                print(f"[sampled_fold] b{batch} {key}: " + " ".join(f"{x:.6f}" for x in runs[key]), flush=True)
-        gaps = {
-            "fold, sampled compiled": max_gap(runs["fold=on sampled=compiled"], runs["fold=off sampled=compiled"]),
-            "fold, sampled eager": max_gap(runs["fold=on sampled=eager"], runs["fold=off sampled=eager"]),
-            "compiling the sampled steps, unfolded": max_gap(runs["fold=off sampled=compiled"],
-                                                            runs["fold=off sampled=eager"]),
-        }
-        for what, (gap, step) in gaps.items():
-            print(f"[sampled_fold] b{batch} largest loss gap, {what}: {gap:.2e} at step {step}", flush=True)
-        result["batches"][str(batch)] = {"losses": runs, "gaps": {k: {"gap": g, "step": s} for k, (g, s) in gaps.items()},
-                                         "plans_run": ended["plans"], "plans_missing": ended["missing"]}
+            gaps = gaps_of(runs)
+            for what, g in gaps.items():
+                print(f"[sampled_fold] {case} b{batch} {what}: {g['step1']:.2e} at step 1, largest {g['gap']:.2e} "
+                      f"at step {g['step']}", flush=True)
+            result["cases"][case]["batches"][str(batch)] = {
+                "losses": runs, "gaps": gaps, "plans_run": ended["plans"], "plans_missing": ended["missing"]}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sampled_fold.json").write_text(json.dumps(result, indent=1))

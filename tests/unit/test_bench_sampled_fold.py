@@ -29,19 +29,29 @@ def test_a_malformed_plan_names_the_form(text: str) -> None:
 
 
 def test_the_report_compares_folded_with_unfolded_runs_per_sampled_mode(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Each gap compares the runs it names: a fold that changes the compiled sampled steps' losses
-    shows there and nowhere else."""
-    def fake_train(*, fold: bool, sampled_compiled: bool, batch: int, **_: object) -> dict[str, object]:
-        losses = [1.0, 2.0 * (1.1 if fold and sampled_compiled else 1.0) * (1.001 if sampled_compiled else 1.0)]
+    """Each gap compares the runs it names, per plan file: a fold that changes the compiled
+    sampled steps' losses shows there and nowhere else, at step 1 and as the largest."""
+    def fake_train(*, fold: bool, sampled_compiled: bool, plans: dict, **_: object) -> dict[str, object]:
+        bad = fold and sampled_compiled and "x" in plans
+        losses = [1.0, 2.0 * (1.1 if bad else 1.0) * (1.001 if sampled_compiled else 1.0), 3.0 * (1.2 if bad else 1.0)]
         return {"losses": losses, "plans": {}, "missing": []}
 
     monkeypatch.setattr(sampled_fold, "train", fake_train)
-    result = sampled_fold.main(["--out", str(tmp_path), "--device", "cpu", "--no-graphs", "--batches", "64"])
-    gaps = result["batches"]["64"]["gaps"]
-    assert gaps["fold, sampled compiled"] == {"gap": pytest.approx(0.1), "step": 1}
-    assert gaps["fold, sampled eager"]["gap"] == 0.0
-    assert gaps["compiling the sampled steps, unfolded"] == {"gap": pytest.approx(0.001), "step": 1}
-    assert json.loads((tmp_path / "sampled_fold.json").read_text())["batches"]["64"]["gaps"] == gaps
+    (tmp_path / "mixed.json").write_text(json.dumps({"x": {}}))
+    (tmp_path / "clean.json").write_text(json.dumps({}))
+    result = sampled_fold.main(["--out", str(tmp_path), "--device", "cpu", "--no-graphs", "--batches", "64",
+                                "--plans", f"{tmp_path / 'mixed.json'},{tmp_path / 'clean.json'}"])
+    mixed = result["cases"]["mixed"]["batches"]["64"]["gaps"]
+    assert mixed["fold, sampled compiled"] == {"step1": pytest.approx(0.1), "gap": pytest.approx(0.2), "step": 2}
+    assert mixed["fold, sampled eager"] == {"step1": 0.0, "gap": 0.0, "step": 0}
+    assert mixed["compiling the sampled steps, unfolded"]["step1"] == pytest.approx(0.001)
+    assert result["cases"]["clean"]["batches"]["64"]["gaps"]["fold, sampled compiled"]["gap"] == 0.0
+    saved = json.loads((tmp_path / "sampled_fold.json").read_text())
+    assert saved["cases"]["mixed"]["batches"]["64"]["gaps"] == mixed
+    only = sampled_fold.main(["--device", "cpu", "--no-graphs", "--batches", "64", "--sampled", "compiled"])
+    assert list(only["cases"]["initial"]["batches"]["64"]["gaps"]) == ["fold, sampled compiled"]
+    with pytest.raises(SystemExit, match="compiled, eager"):
+        sampled_fold.main(["--sampled", "graphed"])
 
 
 def test_a_run_trains_on_the_given_plans_with_the_relus_folded_as_asked(tmp_path: Path) -> None:
