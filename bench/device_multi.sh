@@ -21,6 +21,7 @@
 #   quanttiles*    python -m bench.quant_tiles --out DIR ARGS
 #   producer*      python -m bench.producer_cast --out DIR ARGS
 #   inference*     python -m bench.inference --out DIR ARGS
+#   sampledfold*   python -m bench.sampled_fold --out DIR ARGS
 # Each part's log ends with its return code and its wall time. $OUT returns at most 8 files: each
 # lane's parts go into lane<i>.tgz (i: the lane's position, from 0; with the GPU list, the commit
 # and the lanes), rewritten after each of its parts, so a call cut by its time limit still returns
@@ -31,7 +32,7 @@ out=$1
 shift
 known() {  # PART: whether part() runs it (the patterns of its case)
   case $1 in
-    multigpu*|sparse2dtest*|sparse2d*|comm*|scaling*|e2e*|probecost*|gemm*|quanttiles*|producer*|inference*|\
+    multigpu*|sparse2dtest*|sparse2d*|comm*|scaling*|e2e*|probecost*|gemm*|quanttiles*|producer*|inference*|sampledfold*|\
     ledgershapes*|pytest*) return 0 ;;
     *) return 1 ;;
   esac
@@ -94,6 +95,7 @@ part() {  # GPUS CPUS PART
     producer*) "${run[@]}" -m bench.producer_cast --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     inference*) "${run[@]}" -m bench.inference --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     ledgershapes*) "${run[@]}" -m bench.ledger_shapes --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
+    sampledfold*) "${run[@]}" -m bench.sampled_fold --out "$w/$name" $args >> "$log" 2>&1; echo "rc=$?" >> "$log" ;;
     pytest*)   "${run[@]}" -m pytest -q -s -p no:cacheprovider --basetemp="$tmp/mg_$name" $args >> "$log" 2>&1
                echo "rc=$?" >> "$log" ;;
     *) echo "unknown part $name" >> "$log" ;;

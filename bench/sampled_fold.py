@@ -17,8 +17,8 @@ tensor-wise FP8 plan. Folding must change nothing: the report gives, per sampled
 relative gap between the folded and the unfolded run's loss at step 1 (the first step after the
 first sampled step, which samples every site; the later steps of a short warm-up amplify any
 difference) and the largest, next to the gaps that compiling the sampled steps makes on its own
-(unfolded, compiled against uncompiled). Several plan files in one call bisect which site's plan
-matters.
+(unfolded, compiled against uncompiled). ``--reset dense_arch,fmb.mlp.0`` adds, per plan file, a
+case without the plans of the sites whose name holds each part: which site's plan matters.
 
 The LoKA callback leaves ReLUs unfolded where the sampled steps run compiled on CUDA
 (``loka_train.plugin.callback.mods_for_run``); this benchmark turns that off to measure the
@@ -158,11 +158,31 @@ def gaps_of(runs: dict[str, list[float]]) -> dict[str, dict[str, float | int]]:
     return out
 
 
+def with_resets(cases: dict[str, dict[str, Any]], parts: list[str]) -> dict[str, dict[str, Any]]:
+    """`cases` and, for each case and each name part of `parts`, a case ``<case>-<part>`` without
+    the plans of the sites whose name contains that part (they keep the initial plan).
+
+    Raises:
+        SystemExit: where a part names no site of a case's plans (a typo would measure the case
+            again under another name).
+    """
+    out = dict(cases)
+    for case, plans in cases.items():
+        for part in parts:
+            kept = {site: roles for site, roles in plans.items() if part not in site}
+            if len(kept) == len(plans):
+                raise SystemExit(f"--reset {part!r}: no site of case {case!r} has it in its name")
+            out[f"{case}-{part}"] = kept
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="write sampled_fold.json here")
     p.add_argument("--plans", default="", help="comma-separated JSON files {site: {role: plan}} (bench.e2e's "
                    "loka.plans), one case each (none: every site on the initial plan)")
+    p.add_argument("--reset", default="", help="comma-separated name parts: for each, one more case per plan file "
+                   "whose sites with that part in their name keep the initial plan instead (to bisect)")
     p.add_argument("--sampled", default="compiled,eager", help="the sampled steps' modes to run: compiled, eager")
     p.add_argument("--batches", default="4096", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=24)
@@ -178,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cases = {f.stem: json.loads(f.read_text()) for f in files} if files else {"initial": {}}
     if len(cases) != max(len(files), 1):
         raise SystemExit(f"--plans {args.plans!r}: two files share a name; each names its case")
+    cases = with_resets(cases, [r for r in args.reset.split(",") if r])
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "cases": {}}
     for case, plans in cases.items():
         result["cases"][case] = {"plans": plans, "batches": {}}

@@ -68,3 +68,13 @@ def test_a_run_trains_on_the_given_plans_with_the_relus_folded_as_asked(tmp_path
     assert run["plans"]["model.dense_arch.model._mlp.1._linear"] == high
     assert run["plans"]["model.inter_arch.0.fmb.mlp.0"] == {**mixed, "forward": "fp8:e4m3/tensorwise@emulated"}
     assert run["plans"]["model.over_arch.model.0._mlp.0._linear"]["forward"] == "fp8:e4m3/tensorwise@emulated"
+
+
+def test_reset_cases_drop_the_named_sites_plans_and_refuse_a_part_that_names_none() -> None:
+    high = {"forward": "high"}
+    cases = {"mix": {"model.dense_arch.a": high, "model.dense_arch.b": high, "model.over_arch.c": high}}
+    got = sampled_fold.with_resets(cases, ["dense_arch", "over_arch.c"])
+    assert got == {"mix": cases["mix"], "mix-dense_arch": {"model.over_arch.c": high},
+                   "mix-over_arch.c": {"model.dense_arch.a": high, "model.dense_arch.b": high}}
+    with pytest.raises(SystemExit, match="xt_proj"):
+        sampled_fold.with_resets(cases, ["xt_proj"])
