@@ -286,48 +286,65 @@ def test_a_folded_relu_trains_like_the_relu_module_compiled(mask_bits):
         assert torch.equal(a, b)
 
 
-def test_a_folded_mlp_trains_like_the_unfolded_one_compiled():
-    """A TorchRec OverArch (Perceptrons) and a Sequential MLP converted with and without
-    mods.fold_relu, tensor-wise FP8 with static scales on torch_scaled_mm, compiled under bf16
-    autocast: the same losses, bit for bit, over three SGD steps."""
+def _mlp():
+    """A Sequential MLP and a TorchRec OverArch (Perceptrons) on the GPU."""
     from torch import nn
     from torchrec.models.dlrm import OverArch
 
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
+                         OverArch(in_features=512, layer_sizes=[1024, 512, 1])).cuda()
+
+
+def _folded_mlp(fold: bool, state: dict):
+    """:func:`_mlp` with the weights of `state`, converted with or without mods.fold_relu, every
+    site on tensor-wise FP8 with static scales on torch_scaled_mm."""
     from loka_train.kernels.formats import Scaling
     from loka_train.kernels.plan import LinearPlan
     from loka_train.mods import ModsConfig, convert, sites
 
+    model = _mlp()
+    model.load_state_dict(state)
+    convert(model, config=ModsConfig(sites=["mlp"], fold_relu=fold, static_scales=True))
     plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    for site in sites(model).values():
+        site.set_plan(plan)
+        site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cuda"))
+    assert any(s.input_relu for s in sites(model).values()) == fold
+    return model
+
+
+def _compiled_sgd_losses(model, steps, before_step=lambda step: None):
+    """The losses of compiled SGD steps of `model` under bf16 autocast, one seeded batch a step,
+    ``before_step(step)`` called before each."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(x).float().square().mean()
+
+    fn = torch.compile(step)
+    got = []
+    for i in steps:
+        before_step(i)
+        x = torch.randn(4096, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+        opt.zero_grad()
+        loss = fn(x)
+        loss.backward()
+        opt.step()
+        got.append(loss.detach().float())
+    return torch.stack(got)
+
+
+def test_a_folded_mlp_trains_like_the_unfolded_one_compiled():
+    """A TorchRec OverArch (Perceptrons) and a Sequential MLP converted with and without
+    mods.fold_relu, tensor-wise FP8 with static scales on torch_scaled_mm, compiled under bf16
+    autocast: the same losses, bit for bit, over three SGD steps."""
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
-                         OverArch(in_features=512, layer_sizes=[1024, 512, 1])).cuda()
+    base = _mlp().state_dict()
     losses = []
     for fold in (True, False):
         torch._dynamo.reset()
-        model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
-                              OverArch(in_features=512, layer_sizes=[1024, 512, 1])).cuda()
-        model.load_state_dict(base.state_dict())
-        convert(model, config=ModsConfig(sites=["mlp"], fold_relu=fold, static_scales=True))
-        for site in sites(model).values():
-            site.set_plan(plan)
-            site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cuda"))
-        assert any(s.input_relu for s in sites(model).values()) == fold
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step(x, model=model):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                return model(x).float().square().mean()
-
-        fn = torch.compile(step)
-        got = []
-        for i in range(3):
-            x = torch.randn(4096, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
-            opt.zero_grad()
-            loss = fn(x)
-            loss.backward()
-            opt.step()
-            got.append(loss.detach())
-        losses.append(torch.stack(got))
+        losses.append(_compiled_sgd_losses(_folded_mlp(fold, base), range(3)))
     assert torch.equal(losses[0], losses[1]), losses
 
 
@@ -336,51 +353,27 @@ def test_a_folded_mlp_trains_alike_on_the_probes_sampled_steps_compiled(fold):
     """The MLP of the test above, the Probe attached and sampling every step (its taps in the
     compiled code, ``mods.probe_tap``) against the same steps unsampled: the taps are copies, so
     the losses and weights agree (to the rounding of inductor's different fusions around them)."""
-    from torch import nn
-    from torchrec.models.dlrm import OverArch
-
-    from loka_train.kernels.formats import Scaling
-    from loka_train.kernels.plan import LinearPlan
-    from loka_train.mods import ModsConfig, convert, mark_sampled, sites
+    from loka_train.mods import mark_sampled, sites
     from loka_train.probe import Probe, ProbeConfig
 
-    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
-                         OverArch(in_features=512, layer_sizes=[1024, 512, 1])).cuda()
+    base = _mlp().state_dict()
     runs = []
     for sampled in (True, False):
         torch._dynamo.reset()
-        model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
-                              OverArch(in_features=512, layer_sizes=[1024, 512, 1])).cuda()
-        model.load_state_dict(base.state_dict())
-        convert(model, config=ModsConfig(sites=["mlp"], fold_relu=fold, static_scales=True))
+        model = _folded_mlp(fold, base)
         probe = Probe(ProbeConfig(every_k_steps=1 if sampled else 1000, sites_per_step=None, window=4,
                                   interval=50, min_samples=1), device="cuda")
         for name, site in sites(model).items():
-            site.set_plan(plan)
-            site.enable_static_scales(margin=2.0, spread=16.0, device=torch.device("cuda"))
             probe.register_site(name, **site.probe_spec())
             site.attach_observer(probe)
-        assert any(s.input_relu for s in sites(model).values()) == fold
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-        def step(x, model=model):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                return model(x).float().square().mean()
+        def sample(step, model=model, probe=probe, sampled=sampled):
+            probe.begin_step(step)
+            assert bool(mark_sampled(sites(model).values(), step)) == sampled
 
-        fn = torch.compile(step)
-        got = []
-        for i in range(1, 4):
-            probe.begin_step(i)
-            assert bool(mark_sampled(sites(model).values(), i)) == sampled
-            x = torch.randn(4096, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
-            opt.zero_grad()
-            loss = fn(x)
-            loss.backward()
-            opt.step()
-            got.append(loss.detach().float())
-        runs.append((torch.stack(got), [p.detach().float().clone() for p in model.parameters()]))
+        got = _compiled_sgd_losses(model, range(1, 4), sample)
+        runs.append((got, [p.detach().float().clone() for p in model.parameters()]))
     (l_s, p_s), (l_u, p_u) = runs
     diffs = [float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(p_s, p_u)]
     print(f"fold={fold} losses sampled {l_s.tolist()} unsampled {l_u.tolist()} param rel diffs {diffs}")
