@@ -334,9 +334,28 @@ def test_tables_without_a_collection_or_in_another_format_name_the_fix() -> None
         serve_embeddings(torch.nn.Linear(2, 2), "trained")
 
 
-def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def _tensorwise_forwards_cost_ne(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each tensor-wise FP8 forward of an evaluated model adds 0.1% to its NE: a model this
+    small, judged on 128 samples, may come out ahead of high precision by chance, where the
+    gate then has nothing to hold. With the cost, the served model is behind by about
+    0.1% a tensor-wise forward, whatever the rounding of the machine."""
+    import loka_train.export.run as run_module
+
+    evaluate = run_module._evaluate
+
+    def costed(model, batches, autocast):  # type: ignore[no-untyped-def]
+        got = evaluate(model, batches, autocast)
+        tensorwise = sum(1 for s in sites(model).values()
+                         if s.plan.forward.is_fp8 and s.plan.forward.scaling is Scaling.TENSORWISE)
+        return {**got, "ne": got["ne"] * (1 + 1e-3 * tensorwise)}
+
+    monkeypatch.setattr(run_module, "_evaluate", costed)
+
+
+def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_run, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from launch.export import report
 
+    _tensorwise_forwards_cost_ne(monkeypatch)
     job, run, _ = trained_run
     plain = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "plain"), programs=False))
     result = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "gated"), programs=False, ne_budget=0.0))
