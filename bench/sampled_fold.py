@@ -32,16 +32,15 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-MODEL: dict[str, Any] = dict(kind="wukong", embedding_dim=64, dense_arch_layer_sizes=[256, 64], over_arch_layer_sizes=[512, 256, 1],
-             wukong_num_layers=2, wukong_num_fm_out=8, wukong_fm_rank=8, wukong_num_lcb_out=8, wukong_mlp_hidden=512)
-"""The small Wukong of the runs (the GPU graphs test's)."""
+if TYPE_CHECKING:
+    from loka_train.kernels.plan import GemmPlan
 
 
-def parse_gemm_plan(text: str) -> Any:
+def parse_gemm_plan(text: str) -> GemmPlan:
     """A ``GemmPlan`` from its string form (``str(plan)``: ``high`` or ``fp8:e5m2xe4m3/rowwise@triton``)."""
     from loka_train.kernels.formats import Fp8Format, Scaling
     from loka_train.kernels.plan import GemmPlan, Precision
@@ -79,6 +78,7 @@ def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]
     from loka_train.plugin.config import LokaConfig
     from loka_train.runtime import Callback, TrainerConfig
     from loka_train.runtime.trainer import Trainer
+    from tests.gpu._graphs_runs import MODELS  # the small Wukong of the GPU graphs test
 
     loka = LokaConfig.preset(
         "aggressive", probe={"every_k_steps": every, "window": 4, "interval": interval},
@@ -108,11 +108,12 @@ def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]
             self.losses.append(metrics["train/loss"])
 
     fixed = Fixed()
+    small: dict[str, Any] = MODELS["wukong"]
     refuse = callback_module.mods_for_run
     callback_module.mods_for_run = lambda mods, **_: (mods, "")  # type: ignore[assignment]
     try:
         trainer = Trainer(
-            model=ModelConfig(**MODEL), data=DataConfig(num_embeddings=10_000),
+            model=ModelConfig(**small), data=DataConfig(num_embeddings=10_000),
             trainer=TrainerConfig(
                 steps=steps, batch_size=batch, device=device, dense_dtype="bf16", sharding="table_wise",
                 log_every=1, eval_batches=1, out_dir=str(out_dir), tensorboard=False, progress_bar=False,

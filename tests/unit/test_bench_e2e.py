@@ -851,12 +851,19 @@ def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: P
     assert "the first seed's, for every seed (--decide-once)" in md
 
 
-def test_a_continuations_decision_run_resumes_the_checkpoint_it_continues(tmp_path: Path) -> None:
+def _continued_loka_run(out: Path, decide_steps: int) -> dict:
+    """A dry run of bf16 and LoKA aggressive continuing a 4-step checkpoint for 3 steps, deciding
+    in `decide_steps` steps: the LoKA run's record."""
     args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
-            "--no-profile", "--ne-steps", "3", "--ne-from", "4", "--decide-steps", "2",
-            "--variants", "bf16,loka_aggressive", "--out", str(tmp_path)]
+            "--no-profile", "--ne-steps", "3", "--ne-from", "4", "--decide-steps", str(decide_steps),
+            "--variants", "bf16,loka_aggressive", "--out", str(out)]
     assert main(args) == 0
-    (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
+    (loka,) = [r for r in json.loads((out / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
+    return loka
+
+
+def test_a_continuations_decision_run_resumes_the_checkpoint_it_continues(tmp_path: Path) -> None:
+    loka = _continued_loka_run(tmp_path, decide_steps=2)
     # Steps 4 and 5 of the seed's checkpoint, not two steps of fresh weights.
     assert loka["decide"]["from_step"] == 4 and "trainer.steps=6" in loka["decide_overrides"]
     assert loka["status"] == "ok" and loka["steps"] == 7
@@ -864,11 +871,7 @@ def test_a_continuations_decision_run_resumes_the_checkpoint_it_continues(tmp_pa
 
 
 def test_a_run_that_measures_ne_is_evaluated_again_with_its_fp8_forwards_high(tmp_path: Path) -> None:
-    args = ["--dry-run", "--configs", "dlrm", "--warmup", "1", "--steps", "2", "--eval-batches", "1",
-            "--no-profile", "--ne-steps", "3", "--ne-from", "4", "--decide-steps", "4",
-            "--variants", "bf16,loka_aggressive", "--out", str(tmp_path)]
-    assert main(args) == 0
-    (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
+    loka = _continued_loka_run(tmp_path, decide_steps=4)
     md = (tmp_path / "e2e.md").read_text()
     assert any(p["forward"].startswith("fp8") for p in loka["loka"]["plans"].values())
     assert loka["eval_ne_forwards_high"] > 0 and loka["eval_ne_forwards_high"] != loka["eval_ne"]
