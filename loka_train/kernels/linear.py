@@ -496,7 +496,8 @@ class _PlannedLinearFn(torch.autograd.Function):
     :func:`folds_input_relu`) the GEMMs take ``relu(x)``: the forward's cast applies it, a
     grad-weight GEMM that does not take the forward's transposed payload over recomputes it
     (one more pass over ``x`` in the backward), and the gradient returned for ``x`` is the one
-    for ``relu(x)``: fp8_linear's :class:`_ReluGradFn` masks it."""
+    for ``relu(x)``: fp8_linear masks it (:class:`_ReluGradFn` in eager code, the opaque op's
+    traced backward in compiled code)."""
 
     @staticmethod
     def forward(
@@ -670,6 +671,7 @@ def _planned_linear_impl(
     grad_enabled: bool,
     static_slots: Tensor | None,
     input_relu: bool,
+    relu_mask: Tensor | None,
     autocast_dtype: torch.dtype | None,
     needs_grad: list[bool],
 ) -> list[Tensor]:
@@ -678,7 +680,8 @@ def _planned_linear_impl(
     # (opaque.needs_grad; the caller passes True). The static-scale slots are updated in place
     # in both the forward and the backward op, undeclared in their schemas: no traced code
     # reads them (the host does, between steps), and a declared mutation would hand the
-    # backward a functional copy whose updates are lost.
+    # backward a functional copy whose updates are lost. ``relu_mask`` is for the op's
+    # backward alone (_relu_grad).
     return opaque.run_forward(
         "planned_linear",
         (x, weight, bias, LinearPlan.from_key(plan), out_dtype, reference_quantizer, grad_enabled, static_slots,
@@ -700,11 +703,21 @@ def _bias_grad(attrs: Mapping[str, Any], grad_y: Tensor) -> Tensor:
     return grad_y.reshape(-1, grad_y.shape[-1]).to(cdtype).sum(0, dtype=cdtype).to(b_dtype)
 
 
+def _relu_grad(grad_x: Tensor, mask: Tensor) -> Tensor:
+    """``torch.relu``'s backward of a folded ReLU from its mask (``x`` itself, or
+    :func:`relu_mask_bits` of it), as :class:`_ReluGradFn` applies it, in ``grad_x``'s dtype."""
+    if mask.dtype == torch.uint8:
+        return relu_grad_from_bits(grad_x, mask)
+    return torch.where(mask <= 0, torch.zeros((), dtype=grad_x.dtype, device=grad_x.device), grad_x)
+
+
 _planned_linear_op = opaque.define(
-    "planned_linear", _PlannedLinearFn, _planned_linear_impl, num_extra_args=2, traced_grads={2: _bias_grad},
+    "planned_linear", _PlannedLinearFn, _planned_linear_impl, num_extra_args=3, traced_grads={2: _bias_grad},
+    masked_grads={0: (9, _relu_grad)},
 )
 """``fp8_linear`` as one opaque op for compiled code (``kernels.opaque``); its bias gradient is
-traced (:func:`_bias_grad`)."""
+traced (:func:`_bias_grad`), and so is a folded ReLU's mask on the gradient of ``x`` (its
+argument ``relu_mask``: :func:`_relu_grad`)."""
 
 
 def folds_input_relu(plan: LinearPlan, x: Tensor, compiled_quantizer: str = "custom") -> bool:
@@ -754,8 +767,8 @@ def grad_weight_takes_x(plan: LinearPlan) -> bool:
 class _ReluGradFn(torch.autograd.Function):
     """The identity forward, ``torch.relu``'s backward (``threshold_backward``: zero where
     ``x <= 0``, NaN's gradient kept): wrapped around an FP8 linear's input when its cast applies
-    the ReLU. Traced by ``torch.compile``, where inductor may fuse the mask with the code around
-    it (between two opaque FP8 ops it is a pass of its own). With ``bits`` it
+    the ReLU, in eager code (compiled code hands the mask to the opaque op instead, which
+    applies it in its traced backward: :func:`_relu_grad`). With ``bits`` it
     keeps the mask, one bit an element (:func:`relu_mask_bits`), instead of ``x``: where the
     site's grad-weight takes the forward's FP8 ``relu(x)`` over, ``x`` then need not live until
     the backward (``mods.relu_mask_bits``)."""
@@ -892,11 +905,16 @@ def _fp8_linear_rows(
     elsewhere the Function keeps ``x`` itself, and bits would be one more copy)."""
     if input_relu and not folds_input_relu(plan, x, compiled_quantizer):
         x, input_relu = torch.relu(x), False
-    if input_relu:
-        bits = (mask_bits and x.shape[-1] % _BIT == 0 and torch.is_grad_enabled() and x.requires_grad
-                and weight.requires_grad and grad_weight_takes_x(plan))
-        x = _ReluGradFn.apply(x, bits)
+    bits = input_relu and (mask_bits and x.shape[-1] % _BIT == 0 and torch.is_grad_enabled() and x.requires_grad
+                           and weight.requires_grad and grad_weight_takes_x(plan))
     if opaque.opaque(compiled_quantizer):
+        # The folded ReLU's mask goes into the op, which applies it to the gradient of x in
+        # traced code (opaque.define's masked_grads): a _ReluGradFn around the op's input would
+        # hand the op a view of x, which compiled code split between the two (the DDP
+        # optimizer's buckets) recreates outside autograd, losing the mask.
+        relu_mask = None
+        if input_relu and torch.is_grad_enabled() and x.requires_grad:
+            relu_mask = relu_mask_bits(x) if bits else x
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:
             # Cast the activation here, where inductor can fuse the cast into its producer (DCN's
@@ -905,9 +923,11 @@ def _fp8_linear_rows(
             # as it is: its FP8 gradient's dtype follows the weight's.
             x = x.to(autocast)
         return _planned_linear_op(
-            x, weight, bias, plan.key, out_dtype, False, True, static_slots, input_relu, autocast,
+            x, weight, bias, plan.key, out_dtype, False, True, static_slots, input_relu, relu_mask, autocast,
             opaque.needs_grad(x, weight, bias),
         )[0]
+    if input_relu:
+        x = _ReluGradFn.apply(x, bits)
     return _PlannedLinearFn.apply(
         x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(),
         static_slots, input_relu,

@@ -301,6 +301,7 @@ def define(
     *,
     num_extra_args: int,
     traced_grads: Mapping[int, Callable[[Mapping[str, Any], Tensor], Tensor]] | None = None,
+    masked_grads: Mapping[int, tuple[int, Callable[[Tensor, Tensor], Tensor]]] | None = None,
 ) -> Any:
     """Define the custom op ``loka::<name>`` as the opaque form of ``fn_cls`` and return it.
 
@@ -313,8 +314,18 @@ def define(
     into the backward graph where the compiler can fuse it, and ``fn_cls.backward`` is told
     that argument needs none; unless the forward named ``i`` in ``ctx.own_grads`` (a tuple of
     argument indices): then ``fn_cls.backward`` computes that gradient itself.
+
+    ``masked_grads`` ``{i: (j, mask)}``: argument ``i``'s gradient, however computed, becomes
+    ``mask(gradient, argument j)`` in traced code (``j`` one of the extra arguments, a tensor or
+    None: None leaves the gradient as it is); the op keeps argument ``j`` for its backward where
+    argument ``i`` needs a gradient. What a separate autograd Function around the op's input
+    would do (a folded ReLU's mask, ``kernels.linear``), without one: such a Function's output
+    is a view of its input, and where the compiled graph is split between it and the op (the
+    DDP optimizer's buckets, a graph break), the compiled code recreates that view outside
+    autograd and the Function's backward is lost.
     """
     traced = dict(traced_grads or {})
+    masked = dict(masked_grads or {})
     if name in _FUNCTIONS:
         raise ValueError(f"opaque Function {name!r} is already defined")
     _FUNCTIONS[name] = fn_cls
@@ -326,9 +337,12 @@ def define(
         assert fwd.fn == name, f"setup_context of {name} after a forward of {fwd.fn}"
         tensors = [a for a in inputs if isinstance(a, Tensor)]
         saved = [_rebuild(r, tensors, output) for r in fwd.refs]
-        ctx.save_for_backward(*(s for s in saved if s is not None))
-        ctx.mark_non_differentiable(*output[1:])
         needs = list(fwd.needs_input_grad)
+        masks = [(i, inputs[j]) for i, (j, _) in sorted(masked.items())
+                 if i < len(needs) and needs[i] and isinstance(inputs[j], Tensor)]
+        ctx.loka_masks = [i for i, _ in masks]
+        ctx.save_for_backward(*(s for s in saved if s is not None), *(m for _, m in masks))
+        ctx.mark_non_differentiable(*output[1:])
         own = fwd.attrs.get("own_grads", ())  # the Function computes these itself this time
         ctx.loka_traced = [i for i in sorted(traced) if i < len(needs) and needs[i] and i not in own]
         for i in ctx.loka_traced:
@@ -352,12 +366,19 @@ def define(
         # that produces ``grad`` (on the CPU it does; a GPU's split reduction may stay apart);
         # after it, they became passes of their own.
         traced_grads = {i: traced[i](ctx.loka_attrs, grad) for i in ctx.loka_traced}
-        given = iter(_fn_backward(grad, list(ctx.saved_tensors), ctx.loka_state))
+        saved = list(ctx.saved_tensors)
+        kept = len(saved) - len(ctx.loka_masks)
+        saved, masks = saved[:kept], dict(zip(ctx.loka_masks, saved[kept:], strict=True))
+        given = iter(_fn_backward(grad, saved, ctx.loka_state))
         present: tuple[bool, ...] = _last.backward
         fn_grads = list(next(given) if p else None for p in present)[:num_fn_args]
         fn_grads += [None] * (num_fn_args - len(fn_grads))
         for i, g in traced_grads.items():
             fn_grads[i] = g
+        for i, mask in masks.items():
+            g = fn_grads[i]
+            if g is not None:
+                fn_grads[i] = masked[i][1](g, mask)
         return tuple(fn_grads) + (None,) * num_extra_args
 
     op.register_autograd(backward, setup_context=setup_context)

@@ -246,3 +246,65 @@ def test_a_module_held_twice_is_not_folded():
     custom = Custom(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     convert(custom, config=ModsConfig(sites=["mlp"], keep_last_layer_high=False))
     assert isinstance(custom[1], nn.ReLU)  # a forward of its own may use the ReLU's input
+
+
+
+
+@pytest.fixture
+def one_rank_group():  # type: ignore[no-untyped-def]
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.NamedTemporaryFile(prefix="loka_fold_pg_") as f:
+        store = f.name
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("bits", [False, True], ids=["x_kept", "mask_bits"])
+def test_a_folded_over_arch_in_ddp_trains_like_the_unfolded_one_on_a_sampled_step_compiled(bits):
+    """A TorchRec OverArch under DDP (default buckets), compiled, on a step the Probe samples
+    (its taps in the compiled code): dynamo's DDP optimizer splits the graph where the first
+    bucket fills, which here is between the folded ReLU's mask and the site that casts
+    ``relu(x)``. The outputs and gradients are still the unfolded model's, bit for bit: the mask
+    travels inside the site's opaque op. A mask applied by an autograd Function of its own
+    before the op was lost there (the split graph's output, a view the compiled code recreated
+    outside autograd), and the first layer's gradients came out unmasked."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torchrec.models.dlrm import OverArch
+
+    from loka_train.mods import mark_sampled
+    from loka_train.probe import Probe, ProbeConfig
+
+    torch.manual_seed(0)
+    base = OverArch(in_features=1024, layer_sizes=[512, 256, 1]).state_dict()
+    got = []
+    for fold in (True, False):
+        m = OverArch(in_features=1024, layer_sizes=[512, 256, 1])
+        m.load_state_dict(base)
+        convert(m, config=ModsConfig(sites=["mlp"], fold_relu=fold, relu_mask_bits=bits))
+        probe = Probe(ProbeConfig(every_k_steps=1, sites_per_step=None, window=4, interval=50, min_samples=1))
+        for name, site in sites(m).items():
+            site.set_plan(TW)
+            probe.register_site(name, **site.probe_spec())
+            site.attach_observer(probe)
+        assert sites(m)["model.0._mlp.1._linear"].input_relu is fold
+        probe.begin_step(0)
+        mark_sampled(sites(m).values(), 0)
+        torch._dynamo.reset()
+        ddp = DistributedDataParallel(m)
+        m.compile(backend="aot_eager")
+        x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1))
+        y = ddp(x)
+        y.square().mean().backward()
+        got.append([y.detach()] + [p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
