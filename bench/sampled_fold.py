@@ -20,9 +20,12 @@ difference) and the largest, next to the gaps that compiling the sampled steps m
 (unfolded, compiled against uncompiled). ``--reset dense_arch,fmb.mlp.0`` adds, per plan file, a
 case without the plans of the sites whose name holds each part: which site's plan matters.
 
-The LoKA callback leaves ReLUs unfolded where the sampled steps run compiled on CUDA
-(``loka_train.plugin.callback.mods_for_run``); this benchmark turns that off to measure the
-combination it refuses. ``--out`` writes ``sampled_fold.json`` (every run's losses, the plans given and those the sites
+Sites fold only where the Triton tensor-wise cast takes their input (``kernels.linear.folds_input_relu``):
+on CUDA, and on the CPU under ``TRITON_INTERPRET=1``, where the plans keep their backends and the
+initial plan runs on ``torch_scaled_mm``; elsewhere the plans run on the emulated backend, which
+folds nothing. The runs train under DDP (the trainer's), whose compiled graphs dynamo splits at
+its buckets: a folded ReLU's mask must survive such a split (``kernels.opaque.define``'s
+``masked_grads``). ``--out`` writes ``sampled_fold.json`` (every run's losses, the plans given and those the sites
 ran, the given sites the model lacks, the gaps).
 """
 
@@ -72,20 +75,22 @@ def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]
     """
     from loka_train.data import DataConfig
     from loka_train.kernels.plan import LinearPlan
+    from loka_train.kernels.triton_kernels import triton_runnable
     from loka_train.models import ModelConfig
-    from loka_train.plugin import callback as callback_module
     from loka_train.plugin.callback import LokaCallback
     from loka_train.plugin.config import LokaConfig
     from loka_train.runtime import Callback, TrainerConfig
     from loka_train.runtime.trainer import Trainer
     from tests.gpu._graphs_runs import MODELS  # the small Wukong of the GPU graphs test
 
+    triton = triton_runnable(torch.device(device))[0]
     loka = LokaConfig.preset(
         "aggressive", probe={"every_k_steps": every, "window": 4, "interval": interval},
         dispatch={"enabled": False}, guard={"enabled": False},
-        mods={"initial_plan": "fp8_tensorwise", "fold_relu": fold},
+        mods={"initial_plan": "fp8_tensorwise", "fold_relu": fold,
+              "backend": "torch_scaled_mm" if triton else "emulated"},
     )
-    if device != "cuda":
+    if not triton:
         plans = {site: {role: p.replace("@torch_scaled_mm", "@emulated").replace("@triton", "@emulated")
                         for role, p in roles.items()} for site, roles in plans.items()}
     loka_cb = LokaCallback(loka)
@@ -109,25 +114,20 @@ def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]
 
     fixed = Fixed()
     small: dict[str, Any] = MODELS["wukong"]
-    refuse = callback_module.mods_for_run
-    callback_module.mods_for_run = lambda mods, **_: (mods, "")  # type: ignore[assignment]
+    trainer = Trainer(
+        model=ModelConfig(**small), data=DataConfig(num_embeddings=10_000),
+        trainer=TrainerConfig(
+            steps=steps, batch_size=batch, device=device, dense_dtype="bf16", sharding="table_wise",
+            log_every=1, eval_batches=1, out_dir=str(out_dir), tensorboard=False, progress_bar=False,
+            checkpoint_at_end=False, resume="never", dense_lr=0.005, dense_warmup_steps=2,
+            cuda_graphs=graphs, compile_dense=True, compile_sampled=sampled_compiled,
+        ),
+        callbacks=[loka_cb, fixed],
+    )
     try:
-        trainer = Trainer(
-            model=ModelConfig(**small), data=DataConfig(num_embeddings=10_000),
-            trainer=TrainerConfig(
-                steps=steps, batch_size=batch, device=device, dense_dtype="bf16", sharding="table_wise",
-                log_every=1, eval_batches=1, out_dir=str(out_dir), tensorboard=False, progress_bar=False,
-                checkpoint_at_end=False, resume="never", dense_lr=0.005, dense_warmup_steps=2,
-                cuda_graphs=graphs, compile_dense=True, compile_sampled=sampled_compiled,
-            ),
-            callbacks=[loka_cb, fixed],
-        )
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
+        trainer.fit()
     finally:
-        callback_module.mods_for_run = refuse  # type: ignore[assignment]
+        trainer.close()
     folded = [name for name, site in loka_cb.sites.items() if site.input_relu]
     if bool(folded) is not fold:
         raise RuntimeError(f"fold={fold} but the folded sites are {folded}")

@@ -203,16 +203,6 @@ def decide_overrides(interval: int) -> tuple[str, ...]:
     return ("loka.probe.every_k_steps=1", "loka.probe.sites_per_step=null", f"loka.probe.interval={interval}")
 
 
-def decision_run_overrides(interval: int, variant: Variant, device_type: str) -> tuple[str, ...]:
-    """:func:`decide_overrides`, and where `variant`'s timed run folds no ReLU (its sampled steps
-    run compiled on CUDA: ``loka_train.plugin.callback.mods_for_run``) none folded in the eager
-    decision run either, since Dispatch prices the plans of a folded site apart."""
-    extra = decide_overrides(interval)
-    if device_type == "cuda" and variant.sampled_compiled:
-        extra = (*extra, "loka.mods.fold_relu=false")
-    return extra
-
-
 SHARED_DECISION_OVERRIDES = (
     "loka.mods.static_scales=true", "loka.mods.static_scales=false", "loka.mods.fold_relu=false",
     "loka.mods.relu_mask_bits=true", "loka.mods.relu_mask_bits=false",
@@ -449,7 +439,7 @@ def run_one(
                 progress(t0, f"{config} b{batch} {variant.name}: the decision of {decide_rec['variant']}, seed "
                              f"{decide_rec['seed']}, from {stored} (--decisions)")
             elif variant.decide:
-                decide_extra = decision_run_overrides(args.decide_interval, variant, device_type)
+                decide_extra = decide_overrides(args.decide_interval)
                 # A continuation (--ne-from) decides from the checkpoint it continues: its plans
                 # come from the Probe's statistics of the steps after N0, at the trained
                 # weights the timed run continues, not from those of fresh weights.

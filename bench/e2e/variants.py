@@ -287,11 +287,6 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
         if "nofold" in suffixes and ("bits" in suffixes or "nobits" in suffixes):
             raise SystemExit(f"--variants: {name}: '+bits' and '+nobits' choose how folded ReLUs keep their "
                              "masks, and '+nofold' folds none: drop one")
-        folding = [s for s in ("nofold", "bits", "nobits") if s in suffixes]
-        if folding and v.sampled_compiled:
-            raise SystemExit(f"--variants: {name}: '+{folding[0]}' changes how ReLUs fold, and where the sampled "
-                             "steps run compiled LoKA folds none on CUDA (loka_train.plugin.callback.mods_for_run): "
-                             "add '+eagersampled' (or drop '+compile')")
         for suffix, (what, override) in LOKA_OVERRIDE_SUFFIXES.items():
             if suffix in suffixes:
                 if v.loka == "off":

@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import statistics
@@ -53,7 +52,7 @@ from loka_train.dispatch.ledger import Ledger, measure_ledger
 from loka_train.kernels import static_scales
 from loka_train.kernels.linear import reference_fallbacks
 from loka_train.kernels.roles import ROLES
-from loka_train.mods import ConvertReport, ModsConfig, convert, forwards_high, mark_sampled, sites
+from loka_train.mods import ConvertReport, convert, forwards_high, mark_sampled, sites
 from loka_train.mods.site import GemmSite
 from loka_train.plugin.config import LokaConfig
 from loka_train.plugin.report import run_report, write_report
@@ -70,25 +69,6 @@ logger = logging.getLogger(__name__)
 
 LEDGER_STEPS = 20
 """Last steps whose median interval is the ledger's step time."""
-
-
-FOLD_WITH_COMPILED_SAMPLED = (
-    "mods.fold_relu: the ReLUs are not folded into the next sites' casts: with the Probe's sampled "
-    "steps compiled (trainer.compile_sampled) on CUDA, a model with folded ReLUs trains differently "
-    "on its sampled steps (Wukong under the aggressive preset lost 0.03-0.09% NE against 0.01% "
-    "unfolded, docs/performance.md); set trainer.compile_sampled=false to fold them"
-)
-"""The fallback :func:`mods_for_run` logs and counts where it turns ``mods.fold_relu`` off."""
-
-
-def mods_for_run(mods: ModsConfig, *, device: torch.device, sampled_compiled: bool) -> tuple[ModsConfig, str]:
-    """The mods configuration a run converts its model with, and the fallback message ("" for
-    none): ``mods.fold_relu`` is turned off where the sampled steps run compiled on CUDA
-    (``TrainerConfig.sampled_compiled``), a combination that changes training on the GPU
-    (:data:`FOLD_WITH_COMPILED_SAMPLED`); elsewhere `mods` as given."""
-    if mods.fold_relu and device.type == "cuda" and sampled_compiled:
-        return dataclasses.replace(mods, fold_relu=False), FOLD_WITH_COMPILED_SAMPLED
-    return mods, ""
 
 
 class LokaCallback(Callback):
@@ -159,12 +139,7 @@ class LokaCallback(Callback):
             logger.info("LoKA off (LokaConfig.enabled=False): the callback changes nothing")
             return
         if self.config.mods.enabled:
-            mods, refused = mods_for_run(self.config.mods, device=trainer.device,
-                                         sampled_compiled=bool(getattr(trainer, "sampled_compiled", False)))
-            if refused:
-                logger.warning(refused)
-                trainer.fallbacks.append(refused)
-            convert(trainer.model, config=mods)
+            convert(trainer.model, config=self.config.mods)
             report = getattr(trainer.model, "loka_mods_report", None)
             self._logit_feeder = report.logit_feeder if isinstance(report, ConvertReport) else None
         if self.config.comm_enabled and trainer.world_size == 1:

@@ -50,10 +50,6 @@ class RunContext:
     out_dir: Path = Path("runs/latest")
     """Where reports are written (rank 0)."""
 
-    sampled_compiled: bool = False
-    """Whether the loop runs the Probe's sampled steps through its compiled code (the trainer's
-    ``compile_sampled``); LoKA then leaves ReLUs unfolded on CUDA (``mods.fold_relu``)."""
-
     qcomm_codecs_registry: dict[str, Any] | None = None
     """Set by a callback in `on_before_shard`: pass it to EmbeddingBagCollectionSharder."""
 
@@ -102,10 +98,6 @@ class LoopState(Protocol):
     graphs: DenseGraphs | None
     sparse2d: Sparse2DLayout | None
     replica_sync: Callable[[int], None] | None
-
-    @property
-    def sampled_compiled(self) -> bool:
-        """Whether the Probe's sampled steps run compiled (``RunContext.sampled_compiled``)."""
 
     @property
     def evaluate_again(self) -> Callable[[], dict[str, float]] | None:

@@ -453,11 +453,6 @@ class Trainer:
         cls = TrainPipelineSparseDist if self.cfg.pipeline == "sparse_dist" else TrainPipelineBase
         return cls(self.model, hook, self.device)  # type: ignore[arg-type]
 
-    @property
-    def sampled_compiled(self) -> bool:
-        """Whether the Probe's sampled steps run the compiled modules (``TrainerConfig.sampled_compiled``)."""
-        return self.cfg.sampled_compiled
-
     def evaluate_again(self) -> dict[str, float]:
         """The held-out metrics of the model as it is now, for a callback's ``on_eval_end`` that
         evaluates it once more in another form (the LoKA callback with its FP8 forwards in high

@@ -806,11 +806,10 @@ def test_bits_suffixes_set_the_relu_masks_and_share_the_decision() -> None:
     from bench.e2e.variants import resolve_variants
 
     aggr, bits, nobits = resolve_variants(
-        ["loka_aggressive+compile+graphs", "loka_aggressive+graphs+bits+compile+eagersampled",
-         "loka_aggressive+nobits+compile+graphs+eagersampled"],
+        ["loka_aggressive+compile+graphs", "loka_aggressive+graphs+bits+compile", "loka_aggressive+nobits+compile+graphs"],
         "emulated")
-    assert bits.name == "loka_aggressive+compile+graphs+eagersampled+bits"
-    assert nobits.name == "loka_aggressive+compile+graphs+eagersampled+nobits"
+    assert bits.name == "loka_aggressive+compile+graphs+bits"
+    assert nobits.name == "loka_aggressive+compile+graphs+nobits"
     assert bits.loka_overrides == ("loka.mods.relu_mask_bits=true",) and "bits" in bits.description
     assert nobits.loka_overrides == ("loka.mods.relu_mask_bits=false",) and "pre-activations" in nobits.description
     assert decision_key("wukong", 64, 0, aggr) == decision_key("wukong", 64, 0, bits) \
@@ -822,18 +821,6 @@ def test_bits_suffixes_set_the_relu_masks_and_share_the_decision() -> None:
     for folded_none in ("loka_aggressive+nofold+bits", "loka_aggressive+nofold+nobits"):
         with pytest.raises(SystemExit, match="drop one"):
             resolve_variants([folded_none], "emulated")
-
-
-@pytest.mark.parametrize("suffix", ["nofold", "bits", "nobits"])
-def test_fold_suffixes_need_uncompiled_sampled_steps_where_the_model_compiles(suffix: str) -> None:
-    """Where the sampled steps run compiled, LoKA folds no ReLU on CUDA: a suffix that changes
-    the folding would change nothing there, so it is refused, naming '+eagersampled'."""
-    from bench.e2e.variants import resolve_variants
-
-    with pytest.raises(SystemExit, match="eagersampled"):
-        resolve_variants([f"loka_aggressive+compile+graphs+{suffix}"], "emulated")
-    for fine in (f"loka_aggressive+graphs+{suffix}", f"loka_aggressive+compile+graphs+eagersampled+{suffix}"):
-        assert resolve_variants([fine], "emulated")[0].loka_overrides
 
 
 def test_decide_once_shares_the_first_seeds_decision_with_every_seed(tmp_path: Path) -> None:
@@ -1073,16 +1060,3 @@ def test_the_evaluation_after_the_run_reproduces_the_runs_own_ne(tmp_path: Path,
     (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
     assert loka["eval_ne_forwards_high"] == loka["eval_ne"]
 
-
-def test_a_decision_run_folds_no_relu_where_its_timed_run_folds_none() -> None:
-    """The timed run of a variant whose sampled steps run compiled folds no ReLU on CUDA; its
-    eager decision run converts alike there, and folds as usual elsewhere."""
-    from bench.e2e.protocol import decide_overrides, decision_run_overrides
-    from bench.e2e.variants import resolve_variants
-
-    compiled, eager_sampled, plain = resolve_variants(
-        ["loka_aggressive+compile+graphs", "loka_aggressive+compile+graphs+eagersampled", "loka_aggressive+graphs"],
-        "emulated")
-    assert decision_run_overrides(5, compiled, "cuda") == (*decide_overrides(5), "loka.mods.fold_relu=false")
-    for variant, device in ((compiled, "cpu"), (eager_sampled, "cuda"), (plain, "cuda")):
-        assert decision_run_overrides(5, variant, device) == decide_overrides(5), (variant.name, device)

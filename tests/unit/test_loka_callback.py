@@ -3,7 +3,6 @@ validation, and a resume whose dispatch config no longer allows the checkpointed
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -15,9 +14,8 @@ from loka_train.dispatch import DispatchConfig
 from loka_train.kernels.formats import Scaling
 from loka_train.kernels.plan import LinearPlan
 from loka_train.kernels.roles import ROLES
-from loka_train.mods import sites
 from loka_train.mods.config import ModsConfig
-from loka_train.plugin.callback import FOLD_WITH_COMPILED_SAMPLED, LokaCallback, mods_for_run
+from loka_train.plugin.callback import LokaCallback
 from loka_train.plugin.config import LokaConfig
 from loka_train.probe.config import ProbeConfig
 from loka_train.runtime.context import RunContext
@@ -275,29 +273,3 @@ def test_forward_ne_needs_a_loop_that_evaluates_again_and_logs_with_one(tmp_path
     assert metrics["loka/ne_forwards_high"] == 0.8
     assert metrics["loka/forward_ne_cost"] == pytest.approx(0.82 / 0.8 - 1)
     assert cb.evals[-1]["ne_forwards_high"] == 0.8
-
-
-@pytest.mark.parametrize(("device", "sampled_compiled", "folds"), [
-    ("cuda", True, False), ("cuda", False, True), ("cpu", True, True),
-])
-def test_relus_fold_unless_the_sampled_steps_run_compiled_on_cuda(
-    tmp_path: Path, device: str, sampled_compiled: bool, folds: bool
-) -> None:
-    """``mods.fold_relu`` with the Probe's sampled steps compiled on CUDA trains differently on
-    the GPU: there the callback converts without folding, logs it and counts it a fallback;
-    elsewhere the ReLU before the second Linear folds into it."""
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
-    ctx = RunContext(model=model, device=torch.device(device), out_dir=tmp_path, sampled_compiled=sampled_compiled)
-    LokaCallback(_config()).on_before_shard(ctx)
-    folded = [name for name, site in sites(model).items() if site.input_relu]
-    assert bool(folded) is folds, folded
-    assert isinstance(model[1], nn.ReLU) is not folds
-    assert (FOLD_WITH_COMPILED_SAMPLED in ctx.fallbacks) is not folds, ctx.fallbacks
-
-
-def test_mods_for_run_keeps_a_configuration_without_folding() -> None:
-    mods = ModsConfig(enabled=True, fold_relu=False)
-    assert mods_for_run(mods, device=torch.device("cuda"), sampled_compiled=True) == (mods, "")
-    folding = ModsConfig(enabled=True)
-    got, why = mods_for_run(folding, device=torch.device("cuda", 0), sampled_compiled=True)
-    assert got == dataclasses.replace(folding, fold_relu=False) and why == FOLD_WITH_COMPILED_SAMPLED
