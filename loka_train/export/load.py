@@ -87,9 +87,8 @@ def load_trained(job: JobConfig, path: str | Path, *, device: str | torch.device
     data = make_dataset(job.data, split="train", rank=0, world_size=1, batch_size=job.trainer.batch_size)
     built = prepare_model(job.model, data=data, seed=job.trainer.seed).module
     device = torch.device(device)
-    # The LoKA callback converts the model as a run without compiled sampled steps does (ReLUs
-    # folded: the state dict is the same either way) and, after the weights, restores its state
-    # as a resumed run does: the plans, and static scales from the Probe's window.
+    # The LoKA callback converts the model as the run did and, after the weights, restores its
+    # state as a resumed run does: the plans, and static scales from the Probe's window.
     loka = LokaCallback(job.loka) if job.loka.enabled else None
     ctx = RunContext(model=built, device=device, out_dir=checkpoint.parent.parent,
                      dense_dtype=TORCH_DTYPES[job.trainer.dense_dtype])

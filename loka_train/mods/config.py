@@ -76,9 +76,7 @@ class ModsConfig:
     with a row-wise FP8 forward). The module that held the ReLU then returns its
     pre-activation; the model's output, its gradients and the state dict are unchanged. Where
     the site's grad-weight does not take the forward's transposed FP8 payload over, its backward
-    recomputes the ReLU (one pass), which Dispatch charges to the plan. The LoKA callback folds
-    none where the Probe's sampled steps run compiled on CUDA (``trainer.compile_sampled``), a
-    combination that changed training there (``docs/performance.md``); it logs and counts that."""
+    recomputes the ReLU (one pass), which Dispatch charges to the plan."""
 
     relu_mask_bits: bool = True
     """Where a folded ReLU feeds a site whose grad-weight takes the forward's tensor-wise FP8
