@@ -682,6 +682,9 @@ def _planned_linear_impl(
     # reads them (the host does, between steps), and a declared mutation would hand the
     # backward a functional copy whose updates are lost. ``relu_mask`` is for the op's
     # backward alone (_relu_grad).
+    if input_relu and needs_grad[0] and relu_mask is None:
+        raise ValueError("loka::planned_linear with input_relu and a gradient for x needs relu_mask (x, or "
+                         "relu_mask_bits(x)): without it the gradient of x would not be masked")
     return opaque.run_forward(
         "planned_linear",
         (x, weight, bias, LinearPlan.from_key(plan), out_dtype, reference_quantizer, grad_enabled, static_slots,

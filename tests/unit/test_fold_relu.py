@@ -278,11 +278,18 @@ def test_a_folded_over_arch_in_ddp_trains_like_the_unfolded_one_on_a_sampled_ste
     travels inside the site's opaque op. A mask applied by an autograd Function of its own
     before the op was lost there (the split graph's output, a view the compiled code recreated
     outside autograd), and the first layer's gradients came out unmasked."""
+    from torch._dynamo.backends.debugging import aot_eager
     from torch.nn.parallel import DistributedDataParallel
     from torchrec.models.dlrm import OverArch
 
     from loka_train.mods import mark_sampled
     from loka_train.probe import Probe, ProbeConfig
+
+    assert folds_input_relu(TW, torch.empty(40, 512))  # the cast applies the ReLU: a real fold
+
+    def counted(gm, example_inputs):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
 
     torch.manual_seed(0)
     base = OverArch(in_features=1024, layer_sizes=[512, 256, 1]).state_dict()
@@ -301,10 +308,12 @@ def test_a_folded_over_arch_in_ddp_trains_like_the_unfolded_one_on_a_sampled_ste
         mark_sampled(sites(m).values(), 0)
         torch._dynamo.reset()
         ddp = DistributedDataParallel(m)
-        m.compile(backend="aot_eager")
+        graphs: list[object] = []
+        m.compile(backend=counted)
         x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1))
         y = ddp(x)
         y.square().mean().backward()
+        assert len(graphs) >= 2, "DDP's buckets no longer split the compiled forward: the test shows nothing"
         got.append([y.detach()] + [p.grad.clone() for p in m.parameters()])
     for a, b in zip(*got, strict=True):
         assert torch.equal(a, b)
