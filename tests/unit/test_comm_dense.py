@@ -3,12 +3,10 @@ measurement of every candidate precision, and error-feedback residuals across a 
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -21,20 +19,13 @@ from loka_train.comm import (
 )
 from loka_train.comm.dense import DenseGradCompressor
 from loka_train.comm.state import PrecisionSource
+from tests.unit._process_group import one_rank_group as one_rank_process_group
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group() -> Iterator[None]:
-    if dist.is_initialized():
+    with one_rank_process_group():
         yield
-        return
-    with tempfile.NamedTemporaryFile(prefix="loka_dense_pg_") as f:
-        store = f.name
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _mlp() -> nn.Module:

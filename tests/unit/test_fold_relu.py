@@ -252,20 +252,10 @@ def test_a_module_held_twice_is_not_folded():
 
 @pytest.fixture
 def one_rank_group():  # type: ignore[no-untyped-def]
-    import tempfile
+    from tests.unit._process_group import one_rank_group as group
 
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    with group():
         yield
-        return
-    with tempfile.NamedTemporaryFile(prefix="loka_fold_pg_") as f:
-        store = f.name
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_rank_group")
