@@ -321,7 +321,7 @@ def define(
     argument ``i`` needs a gradient. What a separate autograd Function around the op's input
     would do (a folded ReLU's mask, ``kernels.linear``), without one: such a Function's output
     is a view of its input, and where the compiled graph is split between it and the op (the
-    DDP optimizer's buckets, a graph break), the compiled code recreates that view outside
+    DDP optimizer's buckets), the compiled code recreates that view outside
     autograd and the Function's backward is lost.
     """
     traced = dict(traced_grads or {})
