@@ -67,8 +67,9 @@ def parse_gemm_plan(text: str) -> GemmPlan:
 def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]], batch: int, steps: int,
           every: int, interval: int, device: str, graphs: bool, out_dir: Path) -> dict[str, Any]:
     """One run: its per-step training losses (``losses``), every site's plan as the run ended
-    (``plans``, ``str`` of each GEMM's) and the sites of `plans` the model does not have
-    (``missing``).
+    (``plans``, ``str`` of each GEMM's), the sites of `plans` the model does not have
+    (``missing``) and whether the casts could fold at all (``casts_fold``: Triton runs on
+    `device`; elsewhere the plans run on the emulated backend, whose casts fold nothing).
 
     Raises:
         RuntimeError: where the model's folded ReLUs are not what `fold` asks.
@@ -91,6 +92,9 @@ def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]
               "backend": "torch_scaled_mm" if triton else "emulated"},
     )
     if not triton:
+        print(f"[sampled_fold] Triton does not run on {device} (on the CPU set TRITON_INTERPRET=1): the plans run "
+              "on the emulated backend, whose casts fold no ReLU, so folded and unfolded runs compute the same",
+              flush=True)
         plans = {site: {role: p.replace("@torch_scaled_mm", "@emulated").replace("@triton", "@emulated")
                         for role, p in roles.items()} for site, roles in plans.items()}
     loka_cb = LokaCallback(loka)
@@ -133,7 +137,7 @@ def train(*, fold: bool, sampled_compiled: bool, plans: dict[str, dict[str, str]
         raise RuntimeError(f"fold={fold} but the folded sites are {folded}")
     ended = {name: {r: str(getattr(site.plan, r)) for r in ("forward", "grad_input", "grad_weight")}
              for name, site in loka_cb.sites.items()}
-    return {"losses": fixed.losses, "plans": ended, "missing": sorted(set(plans) - set(ended))}
+    return {"losses": fixed.losses, "plans": ended, "missing": sorted(set(plans) - set(ended)), "casts_fold": triton}
 
 
 def max_gap(a: list[float], b: list[float]) -> tuple[float, int]:
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"[sampled_fold] {case} b{batch} {what}: {g['step1']:.2e} at step 1, largest {g['gap']:.2e} "
                       f"at step {g['step']}", flush=True)
             result["cases"][case]["batches"][str(batch)] = {
-                "losses": runs, "gaps": gaps, "plans_run": ended["plans"], "plans_missing": ended["missing"]}
+                "losses": runs, "gaps": gaps, "plans_run": ended["plans"], "plans_missing": ended["missing"],
+                "casts_fold": ended["casts_fold"]}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sampled_fold.json").write_text(json.dumps(result, indent=1))

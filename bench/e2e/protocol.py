@@ -447,7 +447,7 @@ def run_one(
                 if warm_start is not None:
                     shutil.copytree(warm_start, f"{tmp}/decide", symlinks=True)
                     decide_from = args.ne_from
-                # The plans do not depend on compilation otherwise: decide eagerly.
+                # The plans do not depend on compilation: decide eagerly.
                 job = composer.job(
                     job_overrides(
                         args, config, batch, replace(variant, compile=False), f"{tmp}/decide",

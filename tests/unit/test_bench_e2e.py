@@ -1059,4 +1059,3 @@ def test_the_evaluation_after_the_run_reproduces_the_runs_own_ne(tmp_path: Path,
     assert main(args) == 0
     (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
     assert loka["eval_ne_forwards_high"] == loka["eval_ne"]
-

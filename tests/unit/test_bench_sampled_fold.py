@@ -34,7 +34,7 @@ def test_the_report_compares_folded_with_unfolded_runs_per_sampled_mode(tmp_path
     def fake_train(*, fold: bool, sampled_compiled: bool, plans: dict, **_: object) -> dict[str, object]:
         bad = fold and sampled_compiled and "x" in plans
         losses = [1.0, 2.0 * (1.1 if bad else 1.0) * (1.001 if sampled_compiled else 1.0), 3.0 * (1.2 if bad else 1.0)]
-        return {"losses": losses, "plans": {}, "missing": []}
+        return {"losses": losses, "plans": {}, "missing": [], "casts_fold": True}
 
     monkeypatch.setattr(sampled_fold, "train", fake_train)
     (tmp_path / "mixed.json").write_text(json.dumps({"x": {}}))
@@ -64,7 +64,7 @@ def test_a_run_trains_on_the_given_plans_with_the_relus_folded_as_asked(tmp_path
              "model.no_such_site": high}
     run = sampled_fold.train(fold=True, sampled_compiled=True, plans=plans, batch=64, steps=2, every=1,
                              interval=2, device="cpu", graphs=False, out_dir=tmp_path)
-    assert len(run["losses"]) == 2 and run["missing"] == ["model.no_such_site"]
+    assert len(run["losses"]) == 2 and run["missing"] == ["model.no_such_site"] and run["casts_fold"] is True
     assert run["plans"]["model.dense_arch.model._mlp.1._linear"] == high
     assert run["plans"]["model.inter_arch.0.fmb.mlp.0"] == mixed
     assert run["plans"]["model.over_arch.model.0._mlp.0._linear"]["forward"] == "fp8:e4m3/tensorwise@torch_scaled_mm"
