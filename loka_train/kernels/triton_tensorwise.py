@@ -69,6 +69,11 @@ _BOTH_WARPS = 4
 static-scale cast in ``python -m bench.quant_tiles``)."""
 _RECAST_PROGRAMS = 1024
 """Programs of the static-scale recast (each loops over tiles; all exit at once when the gate is 0)."""
+_PROGRAMS_PER_SM = 4
+"""Programs of a cast pass a multiprocessor: the grid is persistent, each program casting every
+``num_programs``-th tile, so that the static-scale check reduces one amax a program."""
+_STAGES = 3
+"""Loads in flight of a cast program's loop over its tiles (``tl.range``'s ``num_stages``)."""
 
 @triton.jit
 def _input(x, RELU: tl.constexpr):
@@ -214,33 +219,36 @@ def _cast_kernel(
     GATED: tl.constexpr,
     FMA_DIV: tl.constexpr,
     RELU: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """The cast of one block a program (of ``x`` through a ReLU with ``RELU``, :func:`_input`);
-    ``STORE_AMAX`` also stores the block's amax (the static-scale pass reads ``x`` once for
-    both); ``GATED`` (the static-scale recast, launched on
-    few programs) runs only where ``gate`` holds 1, each program looping over every
-    ``num_programs``-th block."""
+    """The cast of ``x`` (through a ReLU with ``RELU``, :func:`_input`) in blocks, each program
+    looping over every ``num_programs``-th block (a persistent grid, ``STAGES`` loads in flight);
+    ``STORE_AMAX`` also stores each program's amax over its blocks (the static-scale pass reads
+    ``x`` once for both); ``GATED`` (the static-scale recast) runs only where ``gate`` holds 1."""
     if GATED:
         if tl.load(gate_ptr) != 0:
-            for blk in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
-                _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC,
-                            Q_MIN_NORMAL, False, FMA_DIV, RELU)
+            _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL,
+                         False, FMA_DIV, RELU, STAGES)
     else:
-        _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, tl.program_id(0), FP8_MAX, BLOCK, Q_MANT,
-                    Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV, RELU)
+        _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL,
+                     STORE_AMAX, FMA_DIV, RELU, STAGES)
 
 
 @triton.jit
-def _cast_block(x_ptr, scale_ptr, q_ptr, N, partial_ptr, blk, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
-                STORE_AMAX: tl.constexpr, FMA_DIV: tl.constexpr, RELU: tl.constexpr):
-    offs = (tl.zeros((BLOCK,), tl.int64) + blk) * BLOCK + tl.arange(0, BLOCK)  # int64: N may pass 2**31
-    mask = offs < N
-    x = _input(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), RELU)
-    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+def _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                 Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+                 STORE_AMAX: tl.constexpr, FMA_DIV: tl.constexpr, RELU: tl.constexpr, STAGES: tl.constexpr):
+    amax = tl.zeros((), tl.float32)
+    for blk in tl.range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0), num_stages=STAGES):
+        offs = (tl.zeros((BLOCK,), tl.int64) + blk) * BLOCK + tl.arange(0, BLOCK)  # int64: N may pass 2**31
+        mask = offs < N
+        x = _input(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), RELU)
+        q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        if STORE_AMAX:
+            amax = tl.maximum(amax, _block_amax(x))
     if STORE_AMAX:
-        tl.store(partial_ptr + blk, _block_amax(x))
+        tl.store(partial_ptr + tl.program_id(0), amax)
 
 
 @triton.jit
@@ -265,46 +273,48 @@ def _cast_both_kernel(
     FMA_DIV: tl.constexpr,
     ROWS_APART: tl.constexpr,
     RELU: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input (row-major tile order),
-    stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX``, ``GATED``
-    and ``FMA_DIV`` as there. The input's rows lie ``stride_r`` elements apart with
+    stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX``, ``GATED``,
+    ``FMA_DIV`` and ``STAGES`` as there. The input's rows lie ``stride_r`` elements apart with
     ``ROWS_APART``, else ``C`` (contiguous: one address for the load and the store, which the
     contiguous cast measured faster with)."""
-    tiles_c = tl.cdiv(C, BLOCK_C)
     if GATED:
         if tl.load(gate_ptr) != 0:
-            for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0)):
-                _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
-                                FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, FMA_DIV,
-                                ROWS_APART, RELU)
+            _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, FP8_MAX, BLOCK_R, BLOCK_C,
+                             Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, FMA_DIV, ROWS_APART, RELU, STAGES)
     else:
-        _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, tl.program_id(0),
-                        tiles_c, FP8_MAX, BLOCK_R, BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV,
-                        ROWS_APART, RELU)
+        _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, FP8_MAX, BLOCK_R, BLOCK_C,
+                         Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV, ROWS_APART, RELU, STAGES)
 
 
 @triton.jit
-def _cast_both_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, t, tiles_c,
-                    FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
-                    Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
-                    FMA_DIV: tl.constexpr, ROWS_APART: tl.constexpr, RELU: tl.constexpr):
-    rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    # x's rows may lie apart (a slice of a concatenation's gradient); the payloads are contiguous.
-    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-    if ROWS_APART:
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    x = _input(x.to(tl.float32), RELU)
-    q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + offs, q, mask=mask)
-    # The compiler routes the tile through shared memory: both stores are coalesced.
-    tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
+def _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr,
+                     FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
+                     Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
+                     FMA_DIV: tl.constexpr, ROWS_APART: tl.constexpr, RELU: tl.constexpr, STAGES: tl.constexpr):
+    tiles_c = tl.cdiv(C, BLOCK_C)
+    amax = tl.zeros((), tl.float32)
+    for t in tl.range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0), num_stages=STAGES):
+        rows = (t // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        # x's rows may lie apart (a slice of a concatenation's gradient); the payloads are contiguous.
+        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        if ROWS_APART:
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0)
+        else:
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x = _input(x.to(tl.float32), RELU)
+        q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + offs, q, mask=mask)
+        # The compiler routes the tile through shared memory: both stores are coalesced.
+        tl.store(qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
+        if STORE_AMAX:
+            amax = tl.maximum(amax, _tile_amax(x))
     if STORE_AMAX:
-        tl.store(partial_ptr + t, _tile_amax(x))
+        tl.store(partial_ptr + tl.program_id(0), amax)
 
 
 @triton.jit
@@ -350,7 +360,7 @@ def _scale(x: Tensor, fmt_: Any, relu: bool = False) -> Tensor:
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
         _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8, RELU=relu)
     else:  # rows apart (_checked allows it for the two-layout cast only)
-        num_blocks = _num_programs(x, True)
+        num_blocks = _num_tiles(x, True)
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
         _amax_partial_rows_kernel[(num_blocks,)](
             x, partial, x.shape[0], x.shape[1], x.stride(0), BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
@@ -389,17 +399,17 @@ def _cast(
     unused = scale  # a pointer the kernel does not read when its flag is off
     p = unused if partial is None else partial
     g = unused if gate is None else gate
-    num_tiles = _num_programs(x, q_t is not None)
-    # The recast runs on few programs that loop over the tiles: most of the time the gate is 0,
-    # and a full grid of programs that only read it would cost a launch of its own.
-    grid = (min(num_tiles, _RECAST_PROGRAMS) if gate is not None else num_tiles,)
+    num_tiles = _num_tiles(x, q_t is not None)
+    # The recast runs on few programs: most of the time the gate is 0, and a full grid of
+    # programs that only read it would cost a launch of its own.
+    grid = (min(num_tiles, _RECAST_PROGRAMS) if gate is not None else _num_programs(x, q_t is not None),)
     if q_t is None:
-        _cast_kernel[grid](x, scale, q, x.numel(), p, g, BLOCK=_BLOCK, num_warps=8, **common)
+        _cast_kernel[grid](x, scale, q, x.numel(), p, g, BLOCK=_BLOCK, num_warps=8, STAGES=_STAGES, **common)
     else:
         r, c = x.shape
         _cast_both_kernel[grid](
             x, scale, q, q_t, r, c, x.stride(0), p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
-            ROWS_APART=not x.is_contiguous(), **common,
+            ROWS_APART=not x.is_contiguous(), STAGES=_STAGES, **common,
         )
 
 
@@ -426,11 +436,24 @@ def _transpose_payload(x: Tensor, q: Tensor, q_t: Tensor) -> None:
         q_t.copy_(q.t())
 
 
-def _num_programs(x: Tensor, both: bool) -> int:
-    """Programs of one cast pass: tiles of the two-layout kernel with ``both``, else blocks."""
+def _num_tiles(x: Tensor, both: bool) -> int:
+    """Tiles of the two-layout kernel with ``both``, else blocks of the one-layout kernel."""
     if both:
         return _cdiv(x.shape[0], _TILE_R) * _cdiv(x.shape[1], _TILE_C)
     return _cdiv(x.numel(), _BLOCK)
+
+
+@functools.cache
+def _programs_cap(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one by one; several tiles a program are still looped over
+
+
+def _num_programs(x: Tensor, both: bool) -> int:
+    """Programs of one cast pass (and amaxes its static-scale form stores): a persistent grid of
+    at most :data:`_PROGRAMS_PER_SM` a multiprocessor, each looping over tiles (blocks)."""
+    return min(_num_tiles(x, both), _programs_cap(x.device))
 
 
 def _checked_2d(x: Tensor, what: str) -> None:

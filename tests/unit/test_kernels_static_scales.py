@@ -62,6 +62,36 @@ def test_kernel_matches_the_reference_through_seed_fit_and_drift(fmt, both, monk
     assert [power_of_two(v) for v in scales] == [False, True, False, True, False, True]
 
 
+@pytest.mark.parametrize("both", [False, True], ids=["one_layout", "both_layouts"])
+def test_every_tile_a_cast_program_loops_over_counts_in_the_fit_check(both, monkeypatch):
+    # A persistent grid: 3 programs, each casting every third block (tile) and storing one amax
+    # of them all. A value the static scale cannot take, in any one tile, must make it recast.
+    monkeypatch.setattr(tt, "_BLOCK", 256)
+    monkeypatch.setattr(tt, "_TILE_R", 16)
+    monkeypatch.setattr(tt, "_TILE_C", 8)
+    monkeypatch.setattr(tt, "_FINAL_BLOCK", 2)  # the check's loop over the 3 amaxes runs twice
+    monkeypatch.setattr(tt, "_programs_cap", lambda device: 3)
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(37, 45, generator=g).to(torch.bfloat16)
+    if both:
+        origins = [(r, c) for r in range(0, 37, 16) for c in range(0, 45, 8)]  # 18 tiles
+    else:
+        origins = [divmod(i, 45) for i in range(0, base.numel(), 256)]  # 7 blocks
+    assert len(origins) > 2 * 3  # programs cast several tiles each
+    for r, c in origins[: 2 * 3]:  # each program's first two tiles: none its last
+        slot, ref_slot = _slot(), _slot()
+        tt.tensorwise_quant_static(base, slot, both=both)  # seeds
+        ss.quantize_static_reference(base, ref_slot, E4M3)
+        x = base.clone()
+        x[r, c] = 1000.0  # far over what the seeded scale takes
+        q, scale, q_t = tt.tensorwise_quant_static(x, slot, both=both)
+        rq, rs = ss.quantize_static_reference(x, ref_slot, E4M3)
+        assert torch.equal(scale, rs) and _same(q, rq) and torch.equal(slot, ref_slot), (r, c)
+        assert ss.fallbacks(slot) == [1], (r, c)
+        if both:
+            assert _same(q_t, rq.t().contiguous())
+
+
 def test_where_the_static_scale_fits_the_codes_are_x_over_the_scale():
     x = torch.randn(64, 32)
     slot = _slot()
