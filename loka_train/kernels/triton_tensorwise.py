@@ -69,9 +69,12 @@ _BOTH_WARPS = 4
 static-scale cast in ``python -m bench.quant_tiles``)."""
 _RECAST_PROGRAMS = 1024
 """Programs of the static-scale recast (each loops over tiles; all exit at once when the gate is 0)."""
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 2
 """Programs of a cast pass a multiprocessor: the grid is persistent, each program casting every
-``num_programs``-th tile, so that the static-scale check reduces one amax a program."""
+``num_programs``-th tile (block), so that the static-scale check reduces one amax a program. Of
+the grids ``python -m bench.cast_variants`` times on an H100 (one program a tile; 2, 4 or 8 a
+multiprocessor), 2 with :data:`_STAGES` 3 was the fastest or within 3% of it for both casts at
+32768 x 4096 and 32768 x 512; 4 with the 32 x 128 tile was the slowest."""
 _STAGES = 3
 """Loads in flight of a cast program's loop over its tiles (``tl.range``'s ``num_stages``)."""
 
