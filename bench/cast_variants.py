@@ -43,7 +43,6 @@ def _set(tt: Any, per_sm: int, stages: int, tile: tuple[int, int, int] | None) -
     tt._PROGRAMS_PER_SM, tt._STAGES = per_sm, stages
     if tile is not None:
         tt._TILE_R, tt._TILE_C, tt._BOTH_WARPS = tile
-    tt._programs_cap.cache_clear()
 
 
 def _bench_k(m: int, k: int, rows: list[dict]) -> None:

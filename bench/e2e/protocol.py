@@ -361,7 +361,41 @@ def base_checkpoint(
                  "wall_s": time.perf_counter() - started}
 
 
+@contextlib.contextmanager
+def cast_grid(variant: Variant) -> Iterator[None]:
+    """The tensor-wise casts on one program a tile while `variant` runs, where it asks for it
+    (``+tilegrid``); the persistent grid again after."""
+    if not variant.tile_grid:
+        yield
+        return
+    from loka_train.kernels import triton_tensorwise as tt
+
+    before = tt._PROGRAMS_PER_SM
+    tt._PROGRAMS_PER_SM = 1 << 30  # more programs than any cast has tiles
+    try:
+        yield
+    finally:
+        tt._PROGRAMS_PER_SM = before
+
+
 def run_one(
+    args: argparse.Namespace,
+    composer: Composer,
+    config: str,
+    batch: int,
+    variant: Variant,
+    t0: float,
+    torchao_missing: str | None,
+    seed: int = 0,
+    warm_start: Path | None = None,
+    decisions: dict[tuple[Any, ...], tuple[str, dict[str, Any], dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """:func:`_run_one` under the variant's cast grid (:func:`cast_grid`)."""
+    with cast_grid(variant):
+        return _run_one(args, composer, config, batch, variant, t0, torchao_missing, seed, warm_start, decisions)
+
+
+def _run_one(
     args: argparse.Namespace,
     composer: Composer,
     config: str,

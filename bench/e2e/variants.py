@@ -130,6 +130,10 @@ class Variant:
     """``trainer.compile_sampled`` (only where ``compile`` is on: not in a decision run): None
     leaves the trainer's default (the Probe's sampled steps run the compiled modules, their
     sites reporting through taps), False runs the sampled modules' uncompiled code."""
+    tile_grid: bool = False
+    """The tensor-wise casts on one program a tile instead of their persistent grid
+    (``kernels.triton_tensorwise._PROGRAMS_PER_SM``): what the grid changes in the step, on the
+    same plans (``--share-decisions``)."""
 
     @property
     def sampled_compiled(self) -> bool:
@@ -197,7 +201,7 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
 
 
 SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "compilesampled", "eagersampled", "static", "dynamic",
-            "nofold", "bits", "nobits", "rotate", "rowwise", "highgw")
+            "nofold", "bits", "nobits", "rotate", "rowwise", "highgw", "tilegrid")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
@@ -219,7 +223,9 @@ of the preset's schedule of sites: what a sampled step then costs. ``+rowwise``
 (``loka.dispatch.scalings=[rowwise]``) lets Dispatch choose row-wise scaling only, and ``+highgw``
 (``loka.dispatch.fp8_roles=[forward,grad_input]``) keeps every grad-weight in high precision: each
 changes the plans (its own decision run), to tell what a preset's tensor-wise GEMMs or FP8
-grad-weights cost in NE and buy in speed."""
+grad-weights cost in NE and buy in speed. ``+tilegrid`` runs the tensor-wise casts on one program
+a tile instead of their persistent grid (:attr:`Variant.tile_grid`; the same plans, the same
+payloads): what the grid changes in the step."""
 
 LOKA_OVERRIDE_SUFFIXES = {
     "static": (", static tensor-wise scales", "loka.mods.static_scales=true"),
@@ -251,7 +257,7 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
     for name in names:
         stem, *suffixes = name.split("+")
         if stem not in base or any(s not in SUFFIXES for s in suffixes) or len(set(suffixes)) != len(suffixes):
-            loka_only = ("replaysampled", "compilesampled", "eagersampled", *LOKA_OVERRIDE_SUFFIXES)
+            loka_only = ("replaysampled", "compilesampled", "eagersampled", "tilegrid", *LOKA_OVERRIDE_SUFFIXES)
             allowed = sorted(base) + [
                 f"{b}+{s}" for b in sorted(base) for s in SUFFIXES
                 if not (base[b].compile and s == "compile") and not (base[b].loka == "off" and s in loka_only)
@@ -287,6 +293,10 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
         if "nofold" in suffixes and ("bits" in suffixes or "nobits" in suffixes):
             raise SystemExit(f"--variants: {name}: '+bits' and '+nobits' choose how folded ReLUs keep their "
                              "masks, and '+nofold' folds none: drop one")
+        if "tilegrid" in suffixes:
+            if v.loka == "off":
+                raise SystemExit(f"--variants: {name}: '+tilegrid' is for LoKA variants")
+            v = replace(v, description=v.description + ", casts on one program a tile", tile_grid=True)
         for suffix, (what, override) in LOKA_OVERRIDE_SUFFIXES.items():
             if suffix in suffixes:
                 if v.loka == "off":

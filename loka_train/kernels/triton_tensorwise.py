@@ -447,16 +447,16 @@ def _num_tiles(x: Tensor, both: bool) -> int:
 
 
 @functools.cache
-def _programs_cap(device: torch.device) -> int:
+def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
-        return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one by one; several tiles a program are still looped over
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter runs programs one by one; a small grid still loops over tiles
 
 
 def _num_programs(x: Tensor, both: bool) -> int:
     """Programs of one cast pass (and amaxes its static-scale form stores): a persistent grid of
     at most :data:`_PROGRAMS_PER_SM` a multiprocessor, each looping over tiles (blocks)."""
-    return min(_num_tiles(x, both), _programs_cap(x.device))
+    return min(_num_tiles(x, both), _PROGRAMS_PER_SM * _multiprocessors(x.device))
 
 
 def _checked_2d(x: Tensor, what: str) -> None:

@@ -1059,3 +1059,26 @@ def test_the_evaluation_after_the_run_reproduces_the_runs_own_ne(tmp_path: Path,
     assert main(args) == 0
     (loka,) = [r for r in json.loads((tmp_path / "e2e.json").read_text())["runs"] if r["variant"] == "loka_aggressive"]
     assert loka["eval_ne_forwards_high"] == loka["eval_ne"]
+
+
+def test_tilegrid_suffix_runs_the_casts_on_one_program_a_tile_on_the_same_decision() -> None:
+    import torch
+
+    from bench.e2e.protocol import cast_grid, decision_key
+    from bench.e2e.variants import resolve_variants
+    from loka_train.kernels import triton_tensorwise as tt
+
+    aggr, tile = resolve_variants(["loka_aggressive+graphs", "loka_aggressive+tilegrid+graphs"], "emulated")
+    assert tile.tile_grid and not aggr.tile_grid and tile.name == "loka_aggressive+graphs+tilegrid"
+    assert decision_key("wukong", 64, 0, aggr) == decision_key("wukong", 64, 0, tile)
+    x = torch.zeros(64, 256 * 1024)  # 2048 tiles of 32 x 128 (8192 blocks of 8192 elements: 2048)
+    persistent = tt._num_programs(x, True)
+    assert persistent < tt._num_tiles(x, True)
+    with cast_grid(aggr):
+        assert tt._num_programs(x, True) == persistent
+    with cast_grid(tile):
+        assert tt._num_programs(x, True) == tt._num_tiles(x, True)
+        assert tt._num_programs(x, False) == tt._num_tiles(x, False)
+    assert tt._num_programs(x, True) == persistent  # restored
+    with pytest.raises(SystemExit, match="tilegrid"):
+        resolve_variants(["bf16+tilegrid"], "emulated")

@@ -70,7 +70,8 @@ def test_every_tile_a_cast_program_loops_over_counts_in_the_fit_check(both, monk
     monkeypatch.setattr(tt, "_TILE_R", 16)
     monkeypatch.setattr(tt, "_TILE_C", 8)
     monkeypatch.setattr(tt, "_FINAL_BLOCK", 2)  # the check's loop over the 3 amaxes runs twice
-    monkeypatch.setattr(tt, "_programs_cap", lambda device: 3)
+    monkeypatch.setattr(tt, "_PROGRAMS_PER_SM", 3)
+    monkeypatch.setattr(tt, "_multiprocessors", lambda device: 1)
     g = torch.Generator().manual_seed(1)
     base = torch.randn(37, 45, generator=g).to(torch.bfloat16)
     if both:
