@@ -363,19 +363,20 @@ def base_checkpoint(
 
 @contextlib.contextmanager
 def cast_grid(variant: Variant) -> Iterator[None]:
-    """The tensor-wise casts on one program a tile while `variant` runs, where it asks for it
-    (``+tilegrid``); the persistent grid again after."""
+    """The tensor-wise casts on one program a tile, without a pipelined loop, while `variant`
+    runs (its decision run too: with ``--share-decisions`` the variant listed first decides, on its
+    own grid), where it asks for it (``+tilegrid``); the persistent grid again after."""
     if not variant.tile_grid:
         yield
         return
     from loka_train.kernels import triton_tensorwise as tt
 
-    before = tt._PROGRAMS_PER_SM
-    tt._PROGRAMS_PER_SM = 1 << 30  # more programs than any cast has tiles
+    before = tt._PROGRAMS_PER_SM, tt._STAGES
+    tt._PROGRAMS_PER_SM, tt._STAGES = 1 << 30, 1  # more programs than any cast has tiles, one tile each
     try:
         yield
     finally:
-        tt._PROGRAMS_PER_SM = before
+        tt._PROGRAMS_PER_SM, tt._STAGES = before
 
 
 def run_one(

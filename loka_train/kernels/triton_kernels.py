@@ -248,6 +248,15 @@ def _rowwise_quant_kernel(
         tl.atomic_max(amax_ptr, block_amax)
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessors a persistent grid sizes itself by: a CUDA device's count; 2 elsewhere
+    (the interpreter runs programs one by one; a small grid still has them loop)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
 def _cdiv(a: int, b: int) -> int:
     # Plain Python: triton.cdiv / next_power_of_2 are constexpr functions, slow on the host.
     return -(-a // b)

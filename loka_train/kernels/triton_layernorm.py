@@ -20,8 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +33,7 @@ from loka_train.kernels.triton_kernels import (
     _round_rne,
     _sum_parts,
     _sw_round_args,
+    multiprocessors,
 )
 
 __all__ = ["layernorm_backward", "layernorm_backward_reference"]
@@ -104,12 +103,9 @@ def _layernorm_backward_kernel(
         tl.store(db_part_ptr + pid * K + cols, db_acc, mask=cmask)
 
 
-@functools.cache
 def _num_programs_cap(device: torch.device) -> int:
-    if device.type == "cuda":
-        # A few programs per SM: enough to hide latency, few partial rows to reduce after.
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one by one
+    # A few programs a multiprocessor: enough to hide latency, few partial rows to reduce after.
+    return 2 * multiprocessors(device)
 
 
 def _layernorm_backward_impl(

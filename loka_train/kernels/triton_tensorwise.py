@@ -44,6 +44,7 @@ from loka_train.kernels.triton_kernels import (
     _round_rne,
     _sw_round_args,
     _triton_fmt,
+    multiprocessors,
 )
 
 __all__ = [
@@ -54,27 +55,24 @@ __all__ = [
 ]
 
 _BLOCK = 8192
-"""Elements per program of the two passes (8 warps, 32 elements a thread)."""
+"""Elements of one block of the one-layout passes (8 warps, 32 elements a thread)."""
 _FINAL_BLOCK = 1024
 """Partial amaxes the finishing program reads per iteration."""
 _TILE_R = 32
-"""Rows of one program of the cast that writes both layouts. With ``_TILE_C`` and
+"""Rows of one tile of the cast that writes both layouts. With ``_TILE_C`` and
 ``_BOTH_WARPS``: of the configurations ``python -m bench.quant_tiles`` times on an H100, within
 3% of the fastest static-scale cast (64 x 128, 4 warps) and of the fastest dynamic one
 (64 x 64, 4 warps)."""
 _TILE_C = 128
-"""Columns of one program of the cast that writes both layouts."""
+"""Columns of one tile of the cast that writes both layouts."""
 _BOTH_WARPS = 4
-"""Warps of one program of the cast that writes both layouts (the faster of 4 and 8 for the
+"""Warps of a program of the cast that writes both layouts (the faster of 4 and 8 for the
 static-scale cast in ``python -m bench.quant_tiles``)."""
-_RECAST_PROGRAMS = 1024
-"""Programs of the static-scale recast (each loops over tiles; all exit at once when the gate is 0)."""
 _PROGRAMS_PER_SM = 2
 """Programs of a cast pass a multiprocessor: the grid is persistent, each program casting every
-``num_programs``-th tile (block), so that the static-scale check reduces one amax a program. Of
-the grids ``python -m bench.cast_variants`` times on an H100 (one program a tile; 2, 4 or 8 a
-multiprocessor), 2 with :data:`_STAGES` 3 was the fastest or within 3% of it for both casts at
-32768 x 4096 and 32768 x 512; 4 with the 32 x 128 tile was the slowest."""
+``num_programs``-th tile (block), so that the static-scale check reduces one amax a program and
+the recast (its programs exit at once where the gate is 0) launches few. The grid
+``python -m bench.cast_variants`` timed fastest on an H100 (``docs/performance.md``)."""
 _STAGES = 3
 """Loads in flight of a cast program's loop over its tiles (``tl.range``'s ``num_stages``)."""
 
@@ -148,7 +146,7 @@ def _quotient(x, s, FMA_DIV: tl.constexpr):
 
     A power-of-two scale (every static scale) multiplies by its exact reciprocal. With
     ``FMA_DIV`` (CUDA) other scales take the division's own fast path as multiplies and FMAs:
-    ``y = 1/s`` correctly rounded once a program, ``q = x*y`` and two residual corrections
+    ``y = 1/s`` correctly rounded once a tile, ``q = x*y`` and two residual corrections
     ``q += (x - q*s)*y``, the residual exact by the FMA (Markstein: the second correction
     rounds correctly), for every quotient whose magnitude lies in ``[2**-20, 2**20]`` with ``s``
     in ``[2**-50, 2**50]`` (no residual underflows). Outside it the product alone is taken:
@@ -402,10 +400,7 @@ def _cast(
     unused = scale  # a pointer the kernel does not read when its flag is off
     p = unused if partial is None else partial
     g = unused if gate is None else gate
-    num_tiles = _num_tiles(x, q_t is not None)
-    # The recast runs on few programs: most of the time the gate is 0, and a full grid of
-    # programs that only read it would cost a launch of its own.
-    grid = (min(num_tiles, _RECAST_PROGRAMS) if gate is not None else _num_programs(x, q_t is not None),)
+    grid = (_num_programs(x, q_t is not None),)
     if q_t is None:
         _cast_kernel[grid](x, scale, q, x.numel(), p, g, BLOCK=_BLOCK, num_warps=8, STAGES=_STAGES, **common)
     else:
@@ -446,17 +441,10 @@ def _num_tiles(x: Tensor, both: bool) -> int:
     return _cdiv(x.numel(), _BLOCK)
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter runs programs one by one; a small grid still loops over tiles
-
-
 def _num_programs(x: Tensor, both: bool) -> int:
     """Programs of one cast pass (and amaxes its static-scale form stores): a persistent grid of
     at most :data:`_PROGRAMS_PER_SM` a multiprocessor, each looping over tiles (blocks)."""
-    return min(_num_tiles(x, both), _PROGRAMS_PER_SM * _multiprocessors(x.device))
+    return min(_num_tiles(x, both), _PROGRAMS_PER_SM * multiprocessors(x.device))
 
 
 def _checked_2d(x: Tensor, what: str) -> None:

@@ -31,14 +31,15 @@ def _slot(margin: float = 2.0, spread: float = 16.0) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
 @pytest.mark.parametrize("both", [False, True], ids=["one_layout", "both_layouts"])
 def test_kernel_matches_the_reference_through_seed_fit_and_drift(fmt, both, monkeypatch):
-    monkeypatch.setattr(tt, "_BLOCK", 256)  # several programs, a ragged last one
-    monkeypatch.setattr(tt, "_FINAL_BLOCK", 4)  # the check's loop over partials runs more than once
-    monkeypatch.setattr(tt, "_TILE_R", 16)
+    monkeypatch.setattr(tt, "_BLOCK", 256)  # 7 blocks, a ragged last one
+    monkeypatch.setattr(tt, "_TILE_R", 16)  # 18 tiles
     monkeypatch.setattr(tt, "_TILE_C", 8)
-    monkeypatch.setattr(tt, "_RECAST_PROGRAMS", 3)  # the recast's programs loop over many tiles
+    monkeypatch.setattr(tt, "_PROGRAMS_PER_SM", 5)  # 5 programs, looping over their blocks (tiles),
+    monkeypatch.setattr(tt, "multiprocessors", lambda device: 1)  # the recast's too
+    monkeypatch.setattr(tt, "_FINAL_BLOCK", 4)  # the check's loop over the 5 amaxes runs twice
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(37, 45, generator=g)).to(torch.bfloat16)
-    x[30, 40] = 25.0  # the amax sits in a late program
+    x[30, 40] = 25.0  # the amax sits in a later block (tile) of its program
     slot, ref_slot = _slot(), _slot()
     scales = []
     # Drifts beyond the format's headroom: e5m2 (gradients) takes 128x more both ways.
@@ -71,7 +72,7 @@ def test_every_tile_a_cast_program_loops_over_counts_in_the_fit_check(both, monk
     monkeypatch.setattr(tt, "_TILE_C", 8)
     monkeypatch.setattr(tt, "_FINAL_BLOCK", 2)  # the check's loop over the 3 amaxes runs twice
     monkeypatch.setattr(tt, "_PROGRAMS_PER_SM", 3)
-    monkeypatch.setattr(tt, "_multiprocessors", lambda device: 1)
+    monkeypatch.setattr(tt, "multiprocessors", lambda device: 1)
     g = torch.Generator().manual_seed(1)
     base = torch.randn(37, 45, generator=g).to(torch.bfloat16)
     if both:
@@ -79,7 +80,9 @@ def test_every_tile_a_cast_program_loops_over_counts_in_the_fit_check(both, monk
     else:
         origins = [divmod(i, 45) for i in range(0, base.numel(), 256)]  # 7 blocks
     assert len(origins) > 2 * 3  # programs cast several tiles each
-    for r, c in origins[: 2 * 3]:  # each program's first two tiles: none its last
+    # Each program's first two tiles (the last tile of programs 1 and 2 for the 7 blocks of one
+    # layout): an amax taken from one tile a program misses the value in program 0's first.
+    for r, c in origins[: 2 * 3]:
         slot, ref_slot = _slot(), _slot()
         tt.tensorwise_quant_static(base, slot, both=both)  # seeds
         ss.quantize_static_reference(base, ref_slot, E4M3)
