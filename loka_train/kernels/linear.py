@@ -407,6 +407,7 @@ def quantize_with_transpose(
     count_fallbacks: bool = False,
     static: Tensor | None = None,
     relu: bool = False,
+    mask: Tensor | None = None,
 ) -> tuple[QTensor, QTensor | None]:
     """``t_RC`` quantized for ``plan`` (:func:`quantize_operand`) and, where the GEMM ``other``
     takes its transpose over as operand in ``other_fmt`` (:func:`transposed_reuse`), that
@@ -418,6 +419,8 @@ def quantize_with_transpose(
     K-major layout the other GEMM's backend takes as it is; elsewhere it is the transposed view
     of the payload (``torch._scaled_mm`` then copies it contiguous in a pass of its own). The
     codes are the same either way. ``static``, ``relu``: as in :func:`quantize_operand`.
+    ``mask``: :func:`relu_mask_bits` of a folded ReLU's pre-activation, applied to ``t_RC`` as the
+    two-layout cast reads it (only where it runs: the caller masks first elsewhere).
     """
     if writes_both_layouts(plan, t_RC, fmt, other, other_fmt, reference_quantizer=reference_quantizer):
         from loka_train.kernels.triton_tensorwise import (
@@ -427,15 +430,17 @@ def quantize_with_transpose(
 
         src = _both_layouts_input(t_RC)
         if static is not None:
-            data, scale, both_t = tensorwise_quant_static(src, static, fmt=fmt, both=True, relu=relu)
+            data, scale, both_t = tensorwise_quant_static(src, static, fmt=fmt, both=True, relu=relu, mask=mask)
             assert both_t is not None
             data_t = both_t
         else:
-            data, scale, data_t = tensorwise_quant_both(src, fmt=fmt, relu=relu)
+            data, scale, data_t = tensorwise_quant_both(src, fmt=fmt, relu=relu, mask=mask)
         return (
             QTensor(data=data, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
             QTensor(data=data_t, scale=scale, fmt=fmt, scaling=Scaling.TENSORWISE, axis=1),
         )
+    if mask is not None:
+        raise ValueError("quantize_with_transpose applies a mask in the two-layout cast only: mask the tensor first")
     q = quantize_operand(
         t_RC, fmt, plan, is_weight=is_weight, reference_quantizer=reference_quantizer, count_fallbacks=count_fallbacks,
         static=static, relu=relu,
@@ -497,7 +502,12 @@ class _PlannedLinearFn(torch.autograd.Function):
     grad-weight GEMM that does not take the forward's transposed payload over recomputes it
     (one more pass over ``x`` in the backward), and the gradient returned for ``x`` is the one
     for ``relu(x)``: fp8_linear masks it (:class:`_ReluGradFn` in eager code, the opaque op's
-    traced backward in compiled code)."""
+    traced backward in compiled code), unless the site before applies that mask.
+
+    With ``output_relu`` the output feeds a ReLU folded into the next site, which leaves the
+    ReLU's backward to this one: the gradient that arrives is the one for ``relu(y)``, and this
+    Function masks it with ``y``'s bits (:func:`relu_mask_bits`, taken in the forward), in the
+    two-layout cast of ``dY`` where that runs (``ctx.fuses_output_mask``), else first."""
 
     @staticmethod
     def forward(
@@ -511,6 +521,7 @@ class _PlannedLinearFn(torch.autograd.Function):
         grad_enabled: bool,
         static_slots: Tensor | None,
         input_relu: bool = False,
+        output_relu: bool = False,
     ) -> Tensor:
         dev = x.device.type
         rq = reference_quantizer
@@ -551,12 +562,18 @@ class _PlannedLinearFn(torch.autograd.Function):
                 y = y_MN
             else:
                 y = F.linear(torch.relu(xc) if input_relu else xc, wc, bc).to(odtype)
+            out_bits = None
+            if output_relu and grad_enabled and any(ctx.needs_input_grad[:3]):
+                out_bits = _output_bits(y)
+        ctx.fuses_output_mask = out_bits is not None and bool(need_x and need_w) and writes_both_layouts(
+            plan.grad_input, y, plan.grad_input.fmt, plan.grad_weight, plan.grad_weight.fmt, reference_quantizer=rq)
         ctx.save_for_backward(
             xc if x_q_t is None else None,
             wc,
             *((None, None) if x_q_t is None else (x_q_t.data, x_q_t.scale)),
             *((None, None) if w_q_t is None else (w_q_t.data, w_q_t.scale)),
             static_slots,
+            out_bits,
         )
         ctx.plan = plan
         ctx.reference_quantizer = rq
@@ -571,8 +588,13 @@ class _PlannedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        xc, wc, xq_data, xq_scale, wq_data, wq_scale, static_slots = ctx.saved_tensors
+        xc, wc, xq_data, xq_scale, wq_data, wq_scale, static_slots, out_bits = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
+        # The mask of a ReLU folded into the next site (output_relu): in dY's two-layout cast, or
+        # here first, unless the opaque op's traced backward has masked the gradient already.
+        out_mask = out_bits if ctx.fuses_output_mask else None
+        if out_bits is not None and out_mask is None and not getattr(ctx, "output_grad_masked", False):
+            grad_y = relu_grad_from_bits(grad_y, out_bits)
         rq: bool = ctx.reference_quantizer
         cdtype = ctx.cdtype
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -596,6 +618,8 @@ class _PlannedLinearFn(torch.autograd.Function):
                                         gw_takes_dy_t.fmt, reference_quantizer=rq)
                 and (dy_MN.is_contiguous() or is_row_strided(dy_MN))
             )
+            if out_mask is not None and not read_as_is:
+                dy_MN, out_mask = relu_grad_from_bits(dy_MN, out_mask), None
             if (plan.grad_input.is_fp8 or plan.grad_weight.is_fp8) and not dy_MN.is_contiguous() and not read_as_is:
                 # One copy for every quantizer that reads dY: a gradient that reaches the site
                 # as a slice of a concatenation's (rows strided apart) would otherwise be
@@ -613,6 +637,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                     dy_q, dy_q_t = quantize_with_transpose(
                         dy_MN, gi.fmt, gi, gw_takes_dy_t, gw_takes_dy_t.fmt, is_weight=False, reference_quantizer=rq,
                         count_fallbacks=True, static=None if static_slots is None else static_slots[_STATIC_DY],
+                        mask=out_mask,
                     )
                     dx_MK = fp8_gemm_planned(
                         dy_MN, wc.t(), gi, out_dtype=cdtype, role="grad_input", b_is_weight=True,
@@ -657,8 +682,8 @@ class _PlannedLinearFn(torch.autograd.Function):
             if need_b and ctx.has_bias and grad_b is None:
                 # A reduction of its own: summing dY's columns inside the two-layout cast made
                 # the casts about twice as slow in an H100 step, more than this pass costs.
-                grad_b = dy_MN.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+                grad_b = (dy_MN if out_mask is None else relu_grad_from_bits(dy_MN, out_mask)).sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _planned_linear_impl(
@@ -671,7 +696,9 @@ def _planned_linear_impl(
     grad_enabled: bool,
     static_slots: Tensor | None,
     input_relu: bool,
+    output_relu: bool,
     relu_mask: Tensor | None,
+    producer_masks: bool,
     autocast_dtype: torch.dtype | None,
     needs_grad: list[bool],
 ) -> list[Tensor]:
@@ -681,14 +708,16 @@ def _planned_linear_impl(
     # in both the forward and the backward op, undeclared in their schemas: no traced code
     # reads them (the host does, between steps), and a declared mutation would hand the
     # backward a functional copy whose updates are lost. ``relu_mask`` is for the op's
-    # backward alone (_relu_grad).
-    if input_relu and needs_grad[0] and relu_mask is None:
+    # backward alone (_relu_grad); ``producer_masks``: the site before applies that mask instead
+    # (its ``output_relu``).
+    if input_relu and needs_grad[0] and relu_mask is None and not producer_masks:
         raise ValueError("loka::planned_linear with input_relu and a gradient for x needs relu_mask (x, or "
-                         "relu_mask_bits(x)): without it the gradient of x would not be masked")
+                         "relu_mask_bits(x)) or a producer that masks: without it the gradient of x would not "
+                         "be masked")
     return opaque.run_forward(
         "planned_linear",
         (x, weight, bias, LinearPlan.from_key(plan), out_dtype, reference_quantizer, grad_enabled, static_slots,
-         input_relu),
+         input_relu, output_relu),
         needs_grad, autocast_dtype, x.device.type,
     )
 
@@ -714,13 +743,17 @@ def _relu_grad(grad_x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask <= 0, torch.zeros((), dtype=grad_x.dtype, device=grad_x.device), grad_x)
 
 
+_OUT_BITS = 7
+"""Where :class:`_PlannedLinearFn` saves the bits of an ``output_relu`` mask."""
+
 _planned_linear_op = opaque.define(
-    "planned_linear", _PlannedLinearFn, _planned_linear_impl, num_extra_args=3, traced_grads={2: _bias_grad},
-    masked_grads={0: (9, _relu_grad)},
+    "planned_linear", _PlannedLinearFn, _planned_linear_impl, num_extra_args=4, traced_grads={2: _bias_grad},
+    masked_grads={0: (10, _relu_grad)}, output_mask=(_OUT_BITS, _relu_grad),
 )
 """``fp8_linear`` as one opaque op for compiled code (``kernels.opaque``); its bias gradient is
 traced (:func:`_bias_grad`), and so is a folded ReLU's mask on the gradient of ``x`` (its
-argument ``relu_mask``: :func:`_relu_grad`)."""
+argument ``relu_mask``: :func:`_relu_grad`) and, with ``output_relu``, on the output's gradient
+where the Function does not apply it in its cast."""
 
 
 def folds_input_relu(plan: LinearPlan, x: Tensor, compiled_quantizer: str = "custom") -> bool:
@@ -745,6 +778,19 @@ def relu_mask_bits(x: Tensor) -> Tensor:
     keep = (~(x <= 0)).to(torch.uint8).view(*x.shape[:-1], x.shape[-1] // _BIT, _BIT)
     shifts = torch.arange(_BIT, dtype=torch.uint8, device=x.device)
     return torch.bitwise_left_shift(keep, shifts).sum(-1, dtype=torch.uint8)
+
+
+def _output_bits(y: Tensor) -> Tensor:
+    """:func:`relu_mask_bits` of an ``output_relu`` site's output: one Triton pass where Triton
+    runs on ``y`` (``triton_tensorwise.relu_bits``; not in traced code), else the torch ops."""
+    if not opaque.tracing() and TRITON_INSTALLED and y.is_contiguous():
+        from loka_train.kernels.triton_kernels import triton_runnable
+
+        if triton_runnable(y.device)[0]:
+            from loka_train.kernels.triton_tensorwise import relu_bits
+
+            return relu_bits(y)
+    return relu_mask_bits(y)
 
 
 def relu_grad_from_bits(grad: Tensor, bits: Tensor) -> Tensor:
@@ -801,6 +847,8 @@ def fp8_linear(
     static_slots: Tensor | None = None,
     input_relu: bool = False,
     mask_bits: bool = False,
+    input_relu_grad: bool = True,
+    output_relu: bool = False,
 ) -> Tensor:
     """``y = x W^T + b`` with each of its three GEMMs computed as ``plan`` says.
 
@@ -825,6 +873,14 @@ def fp8_linear(
             grad-weight that takes the forward's tensor-wise FP8 ``x`` over, keep the ReLU's
             mask for the backward as one bit an element (:func:`relu_mask_bits`) instead of
             ``x`` (``mods.relu_mask_bits``; the same gradients).
+        input_relu_grad: with ``input_relu``, apply the ReLU's backward to the gradient of ``x``
+            (True); False where the site that produced ``x`` applies it (its ``output_relu``):
+            the gradient returned for ``x`` is then the one for ``relu(x)``.
+        output_relu: the output feeds a ReLU folded into the next site (``input_relu`` with
+            ``input_relu_grad=False`` there), whose backward this layer applies to the gradient
+            it receives: in the two-layout FP8 cast of ``dY`` where that runs (no pass writes
+            the masked gradient), else before its GEMMs. The output's values are ``x W^T + b``
+            as ever. ``N`` a multiple of 8.
 
     Returns:
         ``(..., N)`` tensor.
@@ -840,6 +896,8 @@ def fp8_linear(
         raise ValueError(f"plan must be a LinearPlan, got {type(plan).__name__}")
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if output_relu and weight.shape[0] % _BIT:
+        raise ValueError(f"output_relu needs N a multiple of {_BIT} (its mask's bits), got N={weight.shape[0]}")
     if x.ndim != 2:
         # The GEMMs see rows either way. Folded out here (as aten::matmul folds, the output no
         # autograd view), the output takes in-place ops, and hooks on it (the Probe's) see its
@@ -851,10 +909,10 @@ def fp8_linear(
         if x_rows.shape[-1] != weight.shape[1]:  # rows zero-padded for aligned GEMMs: the weight too
             weight = F.pad(weight, (0, x_rows.shape[-1] - weight.shape[1]))
         y = _fp8_linear_rows(x_rows, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu,
-                             mask_bits)
+                             mask_bits, input_relu_grad, output_relu)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
     return _fp8_linear_rows(x, weight, bias, plan, out_dtype, compiled_quantizer, static_slots, input_relu,
-                            mask_bits)
+                            mask_bits, input_relu_grad, output_relu)
 
 
 _ALIGNED_K = 16
@@ -901,12 +959,15 @@ def _fp8_linear_rows(
     static_slots: Tensor | None,
     input_relu: bool,
     mask_bits: bool = False,
+    input_relu_grad: bool = True,
+    output_relu: bool = False,
 ) -> Tensor:
     """:func:`fp8_linear` of a 2-D ``x`` (its checks made): the ReLU's fold is decided on the
     rows the Function casts. ``mask_bits``: the folded ReLU's mask kept as bits where a backward
     will run and grad-weight takes the forward's FP8 ``x`` over (:func:`grad_weight_takes_x`;
     elsewhere the Function keeps ``x`` itself, and bits would be one more copy)."""
     if input_relu and not folds_input_relu(plan, x, compiled_quantizer):
+        # Masked by autograd here (and by the producer too where it masks: the same mask again).
         x, input_relu = torch.relu(x), False
     bits = input_relu and (mask_bits and x.shape[-1] % _BIT == 0 and torch.is_grad_enabled() and x.requires_grad
                            and weight.requires_grad and grad_weight_takes_x(plan))
@@ -916,7 +977,7 @@ def _fp8_linear_rows(
         # hand the op a view of x, which compiled code split between the two (the DDP
         # optimizer's buckets) recreates outside autograd, losing the mask.
         relu_mask = None
-        if input_relu and torch.is_grad_enabled() and x.requires_grad:
+        if input_relu and input_relu_grad and torch.is_grad_enabled() and x.requires_grad:
             relu_mask = relu_mask_bits(x) if bits else x
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:
@@ -926,12 +987,12 @@ def _fp8_linear_rows(
             # as it is: its FP8 gradient's dtype follows the weight's.
             x = x.to(autocast)
         return _planned_linear_op(
-            x, weight, bias, plan.key, out_dtype, False, True, static_slots, input_relu, relu_mask, autocast,
-            opaque.needs_grad(x, weight, bias),
+            x, weight, bias, plan.key, out_dtype, False, True, static_slots, input_relu, output_relu, relu_mask,
+            not input_relu_grad, autocast, opaque.needs_grad(x, weight, bias),
         )[0]
-    if input_relu:
+    if input_relu and input_relu_grad:
         x = _ReluGradFn.apply(x, bits)
     return _PlannedLinearFn.apply(
         x, weight, bias, plan, out_dtype, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(),
-        static_slots, input_relu,
+        static_slots, input_relu, output_relu,
     )

@@ -302,6 +302,7 @@ def define(
     num_extra_args: int,
     traced_grads: Mapping[int, Callable[[Mapping[str, Any], Tensor], Tensor]] | None = None,
     masked_grads: Mapping[int, tuple[int, Callable[[Tensor, Tensor], Tensor]]] | None = None,
+    output_mask: tuple[int, Callable[[Tensor, Tensor], Tensor]] | None = None,
 ) -> Any:
     """Define the custom op ``loka::<name>`` as the opaque form of ``fn_cls`` and return it.
 
@@ -323,6 +324,14 @@ def define(
     is a view of its input, and where the compiled graph is split between it and the op (the
     DDP optimizer's buckets), the compiled code recreates that view outside
     autograd and the Function's backward is lost.
+
+    ``output_mask`` ``(k, mask)``: where the forward saved a tensor at position ``k`` of its saved
+    tensors (not None), the output's gradient is ``mask(gradient, that tensor)``: the traced
+    gradients are computed from the masked one, and so is ``fn_cls.backward``'s, which gets it
+    masked in traced code (its ctx's ``output_grad_masked`` set) unless its forward set
+    ``ctx.fuses_output_mask`` (it applies the mask itself, as its quantizer reads the gradient).
+    A ReLU folded into the next layer whose backward the layer before applies
+    (``kernels.linear``'s ``output_relu``).
     """
     traced = dict(traced_grads or {})
     masked = dict(masked_grads or {})
@@ -338,6 +347,12 @@ def define(
         tensors = [a for a in inputs if isinstance(a, Tensor)]
         saved = [_rebuild(r, tensors, output) for r in fwd.refs]
         needs = list(fwd.needs_input_grad)
+        attrs = dict(fwd.attrs)
+        ctx.loka_output_mask = None  # its position among the tensors saved below
+        if output_mask is not None and output_mask[0] < len(saved) and saved[output_mask[0]] is not None:
+            ctx.loka_output_mask = sum(s is not None for s in saved[:output_mask[0]])
+            if not attrs.get("fuses_output_mask", False):
+                attrs["output_grad_masked"] = True
         masks = [(i, inputs[j]) for i, (j, _) in sorted(masked.items())
                  if i < len(needs) and needs[i] and isinstance(inputs[j], Tensor)]
         ctx.loka_masks = [i for i, _ in masks]
@@ -347,10 +362,10 @@ def define(
         ctx.loka_traced = [i for i in sorted(traced) if i < len(needs) and needs[i] and i not in own]
         for i in ctx.loka_traced:
             needs[i] = False  # computed in the traced backward below, not by the Function
-        ctx.loka_attrs = fwd.attrs
+        ctx.loka_attrs = attrs
         ctx.loka_state = json.dumps({
             "fn": name,
-            "attrs": {k: _encode(v) for k, v in fwd.attrs.items()},
+            "attrs": {k: _encode(v) for k, v in attrs.items()},
             "saved_none": [s is None for s in saved],
             "needs_input_grad": needs,
             "device_type": fwd.device_type,
@@ -362,14 +377,19 @@ def define(
         num_fn_args = ctx.loka_num_args - num_extra_args
         if grad is None:
             return (None,) * ctx.loka_num_args
-        # The traced gradients first: traced before the op, inductor can fuse them with the code
-        # that produces ``grad`` (on the CPU it does; a GPU's split reduction may stay apart);
-        # after it, they became passes of their own.
-        traced_grads = {i: traced[i](ctx.loka_attrs, grad) for i in ctx.loka_traced}
         saved = list(ctx.saved_tensors)
         kept = len(saved) - len(ctx.loka_masks)
         saved, masks = saved[:kept], dict(zip(ctx.loka_masks, saved[kept:], strict=True))
-        given = iter(_fn_backward(grad, saved, ctx.loka_state))
+        grad_out = grad  # the output's gradient, with output_mask's mask where the forward saved one
+        if ctx.loka_output_mask is not None:
+            assert output_mask is not None
+            grad_out = output_mask[1](grad, saved[ctx.loka_output_mask])
+        # The traced gradients first: traced before the op, inductor can fuse them with the code
+        # that produces ``grad`` (on the CPU it does; a GPU's split reduction may stay apart);
+        # after it, they became passes of their own.
+        traced_grads = {i: traced[i](ctx.loka_attrs, grad_out) for i in ctx.loka_traced}
+        given = iter(_fn_backward(grad_out if ctx.loka_attrs.get("output_grad_masked") else grad, saved,
+                                  ctx.loka_state))
         present: tuple[bool, ...] = _last.backward
         fn_grads = list(next(given) if p else None for p in present)[:num_fn_args]
         fn_grads += [None] * (num_fn_args - len(fn_grads))

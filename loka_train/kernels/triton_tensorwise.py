@@ -48,6 +48,7 @@ from loka_train.kernels.triton_kernels import (
 )
 
 __all__ = [
+    "relu_bits",
     "tensorwise_quant",
     "tensorwise_quant_both",
     "tensorwise_quant_reference",
@@ -87,17 +88,29 @@ def _input(x, RELU: tl.constexpr):
 
 
 @triton.jit
-def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, RELU: tl.constexpr):
+def _masked(x, mask_ptr, byte, bit, in_range, MASK: tl.constexpr):
+    """``x`` where bit ``bit`` of byte ``byte`` of the mask is set, else 0, with ``MASK`` (a folded
+    ReLU's backward on a gradient: :func:`kernels.linear.relu_mask_bits` of the pre-activation)."""
+    if MASK:
+        b = tl.load(mask_ptr + byte, mask=in_range, other=0).to(tl.int32)
+        x = tl.where(((b >> bit.to(tl.int32)) & 1) != 0, x, 0.0)
+    return x
+
+
+@triton.jit
+def _amax_partial_kernel(x_ptr, partial_ptr, N, mask_ptr, BLOCK: tl.constexpr, RELU: tl.constexpr,
+                         MASK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = _input(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32), RELU)
+    x = _masked(x, mask_ptr, offs // 8, offs % 8, offs < N, MASK)
     # A block with a non-finite value reports inf (the scale is then NaN).
     tl.store(partial_ptr + pid, _block_amax(x))
 
 
 @triton.jit
-def _amax_partial_rows_kernel(x_ptr, partial_ptr, R, C, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                              RELU: tl.constexpr):
+def _amax_partial_rows_kernel(x_ptr, partial_ptr, R, C, stride_r, mask_ptr, BLOCK_R: tl.constexpr,
+                              BLOCK_C: tl.constexpr, RELU: tl.constexpr, MASK: tl.constexpr):
     """_amax_partial_kernel over (BLOCK_R, BLOCK_C) tiles of an (R, C) input whose rows lie
     ``stride_r`` elements apart."""
     t = tl.program_id(0)
@@ -106,7 +119,9 @@ def _amax_partial_rows_kernel(x_ptr, partial_ptr, R, C, stride_r, BLOCK_R: tl.co
     cols = (t % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask, other=0.0)
-    tl.store(partial_ptr + t, _tile_amax(_input(x.to(tl.float32), RELU)))
+    x = _masked(_input(x.to(tl.float32), RELU), mask_ptr, rows[:, None].to(tl.int64) * (C // 8) + cols[None, :] // 8,
+                cols[None, :] % 8, mask, MASK)
+    tl.store(partial_ptr + t, _tile_amax(x))
 
 
 @triton.jit
@@ -221,29 +236,34 @@ def _cast_kernel(
     FMA_DIV: tl.constexpr,
     RELU: tl.constexpr,
     STAGES: tl.constexpr,
+    mask_ptr,
+    MASK: tl.constexpr,
 ):
-    """The cast of ``x`` (through a ReLU with ``RELU``, :func:`_input`) in blocks, each program
+    """The cast of ``x`` (through a ReLU with ``RELU``, :func:`_input`; zeroed where the mask's
+    bit is clear with ``MASK``, :func:`_masked`) in blocks, each program
     looping over every ``num_programs``-th block (a persistent grid, ``STAGES`` loads in flight);
     ``STORE_AMAX`` also stores each program's amax over its blocks (the static-scale pass reads
     ``x`` once for both); ``GATED`` (the static-scale recast) runs only where ``gate`` holds 1."""
     if GATED:
         if tl.load(gate_ptr) != 0:
-            _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL,
-                         False, FMA_DIV, RELU, STAGES)
+            _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, mask_ptr, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC,
+                         Q_MIN_NORMAL, False, FMA_DIV, RELU, STAGES, MASK)
     else:
-        _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL,
-                     STORE_AMAX, FMA_DIV, RELU, STAGES)
+        _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, mask_ptr, FP8_MAX, BLOCK, Q_MANT, Q_SUB_MAGIC,
+                     Q_MIN_NORMAL, STORE_AMAX, FMA_DIV, RELU, STAGES, MASK)
 
 
 @triton.jit
-def _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+def _cast_blocks(x_ptr, scale_ptr, q_ptr, N, partial_ptr, mask_ptr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
                  Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
-                 STORE_AMAX: tl.constexpr, FMA_DIV: tl.constexpr, RELU: tl.constexpr, STAGES: tl.constexpr):
+                 STORE_AMAX: tl.constexpr, FMA_DIV: tl.constexpr, RELU: tl.constexpr, STAGES: tl.constexpr,
+                 MASK: tl.constexpr):
     amax = tl.zeros((), tl.float32)
     for blk in tl.range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0), num_stages=STAGES):
         offs = (tl.zeros((BLOCK,), tl.int64) + blk) * BLOCK + tl.arange(0, BLOCK)  # int64: N may pass 2**31
         mask = offs < N
         x = _input(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), RELU)
+        x = _masked(x, mask_ptr, offs // 8, offs % 8, mask, MASK)
         q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         if STORE_AMAX:
@@ -275,6 +295,8 @@ def _cast_both_kernel(
     ROWS_APART: tl.constexpr,
     RELU: tl.constexpr,
     STAGES: tl.constexpr,
+    mask_ptr,
+    MASK: tl.constexpr,
 ):
     """_cast_kernel on (BLOCK_R, BLOCK_C) tiles of the (R, C) input (row-major tile order),
     stored as they are into ``q`` and transposed into ``qt`` (C, R); ``STORE_AMAX``, ``GATED``,
@@ -283,18 +305,21 @@ def _cast_both_kernel(
     contiguous cast measured faster with)."""
     if GATED:
         if tl.load(gate_ptr) != 0:
-            _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, FP8_MAX, BLOCK_R, BLOCK_C,
-                             Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, FMA_DIV, ROWS_APART, RELU, STAGES)
+            _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, mask_ptr, FP8_MAX, BLOCK_R,
+                             BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False, FMA_DIV, ROWS_APART, RELU, STAGES,
+                             MASK)
     else:
-        _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, FP8_MAX, BLOCK_R, BLOCK_C,
-                         Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV, ROWS_APART, RELU, STAGES)
+        _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, mask_ptr, FP8_MAX, BLOCK_R,
+                         BLOCK_C, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, STORE_AMAX, FMA_DIV, ROWS_APART, RELU, STAGES,
+                         MASK)
 
 
 @triton.jit
-def _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr,
+def _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_ptr, mask_ptr,
                      FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, Q_MANT: tl.constexpr,
                      Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr, STORE_AMAX: tl.constexpr,
-                     FMA_DIV: tl.constexpr, ROWS_APART: tl.constexpr, RELU: tl.constexpr, STAGES: tl.constexpr):
+                     FMA_DIV: tl.constexpr, ROWS_APART: tl.constexpr, RELU: tl.constexpr, STAGES: tl.constexpr,
+                     MASK: tl.constexpr):
     tiles_c = tl.cdiv(C, BLOCK_C)
     amax = tl.zeros((), tl.float32)
     for t in tl.range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * tiles_c, tl.num_programs(0), num_stages=STAGES):
@@ -308,6 +333,9 @@ def _cast_both_tiles(x_ptr, scale_ptr, q_ptr, qt_ptr, R, C, stride_r, partial_pt
         else:
             x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         x = _input(x.to(tl.float32), RELU)
+        # The mask's bits are contiguous, (R, C / 8), whatever x's row stride.
+        x = _masked(x, mask_ptr, rows[:, None].to(tl.int64) * (C // 8) + cols[None, :] // 8, cols[None, :] % 8, mask,
+                    MASK)
         q = _codes(x, scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, FMA_DIV).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + offs, q, mask=mask)
         # The compiler routes the tile through shared memory: both stores are coalesced.
@@ -343,15 +371,46 @@ def _static_check_kernel(partial_ptr, P, slot_ptr, scale_ptr, gate_ptr, inv_max,
     tl.store(slot_ptr, tl.where(fits | ~finite | (amax == 0.0), static, seed))
 
 
+_BITS_BLOCK = 1024
+"""Bytes a program of :func:`relu_bits` writes (8192 elements read)."""
+
+
+@triton.jit
+def _relu_bits_kernel(y_ptr, bits_ptr, NB, BLOCK: tl.constexpr):
+    """Byte ``i``: bit ``j`` set where element ``8 i + j`` of ``y`` is not ``<= 0`` (NaN kept)."""
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    in_range = byte[:, None] < NB
+    y = tl.load(y_ptr + byte[:, None] * 8 + j[None, :], mask=in_range, other=0.0).to(tl.float32)
+    keep = tl.where(y <= 0.0, 0, 1)
+    tl.store(bits_ptr + byte, tl.sum(keep << j[None, :], axis=1).to(tl.uint8), mask=byte < NB)
+
+
+def relu_bits(y: Tensor) -> Tensor:
+    """:func:`kernels.linear.relu_mask_bits` of a contiguous ``y`` whose last dim is a multiple of
+    8, in one pass (``y`` read once, an eighth of a byte an element written): the mask of a
+    folded ReLU's backward, taken by its producer from its own output (``output_relu`` of
+    ``kernels.fp8_linear``)."""
+    if not (y.is_contiguous() and y.shape[-1] % 8 == 0):
+        raise ValueError(f"relu_bits needs a contiguous input with a last dim a multiple of 8, got "
+                         f"{tuple(y.shape)} with strides {y.stride()}")
+    _check_runnable(y)
+    bits = torch.empty((*y.shape[:-1], y.shape[-1] // 8), device=y.device, dtype=torch.uint8)
+    nb = bits.numel()
+    if nb:
+        _relu_bits_kernel[(_cdiv(nb, _BITS_BLOCK),)](y, bits, nb, BLOCK=_BITS_BLOCK, num_warps=8)
+    return bits
+
+
 @functools.cache
 def _reciprocal(v: float) -> float:
     """``1 / v`` rounded to fp32, as PyTorch's CUDA division by a scalar computes it."""
     return float(torch.tensor(1.0, dtype=torch.float32) / v)
 
 
-def _scale(x: Tensor, fmt_: Any, relu: bool = False) -> Tensor:
-    """The tensor-wise scale of ``x`` (of ``relu(x)`` with ``relu``; amax partials, then one
-    program): a 0-dim fp32 tensor."""
+def _scale(x: Tensor, fmt_: Any, relu: bool = False, mask: Tensor | None = None) -> Tensor:
+    """The tensor-wise scale of ``x`` (of ``relu(x)`` with ``relu``, of ``x`` zeroed where the
+    ``mask`` bits are clear with ``mask``; amax partials, then one program): a 0-dim fp32 tensor."""
     scale = torch.empty((), device=x.device, dtype=torch.float32)
     n = x.numel()
     if n == 0:
@@ -359,13 +418,14 @@ def _scale(x: Tensor, fmt_: Any, relu: bool = False) -> Tensor:
     if x.is_contiguous():
         num_blocks = _cdiv(n, _BLOCK)
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
-        _amax_partial_kernel[(num_blocks,)](x, partial, n, BLOCK=_BLOCK, num_warps=8, RELU=relu)
+        _amax_partial_kernel[(num_blocks,)](x, partial, n, x if mask is None else mask, BLOCK=_BLOCK, num_warps=8,
+                                            RELU=relu, MASK=mask is not None)
     else:  # rows apart (_checked allows it for the two-layout cast only)
         num_blocks = _num_tiles(x, True)
         partial = torch.empty(num_blocks, device=x.device, dtype=torch.float32)
         _amax_partial_rows_kernel[(num_blocks,)](
-            x, partial, x.shape[0], x.shape[1], x.stride(0), BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
-            RELU=relu,
+            x, partial, x.shape[0], x.shape[1], x.stride(0), x if mask is None else mask, BLOCK_R=_TILE_R,
+            BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS, RELU=relu, MASK=mask is not None,
         )
     _scale_kernel[(1,)](
         partial, scale, num_blocks, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
@@ -387,27 +447,31 @@ def _checked(x: Tensor, fmt: str, *, rows_apart: bool = False) -> Any:
 
 def _cast(
     x: Tensor, scale: Tensor, q: Tensor, q_t: Tensor | None, fmt_: Any, *, partial: Tensor | None = None,
-    gate: Tensor | None = None, relu: bool = False,
+    gate: Tensor | None = None, relu: bool = False, mask: Tensor | None = None,
 ) -> None:
-    """One cast pass of ``x`` (of ``relu(x)`` with ``relu``) into ``q`` (and its transpose into
+    """One cast pass of ``x`` (of ``relu(x)`` with ``relu``, zeroed where the ``mask`` bits are
+    clear with ``mask``) into ``q`` (and its transpose into
     ``q_t`` when given) with the scale at ``scale``'s first element; with ``partial``, also each
     program's amax; with ``gate``, only where it holds 1."""
     qr = _sw_round_args(q.dtype)
     common = dict(
         FP8_MAX=fmt_.max, Q_MANT=qr["MANT"], Q_SUB_MAGIC=qr["SUB_MAGIC"], Q_MIN_NORMAL=qr["MIN_NORMAL"],
         STORE_AMAX=partial is not None, GATED=gate is not None, FMA_DIV=x.device.type == "cuda", RELU=relu,
+        MASK=mask is not None,
     )
     unused = scale  # a pointer the kernel does not read when its flag is off
     p = unused if partial is None else partial
     g = unused if gate is None else gate
+    m = unused if mask is None else mask
     grid = (_num_programs(x, q_t is not None),)
     if q_t is None:
-        _cast_kernel[grid](x, scale, q, x.numel(), p, g, BLOCK=_BLOCK, num_warps=8, STAGES=_STAGES, **common)
+        _cast_kernel[grid](x, scale, q, x.numel(), p, g, BLOCK=_BLOCK, num_warps=8, STAGES=_STAGES, mask_ptr=m,
+                           **common)
     else:
         r, c = x.shape
         _cast_both_kernel[grid](
             x, scale, q, q_t, r, c, x.stride(0), p, g, BLOCK_R=_TILE_R, BLOCK_C=_TILE_C, num_warps=_BOTH_WARPS,
-            ROWS_APART=not x.is_contiguous(), STAGES=_STAGES, **common,
+            ROWS_APART=not x.is_contiguous(), STAGES=_STAGES, mask_ptr=m, **common,
         )
 
 
@@ -461,27 +525,45 @@ def _tensorwise_quant_impl(x: Tensor, fmt: str, relu: bool = False) -> tuple[Ten
     return q, scale
 
 
-def _tensorwise_quant_both_impl(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def _checked_mask(x: Tensor, mask: Tensor | None) -> None:
+    """A two-layout cast's ``mask``: the bits of :func:`kernels.linear.relu_mask_bits` for ``x``."""
+    if mask is None:
+        return
+    r, c = x.shape
+    if (c % 8 or mask.dtype != torch.uint8 or tuple(mask.shape) != (r, c // 8) or not mask.is_contiguous()
+            or mask.device != x.device):
+        raise ValueError(
+            f"the two-layout cast's mask must be contiguous uint8 bits of shape ({r}, {c} / 8) on {x.device} "
+            f"(relu_mask_bits of the pre-activation), got {mask.dtype} {tuple(mask.shape)} on {mask.device}")
+
+
+def _tensorwise_quant_both_impl(
+    x: Tensor, fmt: str, relu: bool = False, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt, rows_apart=True)
     _checked_2d(x, "tensorwise_quant_both")
+    _checked_mask(x, mask)
     x = _two_layout_input(x)
     r, c = x.shape
     q = torch.empty((r, c), device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((c, r), device=x.device, dtype=fmt_.dtype)
-    scale = _scale(x, fmt_, relu)
+    scale = _scale(x, fmt_, relu, mask)
     if x.numel():
-        _cast(x, scale, q, q_t if _transposes_in_kernel(x) else None, fmt_, relu=relu)
+        _cast(x, scale, q, q_t if _transposes_in_kernel(x) else None, fmt_, relu=relu, mask=mask)
         _transpose_payload(x, q, q_t)
     return q, scale, q_t
 
 
 def _tensorwise_quant_static_impl(
-    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False
+    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     fmt_ = _checked(x, fmt, rows_apart=both)
     static_scales.check_slot(slot, x.device)
+    if mask is not None and not both:
+        raise ValueError("tensorwise_quant_static takes a mask with both=True only")
     if both:
         _checked_2d(x, "tensorwise_quant_static")
+        _checked_mask(x, mask)
         x = _two_layout_input(x)
     q = torch.empty(x.shape, device=x.device, dtype=fmt_.dtype)
     q_t = torch.empty((x.shape[1], x.shape[0]) if both else (0,), device=x.device, dtype=fmt_.dtype)
@@ -494,13 +576,13 @@ def _tensorwise_quant_static_impl(
     gate = torch.empty((), device=x.device, dtype=torch.int32)
     # Cast with the slot's scale (its first element), reading x once for the codes and the amax;
     # then decide, and recast with the dynamic scale only where the static one does not fit.
-    _cast(x, slot, q, tile_q_t, fmt_, partial=partial, relu=relu)
+    _cast(x, slot, q, tile_q_t, fmt_, partial=partial, relu=relu, mask=mask)
     _static_check_kernel[(1,)](
         partial, num_programs, slot, scale, gate, _reciprocal(fmt_.max), FP8_MAX=fmt_.max,
         HEADROOM=static_scales.headroom(Fp8Format(fmt)), RECIPROCAL=x.device.type == "cuda", BLOCK=_FINAL_BLOCK,
         num_warps=4,
     )
-    _cast(x, scale, q, tile_q_t, fmt_, gate=gate, relu=relu)
+    _cast(x, scale, q, tile_q_t, fmt_, gate=gate, relu=relu, mask=mask)
     if both:
         _transpose_payload(x, q, q_t)
     return q, scale, q_t
@@ -517,12 +599,16 @@ def _tensorwise_quant_fake(x: Tensor, fmt: str, relu: bool = False) -> tuple[Ten
 
 
 @torch.library.custom_op("loka::tensorwise_quant_both", mutates_args=())
-def _tensorwise_quant_both_op(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_both_impl(x, fmt, relu)
+def _tensorwise_quant_both_op(
+    x: Tensor, fmt: str, relu: bool = False, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _tensorwise_quant_both_impl(x, fmt, relu, mask)
 
 
 @_tensorwise_quant_both_op.register_fake
-def _tensorwise_quant_both_fake(x: Tensor, fmt: str, relu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def _tensorwise_quant_both_fake(
+    x: Tensor, fmt: str, relu: bool = False, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     dtype = Fp8Format(fmt).dtype
     r, c = x.shape
     return x.new_empty((r, c), dtype=dtype), x.new_empty((), dtype=torch.float32), x.new_empty((c, r), dtype=dtype)
@@ -530,14 +616,14 @@ def _tensorwise_quant_both_fake(x: Tensor, fmt: str, relu: bool = False) -> tupl
 
 @torch.library.custom_op("loka::tensorwise_quant_static", mutates_args=("slot",))
 def _tensorwise_quant_static_op(
-    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False
+    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _tensorwise_quant_static_impl(x, slot, fmt, both, relu)
+    return _tensorwise_quant_static_impl(x, slot, fmt, both, relu, mask)
 
 
 @_tensorwise_quant_static_op.register_fake
 def _tensorwise_quant_static_fake(
-    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False
+    x: Tensor, slot: Tensor, fmt: str, both: bool, relu: bool = False, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     dtype = Fp8Format(fmt).dtype
     q_t = x.new_empty((x.shape[1], x.shape[0]) if both else (0,), dtype=dtype)
@@ -571,7 +657,7 @@ def tensorwise_quant(
 
 
 def tensorwise_quant_both(
-    x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, relu: bool = False
+    x: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, relu: bool = False, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`tensorwise_quant` of a 2-D tensor that also writes the payload's transpose,
     contiguous, in the same pass for a 16-bit input (op ``loka::tensorwise_quant_both``; an
@@ -583,10 +669,14 @@ def tensorwise_quant_both(
             copied contiguous first).
         fmt: e4m3 or e5m2.
         relu: as in :func:`tensorwise_quant`.
+        mask: quantize ``x`` zeroed where the bits are clear: a folded ReLU's backward on a
+            gradient, applied as the pass reads it (:func:`kernels.linear.relu_mask_bits` of the
+            pre-activation, uint8 ``(R, C / 8)``, contiguous; ``C`` a multiple of 8).
 
     Returns:
         ``(q, scale, q_t)``: ``q`` and ``scale`` as :func:`tensorwise_quant` returns them for
-        ``x.contiguous()`` (bit for bit), ``q_t`` equal to ``q.t()``, both contiguous.
+        ``x.contiguous()`` (of :func:`kernels.linear.relu_grad_from_bits` of it with ``mask``;
+        bit for bit), ``q_t`` equal to ``q.t()``, both contiguous.
 
     Raises:
         ValueError: for a non-2-D input, one neither contiguous nor with only its rows apart,
@@ -595,12 +685,13 @@ def tensorwise_quant_both(
     """
     fmt_s = as_format(fmt).value
     if opaque.tracing():
-        return torch.ops.loka.tensorwise_quant_both(x, fmt_s, relu)
-    return _tensorwise_quant_both_impl(x, fmt_s, relu)
+        return torch.ops.loka.tensorwise_quant_both(x, fmt_s, relu, mask)
+    return _tensorwise_quant_both_impl(x, fmt_s, relu, mask)
 
 
 def tensorwise_quant_static(
-    x: Tensor, slot: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, both: bool = False, relu: bool = False
+    x: Tensor, slot: Tensor, *, fmt: Fp8Format = Fp8Format.E4M3, both: bool = False, relu: bool = False,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Tensor-wise quantization with the static scale that ``slot`` holds, where it fits ``x``
     (op ``loka::tensorwise_quant_static``; ``kernels.static_scales`` says when it fits and how
@@ -616,6 +707,8 @@ def tensorwise_quant_static(
         both: also write the payload's transpose, contiguous (as
             :func:`tensorwise_quant_both` does).
         relu: as in :func:`tensorwise_quant` (the slot's fit and amax are ``torch.relu(x)``'s).
+        mask: with ``both``, as in :func:`tensorwise_quant_both` (the fit and amax are the
+            masked tensor's).
 
     Returns:
         ``(q, scale, q_t)``: bit for bit :func:`static_scales.quantize_static_reference`'s
@@ -628,9 +721,9 @@ def tensorwise_quant_static(
     """
     fmt_s = as_format(fmt).value
     if opaque.tracing():
-        q, scale, q_t = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both, relu)
+        q, scale, q_t = torch.ops.loka.tensorwise_quant_static(x, slot, fmt_s, both, relu, mask)
     else:
-        q, scale, q_t = _tensorwise_quant_static_impl(x, slot, fmt_s, both, relu)
+        q, scale, q_t = _tensorwise_quant_static_impl(x, slot, fmt_s, both, relu, mask)
     return q, scale, (q_t if both else None)
 
 

@@ -140,6 +140,67 @@ def test_input_relu_is_the_linear_of_the_relu(plan, static, compiled):
         assert torch.equal(got_slots, want_slots)
 
 
+
+@pytest.mark.parametrize("producer", [TW, MIXED, LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton"),
+                                      LinearPlan.high_precision()],
+                         ids=["tensorwise", "fp8_forward_only", "rowwise", "high"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_producer_applies_a_folded_relus_backward(producer, static, compiled, monkeypatch):
+    """``fp8_linear(x, output_relu=True)`` then ``fp8_linear(y, input_relu=True,
+    input_relu_grad=False)`` is the two layers with a ReLU between: output and every gradient bit
+    for bit, over a seed, a fit and a recast, eagerly and through the opaque op (aot_eager). The
+    producer's mask goes into its dY cast where both its backward GEMMs are tensor-wise (the
+    first plan), before its GEMMs elsewhere."""
+    from loka_train.kernels import linear
+
+    masks_in_casts = []
+    quantize = linear.quantize_with_transpose
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        masks_in_casts.append(kwargs.get("mask") is not None)
+        return quantize(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "quantize_with_transpose", spy)
+    w0, b0 = torch.randn(24, 48), torch.randn(24)
+    w1, b1 = torch.randn(16, 24), torch.randn(16)
+    xs = [torch.randn(3, 20, 48) * s for s in (1.0, 1.5, 60.0)]
+    g = torch.randn(3, 20, 16)
+
+    def run(folded: bool):  # type: ignore[no-untyped-def]
+        slots = [ss.new_slots(2, margin=2.0, spread=16.0, device=torch.device("cpu")) if static else None
+                 for _ in range(2)]
+
+        def f(x, wa, ba, wb, bb):  # type: ignore[no-untyped-def]
+            if folded:
+                h = fp8_linear(x, wa, ba, producer, static_slots=slots[0], output_relu=True)
+                return fp8_linear(h, wb, bb, TW, static_slots=slots[1], input_relu=True, input_relu_grad=False)
+            h = fp8_linear(x, wa, ba, producer, static_slots=slots[0])
+            return fp8_linear(torch.relu(h), wb, bb, TW, static_slots=slots[1])
+
+        torch._dynamo.reset()
+        fn = torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f
+        outs = []
+        for x in xs:
+            params = [t.clone().requires_grad_() for t in (x, w0, b0, w1, b1)]
+            y = fn(*params)
+            y.backward(g)
+            outs += [y.detach(), *(t.grad for t in params)]
+        return outs, slots
+
+    got, got_slots = run(True)
+    assert any(masks_in_casts) == (producer is TW)
+    want, want_slots = run(False)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    if static:
+        assert all(torch.equal(a, b) for a, b in zip(got_slots, want_slots, strict=True))
+
+
+def test_output_relu_needs_n_a_multiple_of_8():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        fp8_linear(torch.randn(4, 8), torch.randn(12, 8), None, TW, output_relu=True)
+
 def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8))
 

@@ -172,3 +172,69 @@ def test_relu_data_with_signed_zeros_is_bit_identical(fmt):
         assert (q.view(torch.uint8) == 0x80).any()  # negative zeros kept
         q, scale, q_t = tt.tensorwise_quant_both(t, fmt=fmt)
         assert _same(q, rq) and _same(q_t, rq.t().contiguous())
+
+
+# ------------------------------------------------------- a folded ReLU's backward in the cast
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_the_two_layout_casts_apply_a_relu_mask_as_they_read(fmt, dtype, static, monkeypatch):
+    """A gradient cast with the mask of a folded ReLU (its pre-activation's bits) is bit for bit
+    the cast of the masked gradient, in several tiles a program, with rows apart too; a NaN the
+    mask clears is a zero, one it keeps makes the scale NaN."""
+    from loka_train.kernels.linear import relu_grad_from_bits, relu_mask_bits
+
+    monkeypatch.setattr(tt, "_TILE_R", 16)
+    monkeypatch.setattr(tt, "_TILE_C", 16)
+    monkeypatch.setattr(tt, "_BLOCK", 256)
+    monkeypatch.setattr(tt, "multiprocessors", lambda device: 1)  # 2 programs: each loops
+    g = torch.Generator().manual_seed(4)
+    wide = (3 * torch.randn(37, 96, generator=g)).to(dtype)
+    pre = torch.randn(37, 48, generator=g).to(torch.bfloat16)
+    pre[0, :9] = 0.0  # zeros clear their bit, as threshold_backward zeroes the gradient there
+    pre[5, 7] = -0.0
+    bits = relu_mask_bits(pre)
+    for dy in (wide[:, :48].contiguous(), wide[:, :48]):  # contiguous, and rows apart
+        dy = dy.clone() if dy.is_contiguous() else dy
+        dy[36, 40] = 500.0 if pre[36, 40] > 0 else -500.0  # the amax: kept or cleared by the mask
+        ref_in = relu_grad_from_bits(dy.contiguous(), bits)
+        if static:
+            slot, ref_slot = (static_scales.new_slots(1, margin=2.0, spread=16.0, device=dy.device)[0]
+                              for _ in range(2))
+            for t in (1.0, 1.5, 60.0):
+                q, scale, q_t = tt.tensorwise_quant_static(dy * t, slot, fmt=fmt, both=True, mask=bits)
+                rq, rs = static_scales.quantize_static_reference(ref_in * t, ref_slot, fmt)
+                assert torch.equal(scale, rs) and _same(q, rq) and torch.equal(slot, ref_slot)
+                assert _same(q_t, rq.t().contiguous())
+        else:
+            q, scale, q_t = tt.tensorwise_quant_both(dy, fmt=fmt, mask=bits)
+            rq, rs = tt.tensorwise_quant_reference(ref_in, fmt=fmt)
+            assert torch.equal(scale, rs) and _same(q, rq) and _same(q_t, rq.t().contiguous())
+    nan = wide[:, :48].contiguous()
+    nan[0, 3] = float("nan")  # under a cleared bit (pre[0, 3] == 0)
+    q, scale, _ = tt.tensorwise_quant_both(nan, fmt=fmt, mask=bits)
+    assert torch.isfinite(scale) and q.view(torch.uint8)[0, 3] == 0
+    nan[1, 3] = float("nan") if pre[1, 3] > 0 else nan[1, 3]
+    kept = bool(pre[1, 3] > 0)
+    q, scale, _ = tt.tensorwise_quant_both(nan, fmt=fmt, mask=bits)
+    assert bool(torch.isnan(scale)) == kept
+
+
+def test_the_two_layout_casts_refuse_a_mask_of_another_shape_or_kind():
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    for bad in (torch.zeros(8, 3, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.int32),
+                torch.zeros(2, 8, dtype=torch.uint8).t()):
+        with pytest.raises(ValueError, match="mask"):
+            tt.tensorwise_quant_both(x, mask=bad)
+    slot = static_scales.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+    with pytest.raises(ValueError, match="both=True"):
+        tt.tensorwise_quant_static(x, slot, mask=torch.zeros(8, 2, dtype=torch.uint8))
+
+
+def test_opcheck_both_layouts_with_a_mask():
+    x = torch.randn(5, 16)
+    bits = torch.randint(0, 256, (5, 2), dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.loka.tensorwise_quant_both.default, (x, "e5m2", False, bits),
+                          test_utils=("test_schema", "test_faketensor"))
