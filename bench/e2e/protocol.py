@@ -205,7 +205,7 @@ def decide_overrides(interval: int) -> tuple[str, ...]:
 
 SHARED_DECISION_OVERRIDES = (
     "loka.mods.static_scales=true", "loka.mods.static_scales=false", "loka.mods.fold_relu=false",
-    "loka.mods.relu_mask_bits=true", "loka.mods.relu_mask_bits=false",
+    "loka.mods.relu_mask_bits=true", "loka.mods.relu_mask_bits=false", "loka.mods.fold_relu_grad=true",
     "loka.probe.sites_per_step=2",  # the decision run samples every site whatever the schedule
 )
 """Overrides that change how a plan runs: ``--share-decisions`` lets variants that differ in

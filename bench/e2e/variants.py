@@ -201,7 +201,7 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
 
 
 SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "compilesampled", "eagersampled", "static", "dynamic",
-            "nofold", "bits", "nobits", "rotate", "rowwise", "highgw", "tilegrid")
+            "nofold", "bits", "nobits", "foldgrad", "rotate", "rowwise", "highgw", "tilegrid")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
@@ -217,7 +217,9 @@ scales (``kernels.static_scales``; the aggressive preset's own setting), ``+dyna
 keeps each ReLU a pass of its own instead of folding it into the next site's FP8 cast: what the
 folding gains. ``+nobits`` (``loka.mods.relu_mask_bits=false``) keeps a folded ReLU's bf16
 pre-activation for the backward's mask instead of one bit an element: what the bits save in
-memory and time; ``+bits`` names the default (``loka.mods.relu_mask_bits=true``). ``+rotate``
+memory and time; ``+bits`` names the default (``loka.mods.relu_mask_bits=true``). ``+foldgrad``
+(``loka.mods.fold_relu_grad=true``) has the site before a folded ReLU apply its backward in its
+gradient's FP8 cast: what that saves. ``+rotate``
 (``loka.probe.sites_per_step=2``) samples a rotating pair of sites on each sampled step instead
 of the preset's schedule of sites: what a sampled step then costs. ``+rowwise``
 (``loka.dispatch.scalings=[rowwise]``) lets Dispatch choose row-wise scaling only, and ``+highgw``
@@ -233,6 +235,7 @@ LOKA_OVERRIDE_SUFFIXES = {
     "nofold": (", ReLUs not folded into the casts", "loka.mods.fold_relu=false"),
     "bits": (", folded ReLUs' masks kept as bits", "loka.mods.relu_mask_bits=true"),
     "nobits": (", folded ReLUs' pre-activations kept for their masks", "loka.mods.relu_mask_bits=false"),
+    "foldgrad": (", folded ReLUs' backward in the producer's gradient cast", "loka.mods.fold_relu_grad=true"),
     "rotate": (", 2 sites a sampled step", "loka.probe.sites_per_step=2"),
     "rowwise": (", row-wise scaling only", "loka.dispatch.scalings=[rowwise]"),
     "highgw": (", grad-weights in high precision", "loka.dispatch.fp8_roles=[forward,grad_input]"),
@@ -293,6 +296,9 @@ def resolve_variants(names: list[str], fp8_backend: str) -> list[Variant]:
         if "nofold" in suffixes and ("bits" in suffixes or "nobits" in suffixes):
             raise SystemExit(f"--variants: {name}: '+bits' and '+nobits' choose how folded ReLUs keep their "
                              "masks, and '+nofold' folds none: drop one")
+        if "nofold" in suffixes and "foldgrad" in suffixes:
+            raise SystemExit(f"--variants: {name}: '+foldgrad' moves folded ReLUs' backward, and '+nofold' folds "
+                             "none: drop one")
         if "tilegrid" in suffixes:
             if v.loka == "off":
                 raise SystemExit(f"--variants: {name}: '+tilegrid' is for LoKA variants")

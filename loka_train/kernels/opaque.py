@@ -39,12 +39,13 @@ be traced so that inductor can fuse their quantizers.
 
 Example (what ``kernels.linear`` does)::
 
-    def _planned_linear(x: Tensor, ..., relu_mask: Tensor | None, autocast_dtype: torch.dtype | None,
-                        needs_grad: list[bool]) -> list[Tensor]:
+    def _planned_linear(x: Tensor, ..., relu_mask: Tensor | None, producer_masks: bool,
+                        autocast_dtype: torch.dtype | None, needs_grad: list[bool]) -> list[Tensor]:
         return run_forward("planned_linear", (x, ...), needs_grad, autocast_dtype, x.device.type)
 
     _planned_linear_op = define("planned_linear", _PlannedLinearFn, _planned_linear,
-                                num_extra_args=3, masked_grads={0: (9, _relu_grad)})
+                                num_extra_args=4, masked_grads={0: (10, _relu_grad)},
+                                output_mask=(7, _relu_grad))
     ...
     if opaque(compiled_quantizer):
         y = _planned_linear_op(x, weight, bias, plan.key, ...)[0]

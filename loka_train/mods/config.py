@@ -91,6 +91,17 @@ class ModsConfig:
     of the pre-activation's two bytes. ``false`` keeps the pre-activation (``bench.e2e``'s
     ``+nobits``)."""
 
+    fold_relu_grad: bool = False
+    """With ``fold_relu``, where the folded ReLU sits between two TorchRec ``Perceptron`` s whose
+    Linears are both sites (an MLP's hidden layers), the first site applies the ReLU's backward
+    instead of the second: it keeps its output's sign as bits (one pass over its output, instead of
+    the second site's pass over its input) and masks the gradient it receives in its two-layout
+    FP8 cast of ``dY`` where both its backward GEMMs are tensor-wise, so that no pass writes the
+    masked gradient (``kernels.fp8_linear``'s ``output_relu``); elsewhere it masks first, and on
+    sampled steps, or without an FP8 plan, it runs the ReLU itself. The same gradients, bit for
+    bit. Dispatch and the ledger do not count the pass it saves; off by default until measured
+    (``bench.e2e``'s ``+foldgrad``). Needs the first Linear's width a multiple of 8."""
+
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias
     feeds a DC offset into the next GEMM's FP8 input, so its per-row amax, and with it the
@@ -166,6 +177,7 @@ class ModsConfig:
             "fused_norm_quant",
             "fold_relu",
             "relu_mask_bits",
+            "fold_relu_grad",
             "drop_unstable_bias",
             "horizontal_fusion",
             "dcn_epilogue_fusion",

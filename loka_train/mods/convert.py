@@ -267,7 +267,7 @@ def convert(
     converter.walk(model, "")
     converter.report.logit_feeder = None if last_linear is None else _feeder_of(model, last_linear)
     if config.fold_relu:
-        converter.report.folded_relus = fold_relus(model)
+        converter.report.folded_relus = fold_relus(model, grads=config.fold_relu_grad)
     for module in model.modules():
         if isinstance(module, Fp8FMBlock) and module._fusable():
             first = module.mlp[0]
@@ -287,14 +287,17 @@ def _relu_fn(fn: object) -> bool:
     return fn is torch.relu or fn is F.relu or type(fn) is nn.ReLU
 
 
-def fold_relus(model: nn.Module) -> list[str]:
+def fold_relus(model: nn.Module, *, grads: bool = False) -> list[str]:
     """Fold each ReLU that feeds a linear site straight into that site (``mods.fold_relu``):
     in every plain ``nn.Sequential`` (its own ``forward``), an ``nn.ReLU`` followed by an
     :class:`Fp8Linear`, and a TorchRec ``Perceptron`` whose activation is ``torch.relu`` (or
     ``F.relu``, ``nn.ReLU()``) followed by a ``Perceptron`` whose Linear is a site. The ReLU's
     place takes a :class:`FoldedRelu`; the site's ``input_relu`` is set. A module the model holds
     more than once (a site, or a Perceptron whose activation would change) is left alone: its
-    other uses do not follow a ReLU. Returns the names of the sites that took a ReLU."""
+    other uses do not follow a ReLU. With ``grads`` (``mods.fold_relu_grad``), where the first
+    Perceptron's Linear is a site too (used once, its width a multiple of 8), that site applies the
+    ReLU's backward (its ``output_relu``; the second's ``input_relu_grad`` cleared). Returns the
+    names of the sites that took a ReLU."""
     uses = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
 
     def once(*modules: nn.Module) -> bool:
@@ -321,6 +324,11 @@ def fold_relus(model: nn.Module) -> list[str]:
                 a._activation_fn = FoldedRelu()
                 b._linear.input_relu = True
                 folded.append(b._linear.site_name)
+                producer = a._linear
+                if (grads and isinstance(producer, Fp8Linear) and once(producer) and producer.out_features % 8 == 0
+                        and type(a).forward is Perceptron.forward):
+                    producer.output_relu = True
+                    b._linear.input_relu_grad = False
     if folded:
         logger.info("mods: %d ReLUs folded into the next site's FP8 cast: %s", len(folded), ", ".join(folded))
     return folded

@@ -127,6 +127,8 @@ def planned_linear(
     static_slots: Tensor | None = None,
     input_relu: bool = False,
     mask_bits: bool = False,
+    input_relu_grad: bool = True,
+    output_relu: bool = False,
 ) -> Tensor:
     """``y = x W^T + b`` with each GEMM as ``plan`` says, FP8 dims zero-padded where needed
     (of ``relu(x)`` with ``input_relu``).
@@ -147,19 +149,23 @@ def planned_linear(
         input_relu: the layer takes ``torch.relu(x)``: applied by the FP8 cast of ``x`` where
             ``kernels.fp8_linear`` folds it, else computed first (and always for a padded call).
         mask_bits: the folded ReLU's mask kept as bits (``kernels.fp8_linear``).
+        input_relu_grad, output_relu: as ``kernels.fp8_linear`` takes them; a padded call or
+            an all-high plan applies ``output_relu``'s mask as a ReLU on its output.
 
     Returns:
         ``(..., N)``.
     """
     if not any_fp8(plan):
-        return F.linear(torch.relu(x) if input_relu else x, weight, bias)
+        y = F.linear(torch.relu(x) if input_relu else x, weight, bias)
+        return torch.relu(y) if output_relu else y
     n, k = weight.shape
     m = x.numel() // k if k else 0  # not x.reshape(-1, k): that copies a non-contiguous x
     pad = fp8_padding(plan, m, k, n, pad_to_multiple, x.device.type, compute_dtype(x), False)
     if pad is None or pad == (0, 0, 0):
         # None: padding cannot help; fp8_linear raises with the backend's reason.
         return fp8_linear(x, weight, bias, plan, compiled_quantizer=compiled_quantizer, static_slots=static_slots,
-                          input_relu=input_relu, mask_bits=mask_bits)
+                          input_relu=input_relu, mask_bits=mask_bits, input_relu_grad=input_relu_grad,
+                          output_relu=output_relu)
     if input_relu:
         x = torch.relu(x)
     pad_m, pad_k, pad_n = pad
@@ -168,7 +174,8 @@ def planned_linear(
         wp = F.pad(weight, (0, pad_k, 0, pad_n))
         bp = None if bias is None else F.pad(bias, (0, pad_n))
     y_MN = fp8_linear(xp, wp, bp, plan, compiled_quantizer=compiled_quantizer, static_slots=static_slots)[:m, :n]
-    return y_MN.reshape(*x.shape[:-1], n)
+    y = y_MN.reshape(*x.shape[:-1], n)
+    return torch.relu(y) if output_relu else y
 
 
 # ------------------------------------------------------------------------------------ bmm

@@ -152,6 +152,13 @@ class Site(nn.Module):
         self.relu_mask_bits = False
         """A folded ReLU's mask kept for the backward as one bit an element, not the input
         (``mods.relu_mask_bits``, set by ``convert``)."""
+        self.input_relu_grad = True
+        """With :attr:`input_relu`, whether this site applies the folded ReLU's backward; False
+        where the site before it does (its :attr:`output_relu`, ``mods.fold_relu_grad``)."""
+        self.output_relu = False
+        """The site's output feeds a ReLU folded into the next site, whose backward this site
+        applies (``mods.fold_relu_grad``): in its FP8 cast of ``dY`` (``kernels.fp8_linear``'s
+        ``output_relu``), else as a ReLU on its output (sampled steps, plans without FP8)."""
         self.static_slots: Tensor | None = None
         """Static-scale slots ``(2, 4)`` of the FP8 ``x`` and ``dY`` (``kernels.static_scales``),
         or None (dynamic scales); see :meth:`GemmSite.enable_static_scales`."""
@@ -442,17 +449,25 @@ class GemmSite(Site):
         relu = self.input_relu if input_relu is None else input_relu
         n, k = weight.shape
         self._set_mkn((x.numel() // k if k else 0, k, n))
+        observe = self._should_observe()
+        # The next site's folded ReLU's backward (output_relu): in the FP8 op, or (a sampled step,
+        # whose taps must see the masked gradient; a plan without FP8) a ReLU on the output. The
+        # output's values feed only that site, which applies the ReLU to them either way.
+        relu_out = self.output_relu and torch.is_grad_enabled()
+        in_op = relu_out and self.plan_fp8 and not observe
         if not self.plan_fp8:  # planned_linear's high-precision path, without reading the plan
             y = F.linear(torch.relu(x) if relu else x, weight, bias)
         else:
             y = planned_linear(
                 x, weight, bias, self.plan, pad_to_multiple=self.pad_to_multiple,
                 compiled_quantizer=self.compiled_quantizer, static_slots=self.static_slots, input_relu=relu,
-                mask_bits=self.relu_mask_bits,
+                mask_bits=self.relu_mask_bits, input_relu_grad=self.input_relu_grad, output_relu=in_op,
             )
-        if self._should_observe():
+        if observe:
             x_obs = torch.relu(x.detach()) if relu else x.detach()
             y = self._observe(x_obs.reshape(-1, k), weight.detach(), y, mkn=(x.numel() // k if k else 0, k, n))
+        if relu_out and not in_op:
+            y = torch.relu(y)
         return y
 
 

@@ -1084,3 +1084,15 @@ def test_tilegrid_suffix_runs_the_casts_on_one_program_a_tile_on_the_same_decisi
     assert tt._num_programs(x, True) == persistent and tt._STAGES == stages  # restored
     with pytest.raises(SystemExit, match="tilegrid"):
         resolve_variants(["bf16+tilegrid"], "emulated")
+
+
+def test_foldgrad_suffix_moves_the_relus_backward_and_shares_the_decision() -> None:
+    from bench.e2e.protocol import decision_key
+    from bench.e2e.variants import resolve_variants
+
+    aggr, moved = resolve_variants(["loka_aggressive+graphs", "loka_aggressive+graphs+foldgrad"], "emulated")
+    assert moved.loka_overrides == ("loka.mods.fold_relu_grad=true",) and "producer" in moved.description
+    assert decision_key("wukong", 64, 0, aggr) == decision_key("wukong", 64, 0, moved)
+    for bad in ("bf16+foldgrad", "loka_aggressive+nofold+foldgrad"):
+        with pytest.raises(SystemExit, match="foldgrad"):
+            resolve_variants([bad], "emulated")

@@ -253,6 +253,57 @@ def test_a_folded_model_trains_like_the_unfolded_one(plan):
         assert torch.equal(p, q)
 
 
+
+@pytest.mark.parametrize("plan", [TW, MIXED, LinearPlan.high_precision()], ids=["tensorwise", "fp8_forward_only", "high"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_over_arch_whose_sites_apply_the_next_relus_backward_trains_like_the_unfolded_one(plan, compiled):
+    """``mods.fold_relu_grad``: in a TorchRec OverArch the first site applies the folded ReLU's
+    backward. Over a sampled step (the Probe's taps on the sites: a ReLU on the first site's
+    output) and an unsampled one (the mask in its op), outputs, gradients and what the Probe
+    saw are the unfolded model's, bit for bit."""
+    from torchrec.models.dlrm import OverArch
+
+    from loka_train.mods import mark_sampled
+    from loka_train.probe import Probe, ProbeConfig
+
+    torch.manual_seed(0)
+    base = OverArch(in_features=64, layer_sizes=[48, 32, 1]).state_dict()
+    got, probes = [], []
+    for fold in (True, False):
+        m = OverArch(in_features=64, layer_sizes=[48, 32, 1])
+        m.load_state_dict(base)
+        convert(m, config=ModsConfig(sites=["mlp"], fold_relu=fold, fold_relu_grad=fold))
+        found = sites(m)
+        assert found["model.0._mlp.0._linear"].output_relu is fold
+        assert found["model.0._mlp.1._linear"].input_relu_grad is not fold
+        probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, window=4, interval=50, min_samples=1))
+        for name, site in found.items():
+            site.set_plan(plan)
+            probe.register_site(name, **site.probe_spec())
+            site.attach_observer(probe)
+        torch._dynamo.reset()
+        if compiled:
+            m.compile(backend="aot_eager")
+        outs = []
+        for step in range(2):  # step 0 sampled, step 1 not
+            probe.begin_step(step)
+            mark_sampled(found.values(), step)
+            x = torch.randn(40, 64, generator=torch.Generator().manual_seed(step))
+            y = m(x)
+            y.square().mean().backward()
+            outs += [y.detach()] + [p.grad.clone() for p in m.parameters()]
+            m.zero_grad()
+        probe.reduce()
+        got.append(outs)
+        probes.append(probe)
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
+    for role in ("forward", "grad_input", "grad_weight"):  # the first site's dY: masked in both
+        seen = [p.window_stats("model.0._mlp.0._linear", role) for p in probes]
+        assert bool(seen[0]["valid"].any())
+        for key in seen[0]:
+            assert torch.equal(seen[0][key], seen[1][key]), (role, key)
+
 def test_the_probe_sees_the_relu_output_as_the_folded_site_input():
     seen: dict[str, torch.Tensor] = {}
 
