@@ -350,7 +350,10 @@ def define(
         needs = list(fwd.needs_input_grad)
         attrs = dict(fwd.attrs)
         ctx.loka_output_mask = None  # its position among the tensors saved below
-        if output_mask is not None and output_mask[0] < len(saved) and saved[output_mask[0]] is not None:
+        if output_mask is not None and output_mask[0] >= len(saved):
+            raise ValueError(f"{name}: output_mask names saved tensor {output_mask[0]}, but the forward saved "
+                             f"{len(saved)}")
+        if output_mask is not None and saved[output_mask[0]] is not None:
             ctx.loka_output_mask = sum(s is not None for s in saved[:output_mask[0]])
             if not attrs.get("fuses_output_mask", False):
                 attrs["output_grad_masked"] = True

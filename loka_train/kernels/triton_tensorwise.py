@@ -376,14 +376,26 @@ _BITS_BLOCK = 1024
 
 
 @triton.jit
-def _relu_bits_kernel(y_ptr, bits_ptr, NB, BLOCK: tl.constexpr):
-    """Byte ``i``: bit ``j`` set where element ``8 i + j`` of ``y`` is not ``<= 0`` (NaN kept)."""
+def _relu_bits_kernel(y_ptr, bits_ptr, NB, WIDTH_MASK: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+                      INF_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Byte ``i``: bit ``j`` set where element ``8 i + j`` of ``y`` is not ``<= 0``: positive and
+    not zero, or NaN. Read from the float's bits (``y_ptr`` an integer view of it), so that no
+    conversion flushes a subnormal to zero."""
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     in_range = byte[:, None] < NB
-    y = tl.load(y_ptr + byte[:, None] * 8 + j[None, :], mask=in_range, other=0.0).to(tl.float32)
-    keep = tl.where(y <= 0.0, 0, 1)
-    tl.store(bits_ptr + byte, tl.sum(keep << j[None, :], axis=1).to(tl.uint8), mask=byte < NB)
+    v = tl.load(y_ptr + byte[:, None] * 8 + j[None, :], mask=in_range, other=0).to(tl.int64) & WIDTH_MASK
+    magnitude = v & ((1 << SIGN_SHIFT) - 1)
+    keep = ((magnitude != 0) & ((v >> SIGN_SHIFT) == 0)) | (magnitude > INF_BITS)
+    tl.store(bits_ptr + byte, tl.sum(keep.to(tl.int32) << j[None, :], axis=1).to(tl.uint8), mask=byte < NB)
+
+
+_FLOAT_BITS = {
+    torch.float32: (torch.int32, 0xFFFFFFFF, 31, 0x7F800000),
+    torch.bfloat16: (torch.int16, 0xFFFF, 15, 0x7F80),
+    torch.float16: (torch.int16, 0xFFFF, 15, 0x7C00),
+}
+"""dtype -> (integer view, width mask, sign bit, bits of +inf) for :func:`relu_bits`."""
 
 
 def relu_bits(y: Tensor) -> Tensor:
@@ -391,14 +403,16 @@ def relu_bits(y: Tensor) -> Tensor:
     8, in one pass (``y`` read once, an eighth of a byte an element written): the mask of a
     folded ReLU's backward, taken by its producer from its own output (``output_relu`` of
     ``kernels.fp8_linear``)."""
-    if not (y.is_contiguous() and y.shape[-1] % 8 == 0):
-        raise ValueError(f"relu_bits needs a contiguous input with a last dim a multiple of 8, got "
-                         f"{tuple(y.shape)} with strides {y.stride()}")
+    if not (y.is_contiguous() and y.shape[-1] % 8 == 0 and y.dtype in _FLOAT_BITS):
+        raise ValueError(f"relu_bits needs a contiguous fp32, bf16 or fp16 input with a last dim a multiple "
+                         f"of 8, got {y.dtype} {tuple(y.shape)} with strides {y.stride()}")
     _check_runnable(y)
+    view, width, sign, inf = _FLOAT_BITS[y.dtype]
     bits = torch.empty((*y.shape[:-1], y.shape[-1] // 8), device=y.device, dtype=torch.uint8)
     nb = bits.numel()
     if nb:
-        _relu_bits_kernel[(_cdiv(nb, _BITS_BLOCK),)](y, bits, nb, BLOCK=_BITS_BLOCK, num_warps=8)
+        _relu_bits_kernel[(_cdiv(nb, _BITS_BLOCK),)](
+            y.view(view), bits, nb, WIDTH_MASK=width, SIGN_SHIFT=sign, INF_BITS=inf, BLOCK=_BITS_BLOCK, num_warps=8)
     return bits
 
 

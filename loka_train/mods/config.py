@@ -96,8 +96,9 @@ class ModsConfig:
     Linears are both sites (an MLP's hidden layers), the first site applies the ReLU's backward
     instead of the second: it keeps its output's sign as bits (one pass over its output, instead of
     the second site's pass over its input) and masks the gradient it receives in its two-layout
-    FP8 cast of ``dY`` where both its backward GEMMs are tensor-wise, so that no pass writes the
-    masked gradient (``kernels.fp8_linear``'s ``output_relu``); elsewhere it masks first, and on
+    FP8 cast of ``dY`` where both its backward GEMMs are tensor-wise, so that in compiled code no
+    pass writes the masked gradient (the bias gradient's sum reads the bits too;
+    ``kernels.fp8_linear``'s ``output_relu``); elsewhere it masks first, and on
     sampled steps, or without an FP8 plan, it runs the ReLU itself. The same gradients, bit for
     bit. Dispatch and the ledger do not count the pass it saves; off by default until measured
     (``bench.e2e``'s ``+foldgrad``). Needs the first Linear's width a multiple of 8."""
@@ -185,6 +186,9 @@ class ModsConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"mods.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.fold_relu_grad and not self.fold_relu:
+            raise ValueError("mods.fold_relu_grad=true moves the backward of folded ReLUs, and mods.fold_relu=false "
+                             "folds none: set mods.fold_relu=true or mods.fold_relu_grad=false")
         if self.initial_plan not in INITIAL_PLANS:
             raise ValueError(
                 f"mods.initial_plan={self.initial_plan!r}: choose one of {INITIAL_PLANS}"

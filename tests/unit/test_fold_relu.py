@@ -256,26 +256,37 @@ def test_a_folded_model_trains_like_the_unfolded_one(plan):
 
 @pytest.mark.parametrize("plan", [TW, MIXED, LinearPlan.high_precision()], ids=["tensorwise", "fp8_forward_only", "high"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_an_over_arch_whose_sites_apply_the_next_relus_backward_trains_like_the_unfolded_one(plan, compiled):
+def test_an_over_arch_whose_sites_apply_the_next_relus_backward_trains_like_the_unfolded_one(plan, compiled,
+                                                                                            monkeypatch):
     """``mods.fold_relu_grad``: in a TorchRec OverArch the first site applies the folded ReLU's
     backward. Over a sampled step (the Probe's taps on the sites: a ReLU on the first site's
     output) and an unsampled one (the mask in its op), outputs, gradients and what the Probe
     saw are the unfolded model's, bit for bit."""
     from torchrec.models.dlrm import OverArch
 
+    from loka_train.kernels import linear
     from loka_train.mods import mark_sampled
     from loka_train.probe import Probe, ProbeConfig
 
+    masks_in_casts = []
+    quantize = linear.quantize_with_transpose
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        masks_in_casts.append(kwargs.get("mask") is not None)
+        return quantize(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "quantize_with_transpose", spy)
     torch.manual_seed(0)
-    base = OverArch(in_features=64, layer_sizes=[48, 32, 1]).state_dict()
+    base = OverArch(in_features=64, layer_sizes=[48, 32, 24, 1]).state_dict()
     got, probes = [], []
     for fold in (True, False):
-        m = OverArch(in_features=64, layer_sizes=[48, 32, 1])
+        m = OverArch(in_features=64, layer_sizes=[48, 32, 24, 1])
         m.load_state_dict(base)
         convert(m, config=ModsConfig(sites=["mlp"], fold_relu=fold, fold_relu_grad=fold))
         found = sites(m)
-        assert found["model.0._mlp.0._linear"].output_relu is fold
-        assert found["model.0._mlp.1._linear"].input_relu_grad is not fold
+        # The middle site is both: it applies the first ReLU and the backward of the second.
+        assert [found[f"model.0._mlp.{i}._linear"].output_relu for i in range(3)] == [fold, fold, False]
+        assert [found[f"model.0._mlp.{i}._linear"].input_relu_grad for i in range(3)] == [True, not fold, not fold]
         probe = Probe(ProbeConfig(every_k_steps=2, sites_per_step=None, window=4, interval=50, min_samples=1))
         for name, site in found.items():
             site.set_plan(plan)
@@ -285,6 +296,7 @@ def test_an_over_arch_whose_sites_apply_the_next_relus_backward_trains_like_the_
         if compiled:
             m.compile(backend="aot_eager")
         outs = []
+        masks_in_casts.clear()
         for step in range(2):  # step 0 sampled, step 1 not
             probe.begin_step(step)
             mark_sampled(found.values(), step)
@@ -293,16 +305,45 @@ def test_an_over_arch_whose_sites_apply_the_next_relus_backward_trains_like_the_
             y.square().mean().backward()
             outs += [y.detach()] + [p.grad.clone() for p in m.parameters()]
             m.zero_grad()
+        # The middle site's x needs its gradient: with tensor-wise plans its dY cast takes the mask.
+        assert any(masks_in_casts) == (fold and plan is TW)
         probe.reduce()
         got.append(outs)
         probes.append(probe)
     for a, b in zip(*got, strict=True):
         assert torch.equal(a, b)
-    for role in ("forward", "grad_input", "grad_weight"):  # the first site's dY: masked in both
-        seen = [p.window_stats("model.0._mlp.0._linear", role) for p in probes]
-        assert bool(seen[0]["valid"].any())
-        for key in seen[0]:
-            assert torch.equal(seen[0][key], seen[1][key]), (role, key)
+    for site in ("model.0._mlp.0._linear", "model.0._mlp.1._linear"):  # the producers' dY: masked in both
+        for role in ("forward", "grad_input", "grad_weight"):
+            seen = [p.window_stats(site, role) for p in probes]
+            assert bool(seen[0]["valid"].any())
+            for key in seen[0]:
+                assert torch.equal(seen[0][key], seen[1][key]), (site, role, key)
+
+
+def test_fold_relu_grad_leaves_a_pair_alone_where_the_producer_cannot_keep_bits():
+    from torchrec.models.dlrm import OverArch
+
+    m = OverArch(in_features=64, layer_sizes=[44, 32, 1])  # 44 is not a multiple of 8
+    convert(m, config=ModsConfig(sites=["mlp"], fold_relu_grad=True))
+    first, second = sites(m)["model.0._mlp.0._linear"], sites(m)["model.0._mlp.1._linear"]
+    assert second.input_relu and second.input_relu_grad and not first.output_relu  # the consumer masks
+    with pytest.raises(ValueError, match="fold_relu_grad"):
+        ModsConfig(fold_relu=False, fold_relu_grad=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_relu_bits_are_relu_mask_bits_on_special_values(dtype, monkeypatch):
+    monkeypatch.setattr(tt, "_BITS_BLOCK", 4)  # several programs
+    info = torch.finfo(dtype)
+    specials = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"),
+                             info.tiny / 4, -info.tiny / 4, info.tiny, info.max, -info.max, 1.0, -1.0,
+                             info.smallest_normal / 2, 3.0, -3.0], dtype=torch.float32).to(dtype)
+    y = torch.cat([specials, torch.randn(16 * 7, dtype=torch.float32).to(dtype)]).reshape(8, 16)
+    from loka_train.kernels.linear import relu_mask_bits
+
+    assert torch.equal(tt.relu_bits(y), relu_mask_bits(y))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        tt.relu_bits(torch.randn(4, 12))
 
 def test_the_probe_sees_the_relu_output_as_the_folded_site_input():
     seen: dict[str, torch.Tensor] = {}
