@@ -48,7 +48,7 @@ def _set(tt: Any, per_sm: int, stages: int, tile: tuple[int, int, int] | None) -
 def _bench_k(m: int, k: int, rows: list[dict]) -> None:
     import torch
 
-    from loka_train.kernels import static_scales as ss
+    from bench.quant_tiles import checked_static_slot
     from loka_train.kernels import triton_tensorwise as tt
     from loka_train.kernels.formats import Fp8Format
 
@@ -71,15 +71,7 @@ def _bench_k(m: int, k: int, rows: list[dict]) -> None:
             name = f"static {'both layouts' if both else 'one layout'}: {grid}, {shape}"
             try:
                 _set(tt, per_sm, stages, tile)
-                slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
-                tt.tensorwise_quant_static(x, slot, both=both)  # seeds the slot
-                ref_slot = slot.clone()
-                q, s, q_t = tt.tensorwise_quant_static(x, slot, both=both)
-                rq, rs = ss.quantize_static_reference(x, ref_slot, Fp8Format.E4M3)
-                same_t = q_t is None or torch.equal(q_t.view(torch.uint8), rq.t().contiguous().view(torch.uint8))
-                if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs) and same_t
-                        and torch.equal(slot, ref_slot) and float(slot[ss.FALLBACKS]) == 0):
-                    raise AssertionError("payload, scale or slot differs from the reference")
+                slot, q, q_t = checked_static_slot(x, both)
                 whole = _graph_us(lambda slot=slot, both=both: tt.tensorwise_quant_static(x, slot, both=both))
                 qq = torch.empty_like(q)
                 qqt = torch.empty_like(q_t) if both else None

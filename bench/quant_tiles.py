@@ -28,29 +28,41 @@ CONFIGS = [(r, c, w) for (r, c), w in itertools.product(((32, 128), (64, 64), (6
 """(rows, columns, warps) of one program of the two-layout cast."""
 
 
-def _bench_static(x: Any, row: Callable[[str, float, int], None]) -> None:
-    """The static-scale quantizer (``loka::tensorwise_quant_static``) where its scale fits (one
-    read of ``x``) and where it does not (the recast: a second cast pass), each checked bit for
-    bit against the PyTorch reference first."""
+def checked_static_slot(x: Any, both: bool) -> tuple[Any, Any, Any]:
+    """A static-scale slot seeded on ``x`` and the cast ``(q, q_t)`` it then gives, checked bit for
+    bit against the PyTorch reference (payload, transpose, scale, slot; no recast)."""
     import torch
-    from triton.testing import do_bench
 
     from loka_train.kernels import static_scales as ss
     from loka_train.kernels import triton_tensorwise as tt
     from loka_train.kernels.formats import Fp8Format
 
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
+    tt.tensorwise_quant_static(x, slot, both=both)  # seeds the slot
+    ref_slot = slot.clone()
+    q, s, q_t = tt.tensorwise_quant_static(x, slot, both=both)
+    rq, rs = ss.quantize_static_reference(x, ref_slot, Fp8Format.E4M3)
+    same_t = q_t is None or torch.equal(q_t.view(torch.uint8), rq.t().contiguous().view(torch.uint8))
+    if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs) and same_t
+            and torch.equal(slot, ref_slot) and float(slot[ss.FALLBACKS]) == 0):
+        raise AssertionError(f"static-scale payload ({'both layouts' if both else 'one layout'}) differs from "
+                             "the reference")
+    return slot, q, q_t
+
+
+def _bench_static(x: Any, row: Callable[[str, float, int], None]) -> None:
+    """The static-scale quantizer (``loka::tensorwise_quant_static``) where its scale fits (one
+    read of ``x``) and where it does not (the recast: a second cast pass), each checked bit for
+    bit against the PyTorch reference first."""
+    from triton.testing import do_bench
+
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels import triton_tensorwise as tt
+
     n = x.numel()
     for both in (False, True):
         layouts = "both layouts" if both else "one layout"
-        slot = ss.new_slots(1, margin=2.0, spread=16.0, device=x.device)[0]
-        tt.tensorwise_quant_static(x, slot, both=both)  # seeds the slot
-        ref_slot = slot.clone()
-        q, s, q_t = tt.tensorwise_quant_static(x, slot, both=both)
-        rq, rs = ss.quantize_static_reference(x, ref_slot, Fp8Format.E4M3)
-        same_t = q_t is None or torch.equal(q_t.view(torch.uint8), rq.t().contiguous().view(torch.uint8))
-        if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs) and same_t
-                and torch.equal(slot, ref_slot) and float(slot[ss.FALLBACKS]) == 0):
-            raise AssertionError(f"static-scale payload ({layouts}) differs from the reference")
+        slot, _, _ = checked_static_slot(x, both)
         # Bytes moved at least: read bf16 once, write one or two FP8 payloads.
         row(f"static scale fits ({layouts})",
             do_bench(lambda slot=slot, both=both: tt.tensorwise_quant_static(x, slot, both=both)) * 1e3,

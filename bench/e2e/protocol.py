@@ -329,7 +329,8 @@ def warm_run(
     short.trace = short.pyprofile = None
     short.step_diag = False
     short.train_steps = train_steps(short)
-    rec = run_one(short, composer, config, batch, variant, t0, torchao_missing)
+    with cast_grid(variant):
+        rec = run_one(short, composer, config, batch, variant, t0, torchao_missing)
     progress(t0, f"{config} b{batch} {variant.name}: warm run ({rec['status']}), not in the results "
                  f"[{rec.get('wall_s', math.nan):.1f}s]")
     return {"config": config, "batch": batch, "variant": variant.name, "status": rec["status"],
@@ -380,23 +381,6 @@ def cast_grid(variant: Variant) -> Iterator[None]:
 
 
 def run_one(
-    args: argparse.Namespace,
-    composer: Composer,
-    config: str,
-    batch: int,
-    variant: Variant,
-    t0: float,
-    torchao_missing: str | None,
-    seed: int = 0,
-    warm_start: Path | None = None,
-    decisions: dict[tuple[Any, ...], tuple[str, dict[str, Any], dict[str, Any]]] | None = None,
-) -> dict[str, Any]:
-    """:func:`_run_one` under the variant's cast grid (:func:`cast_grid`)."""
-    with cast_grid(variant):
-        return _run_one(args, composer, config, batch, variant, t0, torchao_missing, seed, warm_start, decisions)
-
-
-def _run_one(
     args: argparse.Namespace,
     composer: Composer,
     config: str,
@@ -789,8 +773,9 @@ def run_grid(
                         runs.bases.append(base_rec)
                         progress(t0, f"{config} b{batch} seed {repeat}: {ne_base.name} checkpoint at step "
                                      f"{args.ne_from}, NE {base_rec['eval_ne']:.5f} ({base_rec['wall_s']:.1f}s)")
-                    rec = run_one(args, composer, config, batch, variant, t0, torchao_missing, seed=repeat,
-                                  warm_start=warm.get(repeat), decisions=decisions)
+                    with cast_grid(variant):
+                        rec = run_one(args, composer, config, batch, variant, t0, torchao_missing, seed=repeat,
+                                      warm_start=warm.get(repeat), decisions=decisions)
                     runs.raw.append(rec)
                     runs.results[:] = aggregate(runs.raw)
                     tag = f" (run {round_ + 1}/{args.repeats}, seed {repeat})" if args.repeats > 1 else ""

@@ -141,6 +141,21 @@ def test_input_relu_is_the_linear_of_the_relu(plan, static, compiled):
 
 
 
+def _record_masks_in_casts(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each ``quantize_with_transpose`` call from now on casts with a mask."""
+    from loka_train.kernels import linear
+
+    calls: list[bool] = []
+    quantize = linear.quantize_with_transpose
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs.get("mask") is not None)
+        return quantize(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "quantize_with_transpose", spy)
+    return calls
+
+
 @pytest.mark.parametrize("producer", [TW, MIXED, LinearPlan.fp8(scaling=Scaling.ROWWISE, backend="triton"),
                                       LinearPlan.high_precision()],
                          ids=["tensorwise", "fp8_forward_only", "rowwise", "high"])
@@ -152,16 +167,7 @@ def test_the_producer_applies_a_folded_relus_backward(producer, static, compiled
     for bit, over a seed, a fit and a recast, eagerly and through the opaque op (aot_eager). The
     producer's mask goes into its dY cast where both its backward GEMMs are tensor-wise (the
     first plan), before its GEMMs elsewhere."""
-    from loka_train.kernels import linear
-
-    masks_in_casts = []
-    quantize = linear.quantize_with_transpose
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        masks_in_casts.append(kwargs.get("mask") is not None)
-        return quantize(*args, **kwargs)
-
-    monkeypatch.setattr(linear, "quantize_with_transpose", spy)
+    masks_in_casts = _record_masks_in_casts(monkeypatch)
     w0, b0 = torch.randn(24, 48), torch.randn(24)
     w1, b1 = torch.randn(16, 24), torch.randn(16)
     xs = [torch.randn(3, 20, 48) * s for s in (1.0, 1.5, 60.0)]
@@ -264,18 +270,10 @@ def test_an_over_arch_whose_sites_apply_the_next_relus_backward_trains_like_the_
     saw are the unfolded model's, bit for bit."""
     from torchrec.models.dlrm import OverArch
 
-    from loka_train.kernels import linear
     from loka_train.mods import mark_sampled
     from loka_train.probe import Probe, ProbeConfig
 
-    masks_in_casts = []
-    quantize = linear.quantize_with_transpose
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        masks_in_casts.append(kwargs.get("mask") is not None)
-        return quantize(*args, **kwargs)
-
-    monkeypatch.setattr(linear, "quantize_with_transpose", spy)
+    masks_in_casts = _record_masks_in_casts(monkeypatch)
     torch.manual_seed(0)
     base = OverArch(in_features=64, layer_sizes=[48, 32, 24, 1]).state_dict()
     got, probes = [], []
