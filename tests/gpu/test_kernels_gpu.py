@@ -416,16 +416,16 @@ def test_tensorwise_site_takes_its_transposes_from_the_quantizing_pass(m, k, n, 
     both = triton_tensorwise.tensorwise_quant_both
     calls = []
 
-    def counted(t, *, fmt, relu=False):
+    def counted(t, *, fmt, relu=False, mask=None):
         calls.append(tuple(t.shape))
-        return both(t, fmt=fmt, relu=relu)
+        return both(t, fmt=fmt, relu=relu, mask=mask)
 
     monkeypatch.setattr(triton_tensorwise, "tensorwise_quant_both", counted)
     got = run()
     assert calls == [(m, k), (n, k), (m, n)]  # x and W in the forward, dY in the backward
 
-    def one_layout(t, *, fmt, relu=False):
-        q, scale, _ = both(t, fmt=fmt, relu=relu)
+    def one_layout(t, *, fmt, relu=False, mask=None):
+        q, scale, _ = both(t, fmt=fmt, relu=relu, mask=mask)
         return q, scale, q.t()
 
     monkeypatch.setattr(triton_tensorwise, "tensorwise_quant_both", one_layout)

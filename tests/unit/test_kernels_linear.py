@@ -467,7 +467,8 @@ def _backend_operands(plan: LinearPlan, monkeypatch, *, both_layouts: bool = Tru
 
     monkeypatch.setattr(kl, "run_backend", spy)
     if not both_layouts:
-        def one_layout(t, *, fmt, relu=False):
+        def one_layout(t, *, fmt, relu=False, mask=None):
+            assert mask is None  # no site here takes a folded ReLU's backward
             q, scale = triton_tensorwise.tensorwise_quant(t, fmt=fmt, relu=relu)
             return q, scale, q.t()  # a view, as transposed_reuse hands it over
 
@@ -507,7 +508,7 @@ def test_a_transpose_is_written_only_for_a_gemm_that_takes_it_over(monkeypatch):
     calls = []
     both = triton_tensorwise.tensorwise_quant_both
     monkeypatch.setattr(
-        triton_tensorwise, "tensorwise_quant_both", lambda t, *, fmt, relu=False: calls.append(tuple(t.shape)) or both(t, fmt=fmt, relu=relu)
+        triton_tensorwise, "tensorwise_quant_both", lambda t, *, fmt, relu=False, mask=None: calls.append(tuple(t.shape)) or both(t, fmt=fmt, relu=relu, mask=mask)
     )
     tw = GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
     rw = GemmPlan(precision="fp8", scaling=Scaling.ROWWISE, backend="torch_scaled_mm",
@@ -635,7 +636,7 @@ def test_no_transpose_is_written_for_a_backward_gemm_that_will_not_run(monkeypat
     calls: list[tuple[int, ...]] = []
     both = triton_tensorwise.tensorwise_quant_both
     monkeypatch.setattr(
-        triton_tensorwise, "tensorwise_quant_both", lambda t, *, fmt, relu=False: calls.append(tuple(t.shape)) or both(t, fmt=fmt, relu=relu)
+        triton_tensorwise, "tensorwise_quant_both", lambda t, *, fmt, relu=False, mask=None: calls.append(tuple(t.shape)) or both(t, fmt=fmt, relu=relu, mask=mask)
     )
     plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
     x = _gauss(64, 32).requires_grad_(True)
