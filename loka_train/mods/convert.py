@@ -304,6 +304,8 @@ def fold_relus(model: nn.Module, *, grads: bool = False) -> list[str]:
         return all(uses[id(m)] == 1 for m in modules)
 
     folded: list[str] = []
+    producers: list[str] = []
+    left: dict[str, str] = {}
     for seq in model.modules():
         if not isinstance(seq, nn.Sequential) or type(seq).forward is not nn.Sequential.forward:
             continue
@@ -324,14 +326,36 @@ def fold_relus(model: nn.Module, *, grads: bool = False) -> list[str]:
                 a._activation_fn = FoldedRelu()
                 b._linear.input_relu = True
                 folded.append(b._linear.site_name)
-                producer = a._linear
-                if (grads and isinstance(producer, Fp8Linear) and once(producer) and producer.out_features % 8 == 0
-                        and type(a).forward is Perceptron.forward):
-                    producer.output_relu = True
-                    b._linear.input_relu_grad = False
+                if grads:
+                    producer = a._linear
+                    why = _keeps_relu_grad(producer, once)
+                    if why is None:
+                        assert isinstance(producer, Fp8Linear)  # _keeps_relu_grad checked it
+                        producer.output_relu = True
+                        b._linear.input_relu_grad = False
+                        producers.append(producer.site_name)
+                    else:
+                        left[b._linear.site_name] = why
     if folded:
         logger.info("mods: %d ReLUs folded into the next site's FP8 cast: %s", len(folded), ", ".join(folded))
+    if producers:
+        logger.info("mods: %d sites apply the backward of the folded ReLU after them (mods.fold_relu_grad): %s",
+                    len(producers), ", ".join(producers))
+    for site, why in left.items():
+        logger.info("mods: %s applies its folded ReLU's backward itself (mods.fold_relu_grad): %s", site, why)
     return folded
+
+
+def _keeps_relu_grad(producer: object, once: Callable[..., bool]) -> str | None:
+    """Why the Linear before a folded ReLU cannot apply its backward (``mods.fold_relu_grad``),
+    or None where it can."""
+    if not isinstance(producer, Fp8Linear):
+        return "the layer before it is not a site"
+    if not once(producer):
+        return "the layer before it is used more than once"
+    if producer.out_features % 8:
+        return f"the layer before it is {producer.out_features} wide, not a multiple of 8 (its mask's bits)"
+    return None
 
 
 def sites(model: nn.Module) -> dict[str, Site]:

@@ -318,13 +318,18 @@ def test_an_over_arch_whose_sites_apply_the_next_relus_backward_trains_like_the_
                 assert torch.equal(seen[0][key], seen[1][key]), (site, role, key)
 
 
-def test_fold_relu_grad_leaves_a_pair_alone_where_the_producer_cannot_keep_bits():
+def test_fold_relu_grad_leaves_a_pair_alone_where_the_producer_cannot_keep_bits(caplog):
+    import logging
+
     from torchrec.models.dlrm import OverArch
 
     m = OverArch(in_features=64, layer_sizes=[44, 32, 1])  # 44 is not a multiple of 8
-    convert(m, config=ModsConfig(sites=["mlp"], fold_relu_grad=True))
+    with caplog.at_level(logging.INFO, logger="loka_train.mods.convert"):
+        convert(m, config=ModsConfig(sites=["mlp"], fold_relu_grad=True))
     first, second = sites(m)["model.0._mlp.0._linear"], sites(m)["model.0._mlp.1._linear"]
     assert second.input_relu and second.input_relu_grad and not first.output_relu  # the consumer masks
+    assert "model.0._mlp.1._linear applies its folded ReLU's backward itself" in caplog.text
+    assert "44 wide, not a multiple of 8" in caplog.text
     with pytest.raises(ValueError, match="fold_relu_grad"):
         ModsConfig(fold_relu=False, fold_relu_grad=True)
 
