@@ -158,18 +158,33 @@ def reused_payload(t: Tensor, fmt: Fp8Format, plan: GemmPlan, *, is_weight: bool
     return q_t
 
 
-def transposed_write_s(t: Tensor, fmt: Fp8Format, plan: GemmPlan, time: Callable[[Callable[[], object]], float]) -> float:
+def transposed_write_s(
+    t: Tensor, fmt: Fp8Format, plan: GemmPlan, time: Callable[[Callable[[], object]], float],
+    static: Tensor | None = None,
+) -> float:
     """What a site pays for taking the operand ``t`` (a transposed view) over from another GEMM:
     the transposed write that GEMM's quantizer adds where it writes both layouts in one pass
     (:func:`reused_payload`), timed with ``time`` as that pass less the one-layout pass (never
-    below 0); 0 where the reused operand is a view of the other GEMM's payload."""
+    below 0); 0 where the reused operand is a view of the other GEMM's payload. ``static``: the
+    static-scale slot that GEMM's quantizer takes (``x`` and ``dY`` under ``mods.static_scales``):
+    both passes are then timed in their static-scale form, the one the site runs (one read of
+    ``t``, no amax pass), whose two-layout pass costs less over its one-layout pass than the
+    dynamic forms' do."""
     src = t.t()
     if not kernels_linear.writes_both_layouts(plan, src, fmt, plan, fmt):
         return 0.0
-    from loka_train.kernels.triton_tensorwise import tensorwise_quant, tensorwise_quant_both
+    from loka_train.kernels.triton_tensorwise import (
+        tensorwise_quant,
+        tensorwise_quant_both,
+        tensorwise_quant_static,
+    )
 
-    both = time(lambda: tensorwise_quant_both(src, fmt=fmt))
-    one = time(lambda: tensorwise_quant(src, fmt=fmt))
+    if static is not None:
+        both = time(lambda: tensorwise_quant_static(src, static, fmt=fmt, both=True))
+        one = time(lambda: tensorwise_quant_static(src, static, fmt=fmt, both=False))
+    else:
+        both = time(lambda: tensorwise_quant_both(src, fmt=fmt))
+        one = time(lambda: tensorwise_quant(src, fmt=fmt))
     return max(0.0, both - one)
 
 
@@ -212,7 +227,7 @@ class GemmTimer:
         self.failures: dict[str, str] = {}
         """Timing key -> error of a candidate whose micro-benchmark raised (excluded, logged)."""
         self._transposed_writes: dict[tuple, float] = {}
-        """(operand shape, format, backend) -> seconds of :func:`transposed_write_s`."""
+        """(operand shape, format, backend, static scale) -> seconds of :func:`transposed_write_s`."""
 
     @property
     def mode(self) -> str:
@@ -262,6 +277,13 @@ class GemmTimer:
             # seeded scale fits whatever the run's margin and spread.
             self._static_slot = static_scales.new_slots(1, margin=2.0, spread=16.0, device=self.device)[0]
         return self._static_slot
+
+    def reused_static_slot(self, plan: GemmPlan, *, is_weight: bool) -> Tensor | None:
+        """The static-scale slot of the pass that quantizes an operand a GEMM under ``plan``
+        takes over from another GEMM (:func:`transposed_write_s`): an activation or gradient
+        (``x`` or ``dY``, cast by the forward or grad-input) takes :meth:`static_slot`'s; a
+        weight is cast with its dynamic scale."""
+        return None if is_weight else self.static_slot("forward", plan)
 
     def estimate(self, role: str, shape: Shape, plan: GemmPlan | None, reuse: Reuse = NO_REUSE) -> float:
         """Seconds of one GEMM of ``role`` at ``shape`` (high precision for ``plan=None``),
@@ -376,11 +398,14 @@ class GemmTimer:
 
         extra = 0.0
         if plan is not None:
-            for t, fmt, reused in ((a, plan.fmt, reuse[0]), (b, plan.operand_b_fmt, reuse[1])):
+            for t, fmt, reused, is_weight in (
+                (a, plan.fmt, reuse[0], False), (b, plan.operand_b_fmt, reuse[1], b_is_weight)
+            ):
                 if reused:
-                    key = (tuple(t.shape), fmt, plan.backend)
+                    static = self.reused_static_slot(plan, is_weight=is_weight)
+                    key = (tuple(t.shape), fmt, plan.backend, static is not None)
                     if key not in self._transposed_writes:
-                        self._transposed_writes[key] = transposed_write_s(t, fmt, plan, self.time)
+                        self._transposed_writes[key] = transposed_write_s(t, fmt, plan, self.time, static)
                     extra += self._transposed_writes[key]
         return self.time(run) + extra
 

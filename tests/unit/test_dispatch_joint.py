@@ -257,7 +257,7 @@ def test_a_reused_operand_written_in_the_quantizing_pass_costs_its_transposed_wr
 
     writes = []
 
-    def write_s(t, fmt, plan, time):  # type: ignore[no-untyped-def]
+    def write_s(t, fmt, plan, time, static=None):  # type: ignore[no-untyped-def]
         writes.append(tuple(t.shape))
         return 7.0
 
@@ -268,6 +268,43 @@ def test_a_reused_operand_written_in_the_quantizing_pass_costs_its_transposed_wr
     assert timer.measure_once((16, 48, 24), plan, "grad_weight", (True, False)) == 8.0
     assert writes == [(16, 48), (24, 48)]  # each operand's write timed once
     assert timer.measure_once((16, 48, 24), plan, "grad_weight") == 1.0
+
+
+def test_a_reused_activation_under_static_scales_is_charged_its_static_two_layout_write(monkeypatch) -> None:
+    """Under ``static_scales`` the sites cast ``x`` and ``dY`` with a static scale in one pass:
+    a reused ``dY^T`` / ``X^T`` is charged the static two-layout pass less the static one-layout
+    pass (no amax pass in either), not the dynamic forms' difference; a reused weight (grad-input's
+    ``W^T``) keeps its dynamic cast's."""
+    from loka_train.dispatch import timing
+    from loka_train.kernels import triton_tensorwise as tw
+
+    plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
+    forms = {"static_both": 5.0, "static_one": 4.0, "dynamic_both": 9.0, "dynamic_one": 6.0}
+    a = torch.randn(48, 16).t()
+    with monkeypatch.context() as m:
+        m.setattr(tw, "tensorwise_quant_static", lambda x, slot, *, fmt, both: "static_" + ("both" if both else "one"))
+        m.setattr(tw, "tensorwise_quant_both", lambda x, *, fmt: "dynamic_both")
+        m.setattr(tw, "tensorwise_quant", lambda x, *, fmt: "dynamic_one")
+        fake_time = lambda run: forms[run()]  # noqa: E731
+        slot = torch.zeros(2)
+        assert timing.transposed_write_s(a, plan.grad_weight.fmt, plan.grad_weight, fake_time, slot) == 1.0
+        assert timing.transposed_write_s(a, plan.grad_weight.fmt, plan.grad_weight, fake_time) == 3.0
+
+    seen = []
+
+    def write_s(t, fmt, plan, time, static=None):  # type: ignore[no-untyped-def]
+        seen.append((tuple(t.shape), static is not None))
+        return 0.0
+
+    monkeypatch.setattr(timing, "transposed_write_s", write_s)
+    monkeypatch.setattr(GemmTimer, "time", lambda self, run: 1.0)
+    for static_scales in (True, False):
+        seen.clear()
+        timer = GemmTimer(timing="measure", device="cpu", out_dtype=torch.float32, bench_iters=1,
+                          static_scales=static_scales)
+        timer.measure_once((16, 48, 24), plan.grad_weight, "grad_weight", (True, True))
+        timer.measure_once((16, 40, 32), plan.grad_input, "grad_input", (False, True))
+        assert seen == [((16, 48), static_scales), ((24, 48), static_scales), ((32, 40), False)]
 
 
 def test_what_a_site_pays_beyond_its_gemms_enters_the_joint_choice() -> None:

@@ -138,16 +138,28 @@ def test_measure_times_each_distinct_gemm_once():
     assert all(r.saved_as_planned_ms == pytest.approx(-2.0) for r in ledger.rows)
 
 
-def test_a_reused_operand_is_charged_its_transposed_write(monkeypatch):
+@pytest.mark.parametrize("static_scales", [False, True])
+def test_a_reused_operand_is_charged_its_transposed_write(monkeypatch, static_scales):
+    """grad-weight's dY^T and X^T: each charged the transposed write of the pass that casts it,
+    timed in the static-scale form the site runs under ``static_scales``; grad-input's W^T in the
+    weight's dynamic form either way."""
     from loka_train.dispatch import ledger as ledger_mod
 
-    monkeypatch.setattr(ledger_mod, "transposed_write_s", lambda t, fmt, plan, time: 0.25)
+    writes = []
+
+    def write_s(t, fmt, plan, time, static=None):  # type: ignore[no-untyped-def]
+        writes.append((tuple(t.shape), static is not None))
+        return 0.25
+
+    monkeypatch.setattr(ledger_mod, "transposed_write_s", write_s)
     plan = LinearPlan.fp8(scaling=Scaling.TENSORWISE, backend="torch_scaled_mm")
-    gemm = LedgerGemm(site="mlp.0", role="grad_weight", shape=(32, 16, 24), plan=plan.grad_weight,
-                      candidates=(plan.grad_weight,), site_plan=plan)
-    (row,) = measure_ledger([gemm], device=CPU, high_dtype=torch.float32).rows
-    (t,) = row.fp8
+    gemms = [LedgerGemm(site="mlp.0", role=role, shape=(32, 16, 24), plan=getattr(plan, role),
+                        candidates=(getattr(plan, role),), site_plan=plan) for role in ("grad_weight", "grad_input")]
+    rows = measure_ledger(gemms, device=CPU, high_dtype=torch.float32, static_scales=static_scales).rows
+    (t,) = rows[0].fp8
     assert t.quant_a_ms == 0.25 and t.quant_b_ms == 0.25
+    # dY^T and X^T as static as the sites' casts; W^T (the weight) never.
+    assert writes == [((32, 16), static_scales), ((24, 16), static_scales), ((24, 16), False)]
 
 
 def test_zero_half_operands_are_half_zeros_in_the_activations_only(monkeypatch):
