@@ -100,8 +100,10 @@ class ModsConfig:
     pass writes the masked gradient (the bias gradient's sum reads the bits too;
     ``kernels.fp8_linear``'s ``output_relu``); elsewhere it masks first, and on
     sampled steps, or without an FP8 plan, it runs the ReLU itself. The same gradients, bit for
-    bit. Dispatch and the ledger do not count the pass it saves; off by default until measured
-    (``bench.e2e``'s ``+foldgrad``). Needs the first Linear's width a multiple of 8."""
+    bit. Dispatch and the ledger do not count the pass it saves or the bits it writes; off by
+    default: its bits pass and masked casts cost more than it saves on Wukong
+    (``docs/performance.md``; ``bench.e2e``'s ``+foldgrad``). Needs the first Linear's width a
+    multiple of 8."""
 
     drop_unstable_bias: bool = False
     """Drop the bias of converted Linear sites (the final logit layer keeps its bias). A bias
