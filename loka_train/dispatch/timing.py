@@ -168,9 +168,8 @@ def transposed_write_s(
     below 0); 0 where the reused operand is a view of the other GEMM's payload. ``static``: the
     static-scale slot that GEMM's quantizer takes (``x`` and ``dY`` under ``mods.static_scales``):
     both passes are then timed in their static-scale form, the one the site runs (one read of
-    ``t``, no amax pass), whose two-layout pass costs less over its one-layout pass than the
-    dynamic forms' do."""
-    src = t.t()
+    ``t``, no amax pass)."""
+    src = t.t().contiguous()  # the one-layout casts read a contiguous tensor (no copy here: t is t.t()'s view)
     if not kernels_linear.writes_both_layouts(plan, src, fmt, plan, fmt):
         return 0.0
     from loka_train.kernels.triton_tensorwise import (
@@ -198,7 +197,8 @@ class GemmTimer:
         out_dtype: output dtype of the forward and grad-input GEMMs (grad-weight writes fp32).
         graphed: the step replays the sites as CUDA graphs: time candidates graph-replayed.
         static_scales: the sites quantize tensor-wise ``x`` and ``dY`` with static scales
-            (``mods.static_scales``): time those operands' quantization so.
+            (``mods.static_scales``): time those operands' quantization so, and the transposed
+            write a GEMM that takes them over pays (:meth:`reused_static_slot`).
         bench_iters: timed repetitions of each micro-benchmark (after 3 warm-up runs).
         cost_model: the model used where nothing is measured.
     """
@@ -257,7 +257,8 @@ class GemmTimer:
             model = self.cost_model
             where = f"cost model {model.bf16_flops:g}/{model.fp8_flops:g} flops, {model.bandwidth:g} B/s"
         launch = ", CUDA graph" if mode == "measure" and self.graphed else ""
-        static = ", static tensor-wise scales" if mode == "measure" and self.static_scales else ""
+        static = (", static tensor-wise scales and transposed writes" if mode == "measure" and self.static_scales
+                  else "")
         return f"{mode}: {where}, out {str(self.out_dtype).removeprefix('torch.')}{launch}{static}"
 
     def static_slot(self, role: str, plan: GemmPlan | None) -> Tensor | None:
@@ -281,8 +282,9 @@ class GemmTimer:
     def reused_static_slot(self, plan: GemmPlan, *, is_weight: bool) -> Tensor | None:
         """The static-scale slot of the pass that quantizes an operand a GEMM under ``plan``
         takes over from another GEMM (:func:`transposed_write_s`): an activation or gradient
-        (``x`` or ``dY``, cast by the forward or grad-input) takes :meth:`static_slot`'s; a
-        weight is cast with its dynamic scale."""
+        (``x`` or ``dY``, cast by the forward or grad-input) takes the slot those roles' ``a``
+        takes (:meth:`static_slot`, asked as the forward's: the forward and grad-input are
+        alike there); a weight is cast with its dynamic scale."""
         return None if is_weight else self.static_slot("forward", plan)
 
     def estimate(self, role: str, shape: Shape, plan: GemmPlan | None, reuse: Reuse = NO_REUSE) -> float:

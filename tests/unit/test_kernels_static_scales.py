@@ -402,7 +402,7 @@ def test_the_timer_names_static_scales_in_its_source(monkeypatch):
     monkeypatch.setattr(GemmTimer, "mode", property(lambda self: "measure"))
     on = GemmTimer(timing="measure", device="cpu", out_dtype=torch.bfloat16, static_scales=True)
     off = GemmTimer(timing="measure", device="cpu", out_dtype=torch.bfloat16)
-    assert on.source.endswith(", static tensor-wise scales") and "static" not in off.source
+    assert on.source.endswith(", static tensor-wise scales and transposed writes") and "static" not in off.source
 
 
 def test_mods_config_validates_the_static_scale_knobs():
