@@ -8,6 +8,7 @@ Wukong-style config (over-arch and MLPs) and DCN's top MLP.
 
 Usage (GPU):
     python -m bench.ledger_shapes --out $OUT/ledger_shapes --batch 32768
+    python -m bench.ledger_shapes --out /tmp/ls --batch 32 --shapes dcn_top.1 --backends emulated  # CPU, seconds
 Writes ``ledger.json`` and ``ledger.md`` to ``--out``.
 """
 
@@ -85,7 +86,7 @@ def site_table(ledger_rows: list, batch: int) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=32768)
@@ -95,7 +96,11 @@ def main() -> None:
     ap.add_argument("--zero-half", action="store_true",
                     help="activations and gradients half zeros, as behind a ReLU (a GEMM's speed can "
                          "depend on its data; default: dense random values)")
-    args = ap.parse_args()
+    ap.add_argument("--dynamic-scales", action="store_true",
+                    help="tensor-wise x and dY with dynamic scales (an amax pass each); default: static "
+                         "scales, as both presets run them (loka.mods.static_scales), their transposed "
+                         "writes timed so too")
+    args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scalings = [Scaling(s) for s in args.scalings]
     gemms = []
@@ -104,7 +109,7 @@ def main() -> None:
         for role in ROLES:
             cands = candidates(role, args.backends, scalings)
             gemms.append(LedgerGemm(name, role, role_shape(role, args.batch, k, n), GemmPlan(), cands))
-    ledger = measure_ledger(gemms, device=device, zero_half=args.zero_half)
+    ledger = measure_ledger(gemms, device=device, zero_half=args.zero_half, static_scales=not args.dynamic_scales)
     # Whole sites: every GEMM of the layer under one plan, so tensor-wise reuse counts.
     site_gemms = []
     for name in args.shapes:
@@ -114,7 +119,8 @@ def main() -> None:
             for role in ROLES:
                 p = getattr(plan, role)
                 site_gemms.append(LedgerGemm(label, role, role_shape(role, args.batch, k, n), p, (p,), plan))
-    sites = measure_ledger(site_gemms, device=device, zero_half=args.zero_half)
+    sites = measure_ledger(site_gemms, device=device, zero_half=args.zero_half,
+                           static_scales=not args.dynamic_scales)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = ledger.to_dict()
@@ -136,7 +142,7 @@ def main() -> None:
     md = [
         f"# Ledger at named shapes, batch {args.batch}",
         "",
-        f"Command: `python -m bench.ledger_shapes {' '.join(sys.argv[1:])}`; "
+        f"Command: `python -m bench.ledger_shapes {' '.join(sys.argv[1:] if argv is None else argv)}`; "
         f"{ledger.device}; torch {torch.__version__}; {platform.node()}.",
         "",
         ledger.markdown(),
