@@ -308,5 +308,5 @@ def main(argv: list[str] | None = None) -> int:
     errors = [r for r in runs.raw if r["status"] == "error"]
     progress(t0, f"wrote {args.out}/e2e.md and e2e.json: {len(runs.raw)} runs, {len(errors)} errors")
     for t in report["targets"]:
-        print(f"  {t['status']:>13}  [{t['variant']}] {t['target']}: {t['detail']}", flush=True)
+        print(f"  {t['status']:>13}  issue {t.get('issue', 9)} [{t['variant']}] {t['target']}: {t['detail']}", flush=True)
     return 1 if errors else 0

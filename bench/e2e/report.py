@@ -5,7 +5,7 @@ recomputed), :func:`write_report` writes both files, and :func:`render` rewrites
 from an ``e2e.json`` already written (``--render``). The Markdown has the command, GPU and
 versions, per batch size a table of every variant (step time, samples/s, speed-up and NE delta
 against bf16, FP8 coverage), where the GPU and host time goes in the profiled steps, the targets
-of issue 9, the shared checkpoints of ``--ne-from``, the slow steps of ``--step-diag``, the runs
+of issues 26 and 9, the shared checkpoints of ``--ne-from``, the slow steps of ``--step-diag``, the runs
 in the order they ran, and the errors.
 
 Example:
@@ -268,11 +268,13 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
             lines += [f"- not FP8: {h}" for h in lk["high_gemms"]]
             lines += [f"- at conversion: {f}" for f in lk["mods_fallbacks"]]
             lines += [f"- not a site: {k}: {v}" for k, v in lk["not_sites"].items()]
-        targets = [t for t in data["targets"] if t["batch"] == batch]
-        if targets:
-            lines += ["", "### Targets of issue 9", ""]
-            for t in targets:
-                lines.append(f"- **{t['status']}** [{t['variant']}] {t['target']}: {t['detail']}")
+        for issue, title in ((26, "Targets of issue 26 (against bf16 with the same settings)"),
+                             (9, "Targets of issue 9 (against eager bf16)")):
+            targets = [t for t in data["targets"] if t["batch"] == batch and t.get("issue", 9) == issue]
+            if targets:
+                lines += ["", f"### {title}", ""]
+                for t in targets:
+                    lines.append(f"- **{t['status']}** [{t['variant']}] {t['target']}: {t['detail']}")
     if data.get("ne_bases"):
         lines += ["", "## Shared checkpoints (`--ne-from`)", "",
                   "| config | batch | seed | trained by | steps | eval NE there | s |", "|---|---|---|---|---|---|---|"]
@@ -495,7 +497,7 @@ def render(directory: Path) -> None:
     add_ratios(data["results"])
     args = data["args"]
     data["targets"] = all_targets(data["results"], args["config_names"], args["batch_sizes"],
-                                  ne_measured=ne_measured(args))
+                                  ne_measured=ne_measured(args), isolated=bool(args.get("isolate")))
     write_report(directory, data)
 
 
@@ -532,7 +534,7 @@ def report_data(
         "ne_bases": runs.bases,
         "warm_runs": runs.warm_runs,
         "targets": all_targets(runs.results, args.config_names, args.batch_sizes,
-                               ne_measured=ne_measured(vars(args))),
+                               ne_measured=ne_measured(vars(args)), isolated=bool(args.isolate)),
         "wall_s": time.perf_counter() - t0,
         "pinned_batches": args.device == "cuda",
     }

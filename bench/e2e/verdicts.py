@@ -1,10 +1,13 @@
-"""Ratios against the bf16 runs and the verdict on each target of issue 9.
+"""Ratios against the bf16 runs and the verdict on each target of issues 26 and 9.
 
 :func:`add_ratios` gives every run its speed-up and NE delta against the bf16 references of the
 same (config, batch); over rotated rounds the speed-up gets an interval and the NE delta a
-standard error, both from runs paired by seed (:func:`seed_pairs`). :func:`evaluate_targets`
-judges each target per LoKA preset: met / missed / unresolved (the speed within the rounds'
-paired interval, or the speed met and the NE delta within its noise) / not evaluated.
+standard error, both from runs paired by seed (:func:`seed_pairs`).
+:func:`evaluate_same_settings_targets` judges each target of issue 26 (against bf16 with the
+same runtime settings: speed, NE, memory, the quantization of the largest sites, torchao) per
+LoKA run, :func:`evaluate_targets` each of issue 9 (against eager bf16) per LoKA preset: met /
+missed / unresolved (the speed within the rounds' paired interval, or the speed met and the NE
+delta within its noise) / not evaluated.
 
 Example:
     >>> speed_verdict(1.25, None, 1.3), speed_verdict(1.25, [1.1, 1.5], 1.3)
@@ -221,7 +224,8 @@ def evaluate_targets(
         return r is not None and r["status"] == "error"
 
     def add(target: str, loka: str, status: str, detail: str) -> None:
-        out.append({"batch": batch, "target": target, "variant": loka, "status": status, "detail": detail})
+        out.append({"batch": batch, "issue": 9, "target": target, "variant": loka, "status": status,
+                    "detail": detail})
 
     def fig(r: dict[str, Any]) -> str:
         extra = ""
@@ -314,8 +318,154 @@ def evaluate_targets(
 
 
 def all_targets(
-    results: list[dict[str, Any]], configs: list[str], batches: list[int], *, ne_measured: bool = True
+    results: list[dict[str, Any]], configs: list[str], batches: list[int], *, ne_measured: bool = True,
+    isolated: bool = False,
 ) -> list[dict[str, Any]]:
-    """:func:`evaluate_targets` for every batch size, in order."""
-    return [t for b in batches for t in evaluate_targets(results, configs, b, ne_measured=ne_measured)]
+    """:func:`evaluate_same_settings_targets` (issue 26) and :func:`evaluate_targets` (issue 9)
+    for every batch size, in order."""
+    return [t for b in batches for t in (
+        *evaluate_same_settings_targets(results, configs, b, ne_measured=ne_measured, isolated=isolated),
+        *evaluate_targets(results, configs, b, ne_measured=ne_measured),
+    )]
 
+
+
+SAME_SETTINGS_NE = 0.0002
+"""Issue 26: NE within 0.02% relative of bf16, by the paired protocol."""
+
+QUANT_SHARE = 0.25
+"""Issue 26: the quantization a site pays, at most this share of what its FP8 GEMMs save."""
+
+LARGEST_SITES = 4
+"""Issue 26's quantization target holds for Wukong's four largest GEMM sites."""
+
+
+def _speed_need(config: str, preset: str, batch: int) -> float:
+    """Issue 26's step-time ratio against bf16 with the same settings: Wukong aggressive 1.20x
+    and safe 1.10x, DCN 1.05x, at the large batch; DLRM and every config at 8192, 0.98x."""
+    if batch <= 8192 or config == "dlrm":
+        return 0.98
+    if config == "wukong":
+        return 1.20 if preset == "loka_aggressive" else 1.10
+    if config == "dcn":
+        return 1.05
+    return 0.98
+
+
+def _largest_sites(ledger: dict[str, Any]) -> list[str]:
+    """The ledger's sites with the most high-precision GEMM time (every role it timed)."""
+    high: dict[str, float] = {}
+    for row in ledger.get("rows", []):
+        high[row["site"]] = high.get(row["site"], 0.0) + row["high_ms"]
+    return sorted(high, key=lambda s: -high[s])[:LARGEST_SITES]
+
+
+def evaluate_same_settings_targets(
+    results: list[dict[str, Any]], configs: list[str], batch: int, *, ne_measured: bool = True,
+    isolated: bool = False,
+) -> list[dict[str, Any]]:
+    """Each target of issue 26 per LoKA run (each LoKA variant of each config), against bf16
+    with the same runtime settings in the same run: met / missed / unresolved (the speed within
+    the rotated rounds' paired interval) / not evaluated, with figures.
+
+    - speed: :func:`_speed_need`;
+    - NE within 0.02% of bf16 (the paired protocol's delta; not evaluated in a speed-only run);
+    - peak reserved memory at most 1.05x bf16's (each variant in its own process: ``--isolate``);
+    - Wukong's four largest GEMM sites (by high-precision GEMM time, from ``--ledger``): each
+      pays in quantization at most a quarter of what its FP8 GEMMs save;
+    - against torchao's faster run of each recipe: 1.15x on Wukong, ahead elsewhere.
+    """
+    runs = {(r["config"], r["variant"]): r for r in results if r["batch"] == batch}
+    out: list[dict[str, Any]] = []
+
+    def add(target: str, variant: str, status: str, detail: str) -> None:
+        out.append({"batch": batch, "issue": 26, "target": target, "variant": variant, "status": status,
+                    "detail": detail})
+
+    for (config, variant), r in sorted(runs.items()):
+        preset = variant.split("+")[0]
+        if preset not in LOKA_VARIANTS or config not in configs:
+            continue
+        if r["status"] != "ok":
+            add("runs", variant, "missed", f"{config}: {str(r.get('error', r['status']))[:200]}")
+            continue
+        ref_name = same_settings_reference(variant)
+        ref = runs.get((config, ref_name))
+        ref_ok = ref is not None and ref["status"] == "ok"
+        # Speed.
+        need = _speed_need(config, preset, batch)
+        target = f"{config}: >= {need:.2f}x {ref_name}"
+        if not ref_ok:
+            add(target, variant, "not evaluated", f"{config}: no {ref_name} run to compare with")
+        else:
+            assert ref is not None
+            ratio = ref["step_ms_median"] / r["step_ms_median"]
+            interval = paired_speedup_interval(r, ref)
+            verdict = speed_verdict(ratio, interval, need)
+            status = {"above": "met", "below": "missed", "within": "unresolved"}[verdict]
+            add(target, variant, status, f"{config}: {fmt_x(ratio)}{_fmt_interval(interval)} ({r['step_ms_median']:.2f} "
+                f"against {ref['step_ms_median']:.2f} ms)")
+        # NE.
+        target = f"{config}: NE within {100 * SAME_SETTINGS_NE:.2f}% of bf16"
+        delta = r.get("ne_delta_rel_vs_bf16")
+        if not ne_measured:
+            add(target, variant, "not evaluated", f"{config}: a speed-only run (--ne-steps 0)")
+        elif delta is None:
+            add(target, variant, "not evaluated", f"{config}: no bf16 run in this grid")
+        else:
+            se = r.get("ne_delta_rel_se_vs_bf16")
+            noise = "" if se is None else f" +- {100 * se:.4f}%"
+            add(target, variant, "met" if abs(delta) <= SAME_SETTINGS_NE else "missed",
+                f"{config}: {fmt_pct(delta, 4)}{noise}")
+        # Memory.
+        target = f"{config}: peak reserved memory <= 1.05x {ref_name}'s"
+        peak = r.get("gpu_peak_reserved_gb", math.nan)
+        ref_peak = ref.get("gpu_peak_reserved_gb", math.nan) if ref_ok and ref is not None else math.nan
+        if not isolated:
+            add(target, variant, "not evaluated", f"{config}: variants share one process (--isolate)")
+        elif not (math.isfinite(peak) and math.isfinite(ref_peak) and ref_peak > 0):
+            add(target, variant, "not evaluated", f"{config}: no peak of both runs")
+        else:
+            add(target, variant, "met" if peak <= 1.05 * ref_peak else "missed",
+                f"{config}: {fmt_x(peak / ref_peak)} ({peak:.2f} against {ref_peak:.2f} GB)")
+        # Quantization against the FP8 GEMMs' savings (Wukong).
+        if config == "wukong":
+            target = (f"wukong: the {LARGEST_SITES} largest GEMM sites each pay <= {QUANT_SHARE:.2f} of their "
+                      "FP8 GEMMs' savings in quantization")
+            ledger = (r.get("loka") or {}).get("ledger")
+            if not ledger:
+                add(target, variant, "not evaluated", "wukong: no ledger (--ledger)")
+            else:
+                paid = {s["site"]: s for s in ledger.get("sites", [])}
+                parts, status = [], "met"
+                for site in _largest_sites(ledger):
+                    s = paid.get(site)
+                    if s is None:
+                        parts.append(f"{site}: no FP8 GEMM")
+                        status = "missed"
+                        continue
+                    share = s["quant_over_saved"]
+                    parts.append(f"{site}: {share:.2f}")
+                    if not share <= QUANT_SHARE:
+                        status = "missed"
+                add(target, variant, status, "; ".join(parts))
+        # Against torchao.
+        ao_need = 1.15 if config == "wukong" else 1.0
+        for ao in TORCHAO_VARIANTS:
+            found = [runs[(config, n)] for n in (ao, f"{ao}+graphs") if (config, n) in runs]
+            ok_found = [x for x in found if x["status"] == "ok"]
+            if not found:
+                continue
+            target = f"{config}: {'>= 1.15x' if ao_need > 1 else 'faster than'} {ao}'s faster run"
+            if not ok_found:
+                add(target, variant, "not evaluated", f"{config}/{ao}: {str(found[0].get('error', found[0]['status']))[:200]}")
+                continue
+            a = min(ok_found, key=lambda x: x["step_ms_median"])
+            ratio = a["step_ms_median"] / r["step_ms_median"]
+            interval = paired_speedup_interval(r, a)
+            verdict = speed_verdict(ratio, interval, ao_need)
+            if ao_need == 1.0 and verdict == "above" and ratio == 1.0 and interval is None:
+                verdict = "below"  # "faster than": equal medians are not faster
+            add(target, variant, {"above": "met", "below": "missed", "within": "unresolved"}[verdict],
+                f"{config}/{a['variant']}: {fmt_x(ratio)}{_fmt_interval(interval)}")
+    return out
