@@ -198,6 +198,19 @@ def _speed_ne_status(r: dict[str, Any], need: float, ne_measured: bool = True) -
     return "unresolved" if excess <= noise else "missed"
 
 
+def recipe_runs(runs: dict[tuple[str, str], dict[str, Any]], config: str, recipe: str,
+                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """A torchao recipe's runs of `config` (compiled, and compiled and CUDA-graphed) and the
+    fastest of those that succeeded (None if none did)."""
+    found = [runs[(config, n)] for n in (recipe, f"{recipe}+graphs") if (config, n) in runs]
+    ok = [x for x in found if x["status"] == "ok"]
+    return found, (min(ok, key=lambda x: x["step_ms_median"]) if ok else None)
+
+
+STATUS_OF_SPEED = {"above": "met", "below": "missed", "within": "unresolved"}
+"""A target's status from :func:`speed_verdict`."""
+
+
 def evaluate_targets(
     results: list[dict[str, Any]], configs: list[str], batch: int, *, ne_measured: bool = True
 ) -> list[dict[str, Any]]:
@@ -281,10 +294,9 @@ def evaluate_targets(
             r = runs.get((config, loka))
             for ao in TORCHAO_VARIANTS:
                 # The recipe's fastest run: compiled, or compiled and CUDA-graphed.
-                found = [runs[(config, n)] for n in (ao, f"{ao}+graphs") if (config, n) in runs]
-                ok_found = [x for x in found if x["status"] == "ok"]
-                a = min(ok_found, key=lambda x: x["step_ms_median"]) if ok_found else (found[0] if found else None)
-                if ok_found:
+                found, fastest = recipe_runs(runs, config, ao)
+                a = fastest if fastest is not None else (found[0] if found else None)
+                if fastest is not None:
                     details.extend(f"{config}/{x['variant']}: {x.get('error', x['status'])[:200]}"
                                    for x in found if x["status"] != "ok")
                 if a is not None:
@@ -327,7 +339,6 @@ def all_targets(
         *evaluate_same_settings_targets(results, configs, b, ne_measured=ne_measured, isolated=isolated),
         *evaluate_targets(results, configs, b, ne_measured=ne_measured),
     )]
-
 
 
 SAME_SETTINGS_NE = 0.0002
@@ -401,9 +412,7 @@ def evaluate_same_settings_targets(
             assert ref is not None
             ratio = ref["step_ms_median"] / r["step_ms_median"]
             interval = paired_speedup_interval(r, ref)
-            verdict = speed_verdict(ratio, interval, need)
-            status = {"above": "met", "below": "missed", "within": "unresolved"}[verdict]
-            add(target, variant, status, f"{config}: {fmt_x(ratio)}{_fmt_interval(interval)} ({r['step_ms_median']:.2f} "
+            add(target, variant, STATUS_OF_SPEED[speed_verdict(ratio, interval, need)], f"{config}: {fmt_x(ratio)}{_fmt_interval(interval)} ({r['step_ms_median']:.2f} "
                 f"against {ref['step_ms_median']:.2f} ms)")
         # NE.
         target = f"{config}: NE within {100 * SAME_SETTINGS_NE:.2f}% of bf16"
@@ -452,20 +461,18 @@ def evaluate_same_settings_targets(
         # Against torchao.
         ao_need = 1.15 if config == "wukong" else 1.0
         for ao in TORCHAO_VARIANTS:
-            found = [runs[(config, n)] for n in (ao, f"{ao}+graphs") if (config, n) in runs]
-            ok_found = [x for x in found if x["status"] == "ok"]
+            found, a = recipe_runs(runs, config, ao)
             if not found:
                 continue
             target = f"{config}: {'>= 1.15x' if ao_need > 1 else 'faster than'} {ao}'s faster run"
-            if not ok_found:
+            if a is None:
                 add(target, variant, "not evaluated", f"{config}/{ao}: {str(found[0].get('error', found[0]['status']))[:200]}")
                 continue
-            a = min(ok_found, key=lambda x: x["step_ms_median"])
             ratio = a["step_ms_median"] / r["step_ms_median"]
             interval = paired_speedup_interval(r, a)
             verdict = speed_verdict(ratio, interval, ao_need)
             if ao_need == 1.0 and verdict == "above" and ratio == 1.0 and interval is None:
                 verdict = "below"  # "faster than": equal medians are not faster
-            add(target, variant, {"above": "met", "below": "missed", "within": "unresolved"}[verdict],
+            add(target, variant, STATUS_OF_SPEED[verdict],
                 f"{config}/{a['variant']}: {fmt_x(ratio)}{_fmt_interval(interval)}")
     return out

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -434,7 +435,8 @@ Timer = Callable[[Callable[[], object]], float]
 
 def _fp8_times(
     gemm: LedgerGemm, plan: GemmPlan, device: torch.device, timer: Timer, *, zero_half: bool = False,
-    static: Tensor | None = None, relu: tuple[bool, bool, float] | None = None, reused_static: Tensor | None = None,
+    static: Tensor | None = None, relu: tuple[bool, bool, float] | None = None,
+    reused_static: Callable[[bool], Tensor | None] = lambda is_weight: None,
 ) -> Fp8Times:
     """As the site runs it (``GemmTimer.measure_once``): a shape the backend refuses zero-padded
     to multiples of 16 (the padding copies are not in these columns), a reused operand what the
@@ -444,9 +446,9 @@ def _fp8_times(
     candidate's cast applies it (then ``a`` is cast with ``relu=True``), whether the backward
     runs it again (grad-weight does not take ``x`` over), and the ReLU pass's milliseconds,
     which a candidate whose cast does not apply it pays (it casts ``relu(a)``), and one whose
-    backward runs it again. ``reused_static``: the static-scale slot of the pass that writes a
-    reused activation or gradient (``GemmTimer.reused_static_slot``), its transposed write timed
-    in that form (a reused weight's in its dynamic form)."""
+    backward runs it again. ``reused_static(is_weight)``: the static-scale slot of the pass that
+    writes a reused operand (``GemmTimer.reused_static_slot``), its transposed write timed in
+    that form."""
     shape = gemm.shape
     problem = gemm_problem(gemm.role, shape, plan, device_type=device.type, out_dtype=torch.bfloat16)
     if not get_backend(plan.backend).supports(problem)[0]:
@@ -473,9 +475,9 @@ def _fp8_times(
     return Fp8Times(
         plan=str(plan),
         gemm_ms=timer(lambda: run_backend(plan, a_q, b_q, out_dtype=out_dtype, role=gemm.role)),
-        quant_a_ms=transposed_write_s(a, plan.fmt, plan, timer, reused_static) if reuse_a else timer(quant_a),
+        quant_a_ms=transposed_write_s(a, plan.fmt, plan, timer, reused_static(False)) if reuse_a else timer(quant_a),
         quant_b_ms=(
-            transposed_write_s(b, plan.operand_b_fmt, plan, timer, None if b_is_weight else reused_static)
+            transposed_write_s(b, plan.operand_b_fmt, plan, timer, reused_static(b_is_weight))
             if reuse_b else timer(quant_b)
         ),
         relu_ms=relu_ms if (again or not folds) else 0.0,
@@ -544,7 +546,7 @@ def measure_ledger(
                 try:
                     cache[key] = _fp8_times(
                         g, plan, device, time_ms, zero_half=zero_half, static=slots.static_slot(g.role, plan),
-                        relu=relu, reused_static=slots.reused_static_slot(plan, is_weight=False),
+                        relu=relu, reused_static=functools.partial(slots.reused_static_slot, plan),
                     )
                 except Exception as exc:  # one backend's failure must not lose the ledger
                     cache[key] = f"{plan}: {type(exc).__name__}: {exc}"

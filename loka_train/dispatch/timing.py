@@ -169,7 +169,7 @@ def transposed_write_s(
     static-scale slot that GEMM's quantizer takes (``x`` and ``dY`` under ``mods.static_scales``):
     both passes are then timed in their static-scale form, the one the site runs (one read of
     ``t``, no amax pass)."""
-    src = t.t().contiguous()  # the one-layout casts read a contiguous tensor (no copy here: t is t.t()'s view)
+    src = t.t().contiguous()  # the one-layout casts read a contiguous tensor (t is a transposed view)
     if not kernels_linear.writes_both_layouts(plan, src, fmt, plan, fmt):
         return 0.0
     from loka_train.kernels.triton_tensorwise import (
@@ -279,7 +279,7 @@ class GemmTimer:
             self._static_slot = static_scales.new_slots(1, margin=2.0, spread=16.0, device=self.device)[0]
         return self._static_slot
 
-    def reused_static_slot(self, plan: GemmPlan, *, is_weight: bool) -> Tensor | None:
+    def reused_static_slot(self, plan: GemmPlan, is_weight: bool) -> Tensor | None:
         """The static-scale slot of the pass that quantizes an operand a GEMM under ``plan``
         takes over from another GEMM (:func:`transposed_write_s`): an activation or gradient
         (``x`` or ``dY``, cast by the forward or grad-input) takes the slot those roles' ``a``
