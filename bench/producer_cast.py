@@ -32,9 +32,12 @@ from pathlib import Path
 from typing import Any
 
 
-def traced_codes(x: Any, slot: Any, fmt: Any, *, both: bool) -> tuple[Any, Any, Any]:
+def traced_codes(x: Any, slot: Any, fmt: Any, *, both: bool, row_amax: bool = False) -> tuple[Any, Any, Any]:
     """``x``'s codes with the slot's power-of-two scale in plain torch ops (its reciprocal exact,
-    from the exponent bits), the transpose with ``both``, and the amax a fit check needs."""
+    from the exponent bits), the transpose with ``both``, and the amax a fit check needs: of the
+    whole tensor, or with ``row_amax`` each row's (a reduction over the rows, which inductor can
+    fuse into a pointwise producer's kernel where a reduction to one value becomes a kernel of its
+    own), whose amax is the tensor's."""
     import torch
 
     from loka_train.kernels.static_scales import SCALE
@@ -42,7 +45,8 @@ def traced_codes(x: Any, slot: Any, fmt: Any, *, both: bool) -> tuple[Any, Any, 
     exp = (slot[SCALE:SCALE + 1].view(torch.int32) >> 23) & 0xFF
     inv = ((254 - exp).clamp(min=0) << 23).view(torch.float32)
     q = (x.float() * inv).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    return q, (q.t().contiguous() if both else None), x.abs().amax().float()
+    amax = x.float().abs().amax(dim=-1) if row_amax else x.abs().amax().float()
+    return q, (q.t().contiguous() if both else None), amax
 
 
 def _kernels(fn: Callable[[], Any]) -> list[dict[str, Any]]:
@@ -153,6 +157,7 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
     import torch
     from triton.testing import do_bench
 
+    from loka_train.kernels import static_scales as ss
     from loka_train.kernels import triton_kernels as tk
     from loka_train.kernels import triton_tensorwise as tt
     from loka_train.kernels.formats import Fp8Format, Scaling, quantize
@@ -179,11 +184,25 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
             return h, hc, q.data, q.scale
         return fn
 
+    def fused_static(*, both: bool, amax: str) -> Callable[..., Any]:
+        def fn(x0: Any, xw: Any, b: Any, xl: Any) -> Any:
+            h = cross(x0, xw, b, xl)
+            hc = h.to(torch.bfloat16)
+            q, q_t, a = traced_codes(hc, slot, fmt, both=both, row_amax=amax == "rows")
+            return (h, hc, q, q_t) if amax == "none" else (h, hc, q, q_t, a)
+        return fn
+
     c_cross = torch.compile(cross, dynamic=False)
     c_copy = torch.compile(cross_copy, dynamic=False)
     c_row, c_tw = (torch.compile(fused(sc, copy=True), dynamic=False) for sc in (Scaling.ROWWISE, Scaling.TENSORWISE))
     c_row32, c_tw32 = (torch.compile(fused(sc, copy=False), dynamic=False) for sc in (Scaling.ROWWISE, Scaling.TENSORWISE))
     args = (x0, xw, b, xl)
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=dev)[0]
+    hc0 = c_copy(*args)[1]
+    tt.tensorwise_quant_static(hc0, slot, both=True)  # seeds the slot
+    ref_q, _, ref_qt = tt.tensorwise_quant_static(hc0, slot, both=True)
+    statics = {(both, amax): torch.compile(fused_static(both=both, amax=amax), dynamic=False)
+               for both in (False, True) for amax in ("rows", "tensor", "none")}
 
     def differing(a: Any, b: Any) -> float:
         return float((a.view(torch.uint8) != b.view(torch.uint8)).float().mean())
@@ -193,7 +212,11 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
         "rowwise": differing(tk.fused_rowwise_quant(hc, fmt=fmt)[0], c_row(*args)[2]),
         "tensorwise": differing(tt.tensorwise_quant(hc, fmt=fmt)[0], c_tw(*args)[2]),
         "rowwise_fp32": differing(tk.fused_rowwise_quant(h, fmt=fmt)[0], c_row32(*args)[2]),
+        "static": differing(ref_q, statics[(False, "rows")](*args)[2]),
+        "static_transposed": differing(ref_qt, statics[(True, "rows")](*args)[3]),
     }
+    if float(statics[(False, "rows")](*args)[4].amax()) != float(hc0.float().abs().amax()):
+        raise AssertionError("cross: the rows' amax is not the tensor's")
     print(f"{m}x{k} cross: codes differing from the Triton casts': {checks}", flush=True)
     variants: dict[str, Callable[[], Any]] = {
         "cross alone (compiled)": lambda: c_cross(*args),
@@ -204,6 +227,13 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
         "cross and its bf16 copy, then the Triton tensor-wise cast (dynamic)":
             lambda: tt.tensorwise_quant(c_copy(*args)[1], fmt=fmt),
         "cross and its bf16 copy + inductor-fused tensor-wise cast (dynamic)": lambda: c_tw(*args),
+        "cross and its bf16 copy, then the Triton static tensor-wise cast of the copy, one layout (as the sites run it)":
+            lambda: tt.tensorwise_quant_static(c_copy(*args)[1], slot, both=False),
+        "cross and its bf16 copy, then the Triton static tensor-wise cast of the copy, both layouts":
+            lambda: tt.tensorwise_quant_static(c_copy(*args)[1], slot, both=True),
+        **{f"cross and its bf16 copy + inductor-fused static cast, {'both layouts' if both else 'one layout'}, "
+           f"{'rows amax' if amax == 'rows' else 'tensor amax' if amax == 'tensor' else 'no amax'}":
+           (lambda c=c: c(*args)) for (both, amax), c in statics.items()},
         "cross then the Triton row-wise quantizer on fp32": lambda: tk.fused_rowwise_quant(c_cross(*args), fmt=fmt),
         "cross + inductor-fused row-wise cast of fp32": lambda: c_row32(*args),
         "cross + inductor-fused tensor-wise cast of fp32 (dynamic)": lambda: c_tw32(*args),

@@ -21,3 +21,23 @@ def test_a_width_it_cannot_read_stops_before_anything_runs(bad: str, tmp_path: P
         main(["--out", str(tmp_path / "out"), "--ks", bad])
     assert "--ks" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("row_amax", [False, True])
+def test_traced_codes_are_the_static_quantizers_and_its_amax_the_tensors(row_amax: bool) -> None:
+    import torch
+
+    from bench.producer_cast import traced_codes
+    from loka_train.kernels import static_scales as ss
+    from loka_train.kernels.formats import Fp8Format
+
+    fmt = Fp8Format.E4M3
+    x = (torch.randn(64, 48) * 3).to(torch.bfloat16)
+    slot = ss.new_slots(1, margin=2.0, spread=16.0, device=torch.device("cpu"))[0]
+    ss.quantize_static_reference(x, slot, fmt)  # seeds the slot
+    ref_q, _ = ss.quantize_static_reference(x, slot, fmt)
+    q, q_t, amax = traced_codes(x, slot, fmt, both=True, row_amax=row_amax)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(q_t.view(torch.uint8), ref_q.t().contiguous().view(torch.uint8))
+    assert amax.shape == ((64,) if row_amax else ())
+    assert float(amax.amax()) == float(x.float().abs().amax())
