@@ -215,7 +215,10 @@ def run_cross(m: int, k: int) -> list[dict[str, Any]]:
         "static": differing(ref_q, statics[(False, "rows")](*args)[2]),
         "static_transposed": differing(ref_qt, statics[(True, "rows")](*args)[3]),
     }
-    if float(statics[(False, "rows")](*args)[4].amax()) != float(hc0.float().abs().amax()):
+    # Inductor reads the copy's values before their bf16 rounding (no emulate_precision_casts):
+    # the rows' amax is the fp32 output's, within the copy's rounding of it.
+    _, hc1, _, _, rows_amax = statics[(False, "rows")](*args)
+    if not abs(float(rows_amax.amax()) / float(hc1.float().abs().amax()) - 1) <= 2**-8:
         raise AssertionError("cross: the rows' amax is not the tensor's")
     print(f"{m}x{k} cross: codes differing from the Triton casts': {checks}", flush=True)
     variants: dict[str, Callable[[], Any]] = {
