@@ -49,6 +49,7 @@ from loka_train.kernels.gemm import GemmProblem
 from loka_train.kernels.linear import quantize_operand, run_backend
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.registry import get_backend
+from loka_train.kernels.roles import ROLES, Role
 
 __all__ = [
     "FP8_GEMM_CEILING",
@@ -56,6 +57,7 @@ __all__ = [
     "LedgerGemm",
     "LedgerRow",
     "Fp8Times",
+    "OPERANDS",
     "measure_ledger",
     "site_table",
 ]
@@ -64,6 +66,14 @@ Shape = tuple[int, int, int]
 
 FP8_GEMM_CEILING = 2.0
 """The FP8 tensor-core rate over bf16's on Hopper: no FP8 GEMM runs more than this faster."""
+
+OPERANDS: dict[str, tuple[str, str]] = {
+    Role.FORWARD: ("x", "W"),
+    Role.GRAD_INPUT: ("dY", "W^T"),
+    Role.GRAD_WEIGHT: ("dY^T", "x^T"),
+}
+"""Each role's operands ``(a, b)`` as the ledger names them (:class:`Fp8Times`'s
+``quant_a_ms`` and ``quant_b_ms``; ``timing.role_operands`` lays them out)."""
 
 
 @dataclass(frozen=True)
@@ -272,14 +282,18 @@ class Ledger:
         """Per site with a GEMM in FP8, under the chosen plans: what its FP8 GEMMs save against
         high precision (the GEMMs alone), the quantization the site pays for them
         (:meth:`LedgerRow.quant_paid_ms`: casts and transposed writes, less a ReLU pass a cast
-        takes over) and its share of that saving; largest saving first. A GEMM whose chosen
-        plan has no times (its timing failed) is left out and named in ``untimed``."""
+        takes over) and its share of that saving; largest saving first. ``paid_by_operand``
+        splits what it pays (``OPERANDS``: the forward's ``x`` and ``W``, grad-input's ``dY``
+        and ``W^T``, grad-weight's ``dY^T`` and ``x^T``, a transposed write where the operand
+        is taken over; ``relu``: the ReLU pass the plans run less the one high precision
+        runs), in the roles' order, what sums to ``quant_paid_ms``. A GEMM whose chosen plan
+        has no times (its timing failed) is left out and named in ``untimed``."""
         by_site: dict[str, dict[str, Any]] = {}
         for r in self.rows:
             if r.plan == "high":
                 continue
             s = by_site.setdefault(r.site, {"site": r.site, "roles": [], "untimed": [], "gemm_saved_ms": 0.0,
-                                             "quant_paid_ms": 0.0})
+                                             "quant_paid_ms": 0.0, "paid_by_operand": {}})
             c = r.chosen
             if c is None:
                 s["untimed"].append(r.role)
@@ -287,6 +301,14 @@ class Ledger:
             s["roles"].append(r.role)
             s["gemm_saved_ms"] += r.high_ms - c.gemm_ms
             s["quant_paid_ms"] += r.quant_paid_ms(c)
+            paid = s["paid_by_operand"]
+            for name, ms in zip(OPERANDS[r.role], (c.quant_a_ms, c.quant_b_ms), strict=True):
+                paid[name] = paid.get(name, 0.0) + ms
+            if c.relu_ms != r.relu_ms:
+                paid["relu"] = paid.get("relu", 0.0) + c.relu_ms - r.relu_ms
+        for s in by_site.values():
+            order = [n for role in ROLES for n in OPERANDS[role]] + ["relu"]
+            s["paid_by_operand"] = {n: s["paid_by_operand"][n] for n in order if n in s["paid_by_operand"]}
         for s in by_site.values():
             saved = s["gemm_saved_ms"]
             s["quant_over_saved"] = s["quant_paid_ms"] / saved if saved > 0 else math.inf
@@ -408,13 +430,15 @@ def site_table(sites: Sequence[Mapping[str, Any]]) -> list[str]:
         "Per site, the chosen plans: what its FP8 GEMMs save (the GEMMs alone) and what its "
         "quantization costs the step (casts and transposed writes, less a ReLU pass a cast takes over):",
         "",
-        "| site | FP8 GEMMs | GEMMs saved ms | quantization paid ms | quantization / saved |",
-        "|---|---|---|---|---|",
+        "| site | FP8 GEMMs | GEMMs saved ms | quantization paid ms | quantization / saved | paid by operand ms |",
+        "|---|---|---|---|---|---|",
     ]
     for s in sites:
         roles = ", ".join(s["roles"]) + (f" (untimed: {', '.join(s['untimed'])})" if s["untimed"] else "")
+        # A ledger written before the split has none: its column stays empty.
+        by_operand = ", ".join(f"{name} {ms:.3f}" for name, ms in s.get("paid_by_operand", {}).items())
         lines.append(f"| {s['site']} | {roles} | {s['gemm_saved_ms']:.3f} | {s['quant_paid_ms']:.3f} | "
-                     f"{_ratio(s['quant_over_saved'])} |")
+                     f"{_ratio(s['quant_over_saved'])} | {by_operand} |")
     return lines
 
 

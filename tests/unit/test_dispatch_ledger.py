@@ -14,6 +14,7 @@ from loka_train.dispatch.ledger import (
     LedgerGemm,
     LedgerRow,
     measure_ledger,
+    site_table,
 )
 from loka_train.dispatch.planning import reused_operands
 from loka_train.kernels.formats import Scaling
@@ -247,10 +248,26 @@ def test_per_site_the_quantization_paid_over_what_the_fp8_gemms_save():
     assert a["quant_paid_ms"] == pytest.approx((0.32 - 0.2) + 0.1)
     assert a["quant_over_saved"] == pytest.approx(0.22 / 0.9)
     assert b["site"] == "b" and b["untimed"] == ["grad_input"] and b["quant_over_saved"] == pytest.approx(2.0)
+    # What the site pays, operand by operand in the roles' order, sums to what it pays; the
+    # folded ReLU's pass that high precision runs and the plan does not is taken off.
+    assert list(a["paid_by_operand"]) == ["x", "W", "dY", "W^T", "relu"]
+    assert a["paid_by_operand"] == pytest.approx({"x": 0.3, "W": 0.02, "dY": 0.1, "W^T": 0.0, "relu": -0.2})
+    assert sum(a["paid_by_operand"].values()) == pytest.approx(a["quant_paid_ms"])
+    assert b["paid_by_operand"] == pytest.approx({"x": 0.2, "W": 0.0})
     assert ledger.to_dict()["sites"] == ledger.sites()
     md = ledger.markdown()
-    assert "| a | grad_input, forward | 0.900 | 0.220 | 0.24 |" in md
-    assert "| b | forward (untimed: grad_input) | 0.100 | 0.200 | 2.00 |" in md
+    assert "| a | grad_input, forward | 0.900 | 0.220 | 0.24 | x 0.300, W 0.020, dY 0.100, W^T 0.000, relu -0.200 |" in md
+    assert "| b | forward (untimed: grad_input) | 0.100 | 0.200 | 2.00 | x 0.200, W 0.000 |" in md
+    # A ledger's JSON from before the split renders with the column empty.
+    old = [{k: v for k, v in site.items() if k != "paid_by_operand"} for site in ledger.sites()]
+    assert "| a | grad_input, forward | 0.900 | 0.220 | 0.24 |  |" in "\n".join(site_table(old))
+
+
+def test_grad_weights_operands_are_dy_t_and_x_t():
+    gw = LedgerRow(site="a", role="grad_weight", shape=(8, 8, 8), plan="p", high_ms=1.0,
+                   fp8=(Fp8Times(plan="p", gemm_ms=0.5, quant_a_ms=0.01, quant_b_ms=0.07),))
+    (a,) = Ledger(rows=[gw], device="cpu", timing="custom").sites()
+    assert a["paid_by_operand"] == pytest.approx({"dY^T": 0.01, "x^T": 0.07})
 
 
 def test_a_folded_relu_is_timed_as_the_site_runs_it(monkeypatch):
