@@ -21,6 +21,8 @@ then each variant of its checkpoint (``loka_train.export.load_trained``):
 * ``loka+gatehigh`` (with ``--ne-budget``): ``loka`` whose NE gate moves forwards to high
   precision only (``hold_ne(allow_rowwise=False)``), against the gate's default, which may also
   take a tensor-wise forward row-wise: what each costs in speed at the same budget;
+* ``loka+fast``: ``loka`` with its FP8 forwards on their backends' fast accumulation
+  (``ServeConfig.fast_accum``; the NE gate serves it too);
 
 each eager, ``+compile`` (the dense submodules under ``torch.compile`` with the options
 ``trainer.compile_dense`` uses: static shapes, one graph per batch size; the embedding lookup
@@ -111,7 +113,7 @@ logger = logging.getLogger(__name__)
 
 MODELS = ("bf16", "torchao", "loka")
 SETTINGS = ("", "+compile", "+compile+graphs", "+compile+skipguards", "+compile+graphs+skipguards")
-VARIANTS = (*(m + s for m in MODELS for s in SETTINGS), *(v + s for v in ("loka+decided", "loka+gatehigh")
+VARIANTS = (*(m + s for m in MODELS for s in SETTINGS), *(v + s for v in ("loka+decided", "loka+gatehigh", "loka+fast")
                                                            for s in SETTINGS))
 # torchao last: compiling its float8 Wukong model can take minutes.
 DEFAULT_VARIANTS = ("bf16", "bf16+compile", "bf16+compile+graphs", "loka", "loka+compile",
@@ -237,14 +239,15 @@ def build(
     else:
         trained = load_trained(job, run, device=device)
         safe = trained.safe_forwards
-        model = cast(nn.Module, serve(trained.model, plans=trained.plans, config=ServeConfig(dtype="bf16")).model)
+        served = ServeConfig(dtype="bf16", fast_accum="+fast" in variant)
+        model = cast(nn.Module, serve(trained.model, plans=trained.plans, config=served).model)
         if "+decided" in variant:
             plans, decisions = decide_for_batch(model, _caller(decide, device), device=device,
-                                                safe=safe)
-            serve(model, plans=plans, config=ServeConfig(dtype="bf16"))
+                                                safe=safe, fast_accum=served.fast_accum)
+            serve(model, plans=plans, config=served)
         if gate is not None:
             steps = hold_ne(model, lambda m: quality(m, gate.batches, device)["ne"], reference_ne=gate.reference_ne,
-                            budget=gate.budget, config=ServeConfig(dtype="bf16"),
+                            budget=gate.budget, config=served,
                             verdicts=None if safe is None else safe.verdicts, allow_rowwise="+gatehigh" not in variant)
     if "+compile" in variant:
         compile_served(model, graphs="+graphs" in variant)
@@ -391,7 +394,7 @@ def quality(model: nn.Module, batches: list[Any], device: torch.device) -> dict[
 def same_settings(variant: str) -> str:
     """The bf16 variant with `variant`'s runtime settings."""
     rest = variant[len(next(m for m in MODELS if variant.startswith(m))):]
-    return "bf16" + rest.replace("+decided", "").replace("+gatehigh", "")
+    return "bf16" + rest.replace("+decided", "").replace("+gatehigh", "").replace("+fast", "")
 
 
 def allow_compiles(args: argparse.Namespace) -> Any:

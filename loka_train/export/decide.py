@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -131,8 +132,10 @@ def forward_ledger(
 def _forward_ledger(
     model: nn.Module, run: Callable[[nn.Module], Any], device: torch.device, plans: Mapping[str, LinearPlan] | None,
     safe: SafeForwards | None, out_dtype: torch.dtype, timer: Callable[[Callable[[], object]], float] | None,
+    fast_accum: bool = False,
 ) -> tuple[Ledger, dict[str, tuple[GemmPlan, ...]]]:
-    """:func:`forward_ledger`, and each timed site's FP8 candidates."""
+    """:func:`forward_ledger`, and each timed site's FP8 candidates (with their backends' fast
+    accumulation where `fast_accum`)."""
     found = find_sites(model)
     unknown = sorted(set(plans or {}) - set(found))
     if unknown:
@@ -140,6 +143,10 @@ def _forward_ledger(
     with torch.no_grad():
         run(model)
     gemms = _forward_gemms(found, plans, safe, device, out_dtype)
+    if fast_accum:
+        gemms = [dataclasses.replace(g, plan=g.plan.with_fast_accum(),
+                                     candidates=tuple(dict.fromkeys(p.with_fast_accum() for p in g.candidates)))
+                 for g in gemms]
     candidates = {g.site: g.candidates for g in gemms}
     order = {g.site: i for i, g in enumerate(gemms)}
     parts = []
@@ -184,6 +191,7 @@ def decide_for_batch(
     safe: SafeForwards | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     quantize_weights_once: bool = True,
+    fast_accum: bool = False,
     margin: float = 1.0,
     timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> tuple[dict[str, LinearPlan], list[InferenceDecision]]:
@@ -200,6 +208,8 @@ def decide_for_batch(
         out_dtype: the served compute dtype (what the backends must write).
         quantize_weights_once: as the model will be served (``ServeConfig``): where on, an FP8
             linear layer's weight cast is not charged.
+        fast_accum: as the model will be served (``ServeConfig``): every candidate is timed
+            and chosen with its backend's fast accumulation where it has one.
         margin: an FP8 forward is chosen where ``high_ms >= margin * fp8_ms``.
         timer: ``timer(fn) -> ms`` (default: graph replays on a GPU, the host clock elsewhere).
 
@@ -214,7 +224,7 @@ def decide_for_batch(
         raise ValueError(f"margin must be > 0, got {margin}")
     found = find_sites(model)
     trained = {name: (plans or {}).get(name, site.plan) for name, site in found.items()}
-    ledger, options = _forward_ledger(model, run, device, plans, safe, out_dtype, timer)
+    ledger, options = _forward_ledger(model, run, device, plans, safe, out_dtype, timer, fast_accum)
     once = weight_servable_sites(model) if quantize_weights_once else set()
     out = {name: LinearPlan(forward=plan.forward) for name, plan in trained.items()}
     rows = []

@@ -62,7 +62,8 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
     """
     device = resolve_device(cfg.device or job.trainer.device, 0)
     dtype = cfg.dtype or job.trainer.dense_dtype
-    serve_cfg = ServeConfig(dtype=dtype, quantize_weights_once=cfg.quantize_weights_once, embeddings=cfg.embeddings)
+    serve_cfg = ServeConfig(dtype=dtype, quantize_weights_once=cfg.quantize_weights_once, embeddings=cfg.embeddings,
+                            fast_accum=cfg.fast_accum)
     trained = load_trained(job, cfg.run, device=device)
     high = load_trained(job, trained.checkpoint, device=device)
     if trained.plans:
@@ -101,7 +102,8 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
                 safe.config, scalings=tuple(s for s in safe.config.scalings if s != "block")))
         plans, decisions = decide_for_batch(trained.model, call, device=device, safe=safe,
                                             out_dtype=serve_cfg.torch_dtype,
-                                            quantize_weights_once=serve_cfg.quantize_weights_once)
+                                            quantize_weights_once=serve_cfg.quantize_weights_once,
+                                            fast_accum=serve_cfg.fast_accum)
         serve(trained.model, plans=plans, config=serve_cfg)
     gate: list[GateStep] = []
     if trained.plans and cfg.ne_budget is not None:  # judged on the next held-out batches, not the reported ones

@@ -317,11 +317,14 @@ def serve(
     if unknown:
         raise ValueError(f"serve: plans name sites the model does not have: {unknown}; its sites: {sorted(found)}")
     model.eval()
+    fast = 0
     for name, site in found.items():
         plan = (plans or {}).get(name, site.plan)
         site.detach_observer()
         site.set_sampling(False)
-        site.set_plan(LinearPlan(forward=plan.forward))
+        forward = plan.forward.with_fast_accum() if cfg.fast_accum else plan.forward
+        fast += forward.fast_accum
+        site.set_plan(LinearPlan(forward=forward))
         if "served" in site._modules:
             del site._modules["served"]  # served before: quantized anew for this plan and dtype
         if isinstance(site, Fp8Linear) and plan.forward.is_fp8 and cfg.quantize_weights_once:
@@ -336,8 +339,9 @@ def serve(
     if cfg.embeddings != "trained":
         serve_embeddings(model, cfg.embeddings)
     logger.info(
-        "serve: %d sites, %d FP8 forwards, %d with their weight quantized once (%s; embedding tables %s)",
-        len(found), sum(s.plan.forward.is_fp8 for s in found.values()),
+        "serve: %d sites, %d FP8 forwards (%d with fast accumulation), %d with their weight quantized once "
+        "(%s; embedding tables %s)",
+        len(found), sum(s.plan.forward.is_fp8 for s in found.values()), fast,
         sum("served" in s._modules for s in found.values()), cfg.dtype, cfg.embeddings,
     )
     return model

@@ -134,6 +134,20 @@ class GemmPlan:
         """Format of operand ``b`` with the default resolved."""
         return self.fmt if self.fmt_b is None else self.fmt_b
 
+    def with_fast_accum(self) -> GemmPlan:
+        """This plan with the backend's fast FP8 accumulation, where its backend is a built-in
+        one that has it (``BACKEND_CONSTRAINTS``); itself otherwise (high precision, or a
+        backend registered later, whose modes are not known here).
+
+        Example:
+            >>> str(GemmPlan(precision=Precision.FP8, backend="torch_scaled_mm").with_fast_accum())
+            'fp8:e4m3/rowwise@torch_scaled_mm+fast'
+        """
+        known = BACKEND_CONSTRAINTS.get(self.backend)
+        if not self.is_fp8 or known is None or not known[2]:
+            return self
+        return dataclasses.replace(self, fast_accum=True)
+
     def __str__(self) -> str:
         if not self.is_fp8:
             return "high"

@@ -128,7 +128,7 @@ def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Pat
     assert main(["--dry-run", "--device", "cpu", "--configs", "dlrm", "--batches", "16", "--train-steps", "4",
                  "--decide-steps", "6", "--warmup", "2", "--iters", "2", "--rounds", "1", "--eval-batches", "2",
                  "--pairs", "0", "--profile-calls", "0", "--no-ledger", "--ne-budget", "0",
-                 "--variants", "bf16,loka,bf16+compile+skipguards,loka+compile+skipguards,loka+gatehigh",
+                 "--variants", "bf16,loka,bf16+compile+skipguards,loka+compile+skipguards,loka+gatehigh,loka+fast",
                  "--out", str(out)]) == 0
     result = json.loads((out / "inference.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
@@ -147,6 +147,13 @@ def test_the_dry_run_holds_the_ne_budget_and_serves_without_guards(tmp_path: Pat
     assert len(high_gate) > 1 and all(st["to"] == "high" for st in high_gate[1:])
     assert rows["loka+gatehigh"]["b16"]["speedup_vs_same"] == pytest.approx(
         rows["loka+gatehigh"]["b16"]["samples_per_s"] / rows["bf16"]["b16"]["samples_per_s"])
+    # Fast accumulation is served through the gate too, against bf16 with the same settings
+    # (the CPU's emulated backend accumulates in fp32 either way: the same moves and NE).
+    fast_moves = [st["to"] for st in rows["loka+fast"]["ne_gate"]["b16"][1:] if st["to"].startswith("fp8:")]
+    assert fast_moves and all(to.endswith("+fast") for to in fast_moves)
+    assert rows["loka+fast"]["ne"] == pytest.approx(rows["loka"]["ne"], rel=1e-3)
+    assert rows["loka+fast"]["b16"]["speedup_vs_same"] == pytest.approx(
+        rows["loka+fast"]["b16"]["samples_per_s"] / rows["bf16"]["b16"]["samples_per_s"])
     assert rows["loka+compile+skipguards"]["ne"] == pytest.approx(rows["loka"]["ne"], rel=1e-3)
     assert rows["bf16+compile+skipguards"]["ne"] == pytest.approx(rows["bf16"]["ne"], rel=1e-3)
     assert rows["loka+compile+skipguards"]["b16"]["speedup_vs_same"] > 0

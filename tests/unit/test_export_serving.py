@@ -908,3 +908,69 @@ def test_skip_guards_tells_calls_apart_by_their_jagged_keys_and_batch() -> None:
     assert _signature(kjt(["b", "a"], [1, 2, 0, 3])) != same
     assert _signature(torch.zeros(2, 3)) != _signature(torch.zeros(3, 2))
     assert _signature(torch.zeros(2, 3)) != _signature(torch.zeros(2, 3, dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------------- fast accumulation
+def test_fast_accumulation_reaches_the_backend_of_every_served_fp8_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loka_train.kernels import registry
+
+    plans = _plans("emulated", Scaling.ROWWISE)
+    plans["2"] = LinearPlan()  # in high precision: nothing to accumulate fast
+    calls: list[bool] = []
+
+    class Recording:
+        def __init__(self, name: str) -> None:
+            self.backend = registry.get_backend(name)
+            self.supports = self.backend.supports
+
+        def __call__(self, *args: Any, fast_accum: bool = False, **kwargs: Any) -> Tensor:
+            calls.append(fast_accum)
+            return self.backend(*args, fast_accum=fast_accum, **kwargs)
+
+    def recording(name: str) -> Any:
+        return Recording(name)
+
+    import loka_train.kernels.linear as linear_module
+
+    monkeypatch.setattr(serving_module, "get_backend", recording)  # the compiled call
+    monkeypatch.setattr(linear_module, "get_backend", recording)  # the eager one, through run_backend
+    x = torch.randn(24, 32)
+    exact = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32"))
+    fast = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32", fast_accum=True))
+    assert [str(s.plan.forward) for s in sites(fast).values()] == ["fp8:e4m3/rowwise@emulated+fast", "high"]
+    assert not any(s.plan.forward.fast_accum for s in sites(exact).values())
+    with torch.no_grad():
+        calls.clear()
+        want = exact(x)
+        assert calls == [False]
+        calls.clear()
+        got = fast(x)
+        assert calls == [True]
+    torch.testing.assert_close(got, want)  # the emulated backend accumulates in fp32 either way
+
+
+def test_a_backend_without_fast_accumulation_keeps_its_plan() -> None:
+    from loka_train.kernels.plan import Precision
+
+    odd = GemmPlan(precision=Precision.FP8, backend="registered_later")
+    assert odd.with_fast_accum() is odd and GemmPlan().with_fast_accum() == GemmPlan()
+    assert str(GemmPlan(precision=Precision.FP8, backend="triton").with_fast_accum()).endswith("@triton+fast")
+
+
+def test_plans_re_decided_for_fast_accumulation_are_timed_with_it() -> None:
+    from loka_train.export import decide_for_batch
+
+    plans = _plans("emulated", Scaling.ROWWISE)
+    # Served without it: the trained plans (and the Probe's safe candidates) have none.
+    served = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32"))
+    timed: list[str] = []
+
+    def timer(fn: Any) -> float:
+        timed.append(fn.__qualname__)
+        return _fake_timer({"high": 1.0, "gemm": 0.4, "quant_a": 0.1})(fn)
+
+    decided, rows = decide_for_batch(served, lambda m: m(torch.randn(24, 32)), device=torch.device("cpu"),
+                                     timer=timer, fast_accum=True)
+    assert [r.chosen for r in rows] == ["fp8:e4m3/rowwise@emulated+fast"] * 2
+    assert all(decided[n].forward == plans[n].forward.with_fast_accum() for n in plans)
+    assert timed
