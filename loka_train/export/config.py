@@ -38,10 +38,10 @@ class ServeConfig:
     fast_accum: bool = False
     """Serve each FP8 forward with its backend's fast accumulation (cuBLASLt's
     ``use_fast_accum``, the Triton kernel's: partial sums kept in the tensor cores' narrower
-    accumulator, about 10-15% faster FP8 GEMMs on an H100 at 8192-32768 rows), where the
-    backend has one (``GemmPlan.with_fast_accum``); the backends without ignore it. It changes
-    the numerics a little: hold the NE with ``ExportConfig.ne_budget`` (the gate serves the
-    same accumulation)."""
+    accumulator: faster FP8 GEMMs, less exact sums), where the backend has one
+    (``GemmPlan.with_fast_accum``); the backends without ignore it. Hold the NE with
+    ``ExportConfig.ne_budget`` (the gate serves the same accumulation); what it gave on Wukong
+    is in ``docs/performance.md`` ("Serving")."""
 
     embeddings: str = "trained"
     """How the embedding tables are served: "trained" (the trained tables in TorchRec's training
