@@ -33,6 +33,7 @@ from torch import Tensor
 
 from loka_train.kernels.formats import Fp8Format
 from loka_train.kernels.static_scales import check_slot
+from loka_train.kernels.triton_gemm import _gemm_config
 from loka_train.kernels.triton_kernels import INTERPRETED, _sw_round_args, _triton_fmt
 from loka_train.kernels.triton_tensorwise import _codes
 
@@ -86,19 +87,14 @@ def _castin_gemm_kernel(
     tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=m_in[:, None] & (offs_n[None, :] < N))
 
 
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
-                         num_stages=stages)
-
-
 CONFIGS = [
-    _config(128, 256, 64, 8, 3),
-    _config(128, 256, 128, 8, 2),
-    _config(256, 128, 64, 8, 3),
-    _config(128, 128, 128, 8, 3),
-    _config(128, 128, 64, 4, 4),
-    _config(128, 128, 128, 4, 3),
-    _config(64, 256, 128, 4, 3),
+    _gemm_config(128, 256, 64, 8, 3),
+    _gemm_config(128, 256, 128, 8, 2),
+    _gemm_config(256, 128, 64, 8, 3),
+    _gemm_config(128, 128, 128, 8, 3),
+    _gemm_config(128, 128, 64, 4, 4),
+    _gemm_config(128, 128, 128, 4, 3),
+    _gemm_config(64, 256, 128, 4, 3),
 ]
 """Tiles tried on the GPU (the autotuner keeps the fastest per problem)."""
 
