@@ -111,7 +111,9 @@ def next_rung(name: str, forward: GemmPlan, verdicts: Mapping[Any, Any] | None =
     takes = BACKEND_CONSTRAINTS.get(forward.backend)
     if takes is None or Scaling.ROWWISE not in takes[0]:
         return None
-    finer = dataclasses.replace(forward, scaling=Scaling.ROWWISE)
+    # The accumulation as it was, where the backend has it for row-wise scales too.
+    finer = dataclasses.replace(forward, scaling=Scaling.ROWWISE,
+                                fast_accum=forward.fast_accum and Scaling.ROWWISE in takes[2])
     if verdicts is not None and not planning.eligible(verdicts, name, "forward", [finer]):
         return None
     return finer

@@ -119,9 +119,9 @@ def export_run(job: JobConfig, cfg: ExportConfig) -> dict[str, Any]:
         gate = hold_ne(trained.model, lambda m: _evaluate(m, judged, autocast)["ne"],
                        reference_ne=_evaluate(high.model, judged, autocast)["ne"], budget=cfg.ne_budget,
                        config=serve_cfg, verdicts=None if trained.safe_forwards is None else trained.safe_forwards.verdicts)
-        moved = {st.moved for st in gate[1:] if st.moved}
-        now = find_sites(trained.model)  # the moved sites' forwards as the gate left them
-        plans = {n: dataclasses.replace(p, forward=now[n].plan.forward) if n in moved else p for n, p in plans.items()}
+    if trained.plans:  # the forwards as served: re-decided, moved by the gate, with fast accumulation
+        now = find_sites(trained.model)
+        plans = {n: dataclasses.replace(p, forward=now[n].plan.forward) if n in now else p for n, p in plans.items()}
     metrics = {"served": _evaluate(trained.model, batches, autocast), "high": _evaluate(high.model, batches, autocast)}
     rows = []
     if trained.plans:

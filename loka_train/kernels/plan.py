@@ -43,23 +43,24 @@ class Precision(enum.StrEnum):
     """Both operands quantized to FP8 and multiplied by a backend."""
 
 
-# Static constraints of the built-in backends: (scalings, formats of a/b, fast_accum allowed).
-# Shape/device constraints are checked at run time by Backend.supports().
-BACKEND_CONSTRAINTS: dict[str, tuple[frozenset[Scaling], frozenset[Fp8Format], bool]] = {
-    "emulated": (frozenset(Scaling), frozenset(Fp8Format), True),
+# Static constraints of the built-in backends: (scalings, formats of a/b, scalings with a fast
+# accumulation mode). Shape/device constraints are checked at run time by Backend.supports().
+BACKEND_CONSTRAINTS: dict[str, tuple[frozenset[Scaling], frozenset[Fp8Format], frozenset[Scaling]]] = {
+    "emulated": (frozenset(Scaling), frozenset(Fp8Format), frozenset(Scaling)),
     "torch_scaled_mm": (
         frozenset({Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCK}),
         frozenset({Fp8Format.E4M3, Fp8Format.E5M2, Fp8Format.E4M3FNUZ}),
-        True,
+        frozenset({Scaling.TENSORWISE, Scaling.ROWWISE}),  # cuBLASLt's block-scaled FP8 has none
     ),
-    "fbgemm_rowwise": (frozenset({Scaling.ROWWISE}), frozenset({Fp8Format.E4M3}), True),
+    "fbgemm_rowwise": (frozenset({Scaling.ROWWISE}), frozenset({Fp8Format.E4M3}), frozenset({Scaling.ROWWISE})),
     "triton": (
         frozenset({Scaling.TENSORWISE, Scaling.ROWWISE}),
         frozenset({Fp8Format.E4M3, Fp8Format.E5M2}),
-        True,
+        frozenset({Scaling.TENSORWISE, Scaling.ROWWISE}),
     ),
 }
-"""Known backend name -> (supported scalings, supported formats, accepts fast_accum).
+"""Known backend name -> (supported scalings, supported formats, scalings it accumulates fast
+in: ``GemmPlan.fast_accum`` allowed).
 
 Backends registered later (not listed) are checked only when they run."""
 
@@ -108,7 +109,7 @@ class GemmPlan:
         known = BACKEND_CONSTRAINTS.get(self.backend)
         if known is None:
             return
-        scalings, fmts, fast_ok = known
+        scalings, fmts, fast_scalings = known
         if self.scaling not in scalings:
             raise ValueError(
                 f"backend {self.backend!r} does not support {self.scaling.value} scaling "
@@ -121,8 +122,11 @@ class GemmPlan:
                     f"backend {self.backend!r} does not support {f.value} "
                     f"(supports {sorted(x.value for x in fmts)})"
                 )
-        if self.fast_accum and not fast_ok:
-            raise ValueError(f"backend {self.backend!r} has no fast accumulation mode")
+        if self.fast_accum and self.scaling not in fast_scalings:
+            raise ValueError(
+                f"backend {self.backend!r} has no fast accumulation mode for {self.scaling.value} scaling "
+                f"(has one for {sorted(s.value for s in fast_scalings)}); set fast_accum=False"
+            )
 
     @property
     def is_fp8(self) -> bool:
@@ -136,15 +140,16 @@ class GemmPlan:
 
     def with_fast_accum(self) -> GemmPlan:
         """This plan with the backend's fast FP8 accumulation, where its backend is a built-in
-        one that has it (``BACKEND_CONSTRAINTS``); itself otherwise (high precision, or a
-        backend registered later, whose modes are not known here).
+        one that has it for the plan's scaling (``BACKEND_CONSTRAINTS``); itself otherwise (high
+        precision, cuBLASLt's block scaling, or a backend registered later, whose modes are not
+        known here).
 
         Example:
             >>> str(GemmPlan(precision=Precision.FP8, backend="torch_scaled_mm").with_fast_accum())
             'fp8:e4m3/rowwise@torch_scaled_mm+fast'
         """
         known = BACKEND_CONSTRAINTS.get(self.backend)
-        if not self.is_fp8 or known is None or not known[2]:
+        if not self.is_fp8 or known is None or self.scaling not in known[2]:
             return self
         return dataclasses.replace(self, fast_accum=True)
 

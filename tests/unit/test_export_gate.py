@@ -258,7 +258,8 @@ def test_the_probes_verdicts_keep_an_unsafe_rowwise_forward_off_the_ladder(monke
                                           fast_accum=True)
     assert next_rung("0", tw, {}) is None
     monkeypatch.setitem(BACKEND_CONSTRAINTS, "tensorwise_only", (frozenset({Scaling.TENSORWISE}),
-                                                                 frozenset({Fp8Format.E4M3}), True))
+                                                                 frozenset({Fp8Format.E4M3}),
+                                                                 frozenset({Scaling.TENSORWISE})))
     assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="tensorwise_only")) is None
     assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.TENSORWISE, backend="mine")) is None
     assert next_rung("0", GemmPlan(precision="fp8", scaling=Scaling.ROWWISE)) is None

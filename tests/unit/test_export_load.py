@@ -352,6 +352,20 @@ def _tensorwise_forwards_cost_ne(monkeypatch) -> None:  # type: ignore[no-untype
     monkeypatch.setattr(run_module, "_evaluate", costed)
 
 
+def test_the_export_serves_and_records_fast_accumulation(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    job, run, _ = trained_run
+    plain = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "plain"), programs=False))
+    fast = export_run(job, ExportConfig(run=str(run), out=str(tmp_path / "fast"), programs=False, fast_accum=True))
+    forwards = {n: LinearPlan.from_dict(p).forward for n, p in fast["plans"].items()}
+    trained = {n: LinearPlan.from_dict(p).forward for n, p in plain["plans"].items()}
+    assert any(f.is_fp8 for f in trained.values()) and fast["serve"]["fast_accum"] is True
+    # Every served FP8 forward and its record take it (the CPU's emulated backend has it for
+    # every scaling and accumulates in fp32 either way: the same metrics).
+    assert forwards == {n: f.with_fast_accum() for n, f in trained.items()}
+    assert all(f.fast_accum for f in forwards.values() if f.is_fp8)
+    assert fast["metrics"]["served"]["ne"] == pytest.approx(plain["metrics"]["served"]["ne"], rel=1e-6)
+
+
 def test_the_export_holds_the_ne_budget_on_batches_it_does_not_report(trained_run, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from launch.export import report
 

@@ -947,6 +947,17 @@ def test_fast_accumulation_reaches_the_backend_of_every_served_fp8_forward(monke
         got = fast(x)
         assert calls == [True]
     torch.testing.assert_close(got, want)  # the emulated backend accumulates in fp32 either way
+    # Compiled, the served weight calls its backend directly: with the flag too.
+    from loka_train.kernels.formats import quantize
+
+    served_weight = sites(fast)["0"].served
+    gemm = sites(fast)["0"].plan.forward
+    x_q = quantize(torch.randn(24, 32), gemm.fmt, gemm.scaling)
+    calls.clear()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    served_weight._gemm(gemm, x_q, torch.float32, None)
+    monkeypatch.undo()
+    assert calls == [True]
 
 
 def test_a_backend_without_fast_accumulation_keeps_its_plan() -> None:
@@ -955,6 +966,13 @@ def test_a_backend_without_fast_accumulation_keeps_its_plan() -> None:
     odd = GemmPlan(precision=Precision.FP8, backend="registered_later")
     assert odd.with_fast_accum() is odd and GemmPlan().with_fast_accum() == GemmPlan()
     assert str(GemmPlan(precision=Precision.FP8, backend="triton").with_fast_accum()).endswith("@triton+fast")
+    # cuBLASLt's block-scaled FP8 has no fast accumulation: such a plan keeps its own, and one
+    # asking for it is refused where it is made.
+    block = GemmPlan(precision=Precision.FP8, backend="torch_scaled_mm", scaling=Scaling.BLOCK)
+    assert block.with_fast_accum() is block
+    assert GemmPlan(precision=Precision.FP8, backend="torch_scaled_mm").with_fast_accum().fast_accum
+    with pytest.raises(ValueError, match="no fast accumulation mode for block"):
+        GemmPlan(precision=Precision.FP8, backend="torch_scaled_mm", scaling=Scaling.BLOCK, fast_accum=True)
 
 
 def test_plans_re_decided_for_fast_accumulation_are_timed_with_it() -> None:
@@ -963,14 +981,20 @@ def test_plans_re_decided_for_fast_accumulation_are_timed_with_it() -> None:
     plans = _plans("emulated", Scaling.ROWWISE)
     # Served without it: the trained plans (and the Probe's safe candidates) have none.
     served = serve(_mlp(), plans=plans, config=ServeConfig(dtype="fp32"))
+    from loka_train.dispatch import ledger as ledger_module
+
     timed: list[str] = []
+    real = ledger_module._fp8_times
 
-    def timer(fn: Any) -> float:
-        timed.append(fn.__qualname__)
-        return _fake_timer({"high": 1.0, "gemm": 0.4, "quant_a": 0.1})(fn)
+    def recording(gemm: Any, plan: GemmPlan, *args: Any, **kwargs: Any) -> Any:
+        timed.append(str(plan))
+        return real(gemm, plan, *args, **kwargs)
 
-    decided, rows = decide_for_batch(served, lambda m: m(torch.randn(24, 32)), device=torch.device("cpu"),
-                                     timer=timer, fast_accum=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ledger_module, "_fp8_times", recording)
+        decided, rows = decide_for_batch(served, lambda m: m(torch.randn(24, 32)), device=torch.device("cpu"),
+                                         timer=_fake_timer({"high": 1.0, "gemm": 0.4, "quant_a": 0.1}),
+                                         fast_accum=True)
     assert [r.chosen for r in rows] == ["fp8:e4m3/rowwise@emulated+fast"] * 2
     assert all(decided[n].forward == plans[n].forward.with_fast_accum() for n in plans)
-    assert timed
+    assert timed == ["fp8:e4m3/rowwise@emulated+fast"] * 2  # each candidate timed as it would serve
