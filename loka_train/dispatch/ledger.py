@@ -120,7 +120,7 @@ class Fp8Times:
     transposed write that GEMM's quantizer adds for it (``timing.transposed_write_s``; 0 where
     it is reused as a view)."""
     quant_b_ms: float
-    """Quantizing operand ``b`` (the weight in forward and grad-input: every step today); a
+    """Quantizing operand ``b`` (the weight in forward and grad-input: every step); a
     reused one as in ``quant_a_ms``."""
     relu_ms: float = 0.0
     """The ReLU pass this candidate runs (``LedgerGemm.input_relu``): before its GEMM where
