@@ -306,10 +306,9 @@ class Ledger:
                 paid[name] = paid.get(name, 0.0) + ms
             if c.relu_ms != r.relu_ms:
                 paid["relu"] = paid.get("relu", 0.0) + c.relu_ms - r.relu_ms
+        order = [n for role in ROLES for n in OPERANDS[role]] + ["relu"]
         for s in by_site.values():
-            order = [n for role in ROLES for n in OPERANDS[role]] + ["relu"]
             s["paid_by_operand"] = {n: s["paid_by_operand"][n] for n in order if n in s["paid_by_operand"]}
-        for s in by_site.values():
             saved = s["gemm_saved_ms"]
             s["quant_over_saved"] = s["quant_paid_ms"] / saved if saved > 0 else math.inf
         return sorted(by_site.values(), key=lambda s: -s["gemm_saved_ms"])

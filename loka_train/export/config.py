@@ -38,8 +38,8 @@ class ServeConfig:
     fast_accum: bool = False
     """Serve each FP8 forward with its backend's fast accumulation (cuBLASLt's
     ``use_fast_accum``, the Triton kernel's: partial sums kept in the tensor cores' narrower
-    accumulator: faster FP8 GEMMs, less exact sums), where the backend has one
-    (``GemmPlan.with_fast_accum``); the backends without ignore it. Hold the NE with
+    accumulator: faster FP8 GEMMs, less exact sums), where the backend has one for the plan's
+    scaling (``GemmPlan.with_fast_accum``); the others keep exact sums. Hold the NE with
     ``ExportConfig.ne_budget`` (the gate serves the same accumulation); what it gave on Wukong
     is in ``docs/performance.md`` ("Serving")."""
 
