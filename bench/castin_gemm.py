@@ -143,12 +143,13 @@ def castin_gemm(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Ten
 
 
 def castin_gemm_reference(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Tensor) -> Tensor:
-    """:func:`castin_gemm`'s result in PyTorch: the static cast's codes (the slot's scale, which
-    must fit ``a``), dequantized, times ``b``'s, in fp32, as bf16."""
-    from loka_train.kernels.static_scales import SCALE
+    """:func:`castin_gemm`'s result in PyTorch: the static cast's codes
+    (``static_scales.quantize_static_reference`` on a copy of the slot: where the slot's scale
+    does not fit ``a``, the dynamic cast's, which the kernel does not run), dequantized, times
+    ``b``'s, in fp32, as bf16."""
+    from loka_train.kernels.static_scales import quantize_static_reference
 
-    s = slot[SCALE]
-    q = torch.div(a.float(), s).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    q, s = quantize_static_reference(a, slot.clone(), fmt)
     return ((q.float() * s) @ (b.float() * b_scale.float()).t()).to(torch.bfloat16)
 
 
