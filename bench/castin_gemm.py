@@ -14,14 +14,18 @@ recast: it measures whether the form pays before the sites take it.
 Timed per problem ``M x K x N`` (``a`` ``(M, K)`` bf16, the weight's codes ``(N, K)``): bf16
 ``torch.mm`` (cuBLAS); ``torch._scaled_mm`` on codes cast beforehand (the GEMM alone); the static
 cast then ``torch._scaled_mm`` (as the sites run it); :func:`castin_gemm` with and without the
-amax. Medians of ``triton.testing.do_bench`` (us).
+amax. Medians of ``triton.testing.do_bench`` (us). With ``--tma`` also
+:func:`castin_gemm_tma` (the same cast, persistent, each operand's tiles brought in by the copy
+engine) on each of ``TMA_CONFIGS``, with the same kernel on codes cast beforehand: how near its
+mainloop comes to cuBLAS's, and what the cast in its loads adds.
 
-    python -m bench.castin_gemm --out DIR [--shapes 32768x3456x512,32768x3456x1024] [--fmt e4m3]
+    python -m bench.castin_gemm --out DIR [--shapes 32768x3456x512,32768x3456x1024] [--fmt e4m3] [--tma]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -142,6 +146,103 @@ def castin_gemm(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Ten
     return c, out_amax
 
 
+@triton.jit
+def _castin_tma_kernel(
+    a_desc, b_desc, c_desc, scale_ptr, sb_ptr, M, N, K,
+    FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+    A_E5M2: tl.constexpr, CAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):
+    """Persistent form of :func:`_castin_gemm_kernel`: the copy engine brings each operand's
+    tiles in (tensor descriptors), each program walks output tiles ``NUM_PROGRAMS`` apart in the
+    grouped order. With ``CAST`` the activation's tiles are bf16 and cast in registers as the
+    static cast casts them (``_codes``: a power-of-two scale, as every static scale is,
+    multiplies by its reciprocal); without, they are codes already (the GEMM's own speed, for
+    comparison)."""
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    out_scale = tl.load(scale_ptr) * tl.load(sb_ptr)
+    num_pid_in_group = GROUP_M * num_pid_n
+    for tile in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
+        first_pid_m = (tile // num_pid_in_group) * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+        pid_n = (tile % num_pid_in_group) // group_size_m
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            x = a_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+            if CAST:
+                q = _codes(x.to(tl.float32), scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False)
+                if A_E5M2:
+                    a = q.to(tl.float8e5)
+                else:
+                    a = q.to(tl.float8e4nv)
+            else:
+                a = x
+            b = b_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (acc * out_scale).to(c_desc.dtype))
+
+
+TMA_CONFIGS = [
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+    (128, 256, 128, 8, 8, 3),
+    (128, 256, 64, 8, 8, 4),
+    (128, 128, 128, 8, 8, 4),
+    (128, 128, 128, 8, 4, 4),
+    (256, 128, 128, 8, 8, 3),
+    (128, 256, 128, 16, 8, 3),
+    (64, 256, 128, 8, 4, 4),
+]
+"""Tiles :func:`castin_gemm_tma` is timed with on the GPU (``--tma``), each reported."""
+
+
+def castin_gemm_tma(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Tensor, *,
+                    config: tuple[int, ...] = TMA_CONFIGS[0], num_programs: int | None = None,
+                    cast: bool = True) -> Tensor:
+    """:func:`castin_gemm` through the copy engine, persistent, on one tile config (no amax).
+
+    ``a``: ``(M, K)`` bf16 with ``cast`` (cast with the slot's scale), else ``a``'s codes
+    already in ``fmt``; ``b``: ``(N, K)``
+    FP8 codes; ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``;
+    ``num_programs``: the persistent grid (default: one per multiprocessor, on the CPU 4).
+    Returns ``c`` ``(M, N)`` bf16.
+
+    Raises:
+        ValueError: for shapes that do not match, a non-contiguous operand, or a row not a
+            multiple of 16 bytes (what a tensor descriptor needs).
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    fmt = _triton_fmt(fmt)
+    check_slot(slot, a.device)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"castin_gemm_tma needs a (M, K) and b (N, K), got {tuple(a.shape)}, {tuple(b.shape)}")
+    if not (a.is_contiguous() and b.is_contiguous()):
+        raise ValueError("castin_gemm_tma needs contiguous operands")
+    m, k = a.shape
+    n = b.shape[0]
+    if k % 16 or n % 8:
+        raise ValueError(f"castin_gemm_tma needs K a multiple of 16 and N of 8 (tensor descriptors), got K={k}, N={n}")
+    bm, bn, bk, group, warps, stages = config
+    c = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
+    sw = _sw_round_args(fmt.dtype)
+    if num_programs is None:
+        num_programs = 4 if a.device.type == "cpu" else torch.cuda.get_device_properties(a.device).multi_processor_count
+    grid = (min(num_programs, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
+    _castin_tma_kernel[grid](
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
+        TensorDescriptor.from_tensor(c, [bm, bn]), slot, b_scale.float().reshape(1), m, n, k,
+        FP8_MAX=fmt.max, Q_MANT=sw["MANT"], Q_SUB_MAGIC=sw["SUB_MAGIC"], Q_MIN_NORMAL=sw["MIN_NORMAL"],
+        A_E5M2=fmt is Fp8Format.E5M2, CAST=cast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=group, NUM_PROGRAMS=grid[0], num_warps=warps, num_stages=stages,
+    )
+    return c
+
+
 def castin_gemm_reference(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Tensor) -> Tensor:
     """:func:`castin_gemm`'s result in PyTorch: the static cast's codes
     (``static_scales.quantize_static_reference`` on a copy of the slot: where the slot's scale
@@ -171,9 +272,10 @@ def _problems(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def run(m: int, k: int, n: int, fmt: Fp8Format) -> dict[str, Any]:
+def run(m: int, k: int, n: int, fmt: Fp8Format, *, tma: bool = False) -> dict[str, Any]:
     """Times of one problem (module docstring) and the castin result's largest difference from
-    the static cast then ``torch._scaled_mm``, relative to that result's largest magnitude."""
+    the static cast then ``torch._scaled_mm``, relative to that result's largest magnitude; with
+    ``tma`` also :func:`castin_gemm_tma` and its GEMM on codes, on each of ``TMA_CONFIGS``."""
     from triton.testing import do_bench
 
     from loka_train.kernels import static_scales as ss
@@ -195,6 +297,7 @@ def run(m: int, k: int, n: int, fmt: Fp8Format) -> dict[str, Any]:
     ref = scaled(q, s)
     got, got_amax = castin_gemm(a, slot, fmt, wq.data, wq.scale, amax=True)
     rel = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+    rel_tma: dict[str, float] = {}
     amax_ok = float(got_amax) == float(a.float().abs().max())
     variants = {
         "bf16 torch.mm": lambda: a @ w.t(),
@@ -204,13 +307,28 @@ def run(m: int, k: int, n: int, fmt: Fp8Format) -> dict[str, Any]:
         "castin_gemm": lambda: castin_gemm(a, slot, fmt, wq.data, wq.scale),
         "castin_gemm with the amax": lambda: castin_gemm(a, slot, fmt, wq.data, wq.scale, amax=True),
     }
+    if tma:
+        for cfg in TMA_CONFIGS:
+            tag = "x".join(str(v) for v in cfg)
+            try:
+                got_tma = castin_gemm_tma(a, slot, fmt, wq.data, wq.scale, config=cfg)
+                got_codes = castin_gemm_tma(q, slot, fmt, wq.data, wq.scale, config=cfg, cast=False)
+            except Exception as exc:  # a tile that does not fit this GPU's shared memory
+                print(f"{m}x{k}x{n} tma {tag}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            rel_tma[tag] = float((got_tma.float() - ref.float()).abs().max() / ref.float().abs().max())
+            rel_tma[tag + " codes"] = float((got_codes.float() - ref.float()).abs().max() / ref.float().abs().max())
+            variants[f"castin_gemm_tma {tag}"] = functools.partial(
+                castin_gemm_tma, a, slot, fmt, wq.data, wq.scale, config=cfg)
+            variants[f"tma GEMM on codes {tag}"] = functools.partial(
+                castin_gemm_tma, q, slot, fmt, wq.data, wq.scale, config=cfg, cast=False)
     times = {}
     for name, fn in variants.items():
         fn()
         times[name] = round(do_bench(fn) * 1e3, 1)
         print(f"{m}x{k}x{n} {fmt.value} {name}: {times[name]} us", flush=True)
     return {"m": m, "k": k, "n": n, "fmt": fmt.value, "us": times, "rel_diff_vs_scaled_mm": rel,
-            "amax_matches": amax_ok, "configs": {str(key): str(cfg) for key, cfg in _tuned.cache.items()}}
+            "amax_matches": amax_ok, "rel_diff_tma": rel_tma, "configs": {str(key): str(cfg) for key, cfg in _tuned.cache.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,17 +337,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", type=_problems, default="32768x3456x512,32768x3456x1024,32768x4096x4096",
                     help="problems MxKxN, comma-separated")
     ap.add_argument("--fmt", choices=["e4m3", "e5m2"], default="e4m3", help="the activation's codes")
+    ap.add_argument("--tma", action="store_true",
+                    help="also time castin_gemm_tma and its GEMM on codes on each of TMA_CONFIGS")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [run(m, k, n, Fp8Format(args.fmt)) for m, k, n in args.shapes]
+    rows = [run(m, k, n, Fp8Format(args.fmt), tma=args.tma) for m, k, n in args.shapes]
     (args.out / "castin_gemm.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
          "rows": rows}, indent=1))
-    names = list(rows[0]["us"])
-    lines = ["| M x K x N | fmt | " + " | ".join(names) + " | diff | amax |", "|---" * (len(names) + 4) + "|"]
+    lines = ["| M x K x N | fmt | variant | us | diff from the cast then `_scaled_mm` |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['m']} x {r['k']} x {r['n']} | {r['fmt']} | " + " | ".join(str(r["us"][v]) for v in names)
-                     + f" | {r['rel_diff_vs_scaled_mm']:.1e} | {r['amax_matches']} |")
+        diffs = {"castin_gemm": r["rel_diff_vs_scaled_mm"]} | {
+            f"castin_gemm_tma {t}": d for t, d in r["rel_diff_tma"].items() if not t.endswith(" codes")} | {
+            f"tma GEMM on codes {t[:-len(' codes')]}": d for t, d in r["rel_diff_tma"].items() if t.endswith(" codes")}
+        for name, us in r["us"].items():
+            diff = f"{diffs[name]:.1e}" if name in diffs else ""
+            lines.append(f"| {r['m']} x {r['k']} x {r['n']} | {r['fmt']} | {name} | {us} | {diff} |")
+        lines.append(f"| {r['m']} x {r['k']} x {r['n']} | {r['fmt']} | castin_gemm's amax is the activation's | "
+                     f"{r['amax_matches']} | |")
     (args.out / "castin_gemm.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

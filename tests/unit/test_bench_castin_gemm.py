@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.castin_gemm import _problems, castin_gemm, castin_gemm_reference, main
+from bench.castin_gemm import _problems, castin_gemm, castin_gemm_reference, castin_gemm_tma, main
 from loka_train.kernels import static_scales as ss
 from loka_train.kernels.formats import Fp8Format, Scaling, quantize
 
@@ -66,6 +66,30 @@ def test_a_scale_that_does_not_divide_the_activation_gives_another_product() -> 
     slot[ss.SCALE] /= 4
     saturated, _ = castin_gemm(a, slot, Fp8Format.E4M3, w.data, w.scale)
     assert float(saturated.float().abs().max()) < float(got.float().abs().max())
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
+def test_the_persistent_form_casts_each_code_as_the_static_cast(fmt: Fp8Format) -> None:
+    # An identity weight gives the activation's dequantized codes back; rows not a multiple of
+    # the tile (the copy engine's zero fill), more tiles than programs (the persistent walk).
+    g = torch.Generator().manual_seed(2)
+    a = (torch.randn(80, 64, generator=g) * 3).to(torch.bfloat16)
+    a[0, :8] = torch.tensor([1e-4, -3e-4, 2e-3, 5e-5, 0.0, -0.0, 40.0, -64.0])
+    w = quantize(torch.eye(64)[:48].contiguous(), Fp8Format.E4M3, Scaling.TENSORWISE)
+    slot = _seeded_slot(a, fmt)
+    want = castin_gemm_reference(a, slot, fmt, w.data, w.scale)
+    cfg = (32, 16, 32, 2, 4, 2)
+    got = castin_gemm_tma(a, slot, fmt, w.data, w.scale, config=cfg, num_programs=3)
+    assert torch.equal(got, want)
+    # On codes cast beforehand (no cast in the kernel) the product is the same.
+    codes, _ = ss.quantize_static_reference(a, slot.clone(), fmt)
+    assert torch.equal(castin_gemm_tma(codes, slot, fmt, w.data, w.scale, config=cfg, cast=False), want)
+    # A general weight: the product of the static cast's codes.
+    w2 = quantize(torch.randn(48, 64, generator=g) / 10, Fp8Format.E4M3, Scaling.TENSORWISE)
+    torch.testing.assert_close(castin_gemm_tma(a, slot, fmt, w2.data, w2.scale, config=cfg).float(),
+                               castin_gemm_reference(a, slot, fmt, w2.data, w2.scale).float(), rtol=2**-7, atol=0.05)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        castin_gemm_tma(a[:, :40].contiguous(), slot, fmt, w.data[:, :40].contiguous(), w.scale, config=cfg)
 
 
 def test_bad_operands_are_refused() -> None:
