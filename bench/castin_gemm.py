@@ -148,9 +148,9 @@ def castin_gemm(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Ten
 
 @triton.jit
 def _castin_tma_kernel(
-    a_desc, b_desc, c_desc, scale_ptr, sb_ptr, M, N, K,
+    a_desc, a_ptr, b_desc, c_desc, scale_ptr, sb_ptr, M, N, K,
     FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
-    A_E5M2: tl.constexpr, CAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    A_E5M2: tl.constexpr, CAST: tl.constexpr, SATFINITE: tl.constexpr, A_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     """Persistent form of :func:`_castin_gemm_kernel`: the copy engine brings each operand's
@@ -158,8 +158,12 @@ def _castin_tma_kernel(
     grouped order. With ``CAST`` the activation's tiles are bf16 and cast in registers as the
     static cast casts them (``_codes``: a power-of-two scale, as every static scale is,
     multiplies by its reciprocal); without, they are codes already (the GEMM's own speed, for
-    comparison)."""
+    comparison). ``SATFINITE`` (GPU only): the product by the scale's reciprocal goes to the
+    format as it is, the conversion's own saturation (``cvt.rn.satfinite``) standing in for the
+    clamp: the same codes where the scale is a power of two. ``A_TMA`` off: the activation's
+    tiles come through plain loads (``a_ptr``) instead of the copy engine."""
     start = tl.program_id(0)
+    inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -173,8 +177,19 @@ def _castin_tma_kernel(
         pid_n = (tile % num_pid_in_group) // group_size_m
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
-            x = a_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
-            if CAST:
+            if A_TMA:
+                x = a_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+            else:
+                offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+                x = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :],
+                            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            if CAST and SATFINITE:
+                if A_E5M2:
+                    a = (x.to(tl.float32) * inv).to(tl.float8e5)
+                else:
+                    a = (x.to(tl.float32) * inv).to(tl.float8e4nv)
+            elif CAST:
                 q = _codes(x.to(tl.float32), scale_ptr, FP8_MAX, Q_MANT, Q_SUB_MAGIC, Q_MIN_NORMAL, False)
                 if A_E5M2:
                     a = q.to(tl.float8e5)
@@ -189,26 +204,26 @@ def _castin_tma_kernel(
 
 TMA_CONFIGS = [
     # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
-    (128, 256, 128, 8, 8, 3),
     (128, 256, 64, 8, 8, 4),
-    (128, 128, 128, 8, 8, 4),
-    (128, 128, 128, 8, 4, 4),
-    (256, 128, 128, 8, 8, 3),
-    (128, 256, 128, 16, 8, 3),
-    (64, 256, 128, 8, 4, 4),
+    (128, 256, 64, 8, 8, 3),
+    (128, 256, 128, 8, 8, 2),
+    (256, 128, 64, 8, 8, 3),
+    (128, 256, 64, 8, 16, 3),
+    (128, 128, 64, 8, 8, 4),
 ]
 """Tiles :func:`castin_gemm_tma` is timed with on the GPU (``--tma``), each reported."""
 
 
 def castin_gemm_tma(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Tensor, *,
                     config: tuple[int, ...] = TMA_CONFIGS[0], num_programs: int | None = None,
-                    cast: bool = True) -> Tensor:
+                    cast: bool = True, satfinite: bool = False, a_tma: bool = True) -> Tensor:
     """:func:`castin_gemm` through the copy engine, persistent, on one tile config (no amax).
 
     ``a``: ``(M, K)`` bf16 with ``cast`` (cast with the slot's scale), else ``a``'s codes
     already in ``fmt``; ``b``: ``(N, K)``
     FP8 codes; ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``;
-    ``num_programs``: the persistent grid (default: one per multiprocessor, on the CPU 4).
+    ``num_programs``: the persistent grid (default: one per multiprocessor, on the CPU 4);
+    ``satfinite`` and ``a_tma``: the kernel's ``SATFINITE`` and ``A_TMA``.
     Returns ``c`` ``(M, N)`` bf16.
 
     Raises:
@@ -233,11 +248,13 @@ def castin_gemm_tma(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale:
     if num_programs is None:
         num_programs = 4 if a.device.type == "cpu" else torch.cuda.get_device_properties(a.device).multi_processor_count
     grid = (min(num_programs, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
+    if satfinite and a.device.type == "cpu":
+        raise ValueError("castin_gemm_tma(satfinite=True) relies on the GPU's saturating conversion")
     _castin_tma_kernel[grid](
-        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
+        TensorDescriptor.from_tensor(a, [bm, bk]), a, TensorDescriptor.from_tensor(b, [bn, bk]),
         TensorDescriptor.from_tensor(c, [bm, bn]), slot, b_scale.float().reshape(1), m, n, k,
         FP8_MAX=fmt.max, Q_MANT=sw["MANT"], Q_SUB_MAGIC=sw["SUB_MAGIC"], Q_MIN_NORMAL=sw["MIN_NORMAL"],
-        A_E5M2=fmt is Fp8Format.E5M2, CAST=cast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        A_E5M2=fmt is Fp8Format.E5M2, CAST=cast, SATFINITE=satfinite, A_TMA=a_tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=group, NUM_PROGRAMS=grid[0], num_warps=warps, num_stages=stages,
     )
     return c
@@ -298,6 +315,7 @@ def run(m: int, k: int, n: int, fmt: Fp8Format, *, tma: bool = False) -> dict[st
     got, got_amax = castin_gemm(a, slot, fmt, wq.data, wq.scale, amax=True)
     rel = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
     rel_tma: dict[str, float] = {}
+    same: dict[str, bool] = {}
     amax_ok = float(got_amax) == float(a.float().abs().max())
     variants = {
         "bf16 torch.mm": lambda: a @ w.t(),
@@ -322,13 +340,21 @@ def run(m: int, k: int, n: int, fmt: Fp8Format, *, tma: bool = False) -> dict[st
                 castin_gemm_tma, a, slot, fmt, wq.data, wq.scale, config=cfg)
             variants[f"tma GEMM on codes {tag}"] = functools.partial(
                 castin_gemm_tma, q, slot, fmt, wq.data, wq.scale, config=cfg, cast=False)
+            for form, kw in (("satfinite", dict(satfinite=True)),
+                             ("satfinite, plain loads", dict(satfinite=True, a_tma=False))):
+                got_form = castin_gemm_tma(a, slot, fmt, wq.data, wq.scale, config=cfg, **kw)  # type: ignore[arg-type]
+                rel_tma[f"{tag} {form}"] = float(
+                    (got_form.float() - ref.float()).abs().max() / ref.float().abs().max())
+                same[f"{tag} {form}"] = bool(torch.equal(got_form, got_tma))
+                variants[f"castin_gemm_tma {tag} {form}"] = functools.partial(
+                    castin_gemm_tma, a, slot, fmt, wq.data, wq.scale, config=cfg, **kw)
     times = {}
     for name, fn in variants.items():
         fn()
         times[name] = round(do_bench(fn) * 1e3, 1)
         print(f"{m}x{k}x{n} {fmt.value} {name}: {times[name]} us", flush=True)
     return {"m": m, "k": k, "n": n, "fmt": fmt.value, "us": times, "rel_diff_vs_scaled_mm": rel,
-            "amax_matches": amax_ok, "rel_diff_tma": rel_tma, "configs": {str(key): str(cfg) for key, cfg in _tuned.cache.items()}}
+            "amax_matches": amax_ok, "rel_diff_tma": rel_tma, "same_as_tma_cast": same, "configs": {str(key): str(cfg) for key, cfg in _tuned.cache.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
             f"tma GEMM on codes {t[:-len(' codes')]}": d for t, d in r["rel_diff_tma"].items() if t.endswith(" codes")}
         for name, us in r["us"].items():
             diff = f"{diffs[name]:.1e}" if name in diffs else ""
+            key = name.removeprefix("castin_gemm_tma ")
+            if key in r["same_as_tma_cast"]:
+                diff += ", bit for bit the clamped cast's" if r["same_as_tma_cast"][key] else ", NOT the clamped cast's"
             lines.append(f"| {r['m']} x {r['k']} x {r['n']} | {r['fmt']} | {name} | {us} | {diff} |")
         lines.append(f"| {r['m']} x {r['k']} x {r['n']} | {r['fmt']} | castin_gemm's amax is the activation's | "
                      f"{r['amax_matches']} | |")

@@ -81,6 +81,8 @@ def test_the_persistent_form_casts_each_code_as_the_static_cast(fmt: Fp8Format) 
     cfg = (32, 16, 32, 2, 4, 2)
     got = castin_gemm_tma(a, slot, fmt, w.data, w.scale, config=cfg, num_programs=3)
     assert torch.equal(got, want)
+    # The activation's tiles through plain loads: the same.
+    assert torch.equal(castin_gemm_tma(a, slot, fmt, w.data, w.scale, config=cfg, num_programs=3, a_tma=False), want)
     # On codes cast beforehand (no cast in the kernel) the product is the same.
     codes, _ = ss.quantize_static_reference(a, slot.clone(), fmt)
     assert torch.equal(castin_gemm_tma(codes, slot, fmt, w.data, w.scale, config=cfg, cast=False), want)
@@ -88,6 +90,8 @@ def test_the_persistent_form_casts_each_code_as_the_static_cast(fmt: Fp8Format) 
     w2 = quantize(torch.randn(48, 64, generator=g) / 10, Fp8Format.E4M3, Scaling.TENSORWISE)
     torch.testing.assert_close(castin_gemm_tma(a, slot, fmt, w2.data, w2.scale, config=cfg).float(),
                                castin_gemm_reference(a, slot, fmt, w2.data, w2.scale).float(), rtol=2**-7, atol=0.05)
+    with pytest.raises(ValueError, match="saturating conversion"):
+        castin_gemm_tma(a, slot, fmt, w.data, w.scale, config=cfg, satfinite=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         castin_gemm_tma(a[:, :40].contiguous(), slot, fmt, w.data[:, :40].contiguous(), w.scale, config=cfg)
 
