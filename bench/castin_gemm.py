@@ -152,6 +152,7 @@ def _castin_tma_kernel(
     FP8_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_SUB_MAGIC: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
     A_E5M2: tl.constexpr, CAST: tl.constexpr, SATFINITE: tl.constexpr, A_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     """Persistent form of :func:`_castin_gemm_kernel`: the copy engine brings each operand's
     tiles in (tensor descriptors), each program walks output tiles ``NUM_PROGRAMS`` apart in the
@@ -161,11 +162,13 @@ def _castin_tma_kernel(
     comparison). ``SATFINITE`` (GPU only): the product by the scale's reciprocal goes to the
     format as it is, the conversion's own saturation (``cvt.rn.satfinite``) standing in for the
     clamp: the same codes where the scale is a power of two. ``A_TMA`` off: the activation's
-    tiles come through plain loads (``a_ptr``) instead of the copy engine."""
+    tiles come through plain loads (``a_ptr``) instead of the copy engine. ``PAIR``: a program's
+    output tile is two column tiles wide, two accumulators fed by one cast of each activation
+    tile (the cast runs once per ``2 * BLOCK_N`` columns instead of once per ``BLOCK_N``)."""
     start = tl.program_id(0)
     inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N, BLOCK_N * (2 if PAIR else 1))
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
     out_scale = tl.load(scale_ptr) * tl.load(sb_ptr)
@@ -176,6 +179,8 @@ def _castin_tma_kernel(
         pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
         pid_n = (tile % num_pid_in_group) // group_size_m
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        col = pid_n * BLOCK_N * (2 if PAIR else 1)
         for kk in range(k_tiles):
             if A_TMA:
                 x = a_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
@@ -197,19 +202,26 @@ def _castin_tma_kernel(
                     a = q.to(tl.float8e4nv)
             else:
                 a = x
-            b = b_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
+            b = b_desc.load([col, kk * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (acc * out_scale).to(c_desc.dtype))
+            if PAIR:
+                b2 = b_desc.load([col + BLOCK_N, kk * BLOCK_K])
+                acc2 = tl.dot(a, b2.T, acc2)
+        c_desc.store([pid_m * BLOCK_M, col], (acc * out_scale).to(c_desc.dtype))
+        if PAIR:
+            c_desc.store([pid_m * BLOCK_M, col + BLOCK_N], (acc2 * out_scale).to(c_desc.dtype))
 
 
 TMA_CONFIGS = [
-    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
-    (128, 256, 64, 8, 8, 4),
-    (128, 256, 64, 8, 8, 3),
-    (128, 256, 128, 8, 8, 2),
-    (256, 128, 64, 8, 8, 3),
-    (128, 256, 64, 8, 16, 3),
-    (128, 128, 64, 8, 8, 4),
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, PAIR)
+    (128, 256, 64, 8, 8, 4, 0),
+    (128, 256, 64, 8, 8, 3, 0),
+    (64, 256, 64, 8, 8, 4, 1),
+    (64, 256, 64, 8, 8, 3, 1),
+    (64, 256, 128, 8, 8, 2, 1),
+    (64, 256, 64, 8, 4, 4, 1),
+    (128, 128, 64, 8, 8, 4, 1),
+    (128, 128, 128, 8, 8, 3, 1),
 ]
 """Tiles :func:`castin_gemm_tma` is timed with on the GPU (``--tma``), each reported."""
 
@@ -242,12 +254,12 @@ def castin_gemm_tma(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale:
     n = b.shape[0]
     if k % 16 or n % 8:
         raise ValueError(f"castin_gemm_tma needs K a multiple of 16 and N of 8 (tensor descriptors), got K={k}, N={n}")
-    bm, bn, bk, group, warps, stages = config
+    bm, bn, bk, group, warps, stages, pair = (*config, 0)[:7]
     c = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
     sw = _sw_round_args(fmt.dtype)
     if num_programs is None:
         num_programs = 4 if a.device.type == "cpu" else torch.cuda.get_device_properties(a.device).multi_processor_count
-    grid = (min(num_programs, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
+    grid = (min(num_programs, triton.cdiv(m, bm) * triton.cdiv(n, bn * (2 if pair else 1))),)
     if satfinite and a.device.type == "cpu":
         raise ValueError("castin_gemm_tma(satfinite=True) relies on the GPU's saturating conversion")
     _castin_tma_kernel[grid](
@@ -255,7 +267,7 @@ def castin_gemm_tma(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale:
         TensorDescriptor.from_tensor(c, [bm, bn]), slot, b_scale.float().reshape(1), m, n, k,
         FP8_MAX=fmt.max, Q_MANT=sw["MANT"], Q_SUB_MAGIC=sw["SUB_MAGIC"], Q_MIN_NORMAL=sw["MIN_NORMAL"],
         A_E5M2=fmt is Fp8Format.E5M2, CAST=cast, SATFINITE=satfinite, A_TMA=a_tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=group, NUM_PROGRAMS=grid[0], num_warps=warps, num_stages=stages,
+        GROUP_M=group, NUM_PROGRAMS=grid[0], PAIR=bool(pair), num_warps=warps, num_stages=stages,
     )
     return c
 

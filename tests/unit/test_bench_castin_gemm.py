@@ -81,6 +81,8 @@ def test_the_persistent_form_casts_each_code_as_the_static_cast(fmt: Fp8Format) 
     cfg = (32, 16, 32, 2, 4, 2)
     got = castin_gemm_tma(a, slot, fmt, w.data, w.scale, config=cfg, num_programs=3)
     assert torch.equal(got, want)
+    # Two column tiles a program (one cast for both), with a partial second tile: the same.
+    assert torch.equal(castin_gemm_tma(a, slot, fmt, w.data, w.scale, config=(*cfg, 1), num_programs=3), want)
     # The activation's tiles through plain loads: the same.
     assert torch.equal(castin_gemm_tma(a, slot, fmt, w.data, w.scale, config=cfg, num_programs=3, a_tma=False), want)
     # On codes cast beforehand (no cast in the kernel) the product is the same.
