@@ -1,0 +1,167 @@
+"""A DCN cross layer's second GEMM with the layer's elementwise tail in its epilogue.
+
+Layer ``l`` of the low-rank cross network computes ``x_{l+1} = x0 * (u W^T + b) + x_l`` with
+``u = x_l V^T`` (``(M, R)``, ``R`` the low rank) and ``x0``, ``x_l`` ``(M, N)`` (fp32 where the
+embeddings are). Run as an FP8 GEMM writing ``z = u W^T + b`` and an elementwise kernel after
+it, ``z`` makes a round trip through memory that the tail reads back. :func:`cross_epilogue_gemm`
+computes the tile of ``z`` and applies the tail to it before it leaves the registers: it writes
+``z`` (the backward needs it: ``d x0 = g * z``), ``x_{l+1}`` and, on request, ``x_{l+1}``'s bf16
+copy (what the next layer's ``V`` GEMM reads), and reads ``z`` back never.
+
+Numerics are those of the unfused path the sites run: ``z`` is ``acc * sa * sb + b`` rounded once
+to bf16 (``torch._scaled_mm`` with a bias), then ``x_l + x0 * float(z)`` in fp32 (an ``addcmul``,
+one fused multiply-add on the GPU; the Triton interpreter's rounds twice);
+:func:`cross_epilogue_reference` is that path in PyTorch, the CPU oracle.
+
+Shape legend: ``M`` rows (batch), ``R`` the rank (the GEMM's contraction), ``N`` the width.
+
+Example (a GPU, or the Triton interpreter on the CPU)::
+
+    z_MN, x_MN, copy_MN = cross_epilogue_gemm(u_q.data, u_q.scale, w_q.data, w_q.scale, bias, x0, x)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from loka_train.kernels.triton_kernels import (
+    INTERPRETED,
+    _check_runnable,
+    _round_rne,
+    _sw_round_args,
+)
+
+__all__ = ["CROSS_CONFIGS", "cross_epilogue_gemm", "cross_epilogue_reference"]
+
+
+@triton.jit
+def _cross_epilogue_kernel(
+    a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, x0_ptr, xl_ptr, z_ptr, out_ptr, copy_ptr, M, N, K,
+    BF16_MANT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_COPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles share the weight tiles they read while in L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    zf = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
+    if HAS_BIAS:
+        zf += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if BF16_MANT > 0:  # the interpreter's conversion truncates: round to nearest even first
+        zf = _round_rne(zf, BF16_MANT, 0.0, 0.0)
+    z = zf.to(tl.bfloat16)
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(z_ptr + offs, z, mask=inside)
+    x0 = tl.load(x0_ptr + offs, mask=inside, other=0.0)
+    xl = tl.load(xl_ptr + offs, mask=inside, other=0.0)
+    out = tl.fma(x0, z.to(tl.float32), xl)  # one rounding, as a compiled addcmul on the GPU
+    tl.store(out_ptr + offs, out, mask=inside)
+    if WRITE_COPY:
+        if BF16_MANT > 0:
+            out = _round_rne(out, BF16_MANT, 0.0, 0.0)
+        tl.store(copy_ptr + offs, out.to(tl.bfloat16), mask=inside)
+
+
+CROSS_CONFIGS: list[tuple[int, int, int, int, int, int]] = [
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+    (128, 128, 128, 8, 8, 3),
+    (128, 128, 64, 8, 8, 4),
+    (128, 64, 128, 8, 4, 3),
+    (64, 128, 128, 8, 4, 3),
+    (128, 256, 64, 8, 8, 3),
+]
+"""Tiles :func:`cross_epilogue_gemm` takes: the first by default, the others timed by
+``bench.cross_epilogue``."""
+
+
+def _check(a: Tensor, b: Tensor, x0: Tensor, xl: Tensor, bias: Tensor | None) -> None:
+    m, k = a.shape
+    n = b.shape[0]
+    if a.ndim != 2 or b.ndim != 2 or b.shape[1] != k:
+        raise ValueError(f"cross_epilogue_gemm needs a (M, R) and b (N, R) codes, got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}")
+    if x0.shape != (m, n) or xl.shape != (m, n):
+        raise ValueError(f"cross_epilogue_gemm needs x0 and x_l of shape {(m, n)}, got {tuple(x0.shape)}, "
+                         f"{tuple(xl.shape)}")
+    if x0.dtype != torch.float32 or xl.dtype != torch.float32:
+        raise ValueError(f"cross_epilogue_gemm takes fp32 x0 and x_l (the cross net's stream), got {x0.dtype}, "
+                         f"{xl.dtype}")
+    if not all(t.is_contiguous() for t in (a, b, x0, xl)):
+        raise ValueError("cross_epilogue_gemm needs contiguous operands")
+    if k % 16:
+        raise ValueError(f"cross_epilogue_gemm needs the rank R a multiple of 16 (tensor descriptors), got {k}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"cross_epilogue_gemm needs a bias of shape {(n,)}, got {tuple(bias.shape)}")
+
+
+def cross_epilogue_gemm(
+    a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None, x0: Tensor, xl: Tensor, *,
+    write_copy: bool = True, config: tuple[int, int, int, int, int, int] = CROSS_CONFIGS[0],
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``z = a b^T * sa * sb + bias`` (bf16), ``x_l + x0 * z`` (fp32) and its bf16 copy, in one
+    kernel (module docstring).
+
+    Args:
+        a: ``(M, R)`` FP8 codes (``u``), tensor-wise ``a_scale`` (one element).
+        b: ``(N, R)`` FP8 codes (``W``), tensor-wise ``b_scale``.
+        bias: ``(N,)`` or None.
+        x0, xl: ``(M, N)`` fp32, contiguous.
+        write_copy: also write ``x_{l+1}`` in bf16.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``.
+
+    Returns:
+        ``(z, x_next, copy)``: bf16, fp32, bf16 (None without ``write_copy``).
+
+    Raises:
+        ValueError: for shapes, dtypes or layouts the kernel does not take.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _check(a, b, x0, xl, bias)
+    _check_runnable(a)
+    m, k = a.shape
+    n = b.shape[0]
+    z = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
+    out = torch.empty((m, n), device=a.device, dtype=torch.float32)
+    copy = torch.empty((m, n), device=a.device, dtype=torch.bfloat16) if write_copy else None
+    bm, bn, bk, group, warps, stages = config
+    if INTERPRETED or a.device.type == "cpu":
+        bm, bn, bk = min(bm, 32), min(bn, 32), min(bk, 32)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _cross_epilogue_kernel[grid](
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
+        a_scale.float().reshape(1), b_scale.float().reshape(1), bias if bias is not None else z, x0, xl, z, out,
+        copy if copy is not None else z, m, n, k,
+        BF16_MANT=_sw_round_args(torch.bfloat16)["MANT"], HAS_BIAS=bias is not None, WRITE_COPY=copy is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+        num_warps=warps, num_stages=stages,
+    )
+    return z, out, copy
+
+
+def cross_epilogue_reference(
+    a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None, x0: Tensor, xl: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The unfused path in PyTorch: the FP8 GEMM's ``z`` (fp32 products, bias added in fp32,
+    rounded once to bf16), then ``torch.addcmul(xl, x0, z)`` and its bf16 copy."""
+    zf = (a.float() @ b.float().t()) * (a_scale.float() * b_scale.float())
+    if bias is not None:
+        zf = zf + bias.float()
+    z = zf.to(torch.bfloat16)
+    out = torch.addcmul(xl, x0, z.float())
+    return z, out, out.to(torch.bfloat16)
