@@ -64,8 +64,9 @@ def _cross_epilogue_kernel(
     if HAS_BIAS:
         zf += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if BF16_MANT > 0:  # the interpreter's conversion truncates: round to nearest even first
-        zf = _round_rne(zf, BF16_MANT, 0.0, 0.0)
-    z = zf.to(tl.bfloat16)
+        z = _round_rne(zf, BF16_MANT, 0.0, 0.0).to(tl.bfloat16)
+    else:
+        z = zf.to(tl.bfloat16)
     offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(z_ptr + offs, z, mask=inside)
     x0 = tl.load(x0_ptr + offs, mask=inside, other=0.0)
