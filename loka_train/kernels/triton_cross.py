@@ -39,10 +39,14 @@ __all__ = ["CROSS_CONFIGS", "cross_epilogue_gemm", "cross_epilogue_reference"]
 
 @triton.jit
 def _cross_epilogue_kernel(
-    a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, x0_ptr, xl_ptr, z_ptr, out_ptr, copy_ptr, M, N, K,
-    BF16_MANT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_COPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, x0_ptr, xl_ptr, z_ptr, out_ptr, copy_ptr,
+    x0_desc, xl_desc, z_desc, out_desc, copy_desc, M, N, K,
+    BF16_MANT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_COPY: tl.constexpr, EPI_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """One output tile a program; ``EPI_TMA``: the tail's tiles of ``x0`` and ``x_l`` come in,
+    and ``z``, ``x_{l+1}`` and the copy go out, through the copy engine (tensor descriptors)
+    instead of plain loads and stores."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -68,24 +72,39 @@ def _cross_epilogue_kernel(
     else:
         z = zf.to(tl.bfloat16)
     offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(z_ptr + offs, z, mask=inside)
-    x0 = tl.load(x0_ptr + offs, mask=inside, other=0.0)
-    xl = tl.load(xl_ptr + offs, mask=inside, other=0.0)
+    if EPI_TMA:
+        z_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z)
+        x0 = x0_desc.load([pid_m * BLOCK_M, pid_n * BLOCK_N])
+        xl = xl_desc.load([pid_m * BLOCK_M, pid_n * BLOCK_N])
+    else:
+        tl.store(z_ptr + offs, z, mask=inside)
+        x0 = tl.load(x0_ptr + offs, mask=inside, other=0.0)
+        xl = tl.load(xl_ptr + offs, mask=inside, other=0.0)
     out = tl.fma(x0, z.to(tl.float32), xl)  # one rounding, as a compiled addcmul on the GPU
-    tl.store(out_ptr + offs, out, mask=inside)
+    if EPI_TMA:
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
+    else:
+        tl.store(out_ptr + offs, out, mask=inside)
     if WRITE_COPY:
         if BF16_MANT > 0:
-            out = _round_rne(out, BF16_MANT, 0.0, 0.0)
-        tl.store(copy_ptr + offs, out.to(tl.bfloat16), mask=inside)
+            copy = _round_rne(out, BF16_MANT, 0.0, 0.0).to(tl.bfloat16)
+        else:
+            copy = out.to(tl.bfloat16)
+        if EPI_TMA:
+            copy_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], copy)
+        else:
+            tl.store(copy_ptr + offs, copy, mask=inside)
 
 
-CROSS_CONFIGS: list[tuple[int, int, int, int, int, int]] = [
-    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
-    (128, 128, 128, 8, 8, 3),
-    (128, 128, 64, 8, 8, 4),
-    (128, 64, 128, 8, 4, 3),
-    (64, 128, 128, 8, 4, 3),
-    (128, 256, 64, 8, 8, 3),
+CROSS_CONFIGS: list[tuple[int, int, int, int, int, int, int]] = [
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, EPI_TMA)
+    (128, 64, 128, 8, 4, 3, 0),
+    (128, 64, 128, 8, 4, 3, 1),
+    (128, 128, 128, 8, 8, 2, 1),
+    (64, 128, 128, 8, 4, 3, 1),
+    (128, 64, 64, 8, 4, 4, 1),
+    (64, 64, 128, 8, 4, 3, 1),
+    (64, 64, 128, 8, 4, 3, 0),
 ]
 """Tiles :func:`cross_epilogue_gemm` takes: the first by default, the others timed by
 ``bench.cross_epilogue``."""
@@ -107,13 +126,15 @@ def _check(a: Tensor, b: Tensor, x0: Tensor, xl: Tensor, bias: Tensor | None) ->
         raise ValueError("cross_epilogue_gemm needs contiguous operands")
     if k % 16:
         raise ValueError(f"cross_epilogue_gemm needs the rank R a multiple of 16 (tensor descriptors), got {k}")
+    if n % 8:
+        raise ValueError(f"cross_epilogue_gemm needs the width N a multiple of 8 (tensor descriptors), got {n}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"cross_epilogue_gemm needs a bias of shape {(n,)}, got {tuple(bias.shape)}")
 
 
 def cross_epilogue_gemm(
     a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None, x0: Tensor, xl: Tensor, *,
-    write_copy: bool = True, config: tuple[int, int, int, int, int, int] = CROSS_CONFIGS[0],
+    write_copy: bool = True, config: tuple[int, int, int, int, int, int, int] = CROSS_CONFIGS[0],
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``z = a b^T * sa * sb + bias`` (bf16), ``x_l + x0 * z`` (fp32) and its bf16 copy, in one
     kernel (module docstring).
@@ -124,7 +145,7 @@ def cross_epilogue_gemm(
         bias: ``(N,)`` or None.
         x0, xl: ``(M, N)`` fp32, contiguous.
         write_copy: also write ``x_{l+1}`` in bf16.
-        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, EPI_TMA)``.
 
     Returns:
         ``(z, x_next, copy)``: bf16, fp32, bf16 (None without ``write_copy``).
@@ -141,16 +162,17 @@ def cross_epilogue_gemm(
     z = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
     out = torch.empty((m, n), device=a.device, dtype=torch.float32)
     copy = torch.empty((m, n), device=a.device, dtype=torch.bfloat16) if write_copy else None
-    bm, bn, bk, group, warps, stages = config
+    bm, bn, bk, group, warps, stages, epi_tma = config
     if INTERPRETED or a.device.type == "cpu":
         bm, bn, bk = min(bm, 32), min(bn, 32), min(bk, 32)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    descs = [TensorDescriptor.from_tensor(t, [bm, bn]) for t in (x0, xl, z, out, copy if copy is not None else z)]
     _cross_epilogue_kernel[grid](
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
         a_scale.float().reshape(1), b_scale.float().reshape(1), bias if bias is not None else z, x0, xl, z, out,
-        copy if copy is not None else z, m, n, k,
-        BF16_MANT=_sw_round_args(torch.bfloat16)["MANT"], HAS_BIAS=bias is not None, WRITE_COPY=copy is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-        num_warps=warps, num_stages=stages,
+        copy if copy is not None else z, *descs, m, n, k,
+        BF16_MANT=_sw_round_args(torch.bfloat16)["MANT"], HAS_BIAS=bias is not None, WRITE_COPY=copy is not None,
+        EPI_TMA=bool(epi_tma), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
     )
     return z, out, copy
 

@@ -22,11 +22,12 @@ def _operands(m: int, r: int, n: int, *, bias: bool, exact: bool):
     return u, w, b, x0, torch.randn(m, n, generator=g)
 
 
+@pytest.mark.parametrize("epi_tma", [0, 1], ids=["plain", "tma"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("shape", [(70, 64, 80), (32, 32, 48)])
-def test_the_epilogue_gives_the_unfused_layer(shape, bias):
+def test_the_epilogue_gives_the_unfused_layer(shape, bias, epi_tma):
     u, w, b, x0, xl = _operands(*shape, bias=bias, exact=True)
-    z, out, copy = cross_epilogue_gemm(u.data, u.scale, w.data, w.scale, b, x0, xl)
+    z, out, copy = cross_epilogue_gemm(u.data, u.scale, w.data, w.scale, b, x0, xl, config=(32, 32, 32, 4, 4, 2, epi_tma))
     z_ref, out_ref, copy_ref = cross_epilogue_reference(u.data, u.scale, w.data, w.scale, b, x0, xl)
     assert z.dtype == torch.bfloat16 and out.dtype == torch.float32 and copy is not None
     assert torch.equal(z, z_ref)
@@ -54,5 +55,8 @@ def test_bad_operands_are_refused():
         cross_epilogue_gemm(u.data, u.scale, w.data, w.scale, b, x0[:, :40].contiguous(), xl)
     with pytest.raises(ValueError, match="bias of shape"):
         cross_epilogue_gemm(u.data, u.scale, w.data, w.scale, b[:10], x0, xl)
+    with pytest.raises(ValueError, match="width N a multiple of 8"):
+        cross_epilogue_gemm(u.data, u.scale, w.data[:44].contiguous(), w.scale, b[:44], x0[:, :44].contiguous(),
+                            xl[:, :44].contiguous())
     with pytest.raises(ValueError, match="multiple of 16"):
         cross_epilogue_gemm(u.data[:, :24].contiguous(), u.scale, w.data[:, :24].contiguous(), w.scale, b, x0, xl)
