@@ -50,6 +50,7 @@ from loka_train.utils.profiling import profiled
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "cross_tail_linear",
     "fp8_linear",
     "fp8_gemm_planned",
     "folds_bias_grad",
@@ -62,6 +63,7 @@ __all__ = [
     "quantize_with_transpose",
     "reference_fallbacks",
     "run_backend",
+    "takes_cross_tail",
     "takes_triton_quantizers",
     "transposed_reuse",
     "use_fused_quantizer",
@@ -507,7 +509,12 @@ class _PlannedLinearFn(torch.autograd.Function):
     With ``output_relu`` the output feeds a ReLU folded into the next site, which leaves the
     ReLU's backward to this one: the gradient that arrives is the one for ``relu(y)``, and this
     Function masks it with ``y``'s bits (:func:`relu_mask_bits`, taken in the forward), in the
-    two-layout cast of ``dY`` where that runs (``ctx.fuses_output_mask``), else first."""
+    two-layout cast of ``dY`` where that runs (``ctx.fuses_output_mask``), else first.
+
+    With ``tail_x0`` and ``tail_xl`` (a DCN cross layer's ``W`` GEMM, :func:`cross_tail_linear`)
+    the tensor-wise FP8 forward runs as ``triton_cross.cross_epilogue``: the Function returns
+    ``(y, x_l + x0 * y, its bf16 copy)``, the last two non-differentiable (the caller's code
+    differentiates the tail); ``y`` and the backward are the GEMM's as without them."""
 
     @staticmethod
     def forward(
@@ -522,8 +529,11 @@ class _PlannedLinearFn(torch.autograd.Function):
         static_slots: Tensor | None,
         input_relu: bool = False,
         output_relu: bool = False,
-    ) -> Tensor:
+        tail_x0: Tensor | None = None,
+        tail_xl: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         dev = x.device.type
+        tail: tuple[Tensor, Tensor] | None = None
         rq = reference_quantizer
         cdtype = compute_dtype(x)
         # Tensor-wise FP8 operands of the forward that a backward GEMM takes as they are
@@ -553,10 +563,18 @@ class _PlannedLinearFn(torch.autograd.Function):
                     wc, fwd.operand_b_fmt, fwd, gi, gi.operand_b_fmt, is_weight=True, reference_quantizer=rq,
                     count_fallbacks=True,
                 )
-                y_MN = fp8_gemm_planned(
-                    x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q,
-                    reference_quantizer=rq,
-                )
+                if tail_x0 is not None and tail_xl is not None:
+                    from loka_train.kernels.triton_cross import cross_epilogue
+
+                    assert fwd.scaling is Scaling.TENSORWISE and odtype == torch.bfloat16, "cross_tail_linear checks"
+                    y_MN, tail_out, tail_copy = cross_epilogue(
+                        x_q.data, x_q.scale, w_q.data, w_q.scale, bc, tail_x0, tail_xl)
+                    tail = (tail_out, tail_copy)
+                else:
+                    y_MN = fp8_gemm_planned(
+                        x_MK, wc, fwd, out_dtype=odtype, role="forward", bias_N=bc, a_q=x_q, b_q=w_q,
+                        reference_quantizer=rq,
+                    )
                 # fp8_linear hands in rows (it folds N-D inputs outside): y_MN as it is, no
                 # view made here, which would refuse an in-place op on the output.
                 y = y_MN
@@ -584,10 +602,15 @@ class _PlannedLinearFn(torch.autograd.Function):
         ctx.cdtype = cdtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.input_relu = input_relu
+        if tail_x0 is not None:
+            assert tail is not None, "cross_tail_linear runs only a tensor-wise FP8 forward"
+            ctx.mark_non_differentiable(*tail)
+            return y, *tail
         return y
 
     @staticmethod
-    def backward(ctx, grad_y: Tensor):
+    def backward(ctx, grad_y: Tensor, *tail_grads: Tensor | None):
+        # tail_grads: the non-differentiable tail outputs' (None), where tail_x0 was given.
         xc, wc, xq_data, xq_scale, wq_data, wq_scale, static_slots, out_bits = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         # The mask of a ReLU folded into the next site (output_relu): in dY's two-layout cast, or
@@ -683,7 +706,7 @@ class _PlannedLinearFn(torch.autograd.Function):
                 # A reduction of its own: summing dY's columns inside the two-layout cast made
                 # the casts about twice as slow in an H100 step, more than this pass costs.
                 grad_b = (dy_MN if out_mask is None else relu_grad_from_bits(dy_MN, out_mask)).sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def _planned_linear_impl(
@@ -697,6 +720,8 @@ def _planned_linear_impl(
     static_slots: Tensor | None,
     input_relu: bool,
     output_relu: bool,
+    tail_x0: Tensor | None,
+    tail_xl: Tensor | None,
     relu_mask: Tensor | None,
     producer_masks: bool,
     autocast_dtype: torch.dtype | None,
@@ -717,7 +742,7 @@ def _planned_linear_impl(
     return opaque.run_forward(
         "planned_linear",
         (x, weight, bias, LinearPlan.from_key(plan), out_dtype, reference_quantizer, grad_enabled, static_slots,
-         input_relu, output_relu),
+         input_relu, output_relu, tail_x0, tail_xl),
         needs_grad, autocast_dtype, x.device.type,
     )
 
@@ -748,7 +773,7 @@ _OUT_BITS = 7
 
 _planned_linear_op = opaque.define(
     "planned_linear", _PlannedLinearFn, _planned_linear_impl, num_extra_args=4, traced_grads={2: _bias_grad},
-    masked_grads={0: (10, _relu_grad)}, output_mask=(_OUT_BITS, _relu_grad),
+    masked_grads={0: (12, _relu_grad)}, output_mask=(_OUT_BITS, _relu_grad),
 )
 """``fp8_linear`` as one opaque op for compiled code (``kernels.opaque``); its bias gradient is
 traced (:func:`_bias_grad`), and so is a folded ReLU's mask on the gradient of ``x`` (its
@@ -915,6 +940,77 @@ def fp8_linear(
                             mask_bits, input_relu_grad, output_relu)
 
 
+def takes_cross_tail(
+    x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan, x0: Tensor, xl: Tensor
+) -> tuple[bool, str]:
+    """Whether :func:`cross_tail_linear` runs ``x W^T + b`` with the cross layer's tail in the
+    GEMM's epilogue, with the reason where not: a tensor-wise FP8 forward, ``x`` ``(M, K)`` in
+    bf16 compute, ``x0`` and ``x_l`` contiguous fp32 ``(M, N)``, ``K`` a multiple of 16 and
+    ``N`` of 8, on a backend that takes the Triton quantizers (not the oracle's), where
+    Triton runs."""
+    from loka_train.kernels.triton_kernels import triton_runnable
+
+    fwd = plan.forward
+    if not (fwd.is_fp8 and fwd.scaling is Scaling.TENSORWISE):
+        return False, f"the forward runs {fwd}, not a tensor-wise FP8 GEMM"
+    if not takes_triton_quantizers(fwd.backend):
+        return False, f"backend {fwd.backend} keeps its own GEMM (the emulated and bf16 backends are the oracle)"
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
+        return False, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not (M, K) and (N, K)"
+    m, k = x.shape
+    n = weight.shape[0]
+    if compute_dtype(x) != torch.bfloat16:
+        return False, f"the compute dtype is {compute_dtype(x)}, not bf16"
+    if any(t.dtype != torch.float32 or t.shape != (m, n) or not t.is_contiguous() for t in (x0, xl)):
+        return False, f"x0 and x_l are not contiguous fp32 of shape {(m, n)}"
+    if k % 16 or n % 8:
+        return False, f"K={k} is not a multiple of 16 or N={n} of 8"
+    if bias is not None and bias.shape != (n,):
+        return False, f"the bias is not of shape {(n,)}"
+    if not TRITON_INSTALLED:
+        return False, "Triton is not installed"
+    return triton_runnable(x.device)
+
+
+def cross_tail_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: LinearPlan,
+    x0: Tensor,
+    xl: Tensor,
+    *,
+    compiled_quantizer: str = "custom",
+    static_slots: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A DCN cross layer's ``W`` GEMM ``y = x W^T + b`` (``x = x_l V^T``) with the layer's tail
+    in its epilogue: ``(y, x_l + x0 * y, that in bf16)``, the GEMM (its quantization, static
+    scales, backward) as :func:`fp8_linear` runs it, its forward as
+    ``triton_cross.cross_epilogue``. Only ``y`` is differentiable: the caller differentiates the
+    tail (``mods.interaction``), which the epilogue computed as ``torch.addcmul`` would.
+
+    Raises:
+        ValueError: where :func:`takes_cross_tail` does not hold (its reason).
+    """
+    ok, why = takes_cross_tail(x, weight, bias, plan, x0, xl)
+    if not ok:
+        raise ValueError(f"cross_tail_linear: {why}")
+    if opaque.opaque(compiled_quantizer):
+        autocast = opaque.autocast_dtype(x.device.type)
+        if autocast is not None and x.dtype != autocast:
+            x = x.to(autocast)  # as _fp8_linear_rows: a cast the producer's kernel can take
+        y, out, copy = _planned_linear_op(
+            x, weight, bias, plan.key, None, False, True, static_slots, False, False, x0, xl, None, False, autocast,
+            opaque.needs_grad(x, weight, bias),
+        )[:3]
+        return y, out, copy
+    y, out, copy = _PlannedLinearFn.apply(
+        x, weight, bias, plan, None, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(), static_slots,
+        False, False, x0, xl,
+    )
+    return y, out, copy
+
+
 _ALIGNED_K = 16
 """Where the rows are copied anyway (:func:`_rows`), a contraction dimension that is not a
 multiple of 8 (what cuBLAS's aligned bf16 kernels need) is zero-padded to a multiple of this
@@ -987,8 +1083,8 @@ def _fp8_linear_rows(
             # as it is: its FP8 gradient's dtype follows the weight's.
             x = x.to(autocast)
         return _planned_linear_op(
-            x, weight, bias, plan.key, out_dtype, False, True, static_slots, input_relu, output_relu, relu_mask,
-            not input_relu_grad, autocast, opaque.needs_grad(x, weight, bias),
+            x, weight, bias, plan.key, out_dtype, False, True, static_slots, input_relu, output_relu, None, None,
+            relu_mask, not input_relu_grad, autocast, opaque.needs_grad(x, weight, bias),
         )[0]
     if input_relu and input_relu_grad:
         x = _ReluGradFn.apply(x, bits)

@@ -14,7 +14,8 @@ How one Function becomes two ops:
 
 * its **forward op** (one per Function, with a typed schema; :func:`define` registers it) runs
   ``Fn.forward`` with a stand-in ctx, under the autocast state the caller passes (so fake and
-  real runs pick the same compute dtype), and returns the output followed by the tensors the
+  real runs pick the same compute dtype), and returns the output (the Function's outputs,
+  where it returns a tuple whose first alone is differentiable) followed by the tensors the
   forward saved that are neither inputs nor views of the output (a custom op may not return
   aliases); :func:`run_forward` is its body;
 * its ``setup_context`` rebuilds the saved tensors (views of the op's inputs and outputs, from
@@ -129,6 +130,9 @@ class _Ctx:
     def save_for_backward(self, *tensors: Tensor | None) -> None:
         self.saved_tensors = tensors
 
+    def mark_non_differentiable(self, *tensors: Tensor) -> None:
+        """The op marks every output after the first non-differentiable (``define``)."""
+
 
 _CTX_SLOTS = ("needs_input_grad", "saved_tensors")
 
@@ -180,16 +184,17 @@ def run_forward(
     device_type: str,
 ) -> list[Tensor]:
     """The body of a forward op (real and fake): ``Fn.forward(ctx, *args)`` under the given
-    autocast state; returns ``[output, *saved tensors that are not inputs or views]``."""
+    autocast state; returns ``[output, *saved tensors that are not inputs or views]``. A
+    Function may return a tuple: its first output is the differentiable one, the others (which
+    it marks non-differentiable) follow it, before the saved tensors."""
     fn_cls = _FUNCTIONS[fn]
     ctx = _Ctx(tuple(needs_grad) + (False,) * (len(args) - len(needs_grad)))
     state = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)
     with state, torch.no_grad():
-        out = fn_cls.forward(ctx, *args)
+        result = fn_cls.forward(ctx, *args)
     inputs = [a for a in args if isinstance(a, Tensor)]
-    if any(_same_storage(out, t) for t in inputs):
-        out = out.clone()
-    outputs = [out]
+    outputs = [o.clone() if any(_same_storage(o, t) for t in inputs) else o
+               for o in (result if isinstance(result, tuple) else (result,))]
     refs: list[_Ref | None] = []
     for t in ctx.saved_tensors:
         if t is None:

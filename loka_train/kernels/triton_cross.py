@@ -34,7 +34,7 @@ from loka_train.kernels.triton_kernels import (
     _sw_round_args,
 )
 
-__all__ = ["CROSS_CONFIGS", "cross_epilogue_gemm", "cross_epilogue_reference"]
+__all__ = ["CROSS_CONFIGS", "DEFAULT_CONFIG", "cross_epilogue", "cross_epilogue_gemm", "cross_epilogue_reference"]
 
 
 @triton.jit
@@ -106,8 +106,11 @@ CROSS_CONFIGS: list[tuple[int, int, int, int, int, int, int]] = [
     (64, 64, 128, 8, 4, 3, 1),
     (64, 64, 128, 8, 4, 3, 0),
 ]
-"""Tiles :func:`cross_epilogue_gemm` takes: the first by default, the others timed by
-``bench.cross_epilogue``."""
+"""Tiles ``bench.cross_epilogue`` times :func:`cross_epilogue_gemm` with."""
+
+DEFAULT_CONFIG = (64, 128, 128, 8, 4, 3, 1)
+"""The tile :func:`cross_epilogue` runs: the fastest at DCN's 32768 x 512 x 3456 on an H200
+(``bench/results/cross_epilogue_h200_2026-11-28/``), the tail's tiles through the copy engine."""
 
 
 def _check(a: Tensor, b: Tensor, x0: Tensor, xl: Tensor, bias: Tensor | None) -> None:
@@ -134,7 +137,7 @@ def _check(a: Tensor, b: Tensor, x0: Tensor, xl: Tensor, bias: Tensor | None) ->
 
 def cross_epilogue_gemm(
     a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None, x0: Tensor, xl: Tensor, *,
-    write_copy: bool = True, config: tuple[int, int, int, int, int, int, int] = CROSS_CONFIGS[0],
+    write_copy: bool = True, config: tuple[int, int, int, int, int, int, int] = DEFAULT_CONFIG,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``z = a b^T * sa * sb + bias`` (bf16), ``x_l + x0 * z`` (fp32) and its bf16 copy, in one
     kernel (module docstring).
@@ -174,6 +177,41 @@ def cross_epilogue_gemm(
         BF16_MANT=_sw_round_args(torch.bfloat16)["MANT"], HAS_BIAS=bias is not None, WRITE_COPY=copy is not None,
         EPI_TMA=bool(epi_tma), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
     )
+    return z, out, copy
+
+
+def _cross_epilogue_impl(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None, x0: Tensor,
+                         xl: Tensor) -> list[Tensor]:
+    z, out, copy = cross_epilogue_gemm(a, a_scale, b, b_scale, bias, x0, xl)
+    assert copy is not None
+    return [z, out, copy]
+
+
+@torch.library.custom_op("loka::cross_epilogue_gemm", mutates_args=())
+def _cross_epilogue_op(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None, x0: Tensor,
+                       xl: Tensor) -> list[Tensor]:
+    return _cross_epilogue_impl(a, a_scale, b, b_scale, bias, x0, xl)
+
+
+@_cross_epilogue_op.register_fake
+def _cross_epilogue_fake(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None, x0: Tensor,
+                         xl: Tensor) -> list[Tensor]:
+    _check(a, b, x0, xl, bias)
+    return [x0.new_empty(x0.shape, dtype=torch.bfloat16), torch.empty_like(x0),
+            x0.new_empty(x0.shape, dtype=torch.bfloat16)]
+
+
+def cross_epilogue(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None, x0: Tensor,
+                   xl: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`cross_epilogue_gemm` with the copy, on :data:`DEFAULT_CONFIG`, as the op
+    ``loka::cross_epilogue_gemm`` while code is traced (``opaque.tracing``), else directly.
+    Not differentiable: ``kernels.linear``'s Function owns the gradients."""
+    from loka_train.kernels import opaque
+
+    if opaque.tracing():
+        z, out, copy = torch.ops.loka.cross_epilogue_gemm(a, a_scale, b, b_scale, bias, x0, xl)
+    else:
+        z, out, copy = _cross_epilogue_impl(a, a_scale, b, b_scale, bias, x0, xl)
     return z, out, copy
 
 

@@ -124,6 +124,13 @@ class ModsConfig:
     """DCN cross layer ``x0 * (W (V x) + b) + x``: the bias is added in the second GEMM's
     epilogue and ``x0 * z + x`` is one ``addcmul`` (one elementwise kernel instead of three)."""
 
+    dcn_tail_in_gemm: bool = True
+    """With ``dcn_epilogue_fusion``, a cross layer whose ``W`` forward runs tensor-wise FP8 on a
+    GPU computes ``x0 * z + x`` (and the bf16 copy the next layer's ``V`` reads) in that GEMM's
+    epilogue (``kernels.triton_cross``): ``z`` is written for the backward and never read back.
+    Where the call does not allow it (``kernels.linear.takes_cross_tail``, logged once) or on a
+    sampled step, the ``addcmul`` runs."""
+
     initial_plan: str = "high"
     """Plan every site starts with: ``high`` (no numerics change, but see
     ``horizontal_fusion``), ``fp8_rowwise`` or
@@ -184,6 +191,7 @@ class ModsConfig:
             "drop_unstable_bias",
             "horizontal_fusion",
             "dcn_epilogue_fusion",
+            "dcn_tail_in_gemm",
             "static_scales",
         ):
             if not isinstance(getattr(self, name), bool):

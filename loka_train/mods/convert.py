@@ -190,7 +190,8 @@ class _Converter:
             if not self._wanted(child, fqn, "dcn"):
                 return child
             new = CrossNet.from_crossnet(
-                child, epilogue_fusion=self.cfg.dcn_epilogue_fusion, pad_to_multiple=self.pad
+                child, epilogue_fusion=self.cfg.dcn_epilogue_fusion, tail_in_gemm=self.cfg.dcn_tail_in_gemm,
+                pad_to_multiple=self.pad,
             )
             self._name_sites(new, fqn, "dcn")
             return new

@@ -22,9 +22,16 @@ original, also under bf16 autocast.
 Numerics: identical math, but ``addcmul`` may use a fused multiply-add and a GEMM with bias may
 round ``acc + b`` once, so results can differ from the unfused formula in the last bit (the
 tests bound it; on exactly representable data they are equal). Under bf16 autocast the bias is
-added in the GEMM's bf16 output instead of in fp32. A single kernel that also applies
-``x0 * z + x`` inside the GEMM epilogue would need a Triton epilogue in ``kernels/`` (not there
-yet).
+added in the GEMM's bf16 output instead of in fp32.
+
+With ``tail_in_gemm`` (``mods.dcn_tail_in_gemm``), a layer whose ``W`` forward runs tensor-wise
+FP8 where Triton runs computes ``x0 * z + x`` in that GEMM's epilogue (``kernels.triton_cross``)
+and its bf16 copy, which the next layer's ``V`` GEMM reads (and the over-arch, after the last
+layer: the net then returns the copy, the values its first GEMM takes under bf16 autocast);
+``z`` is written for the backward and not read back. The tail's backward is the ``addcmul``'s,
+traced (:class:`_CrossTail`); the copy's gradient flows to the fp32 stream (:class:`_Bf16Copy`).
+Elsewhere (``GemmSite.linear_cross_tail``: a sampled step, a plan or call it does not take) the
+layer runs the ``addcmul``.
 
 Shape legend: ``B`` batch, ``F`` sparse features, ``D`` embedding dim, ``N`` = (F + 1) * D the
 cross-net width, ``R`` the low rank.
@@ -39,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +61,38 @@ from loka_train.utils.profiling import profiled
 logger = logging.getLogger(__name__)
 
 __all__ = ["DotInteraction", "CrossNet", "CrossLayerSites"]
+
+
+class _CrossTail(torch.autograd.Function):
+    """``x_l + x0 * z`` whose value the GEMM's epilogue computed (``out``): returns ``out``,
+    differentiates as ``torch.addcmul(x_l, x0, z)`` does (``dz = g * x0`` in ``z``'s dtype,
+    ``d x0 = g * z``, ``d x_l = g``), in code the compiler traces and fuses."""
+
+    @staticmethod
+    def forward(ctx: Any, z: Tensor, x0: Tensor, xl: Tensor, out: Tensor) -> Tensor:
+        ctx.save_for_backward(z, x0)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        z, x0 = ctx.saved_tensors
+        need_z, need_x0, need_xl = ctx.needs_input_grad[:3]
+        return ((g * x0).to(z.dtype) if need_z else None, g * z if need_x0 else None, g if need_xl else None,
+                None)
+
+
+class _Bf16Copy(torch.autograd.Function):
+    """The bf16 copy of ``x`` that the epilogue wrote (``copy``): returns it, its gradient
+    flowing to ``x`` in ``x``'s dtype (as ``x.to(torch.bfloat16)``'s)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, copy: Tensor) -> Tensor:
+        ctx.x_dtype = x.dtype
+        return copy
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g.to(ctx.x_dtype), None
 
 
 class DotInteraction(InteractionArch):
@@ -104,6 +144,8 @@ class CrossNet(LowRankCrossNet):
         V_kernels: the original ``V_kernels`` (``(R, N)`` each).
         bias: the original ``bias`` (``(N,)`` each).
         epilogue_fusion: compute ``x0 * (z + b) + x`` as bias-in-GEMM plus one ``addcmul``.
+        tail_in_gemm: with ``epilogue_fusion``, that ``addcmul`` in the ``W`` GEMM's epilogue
+            where the layer's call allows it (module docstring).
         plan: initial plan of every site.
         pad_to_multiple: pad multiple for FP8 GEMMs.
     """
@@ -115,6 +157,7 @@ class CrossNet(LowRankCrossNet):
         V_kernels: nn.ParameterList,
         bias: nn.ParameterList,
         epilogue_fusion: bool = True,
+        tail_in_gemm: bool = True,
         plan: LinearPlan | None = None,
         pad_to_multiple: int = 1,
     ) -> None:
@@ -127,6 +170,7 @@ class CrossNet(LowRankCrossNet):
         self.V_kernels = V_kernels
         self.bias = bias
         self.epilogue_fusion = bool(epilogue_fusion)
+        self.tail_in_gemm = bool(tail_in_gemm)
         in_features = int(V_kernels[0].shape[1]) if self._num_layers else 0
         for i in range(self._num_layers):
             self.add_module(
@@ -143,6 +187,7 @@ class CrossNet(LowRankCrossNet):
         crossnet: LowRankCrossNet,
         *,
         epilogue_fusion: bool = True,
+        tail_in_gemm: bool = True,
         plan: LinearPlan | None = None,
         pad_to_multiple: int = 1,
     ) -> CrossNet:
@@ -152,6 +197,7 @@ class CrossNet(LowRankCrossNet):
             V_kernels=crossnet.V_kernels,
             bias=crossnet.bias,
             epilogue_fusion=epilogue_fusion,
+            tail_in_gemm=tail_in_gemm,
             plan=plan,
             pad_to_multiple=pad_to_multiple,
         )
@@ -174,18 +220,28 @@ class CrossNet(LowRankCrossNet):
     def forward(self, input: Tensor) -> Tensor:
         x0_BN = input
         x_BN = x0_BN
+        read_BN = x_BN  # what the next GEMM reads: x_BN, or its bf16 copy from a fused tail
         for i in range(self._num_layers):
             sites = self.layer_sites(i)
-            xv_BR = sites.V.linear(x_BN, self.V_kernels[i])
+            xv_BR = sites.V.linear(read_BN, self.V_kernels[i])
             if self.epilogue_fusion and sites.W.has_fp8():
                 with profiled("loka/mods/dcn_epilogue"):
+                    fused = (sites.W.linear_cross_tail(xv_BR, self.W_kernels[i], self.bias[i], x0_BN, x_BN)
+                             if self.tail_in_gemm else None)
+                    if fused is not None:
+                        z_BN, out_BN, copy_BN = fused
+                        x_BN = _CrossTail.apply(z_BN, x0_BN, x_BN, out_BN)
+                        read_BN = _Bf16Copy.apply(x_BN, copy_BN)
+                        continue
                     z_BN = sites.W.linear(xv_BR, self.W_kernels[i], self.bias[i])
                     x_BN = torch.addcmul(x_BN, x0_BN, z_BN)
             else:
                 # The unfused formula, op for op as LowRankCrossNet.forward.
                 xw_BN = sites.W.linear(xv_BR, self.W_kernels[i])
                 x_BN = x0_BN * (xw_BN + self.bias[i]) + x_BN
-        return x_BN
+            read_BN = x_BN
+        return read_BN
 
     def extra_repr(self) -> str:
-        return f"num_layers={self._num_layers}, low_rank={self._low_rank}, epilogue_fusion={self.epilogue_fusion}"
+        return (f"num_layers={self._num_layers}, low_rank={self._low_rank}, epilogue_fusion={self.epilogue_fusion}, "
+                f"tail_in_gemm={self.tail_in_gemm}")

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
@@ -79,7 +80,12 @@ from loka_train.kernels.fused import (
     fuses_quantizer,
     layernorm_linear,
 )
-from loka_train.kernels.linear import compute_dtype, inductor_quantizes
+from loka_train.kernels.linear import (
+    compute_dtype,
+    cross_tail_linear,
+    inductor_quantizes,
+    takes_cross_tail,
+)
 from loka_train.kernels.plan import GemmPlan, LinearPlan
 from loka_train.kernels.registry import get_backend
 from loka_train.mods import probe_tap
@@ -442,6 +448,33 @@ class GemmSite(Site):
             return served(self, x, relu=relu, bias=bias)
         return self.linear_as_trained(x, weight, bias, input_relu=relu)
 
+    def linear_cross_tail(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, x0: Tensor, xl: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """A DCN cross layer's ``W`` GEMM with the layer's tail in its epilogue
+        (``kernels.linear.cross_tail_linear``): ``(y, x_l + x0 * y, that in bf16)``, only ``y``
+        differentiable; or None where this call must run as :meth:`linear` does: a sampled step
+        (the Probe's taps see ``y``), a served weight without autograd, a folded ReLU, FP8 operands
+        that need padding, or where ``takes_cross_tail`` does not hold (logged once)."""
+        if not self.plan_fp8 or self.input_relu or self.output_relu or self._should_observe():
+            return None
+        served = cast("ServedForward | None", self._modules.get("served"))
+        if served is not None and not torch.is_grad_enabled() and served.serves(weight, self):
+            return None
+        n, k = weight.shape
+        m = x.numel() // k if k else 0
+        pad = fp8_padding(self.plan, m, k, n, self.pad_to_multiple, x.device.type, compute_dtype(x), False)
+        ok, why = takes_cross_tail(x, weight, bias, self.plan, x0, xl)
+        if pad not in (None, (0, 0, 0)):
+            ok, why = False, f"its FP8 operands are padded {pad}"
+        if not ok:
+            if not torch.compiler.is_compiling():
+                _refused_tail(self.site_name, why)
+            return None
+        self._set_mkn((m, k, n))
+        return cross_tail_linear(x, weight, bias, self.plan, x0, xl, compiled_quantizer=self.compiled_quantizer,
+                                 static_slots=self.static_slots)
+
     def linear_as_trained(
         self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *, input_relu: bool | None = None
     ) -> Tensor:
@@ -469,6 +502,12 @@ class GemmSite(Site):
         if relu_out and not in_op:
             y = torch.relu(y)
         return y
+
+
+@functools.cache
+def _refused_tail(name: str, why: str) -> None:
+    """Log once per site and reason that a cross layer's tail runs after its GEMM."""
+    logger.info("%s: the cross layer's tail runs after its GEMM, not in its epilogue: %s", name or "a site", why)
 
 
 class ServedForward(Protocol):

@@ -91,7 +91,7 @@ def test_the_ops_run_eagerly_with_the_functions_gradients() -> None:
     x, w, b = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True), torch.randn(5, requires_grad=True)
     y = fp8_linear(x, w, b, plan)
     g = torch.autograd.grad(y.square().sum(), (x, w, b))
-    y_op = _planned_linear_op(x, w, b, plan.key, None, False, True, None, False, False, None, False, None,
+    y_op = _planned_linear_op(x, w, b, plan.key, None, False, True, None, False, False, None, None, None, False, None,
                               opaque.needs_grad(x, w, b))[0]
     g_op = torch.autograd.grad(y_op.square().sum(), (x, w, b))
     assert torch.equal(y, y_op)
@@ -113,14 +113,14 @@ def test_the_op_masks_the_gradient_of_x_with_the_folded_relus_mask(mask: str) ->
     y = fp8_linear(torch.relu(x), w, b, plan)
     g = torch.autograd.grad(y.square().sum(), (x, w, b))
     given = x.detach() if mask == "x" else relu_mask_bits(x.detach())
-    y_op = _planned_linear_op(x, w, b, plan.key, None, False, True, None, True, False, given, False,
+    y_op = _planned_linear_op(x, w, b, plan.key, None, False, True, None, True, False, None, None, given, False,
                               None, opaque.needs_grad(x, w, b))[0]
     g_op = torch.autograd.grad(y_op.square().sum(), (x, w, b))
     assert torch.equal(y, y_op)
     for a, c in zip(g, g_op, strict=True):
         assert torch.equal(a, c)
     with pytest.raises(ValueError, match="relu_mask"):
-        _planned_linear_op(x, w, b, plan.key, None, False, True, None, True, False, None, False, None,
+        _planned_linear_op(x, w, b, plan.key, None, False, True, None, True, False, None, None, None, False, None,
                            opaque.needs_grad(x, w, b))
 
 
