@@ -81,6 +81,23 @@ class _CrossTail(torch.autograd.Function):
                 None)
 
 
+class _CrossTailFirst(torch.autograd.Function):
+    """:class:`_CrossTail` of the first layer, whose ``x_l`` is ``x0``: ``x0 + x0 * z``, one
+    tensor input (``d x0 = g * z + g``). Handed the same tensor twice, the compiled backward of
+    :class:`_CrossTail` on a GPU lost one of its two gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, z: Tensor, x0: Tensor, out: Tensor) -> Tensor:
+        ctx.save_for_backward(z, x0)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        z, x0 = ctx.saved_tensors
+        need_z, need_x0 = ctx.needs_input_grad[:2]
+        return (g * x0).to(z.dtype) if need_z else None, g * z + g if need_x0 else None, None
+
+
 class _Bf16Copy(torch.autograd.Function):
     """The bf16 copy of ``x`` that the epilogue wrote (``copy``): returns it, its gradient
     flowing to ``x`` in ``x``'s dtype (as ``x.to(torch.bfloat16)``'s)."""
@@ -230,7 +247,8 @@ class CrossNet(LowRankCrossNet):
                              if self.tail_in_gemm else None)
                     if fused is not None:
                         z_BN, out_BN, copy_BN = fused
-                        x_BN = _CrossTail.apply(z_BN, x0_BN, x_BN, out_BN)
+                        x_BN = (_CrossTailFirst.apply(z_BN, x0_BN, out_BN) if x_BN is x0_BN
+                                else _CrossTail.apply(z_BN, x0_BN, x_BN, out_BN))
                         read_BN = _Bf16Copy.apply(x_BN, copy_BN)
                         continue
                     z_BN = sites.W.linear(xv_BR, self.W_kernels[i], self.bias[i])
