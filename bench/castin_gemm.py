@@ -203,10 +203,12 @@ def _castin_tma_kernel(
             else:
                 a = x
             b = b_desc.load([col, kk * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+            # Promoted to fp32 every BLOCK_K, as torch._scaled_mm accumulates without fast
+            # accumulation (Triton's default on Hopper never promotes an FP8 dot).
+            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
             if PAIR:
                 b2 = b_desc.load([col + BLOCK_N, kk * BLOCK_K])
-                acc2 = tl.dot(a, b2.T, acc2)
+                acc2 = tl.dot(a, b2.T, acc2, max_num_imprecise_acc=BLOCK_K)
         c_desc.store([pid_m * BLOCK_M, col], (acc * out_scale).to(c_desc.dtype))
         if PAIR:
             c_desc.store([pid_m * BLOCK_M, col + BLOCK_N], (acc2 * out_scale).to(c_desc.dtype))

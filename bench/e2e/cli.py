@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-seed", type=int, default=0,
                    help="trainer.seed of the first round (round i: first seed + i)")
     p.add_argument("--share-decisions", action="store_true",
-                   help="LoKA variants that differ only in how plans run (+static, +dynamic, +nofold, +bits, +nobits, +foldgrad, +notail, +rotate, +tilegrid, +compilesampled, +eagersampled, +compile, +pageable) share "
+                   help="LoKA variants that differ only in how plans run (+static, +dynamic, +nofold, +bits, +nobits, +foldgrad, +tail, +notail, +rotate, +tilegrid, +compilesampled, +eagersampled, +compile, +pageable) share "
                         "one decision run per config, batch and seed: the first decides, the others take its "
                         "plans, so they compare the option on the same plans (and spend one decision run)")
     p.add_argument("--decide-once", action="store_true",

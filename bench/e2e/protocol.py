@@ -206,7 +206,7 @@ def decide_overrides(interval: int) -> tuple[str, ...]:
 SHARED_DECISION_OVERRIDES = (
     "loka.mods.static_scales=true", "loka.mods.static_scales=false", "loka.mods.fold_relu=false",
     "loka.mods.relu_mask_bits=true", "loka.mods.relu_mask_bits=false", "loka.mods.fold_relu_grad=true",
-    "loka.mods.dcn_tail_in_gemm=false", "loka.probe.sites_per_step=2",  # the decision run samples every site whatever the schedule
+    "loka.mods.dcn_tail_in_gemm=true", "loka.mods.dcn_tail_in_gemm=false", "loka.probe.sites_per_step=2",  # the decision run samples every site whatever the schedule
 )
 """Overrides that change how a plan runs: ``--share-decisions`` lets variants that differ in
 them share one decision run, so that they compare on the same plans. Those plans are what

@@ -127,7 +127,7 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
         + "), then the timed run "
         + ("from that checkpoint" if args.get("ne_from") else "from fresh weights")
         + " with the decided plans and the preset's own sampling schedule"
-        + ("; variants that differ only in how plans run (+static, +dynamic, +nofold, +bits, +nobits, +foldgrad, +notail, +rotate, +tilegrid) share one decision run "
+        + ("; variants that differ only in how plans run (+static, +dynamic, +nofold, +bits, +nobits, +foldgrad, +tail, +notail, +rotate, +tilegrid) share one decision run "
            + ("per config and batch, the first seed's, for every seed (--decide-once)" if args.get("decide_once")
               else "(--share-decisions)") if args.get("share_decisions") else ""),
         f"- wall time of the whole benchmark: {data['wall_s']:.0f} s",

@@ -201,7 +201,7 @@ def base_variants(fp8_backend: str) -> dict[str, Variant]:
 
 
 SUFFIXES = ("compile", "graphs", "pageable", "replaysampled", "compilesampled", "eagersampled", "static", "dynamic",
-            "nofold", "bits", "nobits", "foldgrad", "notail", "rotate", "rowwise", "highgw", "tilegrid")
+            "nofold", "bits", "nobits", "foldgrad", "tail", "notail", "rotate", "rowwise", "highgw", "tilegrid")
 """Variant suffixes: ``+compile`` (``trainer.compile_dense``), ``+graphs`` (``trainer.cuda_graphs``);
 both together replay the compiled code as CUDA graphs. ``+pageable`` (``trainer.pin_memory=false``)
 measures what pinning the batches gains (on by default on CUDA). ``+replaysampled``
@@ -219,9 +219,9 @@ folding gains. ``+nobits`` (``loka.mods.relu_mask_bits=false``) keeps a folded R
 pre-activation for the backward's mask instead of one bit an element: what the bits save in
 memory and time; ``+bits`` names the default (``loka.mods.relu_mask_bits=true``). ``+foldgrad``
 (``loka.mods.fold_relu_grad=true``) has the site before a folded ReLU apply its backward in its
-gradient's FP8 cast: what that saves. ``+notail`` (``loka.mods.dcn_tail_in_gemm=false``) runs a
-DCN cross layer's tail as an ``addcmul`` after its ``W`` GEMM instead of in that GEMM's epilogue:
-what the epilogue saves. ``+rotate``
+gradient's FP8 cast: what that saves. ``+tail`` (``loka.mods.dcn_tail_in_gemm=true``) computes a
+DCN cross layer's tail in its ``W`` GEMM's epilogue instead of as an ``addcmul`` after it (the
+default), and ``+notail`` names the default: what the epilogue saves. ``+rotate``
 (``loka.probe.sites_per_step=2``) samples a rotating pair of sites on each sampled step instead
 of the preset's schedule of sites: what a sampled step then costs. ``+rowwise``
 (``loka.dispatch.scalings=[rowwise]``) lets Dispatch choose row-wise scaling only, and ``+highgw``
@@ -238,6 +238,7 @@ LOKA_OVERRIDE_SUFFIXES = {
     "bits": (", folded ReLUs' masks kept as bits", "loka.mods.relu_mask_bits=true"),
     "nobits": (", folded ReLUs' pre-activations kept for their masks", "loka.mods.relu_mask_bits=false"),
     "foldgrad": (", folded ReLUs' backward in the producer's gradient cast", "loka.mods.fold_relu_grad=true"),
+    "tail": (", DCN cross layers' tail in the W GEMM's epilogue", "loka.mods.dcn_tail_in_gemm=true"),
     "notail": (", DCN cross layers' tail after the GEMM", "loka.mods.dcn_tail_in_gemm=false"),
     "rotate": (", 2 sites a sampled step", "loka.probe.sites_per_step=2"),
     "rowwise": (", row-wise scaling only", "loka.dispatch.scalings=[rowwise]"),

@@ -511,10 +511,11 @@ class _PlannedLinearFn(torch.autograd.Function):
     Function masks it with ``y``'s bits (:func:`relu_mask_bits`, taken in the forward), in the
     two-layout cast of ``dY`` where that runs (``ctx.fuses_output_mask``), else first.
 
-    With ``tail_x0`` and ``tail_xl`` (a DCN cross layer's ``W`` GEMM, :func:`cross_tail_linear`)
-    the tensor-wise FP8 forward runs as ``triton_cross.cross_epilogue``: the Function returns
-    ``(y, x_l + x0 * y, its bf16 copy)``, the last two non-differentiable (the caller's code
-    differentiates the tail); ``y`` and the backward are the GEMM's as without them."""
+    With ``tail_x0`` (and ``tail_xl``, None where ``x_l`` is ``x0``: a DCN cross layer's ``W``
+    GEMM, :func:`cross_tail_linear`) the tensor-wise FP8 forward runs as
+    ``triton_cross.cross_epilogue``: the Function returns ``(y, x_l + x0 * y, its bf16 copy)``,
+    the last two non-differentiable (the caller's code differentiates the tail); ``y`` and the
+    backward are the GEMM's as without them."""
 
     @staticmethod
     def forward(
@@ -563,12 +564,12 @@ class _PlannedLinearFn(torch.autograd.Function):
                     wc, fwd.operand_b_fmt, fwd, gi, gi.operand_b_fmt, is_weight=True, reference_quantizer=rq,
                     count_fallbacks=True,
                 )
-                if tail_x0 is not None and tail_xl is not None:
+                if tail_x0 is not None:
                     from loka_train.kernels.triton_cross import cross_epilogue
 
                     assert fwd.scaling is Scaling.TENSORWISE and odtype == torch.bfloat16, "cross_tail_linear checks"
                     y_MN, tail_out, tail_copy = cross_epilogue(
-                        x_q.data, x_q.scale, w_q.data, w_q.scale, bc, tail_x0, tail_xl)
+                        x_q.data, x_q.scale, w_q.data, w_q.scale, bc, tail_x0, tail_xl, fast_accum=fwd.fast_accum)
                     tail = (tail_out, tail_copy)
                 else:
                     y_MN = fp8_gemm_planned(
@@ -605,12 +606,16 @@ class _PlannedLinearFn(torch.autograd.Function):
         if tail_x0 is not None:
             assert tail is not None, "cross_tail_linear runs only a tensor-wise FP8 forward"
             ctx.mark_non_differentiable(*tail)
+            ctx.set_materialize_grads(False)  # no zero tensors for the tail outputs' gradients
             return y, *tail
         return y
 
     @staticmethod
-    def backward(ctx, grad_y: Tensor, *tail_grads: Tensor | None):
-        # tail_grads: the non-differentiable tail outputs' (None), where tail_x0 was given.
+    def backward(ctx, grad_y: Tensor | None, *tail_grads: Tensor | None):
+        # tail_grads: the non-differentiable tail outputs' (None), where tail_x0 was given; there
+        # grads are not materialized, and grad_y is None where y fed nothing that needs one.
+        if grad_y is None:
+            return (None,) * 12
         xc, wc, xq_data, xq_scale, wq_data, wq_scale, static_slots, out_bits = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         # The mask of a ReLU folded into the next site (output_relu): in dY's two-layout cast, or
@@ -941,12 +946,12 @@ def fp8_linear(
 
 
 def takes_cross_tail(
-    x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan, x0: Tensor, xl: Tensor
+    x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan, x0: Tensor, xl: Tensor | None
 ) -> tuple[bool, str]:
     """Whether :func:`cross_tail_linear` runs ``x W^T + b`` with the cross layer's tail in the
     GEMM's epilogue, with the reason where not: a tensor-wise FP8 forward, ``x`` ``(M, K)`` in
-    bf16 compute, ``x0`` and ``x_l`` contiguous fp32 ``(M, N)``, ``K`` a multiple of 16 and
-    ``N`` of 8, on a backend that takes the Triton quantizers (not the oracle's), where
+    bf16 compute, ``x0`` and ``x_l`` (None: ``x0``) contiguous fp32 ``(M, N)``, ``K`` a multiple
+    of 16 and ``N`` of 8, on a backend that takes the Triton quantizers (not the oracle's), where
     Triton runs."""
     from loka_train.kernels.triton_kernels import triton_runnable
 
@@ -961,12 +966,13 @@ def takes_cross_tail(
     n = weight.shape[0]
     if compute_dtype(x) != torch.bfloat16:
         return False, f"the compute dtype is {compute_dtype(x)}, not bf16"
-    if any(t.dtype != torch.float32 or t.shape != (m, n) or not t.is_contiguous() for t in (x0, xl)):
-        return False, f"x0 and x_l are not contiguous fp32 of shape {(m, n)}"
+    streams = [x0] if xl is None else [x0, xl]
+    if any(t.dtype != torch.float32 or t.shape != (m, n) or not t.is_contiguous() for t in streams):
+        return False, "x0 and x_l are not contiguous fp32 (M, N), N the weight's rows"
     if k % 16 or n % 8:
-        return False, f"K={k} is not a multiple of 16 or N={n} of 8"
+        return False, "K is not a multiple of 16 or N of 8"
     if bias is not None and bias.shape != (n,):
-        return False, f"the bias is not of shape {(n,)}"
+        return False, "the bias is not of shape (N,)"
     if not TRITON_INSTALLED:
         return False, "Triton is not installed"
     return triton_runnable(x.device)
@@ -978,16 +984,29 @@ def cross_tail_linear(
     bias: Tensor | None,
     plan: LinearPlan,
     x0: Tensor,
-    xl: Tensor,
+    xl: Tensor | None,
     *,
     compiled_quantizer: str = "custom",
     static_slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A DCN cross layer's ``W`` GEMM ``y = x W^T + b`` (``x = x_l V^T``) with the layer's tail
-    in its epilogue: ``(y, x_l + x0 * y, that in bf16)``, the GEMM (its quantization, static
+    in its epilogue: ``(y, x_l + x0 * y, that in bf16)``; the GEMM (its quantization, static
     scales, backward) as :func:`fp8_linear` runs it, its forward as
     ``triton_cross.cross_epilogue``. Only ``y`` is differentiable: the caller differentiates the
     tail (``mods.interaction``), which the epilogue computed as ``torch.addcmul`` would.
+
+    Args:
+        x: ``(M, K)``, ``K`` the rank.
+        weight: ``(N, K)``.
+        bias: ``(N,)`` or None.
+        plan: the site's plan; its forward tensor-wise FP8 (:func:`takes_cross_tail`).
+        x0: ``(M, N)`` fp32, the net's input.
+        xl: ``(M, N)`` fp32, the layer's input; None where it is ``x0`` (the first layer: the
+            kernel reads it once, and no Function is handed the same tensor twice).
+        compiled_quantizer, static_slots: as :func:`fp8_linear` takes them.
+
+    Returns:
+        ``(y, x_next, x_next_bf16)``: bf16, fp32, bf16, each ``(M, N)``.
 
     Raises:
         ValueError: where :func:`takes_cross_tail` does not hold (its reason).
@@ -999,16 +1018,16 @@ def cross_tail_linear(
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:
             x = x.to(autocast)  # as _fp8_linear_rows: a cast the producer's kernel can take
-        y, out, copy = _planned_linear_op(
+        y, out, out16 = _planned_linear_op(
             x, weight, bias, plan.key, None, False, True, static_slots, False, False, x0, xl, None, False, autocast,
             opaque.needs_grad(x, weight, bias),
         )[:3]
-        return y, out, copy
-    y, out, copy = _PlannedLinearFn.apply(
+        return y, out, out16
+    y, out, out16 = _PlannedLinearFn.apply(
         x, weight, bias, plan, None, inductor_quantizes(compiled_quantizer), torch.is_grad_enabled(), static_slots,
         False, False, x0, xl,
     )
-    return y, out, copy
+    return y, out, out16
 
 
 _ALIGNED_K = 16

@@ -45,7 +45,7 @@ Example (what ``kernels.linear`` does)::
         return run_forward("planned_linear", (x, ...), needs_grad, autocast_dtype, x.device.type)
 
     _planned_linear_op = define("planned_linear", _PlannedLinearFn, _planned_linear,
-                                num_extra_args=4, masked_grads={0: (10, _relu_grad)},
+                                num_extra_args=4, masked_grads={0: (12, _relu_grad)},
                                 output_mask=(7, _relu_grad))
     ...
     if opaque(compiled_quantizer):
@@ -132,6 +132,9 @@ class _Ctx:
 
     def mark_non_differentiable(self, *tensors: Tensor) -> None:
         """The op marks every output after the first non-differentiable (``define``)."""
+
+    def set_materialize_grads(self, value: bool) -> None:
+        """The op's backward gets only the first output's gradient (``define``)."""
 
 
 _CTX_SLOTS = ("needs_input_grad", "saved_tensors")

@@ -124,12 +124,14 @@ class ModsConfig:
     """DCN cross layer ``x0 * (W (V x) + b) + x``: the bias is added in the second GEMM's
     epilogue and ``x0 * z + x`` is one ``addcmul`` (one elementwise kernel instead of three)."""
 
-    dcn_tail_in_gemm: bool = True
+    dcn_tail_in_gemm: bool = False
     """With ``dcn_epilogue_fusion``, a cross layer whose ``W`` forward runs tensor-wise FP8 on a
-    GPU computes ``x0 * z + x`` (and the bf16 copy the next layer's ``V`` reads) in that GEMM's
-    epilogue (``kernels.triton_cross``): ``z`` is written for the backward and never read back.
-    Where the call does not allow it (``kernels.linear.takes_cross_tail``, logged once) or on a
-    sampled step, the ``addcmul`` runs."""
+    GPU computes ``x0 * z + x`` (and the bf16 copy the next layer's ``V`` reads, which the net
+    returns after its last layer) in that GEMM's epilogue (``kernels.triton_cross``): ``z`` is
+    written for the backward and never read back. Where the call does not allow it
+    (``kernels.linear.takes_cross_tail``, logged once) or on a sampled step, the ``addcmul`` runs.
+    Off by default: its speed and paired NE are not yet measured on this form
+    (``docs/performance.md``)."""
 
     initial_plan: str = "high"
     """Plan every site starts with: ``high`` (no numerics change, but see

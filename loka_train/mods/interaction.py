@@ -24,7 +24,7 @@ round ``acc + b`` once, so results can differ from the unfused formula in the la
 tests bound it; on exactly representable data they are equal). Under bf16 autocast the bias is
 added in the GEMM's bf16 output instead of in fp32.
 
-With ``tail_in_gemm`` (``mods.dcn_tail_in_gemm``), a layer whose ``W`` forward runs tensor-wise
+With ``tail_in_gemm`` (``mods.dcn_tail_in_gemm``, off by default), a layer whose ``W`` forward runs tensor-wise
 FP8 where Triton runs computes ``x0 * z + x`` in that GEMM's epilogue (``kernels.triton_cross``)
 and its bf16 copy, which the next layer's ``V`` GEMM reads (and the over-arch, after the last
 layer: the net then returns the copy, the values its first GEMM takes under bf16 autocast);
@@ -83,8 +83,9 @@ class _CrossTail(torch.autograd.Function):
 
 class _CrossTailFirst(torch.autograd.Function):
     """:class:`_CrossTail` of the first layer, whose ``x_l`` is ``x0``: ``x0 + x0 * z``, one
-    tensor input (``d x0 = g * z + g``). Handed the same tensor twice, the compiled backward of
-    :class:`_CrossTail` on a GPU lost one of its two gradients."""
+    tensor input (``d x0 = g * z + g``). Handed the same tensor in two of its inputs, a Function
+    compiled by torch 2.11's dynamo keeps only one of their gradients (pytorch/pytorch#181146;
+    later releases break the graph there instead)."""
 
     @staticmethod
     def forward(ctx: Any, z: Tensor, x0: Tensor, out: Tensor) -> Tensor:
@@ -174,7 +175,7 @@ class CrossNet(LowRankCrossNet):
         V_kernels: nn.ParameterList,
         bias: nn.ParameterList,
         epilogue_fusion: bool = True,
-        tail_in_gemm: bool = True,
+        tail_in_gemm: bool = False,
         plan: LinearPlan | None = None,
         pad_to_multiple: int = 1,
     ) -> None:
@@ -204,7 +205,7 @@ class CrossNet(LowRankCrossNet):
         crossnet: LowRankCrossNet,
         *,
         epilogue_fusion: bool = True,
-        tail_in_gemm: bool = True,
+        tail_in_gemm: bool = False,
         plan: LinearPlan | None = None,
         pad_to_multiple: int = 1,
     ) -> CrossNet:
@@ -243,11 +244,13 @@ class CrossNet(LowRankCrossNet):
             xv_BR = sites.V.linear(read_BN, self.V_kernels[i])
             if self.epilogue_fusion and sites.W.has_fp8():
                 with profiled("loka/mods/dcn_epilogue"):
-                    fused = (sites.W.linear_cross_tail(xv_BR, self.W_kernels[i], self.bias[i], x0_BN, x_BN)
+                    first = x_BN is x0_BN  # x_l is x0: handed once (_CrossTailFirst)
+                    fused = (sites.W.linear_cross_tail(xv_BR, self.W_kernels[i], self.bias[i], x0_BN,
+                                                       None if first else x_BN)
                              if self.tail_in_gemm else None)
                     if fused is not None:
                         z_BN, out_BN, copy_BN = fused
-                        x_BN = (_CrossTailFirst.apply(z_BN, x0_BN, out_BN) if x_BN is x0_BN
+                        x_BN = (_CrossTailFirst.apply(z_BN, x0_BN, out_BN) if first
                                 else _CrossTail.apply(z_BN, x0_BN, x_BN, out_BN))
                         read_BN = _Bf16Copy.apply(x_BN, copy_BN)
                         continue

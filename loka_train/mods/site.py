@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
@@ -449,13 +448,15 @@ class GemmSite(Site):
         return self.linear_as_trained(x, weight, bias, input_relu=relu)
 
     def linear_cross_tail(
-        self, x: Tensor, weight: Tensor, bias: Tensor | None, x0: Tensor, xl: Tensor
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, x0: Tensor, xl: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor] | None:
         """A DCN cross layer's ``W`` GEMM with the layer's tail in its epilogue
         (``kernels.linear.cross_tail_linear``): ``(y, x_l + x0 * y, that in bf16)``, only ``y``
         differentiable; or None where this call must run as :meth:`linear` does: a sampled step
         (the Probe's taps see ``y``), a served weight without autograd, a folded ReLU, FP8 operands
-        that need padding, or where ``takes_cross_tail`` does not hold (logged once)."""
+        that need padding (or whose padding cannot help: :meth:`linear` then names the backend's
+        reason), or where ``takes_cross_tail`` does not hold (logged once per site and reason,
+        from eager calls). ``xl`` None: ``x_l`` is ``x0``."""
         if not self.plan_fp8 or self.input_relu or self.output_relu or self._should_observe():
             return None
         served = cast("ServedForward | None", self._modules.get("served"))
@@ -465,11 +466,14 @@ class GemmSite(Site):
         m = x.numel() // k if k else 0
         pad = fp8_padding(self.plan, m, k, n, self.pad_to_multiple, x.device.type, compute_dtype(x), False)
         ok, why = takes_cross_tail(x, weight, bias, self.plan, x0, xl)
-        if pad not in (None, (0, 0, 0)):
-            ok, why = False, f"its FP8 operands are padded {pad}"
+        if pad != (0, 0, 0):
+            ok, why = False, "its FP8 operands need padding" if pad else "no padding lets its backend run the shape"
         if not ok:
-            if not torch.compiler.is_compiling():
-                _refused_tail(self.site_name, why)
+            key = f"cross_tail: {why}"
+            if not torch.compiler.is_compiling() and key not in self._logged_fallbacks:
+                self._logged_fallbacks.add(key)
+                logger.info("mods: site %s: the cross layer's tail runs after its GEMM, not in its epilogue: %s",
+                            self.site_name or type(self).__name__, why)
             return None
         self._set_mkn((m, k, n))
         return cross_tail_linear(x, weight, bias, self.plan, x0, xl, compiled_quantizer=self.compiled_quantizer,
@@ -502,12 +506,6 @@ class GemmSite(Site):
         if relu_out and not in_op:
             y = torch.relu(y)
         return y
-
-
-@functools.cache
-def _refused_tail(name: str, why: str) -> None:
-    """Log once per site and reason that a cross layer's tail runs after its GEMM."""
-    logger.info("%s: the cross layer's tail runs after its GEMM, not in its epilogue: %s", name or "a site", why)
 
 
 class ServedForward(Protocol):

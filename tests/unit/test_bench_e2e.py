@@ -1086,15 +1086,18 @@ def test_tilegrid_suffix_runs_the_casts_on_one_program_a_tile_on_the_same_decisi
         resolve_variants(["bf16+tilegrid"], "emulated")
 
 
-def test_notail_suffix_runs_the_cross_layers_tail_after_the_gemm_and_shares_the_decision() -> None:
+def test_tail_suffixes_move_the_cross_layers_tail_and_share_the_decision() -> None:
     from bench.e2e.protocol import decision_key
     from bench.e2e.variants import resolve_variants
 
-    aggr, notail = resolve_variants(["loka_aggressive+graphs", "loka_aggressive+graphs+notail"], "emulated")
-    assert notail.loka_overrides == ("loka.mods.dcn_tail_in_gemm=false",) and "tail" in notail.description
-    assert decision_key("dcn", 64, 0, aggr) == decision_key("dcn", 64, 0, notail)
-    with pytest.raises(SystemExit, match="notail"):
-        resolve_variants(["bf16+notail"], "emulated")
+    aggr, tail, notail = resolve_variants(
+        ["loka_aggressive+graphs", "loka_aggressive+graphs+tail", "loka_aggressive+graphs+notail"], "emulated")
+    assert tail.loka_overrides == ("loka.mods.dcn_tail_in_gemm=true",) and "epilogue" in tail.description
+    assert notail.loka_overrides == ("loka.mods.dcn_tail_in_gemm=false",) and "after the GEMM" in notail.description
+    assert decision_key("dcn", 64, 0, aggr) == decision_key("dcn", 64, 0, tail) == decision_key("dcn", 64, 0, notail)
+    for bad in ("bf16+notail", "bf16+tail"):
+        with pytest.raises(SystemExit, match="tail"):
+            resolve_variants([bad], "emulated")
 
 
 def test_foldgrad_suffix_moves_the_relus_backward_and_shares_the_decision() -> None:

@@ -47,8 +47,21 @@ def test_on_any_data_the_step_is_the_one_of_its_own_z():
     assert none is None
 
 
+def test_the_first_layer_reads_x0_as_its_x_l():
+    u, w, b, x0, _ = _operands(70, 64, 80, bias=True, exact=True)
+    got = cross_epilogue_gemm(u.data, u.scale, w.data, w.scale, b, x0, None, config=(32, 32, 32, 4, 4, 2, 1))
+    want = cross_epilogue_reference(u.data, u.scale, w.data, w.scale, b, x0, x0)
+    for a, c in zip(got, want, strict=True):
+        assert a is not None and torch.equal(a, c)
+    # Fast accumulation asks the GPU for unpromoted FP8 products; the interpreter's dot is exact.
+    fast = cross_epilogue_gemm(u.data, u.scale, w.data, w.scale, b, x0, None, fast_accum=True)
+    assert torch.equal(fast[0], want[0])
+
+
 def test_bad_operands_are_refused():
     u, w, b, x0, xl = _operands(32, 32, 48, bias=True, exact=False)
+    with pytest.raises(ValueError, match=r"needs a \(M, R\)"):
+        cross_epilogue_gemm(u.data[0], u.scale, w.data, w.scale, b, x0, xl)
     with pytest.raises(ValueError, match="fp32 x0 and x_l"):
         cross_epilogue_gemm(u.data, u.scale, w.data, w.scale, b, x0.to(torch.bfloat16), xl)
     with pytest.raises(ValueError, match="shape"):

@@ -98,7 +98,9 @@ def test_with_an_fp8_backward_the_gradients_keep_their_sqnr(monkeypatch) -> None
     x = torch.randn(64, 48)
     g = torch.randn(64, 8)
     want = _run(unfused, x, g)
+    calls = _calls(monkeypatch)
     got = _run(fused, x, g)
+    assert len(calls) == 3
     for a, b in zip(got[1:], want[1:], strict=True):
         assert _sqnr_db(b, a) > 20
 
@@ -110,7 +112,9 @@ def test_compiled_the_op_returns_the_tail(monkeypatch) -> None:
     want = _run(unfused, x, g)
     calls = _calls(monkeypatch)
     torch._dynamo.reset()
-    got = _run(fused, x, g, torch.compile(fused, dynamic=False))
+    # fullgraph: a graph break (a Function handed one tensor twice, which dynamo refuses) would
+    # run the net eagerly and pass unseen.
+    got = _run(fused, x, g, torch.compile(fused, dynamic=False, fullgraph=True))
     assert calls  # the op's real run (after its fake one)
     torch.testing.assert_close(got[0], want[0].to(torch.bfloat16).float(), rtol=2**-8, atol=1e-5)
     for a, b in zip(got[1:], want[1:], strict=True):
@@ -145,3 +149,29 @@ def test_a_sampled_step_runs_the_addcmul_for_the_taps(monkeypatch) -> None:
     monkeypatch.setattr(GemmSite, "_should_observe", lambda self: self is site)
     _run(fused, torch.randn(40, 48), torch.randn(40, 8))
     assert len(calls) == 2  # layers 1 and 2
+
+
+def test_the_op_returns_the_tail_before_its_saved_tensors_and_its_gradients_are_the_functions() -> None:
+    """``loka::planned_linear`` called with the tail (what compiled code runs): ``[y, x_{l+1},
+    copy, *saved]``, the saved tensors rebuilt for its backward after the two extra outputs;
+    ``x_l`` None reads ``x0``."""
+    from loka_train.kernels import opaque
+    from loka_train.kernels.linear import _planned_linear_op, cross_tail_linear
+    torch.manual_seed(3)
+    plan = LinearPlan(forward=TAIL.forward, grad_input=TAIL_FP8.grad_input, grad_weight=TAIL_FP8.grad_weight)
+    u = torch.randn(40, 16).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(48, 16, requires_grad=True)
+    b = torch.randn(48, requires_grad=True)
+    x0 = torch.randn(40, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, out, out16 = cross_tail_linear(u, w, b, plan, x0, None, compiled_quantizer="custom")
+        outs = _planned_linear_op(u, w, b, plan.key, None, False, True, None, False, False, x0, None, None, False,
+                                  torch.bfloat16, opaque.needs_grad(u, w, b))
+    assert len(outs) > 3 and torch.equal(outs[0], y) and torch.equal(outs[1], out) and torch.equal(outs[2], out16)
+    torch.testing.assert_close(out, torch.addcmul(x0, x0, y.float()), rtol=2**-23, atol=2**-22)  # x_l read as x0
+    assert not outs[1].requires_grad and not outs[2].requires_grad
+    g = torch.randn(40, 48)
+    want = torch.autograd.grad((y.float() * g).sum(), (u, w, b))
+    got = torch.autograd.grad((outs[0].float() * g).sum(), (u, w, b))
+    for a, c in zip(got, want, strict=True):
+        assert torch.equal(a, c)

@@ -3,11 +3,15 @@ each W forward tensor-wise FP8 (its backward high): the output and every gradien
 in the W GEMM's epilogue against the addcmul after it, eagerly and compiled, as SQNR (dB); exits
 1 where the compiled pair is under 30 dB. Run from the repository root on a GPU:
 ``python diag_cross.py`` (calls 5 and 6 of this folder)."""
-import copy, torch
+import copy
+
+import torch
 from torchrec.modules.crossnet import LowRankCrossNet
+
 from loka_train.kernels.formats import Scaling, sqnr_db
 from loka_train.kernels.plan import GemmPlan, LinearPlan, Precision
 from loka_train.mods.interaction import CrossNet
+
 torch.manual_seed(0)
 cn = LowRankCrossNet(in_features=3456, num_layers=3, low_rank=512).cuda()
 plan = LinearPlan(forward=GemmPlan(precision=Precision.FP8, scaling=Scaling.TENSORWISE, backend="torch_scaled_mm"))
@@ -15,7 +19,8 @@ out_w = torch.randn(8, 3456, device="cuda") / 60
 x = torch.randn(2048, 3456, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
 def run(tail, comp, layers=3):
     net = CrossNet.from_crossnet(copy.deepcopy(cn), tail_in_gemm=tail)
-    for i in range(3): net.layer_sites(i).W.set_plan(plan)
+    for i in range(3):
+        net.layer_sites(i).W.set_plan(plan)
     xi = x.clone().requires_grad_()
     torch._dynamo.reset()
     with torch.autocast("cuda", dtype=torch.bfloat16):
