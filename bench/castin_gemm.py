@@ -38,7 +38,12 @@ from torch import Tensor
 from loka_train.kernels.formats import Fp8Format
 from loka_train.kernels.static_scales import check_slot
 from loka_train.kernels.triton_gemm import _gemm_config
-from loka_train.kernels.triton_kernels import INTERPRETED, _sw_round_args, _triton_fmt
+from loka_train.kernels.triton_kernels import (
+    INTERPRETED,
+    _grouped_tile,
+    _sw_round_args,
+    _triton_fmt,
+)
 from loka_train.kernels.triton_tensorwise import _codes
 
 __all__ = ["castin_gemm", "castin_gemm_reference", "main"]
@@ -54,12 +59,7 @@ def _castin_gemm_kernel(
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped launch order: GROUP_M row-tiles share the weight tiles they read while in L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -172,12 +172,8 @@ def _castin_tma_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
     out_scale = tl.load(scale_ptr) * tl.load(sb_ptr)
-    num_pid_in_group = GROUP_M * num_pid_n
     for tile in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
-        first_pid_m = (tile // num_pid_in_group) * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-        pid_n = (tile % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         col = pid_n * BLOCK_N * (2 if PAIR else 1)

@@ -32,6 +32,7 @@ from torch import Tensor
 from loka_train.kernels.triton_kernels import (
     INTERPRETED,
     _check_runnable,
+    _grouped_tile,
     _round_rne,
     _sw_round_args,
 )
@@ -55,12 +56,7 @@ def _cross_epilogue_kernel(
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles share the weight tiles they read while in L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])

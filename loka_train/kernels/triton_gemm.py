@@ -34,6 +34,7 @@ from loka_train.kernels.triton_kernels import (
     _act_id,
     _cdiv,
     _check_runnable,
+    _grouped_tile,
     _next_pow2,
     _round_rne,
     _sw_round_args,
@@ -74,13 +75,7 @@ def _fp8_gemm_kernel(
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped launch order: GROUP_M row-tiles share the B tiles they read while in L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

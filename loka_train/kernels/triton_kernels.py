@@ -114,6 +114,18 @@ def _triton_fmt(fmt: Fp8Format | str) -> Fp8Format:
     return fmt
 
 
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of output tile ``tile`` in the grouped order: ``GROUP_M`` row tiles
+    walk the columns together, sharing the ``B`` tiles they read while those are in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
 # The Triton interpreter (3.8) rounds fp32 -> fp8/bf16 casts wrongly (half-up without carry
 # into the exponent, so e.g. 124.7 -> 64 in e4m3). In interpreted builds the kernels first
 # round to the target grid with round-to-nearest-even here, which makes the cast exact. On GPU
