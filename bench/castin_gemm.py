@@ -105,6 +105,18 @@ CONFIGS = [
 _tuned = triton.autotune(configs=CONFIGS, key=["M", "N", "K", "A_E5M2", "AMAX"], reset_to_zero=["amax_ptr"])(_castin_gemm_kernel)
 
 
+def _check_operands(name: str, a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor) -> Fp8Format:
+    """``fmt`` as a Triton format, after refusing a bad slot, shapes that do not match or a
+    non-contiguous operand (``name`` in the message)."""
+    fmt = _triton_fmt(fmt)
+    check_slot(slot, a.device)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{name} needs a (M, K) and b (N, K), got {tuple(a.shape)}, {tuple(b.shape)}")
+    if not (a.is_contiguous() and b.is_contiguous()):
+        raise ValueError(f"{name} needs contiguous operands")
+    return fmt
+
+
 def castin_gemm(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Tensor, *,
                 amax: bool = False) -> tuple[Tensor, Tensor]:
     """``(a / s) @ (b * b_scale)^T * s`` with ``a``'s codes cast in the GEMM's loads.
@@ -124,12 +136,7 @@ def castin_gemm(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale: Ten
     Raises:
         ValueError: for shapes that do not match, a non-contiguous operand or a bad slot.
     """
-    fmt = _triton_fmt(fmt)
-    check_slot(slot, a.device)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"castin_gemm needs a (M, K) and b (N, K), got {tuple(a.shape)}, {tuple(b.shape)}")
-    if not (a.is_contiguous() and b.is_contiguous()):
-        raise ValueError("castin_gemm needs contiguous operands")
+    fmt = _check_operands("castin_gemm", a, slot, fmt, b)
     m, k = a.shape
     n = b.shape[0]
     c = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
@@ -242,12 +249,7 @@ def castin_gemm_tma(a: Tensor, slot: Tensor, fmt: Fp8Format, b: Tensor, b_scale:
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    fmt = _triton_fmt(fmt)
-    check_slot(slot, a.device)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"castin_gemm_tma needs a (M, K) and b (N, K), got {tuple(a.shape)}, {tuple(b.shape)}")
-    if not (a.is_contiguous() and b.is_contiguous()):
-        raise ValueError("castin_gemm_tma needs contiguous operands")
+    fmt = _check_operands("castin_gemm_tma", a, slot, fmt, b)
     m, k = a.shape
     n = b.shape[0]
     if k % 16 or n % 8:

@@ -961,7 +961,7 @@ def takes_cross_tail(
     if not takes_triton_quantizers(fwd.backend):
         return False, f"backend {fwd.backend} keeps its own GEMM (the emulated and bf16 backends are the oracle)"
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
-        return False, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not (M, K) and (N, K)"
+        return False, "x and weight are not (M, K) and (N, K)"
     m, k = x.shape
     n = weight.shape[0]
     if compute_dtype(x) != torch.bfloat16:
@@ -1014,6 +1014,14 @@ def cross_tail_linear(
     ok, why = takes_cross_tail(x, weight, bias, plan, x0, xl)
     if not ok:
         raise ValueError(f"cross_tail_linear: {why}")
+    return _cross_tail_linear(x, weight, bias, plan, x0, xl, compiled_quantizer, static_slots)
+
+
+def _cross_tail_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan, x0: Tensor, xl: Tensor | None,
+    compiled_quantizer: str, static_slots: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`cross_tail_linear` where the caller has checked :func:`takes_cross_tail`."""
     if opaque.opaque(compiled_quantizer):
         autocast = opaque.autocast_dtype(x.device.type)
         if autocast is not None and x.dtype != autocast:

@@ -66,37 +66,25 @@ __all__ = ["DotInteraction", "CrossNet", "CrossLayerSites"]
 class _CrossTail(torch.autograd.Function):
     """``x_l + x0 * z`` whose value the GEMM's epilogue computed (``out``): returns ``out``,
     differentiates as ``torch.addcmul(x_l, x0, z)`` does (``dz = g * x0`` in ``z``'s dtype,
-    ``d x0 = g * z``, ``d x_l = g``), in code the compiler traces and fuses."""
+    ``d x0 = g * z``, ``d x_l = g``), in code the compiler traces and fuses. ``xl`` None: the
+    first layer, whose ``x_l`` is ``x0`` (``d x0 = g * z + g``). Handed the same tensor in two
+    of its inputs, a Function compiled by torch 2.11's dynamo keeps only one of their gradients
+    (pytorch/pytorch#181146; later releases break the graph there instead)."""
 
     @staticmethod
-    def forward(ctx: Any, z: Tensor, x0: Tensor, xl: Tensor, out: Tensor) -> Tensor:
+    def forward(ctx: Any, z: Tensor, x0: Tensor, xl: Tensor | None, out: Tensor) -> Tensor:
         ctx.save_for_backward(z, x0)
+        ctx.xl_is_x0 = xl is None
         return out
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         z, x0 = ctx.saved_tensors
         need_z, need_x0, need_xl = ctx.needs_input_grad[:3]
-        return ((g * x0).to(z.dtype) if need_z else None, g * z if need_x0 else None, g if need_xl else None,
-                None)
-
-
-class _CrossTailFirst(torch.autograd.Function):
-    """:class:`_CrossTail` of the first layer, whose ``x_l`` is ``x0``: ``x0 + x0 * z``, one
-    tensor input (``d x0 = g * z + g``). Handed the same tensor in two of its inputs, a Function
-    compiled by torch 2.11's dynamo keeps only one of their gradients (pytorch/pytorch#181146;
-    later releases break the graph there instead)."""
-
-    @staticmethod
-    def forward(ctx: Any, z: Tensor, x0: Tensor, out: Tensor) -> Tensor:
-        ctx.save_for_backward(z, x0)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        z, x0 = ctx.saved_tensors
-        need_z, need_x0 = ctx.needs_input_grad[:2]
-        return (g * x0).to(z.dtype) if need_z else None, g * z + g if need_x0 else None, None
+        dx0 = None
+        if need_x0:
+            dx0 = g * z + g if ctx.xl_is_x0 else g * z
+        return (g * x0).to(z.dtype) if need_z else None, dx0, g if need_xl else None, None
 
 
 class _Bf16Copy(torch.autograd.Function):
@@ -244,14 +232,13 @@ class CrossNet(LowRankCrossNet):
             xv_BR = sites.V.linear(read_BN, self.V_kernels[i])
             if self.epilogue_fusion and sites.W.has_fp8():
                 with profiled("loka/mods/dcn_epilogue"):
-                    first = x_BN is x0_BN  # x_l is x0: handed once (_CrossTailFirst)
+                    first = x_BN is x0_BN  # x_l is x0: handed once (_CrossTail)
                     fused = (sites.W.linear_cross_tail(xv_BR, self.W_kernels[i], self.bias[i], x0_BN,
                                                        None if first else x_BN)
                              if self.tail_in_gemm else None)
                     if fused is not None:
                         z_BN, out_BN, copy_BN = fused
-                        x_BN = (_CrossTailFirst.apply(z_BN, x0_BN, out_BN) if first
-                                else _CrossTail.apply(z_BN, x0_BN, x_BN, out_BN))
+                        x_BN = _CrossTail.apply(z_BN, x0_BN, None if first else x_BN, out_BN)
                         read_BN = _Bf16Copy.apply(x_BN, copy_BN)
                         continue
                     z_BN = sites.W.linear(xv_BR, self.W_kernels[i], self.bias[i])

@@ -80,8 +80,8 @@ from loka_train.kernels.fused import (
     layernorm_linear,
 )
 from loka_train.kernels.linear import (
+    _cross_tail_linear,
     compute_dtype,
-    cross_tail_linear,
     inductor_quantizes,
     takes_cross_tail,
 )
@@ -476,8 +476,7 @@ class GemmSite(Site):
                             self.site_name or type(self).__name__, why)
             return None
         self._set_mkn((m, k, n))
-        return cross_tail_linear(x, weight, bias, self.plan, x0, xl, compiled_quantizer=self.compiled_quantizer,
-                                 static_slots=self.static_slots)
+        return _cross_tail_linear(x, weight, bias, self.plan, x0, xl, self.compiled_quantizer, self.static_slots)
 
     def linear_as_trained(
         self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *, input_relu: bool | None = None
